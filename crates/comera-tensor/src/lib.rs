@@ -1,0 +1,17 @@
+//! Tensor and layout primitives of the comera engine.
+//!
+//! Everything here works on flat, row-major `f32` buffers owned by the caller:
+//! - [`gemm`]: the single matrix-multiply entry point (backend chosen by benchmark, hidden here);
+//! - [`layout`]: tensor-train shapes (modes, ranks) with the checks every layer relies on;
+//! - [`factor`]: proposing factorisations and ranks for a layer of a given size;
+//! - [`permute`]: axis permutations of dense tensors (strided copies);
+//! - [`init`]: seeded, reproducible random initialisation.
+
+pub mod factor;
+pub mod gemm;
+pub mod init;
+pub mod layout;
+pub mod permute;
+
+pub use gemm::{matmul, MatMut, MatRef};
+pub use layout::{ShapeError, TtShape};
