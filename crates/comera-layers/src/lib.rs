@@ -1,0 +1,98 @@
+//! Layers of the comera engine.
+//!
+//! Each layer has one explicit forward and one hand-derived backward over flat row-major `f32`
+//! buffers, in the style of llm.c. A layer owns its parameters (values and gradients, see
+//! [`Param`]); everything a step needs besides them (saved intermediates, scratch space, the
+//! contraction plan) lives in a workspace made once for a fixed batch by
+//! [`Layer::workspace`] and reused every step, so a steady-state step allocates nothing.
+//!
+//! Conventions: `Y = X·W + b` with X of shape (batch, in_features); `backward` *accumulates*
+//! into the parameters' gradients (`grad += …`, call [`Layer::zero_grad`] between steps) and
+//! *writes* dX.
+
+pub mod gates;
+pub mod linear;
+pub mod param;
+pub mod tt_linear;
+
+pub use gates::RankGates;
+pub use linear::Linear;
+pub use param::{Param, ParamKind};
+pub use tt_linear::{TtLinear, TtLinearWorkspace};
+
+use comera_tensor::ShapeError;
+
+/// Errors from building a layer.
+#[derive(Debug, thiserror::Error)]
+pub enum LayerError {
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    #[error("{name}: expected shape {expected:?}, got {got:?}")]
+    ParamShape {
+        name: String,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("threshold must be finite and non-negative, got {0}")]
+    Threshold(f32),
+}
+
+/// A layer mapping `(batch, in_features)` to `(batch, out_features)`.
+pub trait Layer {
+    /// Saved intermediates and scratch for one fixed batch size.
+    type Workspace;
+
+    fn in_features(&self) -> usize;
+    fn out_features(&self) -> usize;
+
+    /// Allocates everything a step at this batch size needs.
+    fn workspace(&self, batch: usize) -> Self::Workspace;
+
+    /// `y = f(x)`; saves in `ws` what [`Layer::backward`] needs.
+    fn forward(&self, ws: &mut Self::Workspace, x: &[f32], y: &mut [f32]);
+
+    /// Given the `x` of the matching forward and `dy = ∂loss/∂y`, accumulates parameter
+    /// gradients and writes `dx` when asked for.
+    fn backward(&mut self, ws: &mut Self::Workspace, x: &[f32], dy: &[f32], dx: Option<&mut [f32]>);
+
+    fn params(&self) -> Vec<&Param>;
+    fn params_mut(&mut self) -> Vec<&mut Param>;
+
+    fn zero_grad(&mut self) {
+        for p in self.params_mut() {
+            p.grad.fill(0.0);
+        }
+    }
+
+    /// Number of trainable scalars.
+    fn num_params(&self) -> usize {
+        self.params().iter().map(|p| p.value.len()).sum()
+    }
+}
+
+/// Panics with a clear message when a buffer does not have the length the layer expects.
+/// (Buffer lengths inside the engine are its own invariants; user input is checked earlier.)
+pub(crate) fn check_len(what: &str, buf: usize, expected: usize) {
+    assert_eq!(
+        buf, expected,
+        "{what}: buffer has {buf} elements, expected {expected}"
+    );
+}
+
+/// `db[j] += Σ_b dy[b, j]` (bias gradient), summed in row order for determinism.
+pub(crate) fn accumulate_bias_grad(dy: &[f32], db: &mut [f32]) {
+    for row in dy.chunks_exact(db.len()) {
+        for (g, v) in db.iter_mut().zip(row) {
+            *g += v;
+        }
+    }
+}
+
+/// `y[b, :] += bias` for every row.
+pub(crate) fn add_bias(y: &mut [f32], bias: &[f32]) {
+    for row in y.chunks_exact_mut(bias.len()) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v += b;
+        }
+    }
+}

@@ -55,8 +55,14 @@ impl Costing {
         let (mf, nf, kf) = (m as f64, n as f64, k as f64);
         let flops = 2.0 * mf * nf * kf;
         let bytes = 4.0 * (mf * kf + kf * nf + mf * nf);
-        let eff = ((mf.min(nf) / model.full_mn).min(1.0) * (kf / model.full_k).min(1.0)).sqrt().max(0.02);
-        let rate = if mf * nf * kf >= model.parallel_min_macs { model.peak_gflops } else { model.single_gflops };
+        let eff = ((mf.min(nf) / model.full_mn).min(1.0) * (kf / model.full_k).min(1.0))
+            .sqrt()
+            .max(0.02);
+        let rate = if mf * nf * kf >= model.parallel_min_macs {
+            model.peak_gflops
+        } else {
+            model.single_gflops
+        };
         let t_flops = flops / (rate * 1e9 * eff);
         let t_bytes = bytes / (model.mem_gbps * 1e9);
         self.flops += flops;

@@ -76,14 +76,32 @@ impl ContractionPlan {
     /// Estimates every path and picks the cheapest (ties go to the earlier path in
     /// [`TtPath::ALL`]).
     pub fn for_tt_linear(shape: &TtShape, batch: usize, pass: Pass, model: &CostModel) -> Self {
-        let costs: Vec<PathCost> =
-            TtPath::ALL.iter().map(|&p| tt_linear_cost(shape, batch, p, pass, model)).collect();
-        let best = costs.iter().min_by(|a, b| a.est_ms.total_cmp(&b.est_ms)).expect("three paths").path;
-        ContractionPlan { path: best, batch, ranks: shape.ranks().to_vec(), pass, costs }
+        let costs: Vec<PathCost> = TtPath::ALL
+            .iter()
+            .map(|&p| tt_linear_cost(shape, batch, p, pass, model))
+            .collect();
+        let best = costs
+            .iter()
+            .min_by(|a, b| a.est_ms.total_cmp(&b.est_ms))
+            .expect("three paths")
+            .path;
+        ContractionPlan {
+            path: best,
+            batch,
+            ranks: shape.ranks().to_vec(),
+            pass,
+            costs,
+        }
     }
 
     /// A plan that always uses `path` (costs are still estimated, for reporting).
-    pub fn fixed(shape: &TtShape, batch: usize, pass: Pass, model: &CostModel, path: TtPath) -> Self {
+    pub fn fixed(
+        shape: &TtShape,
+        batch: usize,
+        pass: Pass,
+        model: &CostModel,
+        path: TtPath,
+    ) -> Self {
         let mut plan = Self::for_tt_linear(shape, batch, pass, model);
         plan.path = path;
         plan
@@ -95,7 +113,10 @@ impl ContractionPlan {
     }
 
     pub fn cost_of(&self, path: TtPath) -> &PathCost {
-        self.costs.iter().find(|c| c.path == path).expect("every path is costed")
+        self.costs
+            .iter()
+            .find(|c| c.path == path)
+            .expect("every path is costed")
     }
 }
 
@@ -144,7 +165,13 @@ fn peel(shape: &TtShape, model: &CostModel, c: &mut Costing) {
 }
 
 /// Estimated cost of one path for a batch of `batch` rows.
-pub fn tt_linear_cost(shape: &TtShape, batch: usize, path: TtPath, pass: Pass, model: &CostModel) -> PathCost {
+pub fn tt_linear_cost(
+    shape: &TtShape,
+    batch: usize,
+    path: TtPath,
+    pass: Pass,
+    model: &CostModel,
+) -> PathCost {
     let (n, m) = (shape.in_features(), shape.out_features());
     let (p, k) = (shape.p(), shape.n_cores());
     let r = shape.ranks();
@@ -187,7 +214,7 @@ pub fn tt_linear_cost(shape: &TtShape, batch: usize, path: TtPath, pass: Pass, m
         TtPath::Sequential => {
             c.gather(model, b * n); // X digits reversed
             c.gather(model, shape.core_params()); // H'_c = H_c with (r, s) swapped
-            // Input side: S_{c+1} (rows_c × r_{c+1}) = S_c (rows_c × n_c·r_c) · H'_c.
+                                                  // Input side: S_{c+1} (rows_c × r_{c+1}) = S_c (rows_c × n_c·r_c) · H'_c.
             let mut rows = b * n;
             let mut in_rows = Vec::with_capacity(p);
             for i in 0..p {
@@ -231,7 +258,13 @@ pub fn tt_linear_cost(shape: &TtShape, batch: usize, path: TtPath, pass: Pass, m
         c.stream(model, b * m);
         c.stream(model, 4 * shape.core_params()); // core and gate gradients from dH
     }
-    PathCost { path, flops: c.flops, bytes: c.bytes, gemm_calls: c.gemm_calls, est_ms: c.seconds * 1e3 }
+    PathCost {
+        path,
+        flops: c.flops,
+        bytes: c.bytes,
+        gemm_calls: c.gemm_calls,
+        est_ms: c.seconds * 1e3,
+    }
 }
 
 #[cfg(test)]

@@ -14,7 +14,9 @@ pub fn balanced_factorisations(n: usize, parts: usize, limit: usize) -> Vec<Vec<
     collect(n, parts, n, &mut cur, &mut out);
     if out.is_empty() {
         // n has fewer prime factors than `parts`: pad with ones (still a valid layout).
-        let mut f = balanced_factorisations(n, parts - 1, 1).pop().unwrap_or_else(|| vec![n]);
+        let mut f = balanced_factorisations(n, parts - 1, 1)
+            .pop()
+            .unwrap_or_else(|| vec![n]);
         f.push(1);
         out.push(f);
     }
@@ -50,7 +52,11 @@ fn collect(n: usize, parts: usize, max: usize, cur: &mut Vec<usize>, out: &mut V
 
 /// The largest uniform rank r ≥ 1 whose cores hold at most `budget` parameters, or `None`
 /// when even rank 1 exceeds it.
-pub fn rank_for_budget(in_modes: &[usize], out_modes: &[usize], budget: usize) -> Result<Option<usize>, ShapeError> {
+pub fn rank_for_budget(
+    in_modes: &[usize],
+    out_modes: &[usize],
+    budget: usize,
+) -> Result<Option<usize>, ShapeError> {
     let mut best = None;
     let mut r = 1;
     loop {
@@ -72,7 +78,12 @@ mod tests {
         let f = balanced_factorisations(768, 3, 3);
         assert_eq!(f[0].iter().product::<usize>(), 768);
         assert!(f.contains(&vec![12, 8, 8]), "{f:?}");
-        assert_eq!(balanced_factorisations(3072, 3, 5)[0].iter().product::<usize>(), 3072);
+        assert_eq!(
+            balanced_factorisations(3072, 3, 5)[0]
+                .iter()
+                .product::<usize>(),
+            3072
+        );
         assert_eq!(balanced_factorisations(7, 2, 3), vec![vec![7, 1]]);
         for f in balanced_factorisations(360, 3, 10) {
             assert_eq!(f.iter().product::<usize>(), 360);
@@ -81,9 +92,15 @@ mod tests {
 
     #[test]
     fn rank_budget_is_tight() {
-        let r = rank_for_budget(&[12, 8, 8], &[8, 8, 12], 20_000).unwrap().unwrap();
-        let at = TtShape::uniform(&[12, 8, 8], &[8, 8, 12], r).unwrap().core_params();
-        let above = TtShape::uniform(&[12, 8, 8], &[8, 8, 12], r + 1).unwrap().core_params();
+        let r = rank_for_budget(&[12, 8, 8], &[8, 8, 12], 20_000)
+            .unwrap()
+            .unwrap();
+        let at = TtShape::uniform(&[12, 8, 8], &[8, 8, 12], r)
+            .unwrap()
+            .core_params();
+        let above = TtShape::uniform(&[12, 8, 8], &[8, 8, 12], r + 1)
+            .unwrap()
+            .core_params();
         assert!(at <= 20_000 && above > 20_000);
         assert_eq!(rank_for_budget(&[4], &[4], 3).unwrap(), None);
     }

@@ -52,12 +52,24 @@ impl<'a> MatRef<'a> {
     /// General strided view; panics if any element would fall outside `data`.
     pub fn strided(data: &'a [f32], rows: usize, cols: usize, rs: usize, cs: usize) -> Self {
         check_extent(data.len(), rows, cols, rs, cs);
-        MatRef { data, rows, cols, rs, cs }
+        MatRef {
+            data,
+            rows,
+            cols,
+            rs,
+            cs,
+        }
     }
 
     /// The transposed view (no copy).
     pub fn t(self) -> Self {
-        MatRef { data: self.data, rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs }
+        MatRef {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+        }
     }
 
     pub fn rows(&self) -> usize {
@@ -78,14 +90,24 @@ impl<'a> MatMut<'a> {
     /// General strided view; panics if any element would fall outside `data`.
     pub fn strided(data: &'a mut [f32], rows: usize, cols: usize, rs: usize, cs: usize) -> Self {
         check_extent(data.len(), rows, cols, rs, cs);
-        MatMut { data, rows, cols, rs, cs }
+        MatMut {
+            data,
+            rows,
+            cols,
+            rs,
+            cs,
+        }
     }
 }
 
 /// `C = A·B`, or `C += A·B` when `accumulate` is set. Shapes must agree (panics otherwise:
 /// a shape mismatch here is an engine bug, user-facing shapes are checked at layer boundaries).
 pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
-    assert_eq!(a.cols, b.rows, "matmul inner dimensions differ: {}x{} · {}x{}", a.rows, a.cols, b.rows, b.cols);
+    assert_eq!(
+        a.cols, b.rows,
+        "matmul inner dimensions differ: {}x{} · {}x{}",
+        a.rows, a.cols, b.rows, b.cols
+    );
     assert_eq!((c.rows, c.cols), (a.rows, b.cols), "matmul output shape");
     let (m, n, k) = (a.rows, b.cols, a.cols);
     if m == 0 || n == 0 {
@@ -155,7 +177,12 @@ mod tests {
         let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.71).cos()).collect();
         let want = naive(&a, &b, m, k, n);
         let mut c = vec![0.0; m * n];
-        matmul(MatMut::new(&mut c, m, n), MatRef::new(&a, m, k), MatRef::new(&b, k, n), false);
+        matmul(
+            MatMut::new(&mut c, m, n),
+            MatRef::new(&a, m, k),
+            MatRef::new(&b, k, n),
+            false,
+        );
         for (x, y) in c.iter().zip(&want) {
             assert!((x - y).abs() < 1e-5);
         }

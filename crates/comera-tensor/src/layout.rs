@@ -13,11 +13,23 @@ pub enum ShapeError {
     #[error("{what}: mode list is empty (need at least one factor)")]
     NoModes { what: &'static str },
     #[error("{what}: modes {modes:?} contain a zero")]
-    ZeroMode { what: &'static str, modes: Vec<usize> },
+    ZeroMode {
+        what: &'static str,
+        modes: Vec<usize>,
+    },
     #[error("{what}: modes {modes:?} multiply to {product}, expected {expected}")]
-    ProductMismatch { what: &'static str, modes: Vec<usize>, product: usize, expected: usize },
+    ProductMismatch {
+        what: &'static str,
+        modes: Vec<usize>,
+        product: usize,
+        expected: usize,
+    },
     #[error("ranks: expected {expected} entries (number of cores + 1), got {got} ({ranks:?})")]
-    RankCount { expected: usize, got: usize, ranks: Vec<usize> },
+    RankCount {
+        expected: usize,
+        got: usize,
+        ranks: Vec<usize>,
+    },
     #[error("ranks: boundary ranks must be 1, got {ranks:?}")]
     BoundaryRank { ranks: Vec<usize> },
     #[error("ranks: bond {bond} has rank 0 ({ranks:?}); every rank must be at least 1")]
@@ -30,7 +42,10 @@ pub fn mode_product(what: &'static str, modes: &[usize]) -> Result<usize, ShapeE
         return Err(ShapeError::NoModes { what });
     }
     if modes.contains(&0) {
-        return Err(ShapeError::ZeroMode { what, modes: modes.to_vec() });
+        return Err(ShapeError::ZeroMode {
+            what,
+            modes: modes.to_vec(),
+        });
     }
     Ok(modes.iter().product())
 }
@@ -39,7 +54,12 @@ pub fn mode_product(what: &'static str, modes: &[usize]) -> Result<usize, ShapeE
 pub fn check_modes(what: &'static str, modes: &[usize], expected: usize) -> Result<(), ShapeError> {
     let product = mode_product(what, modes)?;
     if product != expected {
-        return Err(ShapeError::ProductMismatch { what, modes: modes.to_vec(), product, expected });
+        return Err(ShapeError::ProductMismatch {
+            what,
+            modes: modes.to_vec(),
+            product,
+            expected,
+        });
     }
     Ok(())
 }
@@ -47,13 +67,22 @@ pub fn check_modes(what: &'static str, modes: &[usize], expected: usize) -> Resu
 /// Checks a rank list for `cores` cores: `cores + 1` entries, ends 1, none 0.
 pub fn check_ranks(ranks: &[usize], cores: usize) -> Result<(), ShapeError> {
     if ranks.len() != cores + 1 {
-        return Err(ShapeError::RankCount { expected: cores + 1, got: ranks.len(), ranks: ranks.to_vec() });
+        return Err(ShapeError::RankCount {
+            expected: cores + 1,
+            got: ranks.len(),
+            ranks: ranks.to_vec(),
+        });
     }
     if ranks[0] != 1 || ranks[cores] != 1 {
-        return Err(ShapeError::BoundaryRank { ranks: ranks.to_vec() });
+        return Err(ShapeError::BoundaryRank {
+            ranks: ranks.to_vec(),
+        });
     }
     if let Some(bond) = ranks.iter().position(|&r| r == 0) {
-        return Err(ShapeError::ZeroRank { bond, ranks: ranks.to_vec() });
+        return Err(ShapeError::ZeroRank {
+            bond,
+            ranks: ranks.to_vec(),
+        });
     }
     Ok(())
 }
@@ -68,17 +97,31 @@ pub struct TtShape {
 
 impl TtShape {
     /// A layout with explicit ranks `[1, r_1, …, r_{K-1}, 1]`.
-    pub fn new(in_modes: &[usize], out_modes: &[usize], ranks: &[usize]) -> Result<Self, ShapeError> {
+    pub fn new(
+        in_modes: &[usize],
+        out_modes: &[usize],
+        ranks: &[usize],
+    ) -> Result<Self, ShapeError> {
         mode_product("in_modes", in_modes)?;
         mode_product("out_modes", out_modes)?;
         check_ranks(ranks, in_modes.len() + out_modes.len())?;
-        Ok(TtShape { in_modes: in_modes.to_vec(), out_modes: out_modes.to_vec(), ranks: ranks.to_vec() })
+        Ok(TtShape {
+            in_modes: in_modes.to_vec(),
+            out_modes: out_modes.to_vec(),
+            ranks: ranks.to_vec(),
+        })
     }
 
     /// A layout with the same rank on every inner bond.
-    pub fn uniform(in_modes: &[usize], out_modes: &[usize], rank: usize) -> Result<Self, ShapeError> {
+    pub fn uniform(
+        in_modes: &[usize],
+        out_modes: &[usize],
+        rank: usize,
+    ) -> Result<Self, ShapeError> {
         let k = in_modes.len() + out_modes.len();
-        let ranks: Vec<usize> = (0..=k).map(|i| if i == 0 || i == k { 1 } else { rank }).collect();
+        let ranks: Vec<usize> = (0..=k)
+            .map(|i| if i == 0 || i == k { 1 } else { rank })
+            .collect();
         Self::new(in_modes, out_modes, &ranks)
     }
 
@@ -151,15 +194,36 @@ mod tests {
     #[test]
     fn validates_modes_and_ranks() {
         let s = TtShape::uniform(&[12, 8, 8], &[8, 8, 12], 30).unwrap();
-        assert_eq!((s.in_features(), s.out_features(), s.n_cores()), (768, 768, 6));
+        assert_eq!(
+            (s.in_features(), s.out_features(), s.n_cores()),
+            (768, 768, 6)
+        );
         assert_eq!(s.core_shape(0), [1, 12, 30]);
         assert_eq!(s.core_shape(5), [30, 12, 1]);
         assert!(s.check_features(768, 768).is_ok());
-        assert!(matches!(s.check_features(769, 768), Err(ShapeError::ProductMismatch { .. })));
-        assert!(matches!(TtShape::new(&[4], &[4], &[1, 2]), Err(ShapeError::RankCount { .. })));
-        assert!(matches!(TtShape::new(&[4], &[4], &[1, 0, 1]), Err(ShapeError::ZeroRank { .. })));
-        assert!(matches!(TtShape::new(&[4], &[4], &[2, 3, 1]), Err(ShapeError::BoundaryRank { .. })));
-        assert!(matches!(TtShape::new(&[], &[4], &[1, 1]), Err(ShapeError::NoModes { .. })));
-        assert!(matches!(TtShape::new(&[4, 0], &[4], &[1, 2, 2, 1]), Err(ShapeError::ZeroMode { .. })));
+        assert!(matches!(
+            s.check_features(769, 768),
+            Err(ShapeError::ProductMismatch { .. })
+        ));
+        assert!(matches!(
+            TtShape::new(&[4], &[4], &[1, 2]),
+            Err(ShapeError::RankCount { .. })
+        ));
+        assert!(matches!(
+            TtShape::new(&[4], &[4], &[1, 0, 1]),
+            Err(ShapeError::ZeroRank { .. })
+        ));
+        assert!(matches!(
+            TtShape::new(&[4], &[4], &[2, 3, 1]),
+            Err(ShapeError::BoundaryRank { .. })
+        ));
+        assert!(matches!(
+            TtShape::new(&[], &[4], &[1, 1]),
+            Err(ShapeError::NoModes { .. })
+        ));
+        assert!(matches!(
+            TtShape::new(&[4, 0], &[4], &[1, 2, 2, 1]),
+            Err(ShapeError::ZeroMode { .. })
+        ));
     }
 }

@@ -1,4 +1,7 @@
-//! Axis permutations of dense row-major tensors (strided copies).
+//! Axis permutations of dense row-major tensors (strided copies), allocation-free.
+
+/// Most axes a permuted tensor may have.
+pub const MAX_AXES: usize = 16;
 
 /// Writes `dst = src` with axes permuted: `dst` has shape `[dims[perm[0]], dims[perm[1]], …]`,
 /// i.e. destination axis `a` is source axis `perm[a]`. `dims` is the source shape.
@@ -8,22 +11,27 @@ pub fn permute(src: &[f32], dims: &[usize], perm: &[usize], dst: &mut [f32]) {
     assert_eq!(dst.len(), n, "permute: destination length");
     assert_eq!(dims.len(), perm.len(), "permute: rank");
     let rank = dims.len();
+    assert!(rank <= MAX_AXES, "permute: at most {MAX_AXES} axes");
     if n == 0 {
         return;
     }
     // Row-major strides of the source, taken in destination-axis order.
-    let mut src_strides = vec![0usize; rank];
+    let mut src_strides = [0usize; MAX_AXES];
     let mut s = 1;
     for a in (0..rank).rev() {
         src_strides[a] = s;
         s *= dims[a];
     }
-    let out_dims: Vec<usize> = perm.iter().map(|&a| dims[a]).collect();
-    let strides: Vec<usize> = perm.iter().map(|&a| src_strides[a]).collect();
+    let mut out_dims = [0usize; MAX_AXES];
+    let mut strides = [0usize; MAX_AXES];
+    for (a, &src_axis) in perm.iter().enumerate() {
+        out_dims[a] = dims[src_axis];
+        strides[a] = src_strides[src_axis];
+    }
     // Walk the destination in order; the innermost axis is a strided gather.
     let inner = out_dims[rank - 1];
     let inner_stride = strides[rank - 1];
-    let mut idx = vec![0usize; rank];
+    let mut idx = [0usize; MAX_AXES];
     let mut base = 0usize;
     for chunk in dst.chunks_exact_mut(inner) {
         for (j, d) in chunk.iter_mut().enumerate() {

@@ -1,0 +1,172 @@
+//! The two core chains of a TT layer, shared by the merged and dense paths.
+//!
+//! Left chain (input side, cores 0..p-1):
+//!   left[0] = H_0 (n_0 × r_1);  left[c] = left[c-1] (P_c × r_c) · H_c (r_c × n_c·r_{c+1}),
+//! so left[c] is (n_0⋯n_c) × r_{c+1} and L = left[p-1] is N × r_p.
+//! Right chain (output side, cores p..K-1), built from the right:
+//!   right[K-1] = H_{K-1} (r_{K-1} × m_q);  right[c] = H_c (r_c·s_c × r_{c+1}) · right[c+1],
+//! so right[c] is r_c × (s_c⋯s_{K-1}) and R = right[p] is r_p × M.
+//! Backward peels dH_c off dL and dR through the saved chain entries:
+//!   dH_c = left[c-1]ᵀ·dL_c,  dL_{c-1} = dL_c·H_cᵀ   (dL_c viewed as P_c × n_c·r_{c+1})
+//!   dH_c = dR_c·right[c+1]ᵀ, dR_{c+1} = H_cᵀ·dR_c   (dR_c viewed as r_c·s_c × Q_{c+1})
+
+use comera_tensor::{matmul, MatMut, MatRef, TtShape};
+
+/// Saved chain products and their gradient scratch (ping-pong pairs).
+#[derive(Debug)]
+pub(crate) struct Chains {
+    pre: Vec<usize>,      // P_c = n_0⋯n_{c-1}, c = 0..=p
+    left: Vec<Vec<f32>>,  // left[c]: P_{c+1} × r_{c+1}
+    right: Vec<Vec<f32>>, // right[c - p]: r_c × Q_c
+    /// dL scratch; dL (N × r_p) goes into `dl[0]` (see `seed_grads`) before `peel_left`.
+    dl: [Vec<f32>; 2],
+    /// dR scratch; dR (r_p × M) goes into `dr[0]` (see `seed_grads`) before `peel_right`.
+    dr: [Vec<f32>; 2],
+}
+
+/// P_c = n_0⋯n_{c-1} for c = 0..=p.
+pub(crate) fn in_prefix(shape: &TtShape) -> impl Iterator<Item = usize> + '_ {
+    std::iter::once(1).chain(shape.in_modes().iter().scan(1, |acc, &n| {
+        *acc *= n;
+        Some(*acc)
+    }))
+}
+
+fn q_of(shape: &TtShape, c: usize) -> usize {
+    (c..shape.n_cores()).map(|i| shape.mode(i)).product()
+}
+
+impl Chains {
+    pub fn new(shape: &TtShape) -> Chains {
+        let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
+        let pre: Vec<usize> = in_prefix(shape).collect();
+        let left: Vec<Vec<f32>> = (0..p).map(|c| vec![0.0; pre[c + 1] * r[c + 1]]).collect();
+        let right: Vec<Vec<f32>> = (p..k).map(|c| vec![0.0; r[c] * q_of(shape, c)]).collect();
+        let lmax = left.iter().map(Vec::len).max().unwrap_or(0);
+        let rmax = right.iter().map(Vec::len).max().unwrap_or(0);
+        Chains {
+            pre,
+            left,
+            right,
+            dl: [vec![0.0; lmax], vec![0.0; lmax]],
+            dr: [vec![0.0; rmax], vec![0.0; rmax]],
+        }
+    }
+
+    /// L (N × r_p).
+    pub fn l(&self) -> &[f32] {
+        self.left.last().expect("p ≥ 1")
+    }
+
+    /// R (r_p × M).
+    pub fn r(&self) -> &[f32] {
+        &self.right[0]
+    }
+
+    /// (L, R, dL, dR) for the path's backward to fill dL (N × r_p) and dR (r_p × M) from.
+    pub fn seed_grads(&mut self) -> (&[f32], &[f32], &mut [f32], &mut [f32]) {
+        let l = self.left.last().expect("p ≥ 1");
+        let (nl, nr) = (l.len(), self.right[0].len());
+        (
+            l,
+            &self.right[0],
+            &mut self.dl[0][..nl],
+            &mut self.dr[0][..nr],
+        )
+    }
+
+    /// Bytes held (for memory accounting).
+    pub fn bytes(&self) -> usize {
+        4 * (self
+            .left
+            .iter()
+            .chain(&self.right)
+            .chain(&self.dl)
+            .chain(&self.dr)
+            .map(Vec::len)
+            .sum::<usize>())
+    }
+
+    /// Builds every chain entry from the gated cores `h`.
+    pub fn build(&mut self, shape: &TtShape, h: &[Vec<f32>]) {
+        let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
+        let pre = &self.pre;
+        self.left[0].copy_from_slice(&h[0]);
+        for c in 1..p {
+            let (done, rest) = self.left.split_at_mut(c);
+            let w = shape.mode(c) * r[c + 1];
+            matmul(
+                MatMut::new(&mut rest[0], pre[c], w),
+                MatRef::new(&done[c - 1], pre[c], r[c]),
+                MatRef::new(&h[c], r[c], w),
+                false,
+            );
+        }
+        self.right[k - 1 - p].copy_from_slice(&h[k - 1]);
+        for c in (p..k - 1).rev() {
+            let (head, tail) = self.right.split_at_mut(c + 1 - p);
+            let qn = q_of(shape, c + 1);
+            matmul(
+                MatMut::new(&mut head[c - p], r[c] * shape.mode(c), qn),
+                MatRef::new(&h[c], r[c] * shape.mode(c), r[c + 1]),
+                MatRef::new(&tail[0], r[c + 1], qn),
+                false,
+            );
+        }
+    }
+
+    /// From dL in `dl[0]`, writes dH_c for the input cores c = 0..p-1.
+    pub fn peel_left(&mut self, shape: &TtShape, h: &[Vec<f32>], dh: &mut [Vec<f32>]) {
+        let (p, r) = (shape.p(), shape.ranks());
+        let pre = &self.pre;
+        let [a, b] = &mut self.dl;
+        let (mut cur, mut next) = (a, b);
+        for c in (1..p).rev() {
+            let w = shape.mode(c) * r[c + 1];
+            let dlc = MatRef::new(&cur[..pre[c] * w], pre[c], w);
+            matmul(
+                MatMut::new(&mut dh[c], r[c], w),
+                MatRef::new(&self.left[c - 1], pre[c], r[c]).t(),
+                dlc,
+                false,
+            );
+            matmul(
+                MatMut::new(&mut next[..pre[c] * r[c]], pre[c], r[c]),
+                dlc,
+                MatRef::new(&h[c], r[c], w).t(),
+                false,
+            );
+            std::mem::swap(&mut cur, &mut next);
+        }
+        let n0 = dh[0].len();
+        dh[0].copy_from_slice(&cur[..n0]);
+    }
+
+    /// From dR in `dr[0]`, writes dH_c for the output cores c = p..K-1.
+    pub fn peel_right(&mut self, shape: &TtShape, h: &[Vec<f32>], dh: &mut [Vec<f32>]) {
+        let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
+        let [a, b] = &mut self.dr;
+        let (mut cur, mut next) = (a, b);
+        for c in p..k - 1 {
+            let rows = r[c] * shape.mode(c);
+            let qn = q_of(shape, c + 1);
+            let drc = MatRef::new(&cur[..rows * qn], rows, qn);
+            let right_next = MatRef::new(&self.right[c + 1 - p], r[c + 1], qn);
+            matmul(
+                MatMut::new(&mut dh[c], rows, r[c + 1]),
+                drc,
+                right_next.t(),
+                false,
+            );
+            matmul(
+                MatMut::new(&mut next[..r[c + 1] * qn], r[c + 1], qn),
+                MatRef::new(&h[c], rows, r[c + 1]).t(),
+                drc,
+                false,
+            );
+            std::mem::swap(&mut cur, &mut next);
+        }
+        let nl = dh[k - 1].len();
+        dh[k - 1].copy_from_slice(&cur[..nl]);
+    }
+}

@@ -1,0 +1,456 @@
+//! `TtLinear`: a linear layer whose weight lives as tensor-train cores with rank gates.
+//!
+//! W (N × M) = G_0·D_1·G_1·D_2 ⋯ D_{K-1}·G_{K-1} (SPEC §1, §6), never stored dense. Every path
+//! works on the *gated cores* H_c = G_c·diag(g(d_{c+1})) (H_{K-1} = G_{K-1}), formed once per
+//! step; the backward of any path yields dH_c, from which
+//!   dG_c = dH_c·diag(g(d_{c+1})),   dd_{c+1}[j] = Σ_{a,s} dH_c[a,s,j]·G_c[a,s,j]  (d_j > τ only).
+//! A pruned gate entry (d ≤ τ) zeroes its rank slice in H, so the slice contributes nothing and
+//! every gradient through it is exactly zero.
+
+mod chain;
+mod dense;
+mod merged;
+mod sequential;
+
+use crate::{
+    accumulate_bias_grad, add_bias, check_len, Layer, LayerError, Param, ParamKind, RankGates,
+};
+use comera_plan::{ContractionPlan, CostModel, Pass, TtPath};
+use comera_tensor::{init, matmul, MatMut, MatRef, TtShape};
+
+/// A TT linear layer `Y = X·W + b`.
+#[derive(Clone, Debug)]
+pub struct TtLinear {
+    shape: TtShape,
+    rule: RankGates,
+    /// Core c (0-based), shape (r_c, s_c, r_{c+1}).
+    pub cores: Vec<Param>,
+    /// Gate on bond c + 1 (0-based index c), between cores c and c + 1; length r_{c+1}.
+    pub gates: Vec<Param>,
+    pub bias: Param,
+}
+
+impl TtLinear {
+    /// A freshly initialised layer: cores ~ N(0,1)/sqrt(r_{c+1}) · σ^(1/K), σ = sqrt(1/(N+M)),
+    /// so that Var(W_ij) = 1/(N+M); gates at 1; bias 0.
+    pub fn new(
+        name: &str,
+        shape: TtShape,
+        rule: RankGates,
+        rng: &mut init::Rng,
+    ) -> Result<TtLinear, LayerError> {
+        check_threshold(rule.threshold)?;
+        let (n, m, k) = (shape.in_features(), shape.out_features(), shape.n_cores());
+        let sigma = (1.0 / (n + m) as f64).sqrt();
+        let scale = sigma.powf(1.0 / k as f64);
+        let cores = (0..k)
+            .map(|c| {
+                let dims = shape.core_shape(c);
+                let mut v = vec![0.0; shape.core_len(c)];
+                init::fill_normal(rng, &mut v, (scale / (dims[2] as f64).sqrt()) as f32);
+                Param::new(
+                    format!("{name}.core.{}", c + 1),
+                    &dims,
+                    ParamKind::TtCore,
+                    v,
+                )
+            })
+            .collect();
+        let gates = (1..k)
+            .map(|b| {
+                Param::new(
+                    format!("{name}.gate.{b}"),
+                    &[shape.ranks()[b]],
+                    ParamKind::RankGate,
+                    vec![1.0; shape.ranks()[b]],
+                )
+            })
+            .collect();
+        let bias = Param::zeros(format!("{name}.bias"), &[m], ParamKind::Other);
+        Ok(TtLinear {
+            shape,
+            rule,
+            cores,
+            gates,
+            bias,
+        })
+    }
+
+    /// A layer from given values (cores in order, gates for bonds 1..K-1, bias), all checked
+    /// against `shape`.
+    pub fn from_parts(
+        name: &str,
+        shape: TtShape,
+        rule: RankGates,
+        cores: Vec<Vec<f32>>,
+        gates: Vec<Vec<f32>>,
+        bias: Vec<f32>,
+    ) -> Result<TtLinear, LayerError> {
+        check_threshold(rule.threshold)?;
+        let k = shape.n_cores();
+        let count = |what: &str, got: usize, want: usize| {
+            if got == want {
+                Ok(())
+            } else {
+                Err(LayerError::ParamShape {
+                    name: format!("{name}.{what} (count)"),
+                    expected: vec![want],
+                    got: vec![got],
+                })
+            }
+        };
+        count("core", cores.len(), k)?;
+        count("gate", gates.len(), k - 1)?;
+        let check = |pname: String, v: &[f32], dims: &[usize]| {
+            if v.len() == dims.iter().product::<usize>() {
+                Ok(())
+            } else {
+                Err(LayerError::ParamShape {
+                    name: pname,
+                    expected: dims.to_vec(),
+                    got: vec![v.len()],
+                })
+            }
+        };
+        let mut core_params = Vec::with_capacity(k);
+        for (c, v) in cores.into_iter().enumerate() {
+            let dims = shape.core_shape(c);
+            let pname = format!("{name}.core.{}", c + 1);
+            check(pname.clone(), &v, &dims)?;
+            core_params.push(Param::new(pname, &dims, ParamKind::TtCore, v));
+        }
+        let mut gate_params = Vec::with_capacity(k - 1);
+        for (b, v) in gates.into_iter().enumerate() {
+            let dims = [shape.ranks()[b + 1]];
+            let pname = format!("{name}.gate.{}", b + 1);
+            check(pname.clone(), &v, &dims)?;
+            gate_params.push(Param::new(pname, &dims, ParamKind::RankGate, v));
+        }
+        let m = shape.out_features();
+        check(format!("{name}.bias"), &bias, &[m])?;
+        let bias = Param::new(format!("{name}.bias"), &[m], ParamKind::Other, bias);
+        Ok(TtLinear {
+            shape,
+            rule,
+            cores: core_params,
+            gates: gate_params,
+            bias,
+        })
+    }
+
+    pub fn shape(&self) -> &TtShape {
+        &self.shape
+    }
+
+    pub fn rank_gates(&self) -> RankGates {
+        self.rule
+    }
+
+    fn modes(&self) -> Vec<usize> {
+        (0..self.shape.n_cores())
+            .map(|c| self.shape.mode(c))
+            .collect()
+    }
+
+    fn gate_values(&self) -> Vec<&[f32]> {
+        self.gates.iter().map(|g| g.value.as_slice()).collect()
+    }
+
+    /// S: parameters of the surviving cores (SPEC §6).
+    pub fn size_l0(&self) -> f64 {
+        self.rule.size_l0(&self.modes(), &self.gate_values())
+    }
+
+    /// Ŝ: the ℓ1 surrogate of S.
+    pub fn size_l1(&self) -> f64 {
+        self.rule.size_l1(&self.modes(), &self.gate_values())
+    }
+
+    /// Accumulates `scale · ∂Ŝ/∂gates` into the gates' gradients.
+    pub fn accumulate_size_l1_grad(&mut self, scale: f32) {
+        let modes = self.modes();
+        let values: Vec<Vec<f32>> = self.gates.iter().map(|g| g.value.clone()).collect();
+        let refs: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
+        let mut grads: Vec<&mut [f32]> = self
+            .gates
+            .iter_mut()
+            .map(|g| g.grad.as_mut_slice())
+            .collect();
+        self.rule.size_l1_grad(&modes, &refs, scale, &mut grads);
+    }
+
+    /// The dense weight W = L·R (N × M) the cores represent, for tests and export.
+    pub fn dense_weight(&self) -> Vec<f32> {
+        let s = &self.shape;
+        let (n, m, rp) = (s.in_features(), s.out_features(), s.middle_rank());
+        let mut h: Vec<Vec<f32>> = (0..s.n_cores()).map(|c| vec![0.0; s.core_len(c)]).collect();
+        self.gate_cores(&mut h);
+        let mut chains = chain::Chains::new(s);
+        chains.build(s, &h);
+        let mut w = vec![0.0; n * m];
+        matmul(
+            MatMut::new(&mut w, n, m),
+            MatRef::new(chains.l(), n, rp),
+            MatRef::new(chains.r(), rp, m),
+            false,
+        );
+        w
+    }
+
+    /// H_c = G_c·diag(g(d_{c+1})) for every core.
+    fn gate_cores(&self, h: &mut [Vec<f32>]) {
+        let k = self.shape.n_cores();
+        for c in 0..k {
+            let core = &self.cores[c].value;
+            if c + 1 == k {
+                h[c].copy_from_slice(core);
+                continue;
+            }
+            let gate = &self.gates[c].value;
+            for (hrow, grow) in h[c]
+                .chunks_exact_mut(gate.len())
+                .zip(core.chunks_exact(gate.len()))
+            {
+                for ((hv, &gv), &d) in hrow.iter_mut().zip(grow).zip(gate) {
+                    *hv = gv * self.rule.value(d);
+                }
+            }
+        }
+    }
+
+    /// dG_c += dH_c·diag(g), dd[j] += Σ dH_c[.., j]·G_c[.., j] (active entries only).
+    fn accumulate_core_grads(&mut self, dh: &[Vec<f32>]) {
+        let k = self.shape.n_cores();
+        for c in 0..k {
+            let core = &mut self.cores[c];
+            if c + 1 == k {
+                for (g, d) in core.grad.iter_mut().zip(&dh[c]) {
+                    *g += d;
+                }
+                continue;
+            }
+            let gate = &mut self.gates[c];
+            let r = gate.value.len();
+            for ((grow, vrow), drow) in core
+                .grad
+                .chunks_exact_mut(r)
+                .zip(core.value.chunks_exact(r))
+                .zip(dh[c].chunks_exact(r))
+            {
+                for j in 0..r {
+                    let d = gate.value[j];
+                    if self.rule.is_active(d) {
+                        grow[j] += drow[j] * d;
+                        gate.grad[j] += drow[j] * vrow[j];
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn check_threshold(t: f32) -> Result<(), LayerError> {
+    if t.is_finite() && t >= 0.0 {
+        Ok(())
+    } else {
+        Err(LayerError::Threshold(t))
+    }
+}
+
+/// The buffers of the path in use.
+#[derive(Debug)]
+enum PathBuffers {
+    Merged(merged::Merged),
+    Sequential(sequential::Sequential),
+    Dense(dense::Dense),
+}
+
+/// Everything a `TtLinear` step needs for one batch size: the plan, the gated cores and their
+/// gradients, and the chosen path's saved intermediates. Made once; re-planned (and only then
+/// reallocated) when the layer's ranks change or a different path is forced.
+#[derive(Debug)]
+pub struct TtLinearWorkspace {
+    batch: usize,
+    pass: Pass,
+    forced: Option<TtPath>,
+    model: CostModel,
+    plan: ContractionPlan,
+    shape: TtShape,
+    h: Vec<Vec<f32>>,
+    dh: Vec<Vec<f32>>,
+    bufs: PathBuffers,
+}
+
+impl TtLinearWorkspace {
+    fn new(
+        shape: &TtShape,
+        batch: usize,
+        pass: Pass,
+        forced: Option<TtPath>,
+        model: CostModel,
+    ) -> Self {
+        let plan = match forced {
+            Some(p) => ContractionPlan::fixed(shape, batch, pass, &model, p),
+            None => ContractionPlan::for_tt_linear(shape, batch, pass, &model),
+        };
+        let h: Vec<Vec<f32>> = (0..shape.n_cores())
+            .map(|c| vec![0.0; shape.core_len(c)])
+            .collect();
+        let bufs = match plan.path {
+            TtPath::Merged => PathBuffers::Merged(merged::Merged::new(shape, batch)),
+            TtPath::Sequential => {
+                PathBuffers::Sequential(sequential::Sequential::new(shape, batch))
+            }
+            TtPath::Dense => PathBuffers::Dense(dense::Dense::new(shape)),
+        };
+        TtLinearWorkspace {
+            batch,
+            pass,
+            forced,
+            model,
+            plan,
+            shape: shape.clone(),
+            dh: h.clone(),
+            h,
+            bufs,
+        }
+    }
+
+    /// The plan in force (path and every path's estimate).
+    pub fn plan(&self) -> &ContractionPlan {
+        &self.plan
+    }
+
+    pub fn path(&self) -> TtPath {
+        self.plan.path
+    }
+
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Forces a path (`None`: let the planner choose). Re-plans and reallocates.
+    pub fn force_path(&mut self, path: Option<TtPath>) {
+        *self =
+            TtLinearWorkspace::new(&self.shape, self.batch, self.pass, path, self.model.clone());
+    }
+
+    /// Plans for inference only or for training with/without dX. Re-plans and reallocates.
+    pub fn set_pass(&mut self, pass: Pass) {
+        *self = TtLinearWorkspace::new(
+            &self.shape,
+            self.batch,
+            pass,
+            self.forced,
+            self.model.clone(),
+        );
+    }
+
+    /// Uses another machine model. Re-plans and reallocates.
+    pub fn set_cost_model(&mut self, model: CostModel) {
+        *self = TtLinearWorkspace::new(&self.shape, self.batch, self.pass, self.forced, model);
+    }
+
+    /// Bytes held by this workspace.
+    pub fn bytes(&self) -> usize {
+        let v = |b: &[Vec<f32>]| 4 * b.iter().map(Vec::len).sum::<usize>();
+        v(&self.h)
+            + v(&self.dh)
+            + match &self.bufs {
+                PathBuffers::Merged(b) => b.bytes(),
+                PathBuffers::Sequential(b) => b.bytes(),
+                PathBuffers::Dense(b) => b.bytes(),
+            }
+    }
+
+    /// Re-plans if the layer's ranks changed since the plan was made.
+    fn ensure(&mut self, shape: &TtShape) {
+        if !self.plan.is_valid_for(shape, self.batch) {
+            *self = TtLinearWorkspace::new(
+                shape,
+                self.batch,
+                self.pass,
+                self.forced,
+                self.model.clone(),
+            );
+        }
+    }
+}
+
+impl Layer for TtLinear {
+    type Workspace = TtLinearWorkspace;
+
+    fn in_features(&self) -> usize {
+        self.shape.in_features()
+    }
+    fn out_features(&self) -> usize {
+        self.shape.out_features()
+    }
+
+    fn workspace(&self, batch: usize) -> TtLinearWorkspace {
+        TtLinearWorkspace::new(
+            &self.shape,
+            batch,
+            Pass::Train { need_dx: true },
+            None,
+            CostModel::default(),
+        )
+    }
+
+    fn forward(&self, ws: &mut TtLinearWorkspace, x: &[f32], y: &mut [f32]) {
+        ws.ensure(&self.shape);
+        let b = ws.batch;
+        check_len("TtLinear x", x.len(), b * self.in_features());
+        check_len("TtLinear y", y.len(), b * self.out_features());
+        self.gate_cores(&mut ws.h);
+        let s = &self.shape;
+        match &mut ws.bufs {
+            PathBuffers::Merged(p) => p.forward(s, &ws.h, b, x, y),
+            PathBuffers::Sequential(p) => p.forward(s, &ws.h, b, x, y),
+            PathBuffers::Dense(p) => p.forward(s, &ws.h, b, x, y),
+        }
+        add_bias(y, &self.bias.value);
+    }
+
+    fn backward(
+        &mut self,
+        ws: &mut TtLinearWorkspace,
+        x: &[f32],
+        dy: &[f32],
+        dx: Option<&mut [f32]>,
+    ) {
+        assert!(
+            ws.plan.is_valid_for(&self.shape, ws.batch),
+            "TtLinear backward: ranks changed since forward"
+        );
+        let b = ws.batch;
+        check_len("TtLinear x", x.len(), b * self.in_features());
+        check_len("TtLinear dy", dy.len(), b * self.out_features());
+        if let Some(dx) = dx.as_deref() {
+            check_len("TtLinear dx", dx.len(), b * self.in_features());
+        }
+        let s = &self.shape;
+        match &mut ws.bufs {
+            PathBuffers::Merged(p) => p.backward(s, &ws.h, &mut ws.dh, b, x, dy, dx),
+            PathBuffers::Sequential(p) => p.backward(s, &ws.h, &mut ws.dh, b, dy, dx),
+            PathBuffers::Dense(p) => p.backward(s, &ws.h, &mut ws.dh, b, x, dy, dx),
+        }
+        self.accumulate_core_grads(&ws.dh);
+        accumulate_bias_grad(dy, &mut self.bias.grad);
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        self.cores
+            .iter()
+            .chain(&self.gates)
+            .chain(std::iter::once(&self.bias))
+            .collect()
+    }
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        self.cores
+            .iter_mut()
+            .chain(self.gates.iter_mut())
+            .chain(std::iter::once(&mut self.bias))
+            .collect()
+    }
+}
