@@ -1,0 +1,189 @@
+//! `comera bench …`: timings measured side by side in one run (interleaved rounds, medians).
+
+use comera_layers::{Layer, Linear, RankGates, TtLinear};
+use comera_plan::TtPath;
+use comera_tensor::{init, TtShape};
+use std::process::ExitCode;
+use std::time::Instant;
+
+#[derive(clap::Subcommand)]
+pub enum Bench {
+    /// Forward+backward of the paper's TT linear layers on every path vs the dense layer.
+    TtLinear(TtLinearArgs),
+}
+
+#[derive(clap::Args)]
+pub struct TtLinearArgs {
+    /// Token counts (batch × sequence) to measure.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 32, 128, 1024, 4096])]
+    tokens: Vec<usize>,
+    /// TT rank of every inner bond.
+    #[arg(long, default_value_t = 30)]
+    rank: usize,
+    /// Layers to measure (768x768, 768x3072, 3072x768).
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["768x768".to_string(), "768x3072".into(), "3072x768".into()])]
+    layers: Vec<String>,
+    /// Seconds to spend per (layer, tokens) cell (at least 7 rounds are always taken).
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    /// One JSON object a line per measurement instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The paper's modes (SPEC §5) for a layer name.
+fn paper_modes(layer: &str) -> anyhow::Result<(Vec<usize>, Vec<usize>)> {
+    Ok(match layer {
+        "768x768" => (vec![12, 8, 8], vec![8, 8, 12]),
+        "768x3072" => (vec![12, 8, 8], vec![16, 16, 12]),
+        "3072x768" => (vec![12, 16, 16], vec![8, 8, 12]),
+        other => anyhow::bail!("--layers: unknown layer `{other}` (expected 768x768, 768x3072 or 3072x768)"),
+    })
+}
+
+/// Times each variant in interleaved rounds; returns the median ms per call of each.
+pub fn interleaved_medians(variants: &mut [Box<dyn FnMut() + '_>], seconds: f64) -> Vec<f64> {
+    // Calibrate: enough inner calls for a ≥ 2 ms sample, and a round count for the budget.
+    let mut inner = Vec::with_capacity(variants.len());
+    let mut round_s = 0.0;
+    for v in variants.iter_mut() {
+        v(); // warm-up (first-touch of buffers, thread pool start)
+        let t = Instant::now();
+        v();
+        let dt = t.elapsed().as_secs_f64().max(1e-7);
+        let k = (2e-3 / dt).ceil().max(1.0) as usize;
+        inner.push(k);
+        round_s += dt * k as f64;
+    }
+    let rounds = ((seconds / round_s) as usize).clamp(7, 201);
+    let mut samples = vec![Vec::with_capacity(rounds); variants.len()];
+    for _ in 0..rounds {
+        for (i, v) in variants.iter_mut().enumerate() {
+            let t = Instant::now();
+            for _ in 0..inner[i] {
+                v();
+            }
+            samples[i].push(t.elapsed().as_secs_f64() * 1e3 / inner[i] as f64);
+        }
+    }
+    samples.into_iter().map(median).collect()
+}
+
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+fn tt_train_step(layer: &mut TtLinear, path: Option<TtPath>, tokens: usize) -> (Box<dyn FnMut() + '_>, TtPath) {
+    let (n, m) = (layer.in_features(), layer.out_features());
+    let mut ws = layer.workspace(tokens);
+    if path.is_some() {
+        ws.force_path(path);
+    }
+    let chosen = ws.path();
+    let mut rng = init::rng(1);
+    let mut x = vec![0.0; tokens * n];
+    init::fill_normal(&mut rng, &mut x, 1.0);
+    let mut dy = vec![0.0; tokens * m];
+    init::fill_normal(&mut rng, &mut dy, 1.0);
+    let mut y = vec![0.0; tokens * m];
+    let mut dx = vec![0.0; tokens * n];
+    let f = move || {
+        layer.forward(&mut ws, &x, &mut y);
+        layer.backward(&mut ws, &x, &dy, Some(&mut dx));
+    };
+    (Box::new(f), chosen)
+}
+
+fn dense_train_step(layer: &mut Linear, tokens: usize) -> Box<dyn FnMut() + '_> {
+    let (n, m) = (layer.in_features(), layer.out_features());
+    let mut ws = layer.workspace(tokens);
+    let mut rng = init::rng(2);
+    let mut x = vec![0.0; tokens * n];
+    init::fill_normal(&mut rng, &mut x, 1.0);
+    let mut dy = vec![0.0; tokens * m];
+    init::fill_normal(&mut rng, &mut dy, 1.0);
+    let mut y = vec![0.0; tokens * m];
+    let mut dx = vec![0.0; tokens * n];
+    Box::new(move || {
+        layer.forward(&mut ws, &x, &mut y);
+        layer.backward(&mut ws, &x, &dy, Some(&mut dx));
+    })
+}
+
+fn tt_linear(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
+    let threads = rayon::current_num_threads();
+    if !a.json {
+        println!("forward+backward (with dX) median ms per call; rank {}; {threads} threads", a.rank);
+        println!(
+            "{:<9} {:>6} {:>10} {:>10} {:>10} {:>10} {:>11} {:>8} {:>9}",
+            "layer", "tokens", "merged", "sequential", "tt-dense", "Linear", "pick", "pick/best", "Linear/TT"
+        );
+    }
+    for name in &a.layers {
+        let (im, om) = paper_modes(name)?;
+        let shape = TtShape::uniform(&im, &om, a.rank)?;
+        let mut rng = init::rng(0);
+        let tt = TtLinear::new(name, shape.clone(), RankGates::default(), &mut rng)?;
+        let dense = Linear::new(name, shape.in_features(), shape.out_features(), &mut rng);
+        for &tokens in &a.tokens {
+            let mut layers: Vec<TtLinear> = (0..4).map(|_| tt.clone()).collect();
+            let mut dense = dense.clone();
+            let mut variants: Vec<Box<dyn FnMut() + '_>> = Vec::new();
+            let mut pick = TtPath::Merged;
+            let mut est = Vec::new();
+            for (i, l) in layers.iter_mut().enumerate() {
+                let path = TtPath::ALL.get(i).copied();
+                if path.is_none() {
+                    let ws = l.workspace(tokens);
+                    est = ws.plan().costs.clone();
+                }
+                let (f, chosen) = tt_train_step(l, path, tokens);
+                if path.is_none() {
+                    pick = chosen;
+                }
+                variants.push(f);
+            }
+            variants.push(dense_train_step(&mut dense, tokens));
+            let med = interleaved_medians(&mut variants, a.seconds);
+            drop(variants);
+            let (paths, planner, linear) = (&med[..3], med[3], med[4]);
+            let best = paths.iter().copied().fold(f64::INFINITY, f64::min);
+            if a.json {
+                for (i, p) in TtPath::ALL.iter().enumerate() {
+                    let e = est.iter().find(|c| c.path == *p).map(|c| c.est_ms).unwrap_or(f64::NAN);
+                    let rec = serde_json::json!({"layer": name, "tokens": tokens, "path": p.name(), "median_ms": paths[i], "est_ms": e, "threads": threads});
+                    println!("{rec}");
+                }
+                println!("{}", serde_json::json!({"layer": name, "tokens": tokens, "path": "linear", "median_ms": linear, "threads": threads}));
+                println!("{}", serde_json::json!({"layer": name, "tokens": tokens, "path": "planner", "pick": pick.name(), "median_ms": planner, "best_ms": best, "threads": threads}));
+            } else {
+                let pick_ms = paths[TtPath::ALL.iter().position(|p| *p == pick).unwrap()];
+                println!(
+                    "{:<9} {:>6} {:>10.4} {:>10.4} {:>10.4} {:>10.4} {:>11} {:>8.2} {:>9.2}",
+                    name,
+                    tokens,
+                    paths[0],
+                    paths[1],
+                    paths[2],
+                    linear,
+                    pick.name(),
+                    pick_ms / best,
+                    linear / best
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn run(b: Bench) -> anyhow::Result<ExitCode> {
+    match b {
+        Bench::TtLinear(a) => tt_linear(a),
+    }
+}
