@@ -37,7 +37,9 @@ fn paper_modes(layer: &str) -> anyhow::Result<(Vec<usize>, Vec<usize>)> {
         "768x768" => (vec![12, 8, 8], vec![8, 8, 12]),
         "768x3072" => (vec![12, 8, 8], vec![16, 16, 12]),
         "3072x768" => (vec![12, 16, 16], vec![8, 8, 12]),
-        other => anyhow::bail!("--layers: unknown layer `{other}` (expected 768x768, 768x3072 or 3072x768)"),
+        other => anyhow::bail!(
+            "--layers: unknown layer `{other}` (expected 768x768, 768x3072 or 3072x768)"
+        ),
     })
 }
 
@@ -72,14 +74,18 @@ pub fn interleaved_medians(variants: &mut [Box<dyn FnMut() + '_>], seconds: f64)
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
-    if n % 2 == 1 {
+    if !n.is_multiple_of(2) {
         v[n / 2]
     } else {
         0.5 * (v[n / 2 - 1] + v[n / 2])
     }
 }
 
-fn tt_train_step(layer: &mut TtLinear, path: Option<TtPath>, tokens: usize) -> (Box<dyn FnMut() + '_>, TtPath) {
+fn tt_train_step(
+    layer: &mut TtLinear,
+    path: Option<TtPath>,
+    tokens: usize,
+) -> (Box<dyn FnMut() + '_>, TtPath) {
     let (n, m) = (layer.in_features(), layer.out_features());
     let mut ws = layer.workspace(tokens);
     if path.is_some() {
@@ -119,10 +125,21 @@ fn dense_train_step(layer: &mut Linear, tokens: usize) -> Box<dyn FnMut() + '_> 
 fn tt_linear(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
     let threads = rayon::current_num_threads();
     if !a.json {
-        println!("forward+backward (with dX) median ms per call; rank {}; {threads} threads", a.rank);
+        println!(
+            "forward+backward (with dX) median ms per call; rank {}; {threads} threads",
+            a.rank
+        );
         println!(
             "{:<9} {:>6} {:>10} {:>10} {:>10} {:>10} {:>11} {:>8} {:>9}",
-            "layer", "tokens", "merged", "sequential", "tt-dense", "Linear", "pick", "pick/best", "Linear/TT"
+            "layer",
+            "tokens",
+            "merged",
+            "sequential",
+            "tt-dense",
+            "Linear",
+            "pick",
+            "pick/best",
+            "Linear/TT"
         );
     }
     for name in &a.layers {
@@ -156,12 +173,22 @@ fn tt_linear(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
             let best = paths.iter().copied().fold(f64::INFINITY, f64::min);
             if a.json {
                 for (i, p) in TtPath::ALL.iter().enumerate() {
-                    let e = est.iter().find(|c| c.path == *p).map(|c| c.est_ms).unwrap_or(f64::NAN);
+                    let e = est
+                        .iter()
+                        .find(|c| c.path == *p)
+                        .map(|c| c.est_ms)
+                        .unwrap_or(f64::NAN);
                     let rec = serde_json::json!({"layer": name, "tokens": tokens, "path": p.name(), "median_ms": paths[i], "est_ms": e, "threads": threads});
                     println!("{rec}");
                 }
-                println!("{}", serde_json::json!({"layer": name, "tokens": tokens, "path": "linear", "median_ms": linear, "threads": threads}));
-                println!("{}", serde_json::json!({"layer": name, "tokens": tokens, "path": "planner", "pick": pick.name(), "median_ms": planner, "best_ms": best, "threads": threads}));
+                println!(
+                    "{}",
+                    serde_json::json!({"layer": name, "tokens": tokens, "path": "linear", "median_ms": linear, "threads": threads})
+                );
+                println!(
+                    "{}",
+                    serde_json::json!({"layer": name, "tokens": tokens, "path": "planner", "pick": pick.name(), "median_ms": planner, "best_ms": best, "threads": threads})
+                );
             } else {
                 let pick_ms = paths[TtPath::ALL.iter().position(|p| *p == pick).unwrap()];
                 println!(

@@ -27,7 +27,12 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let budget = a.budget.unwrap_or(a.n * a.m / 20);
     let ins = balanced_factorisations(a.n, a.factors, a.top);
     let outs = balanced_factorisations(a.m, a.factors, a.top);
-    println!("dense {}x{}: {} parameters; core budget {budget}", a.n, a.m, a.n * a.m);
+    println!(
+        "dense {}x{}: {} parameters; core budget {budget}",
+        a.n,
+        a.m,
+        a.n * a.m
+    );
     for i in &ins {
         for o in &outs {
             let mut o = o.clone();

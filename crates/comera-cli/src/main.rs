@@ -8,7 +8,11 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "comera", version, about = "Rank-adaptive tensor-train training engine (CoMERA) for CPUs")]
+#[command(
+    name = "comera",
+    version,
+    about = "Rank-adaptive tensor-train training engine (CoMERA) for CPUs"
+)]
 struct Cli {
     /// Worker threads (default: all cores). Same seed and thread count give the same result.
     #[arg(long, global = true)]
@@ -31,7 +35,10 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(t) = cli.threads {
-        if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(t.max(1)).build_global() {
+        if let Err(e) = rayon::ThreadPoolBuilder::new()
+            .num_threads(t.max(1))
+            .build_global()
+        {
             eprintln!("error: --threads: {e}");
             return ExitCode::from(2);
         }

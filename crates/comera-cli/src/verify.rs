@@ -49,5 +49,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
     }
     println!("{ok} passed, {bad} failed");
-    Ok(if bad == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if bad == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

@@ -10,8 +10,12 @@ fn fixtures() -> PathBuf {
 }
 
 fn comera(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_comera")).args(args).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let out = Command::new(env!("CARGO_BIN_EXE_comera"))
+        .args(args)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status.code().unwrap_or(-1), text)
 }
 
@@ -29,7 +33,10 @@ fn verify_passes_every_tt_linear_case() {
     args.extend(files.iter().map(String::as_str));
     let (code, text) = comera(&args);
     assert_eq!(code, 0, "{text}");
-    assert!(text.contains(&format!("{} passed, 0 failed", files.len())), "{text}");
+    assert!(
+        text.contains(&format!("{} passed, 0 failed", files.len())),
+        "{text}"
+    );
     for path in ["merged", "sequential", "dense", "planner"] {
         assert!(text.contains(path), "report lists the {path} run: {text}");
     }
@@ -43,7 +50,10 @@ fn verify_fails_on_missing_or_corrupt_files() {
     std::fs::write(&bad, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json").unwrap();
     let (code, text) = comera(&["verify", bad.to_str().unwrap()]);
     assert_eq!(code, 1, "{text}");
-    assert!(text.contains("bad.safetensors") && text.contains("not a valid safetensors"), "{text}");
+    assert!(
+        text.contains("bad.safetensors") && text.contains("not a valid safetensors"),
+        "{text}"
+    );
     let (code, text) = comera(&["verify", dir.join("nope.safetensors").to_str().unwrap()]);
     assert_eq!(code, 1, "{text}");
     assert!(text.contains("cannot read"), "{text}");
@@ -59,10 +69,24 @@ fn factor_proposes_the_paper_layout() {
 
 #[test]
 fn bench_emits_json_lines() {
-    let (code, text) =
-        comera(&["bench", "tt-linear", "--layers", "768x768", "--tokens", "4", "--seconds", "0.01", "--json", "--rank", "4"]);
+    let (code, text) = comera(&[
+        "bench",
+        "tt-linear",
+        "--layers",
+        "768x768",
+        "--tokens",
+        "4",
+        "--seconds",
+        "0.01",
+        "--json",
+        "--rank",
+        "4",
+    ]);
     assert_eq!(code, 0, "{text}");
-    let rows: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(rows.len(), 5);
     for r in &rows {
         assert_eq!(r["layer"], "768x768");

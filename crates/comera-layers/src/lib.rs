@@ -10,6 +10,9 @@
 //! into the parameters' gradients (`grad += …`, call [`Layer::zero_grad`] between steps) and
 //! *writes* dX.
 
+// Index loops mirror the formulas in the comments (core c, bond c + 1, …); keep them.
+#![allow(clippy::needless_range_loop)]
+
 pub mod gates;
 pub mod linear;
 pub mod param;

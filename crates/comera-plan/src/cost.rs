@@ -2,10 +2,12 @@
 
 /// Machine constants used to turn operation counts into time estimates.
 ///
-/// A GEMM of m×k by k×n runs at `peak_gflops` scaled by an efficiency in (0, 1] that falls when
-/// an operand dimension is thinner than the backend's micro-kernel can fill
-/// (`eff(x) = min(1, x / full)` per dimension, square-rooted to soften it), is never faster than
-/// moving its operands at `mem_gbps`, and pays `call_us` of fixed overhead (packing, dispatch).
+/// A GEMM of m×k by k×n runs at `peak_gflops` (or `single_gflops` below the threading
+/// threshold) scaled by an efficiency in (0, 1] that falls when the output is thinner than the
+/// backend's micro-kernel can fill (`sqrt(min(1, min(m, n) / full_mn))`) and, more steeply,
+/// when the inner dimension is too short to amortise packing (`min(1, k / full_k)`); it is never
+/// faster than moving its operands at `mem_gbps`, and pays `call_us` of fixed overhead.
+/// The constants were fitted to `comera bench tt-linear --json` (measured vs `est_ms`).
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct CostModel {
     /// Sustained GEMM throughput on large operands, all threads used (GFLOP/s).
@@ -32,7 +34,7 @@ impl Default for CostModel {
             peak_gflops: 90.0,
             single_gflops: 50.0,
             parallel_min_macs: (1u64 << 18) as f64,
-            mem_gbps: 8.0,
+            mem_gbps: 20.0,
             call_us: 0.4,
             full_mn: 24.0,
             full_k: 64.0,
@@ -78,11 +80,11 @@ impl Costing {
         self.seconds += bytes / (model.mem_gbps * 1e9);
     }
 
-    /// Accounts for a strided gather (permutation) of `elems` values: read + write, at a
-    /// quarter of streaming bandwidth.
+    /// Accounts for a strided gather (permutation) of `elems` values: read + write, at half
+    /// the streaming bandwidth.
     pub fn gather(&mut self, model: &CostModel, elems: usize) {
         let bytes = 8.0 * elems as f64;
         self.bytes += bytes;
-        self.seconds += 4.0 * bytes / (model.mem_gbps * 1e9);
+        self.seconds += 2.0 * bytes / (model.mem_gbps * 1e9);
     }
 }

@@ -213,8 +213,9 @@ pub fn tt_linear_cost(
         }
         TtPath::Sequential => {
             c.gather(model, b * n); // X digits reversed
-            c.gather(model, shape.core_params()); // H'_c = H_c with (r, s) swapped
-                                                  // Input side: S_{c+1} (rows_c × r_{c+1}) = S_c (rows_c × n_c·r_c) · H'_c.
+            let in_core_params: usize = (0..p).map(|i| shape.core_len(i)).sum();
+            c.gather(model, in_core_params); // H'_c = H_c with (r, s) swapped
+                                             // Input side: S_{c+1} (rows_c × r_{c+1}) = S_c (rows_c × n_c·r_c) · H'_c.
             let mut rows = b * n;
             let mut in_rows = Vec::with_capacity(p);
             for i in 0..p {
@@ -245,7 +246,7 @@ pub fn tt_linear_cost(
                         c.gemm(model, rows, w, r[i + 1]); // dS_c = dS_{c+1} · H'_cᵀ
                     }
                 }
-                c.gather(model, shape.core_params()); // dH' back to dH
+                c.gather(model, in_core_params); // dH' back to dH
                 if need_dx {
                     c.gather(model, b * n); // dS_0 digits back to dX
                 }

@@ -16,19 +16,37 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum RefCaseError {
     #[error("{file}: cannot read: {source}")]
-    Io { file: PathBuf, source: std::io::Error },
+    Io {
+        file: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{file}: not a valid safetensors file: {msg}")]
     Format { file: PathBuf, msg: String },
     #[error("{file}: metadata field `{field}` is missing")]
     MissingMeta { file: PathBuf, field: String },
     #[error("{file}: metadata field `{field}` = {value:?}: expected {expected}")]
-    BadMeta { file: PathBuf, field: String, value: String, expected: &'static str },
+    BadMeta {
+        file: PathBuf,
+        field: String,
+        value: String,
+        expected: &'static str,
+    },
     #[error("{file}: tensor `{name}` is missing")]
     MissingTensor { file: PathBuf, name: String },
     #[error("{file}: tensor `{name}` has shape {got:?}, expected {expected:?}")]
-    TensorShape { file: PathBuf, name: String, got: Vec<usize>, expected: Vec<usize> },
+    TensorShape {
+        file: PathBuf,
+        name: String,
+        got: Vec<usize>,
+        expected: Vec<usize>,
+    },
     #[error("{file}: tensor `{name}` has dtype {got}, expected {expected}")]
-    TensorDtype { file: PathBuf, name: String, got: String, expected: &'static str },
+    TensorDtype {
+        file: PathBuf,
+        name: String,
+        got: String,
+        expected: &'static str,
+    },
     #[error("{file}: kind `{kind}` is not supported yet")]
     Unsupported { file: PathBuf, kind: String },
     #[error("{file}: {msg}")]
@@ -58,13 +76,19 @@ pub struct RefCase {
 
 impl RefCase {
     pub fn load(file: &Path) -> Result<RefCase, RefCaseError> {
-        let bytes = std::fs::read(file).map_err(|source| RefCaseError::Io { file: file.to_path_buf(), source })?;
+        let bytes = std::fs::read(file).map_err(|source| RefCaseError::Io {
+            file: file.to_path_buf(),
+            source,
+        })?;
         Self::parse(file, &bytes)
     }
 
     /// Parses the bytes of a case file (`file` is only used in messages).
     pub fn parse(file: &Path, bytes: &[u8]) -> Result<RefCase, RefCaseError> {
-        let fmt = |e: safetensors::SafeTensorError| RefCaseError::Format { file: file.to_path_buf(), msg: e.to_string() };
+        let fmt = |e: safetensors::SafeTensorError| RefCaseError::Format {
+            file: file.to_path_buf(),
+            msg: e.to_string(),
+        };
         let (_, meta) = SafeTensors::read_metadata(bytes).map_err(fmt)?;
         let metadata = meta.metadata().clone().unwrap_or_default();
         let st = SafeTensors::deserialize(bytes).map_err(fmt)?;
@@ -73,10 +97,14 @@ impl RefCase {
             let raw = view.data();
             let data = match view.dtype() {
                 Dtype::F32 => TensorData::F32(
-                    raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+                    raw.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
                 ),
                 Dtype::I64 => TensorData::I64(
-                    raw.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect(),
+                    raw.chunks_exact(8)
+                        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                        .collect(),
                 ),
                 other => {
                     return Err(RefCaseError::TensorDtype {
@@ -87,9 +115,19 @@ impl RefCase {
                     })
                 }
             };
-            tensors.insert(name.to_string(), Tensor { shape: view.shape().to_vec(), data });
+            tensors.insert(
+                name.to_string(),
+                Tensor {
+                    shape: view.shape().to_vec(),
+                    data,
+                },
+            );
         }
-        Ok(RefCase { file: file.to_path_buf(), metadata, tensors })
+        Ok(RefCase {
+            file: file.to_path_buf(),
+            metadata,
+            tensors,
+        })
     }
 
     /// The case's `kind` metadata.
@@ -101,7 +139,10 @@ impl RefCase {
         self.metadata
             .get(field)
             .map(String::as_str)
-            .ok_or_else(|| RefCaseError::MissingMeta { file: self.file.clone(), field: field.into() })
+            .ok_or_else(|| RefCaseError::MissingMeta {
+                file: self.file.clone(),
+                field: field.into(),
+            })
     }
 
     fn bad_meta(&self, field: &str, expected: &'static str) -> RefCaseError {
@@ -116,15 +157,23 @@ impl RefCase {
     /// A metadata field holding a JSON list of positive integers.
     pub fn meta_usizes(&self, field: &str) -> Result<Vec<usize>, RefCaseError> {
         let s = self.meta(field)?;
-        serde_json::from_str::<Vec<usize>>(s).map_err(|_| self.bad_meta(field, "a JSON list of non-negative integers"))
+        serde_json::from_str::<Vec<usize>>(s)
+            .map_err(|_| self.bad_meta(field, "a JSON list of non-negative integers"))
     }
 
     pub fn meta_usize(&self, field: &str) -> Result<usize, RefCaseError> {
-        self.meta(field)?.trim().parse().map_err(|_| self.bad_meta(field, "a non-negative integer"))
+        self.meta(field)?
+            .trim()
+            .parse()
+            .map_err(|_| self.bad_meta(field, "a non-negative integer"))
     }
 
     pub fn meta_f32(&self, field: &str) -> Result<f32, RefCaseError> {
-        let v: f32 = self.meta(field)?.trim().parse().map_err(|_| self.bad_meta(field, "a number"))?;
+        let v: f32 = self
+            .meta(field)?
+            .trim()
+            .parse()
+            .map_err(|_| self.bad_meta(field, "a number"))?;
         if v.is_finite() && v >= 0.0 {
             Ok(v)
         } else {
@@ -136,7 +185,10 @@ impl RefCase {
         let t = self
             .tensors
             .get(name)
-            .ok_or_else(|| RefCaseError::MissingTensor { file: self.file.clone(), name: name.into() })?;
+            .ok_or_else(|| RefCaseError::MissingTensor {
+                file: self.file.clone(),
+                name: name.into(),
+            })?;
         if t.shape != shape {
             return Err(RefCaseError::TensorShape {
                 file: self.file.clone(),
@@ -179,11 +231,20 @@ impl RefCase {
         self.tensors
             .get(name)
             .map(|t| t.shape.as_slice())
-            .ok_or_else(|| RefCaseError::MissingTensor { file: self.file.clone(), name: name.into() })
+            .ok_or_else(|| RefCaseError::MissingTensor {
+                file: self.file.clone(),
+                name: name.into(),
+            })
     }
 
     /// Compares `got` with the case's `expected.<name>` (which must have `shape`).
-    pub fn check(&self, name: &str, shape: &[usize], got: &[f32], tolerance: f64) -> Result<Check, RefCaseError> {
+    pub fn check(
+        &self,
+        name: &str,
+        shape: &[usize],
+        got: &[f32],
+        tolerance: f64,
+    ) -> Result<Check, RefCaseError> {
         let exp = self.f32s(&format!("expected.{name}"), shape)?;
         Ok(Check::new(name, got, exp, tolerance))
     }
@@ -200,8 +261,15 @@ pub struct Check {
 
 impl Check {
     pub fn new(name: &str, got: &[f32], exp: &[f32], tolerance: f64) -> Check {
-        assert_eq!(got.len(), exp.len(), "{name}: compared tensors differ in length");
-        let scale = exp.iter().fold(0.0f64, |m, &v| m.max((v as f64).abs())).max(1e-6);
+        assert_eq!(
+            got.len(),
+            exp.len(),
+            "{name}: compared tensors differ in length"
+        );
+        let scale = exp
+            .iter()
+            .fold(0.0f64, |m, &v| m.max((v as f64).abs()))
+            .max(1e-6);
         let diff = got.iter().zip(exp).fold(0.0f64, |m, (&a, &b)| {
             let d = (a as f64 - b as f64).abs();
             if d.is_nan() {
@@ -210,7 +278,11 @@ impl Check {
                 m.max(d)
             }
         });
-        Check { name: name.into(), error: diff / scale, tolerance }
+        Check {
+            name: name.into(),
+            error: diff / scale,
+            tolerance,
+        }
     }
 
     pub fn passed(&self) -> bool {
@@ -242,6 +314,9 @@ pub fn verify(case: &RefCase) -> Result<Vec<Report>, RefCaseError> {
             reports.push(verify_tt_linear(case, None)?);
             Ok(reports)
         }
-        other => Err(RefCaseError::Unsupported { file: case.file.clone(), kind: other.into() }),
+        other => Err(RefCaseError::Unsupported {
+            file: case.file.clone(),
+            kind: other.into(),
+        }),
     }
 }

@@ -11,8 +11,10 @@ fn build(case: &RefCase) -> Result<(TtLinear, usize), RefCaseError> {
     let out_modes = case.meta_usizes("out_modes")?;
     let ranks = case.meta_usizes("ranks")?;
     let threshold = case.meta_f32("threshold")?;
-    let shape = TtShape::new(&in_modes, &out_modes, &ranks)
-        .map_err(|e| RefCaseError::Invalid { file: case.file.clone(), msg: format!("metadata: {e}") })?;
+    let shape = TtShape::new(&in_modes, &out_modes, &ranks).map_err(|e| RefCaseError::Invalid {
+        file: case.file.clone(),
+        msg: format!("metadata: {e}"),
+    })?;
     let (n, m, k) = (shape.in_features(), shape.out_features(), shape.n_cores());
     let xs = case.shape_of("x")?;
     if xs.len() != 2 || xs[1] != n {
@@ -26,15 +28,21 @@ fn build(case: &RefCase) -> Result<(TtLinear, usize), RefCaseError> {
     let batch = xs[0];
     let mut cores = Vec::with_capacity(k);
     for c in 0..k {
-        cores.push(case.f32s(&format!("core.{}", c + 1), &shape.core_shape(c))?.to_vec());
+        cores.push(
+            case.f32s(&format!("core.{}", c + 1), &shape.core_shape(c))?
+                .to_vec(),
+        );
     }
     let mut gates = Vec::with_capacity(k - 1);
-    for b in 1..k {
-        gates.push(case.f32s(&format!("gate.{b}"), &[ranks[b]])?.to_vec());
+    for (b, &r) in ranks.iter().enumerate().take(k).skip(1) {
+        gates.push(case.f32s(&format!("gate.{b}"), &[r])?.to_vec());
     }
     let bias = case.f32s("bias", &[m])?.to_vec();
     let layer = TtLinear::from_parts("case", shape, RankGates::new(threshold), cores, gates, bias)
-        .map_err(|e| RefCaseError::Invalid { file: case.file.clone(), msg: e.to_string() })?;
+        .map_err(|e| RefCaseError::Invalid {
+            file: case.file.clone(),
+            msg: e.to_string(),
+        })?;
     Ok((layer, batch))
 }
 
@@ -43,7 +51,11 @@ fn build(case: &RefCase) -> Result<(TtLinear, usize), RefCaseError> {
 pub fn verify_tt_linear(case: &RefCase, path: Option<TtPath>) -> Result<Report, RefCaseError> {
     let tol = case.meta_f32("tolerance")? as f64;
     let (mut layer, batch) = build(case)?;
-    let (n, m, k) = (layer.in_features(), layer.out_features(), layer.shape().n_cores());
+    let (n, m, k) = (
+        layer.in_features(),
+        layer.out_features(),
+        layer.shape().n_cores(),
+    );
     let x = case.f32s("x", &[batch, n])?.to_vec();
     let dy = case.f32s("dy", &[batch, m])?.to_vec();
     let mut ws = layer.workspace(batch);
@@ -59,14 +71,27 @@ pub fn verify_tt_linear(case: &RefCase, path: Option<TtPath>) -> Result<Report, 
     let mut dx = vec![0.0; batch * n];
     layer.backward(&mut ws, &x, &dy, Some(&mut dx));
 
-    let mut checks = vec![case.check("y", &[batch, m], &y, tol)?, case.check("grad.x", &[batch, n], &dx, tol)?];
+    let mut checks = vec![
+        case.check("y", &[batch, m], &y, tol)?,
+        case.check("grad.x", &[batch, n], &dx, tol)?,
+    ];
     for c in 0..k {
         let shape = layer.shape().core_shape(c);
-        checks.push(case.check(&format!("grad.core.{}", c + 1), &shape, &layer.cores[c].grad, tol)?);
+        checks.push(case.check(
+            &format!("grad.core.{}", c + 1),
+            &shape,
+            &layer.cores[c].grad,
+            tol,
+        )?);
     }
     for b in 0..k - 1 {
         let r = layer.gates[b].len();
-        checks.push(case.check(&format!("grad.gate.{}", b + 1), &[r], &layer.gates[b].grad, tol)?);
+        checks.push(case.check(
+            &format!("grad.gate.{}", b + 1),
+            &[r],
+            &layer.gates[b].grad,
+            tol,
+        )?);
     }
     checks.push(case.check("grad.bias", &[m], &layer.bias.grad, tol)?);
     if case.tensors.contains_key("expected.size_l0") {
@@ -76,7 +101,12 @@ pub fn verify_tt_linear(case: &RefCase, path: Option<TtPath>) -> Result<Report, 
         layer.accumulate_size_l1_grad(1.0);
         for b in 0..k - 1 {
             let r = layer.gates[b].len();
-            checks.push(case.check(&format!("grad_size_l1.gate.{}", b + 1), &[r], &layer.gates[b].grad, tol)?);
+            checks.push(case.check(
+                &format!("grad_size_l1.gate.{}", b + 1),
+                &[r],
+                &layer.gates[b].grad,
+                tol,
+            )?);
         }
     }
     Ok(Report { label, checks })

@@ -30,7 +30,10 @@ fn cases(prefix: &str) -> Vec<PathBuf> {
 #[test]
 fn every_tt_linear_case_passes_on_every_path() {
     let files = cases("tt_");
-    assert!(files.len() >= 7, "expected the tt_* reference cases, found {files:?}");
+    assert!(
+        files.len() >= 7,
+        "expected the tt_* reference cases, found {files:?}"
+    );
     for f in files {
         let case = RefCase::load(&f).unwrap();
         assert_eq!(case.kind().unwrap(), "tt_linear");
@@ -39,7 +42,14 @@ fn every_tt_linear_case_passes_on_every_path() {
         for r in reports {
             assert!(r.checks.len() >= 5);
             for c in &r.checks {
-                assert!(c.passed(), "{}: {} {}: error {:.3e}", f.display(), r.label, c.name, c.error);
+                assert!(
+                    c.passed(),
+                    "{}: {} {}: error {:.3e}",
+                    f.display(),
+                    r.label,
+                    c.name,
+                    c.error
+                );
             }
         }
     }
@@ -56,7 +66,10 @@ fn truncated_file_is_a_format_error() {
     let (f, bytes) = first_tt_case();
     let err = RefCase::parse(&f, &bytes[..bytes.len() / 2]).unwrap_err();
     assert!(matches!(err, RefCaseError::Format { .. }), "{err}");
-    assert!(err.to_string().contains("tt_p2q2"), "error names the file: {err}");
+    assert!(
+        err.to_string().contains("tt_p2q2"),
+        "error names the file: {err}"
+    );
 }
 
 #[test]
@@ -65,7 +78,10 @@ fn missing_and_misshaped_tensors_are_named() {
     let mut case = RefCase::load(&f).unwrap();
     case.tensors.remove("core.2");
     let err = verify(&case).unwrap_err();
-    assert!(matches!(&err, RefCaseError::MissingTensor { name, .. } if name == "core.2"), "{err}");
+    assert!(
+        matches!(&err, RefCaseError::MissingTensor { name, .. } if name == "core.2"),
+        "{err}"
+    );
 
     let mut case = RefCase::load(&f).unwrap();
     case.tensors.get_mut("gate.1").unwrap().shape = vec![7];
@@ -75,7 +91,10 @@ fn missing_and_misshaped_tensors_are_named() {
     let mut case = RefCase::load(&f).unwrap();
     case.metadata.insert("in_modes".into(), "[5,3]".into());
     let err = verify(&case).unwrap_err();
-    assert!(err.to_string().contains("x"), "x no longer matches N = 15: {err}");
+    assert!(
+        err.to_string().contains("x"),
+        "x no longer matches N = 15: {err}"
+    );
 
     let mut case = RefCase::load(&f).unwrap();
     case.metadata.insert("ranks".into(), "[1,3,0,2,1]".into());
@@ -84,18 +103,26 @@ fn missing_and_misshaped_tensors_are_named() {
 
     let mut case = RefCase::load(&f).unwrap();
     case.metadata.insert("ranks".into(), "[1,3,4,1]".into());
-    assert!(verify(&case).unwrap_err().to_string().contains("expected 5 entries"));
+    assert!(verify(&case)
+        .unwrap_err()
+        .to_string()
+        .contains("expected 5 entries"));
 
     let mut case = RefCase::load(&f).unwrap();
     case.metadata.insert("tolerance".into(), "abc".into());
-    assert!(matches!(verify(&case).unwrap_err(), RefCaseError::BadMeta { .. }));
+    assert!(matches!(
+        verify(&case).unwrap_err(),
+        RefCaseError::BadMeta { .. }
+    ));
 }
 
 #[test]
 fn a_wrong_expectation_fails_the_check() {
     let (f, _) = first_tt_case();
     let mut case = RefCase::load(&f).unwrap();
-    if let comera_refcase::TensorData::F32(v) = &mut case.tensors.get_mut("expected.grad.core.3").unwrap().data {
+    if let comera_refcase::TensorData::F32(v) =
+        &mut case.tensors.get_mut("expected.grad.core.3").unwrap().data
+    {
         v[0] += 0.1;
     }
     let reports = verify(&case).unwrap();

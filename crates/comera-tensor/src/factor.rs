@@ -42,7 +42,7 @@ fn collect(n: usize, parts: usize, max: usize, cur: &mut Vec<usize>, out: &mut V
         return;
     }
     for f in (2..=max.min(n)).rev() {
-        if n % f == 0 {
+        if n.is_multiple_of(f) {
             cur.push(f);
             collect(n / f, parts - 1, f, cur, out);
             cur.pop();

@@ -53,6 +53,7 @@ impl Dense {
         );
     }
 
+    #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
     pub fn backward(
         &mut self,
         shape: &TtShape,

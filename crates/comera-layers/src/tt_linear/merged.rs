@@ -53,6 +53,7 @@ impl Merged {
         );
     }
 
+    #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
     pub fn backward(
         &mut self,
         shape: &TtShape,
