@@ -1,4 +1,5 @@
 //! TtLinear and Linear proven by finite differences and by agreement of all contraction paths.
+#![allow(clippy::needless_range_loop)]
 
 use comera_layers::{Layer, Linear, RankGates, TtLinear};
 use comera_plan::TtPath;
