@@ -13,8 +13,14 @@
 // Index loops mirror the formulas in the comments (core c, bond c + 1, …); keep them.
 #![allow(clippy::needless_range_loop)]
 
+pub mod activation;
+pub mod attention;
+pub mod dropout;
+pub mod embedding;
 pub mod gates;
 pub mod linear;
+pub mod loss;
+pub mod norm;
 pub mod param;
 pub mod tt_linear;
 

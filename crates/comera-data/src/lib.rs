@@ -1,0 +1,1 @@
+//! Data: tokenisation, data-set loaders, fetching registry-packaged data sets.

@@ -1,0 +1,1 @@
+//! Element-wise activations (GELU, tanh) with backward.

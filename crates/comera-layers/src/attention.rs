@@ -1,0 +1,1 @@
+//! Multi-head self-attention with a padding mask.

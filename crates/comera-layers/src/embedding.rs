@@ -1,0 +1,1 @@
+//! Dense embedding table (baseline of TtmEmbedding), also used for position and token-type embeddings.
