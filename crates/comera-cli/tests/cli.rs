@@ -43,6 +43,26 @@ fn verify_passes_every_tt_linear_case() {
 }
 
 #[test]
+fn verify_passes_every_ttm_case() {
+    let mut files: Vec<String> = std::fs::read_dir(fixtures())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("ttm_"))
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert!(files.len() >= 3);
+    let mut args = vec!["verify"];
+    args.extend(files.iter().map(String::as_str));
+    let (code, text) = comera(&args);
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.contains("naive") && text.contains("optimized"),
+        "{text}"
+    );
+}
+
+#[test]
 fn verify_fails_on_missing_or_corrupt_files() {
     let dir = std::env::temp_dir().join(format!("comera-cli-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -1,1 +1,94 @@
 //! Element-wise activations (GELU, tanh) with backward.
+//!
+//! GELU, the exact erf form BERT uses:
+//!   y = ½·x·(1 + erf(x/√2)) = x·Φ(x),
+//!   dy/dx = Φ(x) + x·φ(x) = ½·(1 + erf(x/√2)) + x·exp(−x²/2)/√(2π).
+//! tanh:
+//!   y = tanh(x),   dy/dx = 1 − tanh²(x).
+//! Both backwards take the forward's *input* x (recomputing what they need), so no workspace is
+//! kept. `dx` is written; `*_in_place` variants overwrite `dy` with `dx`.
+
+use crate::check_len;
+
+/// 1/√2.
+const INV_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// 1/√(2π).
+const INV_SQRT_2PI: f32 = 0.398_942_3;
+
+/// `y = x·Φ(x)` (exact erf GELU).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Gelu;
+
+/// `y = tanh(x)`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Tanh;
+
+/// GELU of one value.
+#[inline]
+pub fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + libm::erff(x * INV_SQRT_2))
+}
+
+/// d GELU(x) / dx.
+#[inline]
+pub fn gelu_grad(x: f32) -> f32 {
+    let cdf = 0.5 * (1.0 + libm::erff(x * INV_SQRT_2));
+    let pdf = INV_SQRT_2PI * (-0.5 * x * x).exp();
+    cdf + x * pdf
+}
+
+impl Gelu {
+    /// `y = GELU(x)`, any shape.
+    pub fn forward(&self, x: &[f32], y: &mut [f32]) {
+        check_len("Gelu y", y.len(), x.len());
+        for (yi, &xi) in y.iter_mut().zip(x) {
+            *yi = gelu(xi);
+        }
+    }
+
+    /// `dx = dy ⊙ GELU'(x)`, x the forward's input.
+    pub fn backward(&self, x: &[f32], dy: &[f32], dx: &mut [f32]) {
+        check_len("Gelu dy", dy.len(), x.len());
+        check_len("Gelu dx", dx.len(), x.len());
+        for ((d, &g), &xi) in dx.iter_mut().zip(dy).zip(x) {
+            *d = g * gelu_grad(xi);
+        }
+    }
+
+    /// `d ← d ⊙ GELU'(x)`: `d` holds dy on entry and dx on return.
+    pub fn backward_in_place(&self, x: &[f32], d: &mut [f32]) {
+        check_len("Gelu d", d.len(), x.len());
+        for (g, &xi) in d.iter_mut().zip(x) {
+            *g *= gelu_grad(xi);
+        }
+    }
+}
+
+impl Tanh {
+    /// `y = tanh(x)`, any shape.
+    pub fn forward(&self, x: &[f32], y: &mut [f32]) {
+        check_len("Tanh y", y.len(), x.len());
+        for (yi, &xi) in y.iter_mut().zip(x) {
+            *yi = xi.tanh();
+        }
+    }
+
+    /// `dx = dy ⊙ (1 − tanh²(x))`, x the forward's input.
+    pub fn backward(&self, x: &[f32], dy: &[f32], dx: &mut [f32]) {
+        check_len("Tanh dy", dy.len(), x.len());
+        check_len("Tanh dx", dx.len(), x.len());
+        for ((d, &g), &xi) in dx.iter_mut().zip(dy).zip(x) {
+            let t = xi.tanh();
+            *d = g * (1.0 - t * t);
+        }
+    }
+
+    /// `d ← d ⊙ (1 − tanh²(x))`: `d` holds dy on entry and dx on return.
+    pub fn backward_in_place(&self, x: &[f32], d: &mut [f32]) {
+        check_len("Tanh d", d.len(), x.len());
+        for (g, &xi) in d.iter_mut().zip(x) {
+            let t = xi.tanh();
+            *g *= 1.0 - t * t;
+        }
+    }
+}

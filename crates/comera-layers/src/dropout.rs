@@ -1,1 +1,207 @@
-//! Seeded dropout.
+//! Seeded dropout with inverted scaling.
+//!
+//! Training: y_i = m_i·x_i/(1 − p) with m_i ∈ {0, 1}, P(m_i = 0) = p; backward
+//! dx_i = m_i·dy_i/(1 − p). Evaluation (or p = 0): y = x, dx = dy.
+//!
+//! The mask is a pure function of (seed, step, i): a counter-based hash
+//!   k = mix(seed ⊕ mix(step + φ)),   u_i = mix(k + (i + 1)·φ)   (mix = SplitMix64's finaliser,
+//!   φ = 0x9E3779B97F4A7C15), m_i = [⌊u_i / 2³²⌋ ≥ round(p·2³²)],
+//! so the same seed and step give the same mask on every machine and thread count, and no
+//! generator state is carried between steps. Give every dropout site its own seed. The mask is
+//! kept as a bitmask (1 = kept) in the workspace for backward.
+
+use crate::check_len;
+
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// SplitMix64's output function (a bijection on u64 with good avalanche).
+#[inline]
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Seeded inverted dropout with drop probability `p`.
+#[derive(Clone, Copy, Debug)]
+pub struct Dropout {
+    pub p: f32,
+    pub seed: u64,
+}
+
+/// The mask of the last forward, for a fixed number of elements.
+#[derive(Debug)]
+pub struct DropoutWorkspace {
+    len: usize,
+    /// Whether the last forward dropped anything (training with p > 0); if not, backward is
+    /// the identity.
+    active: bool,
+    bits: Vec<u64>, // (⌈len/64⌉), bit i%64 of word i/64 = m_i
+}
+
+impl DropoutWorkspace {
+    /// Whether element `i` was kept by the last forward (always true when it was the identity).
+    pub fn kept(&self, i: usize) -> bool {
+        assert!(
+            i < self.len,
+            "dropout mask index {i} out of range {}",
+            self.len
+        );
+        !self.active || (self.bits[i / 64] >> (i % 64)) & 1 == 1
+    }
+
+    /// Whether the last forward applied a mask (training with p > 0).
+    pub fn is_active(&self) -> bool {
+        self.active
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Dropout {
+    /// Panics unless 0 ≤ p < 1.
+    pub fn new(p: f32, seed: u64) -> Dropout {
+        assert!(
+            (0.0..1.0).contains(&p),
+            "dropout probability must be in [0, 1), got {p}"
+        );
+        Dropout { p, seed }
+    }
+
+    /// A workspace for buffers of `len` elements.
+    pub fn workspace(&self, len: usize) -> DropoutWorkspace {
+        DropoutWorkspace {
+            len,
+            active: false,
+            bits: vec![0; len.div_ceil(64)],
+        }
+    }
+
+    /// 1/(1 − p).
+    pub fn scale(&self) -> f32 {
+        1.0 / (1.0 - self.p)
+    }
+
+    /// Whether element `i` is kept at `step` (the mask formula; forward uses exactly this).
+    pub fn keep(&self, step: u64, i: usize) -> bool {
+        let key = self.key(step);
+        self.keep_with_key(key, i)
+    }
+
+    #[inline]
+    fn key(&self, step: u64) -> u64 {
+        mix64(self.seed ^ mix64(step.wrapping_add(GOLDEN)))
+    }
+
+    /// round(p·2³²) < 2³² since p < 1.
+    #[inline]
+    fn threshold(&self) -> u64 {
+        (self.p as f64 * 4_294_967_296.0).round() as u64
+    }
+
+    #[inline]
+    fn keep_with_key(&self, key: u64, i: usize) -> bool {
+        let u = mix64(key.wrapping_add((i as u64).wrapping_add(1).wrapping_mul(GOLDEN)));
+        (u >> 32) >= self.threshold()
+    }
+
+    /// Draws the mask for `step` into `ws` (or marks it inactive); returns whether active.
+    fn draw(&self, ws: &mut DropoutWorkspace, step: u64, train: bool) -> bool {
+        ws.active = train && self.p > 0.0;
+        if ws.active {
+            let key = self.key(step);
+            for (w, word) in ws.bits.iter_mut().enumerate() {
+                let mut bits = 0u64;
+                let n = (ws.len - w * 64).min(64);
+                for b in 0..n {
+                    bits |= (self.keep_with_key(key, w * 64 + b) as u64) << b;
+                }
+                *word = bits;
+            }
+        }
+        ws.active
+    }
+
+    /// `y = m ⊙ x / (1 − p)` with the mask of `step` when `train`, else `y = x`.
+    pub fn forward(
+        &self,
+        ws: &mut DropoutWorkspace,
+        step: u64,
+        train: bool,
+        x: &[f32],
+        y: &mut [f32],
+    ) {
+        check_len("Dropout x", x.len(), ws.len);
+        check_len("Dropout y", y.len(), ws.len);
+        if !self.draw(ws, step, train) {
+            y.copy_from_slice(x);
+            return;
+        }
+        apply_mask(&ws.bits, self.scale(), x, y);
+    }
+
+    /// [`Dropout::forward`] overwriting `x` with `y`.
+    pub fn forward_in_place(
+        &self,
+        ws: &mut DropoutWorkspace,
+        step: u64,
+        train: bool,
+        x: &mut [f32],
+    ) {
+        check_len("Dropout x", x.len(), ws.len);
+        if self.draw(ws, step, train) {
+            apply_mask_in_place(&ws.bits, self.scale(), x);
+        }
+    }
+
+    /// `dx = m ⊙ dy / (1 − p)` with the last forward's mask (`dx = dy` if it was the identity).
+    pub fn backward(&self, ws: &DropoutWorkspace, dy: &[f32], dx: &mut [f32]) {
+        check_len("Dropout dy", dy.len(), ws.len);
+        check_len("Dropout dx", dx.len(), ws.len);
+        if ws.active {
+            apply_mask(&ws.bits, self.scale(), dy, dx);
+        } else {
+            dx.copy_from_slice(dy);
+        }
+    }
+
+    /// [`Dropout::backward`] with `d` holding dy on entry and dx on return.
+    pub fn backward_in_place(&self, ws: &DropoutWorkspace, d: &mut [f32]) {
+        check_len("Dropout d", d.len(), ws.len);
+        if ws.active {
+            apply_mask_in_place(&ws.bits, self.scale(), d);
+        }
+    }
+}
+
+/// `out_i = m_i·scale·inp_i`.
+fn apply_mask(bits: &[u64], scale: f32, inp: &[f32], out: &mut [f32]) {
+    for ((o, i), &word) in out.chunks_mut(64).zip(inp.chunks(64)).zip(bits) {
+        for (b, (ov, &iv)) in o.iter_mut().zip(i).enumerate() {
+            *ov = if (word >> b) & 1 == 1 {
+                iv * scale
+            } else {
+                0.0
+            };
+        }
+    }
+}
+
+/// `v_i ← m_i·scale·v_i`.
+fn apply_mask_in_place(bits: &[u64], scale: f32, v: &mut [f32]) {
+    for (chunk, &word) in v.chunks_mut(64).zip(bits) {
+        for (b, x) in chunk.iter_mut().enumerate() {
+            *x = if (word >> b) & 1 == 1 {
+                *x * scale
+            } else {
+                0.0
+            };
+        }
+    }
+}

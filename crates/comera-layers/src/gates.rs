@@ -114,6 +114,69 @@ impl RankGates {
     }
 }
 
+/// Gating a core and taking gradients through the gate. A core's last axis is the gated bond
+/// (r_k entries); the other axes may be in any order as long as `core`, `grad` and `dh` agree.
+impl RankGates {
+    /// `h[.., j] = core[.., j] · g(gate[j])`.
+    pub fn gate_core(&self, core: &[f32], gate: &[f32], h: &mut [f32]) {
+        let r = gate.len();
+        for (hrow, crow) in h.chunks_exact_mut(r).zip(core.chunks_exact(r)) {
+            for ((hv, &cv), &d) in hrow.iter_mut().zip(crow).zip(gate) {
+                *hv = cv * self.value(d);
+            }
+        }
+    }
+
+    /// Given dH for H = G·diag(g(d)): `grad[.., j] += dh[.., j]·d_j` and
+    /// `gate_grad[j] += Σ dh[.., j]·core[.., j]`, for active entries j only.
+    pub fn accumulate_gated_grads(
+        &self,
+        core: &[f32],
+        grad: &mut [f32],
+        gate: &[f32],
+        gate_grad: &mut [f32],
+        dh: &[f32],
+    ) {
+        let r = gate.len();
+        for ((grow, crow), drow) in grad
+            .chunks_exact_mut(r)
+            .zip(core.chunks_exact(r))
+            .zip(dh.chunks_exact(r))
+        {
+            for j in 0..r {
+                let d = gate[j];
+                if self.is_active(d) {
+                    grow[j] += drow[j] * d;
+                    gate_grad[j] += drow[j] * crow[j];
+                }
+            }
+        }
+    }
+}
+
+/// Size measures of a layer's gate parameters (one `Param` per bond); `modes[k]` = s_k.
+impl RankGates {
+    /// S over gate parameters.
+    pub fn params_size_l0(&self, modes: &[usize], gates: &[crate::Param]) -> f64 {
+        let v: Vec<&[f32]> = gates.iter().map(|g| g.value.as_slice()).collect();
+        self.size_l0(modes, &v)
+    }
+
+    /// Ŝ over gate parameters.
+    pub fn params_size_l1(&self, modes: &[usize], gates: &[crate::Param]) -> f64 {
+        let v: Vec<&[f32]> = gates.iter().map(|g| g.value.as_slice()).collect();
+        self.size_l1(modes, &v)
+    }
+
+    /// Accumulates `scale · ∂Ŝ/∂d` into the gate parameters' gradients.
+    pub fn params_size_l1_grad(&self, modes: &[usize], gates: &mut [crate::Param], scale: f32) {
+        let values: Vec<Vec<f32>> = gates.iter().map(|g| g.value.clone()).collect();
+        let refs: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
+        let mut grads: Vec<&mut [f32]> = gates.iter_mut().map(|g| g.grad.as_mut_slice()).collect();
+        self.size_l1_grad(modes, &refs, scale, &mut grads);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -23,11 +23,14 @@ pub mod loss;
 pub mod norm;
 pub mod param;
 pub mod tt_linear;
+pub mod ttm_embedding;
 
+pub use embedding::{Embedding, EmbeddingError, EmbeddingLayer};
 pub use gates::RankGates;
 pub use linear::Linear;
 pub use param::{Param, ParamKind};
 pub use tt_linear::{TtLinear, TtLinearWorkspace};
+pub use ttm_embedding::{Lookup, TtmEmbedding, TtmWorkspace};
 
 use comera_tensor::ShapeError;
 

@@ -5,8 +5,10 @@
 //!   max|got − exp| ≤ tolerance × max(max|exp|, 1e-6).
 
 mod tt_linear;
+mod ttm_embedding;
 
 pub use tt_linear::verify_tt_linear;
+pub use ttm_embedding::verify_ttm_embedding;
 
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
@@ -314,6 +316,10 @@ pub fn verify(case: &RefCase) -> Result<Vec<Report>, RefCaseError> {
             reports.push(verify_tt_linear(case, None)?);
             Ok(reports)
         }
+        "ttm_embedding" => Ok(vec![
+            verify_ttm_embedding(case, comera_layers::Lookup::Naive)?,
+            verify_ttm_embedding(case, comera_layers::Lookup::Optimized)?,
+        ]),
         other => Err(RefCaseError::Unsupported {
             file: case.file.clone(),
             kind: other.into(),

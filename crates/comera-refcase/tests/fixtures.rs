@@ -55,6 +55,52 @@ fn every_tt_linear_case_passes_on_every_path() {
     }
 }
 
+#[test]
+fn every_ttm_embedding_case_passes_with_both_lookups() {
+    let files = cases("ttm_");
+    assert!(
+        files.len() >= 3,
+        "expected the ttm_* reference cases, found {files:?}"
+    );
+    for f in files {
+        let case = RefCase::load(&f).unwrap();
+        assert_eq!(case.kind().unwrap(), "ttm_embedding");
+        let reports = verify(&case).unwrap();
+        assert_eq!(reports.len(), 2, "naive and optimised lookups");
+        for r in reports {
+            assert!(r.checks.len() >= 3);
+            for c in &r.checks {
+                assert!(
+                    c.passed(),
+                    "{}: {} {}: error {:.3e}",
+                    f.display(),
+                    r.label,
+                    c.name,
+                    c.error
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn ttm_ids_out_of_range_are_errors() {
+    let f = cases("ttm_p2").pop().expect("ttm_p2 case");
+    let mut case = RefCase::load(&f).unwrap();
+    if let comera_refcase::TensorData::I64(v) = &mut case.tensors.get_mut("ids").unwrap().data {
+        v[3] = 45; // num_embeddings is 45
+    }
+    let err = verify(&case).unwrap_err().to_string();
+    assert!(
+        err.contains("id 45 at position 3") && err.contains("45 rows"),
+        "{err}"
+    );
+    let mut case = RefCase::load(&f).unwrap();
+    case.metadata.insert("num_embeddings".into(), "49".into()); // > 8·6
+    let err = verify(&case).unwrap_err().to_string();
+    assert!(err.contains("num_embeddings"), "{err}");
+}
+
 fn first_tt_case() -> (PathBuf, Vec<u8>) {
     let f = cases("tt_p2q2").pop().expect("tt_p2q2 case");
     let bytes = std::fs::read(&f).unwrap();

@@ -32,6 +32,16 @@ pub enum ShapeError {
     },
     #[error("ranks: boundary ranks must be 1, got {ranks:?}")]
     BoundaryRank { ranks: Vec<usize> },
+    #[error(
+        "vocab_modes has {vocab} factors but dim_modes has {dim}; a TTM core pairs one of each"
+    )]
+    CoreCount { vocab: usize, dim: usize },
+    #[error("num_embeddings = {rows}: must be between 1 and the product of vocab_modes {modes:?} = {capacity}")]
+    Rows {
+        rows: usize,
+        capacity: usize,
+        modes: Vec<usize>,
+    },
     #[error("ranks: bond {bond} has rank 0 ({ranks:?}); every rank must be at least 1")]
     ZeroRank { bond: usize, ranks: Vec<usize> },
 }
@@ -187,9 +197,132 @@ impl TtShape {
     }
 }
 
+/// The layout of a TTM embedding table: V ≤ ∏ v_k rows, D = ∏ e_k columns, p cores of shape
+/// (r_{k-1}, v_k, e_k, r_k). Row i is split into mixed-radix digits (i_1..i_p) over v, i_1
+/// slowest; column (c_1..c_p) over e, c_1 slowest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TtmShape {
+    vocab_modes: Vec<usize>,
+    dim_modes: Vec<usize>,
+    ranks: Vec<usize>,
+    num_embeddings: usize,
+}
+
+impl TtmShape {
+    pub fn new(
+        vocab_modes: &[usize],
+        dim_modes: &[usize],
+        ranks: &[usize],
+        num_embeddings: usize,
+    ) -> Result<Self, ShapeError> {
+        let capacity = mode_product("vocab_modes", vocab_modes)?;
+        mode_product("dim_modes", dim_modes)?;
+        if vocab_modes.len() != dim_modes.len() {
+            return Err(ShapeError::CoreCount {
+                vocab: vocab_modes.len(),
+                dim: dim_modes.len(),
+            });
+        }
+        if num_embeddings == 0 || num_embeddings > capacity {
+            return Err(ShapeError::Rows {
+                rows: num_embeddings,
+                capacity,
+                modes: vocab_modes.to_vec(),
+            });
+        }
+        check_ranks(ranks, vocab_modes.len())?;
+        Ok(TtmShape {
+            vocab_modes: vocab_modes.to_vec(),
+            dim_modes: dim_modes.to_vec(),
+            ranks: ranks.to_vec(),
+            num_embeddings,
+        })
+    }
+
+    /// Same rank on every inner bond.
+    pub fn uniform(
+        vocab_modes: &[usize],
+        dim_modes: &[usize],
+        rank: usize,
+        num_embeddings: usize,
+    ) -> Result<Self, ShapeError> {
+        let k = vocab_modes.len();
+        let ranks: Vec<usize> = (0..=k)
+            .map(|i| if i == 0 || i == k { 1 } else { rank })
+            .collect();
+        Self::new(vocab_modes, dim_modes, &ranks, num_embeddings)
+    }
+
+    pub fn vocab_modes(&self) -> &[usize] {
+        &self.vocab_modes
+    }
+    pub fn dim_modes(&self) -> &[usize] {
+        &self.dim_modes
+    }
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+    /// Number of cores p.
+    pub fn n_cores(&self) -> usize {
+        self.vocab_modes.len()
+    }
+    /// V, the number of rows.
+    pub fn num_embeddings(&self) -> usize {
+        self.num_embeddings
+    }
+    /// D = ∏ e_k.
+    pub fn dim(&self) -> usize {
+        self.dim_modes.iter().product()
+    }
+    /// Shape (r_{k-1}, v_k, e_k, r_k) of core k (0-based).
+    pub fn core_shape(&self, k: usize) -> [usize; 4] {
+        [
+            self.ranks[k],
+            self.vocab_modes[k],
+            self.dim_modes[k],
+            self.ranks[k + 1],
+        ]
+    }
+    pub fn core_len(&self, k: usize) -> usize {
+        self.core_shape(k).iter().product()
+    }
+    pub fn core_params(&self) -> usize {
+        (0..self.n_cores()).map(|k| self.core_len(k)).sum()
+    }
+    /// s_k = v_k·e_k, the per-core mode size in the size measure S.
+    pub fn size_modes(&self) -> Vec<usize> {
+        self.vocab_modes
+            .iter()
+            .zip(&self.dim_modes)
+            .map(|(v, e)| v * e)
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ttm_shapes_are_checked() {
+        let s = TtmShape::uniform(&[16, 20, 10, 10], &[4, 4, 8, 6], 32, 30522).unwrap();
+        assert_eq!(
+            (s.dim(), s.n_cores(), s.core_shape(1)),
+            (768, 4, [32, 20, 4, 32])
+        );
+        assert!(matches!(
+            TtmShape::uniform(&[16, 20], &[4, 4, 8], 3, 10),
+            Err(ShapeError::CoreCount { .. })
+        ));
+        assert!(matches!(
+            TtmShape::uniform(&[4, 4], &[4, 4], 3, 17),
+            Err(ShapeError::Rows { .. })
+        ));
+        assert!(matches!(
+            TtmShape::uniform(&[4, 4], &[4, 4], 3, 0),
+            Err(ShapeError::Rows { .. })
+        ));
+    }
 
     #[test]
     fn validates_modes_and_ranks() {

@@ -14,4 +14,4 @@ pub mod layout;
 pub mod permute;
 
 pub use gemm::{matmul, MatMut, MatRef};
-pub use layout::{ShapeError, TtShape};
+pub use layout::{ShapeError, TtShape, TtmShape};

@@ -530,6 +530,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut only: Option<Vec<String>> = None;
     let mut quick = false;
+    let mut shape_filter: Option<String> = None;
     let mut passes = 3usize;
     let mut i = 0;
     while i < args.len() {
@@ -539,6 +540,10 @@ fn main() {
                 only = Some(args[i].split(',').map(|s| s.trim().to_string()).collect());
             }
             "--quick" => quick = true,
+            "--shape" => {
+                i += 1;
+                shape_filter = Some(args[i].clone());
+            }
             "--passes" => {
                 i += 1;
                 passes = args[i].parse().expect("--passes N");
@@ -662,6 +667,11 @@ fn main() {
     let mut rows: Vec<Row> = Vec::new();
 
     for &(name, m, k, n, batch) in &shapes {
+        if let Some(f) = &shape_filter {
+            if !format!("{m}x{k}x{n}").contains(f.as_str()) {
+                continue;
+            }
+        }
         for op in [Op::NN, Op::TN, Op::NT] {
             let mut w = Workload::new(name, m, k, n, op, batch, &mut rng);
             let mut cells: Vec<Cell> = Vec::new();
@@ -685,6 +695,7 @@ fn main() {
                     );
                 }
             }
+            std::thread::sleep(Duration::from_millis(300));
             for pass in 0..cfg.passes {
                 let order: Vec<usize> = if pass % 2 == 0 {
                     (0..backends.len()).collect()
@@ -719,7 +730,8 @@ fn main() {
             eprint!("{name} {m}x{k}x{n} {:?}:", op);
             for (bi, c) in cells.iter().enumerate() {
                 let mut s = c.samples_ns_per_call.clone();
-                eprint!(" {}={}", backends[bi].label(), fmt_time(median(&mut s)));
+                let pm: Vec<String> = c.pass_medians.iter().map(|&x| fmt_time(x)).collect();
+                eprint!(" {}={} [{}]", backends[bi].label(), fmt_time(median(&mut s)), pm.join(" "));
             }
             eprintln!();
             rows.push(Row { name: w.name.clone(), prob: w.prob, batch, cells });

@@ -152,31 +152,21 @@ impl TtLinear {
             .collect()
     }
 
-    fn gate_values(&self) -> Vec<&[f32]> {
-        self.gates.iter().map(|g| g.value.as_slice()).collect()
-    }
-
     /// S: parameters of the surviving cores (SPEC §6).
     pub fn size_l0(&self) -> f64 {
-        self.rule.size_l0(&self.modes(), &self.gate_values())
+        self.rule.params_size_l0(&self.modes(), &self.gates)
     }
 
     /// Ŝ: the ℓ1 surrogate of S.
     pub fn size_l1(&self) -> f64 {
-        self.rule.size_l1(&self.modes(), &self.gate_values())
+        self.rule.params_size_l1(&self.modes(), &self.gates)
     }
 
     /// Accumulates `scale · ∂Ŝ/∂gates` into the gates' gradients.
     pub fn accumulate_size_l1_grad(&mut self, scale: f32) {
         let modes = self.modes();
-        let values: Vec<Vec<f32>> = self.gates.iter().map(|g| g.value.clone()).collect();
-        let refs: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
-        let mut grads: Vec<&mut [f32]> = self
-            .gates
-            .iter_mut()
-            .map(|g| g.grad.as_mut_slice())
-            .collect();
-        self.rule.size_l1_grad(&modes, &refs, scale, &mut grads);
+        self.rule
+            .params_size_l1_grad(&modes, &mut self.gates, scale);
     }
 
     /// The dense weight W = L·R (N × M) the cores represent, for tests and export.
@@ -200,56 +190,33 @@ impl TtLinear {
     /// H_c = G_c·diag(g(d_{c+1})) for every core.
     fn gate_cores(&self, h: &mut [Vec<f32>]) {
         let k = self.shape.n_cores();
-        for c in 0..k {
-            let core = &self.cores[c].value;
-            if c + 1 == k {
-                h[c].copy_from_slice(core);
-                continue;
-            }
-            let gate = &self.gates[c].value;
-            for (hrow, grow) in h[c]
-                .chunks_exact_mut(gate.len())
-                .zip(core.chunks_exact(gate.len()))
-            {
-                for ((hv, &gv), &d) in hrow.iter_mut().zip(grow).zip(gate) {
-                    *hv = gv * self.rule.value(d);
-                }
-            }
+        h[k - 1].copy_from_slice(&self.cores[k - 1].value);
+        for c in 0..k - 1 {
+            self.rule
+                .gate_core(&self.cores[c].value, &self.gates[c].value, &mut h[c]);
         }
     }
 
     /// dG_c += dH_c·diag(g), dd[j] += Σ dH_c[.., j]·G_c[.., j] (active entries only).
     fn accumulate_core_grads(&mut self, dh: &[Vec<f32>]) {
         let k = self.shape.n_cores();
-        for c in 0..k {
-            let core = &mut self.cores[c];
-            if c + 1 == k {
-                for (g, d) in core.grad.iter_mut().zip(&dh[c]) {
-                    *g += d;
-                }
-                continue;
-            }
-            let gate = &mut self.gates[c];
-            let r = gate.value.len();
-            for ((grow, vrow), drow) in core
-                .grad
-                .chunks_exact_mut(r)
-                .zip(core.value.chunks_exact(r))
-                .zip(dh[c].chunks_exact(r))
-            {
-                for j in 0..r {
-                    let d = gate.value[j];
-                    if self.rule.is_active(d) {
-                        grow[j] += drow[j] * d;
-                        gate.grad[j] += drow[j] * vrow[j];
-                    }
-                }
-            }
+        for (g, d) in self.cores[k - 1].grad.iter_mut().zip(&dh[k - 1]) {
+            *g += d;
+        }
+        for c in 0..k - 1 {
+            let (core, gate) = (&mut self.cores[c], &mut self.gates[c]);
+            self.rule.accumulate_gated_grads(
+                &core.value,
+                &mut core.grad,
+                &gate.value,
+                &mut gate.grad,
+                &dh[c],
+            );
         }
     }
 }
 
-fn check_threshold(t: f32) -> Result<(), LayerError> {
+pub(crate) fn check_threshold(t: f32) -> Result<(), LayerError> {
     if t.is_finite() && t >= 0.0 {
         Ok(())
     } else {

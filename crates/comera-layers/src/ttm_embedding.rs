@@ -1,0 +1,817 @@
+//! `TtmEmbedding`: a V × D embedding table held as p tensor-train-matrix cores with rank gates.
+//!
+//! Core k (0-based) has shape (r_k, v_k, e_k, r_{k+1}); id i has digits (i_0..i_{p-1}) over v
+//! (i_0 slowest) and E[i, (c_0..c_{p-1})] = F_0[0,i_0,c_0,:]·g_1·F_1[:,i_1,c_1,:]⋯F_{p-1}[:,i_{p-1},c_{p-1},0].
+//! For a fixed digit, slab(k, i) = F_k[:, i, :, :]·diag(g_{k+1}) is an r_k × e_k·r_{k+1} matrix;
+//! the engine keeps the gated cores permuted to (v_k, r_k, e_k, r_{k+1}) so every slab is one
+//! contiguous block.
+//!
+//! Chains. A left chain over cores 0..s for digits (i_0..i_{s-1}):
+//!   A_0 = slab(0, i_0) (e_0 × r_1),  A_k = A_{k-1} (e_0⋯e_{k-1} × r_k) · slab(k, i_k) → (e_0⋯e_k × r_{k+1});
+//! a right chain over cores s..p from the right:
+//!   B_{p-1} = slab(p-1, ·) (r_{p-1}·e_{p-1} × 1),  B_k = slab(k, i_k) (r_k·e_k × r_{k+1}) · B_{k+1} → (r_k × e_k⋯e_{p-1}).
+//! A row is A_{s-1} (E_L × r_s) · B_s (r_s × E_R), flattened row-major: exactly E[i].
+//!
+//! Two lookups, both exact:
+//! - `Naive`: one full left chain (s = p) per token.
+//! - `Optimized` (SPEC §2): deduplicate the batch's ids; split the cores at s (chosen by cost);
+//!   compute each distinct left half (i_0..i_{s-1}) and right half (i_s..) chain once per step;
+//!   one small GEMM per unique id; scatter rows back to tokens.
+//! Backward accumulates dY per unique id in token order, then into the half products, then
+//! through the chains into the slabs, always in sorted-id order: bit-identical for any thread
+//! count.
+
+use crate::embedding::{check_ids, EmbeddingError, EmbeddingLayer};
+use crate::{LayerError, Param, ParamKind, RankGates};
+use comera_tensor::permute::permute;
+use comera_tensor::{init, matmul, MatMut, MatRef, TtmShape};
+
+/// Which lookup a workspace runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    Naive,
+    Optimized,
+}
+
+impl Lookup {
+    pub fn name(self) -> &'static str {
+        match self {
+            Lookup::Naive => "naive",
+            Lookup::Optimized => "optimized",
+        }
+    }
+}
+
+/// A TTM embedding table.
+#[derive(Clone, Debug)]
+pub struct TtmEmbedding {
+    shape: TtmShape,
+    rule: RankGates,
+    /// Core k, shape (r_k, v_k, e_k, r_{k+1}).
+    pub cores: Vec<Param>,
+    /// Gate on bond k + 1 (between cores k and k + 1), length r_{k+1}.
+    pub gates: Vec<Param>,
+}
+
+impl TtmEmbedding {
+    /// Cores ~ N(0,1)·sqrt(std^(2/p) / r_{k+1}), so rows have entries of variance std²
+    /// (std = 1 matches a freshly initialised dense table); gates at 1.
+    pub fn new(
+        name: &str,
+        shape: TtmShape,
+        rule: RankGates,
+        std: f32,
+        rng: &mut init::Rng,
+    ) -> Result<TtmEmbedding, LayerError> {
+        crate::tt_linear::check_threshold(rule.threshold)?;
+        let p = shape.n_cores();
+        let var_k = (std as f64).powf(2.0 / p as f64);
+        let cores = (0..p)
+            .map(|k| {
+                let dims = shape.core_shape(k);
+                let mut v = vec![0.0; shape.core_len(k)];
+                init::fill_normal(rng, &mut v, (var_k / dims[3] as f64).sqrt() as f32);
+                Param::new(
+                    format!("{name}.core.{}", k + 1),
+                    &dims,
+                    ParamKind::TtCore,
+                    v,
+                )
+            })
+            .collect();
+        let gates = (1..p)
+            .map(|b| {
+                Param::new(
+                    format!("{name}.gate.{b}"),
+                    &[shape.ranks()[b]],
+                    ParamKind::RankGate,
+                    vec![1.0; shape.ranks()[b]],
+                )
+            })
+            .collect();
+        Ok(TtmEmbedding {
+            shape,
+            rule,
+            cores,
+            gates,
+        })
+    }
+
+    /// A table from given core and gate values, checked against `shape`.
+    pub fn from_parts(
+        name: &str,
+        shape: TtmShape,
+        rule: RankGates,
+        cores: Vec<Vec<f32>>,
+        gates: Vec<Vec<f32>>,
+    ) -> Result<TtmEmbedding, LayerError> {
+        crate::tt_linear::check_threshold(rule.threshold)?;
+        let p = shape.n_cores();
+        let bad = |pname: String, expected: Vec<usize>, got: usize| LayerError::ParamShape {
+            name: pname,
+            expected,
+            got: vec![got],
+        };
+        if cores.len() != p {
+            return Err(bad(format!("{name}.core (count)"), vec![p], cores.len()));
+        }
+        if gates.len() != p - 1 {
+            return Err(bad(
+                format!("{name}.gate (count)"),
+                vec![p - 1],
+                gates.len(),
+            ));
+        }
+        let mut cp = Vec::with_capacity(p);
+        for (k, v) in cores.into_iter().enumerate() {
+            let dims = shape.core_shape(k);
+            let pname = format!("{name}.core.{}", k + 1);
+            if v.len() != shape.core_len(k) {
+                return Err(bad(pname, dims.to_vec(), v.len()));
+            }
+            cp.push(Param::new(pname, &dims, ParamKind::TtCore, v));
+        }
+        let mut gp = Vec::with_capacity(p - 1);
+        for (b, v) in gates.into_iter().enumerate() {
+            let r = shape.ranks()[b + 1];
+            let pname = format!("{name}.gate.{}", b + 1);
+            if v.len() != r {
+                return Err(bad(pname, vec![r], v.len()));
+            }
+            gp.push(Param::new(pname, &[r], ParamKind::RankGate, v));
+        }
+        Ok(TtmEmbedding {
+            shape,
+            rule,
+            cores: cp,
+            gates: gp,
+        })
+    }
+
+    pub fn shape(&self) -> &TtmShape {
+        &self.shape
+    }
+
+    /// S: parameters of the surviving cores (s_k = v_k·e_k).
+    pub fn size_l0(&self) -> f64 {
+        self.rule
+            .params_size_l0(&self.shape.size_modes(), &self.gates)
+    }
+
+    /// Ŝ: the ℓ1 surrogate of S.
+    pub fn size_l1(&self) -> f64 {
+        self.rule
+            .params_size_l1(&self.shape.size_modes(), &self.gates)
+    }
+
+    /// Accumulates `scale · ∂Ŝ/∂gates` into the gates' gradients.
+    pub fn accumulate_size_l1_grad(&mut self, scale: f32) {
+        let modes = self.shape.size_modes();
+        self.rule
+            .params_size_l1_grad(&modes, &mut self.gates, scale);
+    }
+
+    /// A workspace for `tokens` ids with a chosen lookup.
+    pub fn workspace_with(&self, tokens: usize, lookup: Lookup) -> TtmWorkspace {
+        TtmWorkspace::new(&self.shape, tokens, lookup)
+    }
+
+    /// Gated cores in slab layout (v_k, r_k, e_k, r_{k+1}). Gating acts on the last axis only,
+    /// so it commutes with the permutation.
+    fn gate_cores(&self, ws: &mut TtmWorkspace) {
+        let p = self.shape.n_cores();
+        for k in 0..p {
+            let dims = self.shape.core_shape(k);
+            if k + 1 == p {
+                permute(&self.cores[k].value, &dims, &[1, 0, 2, 3], &mut ws.h[k]);
+            } else {
+                let tmp = &mut ws.scratch_core[..self.shape.core_len(k)];
+                permute(&self.cores[k].value, &dims, &[1, 0, 2, 3], tmp);
+                self.rule.gate_core(tmp, &self.gates[k].value, &mut ws.h[k]);
+            }
+        }
+    }
+
+    /// Core and gate gradients from dH (slab layout).
+    fn accumulate_core_grads(&mut self, ws: &mut TtmWorkspace) {
+        let p = self.shape.n_cores();
+        for k in 0..p {
+            let s = self.shape.core_shape(k);
+            let dk = &mut ws.scratch_core[..self.shape.core_len(k)];
+            permute(&ws.dh[k], &[s[1], s[0], s[2], s[3]], &[1, 0, 2, 3], dk);
+            let core = &mut self.cores[k];
+            if k + 1 == p {
+                for (g, d) in core.grad.iter_mut().zip(dk.iter()) {
+                    *g += d;
+                }
+            } else {
+                let gate = &mut self.gates[k];
+                self.rule.accumulate_gated_grads(
+                    &core.value,
+                    &mut core.grad,
+                    &gate.value,
+                    &mut gate.grad,
+                    dk,
+                );
+            }
+        }
+    }
+
+    /// The dense table (V × D) the cores represent, for tests and export.
+    pub fn dense_table(&self) -> Vec<f32> {
+        let v = self.shape.num_embeddings();
+        let ids: Vec<u32> = (0..v as u32).collect();
+        let mut ws = self.workspace_with(v, Lookup::Optimized);
+        let mut y = vec![0.0; v * self.shape.dim()];
+        self.forward(&mut ws, &ids, &mut y)
+            .expect("every id below V is valid");
+        y
+    }
+}
+
+/// Static facts of a chain split: digit strides, partial-product sizes and offsets.
+#[derive(Clone, Debug)]
+struct Layout {
+    p: usize,
+    split: usize,
+    r: Vec<usize>,
+    e: Vec<usize>,
+    v: Vec<usize>,
+    stride: Vec<usize>, // stride[k] = ∏_{j>k} v_j (digit k of id = id / stride[k] % v_k)
+    slab: Vec<usize>,   // r_k·e_k·r_{k+1}
+    eprefix: Vec<usize>, // e_0⋯e_{k-1}, k = 0..=p
+    esuffix: Vec<usize>, // e_k⋯e_{p-1}, k = 0..=p
+    lofs: Vec<usize>,   // offset of A_k in a left chain record, k < split
+    lper: usize,        // floats per left chain record
+    rofs: Vec<usize>,   // offset of B_k in a right chain record (index k - split), k ≥ split
+    rper: usize,        // floats per right chain record (1 when the right half is empty)
+}
+
+impl Layout {
+    fn new(shape: &TtmShape, split: usize) -> Layout {
+        let p = shape.n_cores();
+        let (r, e, v) = (
+            shape.ranks().to_vec(),
+            shape.dim_modes().to_vec(),
+            shape.vocab_modes().to_vec(),
+        );
+        let mut stride = vec![1; p];
+        for k in (0..p.saturating_sub(1)).rev() {
+            stride[k] = stride[k + 1] * v[k + 1];
+        }
+        let slab = (0..p).map(|k| r[k] * e[k] * r[k + 1]).collect();
+        let mut eprefix = vec![1; p + 1];
+        for k in 0..p {
+            eprefix[k + 1] = eprefix[k] * e[k];
+        }
+        let mut esuffix = vec![1; p + 1];
+        for k in (0..p).rev() {
+            esuffix[k] = esuffix[k + 1] * e[k];
+        }
+        let mut lofs = Vec::with_capacity(split);
+        let mut lper = 0;
+        for k in 0..split {
+            lofs.push(lper);
+            lper += eprefix[k + 1] * r[k + 1];
+        }
+        let mut rofs = Vec::with_capacity(p - split);
+        let mut rper = 0;
+        for k in split..p {
+            rofs.push(rper);
+            rper += r[k] * esuffix[k];
+        }
+        if split == p {
+            rper = 1;
+        }
+        Layout {
+            p,
+            split,
+            r,
+            e,
+            v,
+            stride,
+            slab,
+            eprefix,
+            esuffix,
+            lofs,
+            lper,
+            rofs,
+            rper,
+        }
+    }
+
+    fn digit(&self, id: usize, k: usize) -> usize {
+        (id / self.stride[k]) % self.v[k]
+    }
+
+    /// Left-half key of an id (digits 0..split) and right-half key (digits split..p).
+    fn keys(&self, id: usize) -> (usize, usize) {
+        let div = self.stride[self.split - 1];
+        (id / div, id % div)
+    }
+
+    /// A_{split-1}: the left partial (E_L × r_split) inside a left record.
+    fn lp<'a>(&self, rec: &'a [f32]) -> &'a [f32] {
+        let k = self.split - 1;
+        &rec[self.lofs[k]..self.lofs[k] + self.eprefix[k + 1] * self.r[k + 1]]
+    }
+
+    /// B_split: the right partial (r_split × E_R) inside a right record.
+    fn rp<'a>(&self, rec: &'a [f32]) -> &'a [f32] {
+        if self.split == self.p {
+            &rec[..1]
+        } else {
+            &rec[..self.r[self.split] * self.esuffix[self.split]]
+        }
+    }
+
+    fn slab<'a>(&self, h: &'a [Vec<f32>], k: usize, i: usize) -> &'a [f32] {
+        &h[k][i * self.slab[k]..(i + 1) * self.slab[k]]
+    }
+
+    /// Left chain over cores 0..split for the digits of `id`, into `rec` (lper floats).
+    fn left_chain(&self, h: &[Vec<f32>], id: usize, rec: &mut [f32]) {
+        let (r, e) = (&self.r, &self.e);
+        let s0 = self.slab(h, 0, self.digit(id, 0));
+        rec[..s0.len()].copy_from_slice(s0);
+        for k in 1..self.split {
+            let (prev, cur) = rec.split_at_mut(self.lofs[k]);
+            let rows = self.eprefix[k];
+            let w = e[k] * r[k + 1];
+            matmul(
+                MatMut::new(&mut cur[..rows * w], rows, w),
+                MatRef::new(&prev[self.lofs[k - 1]..], rows, r[k]),
+                MatRef::new(self.slab(h, k, self.digit(id, k)), r[k], w),
+                false,
+            );
+        }
+    }
+
+    /// Right chain over cores split..p for the digits of `id`, into `rec` (rper floats).
+    fn right_chain(&self, h: &[Vec<f32>], id: usize, rec: &mut [f32]) {
+        let (p, s, r, e) = (self.p, self.split, &self.r, &self.e);
+        if s == p {
+            rec[0] = 1.0;
+            return;
+        }
+        let last = self.slab(h, p - 1, self.digit(id, p - 1));
+        let o = self.rofs[p - 1 - s];
+        rec[o..o + last.len()].copy_from_slice(last);
+        for k in (s..p - 1).rev() {
+            let (head, tail) = rec.split_at_mut(self.rofs[k + 1 - s]);
+            let cols = self.esuffix[k + 1];
+            let o = self.rofs[k - s];
+            matmul(
+                MatMut::new(&mut head[o..o + r[k] * e[k] * cols], r[k] * e[k], cols),
+                MatRef::new(self.slab(h, k, self.digit(id, k)), r[k] * e[k], r[k + 1]),
+                MatRef::new(tail, r[k + 1], cols),
+                false,
+            );
+        }
+    }
+
+    /// Backward of `left_chain`: from dA_{split-1} in `d[0]`, accumulates into the slabs of dH.
+    fn left_chain_back(
+        &self,
+        h: &[Vec<f32>],
+        dh: &mut [Vec<f32>],
+        id: usize,
+        rec: &[f32],
+        d: &mut [Vec<f32>; 2],
+    ) {
+        let (r, e) = (&self.r, &self.e);
+        let [a, b] = d;
+        let (mut cur, mut next) = (a, b);
+        for k in (1..self.split).rev() {
+            let rows = self.eprefix[k];
+            let w = e[k] * r[k + 1];
+            let i = self.digit(id, k);
+            let da = MatRef::new(&cur[..rows * w], rows, w);
+            let slab_len = self.slab[k];
+            let dslab = &mut dh[k][i * slab_len..(i + 1) * slab_len];
+            matmul(
+                MatMut::new(dslab, r[k], w),
+                MatRef::new(&rec[self.lofs[k - 1]..], rows, r[k]).t(),
+                da,
+                true,
+            );
+            matmul(
+                MatMut::new(&mut next[..rows * r[k]], rows, r[k]),
+                da,
+                MatRef::new(self.slab(h, k, i), r[k], w).t(),
+                false,
+            );
+            std::mem::swap(&mut cur, &mut next);
+        }
+        let i = self.digit(id, 0);
+        let n = self.slab[0];
+        for (g, v) in dh[0][i * n..(i + 1) * n].iter_mut().zip(cur.iter()) {
+            *g += v;
+        }
+    }
+
+    /// Backward of `right_chain`: from dB_split in `d[0]`, accumulates into the slabs of dH.
+    fn right_chain_back(
+        &self,
+        h: &[Vec<f32>],
+        dh: &mut [Vec<f32>],
+        id: usize,
+        rec: &[f32],
+        d: &mut [Vec<f32>; 2],
+    ) {
+        let (p, s, r, e) = (self.p, self.split, &self.r, &self.e);
+        if s == p {
+            return;
+        }
+        let [a, b] = d;
+        let (mut cur, mut next) = (a, b);
+        for k in s..p - 1 {
+            let rows = r[k] * e[k];
+            let cols = self.esuffix[k + 1];
+            let i = self.digit(id, k);
+            let db = MatRef::new(&cur[..rows * cols], rows, cols);
+            let slab_len = self.slab[k];
+            let o = self.rofs[k + 1 - s];
+            let b_next = MatRef::new(&rec[o..], r[k + 1], cols);
+            matmul(
+                MatMut::new(&mut dh[k][i * slab_len..(i + 1) * slab_len], rows, r[k + 1]),
+                db,
+                b_next.t(),
+                true,
+            );
+            matmul(
+                MatMut::new(&mut next[..r[k + 1] * cols], r[k + 1], cols),
+                MatRef::new(self.slab(h, k, i), rows, r[k + 1]).t(),
+                db,
+                false,
+            );
+            std::mem::swap(&mut cur, &mut next);
+        }
+        let i = self.digit(id, p - 1);
+        let n = self.slab[p - 1];
+        for (g, v) in dh[p - 1][i * n..(i + 1) * n].iter_mut().zip(cur.iter()) {
+            *g += v;
+        }
+    }
+
+    /// Estimated FLOPs of one optimised step with this split (forward; backward is ~2×).
+    fn cost(&self, unique: usize) -> f64 {
+        let (p, s, r, e) = (self.p, self.split, &self.r, &self.e);
+        let n_left = unique.min(self.v[..s].iter().product()) as f64;
+        let n_right = if s == p {
+            0.0
+        } else {
+            unique.min(self.v[s..].iter().product()) as f64
+        };
+        let lf: f64 = (1..s)
+            .map(|k| 2.0 * (self.eprefix[k] * r[k] * e[k] * r[k + 1]) as f64)
+            .sum();
+        let rf: f64 = (s..p.saturating_sub(1))
+            .map(|k| 2.0 * (r[k] * e[k] * r[k + 1] * self.esuffix[k + 1]) as f64)
+            .sum();
+        let row = 2.0 * (self.eprefix[s] * r[s] * self.esuffix[s]) as f64;
+        n_left * lf + n_right * rf + unique as f64 * row
+    }
+}
+
+/// Scratch of the optimised lookup, sized for the worst case (every id distinct).
+#[derive(Debug)]
+struct Optimized {
+    order: Vec<(u32, u32)>,  // (id, token), sorted
+    uniq: Vec<u32>,          // distinct ids, ascending
+    seg: Vec<u32>,           // uniq[u] occupies order[seg[u]..seg[u+1]]
+    uleft: Vec<u32>,         // left slot of each unique id
+    uright: Vec<u32>,        // right slot of each unique id
+    left_ids: Vec<u32>,      // a representative id per left slot
+    right_ids: Vec<u32>,     // a representative id per right slot
+    rorder: Vec<(u32, u32)>, // (right key, unique index), sorted
+    lrec: Vec<f32>,          // left slots × lper
+    rrec: Vec<f32>,          // right slots × rper
+    rows: Vec<f32>,          // unique × D
+    drows: Vec<f32>,         // unique × D
+    dlp: Vec<f32>,           // left slots × E_L·r_s
+    drp: Vec<f32>,           // right slots × r_s·E_R
+}
+
+/// Saved per-token chains of the naive lookup.
+#[derive(Debug)]
+struct Naive {
+    rec: Vec<f32>, // tokens × lper (split = p)
+}
+
+/// Everything a TTM lookup of a fixed number of ids needs.
+#[derive(Debug)]
+pub struct TtmWorkspace {
+    tokens: usize,
+    lookup: Lookup,
+    layout: Layout,
+    h: Vec<Vec<f32>>,
+    dh: Vec<Vec<f32>>,
+    scratch_core: Vec<f32>,
+    d: [Vec<f32>; 2],
+    naive: Option<Naive>,
+    opt: Option<Optimized>,
+}
+
+impl TtmWorkspace {
+    fn new(shape: &TtmShape, tokens: usize, lookup: Lookup) -> TtmWorkspace {
+        let p = shape.n_cores();
+        let unique = tokens.min(shape.num_embeddings()).max(1);
+        let layout = match lookup {
+            Lookup::Naive => Layout::new(shape, p),
+            Lookup::Optimized => (1..=p)
+                .map(|s| Layout::new(shape, s))
+                .min_by(|a, b| a.cost(unique).total_cmp(&b.cost(unique)))
+                .expect("p ≥ 1"),
+        };
+        let h: Vec<Vec<f32>> = (0..p).map(|k| vec![0.0; shape.core_len(k)]).collect();
+        let maxcore = h.iter().map(Vec::len).max().unwrap_or(0);
+        let dmax = layout.lper.max(layout.rper).max(shape.dim());
+        let (naive, opt) = match lookup {
+            Lookup::Naive => (
+                Some(Naive {
+                    rec: vec![0.0; tokens * layout.lper],
+                }),
+                None,
+            ),
+            Lookup::Optimized => {
+                let s = layout.split;
+                let n_left = unique.min(shape.vocab_modes()[..s].iter().product());
+                let n_right = unique.min(shape.vocab_modes()[s..].iter().product());
+                let (el, er, rs) = (layout.eprefix[s], layout.esuffix[s], layout.r[s]);
+                let d = shape.dim();
+                (
+                    None,
+                    Some(Optimized {
+                        order: Vec::with_capacity(tokens),
+                        uniq: Vec::with_capacity(unique),
+                        seg: Vec::with_capacity(unique + 1),
+                        uleft: Vec::with_capacity(unique),
+                        uright: Vec::with_capacity(unique),
+                        left_ids: Vec::with_capacity(n_left),
+                        right_ids: Vec::with_capacity(n_right),
+                        rorder: Vec::with_capacity(unique),
+                        lrec: vec![0.0; n_left * layout.lper],
+                        rrec: vec![0.0; n_right * layout.rper],
+                        rows: vec![0.0; unique * d],
+                        drows: vec![0.0; unique * d],
+                        dlp: vec![0.0; n_left * el * rs],
+                        drp: vec![0.0; n_right * rs * er],
+                    }),
+                )
+            }
+        };
+        TtmWorkspace {
+            tokens,
+            lookup,
+            layout,
+            dh: h.clone(),
+            h,
+            scratch_core: vec![0.0; maxcore],
+            d: [vec![0.0; dmax], vec![0.0; dmax]],
+            naive,
+            opt,
+        }
+    }
+
+    pub fn lookup(&self) -> Lookup {
+        self.lookup
+    }
+
+    /// The core index where the optimised lookup splits left and right halves.
+    pub fn split(&self) -> usize {
+        self.layout.split
+    }
+
+    /// Bytes held by this workspace (its buffers' capacity).
+    pub fn bytes(&self) -> usize {
+        let v = |b: &[Vec<f32>]| b.iter().map(Vec::capacity).sum::<usize>();
+        let mut f = v(&self.h) + v(&self.dh) + self.scratch_core.capacity() + v(&self.d);
+        let mut pairs = 0;
+        if let Some(n) = &self.naive {
+            f += n.rec.capacity();
+        }
+        if let Some(o) = &self.opt {
+            f += o.lrec.capacity()
+                + o.rrec.capacity()
+                + o.rows.capacity()
+                + o.drows.capacity()
+                + o.dlp.capacity()
+                + o.drp.capacity();
+            f += o.uniq.capacity() + o.seg.capacity() + o.uleft.capacity() + o.uright.capacity();
+            f += o.left_ids.capacity() + o.right_ids.capacity();
+            pairs += o.order.capacity() + o.rorder.capacity();
+        }
+        4 * f + 8 * pairs
+    }
+}
+
+impl Optimized {
+    /// Deduplicates `ids` and assigns left/right half slots (no allocation: every vector was
+    /// reserved for the worst case).
+    fn index(&mut self, layout: &Layout, ids: &[u32]) {
+        self.order.clear();
+        self.order
+            .extend(ids.iter().enumerate().map(|(t, &id)| (id, t as u32)));
+        self.order.sort_unstable();
+        self.uniq.clear();
+        self.seg.clear();
+        for (pos, &(id, _)) in self.order.iter().enumerate() {
+            if self.uniq.last() != Some(&id) {
+                self.uniq.push(id);
+                self.seg.push(pos as u32);
+            }
+        }
+        self.seg.push(self.order.len() as u32);
+        // Left keys are non-decreasing along sorted ids.
+        self.uleft.clear();
+        self.left_ids.clear();
+        let mut last_key = usize::MAX;
+        for &id in &self.uniq {
+            let (lk, _) = layout.keys(id as usize);
+            if lk != last_key {
+                self.left_ids.push(id);
+                last_key = lk;
+            }
+            self.uleft.push((self.left_ids.len() - 1) as u32);
+        }
+        // Right keys: sort (key, unique index) pairs.
+        self.rorder.clear();
+        self.rorder.extend(
+            self.uniq
+                .iter()
+                .enumerate()
+                .map(|(u, &id)| (layout.keys(id as usize).1 as u32, u as u32)),
+        );
+        self.rorder.sort_unstable();
+        self.uright.clear();
+        self.uright.resize(self.uniq.len(), 0);
+        self.right_ids.clear();
+        let mut last_key = u32::MAX;
+        for &(rk, u) in &self.rorder {
+            if rk != last_key {
+                self.right_ids.push(self.uniq[u as usize]);
+                last_key = rk;
+            }
+            self.uright[u as usize] = (self.right_ids.len() - 1) as u32;
+        }
+    }
+}
+
+impl EmbeddingLayer for TtmEmbedding {
+    type Workspace = TtmWorkspace;
+
+    fn num_embeddings(&self) -> usize {
+        self.shape.num_embeddings()
+    }
+    fn dim(&self) -> usize {
+        self.shape.dim()
+    }
+
+    fn workspace(&self, tokens: usize) -> TtmWorkspace {
+        TtmWorkspace::new(&self.shape, tokens, Lookup::Optimized)
+    }
+
+    fn forward(
+        &self,
+        ws: &mut TtmWorkspace,
+        ids: &[u32],
+        y: &mut [f32],
+    ) -> Result<(), EmbeddingError> {
+        check_ids(ids, self.num_embeddings(), ws.tokens)?;
+        let d = self.dim();
+        crate::check_len("TtmEmbedding y", y.len(), ids.len() * d);
+        self.gate_cores(ws);
+        let l = &ws.layout;
+        if let Some(n) = &mut ws.naive {
+            for ((rec, row), &id) in n
+                .rec
+                .chunks_exact_mut(l.lper)
+                .zip(y.chunks_exact_mut(d))
+                .zip(ids)
+            {
+                l.left_chain(&ws.h, id as usize, rec);
+                row.copy_from_slice(l.lp(rec));
+            }
+        }
+        if let Some(o) = &mut ws.opt {
+            o.index(l, ids);
+            for (rec, &id) in o.lrec.chunks_exact_mut(l.lper).zip(&o.left_ids) {
+                l.left_chain(&ws.h, id as usize, rec);
+            }
+            for (rec, &id) in o.rrec.chunks_exact_mut(l.rper).zip(&o.right_ids) {
+                l.right_chain(&ws.h, id as usize, rec);
+            }
+            let s = l.split;
+            let (el, er, rs) = (l.eprefix[s], l.esuffix[s], l.r[s]);
+            for u in 0..o.uniq.len() {
+                let lrec = &o.lrec[o.uleft[u] as usize * l.lper..][..l.lper];
+                let rrec = &o.rrec[o.uright[u] as usize * l.rper..][..l.rper];
+                let row = &mut o.rows[u * d..(u + 1) * d];
+                matmul(
+                    MatMut::new(row, el, er),
+                    MatRef::new(l.lp(lrec), el, rs),
+                    MatRef::new(l.rp(rrec), rs, er),
+                    false,
+                );
+                for &(_, t) in &o.order[o.seg[u] as usize..o.seg[u + 1] as usize] {
+                    y[t as usize * d..(t as usize + 1) * d].copy_from_slice(row);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn backward(&mut self, ws: &mut TtmWorkspace, ids: &[u32], dy: &[f32]) {
+        let d = self.dim();
+        crate::check_len("TtmEmbedding dy", dy.len(), ids.len() * d);
+        assert_eq!(
+            ids.len(),
+            ws.tokens,
+            "TtmEmbedding backward: ids differ from the forward's"
+        );
+        for dh in &mut ws.dh {
+            dh.fill(0.0);
+        }
+        let l = &ws.layout;
+        if let Some(n) = &mut ws.naive {
+            for ((rec, g), &id) in n.rec.chunks_exact(l.lper).zip(dy.chunks_exact(d)).zip(ids) {
+                ws.d[0][..d].copy_from_slice(g);
+                l.left_chain_back(&ws.h, &mut ws.dh, id as usize, rec, &mut ws.d);
+            }
+        }
+        if let Some(o) = &mut ws.opt {
+            let s = l.split;
+            let (el, er, rs) = (l.eprefix[s], l.esuffix[s], l.r[s]);
+            let nu = o.uniq.len();
+            // dRow_u = Σ_{tokens of u} dY[t], in token order.
+            for u in 0..nu {
+                let acc = &mut o.drows[u * d..(u + 1) * d];
+                acc.fill(0.0);
+                for &(_, t) in &o.order[o.seg[u] as usize..o.seg[u + 1] as usize] {
+                    for (a, g) in acc
+                        .iter_mut()
+                        .zip(&dy[t as usize * d..(t as usize + 1) * d])
+                    {
+                        *a += g;
+                    }
+                }
+            }
+            // dLp += dRow·Rpᵀ, dRp += Lpᵀ·dRow, in unique-id order.
+            let (nl, nr) = (o.left_ids.len(), o.right_ids.len());
+            o.dlp[..nl * el * rs].fill(0.0);
+            o.drp[..nr * rs * er].fill(0.0);
+            for u in 0..nu {
+                let (ls, rsl) = (o.uleft[u] as usize, o.uright[u] as usize);
+                let drow = MatRef::new(&o.drows[u * d..(u + 1) * d], el, er);
+                let lp = MatRef::new(l.lp(&o.lrec[ls * l.lper..][..l.lper]), el, rs);
+                let rp = MatRef::new(l.rp(&o.rrec[rsl * l.rper..][..l.rper]), rs, er);
+                matmul(
+                    MatMut::new(&mut o.dlp[ls * el * rs..(ls + 1) * el * rs], el, rs),
+                    drow,
+                    rp.t(),
+                    true,
+                );
+                if s < l.p {
+                    matmul(
+                        MatMut::new(&mut o.drp[rsl * rs * er..(rsl + 1) * rs * er], rs, er),
+                        lp.t(),
+                        drow,
+                        true,
+                    );
+                }
+            }
+            for (slot, &id) in o.left_ids.iter().enumerate() {
+                ws.d[0][..el * rs].copy_from_slice(&o.dlp[slot * el * rs..(slot + 1) * el * rs]);
+                l.left_chain_back(
+                    &ws.h,
+                    &mut ws.dh,
+                    id as usize,
+                    &o.lrec[slot * l.lper..][..l.lper],
+                    &mut ws.d,
+                );
+            }
+            if s < l.p {
+                for (slot, &id) in o.right_ids.iter().enumerate() {
+                    ws.d[0][..rs * er]
+                        .copy_from_slice(&o.drp[slot * rs * er..(slot + 1) * rs * er]);
+                    l.right_chain_back(
+                        &ws.h,
+                        &mut ws.dh,
+                        id as usize,
+                        &o.rrec[slot * l.rper..][..l.rper],
+                        &mut ws.d,
+                    );
+                }
+            }
+        }
+        self.accumulate_core_grads(ws);
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        self.cores.iter().chain(&self.gates).collect()
+    }
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        self.cores.iter_mut().chain(self.gates.iter_mut()).collect()
+    }
+}
