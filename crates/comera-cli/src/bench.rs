@@ -10,6 +10,8 @@ use std::time::Instant;
 pub enum Bench {
     /// Forward+backward of the paper's TT linear layers on every path vs the dense layer.
     TtLinear(TtLinearArgs),
+    /// Forward+backward per looked-up id of TTM tables (optimised, naive) vs a dense gather.
+    Ttm(crate::bench_ttm::TtmArgs),
 }
 
 #[derive(clap::Args)]
@@ -212,5 +214,6 @@ fn tt_linear(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
 pub fn run(b: Bench) -> anyhow::Result<ExitCode> {
     match b {
         Bench::TtLinear(a) => tt_linear(a),
+        Bench::Ttm(a) => crate::bench_ttm::run(a),
     }
 }

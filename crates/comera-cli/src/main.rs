@@ -1,6 +1,7 @@
 //! `comera`: the command-line front end of the engine.
 
 mod bench;
+mod bench_ttm;
 mod factor;
 mod verify;
 

