@@ -12,7 +12,11 @@ fn tokenizer() -> BertTokenizer {
 fn examples(n: usize) -> Vec<Example> {
     (0..n)
         .map(|i| Example {
-            text_a: "the cat sat on the mat".split(' ').take(1 + i % 6).collect::<Vec<_>>().join(" "),
+            text_a: "the cat sat on the mat"
+                .split(' ')
+                .take(1 + i % 6)
+                .collect::<Vec<_>>()
+                .join(" "),
             text_b: (i % 2 == 1).then(|| "a dog".to_string()),
             label: i % 3,
         })
@@ -35,8 +39,14 @@ fn encode_gives_flat_fixed_length_rows() {
             None => tok.encode_single(&ex.text_a, 6).unwrap(),
         };
         assert_eq!(&d.input_ids[i * 6..(i + 1) * 6], &want.input_ids[..]);
-        assert_eq!(&d.token_type_ids[i * 6..(i + 1) * 6], &want.token_type_ids[..]);
-        assert_eq!(&d.attention_mask[i * 6..(i + 1) * 6], &want.attention_mask[..]);
+        assert_eq!(
+            &d.token_type_ids[i * 6..(i + 1) * 6],
+            &want.token_type_ids[..]
+        );
+        assert_eq!(
+            &d.attention_mask[i * 6..(i + 1) * 6],
+            &want.attention_mask[..]
+        );
     }
     // Rows of 5 or 6 words don't fit 4 word slots; pairs beyond 3 slots are cut too.
     assert!(d.truncated > 0 && d.truncated < 10, "{}", d.truncated);
@@ -62,7 +72,8 @@ fn batches_are_seeded_full_and_disjoint() {
                     !seen.contains(&i)
                         && &d.input_ids[i * 6..(i + 1) * 6] == row
                         && d.labels[i] == b.labels[r]
-                        && d.token_type_ids[i * 6..(i + 1) * 6] == b.token_type_ids[r * 6..(r + 1) * 6]
+                        && d.token_type_ids[i * 6..(i + 1) * 6]
+                            == b.token_type_ids[r * 6..(r + 1) * 6]
                 })
                 .expect("batch row comes from an unused dataset row");
             seen.insert(i);
@@ -97,7 +108,10 @@ fn split_is_seeded_disjoint_and_keeps_order() {
     let mut all: Vec<u32> = train.iter().chain(&valid).copied().collect();
     all.sort();
     assert_eq!(all, items);
-    assert_eq!(train_valid_split(items.clone(), 0.1, 42), (train, valid.clone()));
+    assert_eq!(
+        train_valid_split(items.clone(), 0.1, 42),
+        (train, valid.clone())
+    );
     assert_ne!(train_valid_split(items.clone(), 0.1, 43).1, valid);
 
     assert_eq!(train_valid_split(items.clone(), 0.0, 1).1.len(), 0);

@@ -73,10 +73,20 @@ fn a_row_with_a_stray_tab_names_its_line() {
         ),
         "{msg}"
     );
-    assert!(msg.contains(":3:") && msg.contains("expected 5 fields"), "{msg}");
+    assert!(
+        msg.contains(":3:") && msg.contains("expected 5 fields"),
+        "{msg}"
+    );
 
     let (err, _) = mnli_err(&format!("{MNLI_HEADER}\n0\tg\ta\tb\n"));
-    assert!(matches!(err, LoadError::ColumnCount { line: 2, found: 4, .. }));
+    assert!(matches!(
+        err,
+        LoadError::ColumnCount {
+            line: 2,
+            found: 4,
+            ..
+        }
+    ));
 }
 
 #[test]
@@ -94,7 +104,10 @@ fn an_unknown_label_names_line_field_and_label_set() {
 fn a_missing_column_names_the_column_and_the_header() {
     let (err, msg) = mnli_err("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tneutral\n");
     assert!(matches!(err, LoadError::MissingColumn { .. }), "{msg}");
-    assert!(msg.contains(":1:") && msg.contains("gold_label") && msg.contains("sentence2"), "{msg}");
+    assert!(
+        msg.contains(":1:") && msg.contains("gold_label") && msg.contains("sentence2"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -170,7 +183,11 @@ fn numeric_labels_binarised_at_a_threshold() {
     assert_eq!(set.examples[2].text_a, "flat");
     assert_eq!(set.label_names, ["<= 0", "> 0"]);
 
-    let path = write(dir.path(), "bad.tsv", b"id\tsentiment\ttext\n1\tvery\tgood\n");
+    let path = write(
+        dir.path(),
+        "bad.tsv",
+        b"id\tsentiment\ttext\n1\tvery\tgood\n",
+    );
     let msg = load_table(&path, &TableSpec::movie_snippets())
         .unwrap_err()
         .to_string();
@@ -201,7 +218,11 @@ mod parquet_files {
         let schema = Type::group_type_builder("schema")
             .with_fields(vec![
                 col("Age", PhysicalType::INT32, Repetition::REQUIRED),
-                col("Review Text", PhysicalType::BYTE_ARRAY, Repetition::OPTIONAL),
+                col(
+                    "Review Text",
+                    PhysicalType::BYTE_ARRAY,
+                    Repetition::OPTIONAL,
+                ),
                 col("Rating", PhysicalType::INT32, Repetition::REQUIRED),
                 col("Recommended IND", PhysicalType::INT32, Repetition::REQUIRED),
             ])
@@ -211,26 +232,38 @@ mod parquet_files {
             .set_compression(Compression::BROTLI(Default::default()))
             .build();
         let file = std::fs::File::create(&path).unwrap();
-        let mut writer = SerializedFileWriter::new(file, Arc::new(schema), Arc::new(props)).unwrap();
+        let mut writer =
+            SerializedFileWriter::new(file, Arc::new(schema), Arc::new(props)).unwrap();
         let mut rg = writer.next_row_group().unwrap();
         let n = ratings.len();
         // Age
         let mut c = rg.next_column().unwrap().unwrap();
         let ages: Vec<i32> = (0..n as i32).map(|i| 30 + i).collect();
-        c.typed::<Int32Type>().write_batch(&ages, None, None).unwrap();
+        c.typed::<Int32Type>()
+            .write_batch(&ages, None, None)
+            .unwrap();
         c.close().unwrap();
         // Review Text (nulls have definition level 0)
         let mut c = rg.next_column().unwrap().unwrap();
-        let values: Vec<ByteArray> = texts.iter().flatten().map(|t| ByteArray::from(*t)).collect();
+        let values: Vec<ByteArray> = texts
+            .iter()
+            .flatten()
+            .map(|t| ByteArray::from(*t))
+            .collect();
         let defs: Vec<i16> = texts.iter().map(|t| i16::from(t.is_some())).collect();
         c.typed::<ByteArrayType>()
             .write_batch(&values, Some(&defs), None)
             .unwrap();
         c.close().unwrap();
         // Rating, Recommended IND
-        for values in [ratings.to_vec(), ratings.iter().map(|&r| i32::from(r >= 4)).collect()] {
+        for values in [
+            ratings.to_vec(),
+            ratings.iter().map(|&r| i32::from(r >= 4)).collect(),
+        ] {
             let mut c = rg.next_column().unwrap().unwrap();
-            c.typed::<Int32Type>().write_batch(&values, None, None).unwrap();
+            c.typed::<Int32Type>()
+                .write_batch(&values, None, None)
+                .unwrap();
             c.close().unwrap();
         }
         rg.close().unwrap();
@@ -241,13 +274,23 @@ mod parquet_files {
     #[test]
     fn reviews_pick_text_and_label_and_drop_empty_text() {
         let dir = tempfile::tempdir().unwrap();
-        let texts = [Some("Love it"), None, Some("Too small"), Some("  "), Some("Fine")];
+        let texts = [
+            Some("Love it"),
+            None,
+            Some("Too small"),
+            Some("  "),
+            Some("Fine"),
+        ];
         let path = reviews_file(dir.path(), &texts, &[5, 4, 2, 3, 3]);
 
         let set = load_reviews(&path, ReviewLabel::Rating).unwrap();
         assert_eq!(
             set.examples,
-            vec![ex("Love it", None, 4), ex("Too small", None, 1), ex("Fine", None, 2)]
+            vec![
+                ex("Love it", None, 4),
+                ex("Too small", None, 1),
+                ex("Fine", None, 2)
+            ]
         );
         assert_eq!(set.dropped, 2);
         assert_eq!(set.label_names, ["1", "2", "3", "4", "5"]);
@@ -269,13 +312,19 @@ mod parquet_files {
         let path = reviews_file(dir.path(), &[Some("a"), Some("b"), Some("c")], &[5, 7, 1]);
         let err = load_reviews(&path, ReviewLabel::Rating).unwrap_err();
         let msg = err.to_string();
-        assert!(matches!(err, LoadError::ParquetValue { row: 2, .. }), "{msg}");
+        assert!(
+            matches!(err, LoadError::ParquetValue { row: 2, .. }),
+            "{msg}"
+        );
         assert!(msg.contains("Rating") && msg.contains("\"7\""), "{msg}");
 
         let err = load_parquet(&path, "Title", "Rating", &Labels::names(&["1"])).unwrap_err();
         let msg = err.to_string();
         assert!(matches!(err, LoadError::MissingColumn { .. }), "{msg}");
-        assert!(msg.contains("Title") && msg.contains("Review Text"), "{msg}");
+        assert!(
+            msg.contains("Title") && msg.contains("Review Text"),
+            "{msg}"
+        );
 
         let not_parquet = write(dir.path(), "x.parquet", b"not parquet at all");
         let err = load_parquet(&not_parquet, "a", "b", &Labels::Above(0.0)).unwrap_err();

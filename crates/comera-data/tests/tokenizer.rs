@@ -72,7 +72,9 @@ fn pair_truncation_is_longest_first() {
     assert!(e.truncated);
 
     // The second is the longer one.
-    let e = tiny().encode_pair("a", "the cat sat on the mat", 7).unwrap();
+    let e = tiny()
+        .encode_pair("a", "the cat sat on the mat", 7)
+        .unwrap();
     assert_eq!(e.input_ids, vec![2, 10, 3, 5, 6, 7, 3]);
 
     // Equal lengths: the second gives up the odd token.
@@ -104,7 +106,10 @@ fn missing_special_token_is_a_clear_error() {
     let vocab = VOCAB.replace("[SEP]\n", "");
     let err = BertTokenizer::from_vocab_text(&vocab, Path::new("no-sep.txt")).unwrap_err();
     let msg = err.to_string();
-    assert!(matches!(err, TokenizerError::MissingSpecial { .. }), "{msg}");
+    assert!(
+        matches!(err, TokenizerError::MissingSpecial { .. }),
+        "{msg}"
+    );
     assert!(msg.contains("[SEP]") && msg.contains("no-sep.txt"), "{msg}");
 
     let err = BertTokenizer::from_vocab_text("", Path::new("empty.txt")).unwrap_err();
@@ -117,7 +122,10 @@ fn duplicate_token_and_missing_file_are_errors() {
     let msg = BertTokenizer::from_vocab_text(&vocab, Path::new("dup.txt"))
         .unwrap_err()
         .to_string();
-    assert!(msg.contains("line 21") && msg.contains("line 7") && msg.contains("cat"), "{msg}");
+    assert!(
+        msg.contains("line 21") && msg.contains("line 7") && msg.contains("cat"),
+        "{msg}"
+    );
 
     let err = BertTokenizer::from_vocab_file(Path::new("/nonexistent/vocab.txt")).unwrap_err();
     assert!(err.to_string().contains("/nonexistent/vocab.txt"), "{err}");

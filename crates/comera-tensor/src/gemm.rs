@@ -8,6 +8,10 @@
 
 use gemm::Parallelism;
 
+/// Products with at most this many multiply-adds skip the backend: its dispatch and packing
+/// cost more than the arithmetic (TTM slab chains, per-id rows). Measured with `comera bench ttm`.
+const SMALL_MACS: usize = 1 << 14;
+
 /// Products with fewer multiply-adds than this run on one thread: below it, waking the pool
 /// costs more than it saves (measured on the tiny TT core contractions).
 const PARALLEL_MIN_MACS: usize = 1 << 18;
@@ -123,6 +127,10 @@ pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         }
         return;
     }
+    if m * n * k <= SMALL_MACS {
+        small_matmul(c, a, b, accumulate);
+        return;
+    }
     let threads = rayon::current_num_threads();
     let parallelism = if threads > 1 && m * n * k >= PARALLEL_MIN_MACS {
         Parallelism::Rayon(threads)
@@ -153,6 +161,34 @@ pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
             false,
             parallelism,
         );
+    }
+}
+
+/// `C (+)= A·B` for tiny operands: row by row, `C[i, :] += A[i, l] · B[l, :]`, which the
+/// compiler vectorises when B and C rows are contiguous.
+fn small_matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    for i in 0..m {
+        let crow = i * c.rs;
+        if !accumulate {
+            for j in 0..n {
+                c.data[crow + j * c.cs] = 0.0;
+            }
+        }
+        for l in 0..k {
+            let av = a.data[i * a.rs + l * a.cs];
+            let brow = l * b.rs;
+            if c.cs == 1 && b.cs == 1 {
+                let (cr, br) = (&mut c.data[crow..crow + n], &b.data[brow..brow + n]);
+                for (cv, &bv) in cr.iter_mut().zip(br) {
+                    *cv += av * bv;
+                }
+            } else {
+                for j in 0..n {
+                    c.data[crow + j * c.cs] += av * b.data[brow + j * b.cs];
+                }
+            }
+        }
     }
 }
 
@@ -196,6 +232,24 @@ mod tests {
             for j in 0..n {
                 assert!((ct[j * m + i] - 2.0 * want[i * n + j]).abs() < 1e-5);
             }
+        }
+    }
+
+    #[test]
+    fn large_products_match_naive_too() {
+        let (m, k, n) = (70, 40, 50);
+        let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.013).sin()).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.029).cos()).collect();
+        let want = naive(&a, &b, m, k, n);
+        let mut c = vec![0.0; m * n];
+        matmul(
+            MatMut::new(&mut c, m, n),
+            MatRef::new(&a, m, k),
+            MatRef::new(&b, k, n),
+            false,
+        );
+        for (x, y) in c.iter().zip(&want) {
+            assert!((x - y).abs() < 1e-4);
         }
     }
 
