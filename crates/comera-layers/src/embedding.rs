@@ -83,6 +83,9 @@ pub trait EmbeddingLayer {
 
     fn params(&self) -> Vec<&Param>;
     fn params_mut(&mut self) -> Vec<&mut Param>;
+
+    /// Calls `f` on every parameter without allocating.
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
 }
 
 /// A dense V × D table.
@@ -154,5 +157,8 @@ impl EmbeddingLayer for Embedding {
     }
     fn params_mut(&mut self) -> Vec<&mut Param> {
         vec![&mut self.table]
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        f(&mut self.table);
     }
 }

@@ -70,10 +70,12 @@ pub trait Layer {
     fn params(&self) -> Vec<&Param>;
     fn params_mut(&mut self) -> Vec<&mut Param>;
 
+    /// Calls `f` on every parameter, in the order of [`Layer::params`], without allocating
+    /// (optimiser steps use this).
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
+
     fn zero_grad(&mut self) {
-        for p in self.params_mut() {
-            p.grad.fill(0.0);
-        }
+        self.visit_params_mut(&mut |p| p.grad.fill(0.0));
     }
 
     /// Number of trainable scalars.

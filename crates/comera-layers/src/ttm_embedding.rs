@@ -815,4 +815,10 @@ impl EmbeddingLayer for TtmEmbedding {
     fn params_mut(&mut self) -> Vec<&mut Param> {
         self.cores.iter_mut().chain(self.gates.iter_mut()).collect()
     }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        self.cores
+            .iter_mut()
+            .chain(self.gates.iter_mut())
+            .for_each(f);
+    }
 }

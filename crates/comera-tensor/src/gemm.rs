@@ -114,6 +114,7 @@ pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     );
     assert_eq!((c.rows, c.cols), (a.rows, b.cols), "matmul output shape");
     let (m, n, k) = (a.rows, b.cols, a.cols);
+    stats::record(m, n, k, &c, &a, &b, accumulate);
     if m == 0 || n == 0 {
         return;
     }
@@ -258,5 +259,58 @@ mod tests {
     fn out_of_bounds_view_panics() {
         let d = [0.0f32; 5];
         let _ = MatRef::new(&d, 2, 3);
+    }
+}
+
+mod stats {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static S: Mutex<Option<(u64, HashMap<(usize, usize, usize, u8, u8, u8, bool), u64>)>> =
+        Mutex::new(None);
+    pub fn record(
+        m: usize,
+        n: usize,
+        k: usize,
+        c: &super::MatMut,
+        a: &super::MatRef,
+        b: &super::MatRef,
+        acc: bool,
+    ) {
+        if std::env::var_os("GEMM_STATS").is_none() {
+            return;
+        }
+        let lay = |rs: usize, cs: usize| {
+            if cs == 1 {
+                b'R'
+            } else if rs == 1 {
+                b'C'
+            } else {
+                b'S'
+            }
+        };
+        let mut g = S.lock().unwrap();
+        let e = g.get_or_insert_with(|| (0, HashMap::new()));
+        e.0 += 1;
+        *e.1.entry((
+            m,
+            n,
+            k,
+            lay(c.rs, c.cs),
+            lay(a.rs, a.cs),
+            lay(b.rs, b.cs),
+            acc,
+        ))
+        .or_default() += 1;
+        if e.0 % (1 << 15) == 0 {
+            let mut v: Vec<_> = e.1.iter().collect();
+            v.sort_by_key(|x| std::cmp::Reverse(*x.1));
+            eprintln!("--- {} calls", e.0);
+            for (key, cnt) in v.iter().take(25) {
+                eprintln!(
+                    "m{} n{} k{} c{} a{} b{} acc{}: {}",
+                    key.0, key.1, key.2, key.3 as char, key.4 as char, key.5 as char, key.6, cnt
+                );
+            }
+        }
     }
 }

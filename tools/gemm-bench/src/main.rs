@@ -563,7 +563,7 @@ fn main() {
         samples_per_pass: if quick { 5 } else { 15 },
         min_sample: Duration::from_millis(2),
         warmup: Duration::from_millis(if quick { 20 } else { 100 }),
-        foreign_thresh: 0.15,
+        foreign_thresh: 0.10,
         max_retries: 6,
         max_wait: Duration::from_secs(60),
     };
@@ -787,6 +787,32 @@ fn main() {
             } else {
                 print!(" {} |", txt);
             }
+        }
+        println!();
+    }
+    println!();
+    println!("## Best pass median per cell (GFLOP/s) — least-contended estimate");
+    println!();
+    print!("| shape m×k×n | op |");
+    for b in &backends {
+        print!(" {} |", b.label());
+    }
+    println!();
+    print!("|---|---|");
+    for _ in &backends {
+        print!("---:|");
+    }
+    println!();
+    for r in &rows {
+        let shape = if r.batch > 1 {
+            format!("{} {}×{}×{} (per call)", r.name, r.prob.m, r.prob.k, r.prob.n)
+        } else {
+            format!("{} {}×{}×{}", r.name, r.prob.m, r.prob.k, r.prob.n)
+        };
+        print!("| {} | {} |", shape, r.prob.op.label());
+        for c in &r.cells {
+            let best = c.pass_medians.iter().cloned().fold(f64::INFINITY, f64::min);
+            print!(" {} ({:.1}) |", fmt_time(best), r.prob.flops() / best);
         }
         println!();
     }

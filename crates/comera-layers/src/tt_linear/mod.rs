@@ -420,4 +420,11 @@ impl Layer for TtLinear {
             .chain(std::iter::once(&mut self.bias))
             .collect()
     }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        self.cores
+            .iter_mut()
+            .chain(self.gates.iter_mut())
+            .chain(std::iter::once(&mut self.bias))
+            .for_each(f);
+    }
 }

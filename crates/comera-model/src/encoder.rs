@@ -1,0 +1,729 @@
+//! The BERT-style encoder classifier of the paper (SPEC §5), dense or TT/TTM.
+//!
+//! Embeddings: x0 = Dropout(LN(word[ids] + pos[t] + type[types])).
+//! Post-LN block (BERT; pre-LN as an option, see below):
+//!   q, k, v = Q(x), K(x), V(x);  att = MHA(q, k, v; padding mask);  a = Dropout(O(att))
+//!   r1 = x + a;  x1 = LN1(r1);  f = Dropout(Down(GELU(Up(x1))));  r2 = x1 + f;  out = LN2(r2)
+//! Pre-LN block: l1 = LN1(x); … from l1 …; r1 = x + a; l2 = LN2(r1); f = …(l2); out = r1 + f,
+//! and a final LN after the last block.
+//! Head on the [CLS] (first) position: logits = C(Dropout(tanh(P(h_cls)))), softmax
+//! cross-entropy over the labels.
+//!
+//! [`EncoderState`] holds every activation, gradient scratch and layer workspace for one fixed
+//! (batch, seq_len), allocated once; a steady-state training step allocates nothing.
+
+use crate::any::{AnyLinear, AnyLinearWorkspace, WordEmbedding, WordEmbeddingWorkspace};
+use crate::config::{ConfigError, EncoderConfig};
+use comera_layers::activation::{Gelu, Tanh};
+use comera_layers::attention::{Attention, AttentionWorkspace};
+use comera_layers::dropout::{Dropout, DropoutWorkspace};
+use comera_layers::embedding::EmbeddingWorkspace;
+use comera_layers::linear::LinearWorkspace;
+use comera_layers::loss::CrossEntropy;
+use comera_layers::norm::{LayerNorm, LayerNormWorkspace};
+use comera_layers::{
+    Embedding, EmbeddingError, EmbeddingLayer, Layer, Linear, Param, RankGates, TtLinear,
+    TtmEmbedding,
+};
+use comera_tensor::init;
+
+/// One encoder block's layers.
+#[derive(Clone, Debug)]
+pub struct Block {
+    pub q: AnyLinear,
+    pub k: AnyLinear,
+    pub v: AnyLinear,
+    pub o: AnyLinear,
+    pub up: AnyLinear,
+    pub down: AnyLinear,
+    pub ln1: LayerNorm,
+    pub ln2: LayerNorm,
+}
+
+impl Block {
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        for l in [
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.o,
+            &mut self.up,
+            &mut self.down,
+        ] {
+            l.visit_params_mut(f);
+        }
+        self.ln1.visit_params_mut(f);
+        self.ln2.visit_params_mut(f);
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        let mut v = Vec::new();
+        for l in [&self.q, &self.k, &self.v, &self.o, &self.up, &self.down] {
+            v.extend(l.params());
+        }
+        v.extend(self.ln1.params());
+        v.extend(self.ln2.params());
+        v
+    }
+
+    fn linears(&self) -> [&AnyLinear; 6] {
+        [&self.q, &self.k, &self.v, &self.o, &self.up, &self.down]
+    }
+}
+
+/// The encoder classifier.
+#[derive(Clone, Debug)]
+pub struct Encoder {
+    pub cfg: EncoderConfig,
+    pub word: WordEmbedding,
+    pub pos: Embedding,
+    pub types: Embedding,
+    pub ln_emb: LayerNorm,
+    pub blocks: Vec<Block>,
+    /// Pre-LN only: the LN after the last block.
+    pub ln_final: Option<LayerNorm>,
+    pub pool: Linear,
+    pub classifier: Linear,
+    attn: Attention,
+    drop_emb: Dropout,
+    drop_attn: Vec<Dropout>,
+    drop_ffn: Vec<Dropout>,
+    drop_head: Dropout,
+    ce: CrossEntropy,
+}
+
+/// What one step saw.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepStats {
+    /// Mean cross-entropy over the batch.
+    pub loss: f64,
+    pub correct: usize,
+    pub count: usize,
+}
+
+impl Encoder {
+    /// A freshly initialised model (seeded; dropout masks also derive from `seed`).
+    pub fn new(cfg: &EncoderConfig, seed: u64) -> Result<Encoder, ConfigError> {
+        let layouts = cfg.validate()?;
+        let mut rng = init::rng(seed);
+        let rule = RankGates::new(cfg.threshold);
+        let (d, f) = (cfg.d_model, cfg.ffn);
+        let word = match &layouts.word {
+            Some(s) => WordEmbedding::Ttm(
+                TtmEmbedding::new("embeddings.word", s.clone(), rule, cfg.init_std, &mut rng)
+                    .map_err(|e| ConfigError {
+                        field: "model.word_ttm".into(),
+                        msg: e.to_string(),
+                    })?,
+            ),
+            None => WordEmbedding::Dense(Embedding::new(
+                "embeddings.word",
+                cfg.vocab_size,
+                d,
+                cfg.init_std,
+                &mut rng,
+            )),
+        };
+        let pos = Embedding::new(
+            "embeddings.position",
+            cfg.seq_len,
+            d,
+            cfg.init_std,
+            &mut rng,
+        );
+        let types = Embedding::new(
+            "embeddings.token_type",
+            cfg.type_vocab,
+            d,
+            cfg.init_std,
+            &mut rng,
+        );
+        let ln_emb = LayerNorm::with_eps("embeddings.ln", d, cfg.ln_eps);
+        let mut linear = |name: String,
+                          shape: &Option<comera_tensor::TtShape>,
+                          n: usize,
+                          m: usize|
+         -> Result<AnyLinear, ConfigError> {
+            Ok(match shape {
+                Some(s) => AnyLinear::Tt(TtLinear::new(&name, s.clone(), rule, &mut rng).map_err(
+                    |e| ConfigError {
+                        field: name.clone(),
+                        msg: e.to_string(),
+                    },
+                )?),
+                None => AnyLinear::Dense(Linear::new(&name, n, m, &mut rng)),
+            })
+        };
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            let p = format!("encoder.{l}");
+            blocks.push(Block {
+                q: linear(format!("{p}.attn.q"), &layouts.attn, d, d)?,
+                k: linear(format!("{p}.attn.k"), &layouts.attn, d, d)?,
+                v: linear(format!("{p}.attn.v"), &layouts.attn, d, d)?,
+                o: linear(format!("{p}.attn.o"), &layouts.attn, d, d)?,
+                up: linear(format!("{p}.ffn.up"), &layouts.ffn_up, d, f)?,
+                down: linear(format!("{p}.ffn.down"), &layouts.ffn_down, f, d)?,
+                ln1: LayerNorm::with_eps(&format!("{p}.ln1"), d, cfg.ln_eps),
+                ln2: LayerNorm::with_eps(&format!("{p}.ln2"), d, cfg.ln_eps),
+            });
+        }
+        let ln_final = cfg
+            .pre_ln
+            .then(|| LayerNorm::with_eps("encoder.ln_final", d, cfg.ln_eps));
+        let pool = Linear::new("pooler", d, d, &mut rng);
+        let classifier = Linear::new("classifier", d, cfg.num_labels, &mut rng);
+        let dseed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        Ok(Encoder {
+            cfg: cfg.clone(),
+            word,
+            pos,
+            types,
+            ln_emb,
+            blocks,
+            ln_final,
+            pool,
+            classifier,
+            attn: Attention::new(d, cfg.heads),
+            drop_emb: Dropout::new(cfg.dropout, dseed),
+            drop_attn: (0..cfg.layers)
+                .map(|l| Dropout::new(cfg.dropout, dseed + 1 + 2 * l as u64))
+                .collect(),
+            drop_ffn: (0..cfg.layers)
+                .map(|l| Dropout::new(cfg.dropout, dseed + 2 + 2 * l as u64))
+                .collect(),
+            drop_head: Dropout::new(cfg.dropout, dseed.wrapping_add(1 << 32)),
+            ce: CrossEntropy::with_ignore_index(cfg.num_labels, None),
+        })
+    }
+
+    /// Calls `f` on every parameter in a fixed order, without allocating.
+    pub fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        self.word.visit_params_mut(f);
+        self.pos.visit_params_mut(f);
+        self.types.visit_params_mut(f);
+        self.ln_emb.visit_params_mut(f);
+        for b in &mut self.blocks {
+            b.visit_params_mut(f);
+        }
+        if let Some(ln) = &mut self.ln_final {
+            ln.visit_params_mut(f);
+        }
+        self.pool.visit_params_mut(f);
+        self.classifier.visit_params_mut(f);
+    }
+
+    /// Every parameter, in the order of [`Encoder::visit_params_mut`].
+    pub fn params(&self) -> Vec<&Param> {
+        let mut v = self.word.params();
+        v.extend(self.pos.params());
+        v.extend(self.types.params());
+        v.extend(self.ln_emb.params());
+        for b in &self.blocks {
+            v.extend(b.params());
+        }
+        if let Some(ln) = &self.ln_final {
+            v.extend(ln.params());
+        }
+        v.extend(self.pool.params());
+        v.extend(self.classifier.params());
+        v
+    }
+
+    pub fn zero_grad(&mut self) {
+        self.visit_params_mut(&mut |p| p.grad.fill(0.0));
+    }
+
+    /// Trainable scalars.
+    pub fn num_params(&self) -> usize {
+        self.params().iter().map(|p| p.len()).sum()
+    }
+
+    /// Scalars of the same model with every layer dense.
+    pub fn dense_equivalent_params(&self) -> usize {
+        let tensorised: usize = self.word.params().iter().map(|p| p.len()).sum::<usize>()
+            + self
+                .blocks
+                .iter()
+                .flat_map(|b| b.linears())
+                .map(|l| l.params().iter().map(|p| p.len()).sum::<usize>())
+                .sum::<usize>();
+        let dense: usize = self.word.dense_equivalent()
+            + self
+                .blocks
+                .iter()
+                .flat_map(|b| b.linears())
+                .map(|l| l.dense_equivalent())
+                .sum::<usize>();
+        self.num_params() - tensorised + dense
+    }
+
+    /// Fresh activations and workspaces for `batch` sequences of `cfg.seq_len` tokens.
+    pub fn state(&self, batch: usize) -> EncoderState {
+        EncoderState::new(self, batch)
+    }
+
+    /// Forward pass on the batch loaded in `st`; with `train`, dropout is on (masks from
+    /// `step`) and dlogits is left ready for [`Encoder::backward`].
+    pub fn forward(
+        &self,
+        st: &mut EncoderState,
+        train: bool,
+        step: u64,
+    ) -> Result<StepStats, EmbeddingError> {
+        let (d, n) = (self.cfg.d_model, st.n);
+        // Embeddings.
+        self.word.forward(&mut st.ws_word, &st.ids, &mut st.emb)?;
+        self.pos
+            .forward(&mut st.ws_pos, &st.pos_ids, &mut st.tmp[0])?;
+        add_into(&mut st.emb, &st.tmp[0]);
+        self.types
+            .forward(&mut st.ws_type, &st.types, &mut st.tmp[0])?;
+        add_into(&mut st.emb, &st.tmp[0]);
+        self.ln_emb.forward(&mut st.ws_ln_emb, &st.emb, &mut st.x0);
+        self.drop_emb
+            .forward_in_place(&mut st.ws_drop_emb, step, train, &mut st.x0);
+        // Blocks.
+        for (l, blk) in self.blocks.iter().enumerate() {
+            let (done, rest) = st.blocks.split_at_mut(l);
+            let x: &[f32] = if l == 0 { &st.x0 } else { &done[l - 1].out };
+            let s = &mut rest[0];
+            let attn_in: &[f32] = if self.cfg.pre_ln {
+                blk.ln1.forward(&mut s.ws_ln1, x, &mut s.ln1_out);
+                &s.ln1_out
+            } else {
+                x
+            };
+            blk.q.forward(&mut s.ws_q, attn_in, &mut s.q);
+            blk.k.forward(&mut s.ws_k, attn_in, &mut s.k);
+            blk.v.forward(&mut s.ws_v, attn_in, &mut s.v);
+            interleave(&s.q, &s.k, &s.v, d, &mut s.qkv);
+            self.attn
+                .forward(&mut s.ws_attn, &s.qkv, Some(&st.mask), &mut s.att);
+            blk.o.forward(&mut s.ws_o, &s.att, &mut s.a);
+            self.drop_attn[l].forward_in_place(&mut s.ws_drop_attn, step, train, &mut s.a);
+            sum_into(x, &s.a, &mut s.r1);
+            let ffn_in: &[f32] = if self.cfg.pre_ln {
+                blk.ln2.forward(&mut s.ws_ln2, &s.r1, &mut s.ln2_out);
+                &s.ln2_out
+            } else {
+                blk.ln1.forward(&mut s.ws_ln1, &s.r1, &mut s.ln1_out);
+                &s.ln1_out
+            };
+            blk.up.forward(&mut s.ws_up, ffn_in, &mut s.h);
+            Gelu.forward(&s.h, &mut s.g);
+            blk.down.forward(&mut s.ws_down, &s.g, &mut s.f);
+            self.drop_ffn[l].forward_in_place(&mut s.ws_drop_ffn, step, train, &mut s.f);
+            if self.cfg.pre_ln {
+                sum_into(&s.r1, &s.f, &mut s.out);
+            } else {
+                sum_into(&s.ln1_out, &s.f, &mut s.r2);
+                blk.ln2.forward(&mut s.ws_ln2, &s.r2, &mut s.out);
+            }
+        }
+        // Head on [CLS].
+        let last = &st.blocks.last().expect("at least one layer").out;
+        let hidden: &[f32] = match &self.ln_final {
+            Some(ln) => {
+                ln.forward(&mut st.ws_ln_final, last, &mut st.x_final);
+                &st.x_final
+            }
+            None => last,
+        };
+        let t = self.cfg.seq_len;
+        for (b, row) in st.cls.chunks_exact_mut(d).enumerate() {
+            row.copy_from_slice(&hidden[b * t * d..b * t * d + d]);
+        }
+        debug_assert_eq!(n, st.b * t);
+        self.pool
+            .forward(&mut st.ws_pool, &st.cls, &mut st.pooled_pre);
+        Tanh.forward(&st.pooled_pre, &mut st.pooled);
+        self.drop_head
+            .forward_in_place(&mut st.ws_drop_head, step, train, &mut st.pooled);
+        self.classifier
+            .forward(&mut st.ws_cls, &st.pooled, &mut st.logits);
+        let stats = if train {
+            self.ce
+                .forward_backward(&st.logits, &st.labels, &mut st.dlogits)
+        } else {
+            self.ce.forward(&st.logits, &st.labels)
+        };
+        Ok(StepStats {
+            loss: stats.loss,
+            correct: stats.correct,
+            count: stats.count,
+        })
+    }
+
+    /// Backward of the last training forward: accumulates every parameter's gradient.
+    pub fn backward(&mut self, st: &mut EncoderState) {
+        let (d, t) = (self.cfg.d_model, self.cfg.seq_len);
+        // Head.
+        self.classifier.backward(
+            &mut st.ws_cls,
+            &st.pooled,
+            &st.dlogits,
+            Some(&mut st.dpooled),
+        );
+        self.drop_head
+            .backward_in_place(&st.ws_drop_head, &mut st.dpooled);
+        Tanh.backward_in_place(&st.pooled_pre, &mut st.dpooled);
+        self.pool
+            .backward(&mut st.ws_pool, &st.cls, &st.dpooled, Some(&mut st.dcls));
+        st.d.fill(0.0);
+        for (b, row) in st.dcls.chunks_exact(d).enumerate() {
+            st.d[b * t * d..b * t * d + d].copy_from_slice(row);
+        }
+        if let Some(ln) = &mut self.ln_final {
+            let last = &st.blocks.last().expect("at least one layer").out;
+            ln.backward(&mut st.ws_ln_final, last, &st.d, Some(&mut st.tmp[0]));
+            std::mem::swap(&mut st.d, &mut st.tmp[0]);
+        }
+        // Blocks, last to first: `st.d` holds ∂L/∂out on entry and ∂L/∂x on exit.
+        for l in (0..self.blocks.len()).rev() {
+            let (done, rest) = st.blocks.split_at_mut(l);
+            let x: &[f32] = if l == 0 { &st.x0 } else { &done[l - 1].out };
+            let s = &mut rest[0];
+            let blk = &mut self.blocks[l];
+            let [t1, t2, t3] = &mut st.tmp;
+            let pre = self.cfg.pre_ln;
+            // ∂L/∂r2 (post-LN) or ∂L/∂out (pre-LN) is the FFN output's gradient.
+            if pre {
+                t1.copy_from_slice(&st.d); // residual part of ∂L/∂r1
+            } else {
+                blk.ln2.backward(&mut s.ws_ln2, &s.r2, &st.d, Some(t1)); // ∂L/∂r2
+            }
+            t2.copy_from_slice(t1);
+            self.drop_ffn[l].backward_in_place(&s.ws_drop_ffn, t2);
+            blk.down
+                .backward(&mut s.ws_down, &s.g, t2, Some(&mut st.dg));
+            Gelu.backward_in_place(&s.h, &mut st.dg);
+            let ffn_in: &[f32] = if pre { &s.ln2_out } else { &s.ln1_out };
+            blk.up.backward(&mut s.ws_up, ffn_in, &st.dg, Some(t3));
+            if pre {
+                blk.ln2.backward(&mut s.ws_ln2, &s.r1, t3, Some(t2));
+                add_into(t1, t2); // t1 = ∂L/∂r1
+            } else {
+                add_into(t1, t3); // ∂L/∂x1
+                blk.ln1.backward(&mut s.ws_ln1, &s.r1, t1, Some(t2));
+                std::mem::swap(t1, t2); // t1 = ∂L/∂r1
+            }
+            // Attention branch: ∂L/∂a = ∂L/∂r1.
+            t2.copy_from_slice(t1);
+            self.drop_attn[l].backward_in_place(&s.ws_drop_attn, t2);
+            blk.o.backward(&mut s.ws_o, &s.att, t2, Some(t3));
+            self.attn.backward(&mut s.ws_attn, &s.qkv, t3, &mut st.dqkv);
+            split(&st.dqkv, d, &mut st.dq, &mut st.dk, &mut st.dv);
+            let attn_in: &[f32] = if pre { &s.ln1_out } else { x };
+            blk.q.backward(&mut s.ws_q, attn_in, &st.dq, Some(t2));
+            blk.k.backward(&mut s.ws_k, attn_in, &st.dk, Some(t3));
+            add_into(t2, t3);
+            blk.v.backward(&mut s.ws_v, attn_in, &st.dv, Some(t3));
+            add_into(t2, t3); // t2 = ∂L/∂(attention input)
+            if pre {
+                blk.ln1.backward(&mut s.ws_ln1, x, t2, Some(t3));
+                sum_into(t1, t3, &mut st.d);
+            } else {
+                sum_into(t1, t2, &mut st.d);
+            }
+        }
+        // Embeddings.
+        self.drop_emb.backward_in_place(&st.ws_drop_emb, &mut st.d);
+        let [t1, ..] = &mut st.tmp;
+        self.ln_emb
+            .backward(&mut st.ws_ln_emb, &st.emb, &st.d, Some(t1));
+        self.word.backward(&mut st.ws_word, &st.ids, t1);
+        self.pos.backward(&mut st.ws_pos, &st.pos_ids, t1);
+        self.types.backward(&mut st.ws_type, &st.types, t1);
+    }
+}
+
+fn add_into(acc: &mut [f32], x: &[f32]) {
+    for (a, v) in acc.iter_mut().zip(x) {
+        *a += v;
+    }
+}
+
+fn sum_into(a: &[f32], b: &[f32], out: &mut [f32]) {
+    for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
+        *o = x + y;
+    }
+}
+
+/// qkv[n] = [q[n] | k[n] | v[n]] (rows of width 3D).
+fn interleave(q: &[f32], k: &[f32], v: &[f32], d: usize, qkv: &mut [f32]) {
+    for (((row, q), k), v) in qkv
+        .chunks_exact_mut(3 * d)
+        .zip(q.chunks_exact(d))
+        .zip(k.chunks_exact(d))
+        .zip(v.chunks_exact(d))
+    {
+        row[..d].copy_from_slice(q);
+        row[d..2 * d].copy_from_slice(k);
+        row[2 * d..].copy_from_slice(v);
+    }
+}
+
+/// The inverse of [`interleave`].
+fn split(qkv: &[f32], d: usize, q: &mut [f32], k: &mut [f32], v: &mut [f32]) {
+    for (((row, q), k), v) in qkv
+        .chunks_exact(3 * d)
+        .zip(q.chunks_exact_mut(d))
+        .zip(k.chunks_exact_mut(d))
+        .zip(v.chunks_exact_mut(d))
+    {
+        q.copy_from_slice(&row[..d]);
+        k.copy_from_slice(&row[d..2 * d]);
+        v.copy_from_slice(&row[2 * d..]);
+    }
+}
+
+/// One block's saved activations and workspaces (N = batch·seq_len rows).
+#[derive(Debug)]
+pub struct BlockState {
+    ws_q: AnyLinearWorkspace,
+    ws_k: AnyLinearWorkspace,
+    ws_v: AnyLinearWorkspace,
+    ws_o: AnyLinearWorkspace,
+    ws_up: AnyLinearWorkspace,
+    ws_down: AnyLinearWorkspace,
+    ws_attn: AttentionWorkspace,
+    ws_ln1: LayerNormWorkspace,
+    ws_ln2: LayerNormWorkspace,
+    ws_drop_attn: DropoutWorkspace,
+    ws_drop_ffn: DropoutWorkspace,
+    q: Vec<f32>,       // N × D
+    k: Vec<f32>,       // N × D
+    v: Vec<f32>,       // N × D
+    qkv: Vec<f32>,     // N × 3D
+    att: Vec<f32>,     // N × D
+    a: Vec<f32>,       // N × D (after dropout)
+    r1: Vec<f32>,      // N × D
+    ln1_out: Vec<f32>, // N × D
+    ln2_out: Vec<f32>, // N × D (pre-LN only)
+    h: Vec<f32>,       // N × F
+    g: Vec<f32>,       // N × F
+    f: Vec<f32>,       // N × D (after dropout)
+    r2: Vec<f32>,      // N × D (post-LN only)
+    out: Vec<f32>,     // N × D
+}
+
+/// Everything a step of an [`Encoder`] needs for a fixed (batch, seq_len).
+#[derive(Debug)]
+pub struct EncoderState {
+    b: usize,
+    n: usize,
+    ids: Vec<u32>,
+    types: Vec<u32>,
+    pos_ids: Vec<u32>,
+    mask: Vec<u8>,
+    labels: Vec<i32>,
+    ws_word: WordEmbeddingWorkspace,
+    ws_pos: EmbeddingWorkspace,
+    ws_type: EmbeddingWorkspace,
+    ws_ln_emb: LayerNormWorkspace,
+    ws_drop_emb: DropoutWorkspace,
+    ws_ln_final: LayerNormWorkspace,
+    ws_pool: LinearWorkspace,
+    ws_cls: LinearWorkspace,
+    ws_drop_head: DropoutWorkspace,
+    emb: Vec<f32>, // N × D
+    x0: Vec<f32>,  // N × D
+    blocks: Vec<BlockState>,
+    x_final: Vec<f32>, // N × D (pre-LN only)
+    cls: Vec<f32>,     // B × D
+    pooled_pre: Vec<f32>,
+    pooled: Vec<f32>,
+    logits: Vec<f32>,   // B × C
+    dlogits: Vec<f32>,  // B × C
+    dpooled: Vec<f32>,  // B × D
+    dcls: Vec<f32>,     // B × D
+    d: Vec<f32>,        // N × D: the flowing gradient
+    tmp: [Vec<f32>; 3], // N × D scratch
+    dqkv: Vec<f32>,     // N × 3D
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+    dg: Vec<f32>, // N × F
+}
+
+impl EncoderState {
+    fn new(m: &Encoder, b: usize) -> EncoderState {
+        let c = &m.cfg;
+        let (t, d, f) = (c.seq_len, c.d_model, c.ffn);
+        let n = b * t;
+        let z = |len: usize| vec![0.0f32; len];
+        let blocks = m
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(l, blk)| BlockState {
+                ws_q: blk.q.workspace(n),
+                ws_k: blk.k.workspace(n),
+                ws_v: blk.v.workspace(n),
+                ws_o: blk.o.workspace(n),
+                ws_up: blk.up.workspace(n),
+                ws_down: blk.down.workspace(n),
+                ws_attn: m.attn.workspace(b, t),
+                ws_ln1: blk.ln1.workspace(n),
+                ws_ln2: blk.ln2.workspace(n),
+                ws_drop_attn: m.drop_attn[l].workspace(n * d),
+                ws_drop_ffn: m.drop_ffn[l].workspace(n * d),
+                q: z(n * d),
+                k: z(n * d),
+                v: z(n * d),
+                qkv: z(3 * n * d),
+                att: z(n * d),
+                a: z(n * d),
+                r1: z(n * d),
+                ln1_out: z(n * d),
+                ln2_out: if c.pre_ln { z(n * d) } else { Vec::new() },
+                h: z(n * f),
+                g: z(n * f),
+                f: z(n * d),
+                r2: if c.pre_ln { Vec::new() } else { z(n * d) },
+                out: z(n * d),
+            })
+            .collect();
+        let ln_final = m
+            .ln_final
+            .clone()
+            .unwrap_or_else(|| LayerNorm::new("unused", d));
+        EncoderState {
+            b,
+            n,
+            ids: vec![0; n],
+            types: vec![0; n],
+            pos_ids: (0..n).map(|i| (i % t) as u32).collect(),
+            mask: vec![1; n],
+            labels: vec![0; b],
+            ws_word: m.word.workspace(n),
+            ws_pos: m.pos.workspace(n),
+            ws_type: m.types.workspace(n),
+            ws_ln_emb: m.ln_emb.workspace(n),
+            ws_drop_emb: m.drop_emb.workspace(n * d),
+            ws_ln_final: ln_final.workspace(if m.ln_final.is_some() { n } else { 0 }),
+            ws_pool: m.pool.workspace(b),
+            ws_cls: m.classifier.workspace(b),
+            ws_drop_head: m.drop_head.workspace(b * d),
+            emb: z(n * d),
+            x0: z(n * d),
+            blocks,
+            x_final: if c.pre_ln { z(n * d) } else { Vec::new() },
+            cls: z(b * d),
+            pooled_pre: z(b * d),
+            pooled: z(b * d),
+            logits: z(b * c.num_labels),
+            dlogits: z(b * c.num_labels),
+            dpooled: z(b * d),
+            dcls: z(b * d),
+            d: z(n * d),
+            tmp: [z(n * d), z(n * d), z(n * d)],
+            dqkv: z(3 * n * d),
+            dq: z(n * d),
+            dk: z(n * d),
+            dv: z(n * d),
+            dg: z(n * f),
+        }
+    }
+
+    /// Number of sequences per step.
+    pub fn batch(&self) -> usize {
+        self.b
+    }
+
+    /// Copies one batch in: ids, token types and attention mask (batch × seq_len each, mask
+    /// 1 = real token) and one label per sequence. Lengths are checked.
+    pub fn load(
+        &mut self,
+        ids: &[u32],
+        types: &[u32],
+        mask: &[u32],
+        labels: &[usize],
+    ) -> Result<(), String> {
+        let n = self.n;
+        for (what, len) in [
+            ("input_ids", ids.len()),
+            ("token_type_ids", types.len()),
+            ("attention_mask", mask.len()),
+        ] {
+            if len != n {
+                return Err(format!(
+                    "{what}: {len} values, expected batch × seq_len = {n}"
+                ));
+            }
+        }
+        if labels.len() != self.b {
+            return Err(format!(
+                "labels: {} values, expected batch = {}",
+                labels.len(),
+                self.b
+            ));
+        }
+        self.ids.copy_from_slice(ids);
+        self.types.copy_from_slice(types);
+        for (m, &v) in self.mask.iter_mut().zip(mask) {
+            *m = (v != 0) as u8;
+        }
+        for (l, &v) in self.labels.iter_mut().zip(labels) {
+            *l = v as i32;
+        }
+        Ok(())
+    }
+
+    /// The logits of the last forward (batch × num_labels).
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+
+    /// Bytes of activations, gradients scratch and layer workspaces (excluding parameters).
+    pub fn bytes(&self) -> usize {
+        let f = |v: &Vec<f32>| 4 * v.capacity();
+        let mut total = [
+            &self.emb,
+            &self.x0,
+            &self.x_final,
+            &self.cls,
+            &self.pooled_pre,
+            &self.pooled,
+            &self.logits,
+        ]
+        .iter()
+        .map(|v| f(v))
+        .sum::<usize>();
+        total += [
+            &self.dlogits,
+            &self.dpooled,
+            &self.dcls,
+            &self.d,
+            &self.dqkv,
+            &self.dq,
+            &self.dk,
+            &self.dv,
+            &self.dg,
+        ]
+        .iter()
+        .map(|v| f(v))
+        .sum::<usize>();
+        total += self.tmp.iter().map(f).sum::<usize>();
+        total += WordEmbedding::workspace_bytes(&self.ws_word);
+        for s in &self.blocks {
+            total += [
+                &s.q, &s.k, &s.v, &s.qkv, &s.att, &s.a, &s.r1, &s.ln1_out, &s.ln2_out, &s.h, &s.g,
+                &s.f, &s.r2, &s.out,
+            ]
+            .iter()
+            .map(|v| f(v))
+            .sum::<usize>();
+            for w in [&s.ws_q, &s.ws_k, &s.ws_v, &s.ws_o, &s.ws_up, &s.ws_down] {
+                total += AnyLinear::workspace_bytes(w);
+            }
+            total += 4 * (s.ws_attn.probs().len() + self_t2(&s.ws_attn));
+        }
+        total
+    }
+}
+
+fn self_t2(ws: &AttentionWorkspace) -> usize {
+    ws.seq_len() * ws.seq_len()
+}
