@@ -17,14 +17,14 @@ pub enum AnyLinear {
 #[derive(Debug)]
 pub enum AnyLinearWorkspace {
     Dense(LinearWorkspace),
-    Tt(TtLinearWorkspace),
+    Tt(Box<TtLinearWorkspace>),
 }
 
 impl AnyLinear {
     pub fn workspace(&self, batch: usize) -> AnyLinearWorkspace {
         match self {
             AnyLinear::Dense(l) => AnyLinearWorkspace::Dense(l.workspace(batch)),
-            AnyLinear::Tt(l) => AnyLinearWorkspace::Tt(l.workspace(batch)),
+            AnyLinear::Tt(l) => AnyLinearWorkspace::Tt(Box::new(l.workspace(batch))),
         }
     }
 
@@ -91,14 +91,14 @@ pub enum WordEmbedding {
 #[derive(Debug)]
 pub enum WordEmbeddingWorkspace {
     Dense(EmbeddingWorkspace),
-    Ttm(TtmWorkspace),
+    Ttm(Box<TtmWorkspace>),
 }
 
 impl WordEmbedding {
     pub fn workspace(&self, tokens: usize) -> WordEmbeddingWorkspace {
         match self {
             WordEmbedding::Dense(e) => WordEmbeddingWorkspace::Dense(e.workspace(tokens)),
-            WordEmbedding::Ttm(e) => WordEmbeddingWorkspace::Ttm(e.workspace(tokens)),
+            WordEmbedding::Ttm(e) => WordEmbeddingWorkspace::Ttm(Box::new(e.workspace(tokens))),
         }
     }
 

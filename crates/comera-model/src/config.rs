@@ -160,7 +160,7 @@ impl EncoderConfig {
                 ),
             ));
         }
-        if self.d_model % self.heads != 0 {
+        if !self.d_model.is_multiple_of(self.heads) {
             return Err(err(
                 "model.heads",
                 format!(

@@ -219,6 +219,10 @@ const DOT_MIN_K: usize = 16;
 /// Lanes of the dot form's partial sums.
 const DOT_W: usize = 8;
 
+/// C narrower than this many columns avoids the row-axpy form (its row chunks would be
+/// shorter than a 16-lane tile): column form when A is a transposed view, dot form otherwise.
+const NARROW_N: usize = 16;
+
 thread_local! {
     /// Scratch for a packed B and for a strided C (at most `SMALL_MACS` floats each).
     static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
@@ -304,14 +308,31 @@ fn small_avx2_fma(p: Small<'_>) {
 #[inline(always)]
 fn small_kernels<M: MulAdd>(p: Small<'_>) {
     let (a, b) = (p.a, p.b);
-    let k = a.cols;
-    if b.cs == 1 {
-        axpy_form::<M>(p.c, p.crs, a, b.data, b.rs, b.cols, p.accumulate);
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    if n < NARROW_N && a.rs == 1 && m >= 8 {
+        column_form::<M>(p);
+    } else if n < NARROW_N && a.cs == 1 && k >= DOT_MIN_K {
+        if b.rs == 1 {
+            dot_form::<M>(p.c, p.crs, a, b.data, b.cs, n, p.accumulate);
+        } else {
+            // Bᵀ (n × k, row-major) is tiny here.
+            let mut bt = SCRATCH.with(|s| std::mem::take(&mut s.borrow_mut().0));
+            bt.clear();
+            bt.resize(k * n, 0.0);
+            for (j, col) in bt.chunks_exact_mut(k).enumerate() {
+                for (l, v) in col.iter_mut().enumerate() {
+                    *v = b.data[l * b.rs + j * b.cs];
+                }
+            }
+            dot_form::<M>(p.c, p.crs, a, &bt, k, n, p.accumulate);
+            SCRATCH.with(|s| s.borrow_mut().0 = bt);
+        }
+    } else if b.cs == 1 {
+        axpy_form::<M>(p.c, p.crs, a, b.data, b.rs, n, p.accumulate);
     } else if b.rs == 1 && a.cs == 1 && k >= DOT_MIN_K {
-        dot_form::<M>(p);
+        dot_form::<M>(p.c, p.crs, a, b.data, b.cs, n, p.accumulate);
     } else {
         // Pack B row-major (k × n), reading it along its contiguous axis when it has one.
-        let n = b.cols;
         let mut bp = SCRATCH.with(|s| std::mem::take(&mut s.borrow_mut().0));
         bp.clear();
         bp.resize(k * n, 0.0);
@@ -331,6 +352,99 @@ fn small_kernels<M: MulAdd>(p: Small<'_>) {
         }
         axpy_form::<M>(p.c, p.crs, a, &bp, n, n, p.accumulate);
         SCRATCH.with(|s| s.borrow_mut().0 = bp);
+    }
+}
+
+/// `C (+)= A·B` for narrow C (n < `NARROW_N`) with A columns contiguous (a transposed view):
+/// `C[i.., j] += A[i.., l] · B[l, j]`, vectorised over 16, 8 or 4 rows of C.
+#[inline(always)]
+fn column_form<M: MulAdd>(p: Small<'_>) {
+    let (a, b) = (p.a, p.b);
+    let m = a.rows;
+    let mut i = 0;
+    while i + 16 <= m {
+        column_rows::<M, 16>(p.c, p.crs, a, b, i, p.accumulate);
+        i += 16;
+    }
+    if i + 8 <= m {
+        column_rows::<M, 8>(p.c, p.crs, a, b, i, p.accumulate);
+        i += 8;
+    }
+    if i + 4 <= m {
+        column_rows::<M, 4>(p.c, p.crs, a, b, i, p.accumulate);
+        i += 4;
+    }
+    while i < m {
+        column_rows::<M, 1>(p.c, p.crs, a, b, i, p.accumulate);
+        i += 1;
+    }
+}
+
+/// Rows `i0..i0 + H` of a narrow C, in groups of up to 4 columns.
+#[inline(always)]
+fn column_rows<M: MulAdd, const H: usize>(
+    c: &mut [f32],
+    crs: usize,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    i0: usize,
+    accumulate: bool,
+) {
+    let n = b.cols;
+    let c = &mut c[i0 * crs..];
+    let (acs, a) = (a.cs, &a.data[i0..]);
+    let mut j = 0;
+    while j + 4 <= n {
+        column_tile::<M, H, 4>(c, crs, a, acs, b, j, accumulate);
+        j += 4;
+    }
+    if j + 2 <= n {
+        column_tile::<M, H, 2>(c, crs, a, acs, b, j, accumulate);
+        j += 2;
+    }
+    if j < n {
+        column_tile::<M, H, 1>(c, crs, a, acs, b, j, accumulate);
+    }
+}
+
+/// `C[0..H, j0..j0 + Q] (+)= A[0..H, :] · B[:, j0..j0 + Q]`, column l of A's H rows at
+/// `a[l * acs..][..H]`; the tile is held in registers and written back strided once.
+#[inline(always)]
+fn column_tile<M: MulAdd, const H: usize, const Q: usize>(
+    c: &mut [f32],
+    crs: usize,
+    a: &[f32],
+    acs: usize,
+    b: MatRef<'_>,
+    j0: usize,
+    accumulate: bool,
+) {
+    let mut acc = [[0.0f32; H]; Q];
+    let bd = &b.data[j0 * b.cs..];
+    for l in 0..b.rows {
+        let av: &[f32; H] = a[l * acs..][..H].try_into().expect("H elements");
+        let bl = &bd[l * b.rs..];
+        let mut ys = [0.0f32; Q];
+        for (q, y) in ys.iter_mut().enumerate() {
+            *y = bl[q * b.cs];
+        }
+        for q in 0..Q {
+            for t in 0..H {
+                acc[q][t] = M::mul_add(av[t], ys[q], acc[q][t]);
+            }
+        }
+    }
+    // Transpose the tile through memory: C rows are contiguous, the tile's vectors are not.
+    let acc = std::hint::black_box(acc);
+    for t in 0..H {
+        let row = &mut c[t * crs + j0..][..Q];
+        for (q, v) in row.iter_mut().enumerate() {
+            *v = if accumulate {
+                *v + acc[q][t]
+            } else {
+                acc[q][t]
+            };
+        }
     }
 }
 
@@ -506,30 +620,61 @@ fn axpy_tile<M: MulAdd, const R: usize, const W: usize, P: APanel<R>>(
     }
 }
 
-/// `C (+)= A·B` with A rows and B columns contiguous: dot products of length k.
+/// `C (+)= A·B` with A rows contiguous and column j of B at `bt[j * bts..][..k]`: dot
+/// products of length k, in tiles of 4 rows × 2 columns.
 #[inline(always)]
-fn dot_form<M: MulAdd>(mut p: Small<'_>) {
-    let (m, n) = (p.a.rows, p.b.cols);
+fn dot_form<M: MulAdd>(
+    c: &mut [f32],
+    crs: usize,
+    a: MatRef<'_>,
+    bt: &[f32],
+    bts: usize,
+    n: usize,
+    accumulate: bool,
+) {
+    let m = a.rows;
     let mut i = 0;
     while i < m {
         let r = (m - i).min(4);
         let mut j = 0;
         while j < n {
             let q = (n - j).min(2);
+            let t = Dot {
+                c: &mut *c,
+                crs,
+                a,
+                bt,
+                bts,
+                i0: i,
+                j0: j,
+                accumulate,
+            };
             match (r, q) {
-                (4, 2) => dot_tile::<M, 4, 2>(&mut p, i, j),
-                (4, _) => dot_tile::<M, 4, 1>(&mut p, i, j),
-                (3, 2) => dot_tile::<M, 3, 2>(&mut p, i, j),
-                (3, _) => dot_tile::<M, 3, 1>(&mut p, i, j),
-                (2, 2) => dot_tile::<M, 2, 2>(&mut p, i, j),
-                (2, _) => dot_tile::<M, 2, 1>(&mut p, i, j),
-                (_, 2) => dot_tile::<M, 1, 2>(&mut p, i, j),
-                _ => dot_tile::<M, 1, 1>(&mut p, i, j),
+                (4, 2) => dot_tile::<M, 4, 2>(t),
+                (4, _) => dot_tile::<M, 4, 1>(t),
+                (3, 2) => dot_tile::<M, 3, 2>(t),
+                (3, _) => dot_tile::<M, 3, 1>(t),
+                (2, 2) => dot_tile::<M, 2, 2>(t),
+                (2, _) => dot_tile::<M, 2, 1>(t),
+                (_, 2) => dot_tile::<M, 1, 2>(t),
+                _ => dot_tile::<M, 1, 1>(t),
             }
             j += q;
         }
         i += r;
     }
+}
+
+/// One dot-form tile's operands.
+struct Dot<'s> {
+    c: &'s mut [f32],
+    crs: usize,
+    a: MatRef<'s>,
+    bt: &'s [f32],
+    bts: usize,
+    i0: usize,
+    j0: usize,
+    accumulate: bool,
 }
 
 /// `acc[t] += a[t] · b[t]` for the 8 lanes (one vector FMA once inlined).
@@ -555,11 +700,11 @@ fn padded(s: &[f32]) -> [f32; DOT_W] {
 }
 
 #[inline(always)]
-fn dot_tile<M: MulAdd, const R: usize, const Q: usize>(p: &mut Small<'_>, i0: usize, j0: usize) {
-    let (a, b) = (p.a, p.b);
+fn dot_tile<M: MulAdd, const R: usize, const Q: usize>(p: Dot<'_>) {
+    let (a, i0, j0) = (p.a, p.i0, p.j0);
     let k = a.cols;
     let arows: [&[f32]; R] = std::array::from_fn(|r| &a.data[(i0 + r) * a.rs..][..k]);
-    let bcols: [&[f32]; Q] = std::array::from_fn(|q| &b.data[(j0 + q) * b.cs..][..k]);
+    let bcols: [&[f32]; Q] = std::array::from_fn(|q| &p.bt[(j0 + q) * p.bts..][..k]);
     let mut acc = [[[0.0f32; DOT_W]; Q]; R];
     let kw = k - k % DOT_W;
     let mut l = 0;
@@ -866,7 +1011,7 @@ mod tests {
             best
         };
         println!(
-            "{:>5} {:>5} {:>5} A B acc   matmul_ns   gemm_ns  ratio",
+            "{:>5} {:>5} {:>5} A B acc   matmul_ns  small_ns   gemm_ns small/gemm",
             "m", "n", "k"
         );
         // SMALL_SHAPE=m,n,k limits the run to one shape (for profiling).
@@ -883,14 +1028,18 @@ mod tests {
                 matmul(MatMut::new(&mut c, m, n), a.view(), b.view(), acc);
                 std::hint::black_box(&mut c);
             });
+            let t_small = time(&mut || {
+                small_matmul(MatMut::new(&mut c, m, n), a.view(), b.view(), acc);
+                std::hint::black_box(&mut c);
+            });
             let t_gemm = time(&mut || {
                 backend(MatMut::new(&mut c, m, n), a.view(), b.view(), acc);
                 std::hint::black_box(&mut c);
             });
             println!(
-                "{m:>5} {n:>5} {k:>5} {la} {lb} {:>3} {t_new:>11.1} {t_gemm:>9.1} {:>6.2}",
+                "{m:>5} {n:>5} {k:>5} {la} {lb} {:>3} {t_new:>11.1} {t_small:>9.1} {t_gemm:>9.1} {:>6.2}",
                 acc as u8,
-                t_new / t_gemm
+                t_small / t_gemm
             );
         }
     }

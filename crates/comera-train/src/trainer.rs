@@ -256,7 +256,7 @@ pub fn train(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
             win_loss += s.loss * s.count as f64;
             win_correct += s.correct;
             win_count += s.count;
-            if step % cfg.train.log_every as u64 == 0 {
+            if step.is_multiple_of(cfg.train.log_every as u64) {
                 let secs = win_start.elapsed().as_secs_f64();
                 let steps_in_window = (win_count / b).max(1) as f64;
                 let (l, a) = (

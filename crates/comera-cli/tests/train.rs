@@ -1,0 +1,259 @@
+//! `comera train`, `eval`, `predict` end to end on a small data set the test writes itself
+//! (no network), and clear errors for bad configs and data.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn comera(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_comera"))
+        .args(args)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+fn tempdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("comera-train-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+const WORDS: &[&str] = &[
+    "the", "a", "dress", "shirt", "fit", "color", "is", "was", "very",
+];
+
+/// A sentiment-like TSV: "good"/"great" mean pos, "bad"/"awful" mean neg, among filler words.
+fn write_data(dir: &Path) -> (PathBuf, PathBuf) {
+    let vocab = dir.join("vocab.txt");
+    let mut v = vec![
+        "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "great", "bad", "awful",
+    ];
+    v.extend_from_slice(WORDS);
+    std::fs::write(&vocab, v.join("\n") + "\n").unwrap();
+    let mut tsv = String::from("sentence\tlabel\n");
+    for i in 0..160usize {
+        let pos = i % 2 == 0;
+        let key = if pos {
+            ["good", "great"][i % 3 % 2]
+        } else {
+            ["bad", "awful"][i % 3 % 2]
+        };
+        let f1 = WORDS[i % WORDS.len()];
+        let f2 = WORDS[(i * 7 + 3) % WORDS.len()];
+        let sentence = match i % 3 {
+            0 => format!("{f1} {key} {f2}"),
+            1 => format!("{key} {f1} {f2} {f1}"),
+            _ => format!("{f2} {f1} {key}"),
+        };
+        tsv += &format!("{sentence}\t{}\n", if pos { "pos" } else { "neg" });
+    }
+    let data = dir.join("train.tsv");
+    std::fs::write(&data, tsv).unwrap();
+    (data, vocab)
+}
+
+fn write_config(dir: &Path, data: &Path, vocab: &Path, tt: bool, extra: &str) -> PathBuf {
+    let cfg = format!(
+        r#"
+[data]
+source = "tsv"
+train = "{data}"
+text_a = "sentence"
+label = "label"
+labels = ["neg", "pos"]
+vocab = "{vocab}"
+valid_fraction = 0.25
+
+[model]
+vocab_size = 18
+seq_len = 8
+d_model = 16
+heads = 2
+ffn = 32
+layers = 1
+dropout = 0.0
+tt_linear = {tt}
+ttm_embedding = {tt}
+attn_tt = {{ in_modes = [4, 4], out_modes = [4, 4], rank = 3 }}
+ffn_up_tt = {{ in_modes = [4, 4], out_modes = [4, 8], rank = 3 }}
+ffn_down_tt = {{ in_modes = [4, 8], out_modes = [4, 4], rank = 3 }}
+word_ttm = {{ vocab_modes = [3, 6], dim_modes = [4, 4], rank = 3 }}
+
+[optim]
+lr_cores = 0.01
+lr_gates = 0.01
+lr_other = 0.01
+
+[train]
+epochs = 6
+batch_size = 8
+warmup_steps = 5
+log_every = 5
+out_dir = "{out}"
+{extra}
+"#,
+        data = data.display(),
+        vocab = vocab.display(),
+        out = dir.join("run").display()
+    );
+    let path = dir.join("run.toml");
+    std::fs::write(&path, cfg).unwrap();
+    path
+}
+
+#[test]
+fn train_eval_predict_on_a_small_local_data_set() {
+    for tt in [true, false] {
+        let dir = tempdir(if tt { "tt" } else { "dense" });
+        let (data, vocab) = write_data(&dir);
+        let cfg = write_config(&dir, &data, &vocab, tt, "");
+        let (code, text) = comera(&["train", "--config", cfg.to_str().unwrap(), "--quiet"]);
+        assert_eq!(code, 0, "{text}");
+        let run = dir.join("run");
+        for f in [
+            "config.toml",
+            "metrics.jsonl",
+            "curves.png",
+            "model.safetensors",
+            "model.toml",
+        ] {
+            assert!(run.join(f).exists(), "{f} missing: {text}");
+        }
+        let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        let evals: Vec<serde_json::Value> = metrics
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|r| r["kind"] == "eval")
+            .collect();
+        assert_eq!(evals.len(), 6, "one evaluation per epoch");
+        let acc = evals.last().unwrap()["valid_accuracy"].as_f64().unwrap();
+        assert!(
+            acc >= 0.9,
+            "tt={tt}: the keyword task is easy, got validation accuracy {acc}\n{metrics}"
+        );
+        let first_loss = evals[0]["train_loss"].as_f64().unwrap();
+        let last_loss = evals.last().unwrap()["train_loss"].as_f64().unwrap();
+        assert!(
+            last_loss < first_loss,
+            "training loss falls: {first_loss} -> {last_loss}"
+        );
+
+        let (code, text) = comera(&["eval", run.to_str().unwrap()]);
+        assert_eq!(code, 0, "{text}");
+        assert!(text.contains("accuracy"), "{text}");
+        let (code, text) = comera(&[
+            "predict",
+            run.to_str().unwrap(),
+            "the good dress",
+            "a bad fit",
+        ]);
+        assert_eq!(code, 0, "{text}");
+        let labels: Vec<&str> = text
+            .lines()
+            .map(|l| l.split('\t').next().unwrap())
+            .collect();
+        assert_eq!(labels, ["pos", "neg"], "{text}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+#[test]
+fn same_seed_same_thread_count_gives_the_same_model() {
+    let dir = tempdir("det");
+    let (data, vocab) = write_data(&dir);
+    let mut weights = Vec::new();
+    for _ in 0..2 {
+        let cfg = write_config(&dir, &data, &vocab, true, "max_steps_per_epoch = 4");
+        let (code, text) = comera(&[
+            "--threads",
+            "2",
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--epochs",
+            "1",
+            "--quiet",
+        ]);
+        assert_eq!(code, 0, "{text}");
+        weights.push(std::fs::read(dir.join("run/model.safetensors")).unwrap());
+    }
+    assert!(
+        weights[0] == weights[1],
+        "two runs with the same seed differ"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bad_configs_and_rows_name_the_file_and_field() {
+    let dir = tempdir("bad");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, true, "bogus_field = 3");
+    let (code, text) = comera(&["train", "--config", cfg.to_str().unwrap(), "--quiet"]);
+    assert_ne!(code, 0);
+    assert!(
+        text.contains("run.toml") && text.contains("bogus_field"),
+        "{text}"
+    );
+
+    let cfg = write_config(&dir, &data, &vocab, true, "");
+    let text_cfg = std::fs::read_to_string(&cfg).unwrap().replace(
+        "in_modes = [4, 4], out_modes = [4, 8]",
+        "in_modes = [4, 5], out_modes = [4, 8]",
+    );
+    std::fs::write(&cfg, text_cfg).unwrap();
+    let (code, text) = comera(&["train", "--config", cfg.to_str().unwrap(), "--quiet"]);
+    assert_ne!(code, 0);
+    assert!(text.contains("model.ffn_up_tt"), "{text}");
+
+    let mut rows = std::fs::read_to_string(&data).unwrap();
+    rows += "a good dress\tmaybe\n";
+    std::fs::write(&data, rows).unwrap();
+    let cfg = write_config(&dir, &data, &vocab, true, "");
+    let (code, text) = comera(&["train", "--config", cfg.to_str().unwrap(), "--quiet"]);
+    assert_ne!(code, 0);
+    assert!(
+        text.contains("train.tsv") && text.contains("162") && text.contains("maybe"),
+        "{text}"
+    );
+
+    let cfg = write_config(&dir, &dir.join("missing.tsv"), &vocab, true, "");
+    let (code, text) = comera(&["train", "--config", cfg.to_str().unwrap(), "--quiet"]);
+    assert_ne!(code, 0);
+    assert!(text.contains("missing.tsv"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bench_step_runs_on_tiny_sizes() {
+    let (code, text) = comera(&[
+        "bench",
+        "step",
+        "--d-model",
+        "64",
+        "--layers",
+        "1",
+        "--seq-len",
+        "16",
+        "--batch",
+        "2",
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{text}");
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    for r in rows {
+        assert!(r["median_ms"].as_f64().unwrap() > 0.0);
+        assert!(r["peak_rss_bytes"].as_u64().unwrap() > 0);
+    }
+}
