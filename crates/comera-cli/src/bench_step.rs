@@ -292,7 +292,7 @@ fn merge(reports: Vec<ChildReport>) -> Merged {
 
 pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
     if let Some(model) = a.child.clone() {
-        let rep = child(&a, &model)?;
+        let rep = rayon::scope(|_| child(&a, &model))?; // on a pool worker, as `comera train` runs
         println!("{}", serde_json::to_string(&rep)?);
         return Ok(ExitCode::SUCCESS);
     }

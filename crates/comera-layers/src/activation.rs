@@ -9,6 +9,11 @@
 //! kept. `dx` is written; `*_in_place` variants overwrite `dy` with `dx`.
 
 use crate::check_len;
+use rayon::prelude::*;
+
+/// Buffers longer than two of these are processed in parallel chunks (element-wise, so the
+/// result does not depend on the thread count).
+const CHUNK: usize = 1 << 14;
 
 /// 1/√2.
 const INV_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
@@ -41,8 +46,15 @@ impl Gelu {
     /// `y = GELU(x)`, any shape.
     pub fn forward(&self, x: &[f32], y: &mut [f32]) {
         check_len("Gelu y", y.len(), x.len());
-        for (yi, &xi) in y.iter_mut().zip(x) {
-            *yi = gelu(xi);
+        let f = |(y, x): (&mut [f32], &[f32])| {
+            for (yi, &xi) in y.iter_mut().zip(x) {
+                *yi = gelu(xi);
+            }
+        };
+        if x.len() >= 2 * CHUNK {
+            y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(f);
+        } else {
+            f((y, x));
         }
     }
 
@@ -58,8 +70,15 @@ impl Gelu {
     /// `d ← d ⊙ GELU'(x)`: `d` holds dy on entry and dx on return.
     pub fn backward_in_place(&self, x: &[f32], d: &mut [f32]) {
         check_len("Gelu d", d.len(), x.len());
-        for (g, &xi) in d.iter_mut().zip(x) {
-            *g *= gelu_grad(xi);
+        let f = |(d, x): (&mut [f32], &[f32])| {
+            for (g, &xi) in d.iter_mut().zip(x) {
+                *g *= gelu_grad(xi);
+            }
+        };
+        if x.len() >= 2 * CHUNK {
+            d.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(f);
+        } else {
+            f((d, x));
         }
     }
 }

@@ -30,8 +30,8 @@ static GLOBAL: Counting = Counting;
 
 fn config(tt: bool, pre_ln: bool) -> EncoderConfig {
     EncoderConfig {
-        vocab_size: 60,
-        seq_len: 16,
+        vocab_size: 2100,
+        seq_len: 32,
         d_model: 32,
         heads: 4,
         ffn: 64,
@@ -57,7 +57,7 @@ fn config(tt: bool, pre_ln: bool) -> EncoderConfig {
             rank: 4,
         },
         word_ttm: TtmConfig {
-            vocab_modes: vec![5, 4, 3],
+            vocab_modes: vec![14, 15, 10],
             dim_modes: vec![2, 4, 4],
             rank: 4,
         },
@@ -65,15 +65,24 @@ fn config(tt: bool, pre_ln: bool) -> EncoderConfig {
     }
 }
 
+/// The step runs on the pool's worker threads (as `comera train` does), so parallel work is
+/// scheduled through the workers' own queues rather than injected from outside the pool.
 #[test]
 fn steady_state_training_steps_allocate_nothing() {
+    for threads in [1, 2] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| steps_allocate_nothing(threads));
+    }
+}
+
+fn steps_allocate_nothing(threads: usize) {
     for (tt, pre_ln) in [(false, false), (true, false), (true, true)] {
         let cfg = config(tt, pre_ln);
         let mut model = Encoder::new(&cfg, 1).unwrap();
-        let (b, t) = (8usize, cfg.seq_len);
+        let (b, t) = (16usize, cfg.seq_len);
         let mut st = model.state(b);
         let mut opt = AdamW::new(AdamWConfig::default(), |f| model.visit_params_mut(f));
-        let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % 60) as u32).collect();
+        let ids: Vec<u32> = (0..b * t).map(|i| (i * 37 % 2100) as u32).collect();
         let types = vec![0u32; b * t];
         let mask: Vec<u32> = (0..b * t).map(|i| (i % t < t - 3) as u32).collect();
         let labels: Vec<usize> = (0..b).map(|i| i % 3).collect();

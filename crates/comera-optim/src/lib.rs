@@ -9,6 +9,10 @@
 //! moments in the same order.
 
 use comera_layers::{Param, ParamKind};
+use rayon::prelude::*;
+
+/// Parameters longer than two of these are updated in parallel chunks.
+const CHUNK: usize = 1 << 15;
 use serde::{Deserialize, Serialize};
 
 /// AdamW hyper-parameters (the `[optim]` table of a run config).
@@ -133,24 +137,27 @@ impl AdamW {
         let mut i = 0;
         visit(&mut |p: &mut Param| {
             let lr = c.lr(p.kind) * lr_scale;
-            let decay = if p.kind == ParamKind::RankGate || p.shape.len() < 2 {
-                0.0
-            } else {
-                c.weight_decay
-            };
+            let decay = if p.kind == ParamKind::RankGate || p.shape.len() < 2 { 0.0 } else { c.weight_decay };
             let (m, v) = (&mut ms[i], &mut vs[i]);
-            assert_eq!(
-                m.len(),
-                p.len(),
-                "optimiser state does not match parameter {}",
-                p.name
-            );
-            for j in 0..p.value.len() {
-                let g = p.grad[j] * grad_scale;
-                m[j] = c.beta1 * m[j] + (1.0 - c.beta1) * g;
-                v[j] = c.beta2 * v[j] + (1.0 - c.beta2) * g * g;
-                let update = (m[j] / bc1) / ((v[j] / bc2).sqrt() + c.eps);
-                p.value[j] -= lr * (update + decay * p.value[j]);
+            assert_eq!(m.len(), p.len(), "optimiser state does not match parameter {}", p.name);
+            // Element-wise, so chunks can run on any thread with identical results.
+            let update = |(((w, g), m), v): (((&mut [f32], &[f32]), &mut [f32]), &mut [f32])| {
+                for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                    let g = g * grad_scale;
+                    *m = c.beta1 * *m + (1.0 - c.beta1) * g;
+                    *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
+                    *w -= lr * ((*m / bc1) / ((*v / bc2).sqrt() + c.eps) + decay * *w);
+                }
+            };
+            if p.len() >= 2 * CHUNK {
+                p.value
+                    .par_chunks_mut(CHUNK)
+                    .zip(p.grad.par_chunks(CHUNK))
+                    .zip(m.par_chunks_mut(CHUNK))
+                    .zip(v.par_chunks_mut(CHUNK))
+                    .for_each(update);
+            } else {
+                update((((&mut p.value[..], &p.grad[..]), &mut m[..]), &mut v[..]));
             }
             i += 1;
         });

@@ -8,9 +8,23 @@
 
 use gemm::Parallelism;
 
-/// Products with at most this many multiply-adds skip the backend: its dispatch and packing
-/// cost more than the arithmetic (TTM slab chains, per-id rows). Measured with `comera bench ttm`.
+/// Products with at most this many multiply-adds skip the backend (its dispatch and packing
+/// cost more than the arithmetic: TTM slab chains, per-id rows), except when B must be packed
+/// for few rows of C (see `use_small`). Measured with the `small_product_timings` test and
+/// `comera bench ttm`: every TTM shape is at or below it.
 const SMALL_MACS: usize = 1 << 14;
+
+/// The row-axpy form on an unpacked B with C at least `AXPY_WIDE_N` wide still beats the
+/// backend up to this many multiply-adds (measured 0.8-0.9× its time at 32·32·32 … 32·256·16,
+/// a tie at 64·64·64).
+const AXPY_WIDE_MACS: usize = 1 << 17;
+
+/// See `AXPY_WIDE_MACS`.
+const AXPY_WIDE_N: usize = 16;
+
+/// When B has to be packed (its rows not contiguous), the copy is amortised over the rows of
+/// C; with fewer rows than this the backend wins (4·32·128 with B a transposed view: 2.8×).
+const PACK_MIN_M: usize = 8;
 
 /// Products with fewer multiply-adds than this run on one thread: below it, waking the pool
 /// costs more than it saves (measured on the tiny TT core contractions).
@@ -127,10 +141,33 @@ pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         }
         return;
     }
-    if m * n * k <= SMALL_MACS {
+    if use_small(&c, &a, &b) {
         small_matmul(c, a, b, accumulate);
     } else {
         backend(c, a, b, accumulate);
+    }
+}
+
+/// Whether the small kernels beat the backend on this product (per layout class, measured).
+fn use_small(c: &MatMut<'_>, a: &MatRef<'_>, b: &MatRef<'_>) -> bool {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let macs = m * n * k;
+    if macs > AXPY_WIDE_MACS {
+        return false;
+    }
+    // The layout `small_matmul` will see: a column-major C is computed as Cᵀ = Bᵀ·Aᵀ.
+    let (m, n, a, b) = if c.cs != 1 && c.rs == 1 {
+        (n, m, b.t(), a.t())
+    } else {
+        (m, n, *a, *b)
+    };
+    if b.cs == 1 {
+        // Row-axpy on B in place.
+        macs <= SMALL_MACS || (n >= AXPY_WIDE_N && c.cs.min(c.rs) == 1)
+    } else if n <= NARROW_N && a.rs == 1 && m >= 8 {
+        macs <= SMALL_MACS // column form
+    } else {
+        macs <= SMALL_MACS && m >= PACK_MIN_M // B packed, then row-axpy
     }
 }
 
@@ -174,14 +211,15 @@ fn backend(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
 // ---------------------------------------------------------------------------------------------
 // Small products.
 //
-// Below `SMALL_MACS` the `gemm` crate's dispatch and packing dominate, so products run on the
-// kernels below instead. Every layout is brought to one of two forms with C rows contiguous
-// (a column-major C is handled as Cᵀ = Bᵀ·Aᵀ, any other C through a row-major scratch):
-// - row-axpy: `C[i, :] += A[i, l] · B[l, :]` when B rows are contiguous (B packed row-major
-//   first when they are not and the dot form does not apply), over tiles of up to 4 rows × 16
-//   columns of C held in registers, so each B row chunk is loaded once per 4 rows;
-// - dot: `C[i, j] = A[i, :] · Bᵀ[j, :]` when A rows and Bᵀ rows (B columns) are contiguous and
-//   k is long enough, over 4 × 2 tiles of 8-lane partial sums.
+// For tiny products the `gemm` crate's dispatch and packing dominate, so (as `use_small`
+// decides) they run on the kernels below instead. Every layout is brought to one of two forms
+// with C rows contiguous (a column-major C is handled as Cᵀ = Bᵀ·Aᵀ, any other C through a
+// row-major scratch):
+// - column: `C[i.., j] += A[i.., l] · B[l, j]` when C is narrow (n ≤ `NARROW_N`) and A is a
+//   transposed view (columns contiguous), over tiles of 16, 8 or 4 rows × 4 columns;
+// - row-axpy: `C[i, :] += A[i, l] · B[l, :]` otherwise, B packed row-major first when its rows
+//   are not contiguous, over tiles of up to 4 rows × 16 columns of C held in registers, so each
+//   B row chunk is loaded once per 4 rows.
 // All indexing is on slices sized before the inner loops (no per-element bounds checks in
 // them). On x86-64 the kernels are compiled a second time with AVX2 + FMA enabled and picked
 // at run time; the results differ from the portable build only by FMA rounding.
@@ -212,19 +250,13 @@ impl MulAdd for Fused {
     }
 }
 
-/// Dot form needs at least this many terms per dot product; shorter ones (and B with neither
-/// rows nor columns contiguous) pack B row-major and use the row-axpy form.
-const DOT_MIN_K: usize = 16;
-
-/// Lanes of the dot form's partial sums.
-const DOT_W: usize = 8;
-
-/// C narrower than this many columns avoids the row-axpy form (its row chunks would be
-/// shorter than a 16-lane tile): column form when A is a transposed view, dot form otherwise.
-const NARROW_N: usize = 16;
+/// C with at most this many columns and A a transposed view (columns contiguous) takes the
+/// column form: the row-axpy form's row chunks would be shorter than a vector.
+const NARROW_N: usize = 8;
 
 thread_local! {
-    /// Scratch for a packed B and for a strided C (at most `SMALL_MACS` floats each).
+    /// Scratch for a packed B and for a strided C (at most `SMALL_MACS` floats each: larger
+    /// products with those layouts go to the backend).
     static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
@@ -285,7 +317,18 @@ fn small_matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Tests set this to run the portable kernels on a machine with AVX2 + FMA.
+    static FORCE_PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 fn small_dispatch(p: Small<'_>) {
+    #[cfg(test)]
+    if FORCE_PORTABLE.with(|f| f.get()) {
+        small_kernels::<Plain>(p);
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
@@ -309,28 +352,10 @@ fn small_avx2_fma(p: Small<'_>) {
 fn small_kernels<M: MulAdd>(p: Small<'_>) {
     let (a, b) = (p.a, p.b);
     let (m, n, k) = (a.rows, b.cols, a.cols);
-    if n < NARROW_N && a.rs == 1 && m >= 8 {
+    if n <= NARROW_N && a.rs == 1 && m >= 8 {
         column_form::<M>(p);
-    } else if n < NARROW_N && a.cs == 1 && k >= DOT_MIN_K {
-        if b.rs == 1 {
-            dot_form::<M>(p.c, p.crs, a, b.data, b.cs, n, p.accumulate);
-        } else {
-            // Bᵀ (n × k, row-major) is tiny here.
-            let mut bt = SCRATCH.with(|s| std::mem::take(&mut s.borrow_mut().0));
-            bt.clear();
-            bt.resize(k * n, 0.0);
-            for (j, col) in bt.chunks_exact_mut(k).enumerate() {
-                for (l, v) in col.iter_mut().enumerate() {
-                    *v = b.data[l * b.rs + j * b.cs];
-                }
-            }
-            dot_form::<M>(p.c, p.crs, a, &bt, k, n, p.accumulate);
-            SCRATCH.with(|s| s.borrow_mut().0 = bt);
-        }
     } else if b.cs == 1 {
         axpy_form::<M>(p.c, p.crs, a, b.data, b.rs, n, p.accumulate);
-    } else if b.rs == 1 && a.cs == 1 && k >= DOT_MIN_K {
-        dot_form::<M>(p.c, p.crs, a, b.data, b.cs, n, p.accumulate);
     } else {
         // Pack B row-major (k × n), reading it along its contiguous axis when it has one.
         let mut bp = SCRATCH.with(|s| std::mem::take(&mut s.borrow_mut().0));
@@ -435,6 +460,8 @@ fn column_tile<M: MulAdd, const H: usize, const Q: usize>(
         }
     }
     // Transpose the tile through memory: C rows are contiguous, the tile's vectors are not.
+    // `black_box` makes that explicit; without it LLVM scalarises the accumulators for the
+    // strided write-back and the whole loop runs on scalars (5-20x slower, measured).
     let acc = std::hint::black_box(acc);
     for t in 0..H {
         let row = &mut c[t * crs + j0..][..Q];
@@ -620,120 +647,6 @@ fn axpy_tile<M: MulAdd, const R: usize, const W: usize, P: APanel<R>>(
     }
 }
 
-/// `C (+)= A·B` with A rows contiguous and column j of B at `bt[j * bts..][..k]`: dot
-/// products of length k, in tiles of 4 rows × 2 columns.
-#[inline(always)]
-fn dot_form<M: MulAdd>(
-    c: &mut [f32],
-    crs: usize,
-    a: MatRef<'_>,
-    bt: &[f32],
-    bts: usize,
-    n: usize,
-    accumulate: bool,
-) {
-    let m = a.rows;
-    let mut i = 0;
-    while i < m {
-        let r = (m - i).min(4);
-        let mut j = 0;
-        while j < n {
-            let q = (n - j).min(2);
-            let t = Dot {
-                c: &mut *c,
-                crs,
-                a,
-                bt,
-                bts,
-                i0: i,
-                j0: j,
-                accumulate,
-            };
-            match (r, q) {
-                (4, 2) => dot_tile::<M, 4, 2>(t),
-                (4, _) => dot_tile::<M, 4, 1>(t),
-                (3, 2) => dot_tile::<M, 3, 2>(t),
-                (3, _) => dot_tile::<M, 3, 1>(t),
-                (2, 2) => dot_tile::<M, 2, 2>(t),
-                (2, _) => dot_tile::<M, 2, 1>(t),
-                (_, 2) => dot_tile::<M, 1, 2>(t),
-                _ => dot_tile::<M, 1, 1>(t),
-            }
-            j += q;
-        }
-        i += r;
-    }
-}
-
-/// One dot-form tile's operands.
-struct Dot<'s> {
-    c: &'s mut [f32],
-    crs: usize,
-    a: MatRef<'s>,
-    bt: &'s [f32],
-    bts: usize,
-    i0: usize,
-    j0: usize,
-    accumulate: bool,
-}
-
-/// `acc[t] += a[t] · b[t]` for the 8 lanes (one vector FMA once inlined).
-#[inline(always)]
-fn fma8<M: MulAdd>(acc: &mut [f32; DOT_W], a: &[f32; DOT_W], b: &[f32; DOT_W]) {
-    for t in 0..DOT_W {
-        acc[t] = M::mul_add(a[t], b[t], acc[t]);
-    }
-}
-
-/// The first `DOT_W` elements of `s` as an array.
-#[inline(always)]
-fn lanes(s: &[f32]) -> &[f32; DOT_W] {
-    s[..DOT_W].try_into().expect("DOT_W elements")
-}
-
-/// `s` zero-padded to `DOT_W` lanes (`s.len() < DOT_W`).
-#[inline(always)]
-fn padded(s: &[f32]) -> [f32; DOT_W] {
-    let mut v = [0.0; DOT_W];
-    v[..s.len()].copy_from_slice(s);
-    v
-}
-
-#[inline(always)]
-fn dot_tile<M: MulAdd, const R: usize, const Q: usize>(p: Dot<'_>) {
-    let (a, i0, j0) = (p.a, p.i0, p.j0);
-    let k = a.cols;
-    let arows: [&[f32]; R] = std::array::from_fn(|r| &a.data[(i0 + r) * a.rs..][..k]);
-    let bcols: [&[f32]; Q] = std::array::from_fn(|q| &p.bt[(j0 + q) * p.bts..][..k]);
-    let mut acc = [[[0.0f32; DOT_W]; Q]; R];
-    let kw = k - k % DOT_W;
-    let mut l = 0;
-    while l < kw {
-        for r in 0..R {
-            let av = lanes(&arows[r][l..]);
-            for q in 0..Q {
-                fma8::<M>(&mut acc[r][q], av, lanes(&bcols[q][l..]));
-            }
-        }
-        l += DOT_W;
-    }
-    if kw < k {
-        for r in 0..R {
-            let av = padded(&arows[r][kw..]);
-            for q in 0..Q {
-                fma8::<M>(&mut acc[r][q], &av, &padded(&bcols[q][kw..]));
-            }
-        }
-    }
-    for (r, accr) in acc.iter().enumerate() {
-        for (q, s) in accr.iter().enumerate() {
-            let t = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
-            let dst = &mut p.c[(i0 + r) * p.crs + j0 + q];
-            *dst = if p.accumulate { *dst + t } else { t };
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -909,19 +822,25 @@ mod tests {
 
     #[test]
     fn tiny_shapes_on_every_layout() {
-        for m in [1, 2, 3, 4, 5, 7, 9] {
-            for n in [1, 3, 4, 5, 8, 9, 17] {
-                for k in [0, 1, 2, 7, 8, 9, 16, 17] {
-                    check_all_layouts(m, n, k);
+        // Both builds of the kernels: the run-time pick (AVX2 + FMA where available) and the
+        // portable one.
+        for portable in [false, true] {
+            FORCE_PORTABLE.with(|f| f.set(portable));
+            for m in [1, 2, 3, 4, 5, 7, 9, 16, 21] {
+                for n in [1, 3, 4, 5, 8, 9, 17] {
+                    for k in [0, 1, 2, 7, 8, 9, 16, 17] {
+                        check_all_layouts(m, n, k);
+                    }
                 }
             }
         }
+        FORCE_PORTABLE.with(|f| f.set(false));
     }
 
     #[test]
     fn shapes_around_the_thresholds_on_every_layout() {
-        // The engine's own shapes, kernel edges (16-column chunks, 4-row blocks, dot length
-        // DOT_MIN_K and lanes DOT_W), and the SMALL_MACS / PARALLEL_MIN_MACS boundaries.
+        // The engine's own shapes, kernel edges (16-column chunks, 4/16-row blocks, narrow C,
+        // PACK_MIN_M rows), and the SMALL_MACS / AXPY_WIDE_MACS / PARALLEL_MIN_MACS boundaries.
         let shapes = [
             (4, 16, 32),
             (4, 128, 32),
@@ -940,10 +859,17 @@ mod tests {
             (16, 32, 32), // = SMALL_MACS
             (16, 32, 33), // just above
             (17, 31, 31), // just below
+            (8, 8, 8),
+            (7, 8, 8),
+            (40, 8, 9),
+            (17, 7, 3),
+            (32, 64, 64), // = AXPY_WIDE_MACS
+            (32, 64, 65), // just above
             (64, 64, 64), // = PARALLEL_MIN_MACS
             (63, 64, 64), // just below
         ];
         assert_eq!(16 * 32 * 32, SMALL_MACS);
+        assert_eq!(32 * 64 * 64, AXPY_WIDE_MACS);
         assert_eq!(64 * 64 * 64, PARALLEL_MIN_MACS);
         for (m, n, k) in shapes {
             check_all_layouts(m, n, k);

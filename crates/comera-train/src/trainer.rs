@@ -143,7 +143,14 @@ impl Curves {
 }
 
 /// Runs a whole training job as configured; writes into `cfg.train.out_dir`.
+///
+/// The job runs on a worker of the rayon pool, so parallel work inside a step is scheduled
+/// through the workers' own queues (no per-call injection, no allocation in the step).
 pub fn train(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
+    rayon::scope(|_| train_here(cfg, progress))
+}
+
+fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
     let t0 = Instant::now();
     let out = cfg.train.out_dir.clone();
     std::fs::create_dir_all(&out)
