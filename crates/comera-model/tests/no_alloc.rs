@@ -70,7 +70,10 @@ fn config(tt: bool, pre_ln: bool) -> EncoderConfig {
 #[test]
 fn steady_state_training_steps_allocate_nothing() {
     for threads in [1, 2] {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
         pool.install(|| steps_allocate_nothing(threads));
     }
 }
@@ -97,11 +100,20 @@ fn steps_allocate_nothing(threads: usize) {
             assert!(s.loss.is_finite());
             model.backward(&mut st);
             let a2 = ALLOCS.load(Ordering::SeqCst);
-            if std::env::var("PROBE").is_ok() {
-                eprintln!("tt={tt} fwd {} bwd {}", a1 - a0, a2 - a1);
-            }
+
             let (scale, _) = clip_scale(1.0, |f| model.visit_params_mut(f));
+            let a3 = ALLOCS.load(Ordering::SeqCst);
             opt.step(1.0, scale, |f| model.visit_params_mut(f));
+            let a4 = ALLOCS.load(Ordering::SeqCst);
+            if std::env::var("PROBE").is_ok() {
+                eprintln!(
+                    "tt={tt} fwd {} bwd {} clip {} opt {}",
+                    a1 - a0,
+                    a2 - a1,
+                    a3 - a2,
+                    a4 - a3
+                );
+            }
             counts.push(ALLOCS.load(Ordering::SeqCst) - before);
         }
         assert_eq!(

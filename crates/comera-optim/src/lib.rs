@@ -137,9 +137,18 @@ impl AdamW {
         let mut i = 0;
         visit(&mut |p: &mut Param| {
             let lr = c.lr(p.kind) * lr_scale;
-            let decay = if p.kind == ParamKind::RankGate || p.shape.len() < 2 { 0.0 } else { c.weight_decay };
+            let decay = if p.kind == ParamKind::RankGate || p.shape.len() < 2 {
+                0.0
+            } else {
+                c.weight_decay
+            };
             let (m, v) = (&mut ms[i], &mut vs[i]);
-            assert_eq!(m.len(), p.len(), "optimiser state does not match parameter {}", p.name);
+            assert_eq!(
+                m.len(),
+                p.len(),
+                "optimiser state does not match parameter {}",
+                p.name
+            );
             // Element-wise, so chunks can run on any thread with identical results.
             let update = |(((w, g), m), v): (((&mut [f32], &[f32]), &mut [f32]), &mut [f32])| {
                 for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {

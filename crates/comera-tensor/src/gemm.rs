@@ -2,11 +2,13 @@
 //!
 //! Every contraction in comera ends up here as `C (m×n) = A (m×k) · B (k×n)` (optionally
 //! `C += …`) over strided views of flat `f32` buffers, so a transpose is a view, never a copy.
-//! The backend is the `gemm` crate (chosen by the benchmark in `tools/gemm-bench`); no other
+//! The backend is `faer` (chosen by the benchmark in `tools/gemm-bench`: fastest on the big
+//! tall-skinny products threaded, lowest per-call cost single-threaded, and allocation-free
+//! single-threaded, which the `gemm` crate is not); no other
 //! module talks to it. Views are bounds-checked when they are made, so the `unsafe` call below
 //! only ever sees in-bounds pointers.
 
-use gemm::Parallelism;
+use faer::{Accum, Par};
 
 /// Products with at most this many multiply-adds skip the backend (its dispatch and packing
 /// cost more than the arithmetic: TTM slab chains, per-id rows), except when B must be packed
@@ -171,39 +173,78 @@ fn use_small(c: &MatMut<'_>, a: &MatRef<'_>, b: &MatRef<'_>) -> bool {
     }
 }
 
-/// The `gemm` crate on non-empty views of agreeing shapes, threaded above `PARALLEL_MIN_MACS`.
+/// `faer` on non-empty views of agreeing shapes, threaded above `PARALLEL_MIN_MACS`.
 fn backend(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 && m * n * k >= PARALLEL_MIN_MACS {
-        Parallelism::Rayon(threads)
+    let parts = if m * n * k >= PARALLEL_MIN_MACS {
+        threads
     } else {
-        Parallelism::None
+        1
     };
-    // SAFETY: every view was bounds-checked at construction for its full extent, `c` is a
-    // unique borrow, and the dimensions passed are the views' own (checked to agree by
-    // `matmul`).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            c.data.as_mut_ptr(),
-            c.cs as isize,
-            c.rs as isize,
-            accumulate,
-            a.data.as_ptr(),
-            a.cs as isize,
-            a.rs as isize,
-            b.data.as_ptr(),
-            b.cs as isize,
-            b.rs as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
+    let stride = |x: usize| x as isize;
+    // SAFETY: every view was bounds-checked at construction for its full extent (so every
+    // element (i, j) with i < rows, j < cols lies inside its slice), `c` is a unique borrow and
+    // does not alias `a` or `b` (they are shared borrows), and the dimensions passed are the
+    // views' own (checked to agree by `matmul`).
+    let (lhs, rhs, dst) = unsafe {
+        (
+            faer::MatRef::<f32>::from_raw_parts(a.data.as_ptr(), m, k, stride(a.rs), stride(a.cs)),
+            faer::MatRef::<f32>::from_raw_parts(b.data.as_ptr(), k, n, stride(b.rs), stride(b.cs)),
+            faer::MatMut::<f32>::from_raw_parts_mut(
+                c.data.as_mut_ptr(),
+                m,
+                n,
+                stride(c.rs),
+                stride(c.cs),
+            ),
+        )
+    };
+    split_matmul(
+        dst,
+        lhs,
+        rhs,
+        if accumulate {
+            Accum::Add
+        } else {
+            Accum::Replace
+        },
+        parts,
+    );
+}
+
+/// Splits C into `parts` blocks (halving its longer side) run with `rayon::join`, each a
+/// single-threaded `faer` product over the full inner dimension. Unlike `faer`'s own threading
+/// this allocates nothing (the joins live on the stack), and every element of C is still
+/// computed by exactly one call, so a given thread count always gives the same bits.
+fn split_matmul(
+    dst: faer::MatMut<'_, f32>,
+    lhs: faer::MatRef<'_, f32>,
+    rhs: faer::MatRef<'_, f32>,
+    accum: Accum,
+    parts: usize,
+) {
+    let (m, n) = (dst.nrows(), dst.ncols());
+    if parts <= 1 || (m < 2 && n < 2) {
+        faer::linalg::matmul::matmul(dst, accum, lhs, rhs, 1.0f32, Par::Seq);
+        return;
+    }
+    let left = parts / 2;
+    if m >= n {
+        let at = m * left / parts;
+        let (d1, d2) = dst.split_at_row_mut(at);
+        let (l1, l2) = lhs.split_at_row(at);
+        rayon::join(
+            || split_matmul(d1, l1, rhs, accum, left),
+            || split_matmul(d2, l2, rhs, accum, parts - left),
+        );
+    } else {
+        let at = n * left / parts;
+        let (d1, d2) = dst.split_at_col_mut(at);
+        let (r1, r2) = rhs.split_at_col(at);
+        rayon::join(
+            || split_matmul(d1, lhs, r1, accum, left),
+            || split_matmul(d2, lhs, r2, accum, parts - left),
         );
     }
 }
@@ -211,7 +252,7 @@ fn backend(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
 // ---------------------------------------------------------------------------------------------
 // Small products.
 //
-// For tiny products the `gemm` crate's dispatch and packing dominate, so (as `use_small`
+// For tiny products the backend's dispatch and packing dominate, so (as `use_small`
 // decides) they run on the kernels below instead. Every layout is brought to one of two forms
 // with C rows contiguous (a column-major C is handled as Cᵀ = Bᵀ·Aᵀ, any other C through a
 // row-major scratch):
