@@ -5,7 +5,7 @@
 //!
 //! * Text uses DejaVu Sans embedded in the binary (the `dejavu` crate), registered with plotters'
 //!   `ab_glyph` text renderer, so no system fonts are needed.
-//! * Non-finite points are skipped (and, on a log-scale panel, points with `y <= 0`); a panel with
+//! * Non-finite points and points beyond ±1e15 are skipped (and, on a log-scale panel, points with `y <= 0`); a panel with
 //!   nothing left to draw shows "no data"; a series with no drawable point still gets a legend
 //!   entry marked "(no data)".
 //! * The picture is rendered into memory, encoded to `<path>.tmp` in the same directory and then
@@ -167,9 +167,14 @@ struct Prepared<'a> {
     points: Vec<(f64, f64)>,
 }
 
+/// Largest magnitude drawn (see `draw_panel`).
+const MAX_ABS: f64 = 1e15;
+
 fn draw_panel(area: &Area, panel: &Panel) -> Result<(), String> {
-    let drawable =
-        |&(x, y): &(f64, f64)| x.is_finite() && y.is_finite() && (!panel.log_y || y > 0.0);
+    // Beyond ±MAX_ABS the axis span overflows and plotters' tick search never ends; no
+    // training curve gets there, so such points are skipped like non-finite ones.
+    let ok = |v: f64| v.is_finite() && v.abs() <= MAX_ABS;
+    let drawable = |&(x, y): &(f64, f64)| ok(x) && ok(y) && (!panel.log_y || y > 0.0);
     let series: Vec<Prepared> = panel
         .series
         .iter()
