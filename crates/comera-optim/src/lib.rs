@@ -11,6 +11,9 @@
 use comera_layers::{Param, ParamKind};
 use rayon::prelude::*;
 
+/// (weights, gradients, first moments, second moments) of one chunk, as zipped iterators give them.
+type Chunks<'a> = (((&'a mut [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
+
 /// Parameters longer than two of these are updated in parallel chunks.
 const CHUNK: usize = 1 << 15;
 use serde::{Deserialize, Serialize};
@@ -150,7 +153,7 @@ impl AdamW {
                 p.name
             );
             // Element-wise, so chunks can run on any thread with identical results.
-            let update = |(((w, g), m), v): (((&mut [f32], &[f32]), &mut [f32]), &mut [f32])| {
+            let update = |(((w, g), m), v): Chunks<'_>| {
                 for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
                     let g = g * grad_scale;
                     *m = c.beta1 * *m + (1.0 - c.beta1) * g;
