@@ -107,9 +107,11 @@ fn steps_allocate_nothing(threads: usize) {
             *phases = [a1 - a0, a2 - a1, a3 - a2, a4 - a3];
         }
         let tag = format!("{threads} threads, tt={tt} pre_ln={pre_ln}: allocations per step (load, fwd, bwd, optim) {counts:?}");
+        let c0 = ALLOCS.load(Ordering::SeqCst);
+        std::hint::black_box(vec![0u8; 64]);
         assert!(
-            counts[0][1] > 0,
-            "the counter sees the first step's allocations: {tag}"
+            ALLOCS.load(Ordering::SeqCst) > c0,
+            "the counting allocator is in use"
         );
         assert_eq!(counts[2], [0; 4], "{tag}");
         assert_eq!(counts[3], [0; 4], "{tag}");
