@@ -154,6 +154,23 @@ impl RankGates {
     }
 }
 
+impl RankGates {
+    /// The gate parameters of a chain with these ranks `[1, r_1, …, r_{K-1}, 1]`, all at 1
+    /// (`{name}.gate.{b}` for bond b = 1..K-1).
+    pub fn initial_params(name: &str, ranks: &[usize]) -> Vec<crate::Param> {
+        (1..ranks.len().saturating_sub(1))
+            .map(|b| {
+                crate::Param::new(
+                    format!("{name}.gate.{b}"),
+                    &[ranks[b]],
+                    crate::ParamKind::RankGate,
+                    vec![1.0; ranks[b]],
+                )
+            })
+            .collect()
+    }
+}
+
 /// Size measures of a layer's gate parameters (one `Param` per bond); `modes[k]` = s_k.
 impl RankGates {
     /// S over gate parameters.

@@ -80,16 +80,7 @@ impl TtmEmbedding {
                 )
             })
             .collect();
-        let gates = (1..p)
-            .map(|b| {
-                Param::new(
-                    format!("{name}.gate.{b}"),
-                    &[shape.ranks()[b]],
-                    ParamKind::RankGate,
-                    vec![1.0; shape.ranks()[b]],
-                )
-            })
-            .collect();
+        let gates = RankGates::initial_params(name, shape.ranks());
         Ok(TtmEmbedding {
             shape,
             rule,

@@ -56,16 +56,7 @@ impl TtLinear {
                 )
             })
             .collect();
-        let gates = (1..k)
-            .map(|b| {
-                Param::new(
-                    format!("{name}.gate.{b}"),
-                    &[shape.ranks()[b]],
-                    ParamKind::RankGate,
-                    vec![1.0; shape.ranks()[b]],
-                )
-            })
-            .collect();
+        let gates = RankGates::initial_params(name, shape.ranks());
         let bias = Param::zeros(format!("{name}.bias"), &[m], ParamKind::Other);
         Ok(TtLinear {
             shape,
