@@ -46,7 +46,7 @@ fn cdf_pdf(x: f32) -> (f32, f32) {
     let z = (x * INV_SQRT_2).abs();
     let t = 1.0 / (1.0 + P * z);
     let poly = t * (A[0] + t * (A[1] + t * (A[2] + t * (A[3] + t * A[4]))));
-    let e = (-0.5 * x * x).exp();
+    let e = comera_tensor::math::exp(-0.5 * x * x);
     let erf = (1.0 - poly * e).copysign(x);
     (0.5 * (1.0 + erf), INV_SQRT_2PI * e)
 }

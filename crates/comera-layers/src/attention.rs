@@ -150,7 +150,7 @@ impl Attention {
                     let mut sum = 0.0f32;
                     for j in 0..t {
                         if allowed(j) {
-                            let e = (row[j] - max).exp();
+                            let e = comera_tensor::math::exp(row[j] - max);
                             row[j] = e;
                             sum += e;
                         } else {

@@ -4,6 +4,7 @@
 //! - [`gemm`]: the single matrix-multiply entry point (backend chosen by benchmark, hidden here);
 //! - [`layout`]: tensor-train shapes (modes, ranks) with the checks every layer relies on;
 //! - [`factor`]: proposing factorisations and ranks for a layer of a given size;
+//! - [`math`]: element-wise functions that vectorise (`exp`);
 //! - [`permute`]: axis permutations of dense tensors (strided copies);
 //! - [`init`]: seeded, reproducible random initialisation.
 
@@ -11,6 +12,7 @@ pub mod factor;
 pub mod gemm;
 pub mod init;
 pub mod layout;
+pub mod math;
 pub mod permute;
 
 pub use gemm::{matmul, MatMut, MatRef};
