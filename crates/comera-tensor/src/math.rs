@@ -5,7 +5,7 @@
 ///
 /// x = n·ln2 + r with n = round(x/ln2) and |r| ≤ ln2/2; e^r by its degree-7 Taylor polynomial
 /// (truncation error < r⁸/8! ≈ 5e-9); 2^n built directly in the exponent bits.
-#[inline]
+#[inline(always)]
 pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75; // ln 2 split so that n·LN2_HI is exact
