@@ -1,7 +1,7 @@
 //! Element-wise math that vectorises: a branch-free `exp` for the hot loops (GELU, softmax).
 
 /// e^x for f32, branch-free (so loops around it vectorise), relative error ≤ 2e-7 over the
-/// finite range; saturates to 0 below −87.3 and to e^88.7 above 88.7.
+/// finite range; saturates to e^−87.3 below −87.3 and to e^88.3 above 88.3.
 ///
 /// x = n·ln2 + r with n = round(x/ln2) and |r| ≤ ln2/2; e^r by its degree-7 Taylor polynomial
 /// (truncation error < r⁸/8! ≈ 5e-9); 2^n built directly in the exponent bits.
@@ -11,7 +11,7 @@ pub fn exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75; // ln 2 split so that n·LN2_HI is exact
     const LN2_LO: f32 = 1.428_606_8e-6;
     const ROUND: f32 = 12_582_912.0; // 1.5·2^23: adding and subtracting rounds to an integer
-    let x = x.clamp(-87.3, 88.7);
+    let x = x.clamp(-87.3, 88.3); // keeps 2^n a normal number: -126 ≤ n ≤ 127
     let n = (x * LOG2E + ROUND) - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0

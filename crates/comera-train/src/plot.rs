@@ -94,7 +94,8 @@ const COLORS: [RGBColor; 10] = [
     RGBColor(188, 189, 34),
     RGBColor(23, 190, 207),
 ];
-const GRID: RGBColor = RGBColor(225, 225, 225);
+const GRID: RGBColor = RGBColor(215, 215, 215);
+const LIGHT_GRID: RGBColor = RGBColor(242, 242, 242);
 const GREY: RGBColor = RGBColor(110, 110, 110);
 /// Series with at most this many points also get a dot on each point.
 const MARKER_MAX_POINTS: usize = 40;
@@ -210,14 +211,12 @@ fn draw_panel(area: &Area, panel: &Panel) -> Result<(), String> {
     let legend_pos = legend_position(&series, x_range.clone(), y_lo, y_hi);
     if panel.log_y {
         let y_range = log_range(y_lo, y_hi);
-        draw_chart(
-            area,
-            panel,
-            &series,
-            x_range,
-            y_range.log_scale(),
-            legend_pos,
-        )
+        let (bold, light) = log_ticks(y_range.start, y_range.end);
+        let y_spec = y_range
+            .log_scale()
+            .with_key_points(bold)
+            .with_light_points(light);
+        draw_chart(area, panel, &series, x_range, y_spec, legend_pos)
     } else {
         draw_chart(
             area,
@@ -260,7 +259,7 @@ where
 
     chart
         .configure_mesh()
-        .light_line_style(GRID)
+        .light_line_style(LIGHT_GRID)
         .bold_line_style(GRID)
         .axis_style(BLACK)
         .x_desc(panel.x_label.as_str())
@@ -378,6 +377,81 @@ fn log_range(lo: f64, hi: f64) -> Range<f64> {
     }
 }
 
+/// Tick values for a log axis over `lo..hi` (both > 0): (labelled, grid-only).
+///
+/// Over a decade or more: `1..9 ·10^k`, `1, 2, 5 ·10^k`, `1, 3 ·10^k` or `10^k`, the densest choice
+/// with at most 8 labels (every n-th decade when even `10^k` is too dense). Within less than a
+/// decade plotters would label at most one power of ten, so there the labels are evenly spaced
+/// "nice" values instead.
+fn log_ticks(lo: f64, hi: f64) -> (Vec<f64>, Vec<f64>) {
+    const MAX_LABELS: usize = 8;
+    let in_range = |v: &f64| *v >= lo && *v <= hi;
+    if !(lo > 0.0 && hi > lo && lo.is_finite() && hi.is_finite()) {
+        return (Vec::new(), Vec::new());
+    }
+    if hi / lo < 10.0 {
+        return (nice_linear_ticks(lo, hi, 6), Vec::new());
+    }
+    let (k_lo, k_hi) = (lo.log10().floor() as i32, hi.log10().ceil() as i32);
+    let decade = |k: i32, mults: &[f64]| -> Vec<f64> {
+        mults
+            .iter()
+            .map(|&m| scaled(m, k))
+            .filter(in_range)
+            .collect()
+    };
+    let with =
+        |mults: &[f64]| -> Vec<f64> { (k_lo..=k_hi).flat_map(|k| decade(k, mults)).collect() };
+    let all: Vec<f64> = (1..=9).map(f64::from).collect();
+    let mut labels = Vec::new();
+    for mults in [&all[..], &[1.0, 2.0, 5.0], &[1.0, 3.0], &[1.0]] {
+        labels = with(mults);
+        if labels.len() <= MAX_LABELS {
+            break;
+        }
+    }
+    if labels.len() > MAX_LABELS {
+        let every = labels.len().div_ceil(MAX_LABELS);
+        labels = labels.into_iter().step_by(every).collect();
+    }
+    let light = if k_hi - k_lo <= 12 {
+        with(&all)
+    } else {
+        Vec::new()
+    };
+    (labels, light)
+}
+
+/// About `target` evenly spaced round values (steps of 1, 2 or 5 ·10^k) inside `lo..=hi`.
+fn nice_linear_ticks(lo: f64, hi: f64, target: usize) -> Vec<f64> {
+    let raw = (hi - lo) / target.max(1) as f64;
+    if !(raw > 0.0 && raw.is_finite()) {
+        return vec![lo];
+    }
+    let e = raw.log10().floor() as i32;
+    let m = [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .find(|&m| scaled(m, e) >= raw)
+        .unwrap_or(10.0);
+    let step = scaled(m, e);
+    let first = (lo / step).ceil() as i64;
+    let last = (hi / step).floor() as i64;
+    // Computing each tick from its index keeps round values (no accumulated error).
+    (first..=last)
+        .take(4 * target + 1)
+        .map(|i| scaled(i as f64 * m, e))
+        .collect()
+}
+
+/// `m · 10^e`, rounded once (so `scaled(3.0, -1)` is the double nearest 0.3).
+fn scaled(m: f64, e: i32) -> f64 {
+    if e >= 0 {
+        m * 10f64.powi(e)
+    } else {
+        m / 10f64.powi(-e)
+    }
+}
+
 /// Puts the legend where the curves are not at the right-hand end: lower right when the last
 /// third of the x range mostly sits high (accuracy-like curves), upper right otherwise.
 fn legend_position(
@@ -416,8 +490,14 @@ fn tick_text(v: f64) -> String {
     if !(1e-3..1e6).contains(&a) {
         return format!("{v:.1e}");
     }
-    let s = format!("{v:.4}");
-    let s = s.trim_end_matches('0').trim_end_matches('.');
+    // Six significant digits, trailing zeros dropped.
+    let decimals = (5 - a.log10().floor() as i32).clamp(0, 8) as usize;
+    let s = format!("{v:.decimals$}");
+    let s = if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.')
+    } else {
+        &s
+    };
     if s == "-0" {
         "0".to_string()
     } else {
@@ -665,6 +745,34 @@ mod tests {
                 ],
                 ..Panel::default()
             },
+            Panel {
+                title: "spans of a few ulps".into(),
+                series: vec![
+                    Series::new("a", vec![(0.0, 1.0), (1.0, 1.0 + f64::EPSILON)]),
+                    Series::new("b", vec![(1e15, 0.1), (1e15 + 0.125, 0.1)]),
+                ],
+                ..Panel::default()
+            },
+            Panel {
+                title: "spans of a few ulps, log".into(),
+                series: vec![Series::new("a", vec![(0.0, 0.3), (1.0, 0.3 + 1e-16)])],
+                log_y: true,
+                ..Panel::default()
+            },
+            Panel {
+                title: "tiny and wide, log".into(),
+                series: vec![Series::new(
+                    "a",
+                    vec![(0.0, 5e-324), (1.0, 1e-300), (2.0, 1e-20), (3.0, 1e15)],
+                )],
+                log_y: true,
+                ..Panel::default()
+            },
+            Panel {
+                title: "tiny and constant".into(),
+                series: vec![Series::new("a", vec![(0.0, 1e-300), (1e-300, 1e-300)])],
+                ..Panel::default()
+            },
         ];
         for (i, panel) in panels.iter().enumerate() {
             let path = dir.0.join(format!("p{i}.png"));
@@ -720,5 +828,28 @@ mod tests {
         assert_eq!(tick_text(2e-5), "2.0e-5");
         assert_eq!(tick_text(3e7), "3.0e7");
         assert_eq!(tick_text(1e-9), "1.0e-9");
+        assert_eq!(tick_text(0.1 + 0.2), "0.3");
+        assert_eq!(tick_text(0.123459), "0.123459");
+        assert_eq!(tick_text(1234.5678), "1234.57");
+        assert_eq!(tick_text(250000.0), "250000");
+    }
+
+    #[test]
+    fn log_ticks_are_round_and_in_range() {
+        // Less than a decade: evenly spaced round labels.
+        let (bold, light) = log_ticks(0.25, 2.0);
+        assert_eq!(bold, vec![0.5, 1.0, 1.5, 2.0]);
+        assert!(light.is_empty());
+        // A decade or more: 1..9 would give 10 labels, 1, 2, 5 gives 4.
+        let (bold, _) = log_ticks(0.2, 2.5);
+        assert_eq!(bold, vec![0.2, 0.5, 1.0, 2.0]);
+        let (bold, light) = log_ticks(0.05, 30.0);
+        // 1, 2, 5 would give 9 labels; 1, 3 gives 6.
+        assert_eq!(bold, vec![0.1, 0.3, 1.0, 3.0, 10.0, 30.0]);
+        assert!(light.len() > bold.len());
+        // Many decades: powers of ten, thinned to at most 8 labels.
+        let (bold, _) = log_ticks(1e-300, 1e15);
+        assert!((2..=8).contains(&bold.len()), "{bold:?}");
+        assert!(bold.iter().all(|v| (1e-300..=1e15).contains(v)));
     }
 }
