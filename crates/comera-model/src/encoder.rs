@@ -671,7 +671,18 @@ impl EncoderState {
         Ok(())
     }
 
-    /// The logits of the last forward (batch × num_labels).
+    /// The encoder's last hidden states of the last forward, `(batch·seq_len, d_model)`
+    /// row-major (after the final LayerNorm for pre-LN models): what BERT calls
+    /// `last_hidden_state`.
+    pub fn hidden(&self) -> &[f32] {
+        if self.x_final.is_empty() {
+            &self.blocks.last().expect("at least one layer").out
+        } else {
+            &self.x_final
+        }
+    }
+
+    /// Logits of the last forward, `(batch, num_labels)` row-major.
     pub fn logits(&self) -> &[f32] {
         &self.logits
     }
