@@ -15,6 +15,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod compress;
 pub mod dropout;
 pub mod embedding;
 pub mod gates;
@@ -25,6 +26,7 @@ pub mod param;
 pub mod tt_linear;
 pub mod ttm_embedding;
 
+pub use compress::{Compressible, Retained};
 pub use embedding::{Embedding, EmbeddingError, EmbeddingLayer};
 pub use gates::RankGates;
 pub use linear::Linear;

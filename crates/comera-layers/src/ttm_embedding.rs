@@ -22,6 +22,7 @@
 //! through the chains into the slabs, always in sorted-id order: bit-identical for any thread
 //! count.
 
+use crate::compress::{self, Compressible, Retained};
 use crate::embedding::{check_ids, EmbeddingError, EmbeddingLayer};
 use crate::{LayerError, Param, ParamKind, RankGates};
 use comera_tensor::permute::permute;
@@ -52,6 +53,9 @@ pub struct TtmEmbedding {
     pub cores: Vec<Param>,
     /// Gate on bond k + 1 (between cores k and k + 1), length r_{k+1}.
     pub gates: Vec<Param>,
+    /// Set by a truncation that left a bond without active entries: every row is 0, so
+    /// lookups skip the chain.
+    dead: bool,
 }
 
 impl TtmEmbedding {
@@ -86,6 +90,7 @@ impl TtmEmbedding {
             rule,
             cores,
             gates,
+            dead: false,
         })
     }
 
@@ -137,6 +142,7 @@ impl TtmEmbedding {
             rule,
             cores: cp,
             gates: gp,
+            dead: false,
         })
     }
 
@@ -218,6 +224,42 @@ impl TtmEmbedding {
         self.forward(&mut ws, &ids, &mut y)
             .expect("every id below V is valid");
         y
+    }
+}
+
+impl Compressible for TtmEmbedding {
+    fn layer_name(&self) -> &str {
+        self.cores[0].name.trim_end_matches(".core.1")
+    }
+    fn ranks(&self) -> Vec<usize> {
+        self.shape.ranks().to_vec()
+    }
+    fn active_ranks(&self) -> Vec<usize> {
+        compress::active_ranks(self.rule, &self.gates)
+    }
+    fn size_l0(&self) -> f64 {
+        TtmEmbedding::size_l0(self)
+    }
+    fn size_l1(&self) -> f64 {
+        TtmEmbedding::size_l1(self)
+    }
+    fn accumulate_size_l1_grad(&mut self, scale: f32) {
+        TtmEmbedding::accumulate_size_l1_grad(self, scale)
+    }
+    fn dense_params(&self) -> usize {
+        self.shape.num_embeddings() * self.shape.dim()
+    }
+    fn is_dead(&self) -> bool {
+        self.dead || self.active_ranks().contains(&0)
+    }
+    fn truncate(&mut self) -> Vec<Retained> {
+        let (ranks, changed, dead) =
+            compress::truncate_chain(self.rule, &mut self.cores, &mut self.gates);
+        let s = &self.shape;
+        self.shape = TtmShape::new(s.vocab_modes(), s.dim_modes(), &ranks, s.num_embeddings())
+            .expect("truncated ranks are positive with unit ends");
+        self.dead |= dead;
+        changed
     }
 }
 
@@ -494,6 +536,8 @@ struct Naive {
 /// Everything a TTM lookup of a fixed number of ids needs.
 #[derive(Debug)]
 pub struct TtmWorkspace {
+    /// The ranks this workspace was sized for (re-made when a truncation changes them).
+    ranks: Vec<usize>,
     tokens: usize,
     lookup: Lookup,
     layout: Layout,
@@ -554,6 +598,7 @@ impl TtmWorkspace {
             }
         };
         TtmWorkspace {
+            ranks: shape.ranks().to_vec(),
             tokens,
             lookup,
             layout,
@@ -568,6 +613,13 @@ impl TtmWorkspace {
 
     pub fn lookup(&self) -> Lookup {
         self.lookup
+    }
+
+    /// Re-makes the workspace if the table's ranks changed since it was made.
+    fn ensure(&mut self, shape: &TtmShape) {
+        if self.ranks != shape.ranks() {
+            *self = TtmWorkspace::new(shape, self.tokens, self.lookup);
+        }
     }
 
     /// The core index where the optimised lookup splits left and right halves.
@@ -673,6 +725,11 @@ impl EmbeddingLayer for TtmEmbedding {
         check_ids(ids, self.num_embeddings(), ws.tokens)?;
         let d = self.dim();
         crate::check_len("TtmEmbedding y", y.len(), ids.len() * d);
+        ws.ensure(&self.shape);
+        if self.dead {
+            y.fill(0.0);
+            return Ok(());
+        }
         self.gate_cores(ws);
         let l = &ws.layout;
         if let Some(n) = &mut ws.naive {
@@ -722,6 +779,14 @@ impl EmbeddingLayer for TtmEmbedding {
             ws.tokens,
             "TtmEmbedding backward: ids differ from the forward's"
         );
+        assert_eq!(
+            ws.ranks,
+            self.shape.ranks(),
+            "TtmEmbedding backward: ranks changed since forward"
+        );
+        if self.dead {
+            return;
+        }
         for dh in &mut ws.dh {
             dh.fill(0.0);
         }

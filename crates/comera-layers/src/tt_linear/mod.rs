@@ -12,6 +12,7 @@ mod dense;
 mod merged;
 mod sequential;
 
+use crate::compress::{self, Compressible, Retained};
 use crate::{
     accumulate_bias_grad, add_bias, check_len, Layer, LayerError, Param, ParamKind, RankGates,
 };
@@ -28,6 +29,9 @@ pub struct TtLinear {
     /// Gate on bond c + 1 (0-based index c), between cores c and c + 1; length r_{c+1}.
     pub gates: Vec<Param>,
     pub bias: Param,
+    /// Set by a truncation that left a bond without active entries: W = 0, so the layer
+    /// skips its contraction and outputs its bias.
+    dead: bool,
 }
 
 impl TtLinear {
@@ -64,6 +68,7 @@ impl TtLinear {
             cores,
             gates,
             bias,
+            dead: false,
         })
     }
 
@@ -126,6 +131,7 @@ impl TtLinear {
             cores: core_params,
             gates: gate_params,
             bias,
+            dead: false,
         })
     }
 
@@ -204,6 +210,41 @@ impl TtLinear {
                 &dh[c],
             );
         }
+    }
+}
+
+impl Compressible for TtLinear {
+    fn layer_name(&self) -> &str {
+        self.bias.name.trim_end_matches(".bias")
+    }
+    fn ranks(&self) -> Vec<usize> {
+        self.shape.ranks().to_vec()
+    }
+    fn active_ranks(&self) -> Vec<usize> {
+        compress::active_ranks(self.rule, &self.gates)
+    }
+    fn size_l0(&self) -> f64 {
+        TtLinear::size_l0(self)
+    }
+    fn size_l1(&self) -> f64 {
+        TtLinear::size_l1(self)
+    }
+    fn accumulate_size_l1_grad(&mut self, scale: f32) {
+        TtLinear::accumulate_size_l1_grad(self, scale)
+    }
+    fn dense_params(&self) -> usize {
+        self.shape.in_features() * self.shape.out_features()
+    }
+    fn is_dead(&self) -> bool {
+        self.dead || self.active_ranks().contains(&0)
+    }
+    fn truncate(&mut self) -> Vec<Retained> {
+        let (ranks, changed, dead) =
+            compress::truncate_chain(self.rule, &mut self.cores, &mut self.gates);
+        self.shape = TtShape::new(self.shape.in_modes(), self.shape.out_modes(), &ranks)
+            .expect("truncated ranks are positive with unit ends");
+        self.dead |= dead;
+        changed
     }
 }
 
@@ -360,6 +401,11 @@ impl Layer for TtLinear {
         let b = ws.batch;
         check_len("TtLinear x", x.len(), b * self.in_features());
         check_len("TtLinear y", y.len(), b * self.out_features());
+        if self.dead {
+            y.fill(0.0);
+            add_bias(y, &self.bias.value);
+            return;
+        }
         self.gate_cores(&mut ws.h);
         let s = &self.shape;
         match &mut ws.bufs {
@@ -386,6 +432,13 @@ impl Layer for TtLinear {
         check_len("TtLinear dy", dy.len(), b * self.out_features());
         if let Some(dx) = dx.as_deref() {
             check_len("TtLinear dx", dx.len(), b * self.in_features());
+        }
+        if self.dead {
+            if let Some(dx) = dx {
+                dx.fill(0.0);
+            }
+            accumulate_bias_grad(dy, &mut self.bias.grad);
+            return;
         }
         let s = &self.shape;
         match &mut ws.bufs {
