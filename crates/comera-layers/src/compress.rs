@@ -44,6 +44,25 @@ pub trait Compressible {
     /// Removes every pruned rank slice; returns the parameters that changed. The layer's
     /// function is unchanged; workspaces re-plan on their next use.
     fn truncate(&mut self) -> Vec<Retained>;
+    /// Re-shapes the layer to `ranks` (`[1, …, 1]`), with zero cores and gates at 1: for
+    /// loading a truncated layer whose values are then filled in by name.
+    fn set_ranks(&mut self, ranks: &[usize]) -> Result<(), crate::LayerError>;
+}
+
+/// Zero cores of the given shapes and gates at 1 sized by `ranks`, keeping the names.
+pub(crate) fn reset_chain(
+    cores: &mut [Param],
+    gates: &mut [Param],
+    ranks: &[usize],
+    core_shapes: impl Iterator<Item = Vec<usize>>,
+) {
+    for (c, shape) in cores.iter_mut().zip(core_shapes) {
+        *c = Param::zeros(c.name.clone(), &shape, c.kind);
+    }
+    for (b, g) in gates.iter_mut().enumerate() {
+        let r = ranks[b + 1];
+        *g = Param::new(g.name.clone(), &[r], g.kind, vec![1.0; r]);
+    }
 }
 
 /// Flat indices of `core` (shape `[r_in, mid…, r_out]`) kept when only rows `keep_in` of the

@@ -261,6 +261,14 @@ impl Compressible for TtmEmbedding {
         self.dead |= dead;
         changed
     }
+    fn set_ranks(&mut self, ranks: &[usize]) -> Result<(), LayerError> {
+        let s = &self.shape;
+        let shape = TtmShape::new(s.vocab_modes(), s.dim_modes(), ranks, s.num_embeddings())?;
+        let shapes = (0..shape.n_cores()).map(|c| shape.core_shape(c).to_vec());
+        compress::reset_chain(&mut self.cores, &mut self.gates, ranks, shapes);
+        self.shape = shape;
+        Ok(())
+    }
 }
 
 /// Static facts of a chain split: digit strides, partial-product sizes and offsets.

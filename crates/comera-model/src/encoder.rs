@@ -22,8 +22,8 @@ use comera_layers::linear::LinearWorkspace;
 use comera_layers::loss::CrossEntropy;
 use comera_layers::norm::{LayerNorm, LayerNormWorkspace};
 use comera_layers::{
-    Embedding, EmbeddingError, EmbeddingLayer, Layer, Linear, Param, RankGates, TtLinear,
-    TtmEmbedding,
+    Compressible, Embedding, EmbeddingError, EmbeddingLayer, Layer, Linear, Param, RankGates,
+    TtLinear, TtmEmbedding,
 };
 use comera_tensor::init;
 
@@ -211,6 +211,42 @@ impl Encoder {
         }
         self.pool.visit_params_mut(f);
         self.classifier.visit_params_mut(f);
+    }
+
+    /// Calls `f` on every TT/TTM layer: the word embedding (if TTM), then each block's
+    /// q, k, v, o, up, down (if TT).
+    pub fn visit_compressible(&self, f: &mut dyn FnMut(&dyn Compressible)) {
+        if let WordEmbedding::Ttm(t) = &self.word {
+            f(t);
+        }
+        for b in &self.blocks {
+            for l in b.linears() {
+                if let AnyLinear::Tt(t) = l {
+                    f(t);
+                }
+            }
+        }
+    }
+
+    /// [`Encoder::visit_compressible`] with mutable layers, same order, without allocating.
+    pub fn visit_compressible_mut(&mut self, f: &mut dyn FnMut(&mut dyn Compressible)) {
+        if let WordEmbedding::Ttm(t) = &mut self.word {
+            f(t);
+        }
+        for b in &mut self.blocks {
+            for l in [
+                &mut b.q,
+                &mut b.k,
+                &mut b.v,
+                &mut b.o,
+                &mut b.up,
+                &mut b.down,
+            ] {
+                if let AnyLinear::Tt(t) = l {
+                    f(t);
+                }
+            }
+        }
     }
 
     /// Every parameter, in the order of [`Encoder::visit_params_mut`].

@@ -8,7 +8,10 @@
 //! Models expose `visit_params_mut(&mut dyn FnMut(&mut Param))`; the optimiser keeps its
 //! moments in the same order.
 
-use comera_layers::{Param, ParamKind};
+pub mod galore;
+pub use galore::{GaLore, GaLoreBytes, GaLoreConfig};
+
+use comera_layers::{Param, ParamKind, Retained};
 use rayon::prelude::*;
 
 /// (weights, gradients, first moments, second moments) of one chunk, as zipped iterators give them.
@@ -106,6 +109,9 @@ pub struct AdamW {
     pub t: u64,
     pub m: Vec<Vec<f32>>,
     pub v: Vec<Vec<f32>>,
+    /// Rank-gate entries at or below this value are pruned: they are not updated and their
+    /// moments are zeroed, so momentum cannot revive a pruned slice (`None`: no freezing).
+    pub freeze_gates_at: Option<f32>,
 }
 
 impl AdamW {
@@ -116,7 +122,13 @@ impl AdamW {
             m.push(vec![0.0; p.len()]);
             v.push(vec![0.0; p.len()]);
         });
-        AdamW { cfg, t: 0, m, v }
+        AdamW {
+            cfg,
+            t: 0,
+            m,
+            v,
+            freeze_gates_at: None,
+        }
     }
 
     /// Bytes of optimiser state.
@@ -161,7 +173,28 @@ impl AdamW {
                     *w -= lr * ((*m / bc1) / ((*v / bc2).sqrt() + c.eps) + decay * *w);
                 }
             };
-            if p.len() >= 2 * CHUNK {
+            if let (ParamKind::RankGate, Some(tau)) = (p.kind, self.freeze_gates_at) {
+                // Gates are short: one pass, pruned entries frozen with zeroed moments.
+                for (((w, &g), m), v) in p
+                    .value
+                    .iter_mut()
+                    .zip(&p.grad)
+                    .zip(m.iter_mut())
+                    .zip(v.iter_mut())
+                {
+                    if *w <= tau {
+                        (*m, *v) = (0.0, 0.0);
+                    } else {
+                        update((
+                            (
+                                (std::slice::from_mut(w), std::slice::from_ref(&g)),
+                                std::slice::from_mut(m),
+                            ),
+                            std::slice::from_mut(v),
+                        ));
+                    }
+                }
+            } else if p.len() >= 2 * CHUNK {
                 p.value
                     .par_chunks_mut(CHUNK)
                     .zip(p.grad.par_chunks(CHUNK))
@@ -179,6 +212,30 @@ impl AdamW {
             "optimiser state covers {} parameters, the model has {i}",
             self.m.len()
         );
+    }
+}
+
+impl AdamW {
+    /// Cuts the moments of truncated parameters to the entries that survived (`changed`, by
+    /// parameter name, as [`comera_layers::Compressible::truncate`] reports them). Parameters
+    /// are visited in the same order as in [`AdamW::step`].
+    pub fn retain(&mut self, changed: &[Retained], visit: impl FnOnce(&mut dyn FnMut(&mut Param))) {
+        let (ms, vs) = (&mut self.m, &mut self.v);
+        let mut i = 0;
+        visit(&mut |p: &mut Param| {
+            if let Some(r) = changed.iter().find(|r| r.name == p.name) {
+                for buf in [&mut ms[i], &mut vs[i]] {
+                    *buf = r.kept.iter().map(|&j| buf[j]).collect();
+                }
+            }
+            assert_eq!(
+                ms[i].len(),
+                p.len(),
+                "optimiser state does not match parameter {} after truncation",
+                p.name
+            );
+            i += 1;
+        });
     }
 }
 

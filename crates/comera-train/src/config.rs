@@ -1,7 +1,9 @@
 //! The run configuration: one TOML file with `[data]`, `[model]`, `[optim]` and `[train]`
 //! tables. Every field is documented in `configs/reviews-small.toml`; unknown fields are errors.
 
+use crate::rank::RankConfig;
 use comera_model::{EncoderConfig, LayerTt, TtmConfig};
+use comera_optim::galore::GaLoreConfig;
 use comera_optim::{AdamWConfig, Decay};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -101,6 +103,12 @@ pub struct RunConfig {
     pub optim: AdamWConfig,
     #[serde(default)]
     pub train: TrainConfig,
+    /// The rank schedule (early/late stage, truncation) of TT/TTM layers.
+    #[serde(default)]
+    pub rank: RankConfig,
+    /// When present, dense weight matrices are trained with GaLore instead of AdamW.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub galore: Option<GaLoreConfig>,
 }
 
 impl RunConfig {
@@ -152,6 +160,8 @@ impl RunConfig {
                 warmup_steps: 100,
                 ..TrainConfig::default()
             },
+            rank: RankConfig::default(),
+            galore: None,
         }
     }
 
@@ -174,6 +184,10 @@ impl RunConfig {
     pub fn validate(&self) -> Result<(), String> {
         self.model.validate().map_err(|e| e.to_string())?;
         self.optim.validate()?;
+        self.rank.validate()?;
+        if let Some(g) = &self.galore {
+            g.validate()?;
+        }
         let t = &self.train;
         if t.epochs == 0 {
             return Err("train.epochs: must be at least 1".into());

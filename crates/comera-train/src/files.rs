@@ -92,6 +92,7 @@ pub fn load_model(dir: &Path) -> anyhow::Result<(Encoder, ModelMeta)> {
         std::fs::read(&wpath).with_context(|| format!("{}: cannot read", wpath.display()))?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| anyhow!("{}: not a valid safetensors file: {e}", wpath.display()))?;
+    shape_ranks_like(&mut model, &st).map_err(|e| anyhow!("{}: {e}", wpath.display()))?;
     let mut err: Option<anyhow::Error> = None;
     model.visit_params_mut(&mut |p| {
         if err.is_some() {
@@ -123,6 +124,43 @@ pub fn load_model(dir: &Path) -> anyhow::Result<(Encoder, ModelMeta)> {
         Some(e) => Err(e),
         None => Ok((model, meta)),
     }
+}
+
+/// Gives every TT/TTM layer of `model` the ranks its saved gates have (a truncated model is
+/// saved with its physical ranks), so its parameters can then be filled in by name.
+pub fn shape_ranks_like(model: &mut Encoder, st: &SafeTensors<'_>) -> anyhow::Result<()> {
+    let mut err: Option<anyhow::Error> = None;
+    model.visit_compressible_mut(&mut |layer| {
+        if err.is_some() {
+            return;
+        }
+        let now = layer.ranks();
+        let mut ranks = vec![1];
+        for k in 1..now.len() - 1 {
+            let name = format!("{}.gate.{k}", layer.layer_name());
+            match st.tensor(&name) {
+                Ok(t) if t.shape().len() == 1 && t.shape()[0] > 0 => ranks.push(t.shape()[0]),
+                Ok(t) => {
+                    err = Some(anyhow!(
+                        "tensor `{name}` has shape {:?}, expected one positive length (a rank)",
+                        t.shape()
+                    ));
+                    return;
+                }
+                Err(_) => {
+                    err = Some(anyhow!("tensor `{name}` is missing"));
+                    return;
+                }
+            }
+        }
+        ranks.push(1);
+        if ranks != now {
+            if let Err(e) = layer.set_ranks(&ranks) {
+                err = Some(anyhow!("{}: ranks {ranks:?}: {e}", layer.layer_name()));
+            }
+        }
+    });
+    err.map_or(Ok(()), Err)
 }
 
 /// Appends JSON lines to the run's metrics log.

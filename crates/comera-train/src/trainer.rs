@@ -5,10 +5,12 @@ use crate::config::RunConfig;
 use crate::data::{prepare, PreparedData};
 use crate::files::{save_model, MetricsLog, ModelMeta};
 use crate::plot::{plot_panels, Panel, Series};
+use crate::rank::{self, Branch, LayerRanks, RankController, Stage};
 use anyhow::{bail, Context};
 use comera_data::{Batch, EncodedDataset};
+use comera_layers::Retained;
 use comera_model::{Encoder, EncoderState};
-use comera_optim::{clip_scale, AdamW, Schedule};
+use comera_optim::{clip_scale, AdamW, GaLore, Schedule};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -88,9 +90,17 @@ pub struct TrainSummary {
     pub steps: u64,
     pub final_valid: EvalStats,
     pub majority_accuracy: f64,
+    /// Trainable parameters at the end (after truncations).
     pub params: usize,
+    /// Trainable parameters at the start.
+    pub initial_params: usize,
     pub dense_params: usize,
     pub seconds: f64,
+    /// Per-layer ranks of the TT/TTM layers at the start, at the switch to the late stage (if
+    /// any) and at the end.
+    pub ranks_start: Vec<LayerRanks>,
+    pub ranks_switch: Option<Vec<LayerRanks>>,
+    pub ranks_end: Vec<LayerRanks>,
 }
 
 impl TrainSummary {
@@ -108,14 +118,95 @@ fn majority(labels: &[usize], classes: usize) -> f64 {
     *counts.iter().max().unwrap_or(&0) as f64 / labels.len().max(1) as f64
 }
 
+/// The optimiser a run uses: AdamW, or GaLore for dense matrices (AdamW for the rest).
+enum Optimizer {
+    AdamW(AdamW),
+    GaLore(Box<GaLore>),
+}
+
+impl Optimizer {
+    fn step(&mut self, lr: f32, gscale: f32, model: &mut Encoder) {
+        match self {
+            Optimizer::AdamW(o) => o.step(lr, gscale, |f| model.visit_params_mut(f)),
+            Optimizer::GaLore(o) => o.step(lr, gscale, |f| model.visit_params_mut(f)),
+        }
+    }
+
+    /// Cuts the moments of truncated parameters. GaLore runs are not truncated (see
+    /// [`train`]), so only AdamW has to follow.
+    fn retain(&mut self, changed: &[Retained], model: &mut Encoder) {
+        if let Optimizer::AdamW(o) = self {
+            o.retain(changed, |f| model.visit_params_mut(f));
+        }
+    }
+}
+
 struct Curves {
     train_loss: Vec<(f64, f64)>,
     valid_loss: Vec<(f64, f64)>,
     train_acc: Vec<(f64, f64)>,
     valid_acc: Vec<(f64, f64)>,
+    /// Compression of the TT/TTM layers (dense / S) and of the whole model over steps.
+    size_ratio: Vec<(f64, f64)>,
+    model_ratio: Vec<(f64, f64)>,
+    /// Per layer: mean active rank over its bonds, over steps.
+    ranks: Vec<(String, Vec<(f64, f64)>)>,
 }
 
 impl Curves {
+    fn record_ranks(&mut self, step: u64, layers: &[LayerRanks], dense_ref: f64, model_ratio: f64) {
+        let size: f64 = layers.iter().map(|l| l.size).sum();
+        self.size_ratio
+            .push((step as f64, dense_ref / size.max(1.0)));
+        self.model_ratio.push((step as f64, model_ratio));
+        if self.ranks.is_empty() {
+            self.ranks = layers
+                .iter()
+                .map(|l| (l.name.clone(), Vec::new()))
+                .collect();
+        }
+        for ((_, pts), l) in self.ranks.iter_mut().zip(layers) {
+            let mean = l.ranks.iter().sum::<usize>() as f64 / l.ranks.len().max(1) as f64;
+            pts.push((step as f64, mean));
+        }
+    }
+
+    /// Rank evolution, compression and loss over steps.
+    fn plot_ranks(&self, path: &Path) -> anyhow::Result<()> {
+        let s = |name: &str, pts: &Vec<(f64, f64)>| Series {
+            name: name.into(),
+            points: pts.clone(),
+        };
+        let panels = [
+            Panel {
+                title: "mean active rank per layer".into(),
+                x_label: "step".into(),
+                y_label: "rank".into(),
+                series: self.ranks.iter().map(|(n, p)| s(n, p)).collect(),
+                log_y: false,
+            },
+            Panel {
+                title: "compression".into(),
+                x_label: "step".into(),
+                y_label: "dense / compressed".into(),
+                series: vec![
+                    s("TT/TTM layers (dense / S)", &self.size_ratio),
+                    s("whole model", &self.model_ratio),
+                ],
+                log_y: true,
+            },
+            Panel {
+                title: "loss".into(),
+                x_label: "step".into(),
+                y_label: "cross-entropy".into(),
+                series: vec![s("train", &self.train_loss), s("valid", &self.valid_loss)],
+                log_y: false,
+            },
+        ];
+        plot_panels(path, &panels, 1300, 380)?;
+        Ok(())
+    }
+
     fn plot(&self, path: &Path) -> anyhow::Result<()> {
         let s = |name: &str, pts: &Vec<(f64, f64)>| Series {
             name: name.into(),
@@ -181,7 +272,29 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
         if mcfg.ttm_embedding { " + TTM embedding" } else { " + dense embedding" },
         dense_params as f64 / params as f64
     );
-    let mut opt = AdamW::new(cfg.optim.clone(), |f| model.visit_params_mut(f));
+    let mut rank = RankController::new(&cfg.rank, &model);
+    let ranks_start = rank::layer_ranks(&model);
+    let mut ranks_switch = None;
+    let mut opt = match &cfg.galore {
+        Some(g) => {
+            if rank.active() {
+                eprintln!(
+                    "note  GaLore run: rank gates are trained, but pruned slices are not truncated"
+                );
+            }
+            Optimizer::GaLore(Box::new(GaLore::new(cfg.optim.clone(), g.clone(), |f| {
+                model.visit_params_mut(f)
+            })))
+        }
+        None => {
+            let mut o = AdamW::new(cfg.optim.clone(), |f| model.visit_params_mut(f));
+            if rank.active() {
+                o.freeze_gates_at = Some(mcfg.threshold);
+            }
+            Optimizer::AdamW(o)
+        }
+    };
+    let truncating = rank.active() && matches!(opt, Optimizer::AdamW(_));
     let b = cfg.train.batch_size;
     let per_epoch_full = data.train.len() / b;
     if per_epoch_full == 0 {
@@ -207,7 +320,14 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
         valid_loss: vec![],
         train_acc: vec![],
         valid_acc: vec![],
+        size_ratio: vec![],
+        model_ratio: vec![],
+        ranks: vec![],
     };
+    let model_ratio = |m: &Encoder| dense_params as f64 / m.num_params() as f64;
+    if rank.active() {
+        curves.record_ranks(0, &ranks_start, rank.dense_ref, model_ratio(&model));
+    }
     let bar = if progress {
         indicatif::ProgressBar::new(total)
     } else {
@@ -230,10 +350,11 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
         let (mut ep_loss, mut ep_correct, mut ep_count) = (0.0, 0usize, 0usize);
         let (mut win_loss, mut win_correct, mut win_count, mut win_start) =
             (0.0, 0usize, 0usize, Instant::now());
-        for _ in 0..per_epoch {
+        for i in 0..per_epoch {
             if !batches.next_into(&mut batch) {
                 break;
             }
+            let epoch_end = i + 1 == per_epoch;
             st.load(
                 &batch.input_ids,
                 &batch.token_type_ids,
@@ -247,6 +368,7 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
                 bail!("training diverged: loss is {} at epoch {} step {step} (lower the learning rates in [optim])", s.loss, epoch + 1);
             }
             model.backward(&mut st);
+            let obj = rank.apply(&mut model, s.loss);
             let (gscale, gnorm) = clip_scale(cfg.optim.clip_norm, |f| model.visit_params_mut(f));
             if !gnorm.is_finite() {
                 bail!(
@@ -255,8 +377,26 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
                 );
             }
             let lr = schedule.scale(step);
-            opt.step(lr, gscale, |f| model.visit_params_mut(f));
+            opt.step(lr, gscale, &mut model);
             step += 1;
+            if rank.after_step(&model, step, epoch + 1, epoch_end) {
+                let now = rank::layer_ranks(&model);
+                let (size, _, _) = rank::sizes(&model);
+                log.write(&json!({"kind": "stage", "stage": "late", "epoch": epoch + 1, "step": step, "size": size, "target_size": rank.target_size, "ranks": now}))?;
+                bar.println(format!(
+                    "step {step}: late stage, size {size:.0} → target {:.0}",
+                    rank.target_size.unwrap_or(0.0)
+                ));
+                ranks_switch = Some(now);
+            }
+            if truncating && rank.truncation_due(step, epoch_end) {
+                let changed = rank::truncate(&mut model);
+                if !changed.is_empty() {
+                    opt.retain(&changed, &mut model);
+                    let now = rank::layer_ranks(&model);
+                    log.write(&json!({"kind": "truncate", "epoch": epoch + 1, "step": step, "params": model.num_params(), "compression": model_ratio(&model), "ranks": now}))?;
+                }
+            }
             ep_loss += s.loss * s.count as f64;
             ep_correct += s.correct;
             ep_count += s.count;
@@ -271,11 +411,25 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
                     win_correct as f64 / win_count as f64,
                 );
                 let tps = tokens_per_step * steps_in_window / secs;
-                log.write(&json!({"kind": "train", "epoch": epoch + 1, "step": step, "loss": l, "accuracy": a, "lr_scale": lr, "grad_norm": gnorm, "tokens_per_s": tps}))?;
+                let stage = match obj.branch {
+                    Branch::Early => "early",
+                    Branch::Loss => "late-loss",
+                    Branch::Size => "late-size",
+                };
+                log.write(&json!({"kind": "train", "epoch": epoch + 1, "step": step, "loss": l, "accuracy": a, "lr_scale": lr, "grad_norm": gnorm, "tokens_per_s": tps, "size": obj.size, "size_l1": obj.size_l1, "branch": stage, "params": model.num_params(), "compression": model_ratio(&model)}))?;
+                if rank.active() {
+                    let now = rank::layer_ranks(&model);
+                    curves.record_ranks(step, &now, rank.dense_ref, model_ratio(&model));
+                }
                 curves.train_loss.push((step as f64, l));
                 curves.train_acc.push((step as f64, a));
+                let size = if rank.active() {
+                    format!(" {:.1}x", model_ratio(&model))
+                } else {
+                    String::new()
+                };
                 bar.set_message(format!(
-                    "epoch {} loss {l:.4} acc {a:.3} {tps:.0} tok/s",
+                    "epoch {} loss {l:.4} acc {a:.3}{size} {tps:.0} tok/s",
                     epoch + 1
                 ));
                 (win_loss, win_correct, win_count, win_start) = (0.0, 0, 0, Instant::now());
@@ -309,16 +463,47 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
         if let Err(e) = curves.plot(&out.join("curves.png")) {
             bar.println(format!("warning: plot not written: {e:#}"));
         }
+        if rank.active() {
+            if let Err(e) = curves.plot_ranks(&out.join("ranks.png")) {
+                bar.println(format!("warning: plot not written: {e:#}"));
+            }
+        }
     }
     bar.finish_and_clear();
+    let ranks_end = rank::layer_ranks(&model);
+    if rank.active() {
+        let mut points: Vec<(&str, &[LayerRanks])> = vec![("start", &ranks_start)];
+        if let Some(r) = &ranks_switch {
+            points.push(("after early stage", r));
+        }
+        points.push(("end", &ranks_end));
+        let table = rank::rank_table(&points);
+        let stage = match rank.stage {
+            Stage::Early => "early",
+            Stage::Late => "late",
+        };
+        let text = format!(
+            "# Ranks of the TT/TTM layers\n\nStage at the end: {stage}. Whole model: {} → {} parameters ({:.1}× → {:.1}× compression vs {dense_params} dense).\n\n{table}",
+            params,
+            model.num_params(),
+            dense_params as f64 / params as f64,
+            model_ratio(&model)
+        );
+        crate::files::write_atomic(&out.join("ranks.md"), text.as_bytes())?;
+        log.write(&json!({"kind": "ranks", "step": step, "start": ranks_start, "switch": ranks_switch, "end": ranks_end}))?;
+    }
     Ok(TrainSummary {
         out_dir: out,
         epochs: cfg.train.epochs,
         steps: step,
         final_valid,
         majority_accuracy: majority(&data.valid.labels, data.label_names.len()),
-        params,
+        params: model.num_params(),
+        initial_params: params,
         dense_params,
         seconds: t0.elapsed().as_secs_f64(),
+        ranks_start,
+        ranks_switch,
+        ranks_end,
     })
 }

@@ -246,6 +246,13 @@ impl Compressible for TtLinear {
         self.dead |= dead;
         changed
     }
+    fn set_ranks(&mut self, ranks: &[usize]) -> Result<(), LayerError> {
+        let shape = TtShape::new(self.shape.in_modes(), self.shape.out_modes(), ranks)?;
+        let shapes = (0..shape.n_cores()).map(|c| shape.core_shape(c).to_vec());
+        compress::reset_chain(&mut self.cores, &mut self.gates, ranks, shapes);
+        self.shape = shape;
+        Ok(())
+    }
 }
 
 pub(crate) fn check_threshold(t: f32) -> Result<(), LayerError> {

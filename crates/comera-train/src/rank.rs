@@ -1,0 +1,404 @@
+//! The rank schedule of CoMERA training (SPEC §3): the early stage's linear scalarisation, the
+//! late stage's achievement scalarisation towards a target (L0, S0), and physical truncation of
+//! pruned rank slices.
+//!
+//! Sizes are measured in units of the model's TT/TTM size at the start, S_ref (so Ŝn = Ŝ/S_ref
+//! starts at 1 with all gates at 1); that makes γ and the ρ-terms independent of the model's
+//! scale (the authors' "count-normalised" penalty). After the backward pass has left ∂L in the
+//! gradients, [`RankController::apply`] turns them into the gradient of the stage's objective:
+//!
+//! - early:  L + γ·Ŝn + β·Σ‖G‖²                 → w_L = 1,           w_S = γ;
+//! - late:   max{(L − L0)/L, (S − S0)/S} + ρ_L·L + ρ_S·Ŝn + β·Σ‖G‖², with ω1 = 1/L and
+//!   ω2 = 1/S frozen at the current iterate and the active branch picked every step
+//!   (a subgradient step):
+//!   loss branch → w_L = 1/L + ρ_L, w_S = ρ_S;  size branch → w_L = ρ_L, w_S = 1/Sn + ρ_S
+//!   (∂S is taken through its surrogate Ŝ).
+//!
+//! The gradient becomes w_L·∂L + w_S·∂Ŝn + 2β·G (G: every TT/TTM core).
+
+use comera_layers::{Compressible, Param, ParamKind, Retained};
+use comera_model::Encoder;
+use serde::{Deserialize, Serialize};
+
+/// A model whose TT/TTM layers the rank schedule drives.
+pub trait RankAdaptive {
+    fn visit_compressible(&self, f: &mut dyn FnMut(&dyn Compressible));
+    fn visit_compressible_mut(&mut self, f: &mut dyn FnMut(&mut dyn Compressible));
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
+}
+
+impl RankAdaptive for Encoder {
+    fn visit_compressible(&self, f: &mut dyn FnMut(&dyn Compressible)) {
+        Encoder::visit_compressible(self, f)
+    }
+    fn visit_compressible_mut(&mut self, f: &mut dyn FnMut(&mut dyn Compressible)) {
+        Encoder::visit_compressible_mut(self, f)
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        Encoder::visit_params_mut(self, f)
+    }
+}
+
+/// The `[rank]` table of a run config.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RankConfig {
+    /// Rank-adaptive training (size penalty, stages, truncation) for TT/TTM layers.
+    pub enabled: bool,
+    /// γ: weight of the size surrogate Ŝ/S_ref in the early stage.
+    pub gamma: f64,
+    /// β: weight of Σ‖G‖² over all TT/TTM cores (removes the scale ambiguity between cores
+    /// and gates).
+    pub beta: f64,
+    /// Start the late stage after this many epochs (0: no switch by epochs).
+    pub late_after_epochs: usize,
+    /// Also start it once S changed by less than `plateau_tol` (relative) over
+    /// `plateau_steps` early-stage steps (0: off).
+    pub plateau_steps: u64,
+    pub plateau_tol: f64,
+    /// L0: the late stage's target loss.
+    pub target_loss: f64,
+    /// S0 = target_ratio × S at the switch (the authors: 0.2) ...
+    pub target_ratio: Option<f64>,
+    /// ... or S0 = (dense parameters of the TT/TTM layers) / target_compression.
+    pub target_compression: Option<f64>,
+    /// ρ_L, ρ_S: the late stage's regularising terms ρ_L·L + ρ_S·Ŝn (authors: 0.1, 0.01).
+    pub rho_loss: f64,
+    pub rho_size: f64,
+    /// Remove pruned rank slices physically every this many steps (0: only at epoch ends).
+    pub truncate_every: u64,
+}
+
+impl Default for RankConfig {
+    fn default() -> Self {
+        RankConfig {
+            enabled: true,
+            gamma: 0.01,
+            beta: 0.0,
+            late_after_epochs: 0,
+            plateau_steps: 0,
+            plateau_tol: 0.01,
+            target_loss: 0.8,
+            target_ratio: Some(0.2),
+            target_compression: None,
+            rho_loss: 0.1,
+            rho_size: 0.01,
+            truncate_every: 100,
+        }
+    }
+}
+
+impl RankConfig {
+    /// Checks the values; the error names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        let nonneg = [
+            ("rank.gamma", self.gamma),
+            ("rank.beta", self.beta),
+            ("rank.plateau_tol", self.plateau_tol),
+            ("rank.rho_loss", self.rho_loss),
+            ("rank.rho_size", self.rho_size),
+        ];
+        for (name, v) in nonneg {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{name}: expected a finite number ≥ 0, got {v}"));
+            }
+        }
+        if !(self.target_loss.is_finite() && self.target_loss >= 0.0) {
+            return Err(format!(
+                "rank.target_loss: expected a finite number ≥ 0, got {}",
+                self.target_loss
+            ));
+        }
+        if let Some(r) = self.target_ratio {
+            if !(r > 0.0 && r <= 1.0) {
+                return Err(format!(
+                    "rank.target_ratio: expected a value in (0, 1], got {r}"
+                ));
+            }
+        }
+        if let Some(c) = self.target_compression {
+            if !(c.is_finite() && c >= 1.0) {
+                return Err(format!(
+                    "rank.target_compression: expected a value ≥ 1, got {c}"
+                ));
+            }
+        }
+        let late = self.late_after_epochs > 0 || self.plateau_steps > 0;
+        match (self.target_ratio, self.target_compression) {
+            (Some(_), Some(_)) => {
+                Err("rank: give either target_ratio or target_compression, not both".into())
+            }
+            (None, None) if late => Err(
+                "rank: the late stage needs a target: target_ratio or target_compression".into(),
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    fn has_late_stage(&self) -> bool {
+        self.enabled && (self.late_after_epochs > 0 || self.plateau_steps > 0)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Stage {
+    Early,
+    Late,
+}
+
+/// Which term drove a step: the early objective, or the late stage's loss or size branch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Branch {
+    Early,
+    Loss,
+    Size,
+}
+
+/// What one step's objective was made of.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Objective {
+    /// The data loss L.
+    pub loss: f64,
+    /// S: exact surviving parameters of the TT/TTM layers.
+    pub size: f64,
+    /// Ŝ (unnormalised).
+    pub size_l1: f64,
+    pub branch: Branch,
+    /// The weights the gradient was built with.
+    pub w_loss: f64,
+    pub w_size: f64,
+}
+
+/// One TT/TTM layer's ranks and size at a point of training.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerRanks {
+    pub name: String,
+    /// Active entries per inner bond.
+    pub ranks: Vec<usize>,
+    /// S of this layer.
+    pub size: f64,
+    pub dense: usize,
+    pub dead: bool,
+}
+
+/// Per-layer ranks and sizes of a model now.
+pub fn layer_ranks(model: &dyn RankAdaptive) -> Vec<LayerRanks> {
+    let mut out = Vec::new();
+    model.visit_compressible(&mut |l| {
+        let a = l.active_ranks();
+        out.push(LayerRanks {
+            name: l.layer_name().to_string(),
+            ranks: a[1..a.len() - 1].to_vec(),
+            size: l.size_l0(),
+            dense: l.dense_params(),
+            dead: l.is_dead(),
+        })
+    });
+    out
+}
+
+/// (S, Ŝ, dense parameters) summed over a model's TT/TTM layers.
+pub fn sizes(model: &dyn RankAdaptive) -> (f64, f64, f64) {
+    let (mut s, mut s1, mut d) = (0.0, 0.0, 0.0);
+    model.visit_compressible(&mut |l| {
+        s += l.size_l0();
+        s1 += l.size_l1();
+        d += l.dense_params() as f64;
+    });
+    (s, s1, d)
+}
+
+/// The rank schedule's state.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankController {
+    pub cfg: RankConfig,
+    pub stage: Stage,
+    /// S_ref: the TT/TTM size at the start (the unit of Ŝn).
+    pub s_ref: f64,
+    /// Dense parameters of the TT/TTM layers.
+    pub dense_ref: f64,
+    /// S0, set at the switch to the late stage.
+    pub target_size: Option<f64>,
+    /// The step at which the late stage began.
+    pub switched_at: Option<u64>,
+    /// Plateau detection: the step and S at the start of the current window.
+    window: Option<(u64, f64)>,
+}
+
+impl RankController {
+    pub fn new(cfg: &RankConfig, model: &dyn RankAdaptive) -> RankController {
+        let (s, _, d) = sizes(model);
+        RankController {
+            cfg: cfg.clone(),
+            stage: Stage::Early,
+            s_ref: s.max(1.0),
+            dense_ref: d,
+            target_size: None,
+            switched_at: None,
+            window: None,
+        }
+    }
+
+    /// Whether the controller does anything (enabled and the model has TT/TTM layers).
+    pub fn active(&self) -> bool {
+        self.cfg.enabled && self.dense_ref > 0.0
+    }
+
+    /// Turns the data-loss gradient left by the backward pass into the gradient of the
+    /// current stage's objective (module docs). `loss` is the batch's mean data loss.
+    pub fn apply(&mut self, model: &mut dyn RankAdaptive, loss: f64) -> Objective {
+        let (s, s1, _) = sizes(model);
+        let mut obj = Objective {
+            loss,
+            size: s,
+            size_l1: s1,
+            branch: Branch::Early,
+            w_loss: 1.0,
+            w_size: 0.0,
+        };
+        if !self.active() {
+            return obj;
+        }
+        let c = &self.cfg;
+        let (w_loss, w_size, branch) = match (self.stage, self.target_size) {
+            (Stage::Late, Some(s0)) => {
+                let l = loss.max(1e-12);
+                let sz = s.max(1.0);
+                let (f_loss, f_size) = ((loss - c.target_loss) / l, (s - s0) / sz);
+                if f_loss >= f_size {
+                    (1.0 / l + c.rho_loss, c.rho_size, Branch::Loss)
+                } else {
+                    (c.rho_loss, self.s_ref / sz + c.rho_size, Branch::Size)
+                }
+            }
+            _ => (1.0, c.gamma, Branch::Early),
+        };
+        (obj.w_loss, obj.w_size, obj.branch) = (w_loss, w_size, branch);
+        let beta2 = (2.0 * c.beta) as f32;
+        let wl = w_loss as f32;
+        if wl != 1.0 || beta2 != 0.0 {
+            model.visit_params_mut(&mut |p| {
+                let b = if p.kind == ParamKind::TtCore {
+                    beta2
+                } else {
+                    0.0
+                };
+                if wl != 1.0 {
+                    p.grad.iter_mut().for_each(|g| *g *= wl);
+                }
+                if b != 0.0 {
+                    for (g, &v) in p.grad.iter_mut().zip(&p.value) {
+                        *g += b * v;
+                    }
+                }
+            });
+        }
+        let ws = (w_size / self.s_ref) as f32;
+        if ws != 0.0 {
+            model.visit_compressible_mut(&mut |l| l.accumulate_size_l1_grad(ws));
+        }
+        obj
+    }
+
+    /// After step `step` (1-based count of steps done) of epoch `epoch` (1-based; `epoch_end`
+    /// when it was the epoch's last): switches to the late stage when due. Returns whether it
+    /// switched now.
+    pub fn after_step(
+        &mut self,
+        model: &dyn RankAdaptive,
+        step: u64,
+        epoch: usize,
+        epoch_end: bool,
+    ) -> bool {
+        if self.stage != Stage::Early || !self.cfg.has_late_stage() || !self.active() {
+            return false;
+        }
+        let by_epochs =
+            epoch_end && self.cfg.late_after_epochs > 0 && epoch >= self.cfg.late_after_epochs;
+        let mut by_plateau = false;
+        if self.cfg.plateau_steps > 0 {
+            let (s, _, _) = sizes(model);
+            match self.window {
+                None => self.window = Some((step, s)),
+                Some((start, s_start)) if step - start >= self.cfg.plateau_steps => {
+                    by_plateau = (s - s_start).abs() <= self.cfg.plateau_tol * s_start.max(1.0);
+                    self.window = Some((step, s));
+                }
+                _ => {}
+            }
+        }
+        if !(by_epochs || by_plateau) {
+            return false;
+        }
+        let (s, _, _) = sizes(model);
+        self.target_size = Some(match (self.cfg.target_ratio, self.cfg.target_compression) {
+            (_, Some(c)) => self.dense_ref / c,
+            (Some(r), None) => r * s,
+            (None, None) => unreachable!("validated: the late stage has a target"),
+        });
+        self.stage = Stage::Late;
+        self.switched_at = Some(step);
+        true
+    }
+
+    /// Whether a truncation is due after `step` steps (or at an epoch's end).
+    pub fn truncation_due(&self, step: u64, epoch_end: bool) -> bool {
+        self.active()
+            && (epoch_end
+                || (self.cfg.truncate_every > 0 && step.is_multiple_of(self.cfg.truncate_every)))
+    }
+}
+
+/// Removes pruned rank slices from every TT/TTM layer; returns the changed parameters (for the
+/// optimiser's moments).
+pub fn truncate(model: &mut dyn RankAdaptive) -> Vec<Retained> {
+    let mut changed = Vec::new();
+    model.visit_compressible_mut(&mut |l| changed.extend(l.truncate()));
+    changed
+}
+
+/// A Markdown table of per-layer ranks at several points (`points`: a title and the layers).
+pub fn rank_table(points: &[(&str, &[LayerRanks])]) -> String {
+    let mut s = String::from("| layer | dense params |");
+    for (title, _) in points {
+        s.push_str(&format!(" {title}: ranks | size |"));
+    }
+    s.push_str("\n|---|---|");
+    for _ in points {
+        s.push_str("---|---|");
+    }
+    s.push('\n');
+    let Some((_, first)) = points.first() else {
+        return s;
+    };
+    let fmt = |r: &[usize]| {
+        r.iter()
+            .map(|v| v.to_string())
+            .collect::<Vec<_>>()
+            .join("-")
+    };
+    let mut totals = vec![0.0; points.len()];
+    for (i, layer) in first.iter().enumerate() {
+        s.push_str(&format!("| {} | {} |", layer.name, layer.dense));
+        for (j, (_, layers)) in points.iter().enumerate() {
+            match layers.get(i) {
+                Some(l) => {
+                    totals[j] += l.size;
+                    let dead = if l.dead { " (dead)" } else { "" };
+                    s.push_str(&format!(" {}{dead} | {} |", fmt(&l.ranks), l.size));
+                }
+                None => s.push_str(" – | – |"),
+            }
+        }
+        s.push('\n');
+    }
+    let dense: usize = first.iter().map(|l| l.dense).sum();
+    s.push_str(&format!("| **total** | {dense} |"));
+    for t in &totals {
+        s.push_str(&format!(" {:.1}× | {t} |", dense as f64 / t.max(1.0)));
+    }
+    s.push('\n');
+    s
+}

@@ -1,0 +1,264 @@
+//! The rank schedule on a tiny TT/TTM encoder: the objective's gradient, stage switching,
+//! and truncation that leaves the model's function and the next training step unchanged.
+
+use comera_layers::RankGates;
+use comera_model::{Encoder, EncoderConfig, EncoderState, LayerTt, TtmConfig};
+use comera_optim::{AdamW, AdamWConfig};
+use comera_train::rank::{self, Branch, RankConfig, RankController, Stage};
+
+fn config() -> EncoderConfig {
+    let tt = |i: Vec<usize>, o: Vec<usize>| LayerTt {
+        in_modes: i,
+        out_modes: o,
+        rank: 4,
+    };
+    EncoderConfig {
+        vocab_size: 50,
+        seq_len: 5,
+        d_model: 16,
+        heads: 2,
+        ffn: 32,
+        layers: 1,
+        num_labels: 2,
+        dropout: 0.0,
+        attn_tt: tt(vec![4, 4], vec![4, 4]),
+        ffn_up_tt: tt(vec![4, 4], vec![8, 4]),
+        ffn_down_tt: tt(vec![8, 4], vec![4, 4]),
+        word_ttm: TtmConfig {
+            vocab_modes: vec![5, 10],
+            dim_modes: vec![4, 4],
+            rank: 4,
+        },
+        ..EncoderConfig::default()
+    }
+}
+
+fn loaded_state(m: &Encoder) -> EncoderState {
+    let mut st = m.state(2);
+    let ids: Vec<u32> = vec![2, 7, 11, 49, 0, 3, 3, 18, 0, 0];
+    let mask: Vec<u32> = ids.iter().map(|&i| (i != 0) as u32).collect();
+    st.load(&ids, &[0; 10], &mask, &[1, 0]).unwrap();
+    st
+}
+
+/// Prunes a few gate entries by hand (a stand-in for what training does).
+fn prune_some(m: &mut Encoder) {
+    let mut k = 0;
+    m.visit_params_mut(&mut |p| {
+        if p.kind == comera_layers::ParamKind::RankGate {
+            let n = p.len();
+            p.value[k % n] = 0.004;
+            if n > 2 {
+                p.value[(k + 2) % n] = -0.3;
+            }
+            k += 1;
+        }
+    });
+}
+
+/// One full training step (forward, backward, rank objective, AdamW); returns the loss.
+fn train_step(
+    m: &mut Encoder,
+    st: &mut EncoderState,
+    ctl: &mut RankController,
+    opt: &mut AdamW,
+) -> f64 {
+    m.zero_grad();
+    let s = m.forward(st, true, 0).unwrap();
+    m.backward(st);
+    ctl.apply(m, s.loss);
+    opt.step(1.0, 1.0, |f| m.visit_params_mut(f));
+    s.loss
+}
+
+#[test]
+fn truncation_keeps_outputs_and_the_next_step() {
+    let mut a = Encoder::new(&config(), 5).unwrap();
+    prune_some(&mut a);
+    let rcfg = RankConfig::default();
+    let mut ctl_a = RankController::new(&rcfg, &a);
+    let mut opt_a = AdamW::new(AdamWConfig::default(), |f| a.visit_params_mut(f));
+    opt_a.freeze_gates_at = Some(0.01);
+    let mut st_a = loaded_state(&a);
+    // A step with momentum in every parameter, then copy everything.
+    train_step(&mut a, &mut st_a, &mut ctl_a, &mut opt_a);
+    let (mut b, mut ctl_b, mut opt_b) = (a.clone(), ctl_a.clone(), opt_a.clone());
+    let mut st_b = loaded_state(&b);
+    let params_before = b.num_params();
+    let changed = rank::truncate(&mut b);
+    assert!(!changed.is_empty());
+    opt_b.retain(&changed, |f| b.visit_params_mut(f));
+    assert!(
+        b.num_params() < params_before,
+        "truncation removed parameters"
+    );
+    assert_eq!(
+        rank::sizes(&a).0,
+        rank::sizes(&b).0,
+        "S counts surviving slices: unchanged by truncation"
+    );
+    let la = a.forward(&mut st_a, false, 0).unwrap().loss;
+    let lb = b.forward(&mut st_b, false, 0).unwrap().loss;
+    assert!((la - lb).abs() < 1e-5 * la.abs().max(1.0), "{la} vs {lb}");
+    let logits_a = st_a.logits().to_vec();
+    for (x, y) in logits_a.iter().zip(st_b.logits()) {
+        assert!((x - y).abs() < 1e-5, "logits changed: {x} vs {y}");
+    }
+    // The next two training steps see the same losses.
+    for _ in 0..2 {
+        let la = train_step(&mut a, &mut st_a, &mut ctl_a, &mut opt_a);
+        let lb = train_step(&mut b, &mut st_b, &mut ctl_b, &mut opt_b);
+        assert!((la - lb).abs() < 1e-5 * la.abs().max(1.0), "{la} vs {lb}");
+    }
+}
+
+#[test]
+fn pruned_gates_stay_pruned_and_get_no_update() {
+    let mut m = Encoder::new(&config(), 6).unwrap();
+    prune_some(&mut m);
+    let pruned: Vec<(String, usize)> = m
+        .params()
+        .iter()
+        .filter(|p| p.kind == comera_layers::ParamKind::RankGate)
+        .flat_map(|p| {
+            let name = p.name.clone();
+            p.value
+                .iter()
+                .enumerate()
+                .filter(|(_, &v)| v <= 0.01)
+                .map(move |(j, _)| (name.clone(), j))
+        })
+        .collect();
+    assert!(!pruned.is_empty());
+    let mut ctl = RankController::new(
+        &RankConfig {
+            gamma: 0.0,
+            ..RankConfig::default()
+        },
+        &m,
+    );
+    let mut opt = AdamW::new(AdamWConfig::default(), |f| m.visit_params_mut(f));
+    opt.freeze_gates_at = Some(0.01);
+    // Momentum pointing upwards for every gate entry, as if the loss wanted them back.
+    let mut i = 0;
+    m.visit_params_mut(&mut |p| {
+        if p.kind == comera_layers::ParamKind::RankGate {
+            opt.m[i].fill(-1.0);
+            opt.v[i].fill(1.0);
+        }
+        i += 1;
+    });
+    let before: Vec<f32> = values(&m, &pruned);
+    let mut st = loaded_state(&m);
+    for _ in 0..3 {
+        train_step(&mut m, &mut st, &mut ctl, &mut opt);
+    }
+    assert_eq!(values(&m, &pruned), before, "a pruned gate moved");
+    assert!(before.iter().all(|&v| !RankGates::default().is_active(v)));
+}
+
+fn values(m: &Encoder, which: &[(String, usize)]) -> Vec<f32> {
+    which
+        .iter()
+        .map(|(n, j)| m.params().iter().find(|p| &p.name == n).unwrap().value[*j])
+        .collect()
+}
+
+#[test]
+fn early_stage_adds_gamma_times_the_normalised_size_gradient() {
+    let mut m = Encoder::new(&config(), 7).unwrap();
+    let gamma = 0.5;
+    let mut ctl = RankController::new(
+        &RankConfig {
+            gamma,
+            ..RankConfig::default()
+        },
+        &m,
+    );
+    let s_ref = ctl.s_ref;
+    assert_eq!(s_ref, rank::sizes(&m).0);
+    m.zero_grad();
+    let obj = ctl.apply(&mut m, 0.7);
+    assert_eq!(obj.branch, Branch::Early);
+    // Expected: γ/S_ref · ∂Ŝ/∂d, from each layer's own size gradient.
+    let mut expect = m.clone();
+    expect.zero_grad();
+    expect.visit_compressible_mut(&mut |l| l.accumulate_size_l1_grad((gamma / s_ref) as f32));
+    for (p, q) in m.params().iter().zip(expect.params()) {
+        assert_eq!(p.grad, q.grad, "{}", p.name);
+    }
+    // Numerically: Ŝ(d + h·e) − Ŝ(d − h·e) ≈ 2h·∂Ŝ/∂d for one gate entry.
+    let name = "encoder.0.ffn.up.gate.2";
+    let g = m.params().iter().find(|p| p.name == name).unwrap().grad[1] as f64;
+    let shift = |m: &mut Encoder, h: f32| {
+        m.visit_params_mut(&mut |p| {
+            if p.name == name {
+                p.value[1] += h;
+            }
+        })
+    };
+    let h = 1e-2;
+    shift(&mut m, h);
+    let up = rank::sizes(&m).1;
+    shift(&mut m, -2.0 * h);
+    let down = rank::sizes(&m).1;
+    let fd = gamma * (up - down) / (2.0 * h as f64) / s_ref;
+    assert!((fd - g).abs() < 1e-4 * fd.abs(), "fd {fd} vs {g}");
+}
+
+#[test]
+fn late_stage_switches_by_epochs_and_picks_the_active_branch() {
+    let mut m = Encoder::new(&config(), 8).unwrap();
+    let cfg = RankConfig {
+        late_after_epochs: 2,
+        target_ratio: Some(0.5),
+        target_loss: 0.5,
+        ..RankConfig::default()
+    };
+    cfg.validate().unwrap();
+    let mut ctl = RankController::new(&cfg, &m);
+    assert!(!ctl.after_step(&m, 10, 1, true));
+    assert!(!ctl.after_step(&m, 15, 2, false));
+    assert!(ctl.after_step(&m, 20, 2, true));
+    assert_eq!(ctl.stage, Stage::Late);
+    let s = rank::sizes(&m).0;
+    assert_eq!(ctl.target_size, Some(0.5 * s));
+    // (S − S0)/S = 0.5 > (L − L0)/L for L = 0.6: the size branch.
+    let obj = ctl.apply(&mut m, 0.6);
+    assert_eq!(obj.branch, Branch::Size);
+    assert!((obj.w_size - (1.0 + 0.01)).abs() < 1e-12);
+    // For L = 5: (5 − 0.5)/5 = 0.9 > 0.5: the loss branch, ω1 = 1/L.
+    let obj = ctl.apply(&mut m, 5.0);
+    assert_eq!(obj.branch, Branch::Loss);
+    assert!((obj.w_loss - (0.2 + 0.1)).abs() < 1e-12);
+}
+
+#[test]
+fn plateau_switch_and_config_errors() {
+    let m = Encoder::new(&config(), 9).unwrap();
+    let cfg = RankConfig {
+        plateau_steps: 5,
+        target_ratio: None,
+        target_compression: Some(100.0),
+        ..RankConfig::default()
+    };
+    let mut ctl = RankController::new(&cfg, &m);
+    assert!(!ctl.after_step(&m, 1, 1, false));
+    assert!(!ctl.after_step(&m, 3, 1, false));
+    assert!(
+        ctl.after_step(&m, 6, 1, false),
+        "S did not move over 5 steps"
+    );
+    assert_eq!(ctl.target_size, Some(ctl.dense_ref / 100.0));
+    let bad = RankConfig {
+        late_after_epochs: 1,
+        target_ratio: None,
+        ..RankConfig::default()
+    };
+    assert!(bad.validate().unwrap_err().contains("target"));
+    let bad = RankConfig {
+        target_ratio: Some(1.5),
+        ..RankConfig::default()
+    };
+    assert!(bad.validate().unwrap_err().contains("rank.target_ratio"));
+}
