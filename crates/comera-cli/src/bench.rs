@@ -14,6 +14,10 @@ pub enum Bench {
     Ttm(crate::bench_ttm::TtmArgs),
     /// Whole training steps (forward, loss, backward, AdamW) of the dense vs the TT/TTM encoder.
     Step(crate::bench_step::StepArgs),
+    /// Dense + AdamW vs dense + GaLore vs CoMERA (TT/TTM): step time, memory, loss, accuracy.
+    Compare(crate::bench_compare::CompareArgs),
+    /// Step time of a rank-adaptive run's model at its initial vs its truncated ranks.
+    Rank(crate::bench_rank::RankArgs),
 }
 
 #[derive(clap::Args)]
@@ -218,5 +222,7 @@ pub fn run(b: Bench) -> anyhow::Result<ExitCode> {
         Bench::TtLinear(a) => tt_linear(a),
         Bench::Ttm(a) => crate::bench_ttm::run(a),
         Bench::Step(a) => crate::bench_step::run(a),
+        Bench::Compare(a) => crate::bench_compare::run(a),
+        Bench::Rank(a) => crate::bench_rank::run(a),
     }
 }

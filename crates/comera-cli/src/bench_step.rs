@@ -138,7 +138,7 @@ fn config(a: &StepArgs, model: &str) -> anyhow::Result<EncoderConfig> {
 }
 
 /// `VmHWM` (peak resident set) of this process, in bytes.
-fn peak_rss_bytes() -> u64 {
+pub(crate) fn peak_rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
         .lines()

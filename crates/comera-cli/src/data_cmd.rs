@@ -29,6 +29,12 @@ pub fn run(d: Data) -> anyhow::Result<ExitCode> {
                     s.name, s.description, s.package.name, s.package.version
                 );
             }
+            for s in comera_data::DEBIAN_SETS {
+                println!(
+                    "{:<22} {} (Debian {}={})",
+                    s.name, s.description, s.package, s.version
+                );
+            }
             Ok(ExitCode::SUCCESS)
         }
         Data::Fetch { names, cache_dir } => {

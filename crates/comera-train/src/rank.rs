@@ -67,6 +67,14 @@ pub struct RankConfig {
     pub rho_size: f64,
     /// Remove pruned rank slices physically every this many steps (0: only at epoch ends).
     pub truncate_every: u64,
+    /// Multiplies the size term's gradient in both stages. Adam moves a gate by about
+    /// lr·E[g]/rms(g), so when the size gradient dwarfs the loss gradient's noise every gate
+    /// shrinks at the same rate whatever its importance (and a small model collapses); a
+    /// smaller weight lets the loss gradient decide which slices go first.
+    pub size_weight: f64,
+    /// Every bond keeps at least this many active entries (0 lets a layer die: a dead TT
+    /// linear layer outputs its bias, a dead TTM table zeros).
+    pub min_rank: usize,
 }
 
 impl Default for RankConfig {
@@ -84,6 +92,8 @@ impl Default for RankConfig {
             rho_loss: 0.1,
             rho_size: 0.01,
             truncate_every: 100,
+            min_rank: 1,
+            size_weight: 1.0,
         }
     }
 }
@@ -97,6 +107,7 @@ impl RankConfig {
             ("rank.plateau_tol", self.plateau_tol),
             ("rank.rho_loss", self.rho_loss),
             ("rank.rho_size", self.rho_size),
+            ("rank.size_weight", self.size_weight),
         ];
         for (name, v) in nonneg {
             if !(v.is_finite() && v >= 0.0) {
@@ -295,11 +306,19 @@ impl RankController {
                 }
             });
         }
-        let ws = (w_size / self.s_ref) as f32;
+        let ws = (c.size_weight * w_size / self.s_ref) as f32;
         if ws != 0.0 {
             model.visit_compressible_mut(&mut |l| l.accumulate_size_l1_grad(ws));
         }
         obj
+    }
+
+    /// After the optimiser's step: keeps `min_rank` active entries on every bond.
+    pub fn project(&self, model: &mut dyn RankAdaptive) {
+        if self.active() && self.cfg.min_rank > 0 {
+            let k = self.cfg.min_rank;
+            model.visit_compressible_mut(&mut |l| l.keep_min_rank(k));
+        }
     }
 
     /// After step `step` (1-based count of steps done) of epoch `epoch` (1-based; `epoch_end`

@@ -1,6 +1,7 @@
 //! The training loop: fixed-shape steps over shuffled batches, evaluation each epoch, the
 //! metrics log, the plot and the model files.
 
+use crate::checkpoint::{self, Checkpoint, Progress};
 use crate::config::RunConfig;
 use crate::data::{prepare, PreparedData};
 use crate::files::{save_model, MetricsLog, ModelMeta};
@@ -101,6 +102,8 @@ pub struct TrainSummary {
     pub ranks_start: Vec<LayerRanks>,
     pub ranks_switch: Option<Vec<LayerRanks>>,
     pub ranks_end: Vec<LayerRanks>,
+    /// Whether the run stopped early at `train.stop_after_steps` (resumable).
+    pub stopped: bool,
 }
 
 impl TrainSummary {
@@ -141,33 +144,51 @@ impl Optimizer {
     }
 }
 
+/// Curves for the plots, built from the metrics log's records (so a resumed run plots its
+/// whole history).
+#[derive(Default)]
 struct Curves {
     train_loss: Vec<(f64, f64)>,
     valid_loss: Vec<(f64, f64)>,
     train_acc: Vec<(f64, f64)>,
     valid_acc: Vec<(f64, f64)>,
-    /// Compression of the TT/TTM layers (dense / S) and of the whole model over steps.
-    size_ratio: Vec<(f64, f64)>,
+    /// Compression of the whole model over steps.
     model_ratio: Vec<(f64, f64)>,
     /// Per layer: mean active rank over its bonds, over steps.
     ranks: Vec<(String, Vec<(f64, f64)>)>,
 }
 
 impl Curves {
-    fn record_ranks(&mut self, step: u64, layers: &[LayerRanks], dense_ref: f64, model_ratio: f64) {
-        let size: f64 = layers.iter().map(|l| l.size).sum();
-        self.size_ratio
-            .push((step as f64, dense_ref / size.max(1.0)));
-        self.model_ratio.push((step as f64, model_ratio));
-        if self.ranks.is_empty() {
-            self.ranks = layers
-                .iter()
-                .map(|l| (l.name.clone(), Vec::new()))
-                .collect();
-        }
-        for ((_, pts), l) in self.ranks.iter_mut().zip(layers) {
-            let mean = l.ranks.iter().sum::<usize>() as f64 / l.ranks.len().max(1) as f64;
-            pts.push((step as f64, mean));
+    /// Takes in one metrics record.
+    fn add(&mut self, r: &serde_json::Value) {
+        let num = |k: &str| r.get(k).and_then(serde_json::Value::as_f64);
+        let Some(step) = num("step") else { return };
+        match r.get("kind").and_then(serde_json::Value::as_str) {
+            Some("train") => {
+                if let (Some(l), Some(a)) = (num("loss"), num("accuracy")) {
+                    self.train_loss.push((step, l));
+                    self.train_acc.push((step, a));
+                }
+                if let Some(c) = num("compression") {
+                    self.model_ratio.push((step, c));
+                }
+                if let Some(layers) = r.get("mean_ranks").and_then(|v| v.as_object()) {
+                    for (name, v) in layers {
+                        let Some(v) = v.as_f64() else { continue };
+                        match self.ranks.iter_mut().find(|(n, _)| n == name) {
+                            Some((_, pts)) => pts.push((step, v)),
+                            None => self.ranks.push((name.clone(), vec![(step, v)])),
+                        }
+                    }
+                }
+            }
+            Some("eval") => {
+                if let (Some(l), Some(a)) = (num("valid_loss"), num("valid_accuracy")) {
+                    self.valid_loss.push((step, l));
+                    self.valid_acc.push((step, a));
+                }
+            }
+            _ => {}
         }
     }
 
@@ -186,13 +207,10 @@ impl Curves {
                 log_y: false,
             },
             Panel {
-                title: "compression".into(),
+                title: "compression of the whole model".into(),
                 x_label: "step".into(),
-                y_label: "dense / compressed".into(),
-                series: vec![
-                    s("TT/TTM layers (dense / S)", &self.size_ratio),
-                    s("whole model", &self.model_ratio),
-                ],
+                y_label: "dense / trainable parameters".into(),
+                series: vec![s("whole model", &self.model_ratio)],
                 log_y: true,
             },
             Panel {
@@ -238,10 +256,68 @@ impl Curves {
 /// The job runs on a worker of the rayon pool, so parallel work inside a step is scheduled
 /// through the workers' own queues (no per-call injection, no allocation in the step).
 pub fn train(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
-    rayon::scope(|_| train_here(cfg, progress))
+    rayon::scope(|_| train_here(cfg, None, progress))
 }
 
-fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
+/// Continues the run in `run_dir` from its newest checkpoint. With the same thread count, the
+/// losses are bit for bit those of a run that was never stopped.
+pub fn resume(run_dir: &Path, progress: bool) -> anyhow::Result<TrainSummary> {
+    let path = checkpoint::list(run_dir)?.pop().ok_or_else(|| {
+        anyhow::anyhow!(
+            "{}: no checkpoint to resume from (expected {}/step-*.safetensors)",
+            run_dir.display(),
+            checkpoint::DIR
+        )
+    })?;
+    let ck = Checkpoint::load(&path)?;
+    let mut cfg = ck.config.clone();
+    cfg.train.out_dir = run_dir.to_path_buf();
+    // A resumed run runs to the configured end (the stop is what interrupted it).
+    cfg.train.stop_after_steps = 0;
+    eprintln!("resume {} (step {})", path.display(), ck.progress.step);
+    rayon::scope(|_| train_here(&cfg, Some(ck), progress))
+}
+
+/// Rewrites the metrics log without records after `step` (written after the checkpoint a run
+/// resumes from) and returns the kept records.
+fn metrics_up_to(path: &Path, step: u64) -> anyhow::Result<Vec<serde_json::Value>> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut kept = Vec::new();
+    let mut out = String::new();
+    for line in text.lines() {
+        // A line cut short by a kill is dropped like a later one.
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if v.get("step")
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(0)
+            <= step
+        {
+            out.push_str(line);
+            out.push('\n');
+            kept.push(v);
+        }
+    }
+    crate::files::write_atomic(path, out.as_bytes())?;
+    Ok(kept)
+}
+
+/// Mean active rank per layer, as a JSON object (for the metrics log and the rank plot).
+fn mean_ranks(layers: &[LayerRanks]) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    for l in layers {
+        let mean = l.ranks.iter().sum::<usize>() as f64 / l.ranks.len().max(1) as f64;
+        m.insert(l.name.clone(), json!(mean));
+    }
+    serde_json::Value::Object(m)
+}
+
+fn train_here(
+    cfg: &RunConfig,
+    resume: Option<Checkpoint>,
+    progress: bool,
+) -> anyhow::Result<TrainSummary> {
     let t0 = Instant::now();
     let out = cfg.train.out_dir.clone();
     std::fs::create_dir_all(&out)
@@ -260,23 +336,50 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
     mcfg.num_labels = data.label_names.len();
     let mut resolved = cfg.clone();
     resolved.model = mcfg.clone();
-    crate::files::write_atomic(&out.join("config.toml"), resolved.to_toml().as_bytes())?;
+    if let Some(ck) = &resume {
+        if ck.config.model != mcfg {
+            bail!(
+                "{}: the checkpoint's [model] differs from what its run's data gives now (labels or vocabulary changed?)",
+                ck.path.display()
+            );
+        }
+    } else {
+        crate::files::write_atomic(&out.join("config.toml"), resolved.to_toml().as_bytes())?;
+    }
 
-    let mut model = Encoder::new(&mcfg, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let (params, dense_params) = (model.num_params(), model.dense_equivalent_params());
+    let mut model = match &resume {
+        Some(ck) => ck.model()?,
+        None => Encoder::new(&mcfg, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?,
+    };
+    let dense_params = model.dense_equivalent_params();
+    let initial_params = Encoder::new(&mcfg, cfg.train.seed)
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .num_params();
     eprintln!(
-        "model {} layers, d_model {}, {}{}: {params} parameters ({dense_params} dense, {:.1}x compression)",
+        "model {} layers, d_model {}, {}{}: {} parameters ({dense_params} dense, {:.1}x compression)",
         mcfg.layers,
         mcfg.d_model,
         if mcfg.tt_linear { "TT linear" } else { "dense linear" },
         if mcfg.ttm_embedding { " + TTM embedding" } else { " + dense embedding" },
-        dense_params as f64 / params as f64
+        model.num_params(),
+        dense_params as f64 / model.num_params() as f64
     );
-    let mut rank = RankController::new(&cfg.rank, &model);
-    let ranks_start = rank::layer_ranks(&model);
-    let mut ranks_switch = None;
-    let mut opt = match &cfg.galore {
-        Some(g) => {
+    let mut rank = match &resume {
+        Some(ck) => ck.rank.clone(),
+        None => RankController::new(&cfg.rank, &model),
+    };
+    let mut prog = match &resume {
+        Some(ck) => ck.progress.clone(),
+        None => Progress {
+            ranks_start: rank::layer_ranks(&model),
+            ..Progress::default()
+        },
+    };
+    let mut opt = match (&cfg.galore, &resume) {
+        (Some(_), Some(_)) => bail!(
+            "resuming GaLore runs is not supported (their checkpoints hold no optimiser state)"
+        ),
+        (Some(g), None) => {
             if rank.active() {
                 eprintln!(
                     "note  GaLore run: rank gates are trained, but pruned slices are not truncated"
@@ -286,8 +389,11 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
                 model.visit_params_mut(f)
             })))
         }
-        None => {
-            let mut o = AdamW::new(cfg.optim.clone(), |f| model.visit_params_mut(f));
+        (None, ck) => {
+            let mut o = match ck {
+                Some(ck) => ck.optimizer(&mut model)?,
+                None => AdamW::new(cfg.optim.clone(), |f| model.visit_params_mut(f)),
+            };
             if rank.active() {
                 o.freeze_gates_at = Some(mcfg.threshold);
             }
@@ -314,20 +420,23 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
         decay: cfg.train.decay,
     };
     let mut st = model.state(b);
-    let mut log = MetricsLog::create(&out.join("metrics.jsonl"))?;
-    let mut curves = Curves {
-        train_loss: vec![],
-        valid_loss: vec![],
-        train_acc: vec![],
-        valid_acc: vec![],
-        size_ratio: vec![],
-        model_ratio: vec![],
-        ranks: vec![],
+    let metrics_path = out.join("metrics.jsonl");
+    let mut curves = Curves::default();
+    let mut log = match &resume {
+        Some(_) => {
+            for r in metrics_up_to(&metrics_path, prog.step)? {
+                curves.add(&r);
+            }
+            MetricsLog::append(&metrics_path)?
+        }
+        None => MetricsLog::create(&metrics_path)?,
+    };
+    // Writes a record to the log and the curves.
+    let record = |log: &mut MetricsLog, curves: &mut Curves, r: serde_json::Value| {
+        curves.add(&r);
+        log.write(&r)
     };
     let model_ratio = |m: &Encoder| dense_params as f64 / m.num_params() as f64;
-    if rank.active() {
-        curves.record_ranks(0, &ranks_start, rank.dense_ref, model_ratio(&model));
-    }
     let bar = if progress {
         indicatif::ProgressBar::new(total)
     } else {
@@ -339,18 +448,23 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
         )
         .expect("valid template"),
     );
+    bar.set_position(prog.step);
     let tokens_per_step = (b * mcfg.seq_len) as f64;
-    let mut step: u64 = 0;
+    let base_seconds = prog.seconds;
     let mut batch = Batch::default();
     let mut final_valid = EvalStats::default();
-    for epoch in 0..cfg.train.epochs {
+    let mut win_start = Instant::now();
+    let mut stopped = false;
+    let checkpoint_every = cfg.train.checkpoint_every;
+    'epochs: for epoch in prog.epoch..cfg.train.epochs {
         let mut batches = data
             .train
             .batches(b, cfg.train.seed.wrapping_add(epoch as u64));
-        let (mut ep_loss, mut ep_correct, mut ep_count) = (0.0, 0usize, 0usize);
-        let (mut win_loss, mut win_correct, mut win_count, mut win_start) =
-            (0.0, 0usize, 0usize, Instant::now());
-        for i in 0..per_epoch {
+        // Resuming inside an epoch: replay its data order up to the checkpoint.
+        for _ in 0..prog.batch_in_epoch {
+            batches.next_into(&mut batch);
+        }
+        for i in prog.batch_in_epoch..per_epoch {
             if !batches.next_into(&mut batch) {
                 break;
             }
@@ -363,6 +477,7 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
             )
             .map_err(anyhow::Error::msg)?;
             model.zero_grad();
+            let step = prog.step;
             let s = model.forward(&mut st, true, step)?;
             if !s.loss.is_finite() {
                 bail!("training diverged: loss is {} at epoch {} step {step} (lower the learning rates in [optim])", s.loss, epoch + 1);
@@ -378,51 +493,63 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
             }
             let lr = schedule.scale(step);
             opt.step(lr, gscale, &mut model);
-            step += 1;
+            rank.project(&mut model);
+            prog.step += 1;
+            prog.batch_in_epoch = i + 1;
+            let step = prog.step;
             if rank.after_step(&model, step, epoch + 1, epoch_end) {
                 let now = rank::layer_ranks(&model);
                 let (size, _, _) = rank::sizes(&model);
-                log.write(&json!({"kind": "stage", "stage": "late", "epoch": epoch + 1, "step": step, "size": size, "target_size": rank.target_size, "ranks": now}))?;
+                record(
+                    &mut log,
+                    &mut curves,
+                    json!({"kind": "stage", "stage": "late", "epoch": epoch + 1, "step": step, "size": size, "target_size": rank.target_size, "ranks": now}),
+                )?;
                 bar.println(format!(
                     "step {step}: late stage, size {size:.0} → target {:.0}",
                     rank.target_size.unwrap_or(0.0)
                 ));
-                ranks_switch = Some(now);
+                prog.ranks_switch = Some(now);
             }
             if truncating && rank.truncation_due(step, epoch_end) {
                 let changed = rank::truncate(&mut model);
                 if !changed.is_empty() {
                     opt.retain(&changed, &mut model);
                     let now = rank::layer_ranks(&model);
-                    log.write(&json!({"kind": "truncate", "epoch": epoch + 1, "step": step, "params": model.num_params(), "compression": model_ratio(&model), "ranks": now}))?;
+                    record(
+                        &mut log,
+                        &mut curves,
+                        json!({"kind": "truncate", "epoch": epoch + 1, "step": step, "params": model.num_params(), "compression": model_ratio(&model), "ranks": now}),
+                    )?;
                 }
             }
-            ep_loss += s.loss * s.count as f64;
-            ep_correct += s.correct;
-            ep_count += s.count;
-            win_loss += s.loss * s.count as f64;
-            win_correct += s.correct;
-            win_count += s.count;
+            prog.ep_loss += s.loss * s.count as f64;
+            prog.ep_correct += s.correct;
+            prog.ep_count += s.count;
+            prog.win_loss += s.loss * s.count as f64;
+            prog.win_correct += s.correct;
+            prog.win_count += s.count;
             if step.is_multiple_of(cfg.train.log_every as u64) {
                 let secs = win_start.elapsed().as_secs_f64();
-                let steps_in_window = (win_count / b).max(1) as f64;
+                let steps_in_window = (prog.win_count / b).max(1) as f64;
                 let (l, a) = (
-                    win_loss / win_count as f64,
-                    win_correct as f64 / win_count as f64,
+                    prog.win_loss / prog.win_count as f64,
+                    prog.win_correct as f64 / prog.win_count as f64,
                 );
                 let tps = tokens_per_step * steps_in_window / secs;
-                let stage = match obj.branch {
+                let branch = match obj.branch {
                     Branch::Early => "early",
                     Branch::Loss => "late-loss",
                     Branch::Size => "late-size",
                 };
-                log.write(&json!({"kind": "train", "epoch": epoch + 1, "step": step, "loss": l, "accuracy": a, "lr_scale": lr, "grad_norm": gnorm, "tokens_per_s": tps, "size": obj.size, "size_l1": obj.size_l1, "branch": stage, "params": model.num_params(), "compression": model_ratio(&model)}))?;
+                let mut r = json!({"kind": "train", "epoch": epoch + 1, "step": step, "loss": l, "accuracy": a, "lr_scale": lr, "grad_norm": gnorm, "tokens_per_s": tps, "params": model.num_params(), "compression": model_ratio(&model)});
                 if rank.active() {
-                    let now = rank::layer_ranks(&model);
-                    curves.record_ranks(step, &now, rank.dense_ref, model_ratio(&model));
+                    r["size"] = json!(obj.size);
+                    r["size_l1"] = json!(obj.size_l1);
+                    r["branch"] = json!(branch);
+                    r["mean_ranks"] = mean_ranks(&rank::layer_ranks(&model));
                 }
-                curves.train_loss.push((step as f64, l));
-                curves.train_acc.push((step as f64, a));
+                record(&mut log, &mut curves, r)?;
                 let size = if rank.active() {
                     format!(" {:.1}x", model_ratio(&model))
                 } else {
@@ -432,19 +559,45 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
                     "epoch {} loss {l:.4} acc {a:.3}{size} {tps:.0} tok/s",
                     epoch + 1
                 ));
-                (win_loss, win_correct, win_count, win_start) = (0.0, 0, 0, Instant::now());
+                (prog.win_loss, prog.win_correct, prog.win_count) = (0.0, 0, 0);
+                win_start = Instant::now();
             }
             bar.inc(1);
+            if epoch_end {
+                break;
+            }
+            let stop_now = cfg.train.stop_after_steps > 0 && step >= cfg.train.stop_after_steps;
+            if stop_now || (checkpoint_every > 0 && step.is_multiple_of(checkpoint_every)) {
+                prog.seconds = base_seconds + t0.elapsed().as_secs_f64();
+                if let Optimizer::AdamW(o) = &opt {
+                    checkpoint::save(
+                        &out,
+                        &resolved,
+                        &prog,
+                        &rank,
+                        &mut model,
+                        o,
+                        cfg.train.keep_checkpoints,
+                    )?;
+                }
+            }
+            if stop_now {
+                stopped = true;
+                break 'epochs;
+            }
         }
         let valid = evaluate(&model, &mut st, &data.valid)?;
         final_valid = valid;
         let (tl, ta) = (
-            ep_loss / ep_count.max(1) as f64,
-            ep_correct as f64 / ep_count.max(1) as f64,
+            prog.ep_loss / prog.ep_count.max(1) as f64,
+            prog.ep_correct as f64 / prog.ep_count.max(1) as f64,
         );
-        log.write(&json!({"kind": "eval", "epoch": epoch + 1, "step": step, "train_loss": tl, "train_accuracy": ta, "valid_loss": valid.loss, "valid_accuracy": valid.accuracy, "seconds": t0.elapsed().as_secs_f64()}))?;
-        curves.valid_loss.push((step as f64, valid.loss));
-        curves.valid_acc.push((step as f64, valid.accuracy));
+        let secs = base_seconds + t0.elapsed().as_secs_f64();
+        record(
+            &mut log,
+            &mut curves,
+            json!({"kind": "eval", "epoch": epoch + 1, "step": prog.step, "train_loss": tl, "train_accuracy": ta, "valid_loss": valid.loss, "valid_accuracy": valid.accuracy, "seconds": secs}),
+        )?;
         bar.println(format!(
             "epoch {}: train loss {tl:.4} acc {ta:.4} | valid loss {:.4} acc {:.4}",
             epoch + 1,
@@ -457,9 +610,24 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
             vocab: data.vocab.clone(),
             pair: data.pair,
             epoch: epoch + 1,
-            step,
+            step: prog.step,
         };
         save_model(&out, &model, &meta)?;
+        // The next epoch starts from a clean slate; checkpoint that point.
+        (prog.epoch, prog.batch_in_epoch) = (epoch + 1, 0);
+        (prog.ep_loss, prog.ep_correct, prog.ep_count) = (0.0, 0, 0);
+        prog.seconds = secs;
+        if let Optimizer::AdamW(o) = &opt {
+            checkpoint::save(
+                &out,
+                &resolved,
+                &prog,
+                &rank,
+                &mut model,
+                o,
+                cfg.train.keep_checkpoints,
+            )?;
+        }
         if let Err(e) = curves.plot(&out.join("curves.png")) {
             bar.println(format!("warning: plot not written: {e:#}"));
         }
@@ -468,12 +636,17 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
                 bar.println(format!("warning: plot not written: {e:#}"));
             }
         }
+        let stop_now = cfg.train.stop_after_steps > 0 && prog.step >= cfg.train.stop_after_steps;
+        if stop_now && epoch + 1 < cfg.train.epochs {
+            stopped = true;
+            break;
+        }
     }
     bar.finish_and_clear();
     let ranks_end = rank::layer_ranks(&model);
-    if rank.active() {
-        let mut points: Vec<(&str, &[LayerRanks])> = vec![("start", &ranks_start)];
-        if let Some(r) = &ranks_switch {
+    if rank.active() && !stopped {
+        let mut points: Vec<(&str, &[LayerRanks])> = vec![("start", &prog.ranks_start)];
+        if let Some(r) = &prog.ranks_switch {
             points.push(("after early stage", r));
         }
         points.push(("end", &ranks_end));
@@ -483,27 +656,31 @@ fn train_here(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
             Stage::Late => "late",
         };
         let text = format!(
-            "# Ranks of the TT/TTM layers\n\nStage at the end: {stage}. Whole model: {} → {} parameters ({:.1}× → {:.1}× compression vs {dense_params} dense).\n\n{table}",
-            params,
+            "# Ranks of the TT/TTM layers\n\nStage at the end: {stage}. Whole model: {initial_params} → {} parameters ({:.1}× → {:.1}× compression vs {dense_params} dense).\n\n{table}",
             model.num_params(),
-            dense_params as f64 / params as f64,
+            dense_params as f64 / initial_params as f64,
             model_ratio(&model)
         );
         crate::files::write_atomic(&out.join("ranks.md"), text.as_bytes())?;
-        log.write(&json!({"kind": "ranks", "step": step, "start": ranks_start, "switch": ranks_switch, "end": ranks_end}))?;
+        record(
+            &mut log,
+            &mut curves,
+            json!({"kind": "ranks", "step": prog.step, "start": prog.ranks_start, "switch": prog.ranks_switch, "end": ranks_end}),
+        )?;
     }
     Ok(TrainSummary {
         out_dir: out,
         epochs: cfg.train.epochs,
-        steps: step,
+        steps: prog.step,
         final_valid,
         majority_accuracy: majority(&data.valid.labels, data.label_names.len()),
         params: model.num_params(),
-        initial_params: params,
+        initial_params,
         dense_params,
-        seconds: t0.elapsed().as_secs_f64(),
-        ranks_start,
-        ranks_switch,
+        seconds: base_seconds + t0.elapsed().as_secs_f64(),
+        ranks_start: prog.ranks_start,
+        ranks_switch: prog.ranks_switch,
         ranks_end,
+        stopped,
     })
 }

@@ -246,6 +246,9 @@ impl Compressible for TtLinear {
         self.dead |= dead;
         changed
     }
+    fn keep_min_rank(&mut self, min_rank: usize) {
+        compress::keep_min_rank(self.rule, &mut self.gates, min_rank)
+    }
     fn set_ranks(&mut self, ranks: &[usize]) -> Result<(), LayerError> {
         let shape = TtShape::new(self.shape.in_modes(), self.shape.out_modes(), ranks)?;
         let shapes = (0..shape.n_cores()).map(|c| shape.core_shape(c).to_vec());

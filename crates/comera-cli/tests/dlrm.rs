@@ -1,0 +1,232 @@
+//! DLRM from the command line: `comera synth-criteo` writes a Criteo-format file, `comera train`
+//! trains on it when the config has a `[dlrm]` table (TTM and dense tables), and bad data and
+//! configs give clear errors (no network).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn comera(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_comera"))
+        .args(args)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+fn tempdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("comera-dlrm-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn config(dir: &Path, train: &Path, valid: &Path, extra: &str) -> PathBuf {
+    let text = format!(
+        r#"
+[dlrm]
+embedding_dim = 8
+bottom_mlp = [16]
+top_mlp = [16]
+tables = "auto"
+ttm_threshold = 500
+ttm_cores = 2
+ttm_rank = 4
+
+[data]
+source = "criteo"
+train = "{}"
+valid = "{}"
+total_rows = 20000
+mapping = "modulo"
+max_malformed = 5
+
+[train]
+epochs = 2
+batch_size = 100
+log_every = 5
+out_dir = "{}"
+{extra}
+"#,
+        s(train),
+        s(valid),
+        s(&dir.join("run"))
+    );
+    let p = dir.join("dlrm.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn synth(dir: &Path, name: &str, rows: &str, stream: &str) -> PathBuf {
+    let p = dir.join(name);
+    let (code, out) = comera(&[
+        "synth-criteo",
+        "--out",
+        s(&p),
+        "--rows",
+        rows,
+        "--total-rows",
+        "20000",
+        "--stream",
+        stream,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("20000") || out.contains("rows"), "{out}");
+    p
+}
+
+#[test]
+fn trains_a_ttm_dlrm_on_a_criteo_file_and_reports() {
+    let dir = tempdir("train");
+    let train = synth(&dir, "train.tsv", "3000", "1");
+    let valid = synth(&dir, "valid.tsv", "500", "2");
+    let cfg = config(&dir, &train, &valid, "");
+    let (code, out) = comera(&["--threads", "2", "train", "--config", s(&cfg), "--quiet"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("validation AUC"), "{out}");
+    assert!(
+        out.contains("samples/s") && out.contains("peak RSS"),
+        "{out}"
+    );
+    assert!(out.contains("ttm 5"), "the largest tables are TTM: {out}");
+    let run = dir.join("run");
+    for f in [
+        "config.toml",
+        "metrics.jsonl",
+        "curves.png",
+        "model.safetensors",
+        "model.toml",
+    ] {
+        assert!(run.join(f).exists(), "{f} missing");
+    }
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["steps"], 60);
+    let auc = report["final_valid"]["auc"].as_f64().unwrap();
+    assert!(auc > 0.5 && auc <= 1.0, "{auc}");
+    assert!(report["table_params"].as_u64() < report["dense_table_params"].as_u64());
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    assert_eq!(
+        metrics.lines().filter(|l| l.contains("\"eval\"")).count(),
+        2
+    );
+
+    // The same run with dense tables, and determinism: the same seed gives the same AUC.
+    let (code, out) = comera(&[
+        "--threads",
+        "2",
+        "train",
+        "--config",
+        s(&cfg),
+        "--quiet",
+        "--dense",
+        "--epochs",
+        "1",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("1.0x smaller"), "{out}");
+    let a = comera(&[
+        "--threads",
+        "2",
+        "train",
+        "--config",
+        s(&cfg),
+        "--quiet",
+        "--epochs",
+        "1",
+    ])
+    .1;
+    let b = comera(&[
+        "--threads",
+        "2",
+        "train",
+        "--config",
+        s(&cfg),
+        "--quiet",
+        "--epochs",
+        "1",
+    ])
+    .1;
+    let auc_of = |t: &str| t.split("validation AUC").nth(1).unwrap()[..8].to_string();
+    assert_eq!(auc_of(&a), auc_of(&b));
+
+    // Rank-adaptive training of the TTM tables: a strong size penalty prunes and truncates.
+    let rcfg = config(
+        &dir,
+        &train,
+        &valid,
+        "[optim]\nlr_gates = 0.05\n[rank]\ngamma = 5.0\ntruncate_every = 10\n",
+    );
+    let (code, out) = comera(&["train", "--config", s(&rcfg), "--quiet", "--epochs", "1"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("ranks of the TTM tables") && out.contains("table.C1"),
+        "{out}"
+    );
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains("\"truncate\""), "{metrics}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn malformed_rows_are_counted_then_stop_the_run_with_line_numbers() {
+    let dir = tempdir("malformed");
+    let train = synth(&dir, "train.tsv", "400", "1");
+    let valid = synth(&dir, "valid.tsv", "200", "2");
+    // Three bad lines in the training file: tolerated (limit 5) and reported.
+    let mut text = std::fs::read_to_string(&train).unwrap();
+    text.push_str("1\t2\t3\n");
+    text.push_str(&format!("0{}\tzz{}\n", "\t1".repeat(13), "\ta".repeat(25)));
+    text.push_str(&format!("0\tx{}{}\n", "\t1".repeat(12), "\ta".repeat(26)));
+    std::fs::write(&train, &text).unwrap();
+    let cfg = config(&dir, &train, &valid, "");
+    let (code, out) = comera(&["train", "--config", s(&cfg), "--quiet", "--epochs", "1"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("3 malformed rows") && out.contains("401") && out.contains("402 (field C1"),
+        "{out}"
+    );
+    // Over the limit: the run stops naming the file and the line.
+    let bad = text.clone() + &"1\t2\n".repeat(3);
+    std::fs::write(&train, bad).unwrap();
+    let (code, out) = comera(&["train", "--config", s(&cfg), "--quiet", "--epochs", "1"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("train.tsv")
+            && out.contains("more than 5 malformed")
+            && out.contains("line 406"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_dlrm_configs_name_the_field() {
+    let dir = tempdir("config");
+    let p = dir.join("x.toml");
+    std::fs::write(&p, "[dlrm]\nembedding_dims = 8\n").unwrap();
+    let (code, out) = comera(&["train", "--config", s(&p)]);
+    assert_eq!(code, 2);
+    assert!(
+        out.contains("x.toml") && out.contains("embedding_dims"),
+        "{out}"
+    );
+    std::fs::write(&p, "[dlrm]\n[data]\nsource = \"criteo\"\n").unwrap();
+    let (code, out) = comera(&["train", "--config", s(&p)]);
+    assert_eq!(code, 2);
+    assert!(out.contains("data.train"), "{out}");
+    std::fs::write(&p, "[dlrm]\nttm_rank = 0\n").unwrap();
+    let (code, out) = comera(&["train", "--config", s(&p), "--print-config"]);
+    assert_eq!(code, 2);
+    assert!(out.contains("dlrm.ttm_rank"), "{out}");
+    std::fs::write(&p, "[dlrm]\n").unwrap();
+    let (code, out) = comera(&["train", "--config", s(&p), "--print-config", "--dense"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("tables = \"dense\""), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,334 @@
+//! Training checkpoints: one safetensors file holding everything a run needs to continue
+//! exactly where it stopped.
+//!
+//! Layout (format `comera-checkpoint`, version 1):
+//! - tensors `model/<name>`: every parameter at its current (possibly truncated) shape;
+//! - tensors `adamw.m/<name>`, `adamw.v/<name>`: the optimiser's moments, same shapes;
+//! - metadata (`__metadata__`, strings): `format`, `version`, `config` (the resolved run config,
+//!   TOML), `progress` (step, epoch, position in the epoch's data order, running sums; JSON),
+//!   `rank` (the rank schedule's state; JSON), `optimizer_t` (Adam's step count) and
+//!   `sha256`: a hash of every tensor's name, shape and bytes in file order, so a flipped bit
+//!   anywhere is caught.
+//!
+//! Data order and dropout need no RNG state of their own: each epoch's shuffle is seeded by
+//! (seed, epoch) and dropout masks by (seed, step), so (epoch, position, step) restores them.
+//! Files are written atomically ([`crate::files::write_atomic`]: temporary file, fsync, rename)
+//! as `checkpoints/step-<step>.safetensors`; the newest `keep` are kept.
+
+use crate::config::RunConfig;
+use crate::rank::{LayerRanks, RankController};
+use anyhow::{anyhow, bail, Context};
+use comera_layers::Param;
+use comera_model::Encoder;
+use comera_optim::AdamW;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+pub const FORMAT: &str = "comera-checkpoint";
+pub const VERSION: u32 = 1;
+pub const DIR: &str = "checkpoints";
+
+/// Where in training a checkpoint was taken, and the running sums the logs need.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Progress {
+    /// Steps done.
+    pub step: u64,
+    /// The epoch in progress (0-based) and how many of its batches are done.
+    pub epoch: usize,
+    pub batch_in_epoch: usize,
+    /// Sums over the epoch so far and over the current logging window.
+    pub ep_loss: f64,
+    pub ep_correct: usize,
+    pub ep_count: usize,
+    pub win_loss: f64,
+    pub win_correct: usize,
+    pub win_count: usize,
+    /// Seconds of training before this checkpoint (for the logs' clocks).
+    pub seconds: f64,
+    /// Ranks at the start and at the switch to the late stage (for the final rank table).
+    pub ranks_start: Vec<LayerRanks>,
+    pub ranks_switch: Option<Vec<LayerRanks>>,
+}
+
+/// A loaded checkpoint, checked.
+pub struct Checkpoint {
+    pub path: PathBuf,
+    pub config: RunConfig,
+    pub progress: Progress,
+    pub rank: RankController,
+    pub optimizer_t: u64,
+    tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+}
+
+fn le_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Hash of (name, shape, bytes) of every tensor, in the given order.
+fn digest<'a>(items: impl Iterator<Item = (&'a str, &'a [usize], &'a [u8])>) -> String {
+    let mut h = Sha256::new();
+    for (name, shape, bytes) in items {
+        h.update((name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        for d in shape {
+            h.update((*d as u64).to_le_bytes());
+        }
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Path of the checkpoint after `step` steps in `run_dir`.
+pub fn path_for(run_dir: &Path, step: u64) -> PathBuf {
+    run_dir
+        .join(DIR)
+        .join(format!("step-{step:010}.safetensors"))
+}
+
+/// Checkpoints of a run, oldest first (temporary files of interrupted writes are ignored).
+pub fn list(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let dir = run_dir.join(DIR);
+    if !dir.is_dir() {
+        return Ok(Vec::new());
+    }
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .with_context(|| format!("{}: cannot list", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("step-") && n.ends_with(".safetensors"))
+        })
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+/// Writes a checkpoint atomically and removes all but the newest `keep` (0: keep all).
+#[allow(clippy::too_many_arguments)]
+pub fn save(
+    run_dir: &Path,
+    config: &RunConfig,
+    progress: &Progress,
+    rank: &RankController,
+    model: &mut Encoder,
+    opt: &AdamW,
+    keep: usize,
+) -> anyhow::Result<PathBuf> {
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut i = 0;
+    model.visit_params_mut(&mut |p: &mut Param| {
+        tensors.push((
+            format!("model/{}", p.name),
+            p.shape.clone(),
+            le_bytes(&p.value),
+        ));
+        tensors.push((
+            format!("adamw.m/{}", p.name),
+            p.shape.clone(),
+            le_bytes(&opt.m[i]),
+        ));
+        tensors.push((
+            format!("adamw.v/{}", p.name),
+            p.shape.clone(),
+            le_bytes(&opt.v[i]),
+        ));
+        i += 1;
+    });
+    // safetensors orders tensors by name in the file; hash in that order.
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let sha = digest(
+        tensors
+            .iter()
+            .map(|(n, s, b)| (n.as_str(), s.as_slice(), b.as_slice())),
+    );
+    let meta: HashMap<String, String> = [
+        ("format", FORMAT.to_string()),
+        ("version", VERSION.to_string()),
+        ("config", config.to_toml()),
+        ("progress", serde_json::to_string(progress)?),
+        ("rank", serde_json::to_string(rank)?),
+        ("optimizer_t", opt.t.to_string()),
+        ("sha256", sha),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
+        .collect::<Result<_, safetensors::SafeTensorError>>()?;
+    let bytes = safetensors::serialize(views, Some(meta))?;
+    let path = path_for(run_dir, progress.step);
+    crate::files::write_atomic_then(&path, &bytes, || {
+        // For the kill-during-write test: hold the finished temporary file this long before
+        // the rename, so a SIGKILL lands mid-write.
+        if let Some(ms) = std::env::var("COMERA_TEST_CHECKPOINT_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
+    })?;
+    if keep > 0 {
+        let all = list(run_dir)?;
+        for old in &all[..all.len().saturating_sub(keep)] {
+            std::fs::remove_file(old)
+                .with_context(|| format!("{}: cannot remove old checkpoint", old.display()))?;
+        }
+    }
+    Ok(path)
+}
+
+impl Checkpoint {
+    /// Reads and checks a checkpoint: format, version, hash, and every metadata field.
+    pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
+        let bytes =
+            std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
+        Self::parse(path, &bytes)
+            .with_context(|| format!("{}: not a usable checkpoint", path.display()))
+    }
+
+    fn parse(path: &Path, bytes: &[u8]) -> anyhow::Result<Checkpoint> {
+        let (_, header) = SafeTensors::read_metadata(bytes)
+            .map_err(|e| anyhow!("not a complete safetensors file (truncated or corrupt?): {e}"))?;
+        let st = SafeTensors::deserialize(bytes)
+            .map_err(|e| anyhow!("not a complete safetensors file (truncated or corrupt?): {e}"))?;
+        let meta = header
+            .metadata()
+            .as_ref()
+            .ok_or_else(|| anyhow!("no metadata: not a comera checkpoint"))?;
+        let field = |k: &str| {
+            meta.get(k)
+                .ok_or_else(|| anyhow!("metadata field `{k}` is missing"))
+        };
+        if field("format")? != FORMAT {
+            bail!(
+                "metadata `format` is `{}`, expected `{FORMAT}`",
+                field("format")?
+            );
+        }
+        let version = field("version")?;
+        if version != &VERSION.to_string() {
+            bail!("checkpoint version {version}; this comera reads version {VERSION}");
+        }
+        let mut names: Vec<&str> = st.names();
+        names.sort();
+        let mut tensors = HashMap::new();
+        let mut items = Vec::with_capacity(names.len());
+        for &name in &names {
+            let t = st
+                .tensor(name)
+                .map_err(|e| anyhow!("tensor `{name}`: {e}"))?;
+            if t.dtype() != Dtype::F32 {
+                bail!("tensor `{name}` is {:?}, expected F32", t.dtype());
+            }
+            items.push((name, t.shape().to_vec(), t.data()));
+        }
+        let sha = digest(items.iter().map(|(n, s, b)| (*n, s.as_slice(), *b)));
+        if &sha != field("sha256")? {
+            bail!("content hash mismatch (the file was modified or damaged after it was written)");
+        }
+        for (name, shape, data) in items {
+            let v: Vec<f32> = data
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            tensors.insert(name.to_string(), (shape, v));
+        }
+        let config = RunConfig::from_toml(Path::new("<checkpoint config>"), field("config")?)
+            .context("metadata `config`")?;
+        let progress: Progress =
+            serde_json::from_str(field("progress")?).context("metadata `progress`")?;
+        let rank: RankController =
+            serde_json::from_str(field("rank")?).context("metadata `rank`")?;
+        let optimizer_t: u64 = field("optimizer_t")?
+            .parse()
+            .context("metadata `optimizer_t`")?;
+        Ok(Checkpoint {
+            path: path.to_path_buf(),
+            config,
+            progress,
+            rank,
+            optimizer_t,
+            tensors,
+        })
+    }
+
+    /// Tensor names and shapes (for `comera inspect`).
+    pub fn tensor_shapes(&self) -> Vec<(&str, &[usize])> {
+        let mut v: Vec<(&str, &[usize])> = self
+            .tensors
+            .iter()
+            .map(|(n, (s, _))| (n.as_str(), s.as_slice()))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// The model at the checkpoint: built from the checkpoint's config, re-shaped to the saved
+    /// ranks, every parameter filled in (missing or mis-shaped tensors are errors).
+    pub fn model(&self) -> anyhow::Result<Encoder> {
+        let mut model = Encoder::new(&self.config.model, self.config.train.seed)
+            .map_err(|e| anyhow!("{}: model config: {e}", self.path.display()))?;
+        let gate_shapes: HashMap<String, Vec<usize>> = self
+            .tensors
+            .iter()
+            .filter_map(|(n, (s, _))| n.strip_prefix("model/").map(|n| (n.to_string(), s.clone())))
+            .collect();
+        crate::files::reshape_ranks(&mut model, &|name| gate_shapes.get(name).cloned())
+            .map_err(|e| anyhow!("{}: {e}", self.path.display()))?;
+        self.fill(&mut model, "model/", &mut |p, v| p.value.copy_from_slice(v))?;
+        Ok(model)
+    }
+
+    /// AdamW with the saved moments and step count for `model` (from [`Checkpoint::model`]).
+    pub fn optimizer(&self, model: &mut Encoder) -> anyhow::Result<AdamW> {
+        let mut opt = AdamW::new(self.config.optim.clone(), |f| model.visit_params_mut(f));
+        opt.t = self.optimizer_t;
+        for (prefix, buf) in [("adamw.m/", &mut opt.m), ("adamw.v/", &mut opt.v)] {
+            let mut i = 0;
+            self.fill(model, prefix, &mut |_, v| {
+                buf[i].copy_from_slice(v);
+                i += 1;
+            })?;
+        }
+        Ok(opt)
+    }
+
+    /// Calls `f(param, saved values)` for every parameter of `model`, in visiting order, with
+    /// the tensor `<prefix><name>` (which must exist with the parameter's shape).
+    fn fill(
+        &self,
+        model: &mut Encoder,
+        prefix: &str,
+        f: &mut dyn FnMut(&mut Param, &[f32]),
+    ) -> anyhow::Result<()> {
+        let mut err = None;
+        model.visit_params_mut(&mut |p| {
+            if err.is_some() {
+                return;
+            }
+            let key = format!("{prefix}{}", p.name);
+            match self.tensors.get(&key) {
+                Some((shape, v)) if shape == &p.shape => f(p, v),
+                Some((shape, _)) => {
+                    err = Some(anyhow!(
+                        "tensor `{key}` has shape {shape:?}, the model expects {:?}",
+                        p.shape
+                    ))
+                }
+                None => err = Some(anyhow!("tensor `{key}` is missing")),
+            }
+        });
+        match err {
+            Some(e) => Err(anyhow!("{}: {e}", self.path.display())),
+            None => Ok(()),
+        }
+    }
+}
