@@ -13,6 +13,8 @@ use std::io::BufReader;
 use std::path::PathBuf;
 
 /// The training stream.
+// One per run: the size difference between variants costs nothing worth a Box.
+#[allow(clippy::large_enum_variant)]
 pub enum TrainSource {
     Memory {
         data: CtrData,

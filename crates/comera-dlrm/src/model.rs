@@ -87,6 +87,8 @@ pub enum Table {
 
 /// A table's lookup workspace.
 #[derive(Debug)]
+// One per table, made once: the size difference between variants is irrelevant.
+#[allow(clippy::large_enum_variant)]
 pub enum TableWs {
     Dense(EmbeddingWorkspace),
     Ttm(TtmWorkspace),

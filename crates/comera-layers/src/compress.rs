@@ -49,6 +49,33 @@ pub trait Compressible {
     fn set_ranks(&mut self, ranks: &[usize]) -> Result<(), crate::LayerError>;
     /// Keeps at least `min_rank` active entries on every bond (see [`keep_min_rank`]).
     fn keep_min_rank(&mut self, min_rank: usize);
+    /// Rescales every bond so its largest gate is 1 (see [`normalise_gates`]).
+    fn normalise_gates(&mut self);
+}
+
+/// Moves each bond's scale from its gates into the core on its left: with m the largest gate
+/// of bond k, the active entries d_j → d_j/m and core k−1's slices G[…, j] → m·G[…, j], which
+/// leaves every product G·diag(g) — the layer's function — unchanged. The size penalty then
+/// cannot shrink a whole chain towards zero (which silences the layer long before any slice is
+/// pruned); it can only make some slices small *relative to* the bond's strongest one.
+/// Pruned entries are left as they are.
+pub fn normalise_gates(rule: RankGates, cores: &mut [Param], gates: &mut [Param]) {
+    for (b, g) in gates.iter_mut().enumerate() {
+        let m = g.value.iter().fold(0.0f32, |m, &d| m.max(d));
+        if !rule.is_active(m) || (m - 1.0).abs() < 1e-6 {
+            continue;
+        }
+        let core = &mut cores[b];
+        let r = g.len();
+        for (j, d) in g.value.iter_mut().enumerate() {
+            if rule.is_active(*d) {
+                *d /= m;
+                for row in core.value.chunks_exact_mut(r) {
+                    row[j] *= m;
+                }
+            }
+        }
+    }
 }
 
 /// Projects gates onto "at least `min_rank` active entries per bond": on a bond with fewer,
@@ -244,6 +271,42 @@ mod tests {
         assert_eq!(gates[1].value, vec![0.3, 0.02, 0.0]);
         keep_min_rank(rule, &mut gates, 0);
         assert_eq!(gates[1].value, vec![0.3, 0.02, 0.0]);
+    }
+
+    #[test]
+    fn normalising_gates_keeps_every_gated_product() {
+        let rule = RankGates::new(0.01);
+        let mut cores = vec![
+            Param::new(
+                "c.core.1",
+                &[1, 2, 3],
+                ParamKind::TtCore,
+                vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+            ),
+            Param::new(
+                "c.core.2",
+                &[3, 1, 1],
+                ParamKind::TtCore,
+                vec![1.0, 1.0, 1.0],
+            ),
+        ];
+        let mut gates = vec![Param::new(
+            "c.gate.1",
+            &[3],
+            ParamKind::RankGate,
+            vec![0.5, 0.005, 0.25],
+        )];
+        let gated = |c: &[Param], g: &[Param]| -> Vec<f32> {
+            c[0].value
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * rule.value(g[0].value[i % 3]))
+                .collect()
+        };
+        let before = gated(&cores, &gates);
+        normalise_gates(rule, &mut cores, &mut gates);
+        assert_eq!(gates[0].value, vec![1.0, 0.005, 0.5]);
+        assert_eq!(gated(&cores, &gates), before);
     }
 
     #[test]

@@ -261,6 +261,9 @@ impl Compressible for TtmEmbedding {
         self.dead |= dead;
         changed
     }
+    fn normalise_gates(&mut self) {
+        compress::normalise_gates(self.rule, &mut self.cores, &mut self.gates)
+    }
     fn keep_min_rank(&mut self, min_rank: usize) {
         compress::keep_min_rank(self.rule, &mut self.gates, min_rank)
     }

@@ -250,7 +250,7 @@ fn balance(cores: &mut [Vec<f64>]) {
     }
 }
 
-/// The full tensor (row-major over `modes`) a tensor train represents, in `f64`.
+/// The full tensor (row-major over `modes`) a tensor train represents (accumulated in `f64`).
 pub fn tt_reconstruct(cores: &[Vec<f32>], modes: &[usize], ranks: &[usize]) -> Vec<f32> {
     // Left to right: P (prefix, r_k) ← P·G_k, P of shape (∏ s_{<k}, r_k).
     let mut p: Vec<f64> = vec![1.0];

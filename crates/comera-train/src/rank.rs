@@ -72,6 +72,9 @@ pub struct RankConfig {
     /// shrinks at the same rate whatever its importance (and a small model collapses); a
     /// smaller weight lets the loss gradient decide which slices go first.
     pub size_weight: f64,
+    /// After every step, move each bond's scale from its gates into the neighbouring core
+    /// (largest gate = 1; the function is unchanged), so pruning is relative within a bond.
+    pub normalise_gates: bool,
     /// Every bond keeps at least this many active entries (0 lets a layer die: a dead TT
     /// linear layer outputs its bias, a dead TTM table zeros).
     pub min_rank: usize,
@@ -94,6 +97,7 @@ impl Default for RankConfig {
             truncate_every: 100,
             min_rank: 1,
             size_weight: 1.0,
+            normalise_gates: true,
         }
     }
 }
@@ -313,12 +317,21 @@ impl RankController {
         obj
     }
 
-    /// After the optimiser's step: keeps `min_rank` active entries on every bond.
+    /// After the optimiser's step: keeps `min_rank` active entries on every bond, then (with
+    /// `normalise_gates`) moves each bond's scale into its core.
     pub fn project(&self, model: &mut dyn RankAdaptive) {
-        if self.active() && self.cfg.min_rank > 0 {
-            let k = self.cfg.min_rank;
-            model.visit_compressible_mut(&mut |l| l.keep_min_rank(k));
+        if !self.active() {
+            return;
         }
+        let (k, norm) = (self.cfg.min_rank, self.cfg.normalise_gates);
+        model.visit_compressible_mut(&mut |l| {
+            if k > 0 {
+                l.keep_min_rank(k);
+            }
+            if norm {
+                l.normalise_gates();
+            }
+        });
     }
 
     /// After step `step` (1-based count of steps done) of epoch `epoch` (1-based; `epoch_end`
