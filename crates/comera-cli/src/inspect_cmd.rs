@@ -30,12 +30,8 @@ fn checkpoint(a: &Args) -> anyhow::Result<ExitCode> {
         checkpoint::VERSION
     );
     println!(
-        "progress   step {}, epoch {} (+{} batches), {:.0} s of training; optimizer AdamW at t = {}",
-        p.step,
-        p.epoch,
-        p.batch_in_epoch,
-        p.seconds,
-        ck.optimizer_t
+        "progress   step {}, epoch {} (+{} batches), {:.0} s of training; optimizer {}",
+        p.step, p.epoch, p.batch_in_epoch, p.seconds, ck.optimizer
     );
     let r = &ck.rank;
     println!(

@@ -3,10 +3,12 @@
 //!
 //! Layout (format `comera-checkpoint`, version 1):
 //! - tensors `model/<name>`: every parameter at its current (possibly truncated) shape;
-//! - tensors `adamw.m/<name>`, `adamw.v/<name>`: the optimiser's moments, same shapes;
+//! - tensors `opt/…`: the optimiser's state ([`OptState`]: AdamW's moments, or GaLore's
+//!   projections and projected moments);
 //! - metadata (`__metadata__`, strings): `format`, `version`, `config` (the resolved run config,
 //!   TOML), `progress` (step, epoch, position in the epoch's data order, running sums; JSON),
-//!   `rank` (the rank schedule's state; JSON), `optimizer_t` (Adam's step count) and
+//!   `rank` (the rank schedule's state; JSON), `optimizer` (the optimiser's kind and scalars,
+//!   such as Adam's step count; JSON) and
 //!   `sha256`: a hash of every tensor's name, shape and bytes in file order, so a flipped bit
 //!   anywhere is caught.
 //!
@@ -20,7 +22,6 @@ use crate::rank::{LayerRanks, RankController};
 use anyhow::{anyhow, bail, Context};
 use comera_layers::Param;
 use comera_model::Encoder;
-use comera_optim::AdamW;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
@@ -54,13 +55,21 @@ pub struct Progress {
     pub ranks_switch: Option<Vec<LayerRanks>>,
 }
 
+/// An optimiser's state as named tensors (saved under `opt/<name>`) and JSON scalars.
+#[derive(Clone, Debug, Default)]
+pub struct OptState {
+    pub scalars: serde_json::Value,
+    pub tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+}
+
 /// A loaded checkpoint, checked.
 pub struct Checkpoint {
     pub path: PathBuf,
     pub config: RunConfig,
     pub progress: Progress,
     pub rank: RankController,
-    pub optimizer_t: u64,
+    /// The optimiser's scalars (`kind`, `t`, …).
+    pub optimizer: serde_json::Value,
     tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
 }
 
@@ -117,29 +126,20 @@ pub fn save(
     progress: &Progress,
     rank: &RankController,
     model: &mut Encoder,
-    opt: &AdamW,
+    opt: &OptState,
     keep: usize,
 ) -> anyhow::Result<PathBuf> {
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let mut i = 0;
     model.visit_params_mut(&mut |p: &mut Param| {
         tensors.push((
             format!("model/{}", p.name),
             p.shape.clone(),
             le_bytes(&p.value),
         ));
-        tensors.push((
-            format!("adamw.m/{}", p.name),
-            p.shape.clone(),
-            le_bytes(&opt.m[i]),
-        ));
-        tensors.push((
-            format!("adamw.v/{}", p.name),
-            p.shape.clone(),
-            le_bytes(&opt.v[i]),
-        ));
-        i += 1;
     });
+    for (name, shape, v) in &opt.tensors {
+        tensors.push((format!("opt/{name}"), shape.clone(), le_bytes(v)));
+    }
     // safetensors orders tensors by name in the file; hash in that order.
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let sha = digest(
@@ -153,7 +153,7 @@ pub fn save(
         ("config", config.to_toml()),
         ("progress", serde_json::to_string(progress)?),
         ("rank", serde_json::to_string(rank)?),
-        ("optimizer_t", opt.t.to_string()),
+        ("optimizer", opt.scalars.to_string()),
         ("sha256", sha),
     ]
     .into_iter()
@@ -247,15 +247,14 @@ impl Checkpoint {
             serde_json::from_str(field("progress")?).context("metadata `progress`")?;
         let rank: RankController =
             serde_json::from_str(field("rank")?).context("metadata `rank`")?;
-        let optimizer_t: u64 = field("optimizer_t")?
-            .parse()
-            .context("metadata `optimizer_t`")?;
+        let optimizer: serde_json::Value =
+            serde_json::from_str(field("optimizer")?).context("metadata `optimizer`")?;
         Ok(Checkpoint {
             path: path.to_path_buf(),
             config,
             progress,
             rank,
-            optimizer_t,
+            optimizer,
             tensors,
         })
     }
@@ -287,18 +286,19 @@ impl Checkpoint {
         Ok(model)
     }
 
-    /// AdamW with the saved moments and step count for `model` (from [`Checkpoint::model`]).
-    pub fn optimizer(&self, model: &mut Encoder) -> anyhow::Result<AdamW> {
-        let mut opt = AdamW::new(self.config.optim.clone(), |f| model.visit_params_mut(f));
-        opt.t = self.optimizer_t;
-        for (prefix, buf) in [("adamw.m/", &mut opt.m), ("adamw.v/", &mut opt.v)] {
-            let mut i = 0;
-            self.fill(model, prefix, &mut |_, v| {
-                buf[i].copy_from_slice(v);
-                i += 1;
-            })?;
+    /// The saved optimiser tensor `opt/<name>`: its values, which must have `len` entries.
+    pub fn opt_tensor(&self, name: &str, len: usize) -> anyhow::Result<&[f32]> {
+        match self.tensors.get(&format!("opt/{name}")) {
+            Some((_, v)) if v.len() == len => Ok(v),
+            Some((s, _)) => Err(anyhow!(
+                "{}: tensor `opt/{name}` has shape {s:?}, expected {len} values",
+                self.path.display()
+            )),
+            None => Err(anyhow!(
+                "{}: tensor `opt/{name}` is missing",
+                self.path.display()
+            )),
         }
-        Ok(opt)
     }
 
     /// Calls `f(param, saved values)` for every parameter of `model`, in visiting order, with

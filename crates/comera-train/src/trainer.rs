@@ -1,7 +1,7 @@
 //! The training loop: fixed-shape steps over shuffled batches, evaluation each epoch, the
 //! metrics log, the plot and the model files.
 
-use crate::checkpoint::{self, Checkpoint, Progress};
+use crate::checkpoint::{self, Checkpoint, OptState, Progress};
 use crate::config::RunConfig;
 use crate::data::{prepare, PreparedData};
 use crate::files::{save_model, MetricsLog, ModelMeta};
@@ -11,6 +11,7 @@ use anyhow::{bail, Context};
 use comera_data::{Batch, EncodedDataset};
 use comera_layers::Retained;
 use comera_model::{Encoder, EncoderState};
+use comera_optim::galore::ParamState;
 use comera_optim::{clip_scale, AdamW, GaLore, Schedule};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -135,6 +136,112 @@ impl Optimizer {
         }
     }
 
+    /// The state a checkpoint saves: tensors in parameter order, named after the parameters.
+    fn state(&self, model: &mut Encoder) -> OptState {
+        let mut tensors = Vec::new();
+        let mut i = 0;
+        let scalars = match self {
+            Optimizer::AdamW(o) => {
+                model.visit_params_mut(&mut |p| {
+                    tensors.push((format!("m/{}", p.name), p.shape.clone(), o.m[i].clone()));
+                    tensors.push((format!("v/{}", p.name), p.shape.clone(), o.v[i].clone()));
+                    i += 1;
+                });
+                json!({"kind": "adamw", "t": o.t})
+            }
+            Optimizer::GaLore(o) => {
+                let mut projected = serde_json::Map::new();
+                for st in &o.state {
+                    match st {
+                        ParamState::Adam { m, v } => {
+                            let name = model_param_name(model, i);
+                            tensors.push((format!("m/{name}"), vec![m.len()], m.clone()));
+                            tensors.push((format!("v/{name}"), vec![v.len()], v.clone()));
+                        }
+                        ParamState::Projected(pr) => {
+                            let (a, b) = pr.projected_shape();
+                            let n = &pr.name;
+                            tensors.push((
+                                format!("p/{n}"),
+                                vec![pr.p.len() / pr.rank, pr.rank],
+                                pr.p.clone(),
+                            ));
+                            tensors.push((format!("m/{n}"), vec![a, b], pr.m[..a * b].to_vec()));
+                            tensors.push((format!("v/{n}"), vec![a, b], pr.v[..a * b].to_vec()));
+                            projected.insert(n.clone(), json!([pr.refreshes, pr.refreshed_at]));
+                        }
+                    }
+                    i += 1;
+                }
+                json!({"kind": "galore", "t": o.t, "refresh_steps": o.refresh_steps, "svd_fallbacks": o.svd_fallbacks, "projected": projected})
+            }
+        };
+        OptState { scalars, tensors }
+    }
+
+    /// Restores [`Optimizer::state`] from a checkpoint (a fresh optimiser for the same model).
+    fn restore(&mut self, ck: &Checkpoint, model: &mut Encoder) -> anyhow::Result<()> {
+        let s = &ck.optimizer;
+        let kind = s["kind"].as_str().unwrap_or("");
+        let num = |k: &str| {
+            s[k].as_u64()
+                .ok_or_else(|| anyhow::anyhow!("{}: optimizer `{k}` is missing", ck.path.display()))
+        };
+        match self {
+            Optimizer::AdamW(o) if kind == "adamw" => {
+                o.t = num("t")?;
+                let mut i = 0;
+                let mut err = None;
+                model.visit_params_mut(&mut |p| {
+                    let r = (|| -> anyhow::Result<()> {
+                        o.m[i].copy_from_slice(ck.opt_tensor(&format!("m/{}", p.name), p.len())?);
+                        o.v[i].copy_from_slice(ck.opt_tensor(&format!("v/{}", p.name), p.len())?);
+                        Ok(())
+                    })();
+                    if let (Err(e), None) = (r, &err) {
+                        err = Some(e);
+                    }
+                    i += 1;
+                });
+                err.map_or(Ok(()), Err)
+            }
+            Optimizer::GaLore(o) if kind == "galore" => {
+                (o.t, o.refresh_steps, o.svd_fallbacks) =
+                    (num("t")?, num("refresh_steps")?, num("svd_fallbacks")?);
+                for (i, st) in o.state.iter_mut().enumerate() {
+                    match st {
+                        ParamState::Adam { m, v } => {
+                            let name = model_param_name(model, i);
+                            let len = m.len();
+                            m.copy_from_slice(ck.opt_tensor(&format!("m/{name}"), len)?);
+                            v.copy_from_slice(ck.opt_tensor(&format!("v/{name}"), len)?);
+                        }
+                        ParamState::Projected(pr) => {
+                            let (a, b) = pr.projected_shape();
+                            let n = pr.name.clone();
+                            let len = pr.p.len();
+                            pr.p.copy_from_slice(ck.opt_tensor(&format!("p/{n}"), len)?);
+                            pr.m[..a * b].copy_from_slice(ck.opt_tensor(&format!("m/{n}"), a * b)?);
+                            pr.v[..a * b].copy_from_slice(ck.opt_tensor(&format!("v/{n}"), a * b)?);
+                            let counts = &s["projected"][&n];
+                            pr.refreshes = counts[0].as_u64().unwrap_or(0);
+                            pr.refreshed_at = counts[1].as_u64().unwrap_or(0);
+                        }
+                    }
+                }
+                Ok(())
+            }
+            _ => bail!(
+                "{}: the checkpoint's optimiser is `{kind}`, the run's config asks for {}",
+                ck.path.display(),
+                match self {
+                    Optimizer::AdamW(_) => "adamw",
+                    Optimizer::GaLore(_) => "galore (a [galore] table)",
+                }
+            ),
+        }
+    }
+
     /// Cuts the moments of truncated parameters. GaLore runs are not truncated (see
     /// [`train`]), so only AdamW has to follow.
     fn retain(&mut self, changed: &[Retained], model: &mut Encoder) {
@@ -142,6 +249,11 @@ impl Optimizer {
             o.retain(changed, |f| model.visit_params_mut(f));
         }
     }
+}
+
+/// The name of the model's `i`-th parameter in visiting order.
+fn model_param_name(model: &Encoder, i: usize) -> String {
+    model.params()[i].name.clone()
 }
 
 /// Curves for the plots, built from the metrics log's records (so a resumed run plots its
@@ -375,11 +487,8 @@ fn train_here(
             ..Progress::default()
         },
     };
-    let mut opt = match (&cfg.galore, &resume) {
-        (Some(_), Some(_)) => bail!(
-            "resuming GaLore runs is not supported (their checkpoints hold no optimiser state)"
-        ),
-        (Some(g), None) => {
+    let mut opt = match &cfg.galore {
+        Some(g) => {
             if rank.active() {
                 eprintln!(
                     "note  GaLore run: rank gates are trained, but pruned slices are not truncated"
@@ -389,17 +498,17 @@ fn train_here(
                 model.visit_params_mut(f)
             })))
         }
-        (None, ck) => {
-            let mut o = match ck {
-                Some(ck) => ck.optimizer(&mut model)?,
-                None => AdamW::new(cfg.optim.clone(), |f| model.visit_params_mut(f)),
-            };
+        None => {
+            let mut o = AdamW::new(cfg.optim.clone(), |f| model.visit_params_mut(f));
             if rank.active() {
                 o.freeze_gates_at = Some(mcfg.threshold);
             }
             Optimizer::AdamW(o)
         }
     };
+    if let Some(ck) = &resume {
+        opt.restore(ck, &mut model)?;
+    }
     let truncating = rank.active() && matches!(opt, Optimizer::AdamW(_));
     let b = cfg.train.batch_size;
     let per_epoch_full = data.train.len() / b;
@@ -569,17 +678,16 @@ fn train_here(
             let stop_now = cfg.train.stop_after_steps > 0 && step >= cfg.train.stop_after_steps;
             if stop_now || (checkpoint_every > 0 && step.is_multiple_of(checkpoint_every)) {
                 prog.seconds = base_seconds + t0.elapsed().as_secs_f64();
-                if let Optimizer::AdamW(o) = &opt {
-                    checkpoint::save(
-                        &out,
-                        &resolved,
-                        &prog,
-                        &rank,
-                        &mut model,
-                        o,
-                        cfg.train.keep_checkpoints,
-                    )?;
-                }
+                let state = opt.state(&mut model);
+                checkpoint::save(
+                    &out,
+                    &resolved,
+                    &prog,
+                    &rank,
+                    &mut model,
+                    &state,
+                    cfg.train.keep_checkpoints,
+                )?;
             }
             if stop_now {
                 stopped = true;
@@ -617,17 +725,16 @@ fn train_here(
         (prog.epoch, prog.batch_in_epoch) = (epoch + 1, 0);
         (prog.ep_loss, prog.ep_correct, prog.ep_count) = (0.0, 0, 0);
         prog.seconds = secs;
-        if let Optimizer::AdamW(o) = &opt {
-            checkpoint::save(
-                &out,
-                &resolved,
-                &prog,
-                &rank,
-                &mut model,
-                o,
-                cfg.train.keep_checkpoints,
-            )?;
-        }
+        let state = opt.state(&mut model);
+        checkpoint::save(
+            &out,
+            &resolved,
+            &prog,
+            &rank,
+            &mut model,
+            &state,
+            cfg.train.keep_checkpoints,
+        )?;
         if let Err(e) = curves.plot(&out.join("curves.png")) {
             bar.println(format!("warning: plot not written: {e:#}"));
         }
