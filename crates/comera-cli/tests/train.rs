@@ -287,7 +287,8 @@ fn a_stopped_and_resumed_run_matches_an_uninterrupted_one_bit_for_bit() {
 #[test]
 fn a_resumed_galore_run_matches_an_uninterrupted_one_bit_for_bit() {
     // Projections refreshed every 5 steps: the stop at 22 falls between refreshes.
-    let extra = "checkpoint_every = 4\nkeep_checkpoints = 2\n\n[galore]\nrank = 4\nupdate_every = 5";
+    let extra =
+        "checkpoint_every = 4\nkeep_checkpoints = 2\n\n[galore]\nrank = 4\nupdate_every = 5";
     resume_matches("resume-galore", false, extra, false);
 }
 
