@@ -50,7 +50,10 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
         .filter(|p| crate::dlrm_cmd::is_dlrm(p).unwrap_or(false))
     {
         if a.stop_after_steps.is_some() {
-            bail!("--stop-after-steps: DLRM runs ({}) have no checkpoints yet", p.display());
+            bail!(
+                "--stop-after-steps: DLRM runs ({}) have no checkpoints yet",
+                p.display()
+            );
         }
         let (epochs, batch_size, seed, out) = (a.epochs, a.batch_size, a.seed, a.out.clone());
         let (dense, max_steps_per_epoch) = (a.dense, a.max_steps_per_epoch);
