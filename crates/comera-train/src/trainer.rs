@@ -150,11 +150,12 @@ impl Optimizer {
                 json!({"kind": "adamw", "t": o.t})
             }
             Optimizer::GaLore(o) => {
+                let names: Vec<String> = model.params().iter().map(|p| p.name.clone()).collect();
                 let mut projected = serde_json::Map::new();
                 for st in &o.state {
                     match st {
                         ParamState::Adam { m, v } => {
-                            let name = model_param_name(model, i);
+                            let name = &names[i];
                             tensors.push((format!("m/{name}"), vec![m.len()], m.clone()));
                             tensors.push((format!("v/{name}"), vec![v.len()], v.clone()));
                         }
@@ -206,12 +207,13 @@ impl Optimizer {
                 err.map_or(Ok(()), Err)
             }
             Optimizer::GaLore(o) if kind == "galore" => {
+                let names: Vec<String> = model.params().iter().map(|p| p.name.clone()).collect();
                 (o.t, o.refresh_steps, o.svd_fallbacks) =
                     (num("t")?, num("refresh_steps")?, num("svd_fallbacks")?);
                 for (i, st) in o.state.iter_mut().enumerate() {
                     match st {
                         ParamState::Adam { m, v } => {
-                            let name = model_param_name(model, i);
+                            let name = &names[i];
                             let len = m.len();
                             m.copy_from_slice(ck.opt_tensor(&format!("m/{name}"), len)?);
                             v.copy_from_slice(ck.opt_tensor(&format!("v/{name}"), len)?);
@@ -249,11 +251,6 @@ impl Optimizer {
             o.retain(changed, |f| model.visit_params_mut(f));
         }
     }
-}
-
-/// The name of the model's `i`-th parameter in visiting order.
-fn model_param_name(model: &Encoder, i: usize) -> String {
-    model.params()[i].name.clone()
 }
 
 /// Curves for the plots, built from the metrics log's records (so a resumed run plots its
@@ -565,6 +562,15 @@ fn train_here(
     let mut win_start = Instant::now();
     let mut stopped = false;
     let checkpoint_every = cfg.train.checkpoint_every;
+    let save_checkpoint = |prog: &Progress,
+                           rank: &RankController,
+                           model: &mut Encoder,
+                           opt: &Optimizer|
+     -> anyhow::Result<()> {
+        let state = opt.state(model);
+        let keep = cfg.train.keep_checkpoints;
+        checkpoint::save(&out, &resolved, prog, rank, model, &state, keep).map(|_| ())
+    };
     'epochs: for epoch in prog.epoch..cfg.train.epochs {
         let mut batches = data
             .train
@@ -678,16 +684,7 @@ fn train_here(
             let stop_now = cfg.train.stop_after_steps > 0 && step >= cfg.train.stop_after_steps;
             if stop_now || (checkpoint_every > 0 && step.is_multiple_of(checkpoint_every)) {
                 prog.seconds = base_seconds + t0.elapsed().as_secs_f64();
-                let state = opt.state(&mut model);
-                checkpoint::save(
-                    &out,
-                    &resolved,
-                    &prog,
-                    &rank,
-                    &mut model,
-                    &state,
-                    cfg.train.keep_checkpoints,
-                )?;
+                save_checkpoint(&prog, &rank, &mut model, &opt)?;
             }
             if stop_now {
                 stopped = true;
@@ -725,16 +722,7 @@ fn train_here(
         (prog.epoch, prog.batch_in_epoch) = (epoch + 1, 0);
         (prog.ep_loss, prog.ep_correct, prog.ep_count) = (0.0, 0, 0);
         prog.seconds = secs;
-        let state = opt.state(&mut model);
-        checkpoint::save(
-            &out,
-            &resolved,
-            &prog,
-            &rank,
-            &mut model,
-            &state,
-            cfg.train.keep_checkpoints,
-        )?;
+        save_checkpoint(&prog, &rank, &mut model, &opt)?;
         if let Err(e) = curves.plot(&out.join("curves.png")) {
             bar.println(format!("warning: plot not written: {e:#}"));
         }
