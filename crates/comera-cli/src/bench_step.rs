@@ -50,6 +50,10 @@ pub struct StepArgs {
     /// Internal: run one model in this process and print its measurement as JSON.
     #[arg(long, hide = true)]
     child: Option<String>,
+    /// Time each layer operation of the TT/TTM step in this process (per call and per step,
+    /// at the first --batch), instead of whole steps: where a step's time goes.
+    #[arg(long)]
+    ops: bool,
 }
 
 /// What one child process measured.
@@ -291,6 +295,10 @@ fn merge(reports: Vec<ChildReport>) -> Merged {
 }
 
 pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
+    if a.ops {
+        rayon::scope(|_| ops(&a))?;
+        return Ok(ExitCode::SUCCESS);
+    }
     if let Some(model) = a.child.clone() {
         let rep = rayon::scope(|_| child(&a, &model))?; // on a pool worker, as `comera train` runs
         println!("{}", serde_json::to_string(&rep)?);
@@ -394,4 +402,151 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Median ms of `f` over `reps` calls after one warm-up call.
+fn time_ms(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut v: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// `--ops`: each operation of a TT/TTM training step timed on its own.
+fn ops(a: &StepArgs) -> anyhow::Result<()> {
+    use comera_layers::activation::Gelu;
+    use comera_layers::attention::Attention;
+    use comera_layers::norm::LayerNorm;
+    use comera_layers::{EmbeddingLayer, Layer, RankGates, TtLinear, TtmEmbedding};
+    use comera_tensor::{TtShape, TtmShape};
+    let b = a.batch[0];
+    let cfg = config(a, "tt")?;
+    let (t, d, f, nl) = (cfg.seq_len, cfg.d_model, cfg.ffn, cfg.layers);
+    let n = b * t;
+    let reps = a.steps.max(5);
+    let mut rng = init::rng(SEED);
+    let rand = |rng: &mut init::Rng, len: usize| {
+        let mut v = vec![0.0f32; len];
+        init::fill_normal(rng, &mut v, 1.0);
+        v
+    };
+    let mut rows: Vec<(String, f64, usize)> = Vec::new();
+    let rule = RankGates::new(cfg.threshold);
+    let tt = |c: &comera_model::config::LayerTt| TtShape::uniform(&c.in_modes, &c.out_modes, c.rank);
+    for (name, shape, count) in [
+        ("tt q/k/v/o", tt(&cfg.attn_tt)?, 4 * nl),
+        ("tt ffn up", tt(&cfg.ffn_up_tt)?, nl),
+        ("tt ffn down", tt(&cfg.ffn_down_tt)?, nl),
+    ] {
+        let mut layer = TtLinear::new(name, shape, rule, &mut rng)?;
+        let mut ws = layer.workspace(n);
+        let x = rand(&mut rng, n * layer.in_features());
+        let dy = rand(&mut rng, n * layer.out_features());
+        let mut y = vec![0.0; n * layer.out_features()];
+        let mut dx = vec![0.0; n * layer.in_features()];
+        rows.push((
+            format!("{name} fwd [{}; ws {:.2} MB]", ws.path(), ws.bytes() as f64 / MB),
+            time_ms(reps, || layer.forward(&mut ws, &x, &mut y)),
+            count,
+        ));
+        rows.push((
+            format!("{name} bwd"),
+            time_ms(reps, || layer.backward(&mut ws, &x, &dy, Some(&mut dx))),
+            count,
+        ));
+    }
+    let attn = Attention::new(d, cfg.heads);
+    let mut aws = attn.workspace(b, t);
+    let qkv = rand(&mut rng, 3 * n * d);
+    let dout = rand(&mut rng, n * d);
+    let mut out = vec![0.0; n * d];
+    let mut dqkv = vec![0.0; 3 * n * d];
+    let mask: Vec<u8> = (0..n).map(|i| (i % t < t - t / 10) as u8).collect();
+    rows.push((
+        "attention fwd".into(),
+        time_ms(reps, || attn.forward(&mut aws, &qkv, Some(&mask), &mut out)),
+        nl,
+    ));
+    rows.push((
+        "attention bwd".into(),
+        time_ms(reps, || attn.backward(&mut aws, &qkv, &dout, &mut dqkv)),
+        nl,
+    ));
+    let mut ln = LayerNorm::new("ln", d);
+    let mut lws = ln.workspace(n);
+    let x = rand(&mut rng, n * d);
+    let mut y = vec![0.0; n * d];
+    rows.push((
+        "layernorm fwd".into(),
+        time_ms(reps, || ln.forward(&mut lws, &x, &mut y)),
+        2 * nl + 1,
+    ));
+    rows.push((
+        "layernorm bwd".into(),
+        time_ms(reps, || ln.backward(&mut lws, &x, &dout, Some(&mut y))),
+        2 * nl + 1,
+    ));
+    let h = rand(&mut rng, n * f);
+    let mut g = vec![0.0; n * f];
+    rows.push(("gelu fwd".into(), time_ms(reps, || Gelu.forward(&h, &mut g)), nl));
+    rows.push((
+        "gelu bwd".into(),
+        time_ms(reps, || Gelu.backward_in_place(&h, &mut g)),
+        nl,
+    ));
+    let w = &cfg.word_ttm;
+    let shape = TtmShape::uniform(&w.vocab_modes, &w.dim_modes, w.rank, cfg.vocab_size)?;
+    let mut emb = TtmEmbedding::new("word", shape, rule, 1.0, &mut rng)?;
+    let mut ews = emb.workspace(n);
+    let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % cfg.vocab_size as u32).collect();
+    let mut ey = vec![0.0; n * d];
+    let dey = rand(&mut rng, n * d);
+    rows.push((
+        format!("ttm fwd [ws {:.2} MB]", ews.bytes() as f64 / MB),
+        time_ms(reps, || emb.forward(&mut ews, &ids, &mut ey).expect("ids < V")),
+        1,
+    ));
+    rows.push((
+        "ttm bwd".into(),
+        time_ms(reps, || emb.backward(&mut ews, &ids, &dey)),
+        1,
+    ));
+    let mut enc = Encoder::new(&cfg, SEED)?;
+    let ocfg = AdamWConfig::default();
+    let mut opt = AdamW::new(ocfg, |f| enc.visit_params_mut(f));
+    rows.push((
+        format!("clip norm ({} params)", enc.num_params()),
+        time_ms(reps, || {
+            clip_scale(1.0, |f| enc.visit_params_mut(f));
+        }),
+        1,
+    ));
+    rows.push((
+        "adamw".into(),
+        time_ms(reps, || opt.step(1.0, 1.0, |f| enc.visit_params_mut(f))),
+        1,
+    ));
+    rows.push((
+        "zero grad".into(),
+        time_ms(reps, || enc.zero_grad()),
+        1,
+    ));
+    println!(
+        "per-operation medians, batch {b} ({n} tokens), {} threads",
+        rayon::current_num_threads()
+    );
+    println!("{:<44} {:>10} {:>6} {:>10}", "op", "ms/call", "calls", "ms/step");
+    let mut total = 0.0;
+    for (name, ms, count) in &rows {
+        total += ms * *count as f64;
+        println!("{name:<44} {ms:>10.3} {count:>6} {:>10.2}", ms * *count as f64);
+    }
+    println!("{:<44} {:>10} {:>6} {total:>10.2}", "sum", "", "");
+    Ok(())
 }

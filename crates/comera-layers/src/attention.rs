@@ -37,6 +37,7 @@ pub struct AttentionWorkspace {
     seq: usize,
     probs: Vec<f32>,   // (B, H, T, T)
     scratch: Vec<f32>, // (T, T): dP, then dS, of the current head in backward
+    allow: Vec<f32>,   // (T): 1 for an allowed key of the current sequence, else 0
 }
 
 impl AttentionWorkspace {
@@ -95,6 +96,7 @@ impl Attention {
             seq: seq_len,
             probs: vec![0.0; batch * self.n_heads * seq_len * seq_len],
             scratch: vec![0.0; seq_len * seq_len],
+            allow: vec![1.0; seq_len],
         }
     }
 
@@ -120,10 +122,20 @@ impl Attention {
             check_len("Attention mask", m.len(), bsz * t);
         }
         let scale = 1.0 / (hd as f32).sqrt();
+        let mut allow = std::mem::take(&mut ws.allow);
+        allow.resize(t, 1.0);
         for b in 0..bsz {
             let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
             let out_b = &mut out[b * t * d..(b + 1) * t * d]; // (T, D)
-            let mask_b = mask.map(|m| &m[b * t..(b + 1) * t]); // (T)
+            // 1 for an allowed key, 0 for a padding one.
+            match mask {
+                Some(m) => {
+                    for (a, &v) in allow.iter_mut().zip(&m[b * t..(b + 1) * t]) {
+                        *a = (v != 0) as u8 as f32;
+                    }
+                }
+                None => allow.fill(1.0),
+            }
             for h in 0..nh {
                 let q = MatRef::strided(&qkv_b[h * hd..], t, hd, 3 * d, 1); // (T, d)
                 let k = MatRef::strided(&qkv_b[d + h * hd..], t, hd, 3 * d, 1); // (T, d)
@@ -131,36 +143,12 @@ impl Attention {
                 let p = &mut ws.probs[(b * nh + h) * t * t..(b * nh + h + 1) * t * t]; // (T, T)
                                                                                        // Q·Kᵀ, then scale, mask and softmax each row in place.
                 matmul(MatMut::new(p, t, t), q, k.t(), false);
-                for i in 0..t {
-                    let row = &mut p[i * t..(i + 1) * t];
-                    let allowed = |j: usize| -> bool {
-                        mask_b.is_none_or(|m| m[j] != 0) && (!self.causal || j <= i)
-                    };
-                    let mut max = f32::NEG_INFINITY;
-                    for j in 0..t {
-                        if allowed(j) {
-                            row[j] *= scale;
-                            max = max.max(row[j]);
-                        }
-                    }
-                    if max == f32::NEG_INFINITY {
-                        row.fill(0.0); // no allowed key
-                        continue;
-                    }
-                    let mut sum = 0.0f32;
-                    for j in 0..t {
-                        if allowed(j) {
-                            let e = comera_tensor::math::exp(row[j] - max);
-                            row[j] = e;
-                            sum += e;
-                        } else {
-                            row[j] = 0.0;
-                        }
-                    }
-                    let inv = 1.0 / sum;
-                    for x in row.iter_mut() {
-                        *x *= inv;
-                    }
+                for (i, row) in p.chunks_exact_mut(t).enumerate() {
+                    // Keys after the query are excluded under a causal mask.
+                    let len = if self.causal { i + 1 } else { t };
+                    let (head, tail) = row.split_at_mut(len);
+                    softmax::row(head, &allow[..len], scale);
+                    tail.fill(0.0);
                 }
                 // O = P·V into this head's columns of out.
                 matmul(
@@ -171,6 +159,7 @@ impl Attention {
                 );
             }
         }
+        ws.allow = allow;
     }
 
     /// Given the `qkv` of the matching forward and `dout` (B, T, D), *writes* `dqkv`
@@ -214,13 +203,8 @@ impl Attention {
                 // dP = dO·Vᵀ, then dS' = s·P ⊙ (dP − rowsum(P ⊙ dP)) in place.
                 let ds = &mut ws.scratch;
                 matmul(MatMut::new(ds, t, t), d_o, v.t(), false);
-                for i in 0..t {
-                    let pr = &p[i * t..(i + 1) * t];
-                    let dr = &mut ds[i * t..(i + 1) * t];
-                    let dot: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
-                    for (x, &pv) in dr.iter_mut().zip(pr) {
-                        *x = scale * pv * (*x - dot);
-                    }
+                for (pr, dr) in p.chunks_exact(t).zip(ds.chunks_exact_mut(t)) {
+                    softmax::grad(pr, dr, scale);
                 }
                 let dsm = MatRef::new(ds, t, t);
                 // dQ = dS'·K,  dK = dS'ᵀ·Q
@@ -238,5 +222,134 @@ impl Attention {
                 );
             }
         }
+    }
+}
+
+/// Row kernels of the softmax and its backward, vectorised over 8 lanes (fixed lane order, so
+/// results depend only on the inputs) and compiled a second time with AVX2 + FMA, picked at
+/// run time.
+mod softmax {
+    const L: usize = 8;
+
+    /// Max over the allowed entries (−∞ if none).
+    #[inline(always)]
+    fn masked_max(row: &[f32], allow: &[f32]) -> f32 {
+        let mut acc = [f32::NEG_INFINITY; L];
+        let (rc, ac) = (row.chunks_exact(L), allow.chunks_exact(L));
+        let (rr, ar) = (rc.remainder(), ac.remainder());
+        for (r, a) in rc.zip(ac) {
+            for l in 0..L {
+                let v = if a[l] != 0.0 { r[l] } else { f32::NEG_INFINITY };
+                acc[l] = if v > acc[l] { v } else { acc[l] };
+            }
+        }
+        let mut max = f32::NEG_INFINITY;
+        for (&r, &a) in rr.iter().zip(ar) {
+            if a != 0.0 && r > max {
+                max = r;
+            }
+        }
+        acc.iter().fold(max, |m, &v| if v > m { v } else { m })
+    }
+
+    /// row ← exp(scale·(row − max)) on allowed entries, 0 elsewhere; returns the sum.
+    #[inline(always)]
+    fn exp_sum(row: &mut [f32], allow: &[f32], scale: f32, max: f32) -> f32 {
+        let shift = scale * max;
+        let mut acc = [0.0f32; L];
+        let mut tail = 0.0f32;
+        let n = row.len() / L * L;
+        let (rb, rr) = row.split_at_mut(n);
+        let (ab, ar) = allow.split_at(n);
+        for (r, a) in rb.chunks_exact_mut(L).zip(ab.chunks_exact(L)) {
+            for l in 0..L {
+                let e = comera_tensor::math::exp(scale * r[l] - shift);
+                let e = if a[l] != 0.0 { e } else { 0.0 };
+                r[l] = e;
+                acc[l] += e;
+            }
+        }
+        for (r, &a) in rr.iter_mut().zip(ar) {
+            let e = comera_tensor::math::exp(scale * *r - shift);
+            *r = if a != 0.0 { e } else { 0.0 };
+            tail += *r;
+        }
+        acc.iter().sum::<f32>() + tail
+    }
+
+    #[inline(always)]
+    fn row_body(row: &mut [f32], allow: &[f32], scale: f32) {
+        let max = masked_max(row, allow);
+        if max == f32::NEG_INFINITY {
+            row.fill(0.0); // no allowed key
+            return;
+        }
+        let inv = 1.0 / exp_sum(row, allow, scale, max);
+        for x in row.iter_mut() {
+            *x *= inv;
+        }
+    }
+
+    /// dS row = scale·P ⊙ (dP − Σ P⊙dP), in place in `dp`.
+    #[inline(always)]
+    fn grad_body(p: &[f32], dp: &mut [f32], scale: f32) {
+        let mut acc = [0.0f32; L];
+        let n = p.len() / L * L;
+        for (a, b) in p[..n].chunks_exact(L).zip(dp[..n].chunks_exact(L)) {
+            for l in 0..L {
+                acc[l] += a[l] * b[l];
+            }
+        }
+        let tail: f32 = p[n..].iter().zip(&dp[n..]).map(|(a, b)| a * b).sum();
+        let dot = acc.iter().sum::<f32>() + tail;
+        for (x, &pv) in dp.iter_mut().zip(p) {
+            *x = scale * pv * (*x - dot);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn row_avx2(row: &mut [f32], allow: &[f32], scale: f32) {
+        row_body(row, allow, scale)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn grad_avx2(p: &[f32], dp: &mut [f32], scale: f32) {
+        grad_body(p, dp, scale)
+    }
+
+    fn has_avx2() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    /// Softmax of `scale·row` over the entries with `allow` ≠ 0 (the others get 0); a row with
+    /// no allowed entry becomes all zeros.
+    pub(super) fn row(row: &mut [f32], allow: &[f32], scale: f32) {
+        assert_eq!(row.len(), allow.len());
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU supports the features the function was compiled for.
+            return unsafe { row_avx2(row, allow, scale) };
+        }
+        row_body(row, allow, scale)
+    }
+
+    /// The softmax backward of one row: `dp` ← scale·p ⊙ (dp − ⟨p, dp⟩).
+    pub(super) fn grad(p: &[f32], dp: &mut [f32], scale: f32) {
+        assert_eq!(p.len(), dp.len());
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU supports the features the function was compiled for.
+            return unsafe { grad_avx2(p, dp, scale) };
+        }
+        grad_body(p, dp, scale)
     }
 }

@@ -164,6 +164,73 @@ impl CrossEntropy {
         stats
     }
 
+    /// [`CrossEntropy::forward_backward`] for wide rows (a vocabulary): overwrites `logits`
+    /// with ∂(mean loss)/∂logits, rows in parallel. `scratch` holds two f64 per row (row loss,
+    /// hit); the row losses are summed in row order afterwards, so the result does not depend
+    /// on the thread count. Without `grad`, `logits` is left unchanged (evaluation).
+    pub fn forward_rows(
+        &self,
+        logits: &mut [f32],
+        labels: &[i32],
+        scratch: &mut [f64],
+        grad: bool,
+    ) -> CrossEntropyStats {
+        use rayon::prelude::*;
+        let rows = self.check(logits, labels);
+        check_len("CrossEntropy scratch", scratch.len(), 2 * rows);
+        let c = self.classes;
+        let n = self.counted(labels);
+        let inv_n = if n > 0 { 1.0 / n as f32 } else { 0.0 };
+        logits
+            .par_chunks_mut(c)
+            .zip(scratch.par_chunks_mut(2))
+            .zip(labels.par_iter())
+            .for_each(|((z, out), &label)| {
+                let Some(y) = self.class_of(label) else {
+                    if grad {
+                        z.fill(0.0);
+                    }
+                    out.fill(f64::NAN);
+                    return;
+                };
+                let best = argmax(z);
+                let m = z[best];
+                let zy = z[y];
+                let sum: f64 = if grad {
+                    let mut sum = 0.0f64;
+                    for v in z.iter_mut() {
+                        let e = (*v - m).exp();
+                        *v = e;
+                        sum += e as f64;
+                    }
+                    let k = (1.0 / sum) as f32 * inv_n;
+                    for v in z.iter_mut() {
+                        *v *= k;
+                    }
+                    z[y] -= inv_n;
+                    sum
+                } else {
+                    z.iter().map(|&v| (v - m).exp() as f64).sum()
+                };
+                out[0] = m as f64 + sum.ln() - zy as f64;
+                out[1] = (best == y) as u8 as f64;
+            });
+        let mut stats = CrossEntropyStats::default();
+        for out in scratch.chunks_exact(2) {
+            if !out[0].is_nan() {
+                stats.loss_sum += out[0];
+                stats.count += 1;
+                stats.correct += (out[1] > 0.5) as usize;
+            }
+        }
+        stats.loss = if stats.count > 0 {
+            stats.loss_sum / stats.count as f64
+        } else {
+            0.0
+        };
+        stats
+    }
+
     /// (correct, counted): counted rows whose argmax equals the label, and counted rows.
     pub fn accuracy_counts(&self, logits: &[f32], labels: &[i32]) -> (usize, usize) {
         let rows = self.check(logits, labels);

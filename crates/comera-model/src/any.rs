@@ -64,6 +64,13 @@ impl AnyLinear {
         }
     }
 
+    pub fn out_features(&self) -> usize {
+        match self {
+            AnyLinear::Dense(l) => l.out_features(),
+            AnyLinear::Tt(l) => l.out_features(),
+        }
+    }
+
     /// Parameters of the dense layer this one stands for (N·M + M).
     pub fn dense_equivalent(&self) -> usize {
         match self {

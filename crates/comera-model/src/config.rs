@@ -46,7 +46,34 @@ pub struct TtmConfig {
     pub rank: usize,
 }
 
-/// The encoder classifier's shape. Defaults: the paper's model (SPEC §5).
+/// What sits on top of the encoder.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HeadKind {
+    /// Sequence classification on the [CLS] position (pooler + classifier).
+    #[default]
+    Classifier,
+    /// Masked-language-model head on the selected positions (transform + LN + projection).
+    Mlm,
+}
+
+/// The MLM head's output projection (hidden → vocabulary logits).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MlmDecoderKind {
+    /// `tied` with a dense word embedding, `tt` with a TTM one (see [`EncoderConfig::mlm_decoder`]).
+    #[default]
+    Auto,
+    /// A dense D × V matrix of its own.
+    Dense,
+    /// The (dense) word-embedding table, transposed, plus a bias: no extra weights.
+    Tied,
+    /// A TT linear layer D → V' (V' = product of `mlm_decoder_tt.out_modes` ≥ V; the padding
+    /// logits are masked out of the softmax).
+    Tt,
+}
+
+/// The encoder's shape. Defaults: the paper's model (SPEC §5).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EncoderConfig {
@@ -81,6 +108,16 @@ pub struct EncoderConfig {
     pub ffn_up_tt: LayerTt,
     pub ffn_down_tt: LayerTt,
     pub word_ttm: TtmConfig,
+    /// Classifier or masked-LM head.
+    pub head: HeadKind,
+    /// The MLM head's output projection. `auto` resolves to `tied` with a dense word embedding
+    /// and to `tt` with a TTM one: `comera bench mlm-head` measured the TT projection faster
+    /// per step than a dense one on the paper's and the small pre-training models (numbers in
+    /// configs/mlm-rust.toml), at a small fraction of the parameters.
+    pub mlm_decoder: MlmDecoderKind,
+    /// TT layout of the MLM output projection (`in_modes` multiply to D, `out_modes` to at
+    /// least the vocabulary size).
+    pub mlm_decoder_tt: LayerTt,
 }
 
 impl Default for EncoderConfig {
@@ -121,6 +158,13 @@ impl Default for EncoderConfig {
                 dim_modes: vec![4, 4, 8, 6],
                 rank: 32,
             },
+            head: HeadKind::Classifier,
+            mlm_decoder: MlmDecoderKind::Auto,
+            mlm_decoder_tt: LayerTt {
+                in_modes: vec![12, 8, 8],
+                out_modes: vec![20, 40, 40],
+                rank: 30,
+            },
         }
     }
 }
@@ -132,9 +176,20 @@ pub struct Layouts {
     pub ffn_up: Option<TtShape>,
     pub ffn_down: Option<TtShape>,
     pub word: Option<TtmShape>,
+    /// The MLM head's TT output projection (when the head is MLM and its decoder is TT).
+    pub mlm_decoder: Option<TtShape>,
 }
 
 impl EncoderConfig {
+    /// The MLM decoder kind with `auto` resolved.
+    pub fn mlm_decoder(&self) -> MlmDecoderKind {
+        match (self.mlm_decoder, self.ttm_embedding) {
+            (MlmDecoderKind::Auto, false) => MlmDecoderKind::Tied,
+            (MlmDecoderKind::Auto, true) => MlmDecoderKind::Tt,
+            (k, _) => k,
+        }
+    }
+
     /// Checks every size and layout; the error names the field (e.g. `model.attn_tt`).
     pub fn validate(&self) -> Result<Layouts, ConfigError> {
         let positive = [
@@ -151,7 +206,7 @@ impl EncoderConfig {
                 return Err(err(f, "must be at least 1"));
             }
         }
-        if self.num_labels < 2 {
+        if self.head == HeadKind::Classifier && self.num_labels < 2 {
             return Err(err(
                 "model.num_labels",
                 format!(
@@ -186,7 +241,36 @@ impl EncoderConfig {
         }
         let (d, f) = (self.d_model, self.ffn);
         let tt = self.tt_linear;
+        let mlm_decoder = match (self.head, self.mlm_decoder()) {
+            (HeadKind::Mlm, MlmDecoderKind::Tt) => {
+                let t = &self.mlm_decoder_tt;
+                let s = TtShape::uniform(&t.in_modes, &t.out_modes, t.rank)
+                    .map_err(|e| err("model.mlm_decoder_tt", e.to_string()))?;
+                if s.in_features() != d || s.out_features() < self.vocab_size {
+                    return Err(err(
+                        "model.mlm_decoder_tt",
+                        format!(
+                            "in_modes {:?} multiply to {} (expected d_model = {d}) and out_modes {:?} to {} (expected at least vocab_size = {})",
+                            t.in_modes,
+                            s.in_features(),
+                            t.out_modes,
+                            s.out_features(),
+                            self.vocab_size
+                        ),
+                    ));
+                }
+                Some(s)
+            }
+            (HeadKind::Mlm, MlmDecoderKind::Tied) if self.ttm_embedding => {
+                return Err(err(
+                    "model.mlm_decoder",
+                    "`tied` needs a dense word embedding (ttm_embedding = false); use `tt` or `dense`",
+                ))
+            }
+            _ => None,
+        };
         Ok(Layouts {
+            mlm_decoder,
             attn: if tt {
                 Some(self.attn_tt.shape("model.attn_tt", d, d)?)
             } else {

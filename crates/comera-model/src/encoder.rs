@@ -6,14 +6,16 @@
 //!   r1 = x + a;  x1 = LN1(r1);  f = Dropout(Down(GELU(Up(x1))));  r2 = x1 + f;  out = LN2(r2)
 //! Pre-LN block: l1 = LN1(x); … from l1 …; r1 = x + a; l2 = LN2(r1); f = …(l2); out = r1 + f,
 //! and a final LN after the last block.
-//! Head on the [CLS] (first) position: logits = C(Dropout(tanh(P(h_cls)))), softmax
-//! cross-entropy over the labels.
+//! Heads ([`Head`]): the classifier on the [CLS] (first) position,
+//! logits = C(Dropout(tanh(P(h_cls)))) with softmax cross-entropy over the labels; or the
+//! masked-LM head of [`crate::mlm_head`] on the labelled positions.
 //!
 //! [`EncoderState`] holds every activation, gradient scratch and layer workspace for one fixed
 //! (batch, seq_len), allocated once; a steady-state training step allocates nothing.
 
 use crate::any::{AnyLinear, AnyLinearWorkspace, WordEmbedding, WordEmbeddingWorkspace};
-use crate::config::{ConfigError, EncoderConfig};
+use crate::config::{ConfigError, EncoderConfig, HeadKind, MlmDecoderKind};
+use crate::mlm_head::{MlmDecoder, MlmHead, MlmHeadState};
 use comera_layers::activation::{Gelu, Tanh};
 use comera_layers::attention::{Attention, AttentionWorkspace};
 use comera_layers::dropout::{Dropout, DropoutWorkspace};
@@ -82,14 +84,83 @@ pub struct Encoder {
     pub blocks: Vec<Block>,
     /// Pre-LN only: the LN after the last block.
     pub ln_final: Option<LayerNorm>,
-    pub pool: Linear,
-    pub classifier: Linear,
+    pub head: Head,
     attn: Attention,
     drop_emb: Dropout,
     drop_attn: Vec<Dropout>,
     drop_ffn: Vec<Dropout>,
-    drop_head: Dropout,
+}
+
+/// What sits on the encoder's last hidden states.
+#[derive(Clone, Debug)]
+pub enum Head {
+    Classifier(ClassifierHead),
+    Mlm(MlmHead),
+}
+
+/// Pooler + classifier on the [CLS] position.
+#[derive(Clone, Debug)]
+pub struct ClassifierHead {
+    pub pool: Linear,
+    pub classifier: Linear,
+    drop: Dropout,
     ce: CrossEntropy,
+}
+
+impl ClassifierHead {
+    fn new(cfg: &EncoderConfig, dseed: u64, rng: &mut init::Rng) -> ClassifierHead {
+        let d = cfg.d_model;
+        ClassifierHead {
+            pool: Linear::new("pooler", d, d, rng),
+            classifier: Linear::new("classifier", d, cfg.num_labels, rng),
+            drop: Dropout::new(cfg.dropout, dseed.wrapping_add(1 << 32)),
+            ce: CrossEntropy::with_ignore_index(cfg.num_labels, None),
+        }
+    }
+}
+
+impl Head {
+    fn params(&self) -> Vec<&Param> {
+        match self {
+            Head::Classifier(h) => {
+                let mut v = h.pool.params();
+                v.extend(h.classifier.params());
+                v
+            }
+            Head::Mlm(h) => h.params(),
+        }
+    }
+
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        match self {
+            Head::Classifier(h) => {
+                h.pool.visit_params_mut(f);
+                h.classifier.visit_params_mut(f);
+            }
+            Head::Mlm(h) => h.visit_params_mut(f),
+        }
+    }
+
+    /// The MLM head's TT output projection, if it has one.
+    fn tt_decoder(&self) -> Option<&TtLinear> {
+        match self {
+            Head::Mlm(MlmHead {
+                decoder: MlmDecoder::Own(AnyLinear::Tt(t)),
+                ..
+            }) => Some(t),
+            _ => None,
+        }
+    }
+
+    fn tt_decoder_mut(&mut self) -> Option<&mut TtLinear> {
+        match self {
+            Head::Mlm(MlmHead {
+                decoder: MlmDecoder::Own(AnyLinear::Tt(t)),
+                ..
+            }) => Some(t),
+            _ => None,
+        }
+    }
 }
 
 /// What one step saw.
@@ -171,9 +242,39 @@ impl Encoder {
         let ln_final = cfg
             .pre_ln
             .then(|| LayerNorm::with_eps("encoder.ln_final", d, cfg.ln_eps));
-        let pool = Linear::new("pooler", d, d, &mut rng);
-        let classifier = Linear::new("classifier", d, cfg.num_labels, &mut rng);
         let dseed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let head = match cfg.head {
+            HeadKind::Classifier => Head::Classifier(ClassifierHead::new(cfg, dseed, &mut rng)),
+            HeadKind::Mlm => {
+                let decoder = match cfg.mlm_decoder() {
+                    MlmDecoderKind::Tied => None,
+                    MlmDecoderKind::Tt => {
+                        let s = layouts.mlm_decoder.clone().expect("validated TT layout");
+                        Some(AnyLinear::Tt(
+                            TtLinear::new("mlm.decoder", s, rule, &mut rng).map_err(|e| {
+                                ConfigError {
+                                    field: "model.mlm_decoder_tt".into(),
+                                    msg: e.to_string(),
+                                }
+                            })?,
+                        ))
+                    }
+                    _ => Some(AnyLinear::Dense(Linear::new(
+                        "mlm.decoder",
+                        d,
+                        cfg.vocab_size,
+                        &mut rng,
+                    ))),
+                };
+                Head::Mlm(MlmHead::new(
+                    d,
+                    cfg.vocab_size,
+                    cfg.ln_eps,
+                    decoder,
+                    &mut rng,
+                ))
+            }
+        };
         Ok(Encoder {
             cfg: cfg.clone(),
             word,
@@ -182,8 +283,7 @@ impl Encoder {
             ln_emb,
             blocks,
             ln_final,
-            pool,
-            classifier,
+            head,
             attn: Attention::new(d, cfg.heads),
             drop_emb: Dropout::new(cfg.dropout, dseed),
             drop_attn: (0..cfg.layers)
@@ -192,8 +292,6 @@ impl Encoder {
             drop_ffn: (0..cfg.layers)
                 .map(|l| Dropout::new(cfg.dropout, dseed + 2 + 2 * l as u64))
                 .collect(),
-            drop_head: Dropout::new(cfg.dropout, dseed.wrapping_add(1 << 32)),
-            ce: CrossEntropy::with_ignore_index(cfg.num_labels, None),
         })
     }
 
@@ -209,12 +307,11 @@ impl Encoder {
         if let Some(ln) = &mut self.ln_final {
             ln.visit_params_mut(f);
         }
-        self.pool.visit_params_mut(f);
-        self.classifier.visit_params_mut(f);
+        self.head.visit_params_mut(f);
     }
 
     /// Calls `f` on every TT/TTM layer: the word embedding (if TTM), then each block's
-    /// q, k, v, o, up, down (if TT).
+    /// q, k, v, o, up, down (if TT), then the MLM head's output projection (if TT).
     pub fn visit_compressible(&self, f: &mut dyn FnMut(&dyn Compressible)) {
         if let WordEmbedding::Ttm(t) = &self.word {
             f(t);
@@ -225,6 +322,9 @@ impl Encoder {
                     f(t);
                 }
             }
+        }
+        if let Some(t) = self.head.tt_decoder() {
+            f(t);
         }
     }
 
@@ -247,6 +347,9 @@ impl Encoder {
                 }
             }
         }
+        if let Some(t) = self.head.tt_decoder_mut() {
+            f(t);
+        }
     }
 
     /// Every parameter, in the order of [`Encoder::visit_params_mut`].
@@ -261,8 +364,7 @@ impl Encoder {
         if let Some(ln) = &self.ln_final {
             v.extend(ln.params());
         }
-        v.extend(self.pool.params());
-        v.extend(self.classifier.params());
+        v.extend(self.head.params());
         v
     }
 
@@ -291,23 +393,83 @@ impl Encoder {
                 .flat_map(|b| b.linears())
                 .map(|l| l.dense_equivalent())
                 .sum::<usize>();
+        // A TT output projection stands for a dense D × V matrix + bias.
+        let (tensorised, dense) = match self.head.tt_decoder() {
+            Some(t) => (
+                tensorised + t.params().iter().map(|p| p.len()).sum::<usize>(),
+                dense + (t.in_features() + 1) * self.cfg.vocab_size,
+            ),
+            None => (tensorised, dense),
+        };
         self.num_params() - tensorised + dense
     }
 
-    /// Fresh activations and workspaces for `batch` sequences of `cfg.seq_len` tokens.
+    /// Fresh activations and workspaces for `batch` sequences of `cfg.seq_len` tokens (an MLM
+    /// head gets room for 15% of the positions, rounded up, per sequence).
     pub fn state(&self, batch: usize) -> EncoderState {
-        EncoderState::new(self, batch)
+        let t = self.cfg.seq_len;
+        EncoderState::new(self, batch, t, (15 * t).div_ceil(100).max(1))
+    }
+
+    /// Fresh state for `batch` sequences of `seq_len ≤ cfg.seq_len` tokens whose MLM head (if
+    /// any) predicts at most `mlm_rows_per_seq` positions per sequence.
+    pub fn state_for(
+        &self,
+        batch: usize,
+        seq_len: usize,
+        mlm_rows_per_seq: usize,
+    ) -> Result<EncoderState, ConfigError> {
+        if seq_len == 0 || seq_len > self.cfg.seq_len {
+            return Err(ConfigError {
+                field: "seq_len".into(),
+                msg: format!(
+                    "{seq_len} tokens, the model's position table has 1..={}",
+                    self.cfg.seq_len
+                ),
+            });
+        }
+        Ok(EncoderState::new(self, batch, seq_len, mlm_rows_per_seq))
     }
 
     /// Forward pass on the batch loaded in `st`; with `train`, dropout is on (masks from
-    /// `step`) and dlogits is left ready for [`Encoder::backward`].
+    /// `step`) and the loss gradient is left ready for [`Encoder::backward`].
     pub fn forward(
         &self,
         st: &mut EncoderState,
         train: bool,
         step: u64,
     ) -> Result<StepStats, EmbeddingError> {
-        let (d, n) = (self.cfg.d_model, st.n);
+        self.forward_body(st, train, step)?;
+        let stats = match (&self.head, &mut st.head) {
+            (Head::Classifier(h), HeadState::Classifier(hs)) => {
+                let hidden = hidden_of(&st.blocks, &st.x_final);
+                hs.forward(h, hidden, st.t, train, step)
+            }
+            (Head::Mlm(h), HeadState::Mlm(hs)) => {
+                let hidden = hidden_of(&st.blocks, &st.x_final);
+                let table = match &self.word {
+                    WordEmbedding::Dense(e) => Some(&e.table),
+                    WordEmbedding::Ttm(_) => None,
+                };
+                h.forward(hs, hidden, table, train)
+            }
+            _ => unreachable!("state made for another head"),
+        };
+        Ok(StepStats {
+            loss: stats.loss,
+            correct: stats.correct,
+            count: stats.count,
+        })
+    }
+
+    /// Embeddings and blocks (and the final LN of a pre-LN model): the last hidden states.
+    fn forward_body(
+        &self,
+        st: &mut EncoderState,
+        train: bool,
+        step: u64,
+    ) -> Result<(), EmbeddingError> {
+        let d = self.cfg.d_model;
         // Embeddings.
         self.word.forward(&mut st.ws_word, &st.ids, &mut st.emb)?;
         self.pos
@@ -357,58 +519,37 @@ impl Encoder {
                 blk.ln2.forward(&mut s.ws_ln2, &s.r2, &mut s.out);
             }
         }
-        // Head on [CLS].
-        let last = &st.blocks.last().expect("at least one layer").out;
-        let hidden: &[f32] = match &self.ln_final {
-            Some(ln) => {
-                ln.forward(&mut st.ws_ln_final, last, &mut st.x_final);
-                &st.x_final
-            }
-            None => last,
-        };
-        let t = self.cfg.seq_len;
-        for (b, row) in st.cls.chunks_exact_mut(d).enumerate() {
-            row.copy_from_slice(&hidden[b * t * d..b * t * d + d]);
+        if let Some(ln) = &self.ln_final {
+            let last = &st.blocks.last().expect("at least one layer").out;
+            ln.forward(&mut st.ws_ln_final, last, &mut st.x_final);
         }
-        debug_assert_eq!(n, st.b * t);
-        self.pool
-            .forward(&mut st.ws_pool, &st.cls, &mut st.pooled_pre);
-        Tanh.forward(&st.pooled_pre, &mut st.pooled);
-        self.drop_head
-            .forward_in_place(&mut st.ws_drop_head, step, train, &mut st.pooled);
-        self.classifier
-            .forward(&mut st.ws_cls, &st.pooled, &mut st.logits);
-        let stats = if train {
-            self.ce
-                .forward_backward(&st.logits, &st.labels, &mut st.dlogits)
-        } else {
-            self.ce.forward(&st.logits, &st.labels)
-        };
-        Ok(StepStats {
-            loss: stats.loss,
-            correct: stats.correct,
-            count: stats.count,
-        })
+        Ok(())
     }
 
     /// Backward of the last training forward: accumulates every parameter's gradient.
     pub fn backward(&mut self, st: &mut EncoderState) {
-        let (d, t) = (self.cfg.d_model, self.cfg.seq_len);
-        // Head.
-        self.classifier.backward(
-            &mut st.ws_cls,
-            &st.pooled,
-            &st.dlogits,
-            Some(&mut st.dpooled),
-        );
-        self.drop_head
-            .backward_in_place(&st.ws_drop_head, &mut st.dpooled);
-        Tanh.backward_in_place(&st.pooled_pre, &mut st.dpooled);
-        self.pool
-            .backward(&mut st.ws_pool, &st.cls, &st.dpooled, Some(&mut st.dcls));
+        let (d, t) = (self.cfg.d_model, st.t);
+        // Head: `st.d` ← ∂L/∂(last hidden states).
         st.d.fill(0.0);
-        for (b, row) in st.dcls.chunks_exact(d).enumerate() {
-            st.d[b * t * d..b * t * d + d].copy_from_slice(row);
+        match (&mut self.head, &mut st.head) {
+            (Head::Classifier(h), HeadState::Classifier(hs)) => {
+                hs.backward(h);
+                for (b, row) in hs.dcls.chunks_exact(d).enumerate() {
+                    st.d[b * t * d..b * t * d + d].copy_from_slice(row);
+                }
+            }
+            (Head::Mlm(h), HeadState::Mlm(hs)) => {
+                let table = match &mut self.word {
+                    WordEmbedding::Dense(e) => Some(&mut e.table),
+                    WordEmbedding::Ttm(_) => None,
+                };
+                h.backward(hs, table);
+                for (i, &s) in hs.selected.iter().enumerate() {
+                    let s = s as usize;
+                    st.d[s * d..(s + 1) * d].copy_from_slice(&hs.dx[i * d..(i + 1) * d]);
+                }
+            }
+            _ => unreachable!("state made for another head"),
         }
         if let Some(ln) = &mut self.ln_final {
             let last = &st.blocks.last().expect("at least one layer").out;
@@ -544,36 +685,135 @@ pub struct BlockState {
     out: Vec<f32>,     // N × D
 }
 
+/// The classifier head's activations and scratch (B rows).
+#[derive(Debug)]
+pub struct ClassifierState {
+    ws_pool: LinearWorkspace,
+    ws_cls: LinearWorkspace,
+    ws_drop: DropoutWorkspace,
+    labels: Vec<i32>,     // B
+    cls: Vec<f32>,        // B × D
+    pooled_pre: Vec<f32>, // B × D
+    pooled: Vec<f32>,     // B × D
+    logits: Vec<f32>,     // B × C
+    dlogits: Vec<f32>,    // B × C
+    dpooled: Vec<f32>,    // B × D
+    dcls: Vec<f32>,       // B × D
+}
+
+impl ClassifierState {
+    fn new(h: &ClassifierHead, b: usize, d: usize, c: usize) -> ClassifierState {
+        let z = |len: usize| vec![0.0f32; len];
+        ClassifierState {
+            ws_pool: h.pool.workspace(b),
+            ws_cls: h.classifier.workspace(b),
+            ws_drop: h.drop.workspace(b * d),
+            labels: vec![0; b],
+            cls: z(b * d),
+            pooled_pre: z(b * d),
+            pooled: z(b * d),
+            logits: z(b * c),
+            dlogits: z(b * c),
+            dpooled: z(b * d),
+            dcls: z(b * d),
+        }
+    }
+
+    /// Head forward on `hidden` (B·T × D).
+    fn forward(
+        &mut self,
+        h: &ClassifierHead,
+        hidden: &[f32],
+        t: usize,
+        train: bool,
+        step: u64,
+    ) -> comera_layers::loss::CrossEntropyStats {
+        let d = h.pool.in_features();
+        for (b, row) in self.cls.chunks_exact_mut(d).enumerate() {
+            row.copy_from_slice(&hidden[b * t * d..b * t * d + d]);
+        }
+        h.pool
+            .forward(&mut self.ws_pool, &self.cls, &mut self.pooled_pre);
+        Tanh.forward(&self.pooled_pre, &mut self.pooled);
+        h.drop
+            .forward_in_place(&mut self.ws_drop, step, train, &mut self.pooled);
+        h.classifier
+            .forward(&mut self.ws_cls, &self.pooled, &mut self.logits);
+        if train {
+            h.ce
+                .forward_backward(&self.logits, &self.labels, &mut self.dlogits)
+        } else {
+            h.ce.forward(&self.logits, &self.labels)
+        }
+    }
+
+    /// Head backward: leaves ∂L/∂h_cls in `dcls`.
+    fn backward(&mut self, h: &mut ClassifierHead) {
+        h.classifier.backward(
+            &mut self.ws_cls,
+            &self.pooled,
+            &self.dlogits,
+            Some(&mut self.dpooled),
+        );
+        h.drop.backward_in_place(&self.ws_drop, &mut self.dpooled);
+        Tanh.backward_in_place(&self.pooled_pre, &mut self.dpooled);
+        h.pool
+            .backward(&mut self.ws_pool, &self.cls, &self.dpooled, Some(&mut self.dcls));
+    }
+
+    fn bytes(&self) -> usize {
+        4 * [
+            &self.cls,
+            &self.pooled_pre,
+            &self.pooled,
+            &self.logits,
+            &self.dlogits,
+            &self.dpooled,
+            &self.dcls,
+        ]
+        .iter()
+        .map(|v| v.capacity())
+        .sum::<usize>()
+    }
+}
+
+/// The head's part of an [`EncoderState`].
+#[derive(Debug)]
+pub enum HeadState {
+    Classifier(ClassifierState),
+    Mlm(MlmHeadState),
+}
+
+/// The last hidden states: the last block's output, or the final LN's (pre-LN).
+fn hidden_of<'a>(blocks: &'a [BlockState], x_final: &'a [f32]) -> &'a [f32] {
+    if x_final.is_empty() {
+        &blocks.last().expect("at least one layer").out
+    } else {
+        x_final
+    }
+}
+
 /// Everything a step of an [`Encoder`] needs for a fixed (batch, seq_len).
 #[derive(Debug)]
 pub struct EncoderState {
     b: usize,
+    t: usize,
     n: usize,
     ids: Vec<u32>,
     types: Vec<u32>,
     pos_ids: Vec<u32>,
     mask: Vec<u8>,
-    labels: Vec<i32>,
     ws_word: WordEmbeddingWorkspace,
     ws_pos: EmbeddingWorkspace,
     ws_type: EmbeddingWorkspace,
     ws_ln_emb: LayerNormWorkspace,
     ws_drop_emb: DropoutWorkspace,
     ws_ln_final: LayerNormWorkspace,
-    ws_pool: LinearWorkspace,
-    ws_cls: LinearWorkspace,
-    ws_drop_head: DropoutWorkspace,
     emb: Vec<f32>, // N × D
     x0: Vec<f32>,  // N × D
     blocks: Vec<BlockState>,
     x_final: Vec<f32>, // N × D (pre-LN only)
-    cls: Vec<f32>,     // B × D
-    pooled_pre: Vec<f32>,
-    pooled: Vec<f32>,
-    logits: Vec<f32>,   // B × C
-    dlogits: Vec<f32>,  // B × C
-    dpooled: Vec<f32>,  // B × D
-    dcls: Vec<f32>,     // B × D
+    head: HeadState,
     d: Vec<f32>,        // N × D: the flowing gradient
     tmp: [Vec<f32>; 3], // N × D scratch
     dqkv: Vec<f32>,     // N × 3D
@@ -584,9 +824,9 @@ pub struct EncoderState {
 }
 
 impl EncoderState {
-    fn new(m: &Encoder, b: usize) -> EncoderState {
+    fn new(m: &Encoder, b: usize, t: usize, mlm_rows_per_seq: usize) -> EncoderState {
         let c = &m.cfg;
-        let (t, d, f) = (c.seq_len, c.d_model, c.ffn);
+        let (d, f) = (c.d_model, c.ffn);
         let n = b * t;
         let z = |len: usize| vec![0.0f32; len];
         let blocks = m
@@ -625,34 +865,31 @@ impl EncoderState {
             .ln_final
             .clone()
             .unwrap_or_else(|| LayerNorm::new("unused", d));
+        let head = match &m.head {
+            Head::Classifier(h) => {
+                HeadState::Classifier(ClassifierState::new(h, b, d, c.num_labels))
+            }
+            Head::Mlm(h) => HeadState::Mlm(h.state(b * mlm_rows_per_seq.min(t), n)),
+        };
         EncoderState {
             b,
+            t,
             n,
             ids: vec![0; n],
             types: vec![0; n],
             pos_ids: (0..n).map(|i| (i % t) as u32).collect(),
             mask: vec![1; n],
-            labels: vec![0; b],
             ws_word: m.word.workspace(n),
             ws_pos: m.pos.workspace(n),
             ws_type: m.types.workspace(n),
             ws_ln_emb: m.ln_emb.workspace(n),
             ws_drop_emb: m.drop_emb.workspace(n * d),
             ws_ln_final: ln_final.workspace(if m.ln_final.is_some() { n } else { 0 }),
-            ws_pool: m.pool.workspace(b),
-            ws_cls: m.classifier.workspace(b),
-            ws_drop_head: m.drop_head.workspace(b * d),
             emb: z(n * d),
             x0: z(n * d),
             blocks,
             x_final: if c.pre_ln { z(n * d) } else { Vec::new() },
-            cls: z(b * d),
-            pooled_pre: z(b * d),
-            pooled: z(b * d),
-            logits: z(b * c.num_labels),
-            dlogits: z(b * c.num_labels),
-            dpooled: z(b * d),
-            dcls: z(b * d),
+            head,
             d: z(n * d),
             tmp: [z(n * d), z(n * d), z(n * d)],
             dqkv: z(3 * n * d),
@@ -689,6 +926,9 @@ impl EncoderState {
                 ));
             }
         }
+        let HeadState::Classifier(h) = &mut self.head else {
+            return Err("labels: this model has an MLM head; load batches with load_mlm".into());
+        };
         if labels.len() != self.b {
             return Err(format!(
                 "labels: {} values, expected batch = {}",
@@ -701,47 +941,94 @@ impl EncoderState {
         for (m, &v) in self.mask.iter_mut().zip(mask) {
             *m = (v != 0) as u8;
         }
-        for (l, &v) in self.labels.iter_mut().zip(labels) {
+        for (l, &v) in h.labels.iter_mut().zip(labels) {
             *l = v as i32;
         }
         Ok(())
+    }
+
+    /// Copies one masked-LM batch in: (masked) ids and attention mask (batch × seq_len each),
+    /// per-token labels (`IGNORE_INDEX` = −100 where nothing is predicted) and the flat
+    /// positions that carry a label, ascending. Token types are all 0.
+    pub fn load_mlm(
+        &mut self,
+        ids: &[u32],
+        mask: &[u32],
+        labels: &[i32],
+        selected: &[u32],
+    ) -> Result<(), String> {
+        let n = self.n;
+        let HeadState::Mlm(h) = &mut self.head else {
+            return Err("this model has a classifier head; load batches with load".into());
+        };
+        for (what, len) in [
+            ("input_ids", ids.len()),
+            ("attention_mask", mask.len()),
+            ("labels", labels.len()),
+        ] {
+            if len != n {
+                return Err(format!(
+                    "{what}: {len} values, expected batch × seq_len = {n}"
+                ));
+            }
+        }
+        if selected.len() > h.rows() {
+            return Err(format!(
+                "{} labelled positions, the MLM head has room for {}",
+                selected.len(),
+                h.rows()
+            ));
+        }
+        if let Some(w) = selected.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(format!("selected positions not ascending: {} then {}", w[0], w[1]));
+        }
+        if let Some(&s) = selected.iter().find(|&&s| s as usize >= n) {
+            return Err(format!("selected position {s} outside 0..{n}"));
+        }
+        self.ids.copy_from_slice(ids);
+        self.types.fill(0);
+        for (m, &v) in self.mask.iter_mut().zip(mask) {
+            *m = (v != 0) as u8;
+        }
+        h.token_labels.copy_from_slice(labels);
+        h.selected.clear();
+        h.selected.extend_from_slice(selected);
+        Ok(())
+    }
+
+    /// Sequence length T of this state.
+    pub fn seq_len(&self) -> usize {
+        self.t
     }
 
     /// The encoder's last hidden states of the last forward, `(batch·seq_len, d_model)`
     /// row-major (after the final LayerNorm for pre-LN models): what BERT calls
     /// `last_hidden_state`.
     pub fn hidden(&self) -> &[f32] {
-        if self.x_final.is_empty() {
-            &self.blocks.last().expect("at least one layer").out
-        } else {
-            &self.x_final
-        }
+        hidden_of(&self.blocks, &self.x_final)
     }
 
-    /// Logits of the last forward, `(batch, num_labels)` row-major.
+    /// Logits of the last forward of a classifier, `(batch, num_labels)` row-major (empty for
+    /// an MLM head).
     pub fn logits(&self) -> &[f32] {
-        &self.logits
+        match &self.head {
+            HeadState::Classifier(h) => &h.logits,
+            HeadState::Mlm(_) => &[],
+        }
     }
 
     /// Bytes of activations, gradients scratch and layer workspaces (excluding parameters).
     pub fn bytes(&self) -> usize {
         let f = |v: &Vec<f32>| 4 * v.capacity();
-        let mut total = [
-            &self.emb,
-            &self.x0,
-            &self.x_final,
-            &self.cls,
-            &self.pooled_pre,
-            &self.pooled,
-            &self.logits,
-        ]
-        .iter()
-        .map(|v| f(v))
-        .sum::<usize>();
+        let mut total = [&self.emb, &self.x0, &self.x_final]
+            .iter()
+            .map(|v| f(v))
+            .sum::<usize>();
+        total += match &self.head {
+            HeadState::Classifier(h) => h.bytes(),
+            HeadState::Mlm(h) => h.bytes(),
+        };
         total += [
-            &self.dlogits,
-            &self.dpooled,
-            &self.dcls,
             &self.d,
             &self.dqkv,
             &self.dq,

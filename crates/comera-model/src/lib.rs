@@ -9,7 +9,9 @@
 pub mod any;
 pub mod config;
 pub mod encoder;
+pub mod mlm_head;
 
 pub use any::{AnyLinear, WordEmbedding};
-pub use config::{ConfigError, EncoderConfig, LayerTt, TtmConfig};
-pub use encoder::{Encoder, EncoderState, StepStats};
+pub use config::{ConfigError, EncoderConfig, HeadKind, LayerTt, MlmDecoderKind, TtmConfig};
+pub use encoder::{Encoder, EncoderState, Head, StepStats};
+pub use mlm_head::{MlmDecoder, MlmHead};

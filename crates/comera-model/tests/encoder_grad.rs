@@ -1,7 +1,11 @@
 //! The encoder's backward against finite differences on a tiny model (2 layers, width 16),
-//! dense and TT/TTM, post-LN and pre-LN, with padding and dropout in the batch.
+//! dense and TT/TTM, post-LN and pre-LN, with padding and dropout in the batch; the classifier
+//! head and the masked-LM head with each output projection (dense, tied, TT with padded
+//! vocabulary).
 
-use comera_model::{Encoder, EncoderConfig, EncoderState, LayerTt, TtmConfig};
+use comera_model::{
+    Encoder, EncoderConfig, EncoderState, HeadKind, LayerTt, MlmDecoderKind, TtmConfig,
+};
 use comera_tensor::init;
 use rand::Rng as _;
 
@@ -42,7 +46,37 @@ fn tiny(tt: bool, pre_ln: bool) -> EncoderConfig {
             dim_modes: vec![2, 2, 4],
             rank: 3,
         },
+        head: HeadKind::Classifier,
+        mlm_decoder: MlmDecoderKind::Auto,
+        // 16 → 64 ≥ 60: four padding logits.
+        mlm_decoder_tt: LayerTt {
+            in_modes: vec![4, 4],
+            out_modes: vec![8, 8],
+            rank: 3,
+        },
     }
+}
+
+fn tiny_mlm(tt: bool, decoder: MlmDecoderKind) -> EncoderConfig {
+    EncoderConfig {
+        head: HeadKind::Mlm,
+        mlm_decoder: decoder,
+        ..tiny(tt, false)
+    }
+}
+
+/// Loads [`batch`] with MLM labels at a few positions (not all of them masked in the input).
+fn load_mlm(st: &mut EncoderState, b: &Batch) {
+    let selected = [1u32, 4, 7, 13];
+    let mut labels = vec![-100i32; b.ids.len()];
+    let mut ids = b.ids.clone();
+    for (j, &s) in selected.iter().enumerate() {
+        labels[s as usize] = (7 + 11 * j as i32) % 60;
+        if j % 2 == 0 {
+            ids[s as usize] = 3; // the "[MASK]" of this test
+        }
+    }
+    st.load_mlm(&ids, &b.mask, &labels, &selected).unwrap();
 }
 
 struct Batch {
@@ -77,7 +111,13 @@ fn loss(m: &Encoder, st: &mut EncoderState) -> f64 {
 }
 
 fn check_model(tt: bool, pre_ln: bool) {
-    let cfg = tiny(tt, pre_ln);
+    check(&tiny(tt, pre_ln), &|st, b| {
+        st.load(&b.ids, &b.types, &b.mask, &b.labels).unwrap()
+    });
+}
+
+fn check(cfg: &EncoderConfig, load: &dyn Fn(&mut EncoderState, &Batch)) {
+    let (tt, pre_ln) = (cfg.tt_linear, cfg.pre_ln);
     let mut m = Encoder::new(&cfg, 5).unwrap();
     let mut rng = init::rng(9);
     // Gates away from 1 so that gate gradients are not trivially tied to core gradients.
@@ -89,8 +129,9 @@ fn check_model(tt: bool, pre_ln: bool) {
         }
     });
     let b = batch(&mut rng);
-    let mut st = m.state(3);
-    st.load(&b.ids, &b.types, &b.mask, &b.labels).unwrap();
+    // Room for 2 labelled positions per sequence: 6 rows, 2 of them padding for `load_mlm`.
+    let mut st = m.state_for(3, 6, 2).unwrap();
+    load(&mut st, &b);
     m.zero_grad();
     loss(&m, &mut st);
     m.backward(&mut st);
@@ -154,6 +195,67 @@ fn check_model(tt: bool, pre_ln: bool) {
         );
     }
     assert!(kinds_checked.len() >= 15, "{kinds_checked:?}");
+}
+
+#[test]
+fn mlm_head_dense_decoder_matches_finite_differences() {
+    check(&tiny_mlm(false, MlmDecoderKind::Dense), &load_mlm);
+}
+
+#[test]
+fn mlm_head_tied_decoder_matches_finite_differences() {
+    // The tied projection's gradient reaches the word-embedding rows of every vocabulary
+    // entry, not only the looked-up ones: the picks above cover both.
+    check(&tiny_mlm(false, MlmDecoderKind::Tied), &load_mlm);
+}
+
+#[test]
+fn mlm_head_tt_decoder_with_padded_vocabulary_matches_finite_differences() {
+    let cfg = tiny_mlm(true, MlmDecoderKind::Auto);
+    assert_eq!(cfg.mlm_decoder(), MlmDecoderKind::Tt);
+    check(&cfg, &load_mlm);
+}
+
+#[test]
+fn mlm_loss_counts_only_labelled_positions() {
+    let cfg = tiny_mlm(false, MlmDecoderKind::Tied);
+    let m = Encoder::new(&cfg, 5).unwrap();
+    let mut rng = init::rng(9);
+    let b = batch(&mut rng);
+    let mut st = m.state_for(3, 6, 2).unwrap();
+    load_mlm(&mut st, &b);
+    let s = m.forward(&mut st, false, 0).unwrap();
+    assert_eq!(s.count, 4);
+    assert!(s.loss.is_finite() && s.loss > 0.0, "{}", s.loss);
+    // Changing the label of an unselected position changes nothing.
+    let mut labels = vec![-100i32; 18];
+    for (j, s) in [1usize, 4, 7, 13].iter().enumerate() {
+        labels[*s] = (7 + 11 * j as i32) % 60;
+    }
+    labels[0] = 5;
+    let mut ids = b.ids.clone();
+    for (j, s) in [1usize, 4, 7, 13].iter().enumerate() {
+        if j % 2 == 0 {
+            ids[*s] = 3;
+        }
+    }
+    st.load_mlm(&ids, &b.mask, &labels, &[1, 4, 7, 13]).unwrap();
+    let s2 = m.forward(&mut st, false, 0).unwrap();
+    assert_eq!(s.loss, s2.loss);
+    // Bad selections are refused.
+    assert!(st.load_mlm(&ids, &b.mask, &labels, &[4, 1]).is_err());
+    assert!(st.load_mlm(&ids, &b.mask, &labels, &[1, 40]).is_err());
+    assert!(st.load(&b.ids, &b.types, &b.mask, &b.labels).is_err());
+}
+
+#[test]
+fn tied_decoder_needs_a_dense_embedding() {
+    let e = Encoder::new(&tiny_mlm(true, MlmDecoderKind::Tied), 1).unwrap_err();
+    assert_eq!(e.field, "model.mlm_decoder");
+    let mut cfg = tiny_mlm(true, MlmDecoderKind::Tt);
+    cfg.mlm_decoder_tt.out_modes = vec![7, 8];
+    let e = Encoder::new(&cfg, 1).unwrap_err();
+    assert_eq!(e.field, "model.mlm_decoder_tt");
 }
 
 #[test]
