@@ -18,6 +18,8 @@ pub enum Bench {
     Compare(crate::bench_compare::CompareArgs),
     /// Step time of a rank-adaptive run's model at its initial vs its truncated ranks.
     Rank(crate::bench_rank::RankArgs),
+    /// Masked-LM pre-training steps: dense vs CoMERA with a TT or a dense output projection.
+    Mlm(crate::bench_mlm::MlmArgs),
 }
 
 #[derive(clap::Args)]
@@ -224,5 +226,6 @@ pub fn run(b: Bench) -> anyhow::Result<ExitCode> {
         Bench::Step(a) => crate::bench_step::run(a),
         Bench::Compare(a) => crate::bench_compare::run(a),
         Bench::Rank(a) => crate::bench_rank::run(a),
+        Bench::Mlm(a) => crate::bench_mlm::run(a),
     }
 }

@@ -388,7 +388,7 @@ fn train_child(cfg: &RunConfig, arm: &str) -> anyhow::Result<TrainReport> {
         final_train_loss: last_train_loss(&s.out_dir.join("metrics.jsonl")),
         valid_loss: s.final_valid.loss,
         valid_accuracy: s.final_valid.accuracy,
-        majority_accuracy: s.majority_accuracy,
+        majority_accuracy: s.majority_accuracy.unwrap_or(0.0),
         params: s.params,
         initial_params: s.initial_params,
         dense_params: s.dense_params,

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_compare;
+mod bench_mlm;
 mod bench_rank;
 mod bench_step;
 mod bench_ttm;

@@ -124,14 +124,26 @@ fn report(s: &comera_train::TrainSummary) {
     if let Ok(table) = std::fs::read_to_string(s.out_dir.join("ranks.md")) {
         println!("{table}");
     }
+    let v = &s.final_valid;
+    let result = match s.majority_accuracy {
+        Some(m) => format!(
+            "validation accuracy {:.4} (majority class {m:.4}), loss {:.4}",
+            v.accuracy, v.loss
+        ),
+        None => format!(
+            "held-out MLM loss {:.4} (perplexity {:.1}), masked-token accuracy {:.4} over {} predicted tokens; {} tokens trained",
+            v.loss,
+            v.loss.exp(),
+            v.accuracy,
+            v.examples,
+            s.tokens
+        ),
+    };
     println!(
-        "done: {} epochs, {} steps in {:.0} s; validation accuracy {:.4} (majority class {:.4}), loss {:.4}; {} parameters ({:.1}x compression vs dense {}); run directory {}",
+        "done: {} epochs, {} steps in {:.0} s; {result}; {} parameters ({:.1}x compression vs dense {}); run directory {}",
         s.epochs,
         s.steps,
         s.seconds,
-        s.final_valid.accuracy,
-        s.majority_accuracy,
-        s.final_valid.loss,
         s.params,
         s.compression(),
         s.dense_params,
@@ -153,6 +165,26 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
     let cfg_path = a.model.join("config.toml");
     let cfg = RunConfig::from_file(&cfg_path)
         .with_context(|| "eval reads the run's data settings from its config.toml")?;
+    if cfg.data.source == "corpus" {
+        let mut data = comera_train::data::CorpusData::new(&cfg.data, cfg.train.seed)?;
+        let t = meta.model.seq_len;
+        data.packed(t)?;
+        let blocks = &data.packed_ref(t).valid;
+        let rows = data.masker.max_selected_per_row(t);
+        let mut st = model
+            .state_for(a.batch_size, t, rows)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let s = comera_train::trainer::evaluate_mlm(&model, &mut st, &data, blocks)?;
+        println!(
+            "{}: {} held-out tokens predicted, MLM loss {:.4}, perplexity {:.2}, masked-token accuracy {:.4}",
+            a.model.display(),
+            s.examples,
+            s.loss,
+            s.loss.exp(),
+            s.accuracy
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     let data = comera_train::data::prepare(&cfg.data, meta.model.seq_len, cfg.train.seed)?;
     let mut st = model.state(a.batch_size);
     let s = evaluate(&model, &mut st, &data.valid)?;
@@ -177,6 +209,13 @@ pub struct PredictArgs {
 
 pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
     let (model, meta) = load_model(&a.model)?;
+    if meta.model.head != comera_model::HeadKind::Classifier {
+        bail!(
+            "{}: a masked-LM (pre-trained) model has no labels to predict; fine-tune it with train.init_from = \"{}\"",
+            a.model.display(),
+            a.model.display()
+        );
+    }
     let tok = BertTokenizer::from_vocab_file(&meta.vocab)
         .with_context(|| format!("vocabulary {}", meta.vocab.display()))?;
     let texts: Vec<String> = if a.texts.is_empty() {

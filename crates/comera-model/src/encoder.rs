@@ -297,6 +297,12 @@ impl Encoder {
 
     /// Calls `f` on every parameter in a fixed order, without allocating.
     pub fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        self.visit_body_params_mut(f);
+        self.head.visit_params_mut(f);
+    }
+
+    /// The parameters of the embeddings and blocks (not the head), in the same order.
+    fn visit_body_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
         self.word.visit_params_mut(f);
         self.pos.visit_params_mut(f);
         self.types.visit_params_mut(f);
@@ -307,7 +313,117 @@ impl Encoder {
         if let Some(ln) = &mut self.ln_final {
             ln.visit_params_mut(f);
         }
-        self.head.visit_params_mut(f);
+    }
+
+    /// Starts from a pre-trained encoder (the pre-train → fine-tune flow): takes `other`'s
+    /// embeddings and blocks — with its (possibly truncated) TT/TTM ranks — and keeps this
+    /// model's own head. The two must have the same body shape; this model's sequence length
+    /// may be shorter (the first rows of the position table are taken).
+    pub fn init_body_from(&mut self, other: &Encoder) -> Result<(), ConfigError> {
+        let (a, b) = (&self.cfg, &other.cfg);
+        let same = [
+            ("vocab_size", a.vocab_size == b.vocab_size),
+            ("d_model", a.d_model == b.d_model),
+            ("heads", a.heads == b.heads),
+            ("ffn", a.ffn == b.ffn),
+            ("layers", a.layers == b.layers),
+            ("type_vocab", a.type_vocab == b.type_vocab),
+            ("pre_ln", a.pre_ln == b.pre_ln),
+            ("tt_linear", a.tt_linear == b.tt_linear),
+            ("ttm_embedding", a.ttm_embedding == b.ttm_embedding),
+            (
+                "attn_tt",
+                !a.tt_linear
+                    || (&a.attn_tt.in_modes, &a.attn_tt.out_modes)
+                        == (&b.attn_tt.in_modes, &b.attn_tt.out_modes),
+            ),
+            (
+                "ffn_up_tt",
+                !a.tt_linear
+                    || (&a.ffn_up_tt.in_modes, &a.ffn_up_tt.out_modes)
+                        == (&b.ffn_up_tt.in_modes, &b.ffn_up_tt.out_modes),
+            ),
+            (
+                "ffn_down_tt",
+                !a.tt_linear
+                    || (&a.ffn_down_tt.in_modes, &a.ffn_down_tt.out_modes)
+                        == (&b.ffn_down_tt.in_modes, &b.ffn_down_tt.out_modes),
+            ),
+            (
+                "word_ttm",
+                !a.ttm_embedding
+                    || (&a.word_ttm.vocab_modes, &a.word_ttm.dim_modes)
+                        == (&b.word_ttm.vocab_modes, &b.word_ttm.dim_modes),
+            ),
+            ("seq_len", a.seq_len <= b.seq_len),
+        ];
+        if let Some((field, _)) = same.iter().find(|(_, ok)| !ok) {
+            return Err(ConfigError {
+                field: format!("model.{field}"),
+                msg: format!(
+                    "differs from the pre-trained encoder's (seq_len may only be shorter): {}",
+                    match *field {
+                        "seq_len" => format!("{} vs {}", a.seq_len, b.seq_len),
+                        _ => "see its config".into(),
+                    }
+                ),
+            });
+        }
+        // The pre-trained ranks first, so that every tensor has its shape.
+        let mut ranks = std::collections::HashMap::new();
+        other.visit_compressible(&mut |l| {
+            ranks.insert(l.layer_name().to_string(), l.ranks());
+        });
+        let mut err: Option<ConfigError> = None;
+        self.visit_compressible_mut(&mut |l| {
+            if let Some(r) = ranks.get(l.layer_name()) {
+                if *r != l.ranks() {
+                    if let Err(e) = l.set_ranks(r) {
+                        err.get_or_insert(ConfigError {
+                            field: l.layer_name().to_string(),
+                            msg: e.to_string(),
+                        });
+                    }
+                }
+            }
+        });
+        // Their body parameters: all but the head's.
+        let head: Vec<&str> = other.head.params().iter().map(|p| p.name.as_str()).collect();
+        let theirs: std::collections::HashMap<&str, &Param> = other
+            .params()
+            .into_iter()
+            .filter(|p| !head.contains(&p.name.as_str()))
+            .map(|p| (p.name.as_str(), p))
+            .collect();
+        self.visit_body_params_mut(&mut |p| {
+            if err.is_some() {
+                return;
+            }
+            match theirs.get(p.name.as_str()) {
+                Some(q) if q.shape == p.shape => p.value.copy_from_slice(&q.value),
+                // The position table of a shorter sequence: its first rows.
+                Some(q) if p.name == "embeddings.position.weight" && q.shape[1] == p.shape[1] => {
+                    let len = p.value.len();
+                    p.value.copy_from_slice(&q.value[..len]);
+                }
+                Some(q) => {
+                    err = Some(ConfigError {
+                        field: p.name.clone(),
+                        msg: format!(
+                            "pre-trained shape {:?}, this model's {:?}",
+                            q.shape, p.shape
+                        ),
+                    })
+                }
+                None => {
+                    err = Some(ConfigError {
+                        field: p.name.clone(),
+                        msg: "missing from the pre-trained encoder".into(),
+                    })
+                }
+            }
+        });
+        err.map_or(Ok(()), Err)
     }
 
     /// Calls `f` on every TT/TTM layer: the word embedding (if TTM), then each block's

@@ -12,8 +12,9 @@ use std::path::{Path, PathBuf};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DataConfig {
-    /// `reviews`, `movie-snippets`, `trec` (fetched data sets), or `mnli`, `tsv`, `csv`,
-    /// `parquet` (files given in `train`/`valid`).
+    /// `reviews`, `movie-snippets`, `trec` (fetched data sets), `mnli`, `tsv`, `csv`,
+    /// `parquet` (files given in `train`/`valid`), or `corpus` (masked-LM pre-training on the
+    /// text files and code directories in `corpus`).
     pub source: String,
     /// Training file (file sources).
     pub train: Option<PathBuf>,
@@ -36,6 +37,21 @@ pub struct DataConfig {
     pub max_valid: usize,
     /// Cache for fetched data (default `$COMERA_DATA` or `~/.cache/comera`).
     pub cache_dir: Option<PathBuf>,
+    /// `corpus`: data-set names (`rust-src`, `go-src`, `wikitext-2-train`, …) or paths; a
+    /// directory is read as source code (files with one of `extensions`), a file as text.
+    pub corpus: Vec<String>,
+    /// `corpus`: file extensions (without the dot) of the code files read from directories.
+    pub extensions: Vec<String>,
+    /// `corpus`: how a text file is cut into documents: `lines`, `paragraphs`, `wiki`
+    /// (WikiText articles) or `file`.
+    pub text_docs: String,
+    /// `corpus`: `wordpiece` (BERT uncased, 30,522 ids) or `bpe` (GPT-2 byte-level).
+    pub tokenizer: String,
+    /// `corpus`: masking — the fraction of tokens predicted, and of those the fractions
+    /// replaced by `[MASK]` and by a random token (the rest are kept).
+    pub select_prob: f64,
+    pub mask_prob: f64,
+    pub random_prob: f64,
 }
 
 impl Default for DataConfig {
@@ -53,8 +69,30 @@ impl Default for DataConfig {
             max_train: 0,
             max_valid: 0,
             cache_dir: None,
+            corpus: Vec::new(),
+            extensions: vec!["rs".into()],
+            text_docs: "paragraphs".into(),
+            tokenizer: "wordpiece".into(),
+            select_prob: 0.15,
+            mask_prob: 0.8,
+            random_prob: 0.1,
         }
     }
+}
+
+/// One pre-training phase (BERT practice: most steps at a short sequence length, then a
+/// few at the full length): its epochs run with this sequence length and batch size.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Phase {
+    /// Tokens per sequence (at most `model.seq_len`, the position table's size).
+    pub seq_len: usize,
+    pub batch_size: usize,
+    pub epochs: usize,
+    /// Steps per epoch of this phase (0 = the whole training set; default
+    /// `train.max_steps_per_epoch`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_steps_per_epoch: Option<usize>,
 }
 
 /// The training loop's settings.
@@ -82,6 +120,15 @@ pub struct TrainConfig {
     /// Stop (with a checkpoint, resumable with `comera train --resume`) after this many steps
     /// (0: run to the end).
     pub stop_after_steps: u64,
+    /// Start the encoder (embeddings and blocks, with their ranks) from a pre-trained model:
+    /// a run directory (its `model.safetensors`); the head stays freshly initialised.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<PathBuf>,
+    /// Training phases, run in order (empty: one phase of `epochs` × `batch_size` at
+    /// `model.seq_len`). Epochs are numbered across phases, so `rank.late_after_epochs` can
+    /// put the rank schedule's switch at a phase boundary.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<Phase>,
 }
 
 impl Default for TrainConfig {
@@ -98,6 +145,8 @@ impl Default for TrainConfig {
             checkpoint_every: 500,
             keep_checkpoints: 3,
             stop_after_steps: 0,
+            init_from: None,
+            phases: Vec::new(),
         }
     }
 }
@@ -224,6 +273,7 @@ impl RunConfig {
             "tsv",
             "csv",
             "parquet",
+            "corpus",
         ];
         if !known.contains(&d.source.as_str()) {
             return Err(format!(
@@ -231,7 +281,79 @@ impl RunConfig {
                 d.source
             ));
         }
+        let mlm = self.model.head == comera_model::HeadKind::Mlm;
+        match (d.source.as_str(), mlm) {
+            ("corpus", false) => {
+                return Err("model.head: data.source `corpus` trains a masked-LM: set head = \"mlm\"".into())
+            }
+            (s, true) if s != "corpus" => {
+                return Err(format!(
+                    "model.head: `mlm` needs data.source = \"corpus\" (got `{s}`)"
+                ))
+            }
+            _ => {}
+        }
+        if mlm {
+            if d.corpus.is_empty() {
+                return Err("data.corpus: give at least one data-set name or path".into());
+            }
+            let p = |x: f64| (0.0..=1.0).contains(&x);
+            if !(p(d.select_prob) && d.select_prob > 0.0) {
+                return Err(format!("data.select_prob: must be in (0, 1], got {}", d.select_prob));
+            }
+            if !(p(d.mask_prob) && p(d.random_prob) && d.mask_prob + d.random_prob <= 1.0) {
+                return Err(format!(
+                    "data.mask_prob + data.random_prob: each in [0, 1], summing to at most 1, got {} + {}",
+                    d.mask_prob, d.random_prob
+                ));
+            }
+            d.tokenizer
+                .parse::<comera_data::corpus::TokenizerKind>()
+                .map_err(|e| format!("data.tokenizer: {e}"))?;
+            if !["lines", "paragraphs", "wiki", "file"].contains(&d.text_docs.as_str()) {
+                return Err(format!(
+                    "data.text_docs: `{}` is not one of lines, paragraphs, wiki, file",
+                    d.text_docs
+                ));
+            }
+        }
+        for (i, ph) in t.phases.iter().enumerate() {
+            let f = |k: &str| format!("train.phases[{i}].{k}");
+            if ph.seq_len < 3 || ph.seq_len > self.model.seq_len {
+                return Err(format!(
+                    "{}: {} is outside 3..={} (model.seq_len, the position table)",
+                    f("seq_len"),
+                    ph.seq_len,
+                    self.model.seq_len
+                ));
+            }
+            if ph.batch_size == 0 {
+                return Err(format!("{}: must be at least 1", f("batch_size")));
+            }
+            if ph.epochs == 0 {
+                return Err(format!("{}: must be at least 1", f("epochs")));
+            }
+        }
         Ok(())
+    }
+
+    /// The phases to run: `train.phases`, or the one phase `train.epochs`/`batch_size` give.
+    pub fn phases(&self) -> Vec<Phase> {
+        let t = &self.train;
+        let mut v = if t.phases.is_empty() {
+            vec![Phase {
+                seq_len: self.model.seq_len,
+                batch_size: t.batch_size,
+                epochs: t.epochs,
+                max_steps_per_epoch: None,
+            }]
+        } else {
+            t.phases.clone()
+        };
+        for p in &mut v {
+            p.max_steps_per_epoch.get_or_insert(t.max_steps_per_epoch);
+        }
+        v
     }
 
     pub fn to_toml(&self) -> String {

@@ -2,6 +2,10 @@
 
 use crate::config::DataConfig;
 use anyhow::{anyhow, bail, Context};
+use comera_data::corpus::{
+    pack_corpus, Corpus, CorpusTokenizer, PackConfig, PackedCorpus, TextDocs, TokenizerKind,
+};
+use comera_data::mlm::{MlmConfig, MlmMasker};
 use comera_data::{
     default_cache_dir, fetch, load_parquet, load_reviews, load_table, train_valid_split,
     BertTokenizer, Delimited, EncodedDataset, Example, Labels, LoadedSet, ReviewLabel, TableSpec,
@@ -150,4 +154,140 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> anyhow::Result<Pr
         pair,
         summary,
     })
+}
+
+/// Masked-LM data: a corpus, its tokenizer and masker, packed per sequence length on demand
+/// (pre-training phases may change the length).
+pub struct CorpusData {
+    pub tokenizer: CorpusTokenizer,
+    pub masker: MlmMasker,
+    /// The vocabulary file (for the model's metadata).
+    pub vocab: PathBuf,
+    corpus: Corpus,
+    pack: PackConfig,
+    max_train: usize,
+    max_valid: usize,
+    packed: Vec<(usize, PackedCorpus)>,
+}
+
+impl CorpusData {
+    /// Resolves the sources and loads the tokenizer; nothing is read from the corpus yet.
+    pub fn new(cfg: &DataConfig, seed: u64) -> anyhow::Result<CorpusData> {
+        let cache = cache_dir(cfg);
+        let kind: TokenizerKind = cfg.tokenizer.parse().map_err(|e| anyhow!("data.tokenizer: {e}"))?;
+        let (tokenizer, vocab) = match (kind, &cfg.vocab) {
+            (TokenizerKind::WordPiece, Some(v)) => (
+                CorpusTokenizer::WordPiece(
+                    BertTokenizer::from_vocab_file(v)
+                        .with_context(|| format!("data.vocab: {}", v.display()))?,
+                ),
+                v.clone(),
+            ),
+            (TokenizerKind::WordPiece, None) => {
+                let v = fetch("bert-vocab", &cache)?;
+                (CorpusTokenizer::fetch(kind, &cache)?, v)
+            }
+            (TokenizerKind::Gpt2Bpe, _) => {
+                let v = fetch("gpt2-vocab", &cache)?;
+                (CorpusTokenizer::fetch(kind, &cache)?, v)
+            }
+        };
+        let docs = match cfg.text_docs.as_str() {
+            "lines" => TextDocs::Lines,
+            "paragraphs" => TextDocs::Paragraphs,
+            "wiki" => TextDocs::WikiArticles,
+            "file" => TextDocs::WholeFile,
+            other => bail!("data.text_docs: `{other}` is not one of lines, paragraphs, wiki, file"),
+        };
+        let exts: Vec<&str> = cfg.extensions.iter().map(String::as_str).collect();
+        let mut corpus = Corpus::new();
+        for (i, src) in cfg.corpus.iter().enumerate() {
+            let p = PathBuf::from(src);
+            let path = if p.exists() {
+                p
+            } else if comera_data::fetch::data_set(src).is_some()
+                || comera_data::debian::debian_set(src).is_some()
+            {
+                fetch(src, &cache)?
+            } else {
+                bail!("data.corpus[{i}]: `{src}` is neither an existing path nor a data set `comera data list` knows");
+            };
+            corpus = if path.is_dir() {
+                corpus.code_dir(path, &exts)
+            } else {
+                corpus.text_file(path, docs)
+            };
+        }
+        let masker = MlmMasker::for_tokenizer(
+            MlmConfig {
+                select_prob: cfg.select_prob,
+                mask_prob: cfg.mask_prob,
+                random_prob: cfg.random_prob,
+            },
+            &tokenizer,
+        );
+        let mut pack = PackConfig::new(128);
+        pack.valid_fraction = cfg.valid_fraction;
+        pack.split_seed = seed;
+        Ok(CorpusData {
+            tokenizer,
+            masker,
+            vocab,
+            corpus,
+            pack,
+            max_train: cfg.max_train,
+            max_valid: cfg.max_valid,
+            packed: Vec::new(),
+        })
+    }
+
+    /// The corpus packed into blocks of `seq_len` (read and tokenised on first use).
+    pub fn packed(&mut self, seq_len: usize) -> anyhow::Result<&PackedCorpus> {
+        if let Some(i) = self.packed.iter().position(|(l, _)| *l == seq_len) {
+            return Ok(&self.packed[i].1);
+        }
+        let cfg = PackConfig {
+            seq_len,
+            ..self.pack
+        };
+        let mut p = pack_corpus(&self.corpus, &self.tokenizer, &cfg)?;
+        for (set, max) in [(&mut p.train, self.max_train), (&mut p.valid, self.max_valid)] {
+            if max > 0 && set.len() > max {
+                set.input_ids.truncate(max * seq_len);
+            }
+        }
+        if p.train.is_empty() {
+            bail!("data.corpus: no training blocks of {seq_len} tokens in {:?}", self.corpus.sources);
+        }
+        if p.valid.is_empty() {
+            bail!("data.valid_fraction: no held-out block of {seq_len} tokens (raise the fraction or add documents)");
+        }
+        let s = &p.stats;
+        eprintln!(
+            "data  corpus, {} files, {} documents ({} skipped files, {} skipped lines): seq_len {seq_len}, {} train blocks ({} tokens), {} held-out blocks ({} tokens)",
+            s.files,
+            s.documents,
+            s.skipped_files,
+            s.skipped_lines,
+            p.train.len(),
+            p.train.tokens,
+            p.valid.len(),
+            p.valid.tokens
+        );
+        self.packed.push((seq_len, p));
+        Ok(&self.packed.last().expect("just pushed").1)
+    }
+}
+
+impl CorpusData {
+    /// The blocks of a sequence length already packed by [`CorpusData::packed`]; panics
+    /// otherwise (a bug in the caller).
+    pub fn packed_ref(&self, seq_len: usize) -> &PackedCorpus {
+        &self
+            .packed
+            .iter()
+            .find(|(l, _)| *l == seq_len)
+            .unwrap_or_else(|| panic!("corpus not packed for seq_len {seq_len}"))
+            .1
+    }
 }

@@ -3,12 +3,14 @@
 
 use crate::checkpoint::{self, Checkpoint, OptState, Progress};
 use crate::config::RunConfig;
-use crate::data::{prepare, PreparedData};
+use crate::config::Phase;
+use crate::data::{prepare, CorpusData, PreparedData};
 use crate::files::{save_model, MetricsLog, ModelMeta};
 use crate::plot::{plot_panels, Panel, Series};
 use crate::rank::{self, Branch, LayerRanks, RankController, Stage};
 use anyhow::{bail, Context};
-use comera_data::{Batch, EncodedDataset};
+use comera_data::mlm::MlmBatches;
+use comera_data::{Batch, Batches, EncodedDataset, MlmBatch};
 use comera_layers::Retained;
 use comera_model::{Encoder, EncoderState};
 use comera_optim::galore::ParamState;
@@ -84,14 +86,128 @@ pub fn evaluate(
     })
 }
 
+/// Held-out masked-LM loss and masked-token accuracy over every batch of `blocks` (masks from
+/// a fixed seed, so every evaluation and every run sees the same ones). `examples` counts the
+/// predicted tokens.
+pub fn evaluate_mlm(
+    model: &Encoder,
+    st: &mut EncoderState,
+    data: &CorpusData,
+    blocks: &comera_data::corpus::PackedSequences,
+) -> anyhow::Result<EvalStats> {
+    let b = st.batch();
+    let mut batch = MlmBatch::new(b, blocks.seq_len);
+    let mut it = MlmBatches::new(blocks, data.masker, b, 0x5EED_E7A1, false);
+    let (mut loss, mut correct, mut count) = (0.0f64, 0usize, 0usize);
+    while it.next_into(&mut batch) {
+        load_mlm(st, &batch)?;
+        let s = model.forward(st, false, 0)?;
+        loss += s.loss * s.count as f64;
+        correct += s.correct;
+        count += s.count;
+    }
+    if count == 0 {
+        bail!(
+            "evaluation: the {} held-out blocks make no batch of {b}",
+            blocks.len()
+        );
+    }
+    Ok(EvalStats {
+        loss: loss / count as f64,
+        accuracy: correct as f64 / count as f64,
+        examples: count,
+    })
+}
+
+fn load_mlm(st: &mut EncoderState, b: &MlmBatch) -> anyhow::Result<()> {
+    st.load_mlm(&b.input_ids, &b.attention_mask, &b.labels, &b.selected)
+        .map_err(anyhow::Error::msg)
+}
+
+/// The data of a run: labelled examples (classification) or a corpus (masked-LM).
+enum TaskData {
+    Classify(PreparedData),
+    Mlm(CorpusData),
+}
+
+/// One epoch's batches.
+enum EpochBatches<'a> {
+    Classify(Batches<'a>, Batch),
+    Mlm(MlmBatches<'a>, MlmBatch),
+}
+
+impl EpochBatches<'_> {
+    /// Loads the next batch into `st`; false at the epoch's end.
+    fn next_into(&mut self, st: &mut EncoderState) -> anyhow::Result<bool> {
+        match self {
+            EpochBatches::Classify(it, b) => {
+                if !it.next_into(b) {
+                    return Ok(false);
+                }
+                st.load(&b.input_ids, &b.token_type_ids, &b.attention_mask, &b.labels)
+                    .map_err(anyhow::Error::msg)?;
+            }
+            EpochBatches::Mlm(it, b) => {
+                if !it.next_into(b) {
+                    return Ok(false);
+                }
+                load_mlm(st, b)?;
+            }
+        }
+        Ok(true)
+    }
+}
+
+impl TaskData {
+    /// Training examples (classification) or blocks (corpus) at `seq_len`.
+    fn train_len(&mut self, seq_len: usize) -> anyhow::Result<usize> {
+        Ok(match self {
+            TaskData::Classify(d) => d.train.len(),
+            TaskData::Mlm(d) => d.packed(seq_len)?.train.len(),
+        })
+    }
+
+    /// Packs every phase's sequence length up front (so epochs can borrow the data).
+    fn prepare_phases(&mut self, phases: &[Phase]) -> anyhow::Result<()> {
+        for p in phases {
+            self.train_len(p.seq_len)?;
+        }
+        Ok(())
+    }
+
+    fn epoch_batches(&self, seq_len: usize, b: usize, seed: u64) -> EpochBatches<'_> {
+        match self {
+            TaskData::Classify(d) => EpochBatches::Classify(d.train.batches(b, seed), Batch::default()),
+            TaskData::Mlm(d) => {
+                let packed = d.packed_ref(seq_len);
+                EpochBatches::Mlm(
+                    MlmBatches::new(&packed.train, d.masker, b, seed, true),
+                    MlmBatch::new(b, seq_len),
+                )
+            }
+        }
+    }
+
+    fn evaluate(&self, model: &Encoder, st: &mut EncoderState) -> anyhow::Result<EvalStats> {
+        match self {
+            TaskData::Classify(d) => evaluate(model, st, &d.valid),
+            TaskData::Mlm(d) => evaluate_mlm(model, st, d, &d.packed_ref(st.seq_len()).valid),
+        }
+    }
+}
+
 /// What a finished run reports.
 #[derive(Clone, Debug)]
 pub struct TrainSummary {
     pub out_dir: PathBuf,
     pub epochs: usize,
     pub steps: u64,
+    /// Sequence positions trained on.
+    pub tokens: u64,
+    /// For a masked-LM run, `final_valid` is the held-out MLM loss and masked-token accuracy.
     pub final_valid: EvalStats,
-    pub majority_accuracy: f64,
+    /// Share of the most frequent label (classification runs).
+    pub majority_accuracy: Option<f64>,
     /// Trainable parameters at the end (after truncations).
     pub params: usize,
     /// Trainable parameters at the start.
@@ -431,18 +547,37 @@ fn train_here(
     let out = cfg.train.out_dir.clone();
     std::fs::create_dir_all(&out)
         .with_context(|| format!("{}: cannot create run directory", out.display()))?;
-    let data: PreparedData = prepare(&cfg.data, cfg.model.seq_len, cfg.train.seed)?;
-    eprintln!("data  {}", data.summary);
+    let phases = cfg.phases();
+    let mut data = if cfg.data.source == "corpus" {
+        TaskData::Mlm(CorpusData::new(&cfg.data, cfg.train.seed)?)
+    } else {
+        if let Some(p) = phases.iter().find(|p| p.seq_len != cfg.model.seq_len) {
+            bail!(
+                "train.phases: seq_len {} differs from model.seq_len {}; only corpus (masked-LM) runs change the sequence length",
+                p.seq_len,
+                cfg.model.seq_len
+            );
+        }
+        let d: PreparedData = prepare(&cfg.data, cfg.model.seq_len, cfg.train.seed)?;
+        eprintln!("data  {}", d.summary);
+        TaskData::Classify(d)
+    };
+    let (vocab_size, vocab_path) = match &data {
+        TaskData::Classify(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
+        TaskData::Mlm(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
+    };
     let mut mcfg = cfg.model.clone();
-    if mcfg.vocab_size != data.tokenizer.vocab_size() {
+    if mcfg.vocab_size != vocab_size {
         bail!(
-            "model.vocab_size: {} but the vocabulary {} has {} tokens",
+            "model.vocab_size: {} but the vocabulary {} has {vocab_size} tokens",
             mcfg.vocab_size,
-            data.vocab.display(),
-            data.tokenizer.vocab_size()
+            vocab_path.display(),
         );
     }
-    mcfg.num_labels = data.label_names.len();
+    if let TaskData::Classify(d) = &data {
+        mcfg.num_labels = d.label_names.len();
+    }
+    data.prepare_phases(&phases)?;
     let mut resolved = cfg.clone();
     resolved.model = mcfg.clone();
     if let Some(ck) = &resume {
@@ -458,7 +593,22 @@ fn train_here(
 
     let mut model = match &resume {
         Some(ck) => ck.model()?,
-        None => Encoder::new(&mcfg, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?,
+        None => {
+            let mut m = Encoder::new(&mcfg, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?;
+            if let Some(dir) = &cfg.train.init_from {
+                let (pre, _) = crate::files::load_model(dir)
+                    .with_context(|| format!("train.init_from: {}", dir.display()))?;
+                m.init_body_from(&pre).map_err(|e| {
+                    anyhow::anyhow!("train.init_from: {}: {e}", dir.display())
+                })?;
+                eprintln!(
+                    "init  encoder from {} ({} parameters)",
+                    dir.display(),
+                    pre.num_params()
+                );
+            }
+            m
+        }
     };
     let dense_params = model.dense_equivalent_params();
     let initial_params = Encoder::new(&mcfg, cfg.train.seed)
@@ -507,25 +657,55 @@ fn train_here(
         opt.restore(ck, &mut model)?;
     }
     let truncating = rank.active() && matches!(opt, Optimizer::AdamW(_));
-    let b = cfg.train.batch_size;
-    let per_epoch_full = data.train.len() / b;
-    if per_epoch_full == 0 {
-        bail!(
-            "train.batch_size: {b} is larger than the {} training examples",
-            data.train.len()
-        );
+    // Each epoch's phase and steps; epochs are numbered across phases.
+    let mut epochs: Vec<(usize, usize)> = Vec::new();
+    for (i, ph) in phases.iter().enumerate() {
+        let len = data.train_len(ph.seq_len)?;
+        let full = len / ph.batch_size;
+        if full == 0 {
+            bail!(
+                "train.batch_size: {} is larger than the {len} training {}",
+                ph.batch_size,
+                match data {
+                    TaskData::Classify(_) => "examples",
+                    TaskData::Mlm(_) => "blocks",
+                }
+            );
+        }
+        let per_epoch = match ph.max_steps_per_epoch.unwrap_or(0) {
+            0 => full,
+            m => m.min(full),
+        };
+        epochs.extend(std::iter::repeat_n((i, per_epoch), ph.epochs));
     }
-    let per_epoch = match cfg.train.max_steps_per_epoch {
-        0 => per_epoch_full,
-        m => m.min(per_epoch_full),
+    let total: u64 = epochs.iter().map(|e| e.1 as u64).sum();
+    // Tokens seen before step `s` (sequence positions, padding included).
+    let tokens_at = |s: u64| -> u64 {
+        let mut left = s;
+        let mut tokens = 0;
+        for &(ph, n) in &epochs {
+            let k = left.min(n as u64);
+            tokens += k * (phases[ph].batch_size * phases[ph].seq_len) as u64;
+            left -= k;
+        }
+        tokens
     };
-    let total = (per_epoch * cfg.train.epochs) as u64;
     let schedule = Schedule {
         warmup: cfg.train.warmup_steps.min(total),
         total,
         decay: cfg.train.decay,
     };
-    let mut st = model.state(b);
+    let new_state = |model: &Encoder, ph: &Phase| -> anyhow::Result<EncoderState> {
+        let rows = match &data {
+            TaskData::Mlm(d) => d.masker.max_selected_per_row(ph.seq_len),
+            TaskData::Classify(_) => 0,
+        };
+        model
+            .state_for(ph.batch_size, ph.seq_len, rows)
+            .map_err(|e| anyhow::anyhow!("{e}"))
+    };
+    let mut st_phase = epochs.get(prog.epoch).map_or(phases.len() - 1, |e| e.0);
+    let mut st = new_state(&model, &phases[st_phase])?;
     let metrics_path = out.join("metrics.jsonl");
     let mut curves = Curves::default();
     let mut log = match &resume {
@@ -555,9 +735,8 @@ fn train_here(
         .expect("valid template"),
     );
     bar.set_position(prog.step);
-    let tokens_per_step = (b * mcfg.seq_len) as f64;
     let base_seconds = prog.seconds;
-    let mut batch = Batch::default();
+    let mut win_steps = 0usize;
     let mut final_valid = EvalStats::default();
     let mut win_start = Instant::now();
     let mut stopped = false;
@@ -571,26 +750,33 @@ fn train_here(
         let keep = cfg.train.keep_checkpoints;
         checkpoint::save(&out, &resolved, prog, rank, model, &state, keep).map(|_| ())
     };
-    'epochs: for epoch in prog.epoch..cfg.train.epochs {
-        let mut batches = data
-            .train
-            .batches(b, cfg.train.seed.wrapping_add(epoch as u64));
+    let n_epochs = epochs.len();
+    'epochs: for epoch in prog.epoch..n_epochs {
+        let (ph, per_epoch) = epochs[epoch];
+        let phase = &phases[ph];
+        let b = phase.batch_size;
+        if ph != st_phase {
+            st = new_state(&model, phase)?;
+            st_phase = ph;
+            bar.println(format!(
+                "phase {}: seq_len {}, batch {}",
+                ph + 1,
+                phase.seq_len,
+                b
+            ));
+        }
+        let tokens_per_step = (b * phase.seq_len) as f64;
+        let mut batches =
+            data.epoch_batches(phase.seq_len, b, cfg.train.seed.wrapping_add(epoch as u64));
         // Resuming inside an epoch: replay its data order up to the checkpoint.
         for _ in 0..prog.batch_in_epoch {
-            batches.next_into(&mut batch);
+            batches.next_into(&mut st)?;
         }
         for i in prog.batch_in_epoch..per_epoch {
-            if !batches.next_into(&mut batch) {
+            if !batches.next_into(&mut st)? {
                 break;
             }
             let epoch_end = i + 1 == per_epoch;
-            st.load(
-                &batch.input_ids,
-                &batch.token_type_ids,
-                &batch.attention_mask,
-                &batch.labels,
-            )
-            .map_err(anyhow::Error::msg)?;
             model.zero_grad();
             let step = prog.step;
             let s = model.forward(&mut st, true, step)?;
@@ -644,9 +830,10 @@ fn train_here(
             prog.win_loss += s.loss * s.count as f64;
             prog.win_correct += s.correct;
             prog.win_count += s.count;
+            win_steps += 1;
             if step.is_multiple_of(cfg.train.log_every as u64) {
                 let secs = win_start.elapsed().as_secs_f64();
-                let steps_in_window = (prog.win_count / b).max(1) as f64;
+                let steps_in_window = win_steps.max(1) as f64;
                 let (l, a) = (
                     prog.win_loss / prog.win_count as f64,
                     prog.win_correct as f64 / prog.win_count as f64,
@@ -657,7 +844,7 @@ fn train_here(
                     Branch::Loss => "late-loss",
                     Branch::Size => "late-size",
                 };
-                let mut r = json!({"kind": "train", "epoch": epoch + 1, "step": step, "loss": l, "accuracy": a, "lr_scale": lr, "grad_norm": gnorm, "tokens_per_s": tps, "params": model.num_params(), "compression": model_ratio(&model)});
+                let mut r = json!({"kind": "train", "epoch": epoch + 1, "step": step, "tokens": tokens_at(step), "loss": l, "accuracy": a, "lr_scale": lr, "grad_norm": gnorm, "tokens_per_s": tps, "params": model.num_params(), "compression": model_ratio(&model)});
                 if rank.active() {
                     r["size"] = json!(obj.size);
                     r["size_l1"] = json!(obj.size_l1);
@@ -675,6 +862,7 @@ fn train_here(
                     epoch + 1
                 ));
                 (prog.win_loss, prog.win_correct, prog.win_count) = (0.0, 0, 0);
+                win_steps = 0;
                 win_start = Instant::now();
             }
             bar.inc(1);
@@ -691,7 +879,8 @@ fn train_here(
                 break 'epochs;
             }
         }
-        let valid = evaluate(&model, &mut st, &data.valid)?;
+        drop(batches);
+        let valid = data.evaluate(&model, &mut st)?;
         final_valid = valid;
         let (tl, ta) = (
             prog.ep_loss / prog.ep_count.max(1) as f64,
@@ -701,7 +890,7 @@ fn train_here(
         record(
             &mut log,
             &mut curves,
-            json!({"kind": "eval", "epoch": epoch + 1, "step": prog.step, "train_loss": tl, "train_accuracy": ta, "valid_loss": valid.loss, "valid_accuracy": valid.accuracy, "seconds": secs}),
+            json!({"kind": "eval", "epoch": epoch + 1, "step": prog.step, "tokens": tokens_at(prog.step), "train_loss": tl, "train_accuracy": ta, "valid_loss": valid.loss, "valid_accuracy": valid.accuracy, "valid_perplexity": valid.loss.exp(), "seconds": secs}),
         )?;
         bar.println(format!(
             "epoch {}: train loss {tl:.4} acc {ta:.4} | valid loss {:.4} acc {:.4}",
@@ -709,11 +898,15 @@ fn train_here(
             valid.loss,
             valid.accuracy
         ));
+        let (labels, pair) = match &data {
+            TaskData::Classify(d) => (d.label_names.clone(), d.pair),
+            TaskData::Mlm(_) => (Vec::new(), false),
+        };
         let meta = ModelMeta {
             model: mcfg.clone(),
-            labels: data.label_names.clone(),
-            vocab: data.vocab.clone(),
-            pair: data.pair,
+            labels,
+            vocab: vocab_path.clone(),
+            pair,
             epoch: epoch + 1,
             step: prog.step,
         };
@@ -732,7 +925,7 @@ fn train_here(
             }
         }
         let stop_now = cfg.train.stop_after_steps > 0 && prog.step >= cfg.train.stop_after_steps;
-        if stop_now && epoch + 1 < cfg.train.epochs {
+        if stop_now && epoch + 1 < n_epochs {
             stopped = true;
             break;
         }
@@ -765,10 +958,14 @@ fn train_here(
     }
     Ok(TrainSummary {
         out_dir: out,
-        epochs: cfg.train.epochs,
+        epochs: n_epochs,
         steps: prog.step,
+        tokens: tokens_at(prog.step),
         final_valid,
-        majority_accuracy: majority(&data.valid.labels, data.label_names.len()),
+        majority_accuracy: match &data {
+            TaskData::Classify(d) => Some(majority(&d.valid.labels, d.label_names.len())),
+            TaskData::Mlm(_) => None,
+        },
         params: model.num_params(),
         initial_params,
         dense_params,
