@@ -331,7 +331,10 @@ fn time_child(cfg: &RunConfig, arm: &str, a: &CompareArgs) -> anyhow::Result<Tim
     // Accounting (after the peak was read: the workspaces are rebuilt to be measured).
     let params = enc.num_params();
     let state = st.bytes();
-    let workspace_bytes = layer_workspace_bytes(&enc, b).min(state);
+    let layer_ws = layer_workspace_bytes(&enc, b).min(state);
+    // TT/TTM layers borrow their per-call scratch from one pool per thread, shared by every
+    // layer (not part of `EncoderState::bytes`); this thread ran the steps.
+    let workspace_bytes = layer_ws + comera_layers::tt_linear::scratch_pool_bytes();
     let (optimizer_bytes, galore_bytes, update_every) = match &opt {
         Opt::AdamW(o) => (o.bytes(), None, None),
         Opt::GaLore(g) => {
@@ -363,7 +366,7 @@ fn time_child(cfg: &RunConfig, arm: &str, a: &CompareArgs) -> anyhow::Result<Tim
         grad_bytes: 4 * params,
         optimizer_bytes,
         galore_bytes,
-        activation_bytes: state - workspace_bytes,
+        activation_bytes: state - layer_ws,
         workspace_bytes,
         loss,
     })
@@ -785,7 +788,8 @@ fn report(
              the arm's process, and the engine's own accounting — weights and gradients (4 bytes \
              each per parameter), optimiser state (`bytes()`; GaLore: moments, projections, SVD \
              buffers), activations (`EncoderState::bytes` minus layer workspaces) and layer \
-             workspaces (TT/TTM saved intermediates and scratch, attention probabilities). The \
+             workspaces (TT/TTM saved intermediates, the per-thread scratch pool the TT/TTM layers \
+             share, attention probabilities). The \
              accounting checked against the peak RSS is the engine's bytes plus the process \
              baseline (its RSS when the child started, before the model was built).\n"
         );

@@ -28,6 +28,31 @@ pub struct Gelu;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tanh;
 
+/// e^x, bit for bit `comera_tensor::math::exp` (same range reduction and polynomial), but 2^n
+/// is built from the bits of the rounding sum instead of a float → int cast: Rust's saturating
+/// cast does not vectorise (LLVM emits one scalar convert and two compares per lane), which made
+/// the GELU and softmax loops around it run lane by lane.
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75; // ln 2 split so that n·LN2_HI is exact
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0; // 1.5·2^23: adding and subtracting rounds to an integer
+    let x = x.clamp(-87.3, 88.3); // keeps 2^n a normal number: -126 ≤ n ≤ 127
+    let t = x * LOG2E + ROUND; // bits: those of 1.5·2^23 plus n in the low mantissa bits
+    let n = t - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0
+                    + r * (1.0 / 24.0
+                        + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    // (n + 127) << 23, from the bits of t = ROUND + n (0x4B40_0000 + n for |n| < 2^22).
+    let two_n = f32::from_bits(t.to_bits().wrapping_sub(0x4B40_0000 - 127) << 23);
+    p * two_n
+}
+
 /// Φ(x) = ½·(1 + erf(x/√2)) and φ(x) = exp(−x²/2)/√(2π), sharing one exp.
 ///
 /// erf by Abramowitz & Stegun 7.1.26: erf(z) = 1 − t·P(t)·exp(−z²), t = 1/(1 + p·z) for z ≥ 0
@@ -46,7 +71,7 @@ fn cdf_pdf(x: f32) -> (f32, f32) {
     let z = (x * INV_SQRT_2).abs();
     let t = 1.0 / (1.0 + P * z);
     let poly = t * (A[0] + t * (A[1] + t * (A[2] + t * (A[3] + t * A[4]))));
-    let e = comera_tensor::math::exp(-0.5 * x * x);
+    let e = exp(-0.5 * x * x);
     let erf = (1.0 - poly * e).copysign(x);
     (0.5 * (1.0 + erf), INV_SQRT_2PI * e)
 }
@@ -179,6 +204,25 @@ impl Tanh {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exp_is_bit_for_bit_the_tensor_crates() {
+        for i in -100_000..=100_000 {
+            let x = i as f32 * 1e-3;
+            assert_eq!(
+                exp(x).to_bits(),
+                comera_tensor::math::exp(x).to_bits(),
+                "x = {x}"
+            );
+        }
+        for x in [f32::MIN, -1e9, -87.3, 88.3, 1e9, f32::MAX, 0.0, -0.0] {
+            assert_eq!(
+                exp(x).to_bits(),
+                comera_tensor::math::exp(x).to_bits(),
+                "x = {x}"
+            );
+        }
+    }
 
     #[test]
     fn fast_erf_gelu_matches_the_exact_form_to_f32_precision() {

@@ -37,11 +37,16 @@ pub struct AttentionWorkspace {
     seq: usize,
     probs: Vec<f32>,   // (B, H, T, T)
     scratch: Vec<f32>, // (T, T): dP, then dS, of the current head in backward
-    allow: Vec<f32>,   // (T): 1 for an allowed key of the current sequence, else 0
+    allow: Vec<f32>,   // (B, T): 1 for an allowed key, else 0
+    /// Recompute mode: P is not kept; `stats` holds each row's (max, 1/sum) and `probs` one
+    /// head's (T, T) at a time.
+    recompute: bool,
+    stats: Vec<f32>, // (B, H, T, 2) in recompute mode, else empty
 }
 
 impl AttentionWorkspace {
-    /// The attention probabilities of the last forward, (B, H, T, T).
+    /// The attention probabilities of the last forward, (B, H, T, T) (for a workspace made by
+    /// [`Attention::workspace_recompute`]: only the (T, T) of the last head computed).
     pub fn probs(&self) -> &[f32] {
         &self.probs
     }
@@ -96,7 +101,68 @@ impl Attention {
             seq: seq_len,
             probs: vec![0.0; batch * self.n_heads * seq_len * seq_len],
             scratch: vec![0.0; seq_len * seq_len],
-            allow: vec![1.0; seq_len],
+            allow: vec![1.0; batch * seq_len],
+            recompute: false,
+            stats: Vec::new(),
+        }
+    }
+
+    /// A workspace that does not keep P (B·H·T² floats) for the backward but only each row's
+    /// max and normaliser (B·H·T·2 floats), and recomputes P from Q and K in the backward (one
+    /// more T×T×d product per head; the same bits as the forward's P, so the gradients are
+    /// those of [`Attention::workspace`]).
+    pub fn workspace_recompute(&self, batch: usize, seq_len: usize) -> AttentionWorkspace {
+        AttentionWorkspace {
+            batch,
+            seq: seq_len,
+            probs: vec![0.0; seq_len * seq_len],
+            scratch: vec![0.0; seq_len * seq_len],
+            allow: vec![1.0; batch * seq_len],
+            recompute: true,
+            stats: vec![0.0; batch * self.n_heads * seq_len * 2],
+        }
+    }
+
+    /// Bytes held by a workspace (P or the row statistics, scratch, mask).
+    pub fn workspace_bytes(ws: &AttentionWorkspace) -> usize {
+        4 * (ws.probs.len() + ws.scratch.len() + ws.allow.len() + ws.stats.len())
+    }
+
+    /// S = Q·Kᵀ of head `h` of sequence `b` into `p`, then the masked softmax of each row
+    /// (saving or applying the row statistics in `stats`, 2 per row).
+    #[allow(clippy::too_many_arguments)]
+    fn probs_of_head(
+        &self,
+        qkv_b: &[f32],
+        h: usize,
+        t: usize,
+        allow: &[f32],
+        p: &mut [f32],
+        stats: Option<&mut [f32]>,
+        reuse: bool,
+    ) {
+        let (d, hd) = (self.d_model, self.head_dim());
+        let scale = 1.0 / (hd as f32).sqrt();
+        let q = MatRef::strided(&qkv_b[h * hd..], t, hd, 3 * d, 1); // (T, d)
+        let k = MatRef::strided(&qkv_b[d + h * hd..], t, hd, 3 * d, 1); // (T, d)
+        matmul(MatMut::new(p, t, t), q, k.t(), false);
+        let mut stats = stats;
+        for (i, row) in p.chunks_exact_mut(t).enumerate() {
+            // Keys after the query are excluded under a causal mask.
+            let len = if self.causal { i + 1 } else { t };
+            let (head, tail) = row.split_at_mut(len);
+            let st = stats.as_deref_mut().map(|s| &mut s[2 * i..2 * i + 2]);
+            match (st, reuse) {
+                (Some(st), true) => softmax::apply(head, &allow[..len], scale, st[0], st[1]),
+                (Some(st), false) => {
+                    let (max, inv) = softmax::row(head, &allow[..len], scale);
+                    st.copy_from_slice(&[max, inv]);
+                }
+                (None, _) => {
+                    softmax::row(head, &allow[..len], scale);
+                }
+            }
+            tail.fill(0.0);
         }
     }
 
@@ -121,13 +187,12 @@ impl Attention {
         if let Some(m) = mask {
             check_len("Attention mask", m.len(), bsz * t);
         }
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut allow = std::mem::take(&mut ws.allow);
-        allow.resize(t, 1.0);
+        ws.allow.resize(bsz * t, 1.0);
         for b in 0..bsz {
             let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
             let out_b = &mut out[b * t * d..(b + 1) * t * d]; // (T, D)
-            // 1 for an allowed key, 0 for a padding one.
+                                                              // 1 for an allowed key, 0 for a padding one.
+            let allow = &mut ws.allow[b * t..(b + 1) * t];
             match mask {
                 Some(m) => {
                     for (a, &v) in allow.iter_mut().zip(&m[b * t..(b + 1) * t]) {
@@ -136,20 +201,23 @@ impl Attention {
                 }
                 None => allow.fill(1.0),
             }
+            let allow = &ws.allow[b * t..(b + 1) * t];
             for h in 0..nh {
-                let q = MatRef::strided(&qkv_b[h * hd..], t, hd, 3 * d, 1); // (T, d)
-                let k = MatRef::strided(&qkv_b[d + h * hd..], t, hd, 3 * d, 1); // (T, d)
                 let v = MatRef::strided(&qkv_b[2 * d + h * hd..], t, hd, 3 * d, 1); // (T, d)
-                let p = &mut ws.probs[(b * nh + h) * t * t..(b * nh + h + 1) * t * t]; // (T, T)
-                                                                                       // Q·Kᵀ, then scale, mask and softmax each row in place.
-                matmul(MatMut::new(p, t, t), q, k.t(), false);
-                for (i, row) in p.chunks_exact_mut(t).enumerate() {
-                    // Keys after the query are excluded under a causal mask.
-                    let len = if self.causal { i + 1 } else { t };
-                    let (head, tail) = row.split_at_mut(len);
-                    softmax::row(head, &allow[..len], scale);
-                    tail.fill(0.0);
-                }
+                let (p, stats) = if ws.recompute {
+                    let u = b * nh + h;
+                    (
+                        &mut ws.probs[..t * t],
+                        Some(&mut ws.stats[u * 2 * t..(u + 1) * 2 * t]),
+                    )
+                } else {
+                    (
+                        &mut ws.probs[(b * nh + h) * t * t..(b * nh + h + 1) * t * t],
+                        None,
+                    )
+                };
+                // Q·Kᵀ, then scale, mask and softmax each row in place.
+                self.probs_of_head(qkv_b, h, t, allow, p, stats, false);
                 // O = P·V into this head's columns of out.
                 matmul(
                     MatMut::strided(&mut out_b[h * hd..], t, hd, d, 1),
@@ -159,7 +227,6 @@ impl Attention {
                 );
             }
         }
-        ws.allow = allow;
     }
 
     /// Given the `qkv` of the matching forward and `dout` (B, T, D), *writes* `dqkv`
@@ -191,7 +258,17 @@ impl Attention {
                 let k = MatRef::strided(&qkv_b[d + h * hd..], t, hd, 3 * d, 1); // (T, d)
                 let v = MatRef::strided(&qkv_b[2 * d + h * hd..], t, hd, 3 * d, 1); // (T, d)
                 let d_o = MatRef::strided(&dout_b[h * hd..], t, hd, d, 1); // (T, d)
-                let p = &ws.probs[(b * nh + h) * t * t..(b * nh + h + 1) * t * t]; // (T, T)
+                let p: &[f32] = if ws.recompute {
+                    // P again from Q and K with the forward's row statistics.
+                    let u = b * nh + h;
+                    let p = &mut ws.probs[..t * t];
+                    let allow = &ws.allow[b * t..(b + 1) * t];
+                    let stats = &mut ws.stats[u * 2 * t..(u + 1) * 2 * t];
+                    self.probs_of_head(qkv_b, h, t, allow, p, Some(stats), true);
+                    p
+                } else {
+                    &ws.probs[(b * nh + h) * t * t..(b * nh + h + 1) * t * t] // (T, T)
+                };
                 let pm = MatRef::new(p, t, t);
                 // dV = Pᵀ·dO
                 matmul(
@@ -263,14 +340,14 @@ mod softmax {
         let (ab, ar) = allow.split_at(n);
         for (r, a) in rb.chunks_exact_mut(L).zip(ab.chunks_exact(L)) {
             for l in 0..L {
-                let e = comera_tensor::math::exp(scale * r[l] - shift);
+                let e = crate::activation::exp(scale * r[l] - shift);
                 let e = if a[l] != 0.0 { e } else { 0.0 };
                 r[l] = e;
                 acc[l] += e;
             }
         }
         for (r, &a) in rr.iter_mut().zip(ar) {
-            let e = comera_tensor::math::exp(scale * *r - shift);
+            let e = crate::activation::exp(scale * *r - shift);
             *r = if a != 0.0 { e } else { 0.0 };
             tail += *r;
         }
@@ -278,13 +355,27 @@ mod softmax {
     }
 
     #[inline(always)]
-    fn row_body(row: &mut [f32], allow: &[f32], scale: f32) {
+    fn row_body(row: &mut [f32], allow: &[f32], scale: f32) -> (f32, f32) {
         let max = masked_max(row, allow);
         if max == f32::NEG_INFINITY {
             row.fill(0.0); // no allowed key
-            return;
+            return (max, 0.0);
         }
         let inv = 1.0 / exp_sum(row, allow, scale, max);
+        for x in row.iter_mut() {
+            *x *= inv;
+        }
+        (max, inv)
+    }
+
+    /// `row_body` with its statistics given: the same operations, so the same bits.
+    #[inline(always)]
+    fn apply_body(row: &mut [f32], allow: &[f32], scale: f32, max: f32, inv: f32) {
+        if max == f32::NEG_INFINITY {
+            row.fill(0.0);
+            return;
+        }
+        exp_sum(row, allow, scale, max);
         for x in row.iter_mut() {
             *x *= inv;
         }
@@ -309,8 +400,14 @@ mod softmax {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn row_avx2(row: &mut [f32], allow: &[f32], scale: f32) {
+    unsafe fn row_avx2(row: &mut [f32], allow: &[f32], scale: f32) -> (f32, f32) {
         row_body(row, allow, scale)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn apply_avx2(row: &mut [f32], allow: &[f32], scale: f32, max: f32, inv: f32) {
+        apply_body(row, allow, scale, max, inv)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -331,8 +428,8 @@ mod softmax {
     }
 
     /// Softmax of `scale·row` over the entries with `allow` ≠ 0 (the others get 0); a row with
-    /// no allowed entry becomes all zeros.
-    pub(super) fn row(row: &mut [f32], allow: &[f32], scale: f32) {
+    /// no allowed entry becomes all zeros. Returns the row's (max, 1/sum) for [`apply`].
+    pub(super) fn row(row: &mut [f32], allow: &[f32], scale: f32) -> (f32, f32) {
         assert_eq!(row.len(), allow.len());
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
@@ -340,6 +437,17 @@ mod softmax {
             return unsafe { row_avx2(row, allow, scale) };
         }
         row_body(row, allow, scale)
+    }
+
+    /// The softmax of [`row`] again from the same scores and its returned statistics.
+    pub(super) fn apply(row: &mut [f32], allow: &[f32], scale: f32, max: f32, inv: f32) {
+        assert_eq!(row.len(), allow.len());
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU supports the features the function was compiled for.
+            return unsafe { apply_avx2(row, allow, scale, max, inv) };
+        }
+        apply_body(row, allow, scale, max, inv)
     }
 
     /// The softmax backward of one row: `dp` ← scale·p ⊙ (dp − ⟨p, dp⟩).
@@ -351,5 +459,41 @@ mod softmax {
             return unsafe { grad_avx2(p, dp, scale) };
         }
         grad_body(p, dp, scale)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recompute_workspace_gives_the_same_bits() {
+        let (b, t, d, nh) = (2, 13, 12, 3);
+        let mut rng = comera_tensor::init::rng(5);
+        let mut qkv = vec![0.0; b * t * 3 * d];
+        let mut dout = vec![0.0; b * t * d];
+        comera_tensor::init::fill_normal(&mut rng, &mut qkv, 1.0);
+        comera_tensor::init::fill_normal(&mut rng, &mut dout, 1.0);
+        // Second sequence: last 4 positions padded; a third mask with nothing allowed.
+        let mask: Vec<u8> = (0..b * t).map(|i| (i < t || i % t < t - 4) as u8).collect();
+        let none = vec![0u8; b * t];
+        for attn in [Attention::new(d, nh), Attention::causal(d, nh)] {
+            for m in [None, Some(&mask[..]), Some(&none[..])] {
+                let run = |mut ws: AttentionWorkspace| {
+                    let mut out = vec![0.0; b * t * d];
+                    let mut dqkv = vec![0.0; b * t * 3 * d];
+                    attn.forward(&mut ws, &qkv, m, &mut out);
+                    attn.backward(&mut ws, &qkv, &dout, &mut dqkv);
+                    (out, dqkv)
+                };
+                let kept = run(attn.workspace(b, t));
+                let again = run(attn.workspace_recompute(b, t));
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&kept.0), bits(&again.0), "out");
+                assert_eq!(bits(&kept.1), bits(&again.1), "dqkv");
+            }
+        }
+        let ws = Attention::new(d, nh).workspace_recompute(b, t);
+        assert!(Attention::workspace_bytes(&ws) < 4 * b * nh * t * t);
     }
 }

@@ -98,14 +98,7 @@ impl Layer for LayerNorm {
         for r in 0..rows {
             let xr = &x[r * d..(r + 1) * d]; // (D)
             let yr = &mut y[r * d..(r + 1) * d]; // (D)
-                                                 // Two passes (mean, then centred variance) for accuracy when |μ| ≫ σ.
-            let mean = xr.iter().sum::<f32>() / d as f32;
-            let var = xr.iter().map(|&v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
-            let rstd = 1.0 / (var + self.eps).sqrt();
-            for i in 0..d {
-                let n = (xr[i] - mean) * rstd;
-                yr[i] = gamma[i] * n + beta[i];
-            }
+            let (mean, rstd) = kernels::forward_row(xr, gamma, beta, self.eps, yr);
             ws.mean[r] = mean;
             ws.rstd[r] = rstd;
         }
@@ -130,25 +123,17 @@ impl Layer for LayerNorm {
             let (mean, rstd) = (ws.mean[r], ws.rstd[r]);
             let xr = &x[r * d..(r + 1) * d]; // (D)
             let dyr = &dy[r * d..(r + 1) * d]; // (D)
-                                               // Parameter gradients: dγ_i += dy_i·n_i, dβ_i += dy_i.
-                                               // Row reductions for dx: mean(g), mean(g·n) with g = γ ⊙ dy.
-            let (mut sum_g, mut sum_gn) = (0.0f32, 0.0f32);
-            for i in 0..d {
-                let n = (xr[i] - mean) * rstd;
-                let g = gamma[i] * dyr[i];
-                self.gamma.grad[i] += dyr[i] * n;
-                self.beta.grad[i] += dyr[i];
-                sum_g += g;
-                sum_gn += g * n;
-            }
-            if let Some(dx) = dx.as_deref_mut() {
-                let (mean_g, mean_gn) = (sum_g / d as f32, sum_gn / d as f32);
-                let dxr = &mut dx[r * d..(r + 1) * d]; // (D)
-                for i in 0..d {
-                    let n = (xr[i] - mean) * rstd;
-                    dxr[i] = rstd * (gamma[i] * dyr[i] - mean_g - n * mean_gn);
-                }
-            }
+            let dxr = dx.as_deref_mut().map(|dx| &mut dx[r * d..(r + 1) * d]);
+            kernels::backward_row(
+                xr,
+                dyr,
+                mean,
+                rstd,
+                gamma,
+                &mut self.gamma.grad,
+                &mut self.beta.grad,
+                dxr,
+            );
         }
     }
 
@@ -161,5 +146,152 @@ impl Layer for LayerNorm {
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
         f(&mut self.gamma);
         f(&mut self.beta);
+    }
+}
+
+/// Row kernels: sums over 8 lanes in a fixed order (the result depends only on the inputs),
+/// compiled a second time with AVX2 + FMA and picked at run time.
+mod kernels {
+    const L: usize = 8;
+
+    /// Σ f(i) over 0..n in 8 lanes, then the lanes in order.
+    #[inline(always)]
+    fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
+        let mut acc = [0.0f32; L];
+        let full = n / L * L;
+        let mut i = 0;
+        while i < full {
+            for (l, a) in acc.iter_mut().enumerate() {
+                *a += f(i + l);
+            }
+            i += L;
+        }
+        let mut tail = 0.0f32;
+        for j in full..n {
+            tail += f(j);
+        }
+        acc.iter().sum::<f32>() + tail
+    }
+
+    #[inline(always)]
+    fn forward_body(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, y: &mut [f32]) -> (f32, f32) {
+        let d = x.len();
+        let (gamma, beta, y) = (&gamma[..d], &beta[..d], &mut y[..d]);
+        // Two passes (mean, then centred variance) for accuracy when |μ| ≫ σ.
+        let mean = lane_sum(d, |i| x[i]) / d as f32;
+        let var = lane_sum(d, |i| (x[i] - mean) * (x[i] - mean)) / d as f32;
+        let rstd = 1.0 / (var + eps).sqrt();
+        for i in 0..d {
+            y[i] = gamma[i] * ((x[i] - mean) * rstd) + beta[i];
+        }
+        (mean, rstd)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn backward_body(
+        x: &[f32],
+        dy: &[f32],
+        mean: f32,
+        rstd: f32,
+        gamma: &[f32],
+        dgamma: &mut [f32],
+        dbeta: &mut [f32],
+        dx: Option<&mut [f32]>,
+    ) {
+        let d = x.len();
+        let (dy, gamma, dgamma, dbeta) = (&dy[..d], &gamma[..d], &mut dgamma[..d], &mut dbeta[..d]);
+        // Parameter gradients: dγ_i += dy_i·n_i, dβ_i += dy_i.
+        for i in 0..d {
+            let n = (x[i] - mean) * rstd;
+            dgamma[i] += dy[i] * n;
+            dbeta[i] += dy[i];
+        }
+        if let Some(dx) = dx {
+            // Row reductions for dx: mean(g), mean(g·n) with g = γ ⊙ dy.
+            let sum_g = lane_sum(d, |i| gamma[i] * dy[i]);
+            let sum_gn = lane_sum(d, |i| gamma[i] * dy[i] * ((x[i] - mean) * rstd));
+            let (mean_g, mean_gn) = (sum_g / d as f32, sum_gn / d as f32);
+            let dx = &mut dx[..d];
+            for i in 0..d {
+                let n = (x[i] - mean) * rstd;
+                dx[i] = rstd * (gamma[i] * dy[i] - mean_g - n * mean_gn);
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn forward_avx2(
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        eps: f32,
+        y: &mut [f32],
+    ) -> (f32, f32) {
+        forward_body(x, gamma, beta, eps, y)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn backward_avx2(
+        x: &[f32],
+        dy: &[f32],
+        mean: f32,
+        rstd: f32,
+        gamma: &[f32],
+        dgamma: &mut [f32],
+        dbeta: &mut [f32],
+        dx: Option<&mut [f32]>,
+    ) {
+        backward_body(x, dy, mean, rstd, gamma, dgamma, dbeta, dx)
+    }
+
+    fn has_avx2() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    /// Normalises one row into `y`; returns (μ, 1/√(σ² + ε)).
+    pub(super) fn forward_row(
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        eps: f32,
+        y: &mut [f32],
+    ) -> (f32, f32) {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU supports the features the function was compiled for.
+            return unsafe { forward_avx2(x, gamma, beta, eps, y) };
+        }
+        forward_body(x, gamma, beta, eps, y)
+    }
+
+    /// Backward of one row: accumulates dγ, dβ and writes dx (if given).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn backward_row(
+        x: &[f32],
+        dy: &[f32],
+        mean: f32,
+        rstd: f32,
+        gamma: &[f32],
+        dgamma: &mut [f32],
+        dbeta: &mut [f32],
+        dx: Option<&mut [f32]>,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU supports the features the function was compiled for.
+            return unsafe { backward_avx2(x, dy, mean, rstd, gamma, dgamma, dbeta, dx) };
+        }
+        backward_body(x, dy, mean, rstd, gamma, dgamma, dbeta, dx)
     }
 }

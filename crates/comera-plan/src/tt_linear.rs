@@ -188,6 +188,7 @@ pub fn tt_linear_cost(
             c.gemm(model, b, rp, n); // T1 = X·L
             c.gemm(model, b, m, rp); // Y = T1·R
             if train {
+                chains(shape, model, &mut c); // rebuilt: only T1 is kept from the forward
                 c.gemm(model, rp, m, b); // dR = T1ᵀ·dY
                 c.gemm(model, b, rp, m); // U1 = dY·Rᵀ
                 if need_dx {
@@ -202,6 +203,8 @@ pub fn tt_linear_cost(
             c.gemm(model, n, m, rp); // W = L·R
             c.gemm(model, b, m, n); // Y = X·W
             if train {
+                chains(shape, model, &mut c); // chains and W rebuilt: nothing is kept
+                c.gemm(model, n, m, rp);
                 if need_dx {
                     c.gemm(model, b, n, m); // dX = dY·Wᵀ
                 }
@@ -232,6 +235,7 @@ pub fn tt_linear_cost(
                 rows *= shape.mode(i);
             }
             if train {
+                c.gather(model, in_core_params); // H' again (scratch, not kept)
                 for i in (p..k).rev() {
                     let rows = out_rows[i - p];
                     let w = shape.mode(i) * r[i + 1];
@@ -257,6 +261,7 @@ pub fn tt_linear_cost(
     c.stream(model, 2 * b * m);
     if train {
         c.stream(model, b * m);
+        c.stream(model, 2 * shape.core_params()); // the cores gated again for the backward
         c.stream(model, 4 * shape.core_params()); // core and gate gradients from dH
     }
     PathCost {

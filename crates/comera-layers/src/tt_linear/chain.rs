@@ -10,18 +10,22 @@
 //!   dH_c = left[c-1]ᵀ·dL_c,  dL_{c-1} = dL_c·H_cᵀ   (dL_c viewed as P_c × n_c·r_{c+1})
 //!   dH_c = dR_c·right[c+1]ᵀ, dR_{c+1} = H_cᵀ·dR_c   (dR_c viewed as r_c·s_c × Q_{c+1})
 
+use super::pool::Lease;
 use comera_tensor::{matmul, MatMut, MatRef, TtShape};
 
-/// Saved chain products and their gradient scratch (ping-pong pairs).
+/// Chain products and their gradient scratch (ping-pong pairs), all borrowed from the thread's
+/// scratch pool: [`Chains::acquire_forward`] / [`Chains::acquire_backward`] before use,
+/// [`Chains::release`] after. Nothing here outlives a layer call: the backward rebuilds the
+/// chains from the cores (the same GEMMs, so the same bits as in the forward).
 #[derive(Debug)]
 pub(crate) struct Chains {
-    pre: Vec<usize>,      // P_c = n_0⋯n_{c-1}, c = 0..=p
-    left: Vec<Vec<f32>>,  // left[c]: P_{c+1} × r_{c+1}
-    right: Vec<Vec<f32>>, // right[c - p]: r_c × Q_c
+    pre: Vec<usize>, // P_c = n_0⋯n_{c-1}, c = 0..=p
+    left: Lease,     // left[c]: P_{c+1} × r_{c+1}
+    right: Lease,    // right[c - p]: r_c × Q_c
     /// dL scratch; dL (N × r_p) goes into `dl[0]` (see `seed_grads`) before `peel_left`.
-    dl: [Vec<f32>; 2],
+    dl: Lease,
     /// dR scratch; dR (r_p × M) goes into `dr[0]` (see `seed_grads`) before `peel_right`.
-    dr: [Vec<f32>; 2],
+    dr: Lease,
 }
 
 /// P_c = n_0⋯n_{c-1} for c = 0..=p.
@@ -40,16 +44,36 @@ impl Chains {
     pub fn new(shape: &TtShape) -> Chains {
         let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
         let pre: Vec<usize> = in_prefix(shape).collect();
-        let left: Vec<Vec<f32>> = (0..p).map(|c| vec![0.0; pre[c + 1] * r[c + 1]]).collect();
-        let right: Vec<Vec<f32>> = (p..k).map(|c| vec![0.0; r[c] * q_of(shape, c)]).collect();
-        let lmax = left.iter().map(Vec::len).max().unwrap_or(0);
-        let rmax = right.iter().map(Vec::len).max().unwrap_or(0);
+        let left: Vec<usize> = (0..p).map(|c| pre[c + 1] * r[c + 1]).collect();
+        let right: Vec<usize> = (p..k).map(|c| r[c] * q_of(shape, c)).collect();
+        let lmax = left.iter().copied().max().unwrap_or(0);
+        let rmax = right.iter().copied().max().unwrap_or(0);
         Chains {
             pre,
-            left,
-            right,
-            dl: [vec![0.0; lmax], vec![0.0; lmax]],
-            dr: [vec![0.0; rmax], vec![0.0; rmax]],
+            left: Lease::new(left),
+            right: Lease::new(right),
+            dl: Lease::new(vec![lmax; 2]),
+            dr: Lease::new(vec![rmax; 2]),
+        }
+    }
+
+    /// Borrows the chain buffers (for `build`).
+    pub fn acquire_forward(&mut self) {
+        self.left.acquire();
+        self.right.acquire();
+    }
+
+    /// Borrows the chain and gradient buffers (for `build`, `seed_grads` and the peels).
+    pub fn acquire_backward(&mut self) {
+        self.acquire_forward();
+        self.dl.acquire();
+        self.dr.acquire();
+    }
+
+    /// Hands back whatever is borrowed.
+    pub fn release(&mut self) {
+        for l in [&mut self.left, &mut self.right, &mut self.dl, &mut self.dr] {
+            l.release();
         }
     }
 
@@ -75,16 +99,9 @@ impl Chains {
         )
     }
 
-    /// Bytes held (for memory accounting).
-    pub fn bytes(&self) -> usize {
-        4 * (self
-            .left
-            .iter()
-            .chain(&self.right)
-            .chain(&self.dl)
-            .chain(&self.dr)
-            .map(Vec::len)
-            .sum::<usize>())
+    /// Bytes borrowed from the pool during a backward call.
+    pub fn scratch_bytes(&self) -> usize {
+        self.left.bytes() + self.right.bytes() + self.dl.bytes() + self.dr.bytes()
     }
 
     /// Builds every chain entry from the gated cores `h`.
@@ -119,8 +136,8 @@ impl Chains {
     pub fn peel_left(&mut self, shape: &TtShape, h: &[Vec<f32>], dh: &mut [Vec<f32>]) {
         let (p, r) = (shape.p(), shape.ranks());
         let pre = &self.pre;
-        let [a, b] = &mut self.dl;
-        let (mut cur, mut next) = (a, b);
+        let (a, b) = self.dl.split_at_mut(1);
+        let (mut cur, mut next) = (&mut a[0], &mut b[0]);
         for c in (1..p).rev() {
             let w = shape.mode(c) * r[c + 1];
             let dlc = MatRef::new(&cur[..pre[c] * w], pre[c], w);
@@ -145,8 +162,8 @@ impl Chains {
     /// From dR in `dr[0]`, writes dH_c for the output cores c = p..K-1.
     pub fn peel_right(&mut self, shape: &TtShape, h: &[Vec<f32>], dh: &mut [Vec<f32>]) {
         let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
-        let [a, b] = &mut self.dr;
-        let (mut cur, mut next) = (a, b);
+        let (a, b) = self.dr.split_at_mut(1);
+        let (mut cur, mut next) = (&mut a[0], &mut b[0]);
         for c in p..k - 1 {
             let rows = r[c] * shape.mode(c);
             let qn = q_of(shape, c + 1);

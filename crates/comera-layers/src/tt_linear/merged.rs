@@ -2,13 +2,16 @@
 //! Backward: dR = T1ᵀ·dY, U1 = dY·Rᵀ, dX = U1·Lᵀ, dL = Xᵀ·U1, then peel both chains.
 
 use super::chain::Chains;
+use super::pool::Lease;
 use comera_tensor::{matmul, MatMut, MatRef, TtShape};
 
+/// Saved between forward and backward: T1 only (B × r_p). The chains and U1 are scratch
+/// borrowed for each call; the backward rebuilds the chains.
 #[derive(Debug)]
 pub(crate) struct Merged {
     pub chains: Chains,
     t1: Vec<f32>, // B × r_p
-    u1: Vec<f32>, // B × r_p
+    u1: Lease,    // [B × r_p]
 }
 
 impl Merged {
@@ -17,12 +20,18 @@ impl Merged {
         Merged {
             chains: Chains::new(shape),
             t1: vec![0.0; batch * rp],
-            u1: vec![0.0; batch * rp],
+            u1: Lease::new(vec![batch * rp]),
         }
     }
 
+    /// Bytes kept between calls.
     pub fn bytes(&self) -> usize {
-        self.chains.bytes() + 4 * (self.t1.len() + self.u1.len())
+        4 * self.t1.len()
+    }
+
+    /// Bytes borrowed from the thread's pool during a backward call.
+    pub fn scratch_bytes(&self) -> usize {
+        self.chains.scratch_bytes() + self.u1.bytes()
     }
 
     pub fn forward(
@@ -38,6 +47,7 @@ impl Merged {
             shape.out_features(),
             shape.middle_rank(),
         );
+        self.chains.acquire_forward();
         self.chains.build(shape, h);
         matmul(
             MatMut::new(&mut self.t1, batch, rp),
@@ -51,6 +61,7 @@ impl Merged {
             MatRef::new(self.chains.r(), rp, m),
             false,
         );
+        self.chains.release();
     }
 
     #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
@@ -70,6 +81,9 @@ impl Merged {
             shape.middle_rank(),
         );
         let dy = MatRef::new(dy, batch, m);
+        self.chains.acquire_backward();
+        self.chains.build(shape, h);
+        self.u1.acquire();
         let (l, r, dl, dr) = self.chains.seed_grads();
         let (l, r) = (MatRef::new(l, n, rp), MatRef::new(r, rp, m));
         matmul(
@@ -78,8 +92,8 @@ impl Merged {
             dy,
             false,
         );
-        matmul(MatMut::new(&mut self.u1, batch, rp), dy, r.t(), false);
-        let u1 = MatRef::new(&self.u1, batch, rp);
+        matmul(MatMut::new(&mut self.u1[0], batch, rp), dy, r.t(), false);
+        let u1 = MatRef::new(&self.u1[0], batch, rp);
         if let Some(dx) = dx {
             matmul(MatMut::new(dx, batch, n), u1, l.t(), false);
         }
@@ -91,5 +105,7 @@ impl Merged {
         );
         self.chains.peel_left(shape, h, dh);
         self.chains.peel_right(shape, h, dh);
+        self.u1.release();
+        self.chains.release();
     }
 }

@@ -10,7 +10,11 @@
 mod chain;
 mod dense;
 mod merged;
+pub(crate) mod pool;
 mod sequential;
+
+use pool::Lease;
+pub use pool::{clear_pool as clear_scratch_pool, pooled_bytes as scratch_pool_bytes};
 
 use crate::compress::{self, Compressible, Retained};
 use crate::{
@@ -173,6 +177,7 @@ impl TtLinear {
         let mut h: Vec<Vec<f32>> = (0..s.n_cores()).map(|c| vec![0.0; s.core_len(c)]).collect();
         self.gate_cores(&mut h);
         let mut chains = chain::Chains::new(s);
+        chains.acquire_forward();
         chains.build(s, &h);
         let mut w = vec![0.0; n * m];
         matmul(
@@ -181,6 +186,7 @@ impl TtLinear {
             MatRef::new(chains.r(), rp, m),
             false,
         );
+        chains.release();
         w
     }
 
@@ -277,9 +283,11 @@ enum PathBuffers {
     Dense(dense::Dense),
 }
 
-/// Everything a `TtLinear` step needs for one batch size: the plan, the gated cores and their
-/// gradients, and the chosen path's saved intermediates. Made once; re-planned (and only then
-/// reallocated) when the layer's ranks change or a different path is forced.
+/// Everything a `TtLinear` step needs for one batch size: the plan and the chosen path's saved
+/// intermediates. Made once; re-planned (and only then reallocated) when the layer's ranks
+/// change or a different path is forced. Buffers needed only during a call (gated cores, their
+/// gradients, chain products, gradient scratch) are borrowed from a per-thread pool shared by
+/// all layers (see [`scratch_pool_bytes`]), so a model holds one set of them, not one per layer.
 #[derive(Debug)]
 pub struct TtLinearWorkspace {
     batch: usize,
@@ -288,8 +296,8 @@ pub struct TtLinearWorkspace {
     model: CostModel,
     plan: ContractionPlan,
     shape: TtShape,
-    h: Vec<Vec<f32>>,
-    dh: Vec<Vec<f32>>,
+    h: Lease,  // H_c (gated cores), scratch
+    dh: Lease, // dH_c, scratch
     bufs: PathBuffers,
 }
 
@@ -305,9 +313,7 @@ impl TtLinearWorkspace {
             Some(p) => ContractionPlan::fixed(shape, batch, pass, &model, p),
             None => ContractionPlan::for_tt_linear(shape, batch, pass, &model),
         };
-        let h: Vec<Vec<f32>> = (0..shape.n_cores())
-            .map(|c| vec![0.0; shape.core_len(c)])
-            .collect();
+        let core_lens: Vec<usize> = (0..shape.n_cores()).map(|c| shape.core_len(c)).collect();
         let bufs = match plan.path {
             TtPath::Merged => PathBuffers::Merged(merged::Merged::new(shape, batch)),
             TtPath::Sequential => {
@@ -322,8 +328,8 @@ impl TtLinearWorkspace {
             model,
             plan,
             shape: shape.clone(),
-            dh: h.clone(),
-            h,
+            h: Lease::new(core_lens.clone()),
+            dh: Lease::new(core_lens),
             bufs,
         }
     }
@@ -363,15 +369,24 @@ impl TtLinearWorkspace {
         *self = TtLinearWorkspace::new(&self.shape, self.batch, self.pass, self.forced, model);
     }
 
-    /// Bytes held by this workspace.
+    /// Bytes held by this workspace between calls (what the forward saves for the backward).
     pub fn bytes(&self) -> usize {
-        let v = |b: &[Vec<f32>]| 4 * b.iter().map(Vec::len).sum::<usize>();
-        v(&self.h)
-            + v(&self.dh)
+        match &self.bufs {
+            PathBuffers::Merged(b) => b.bytes(),
+            PathBuffers::Sequential(b) => b.bytes(),
+            PathBuffers::Dense(b) => b.bytes(),
+        }
+    }
+
+    /// Bytes this layer borrows from the thread's scratch pool during a backward call (the
+    /// pool holds, after a step, at least the largest of these over the model's layers).
+    pub fn scratch_bytes(&self) -> usize {
+        self.h.bytes()
+            + self.dh.bytes()
             + match &self.bufs {
-                PathBuffers::Merged(b) => b.bytes(),
-                PathBuffers::Sequential(b) => b.bytes(),
-                PathBuffers::Dense(b) => b.bytes(),
+                PathBuffers::Merged(b) => b.scratch_bytes(),
+                PathBuffers::Sequential(b) => b.scratch_bytes(),
+                PathBuffers::Dense(b) => b.scratch_bytes(),
             }
     }
 
@@ -419,6 +434,7 @@ impl Layer for TtLinear {
             add_bias(y, &self.bias.value);
             return;
         }
+        ws.h.acquire();
         self.gate_cores(&mut ws.h);
         let s = &self.shape;
         match &mut ws.bufs {
@@ -426,6 +442,7 @@ impl Layer for TtLinear {
             PathBuffers::Sequential(p) => p.forward(s, &ws.h, b, x, y),
             PathBuffers::Dense(p) => p.forward(s, &ws.h, b, x, y),
         }
+        ws.h.release();
         add_bias(y, &self.bias.value);
     }
 
@@ -453,13 +470,19 @@ impl Layer for TtLinear {
             accumulate_bias_grad(dy, &mut self.bias.grad);
             return;
         }
+        // The gated cores again (cheaper to redo than to keep per layer), then the path.
+        ws.h.acquire();
+        ws.dh.acquire();
+        self.gate_cores(&mut ws.h);
         let s = &self.shape;
         match &mut ws.bufs {
             PathBuffers::Merged(p) => p.backward(s, &ws.h, &mut ws.dh, b, x, dy, dx),
             PathBuffers::Sequential(p) => p.backward(s, &ws.h, &mut ws.dh, b, dy, dx),
             PathBuffers::Dense(p) => p.backward(s, &ws.h, &mut ws.dh, b, x, dy, dx),
         }
+        ws.h.release();
         self.accumulate_core_grads(&ws.dh);
+        ws.dh.release();
         accumulate_bias_grad(dy, &mut self.bias.grad);
     }
 

@@ -10,9 +10,12 @@
 //!   dH_c = Z_cᵀ·dZ_{c+1}, dZ_c = dZ_{c+1}·H_cᵀ;  dH'_c = S_cᵀ·dS_{c+1}, dS_c = dS_{c+1}·H'_cᵀ,
 //! and dX is dS_0 with its digits put back in order.
 
+use super::pool::Lease;
 use comera_tensor::permute::permute;
 use comera_tensor::{matmul, MatMut, MatRef, TtShape};
 
+/// The states S and Z are kept between forward and backward; H', dH' and the gradient
+/// ping-pong are scratch borrowed for each call (the backward re-permutes H').
 #[derive(Debug)]
 pub(crate) struct Sequential {
     x_dims: Vec<usize>,     // [B, n_0, …, n_{p-1}]
@@ -20,9 +23,9 @@ pub(crate) struct Sequential {
     digit_perm: Vec<usize>, // [0, p, p-1, …, 1] (its own inverse)
     s: Vec<Vec<f32>>,       // S_0..S_p; S_c: rows_c·n_c × r_c elements = B·(N/P_c)·r_c
     z: Vec<Vec<f32>>,       // Z_{p+1}..Z_{K-1}
-    hp: Vec<Vec<f32>>,      // H'_c, c < p: (n_c, r_c, r_{c+1})
-    dhp: Vec<Vec<f32>>,     // dH'_c
-    d: [Vec<f32>; 2],       // dS / dZ ping-pong
+    hp: Lease,              // H'_c, c < p: (n_c, r_c, r_{c+1})
+    dhp: Lease,             // dH'_c
+    d: Lease,               // dS / dZ ping-pong
 }
 
 impl Sequential {
@@ -54,23 +57,35 @@ impl Sequential {
             }
         }
         let dmax = s.iter().map(Vec::len).max().unwrap_or(0).max(zmax);
-        let hp: Vec<Vec<f32>> = (0..p).map(|c| vec![0.0; shape.core_len(c)]).collect();
-        let dhp = hp.clone();
+        let hp: Vec<usize> = (0..p).map(|c| shape.core_len(c)).collect();
         Sequential {
             x_dims,
             xr_dims,
             digit_perm,
             s,
             z,
-            hp,
-            dhp,
-            d: [vec![0.0; dmax], vec![0.0; dmax]],
+            hp: Lease::new(hp.clone()),
+            dhp: Lease::new(hp),
+            d: Lease::new(vec![dmax; 2]),
         }
     }
 
+    /// Bytes kept between calls.
     pub fn bytes(&self) -> usize {
         let v = |b: &[Vec<f32>]| b.iter().map(Vec::len).sum::<usize>();
-        4 * (v(&self.s) + v(&self.z) + v(&self.hp) + v(&self.dhp) + v(&self.d))
+        4 * (v(&self.s) + v(&self.z))
+    }
+
+    /// Bytes borrowed from the thread's pool during a backward call.
+    pub fn scratch_bytes(&self) -> usize {
+        self.hp.bytes() + self.dhp.bytes() + self.d.bytes()
+    }
+
+    /// H'_c = H_c with its first two axes swapped, c < p (`hp` acquired).
+    fn permute_cores(&mut self, shape: &TtShape, h: &[Vec<f32>]) {
+        for c in 0..shape.p() {
+            permute(&h[c], &shape.core_shape(c), &[1, 0, 2], &mut self.hp[c]);
+        }
     }
 
     pub fn forward(
@@ -83,10 +98,10 @@ impl Sequential {
     ) {
         let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
         permute(x, &self.x_dims, &self.digit_perm, &mut self.s[0]);
+        self.hp.acquire();
+        self.permute_cores(shape, h);
         let mut rows = batch * shape.in_features();
         for c in 0..p {
-            let core = shape.core_shape(c);
-            permute(&h[c], &core, &[1, 0, 2], &mut self.hp[c]);
             rows /= shape.mode(c);
             let w = shape.mode(c) * r[c];
             let (done, rest) = self.s.split_at_mut(c + 1);
@@ -117,6 +132,7 @@ impl Sequential {
             );
             rows *= shape.mode(c);
         }
+        self.hp.release();
     }
 
     pub fn backward(
@@ -129,8 +145,12 @@ impl Sequential {
         dx: Option<&mut [f32]>,
     ) {
         let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
-        let [d0, d1] = &mut self.d;
-        let (mut cur, mut next) = (d0, d1);
+        self.hp.acquire();
+        self.dhp.acquire();
+        self.d.acquire();
+        self.permute_cores(shape, h);
+        let (d0, d1) = self.d.split_at_mut(1);
+        let (mut cur, mut next) = (&mut d0[0], &mut d1[0]);
         // Output side, from dZ_K = dY down to dZ_p = dS_p (left in `cur`).
         let mut rows = batch * shape.out_features();
         for c in (p..k).rev() {
@@ -187,5 +207,8 @@ impl Sequential {
             let n = batch * shape.in_features();
             permute(&cur[..n], &self.xr_dims, &self.digit_perm, dx);
         }
+        self.hp.release();
+        self.dhp.release();
+        self.d.release();
     }
 }
