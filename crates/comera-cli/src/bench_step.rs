@@ -438,7 +438,8 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
     };
     let mut rows: Vec<(String, f64, usize)> = Vec::new();
     let rule = RankGates::new(cfg.threshold);
-    let tt = |c: &comera_model::config::LayerTt| TtShape::uniform(&c.in_modes, &c.out_modes, c.rank);
+    let tt =
+        |c: &comera_model::config::LayerTt| TtShape::uniform(&c.in_modes, &c.out_modes, c.rank);
     for (name, shape, count) in [
         ("tt q/k/v/o", tt(&cfg.attn_tt)?, 4 * nl),
         ("tt ffn up", tt(&cfg.ffn_up_tt)?, nl),
@@ -451,7 +452,11 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         let mut y = vec![0.0; n * layer.out_features()];
         let mut dx = vec![0.0; n * layer.in_features()];
         rows.push((
-            format!("{name} fwd [{}; ws {:.2} MB]", ws.path(), ws.bytes() as f64 / MB),
+            format!(
+                "{name} fwd [{}; ws {:.2} MB]",
+                ws.path(),
+                ws.bytes() as f64 / MB
+            ),
             time_ms(reps, || layer.forward(&mut ws, &x, &mut y)),
             count,
         ));
@@ -494,7 +499,11 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
     ));
     let h = rand(&mut rng, n * f);
     let mut g = vec![0.0; n * f];
-    rows.push(("gelu fwd".into(), time_ms(reps, || Gelu.forward(&h, &mut g)), nl));
+    rows.push((
+        "gelu fwd".into(),
+        time_ms(reps, || Gelu.forward(&h, &mut g)),
+        nl,
+    ));
     rows.push((
         "gelu bwd".into(),
         time_ms(reps, || Gelu.backward_in_place(&h, &mut g)),
@@ -504,12 +513,16 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
     let shape = TtmShape::uniform(&w.vocab_modes, &w.dim_modes, w.rank, cfg.vocab_size)?;
     let mut emb = TtmEmbedding::new("word", shape, rule, 1.0, &mut rng)?;
     let mut ews = emb.workspace(n);
-    let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % cfg.vocab_size as u32).collect();
+    let ids: Vec<u32> = (0..n as u32)
+        .map(|i| (i * 7919) % cfg.vocab_size as u32)
+        .collect();
     let mut ey = vec![0.0; n * d];
     let dey = rand(&mut rng, n * d);
     rows.push((
         format!("ttm fwd [ws {:.2} MB]", ews.bytes() as f64 / MB),
-        time_ms(reps, || emb.forward(&mut ews, &ids, &mut ey).expect("ids < V")),
+        time_ms(reps, || {
+            emb.forward(&mut ews, &ids, &mut ey).expect("ids < V")
+        }),
         1,
     ));
     rows.push((
@@ -532,20 +545,22 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         time_ms(reps, || opt.step(1.0, 1.0, |f| enc.visit_params_mut(f))),
         1,
     ));
-    rows.push((
-        "zero grad".into(),
-        time_ms(reps, || enc.zero_grad()),
-        1,
-    ));
+    rows.push(("zero grad".into(), time_ms(reps, || enc.zero_grad()), 1));
     println!(
         "per-operation medians, batch {b} ({n} tokens), {} threads",
         rayon::current_num_threads()
     );
-    println!("{:<44} {:>10} {:>6} {:>10}", "op", "ms/call", "calls", "ms/step");
+    println!(
+        "{:<44} {:>10} {:>6} {:>10}",
+        "op", "ms/call", "calls", "ms/step"
+    );
     let mut total = 0.0;
     for (name, ms, count) in &rows {
         total += ms * *count as f64;
-        println!("{name:<44} {ms:>10.3} {count:>6} {:>10.2}", ms * *count as f64);
+        println!(
+            "{name:<44} {ms:>10.3} {count:>6} {:>10.2}",
+            ms * *count as f64
+        );
     }
     println!("{:<44} {:>10} {:>6} {total:>10.2}", "sum", "", "");
     Ok(())

@@ -49,9 +49,21 @@ fn run() {
     let mut rows: Vec<(String, f64, usize)> = Vec::new();
     let mut ws_total = 0usize;
     for (name, shape, count) in [
-        ("tt q/k/v/o", TtShape::uniform(&[12, 8, 8], &[8, 8, 12], 30).unwrap(), 4 * nl),
-        ("tt ffn up", TtShape::uniform(&[12, 8, 8], &[12, 16, 16], 30).unwrap(), nl),
-        ("tt ffn down", TtShape::uniform(&[12, 16, 16], &[8, 8, 12], 30).unwrap(), nl),
+        (
+            "tt q/k/v/o",
+            TtShape::uniform(&[12, 8, 8], &[8, 8, 12], 30).unwrap(),
+            4 * nl,
+        ),
+        (
+            "tt ffn up",
+            TtShape::uniform(&[12, 8, 8], &[12, 16, 16], 30).unwrap(),
+            nl,
+        ),
+        (
+            "tt ffn down",
+            TtShape::uniform(&[12, 16, 16], &[8, 8, 12], 30).unwrap(),
+            nl,
+        ),
     ] {
         let mut layer = TtLinear::new(name, shape, rule, &mut rng).unwrap();
         let mut ws = layer.workspace(n);
@@ -61,7 +73,11 @@ fn run() {
         let mut dx = vec![0.0; n * layer.in_features()];
         ws_total += count * ws.bytes();
         rows.push((
-            format!("{name} fwd [{}; ws {:.3} MB]", ws.path(), ws.bytes() as f64 / MB),
+            format!(
+                "{name} fwd [{}; ws {:.3} MB]",
+                ws.path(),
+                ws.bytes() as f64 / MB
+            ),
             time_ms(reps, || layer.forward(&mut ws, &x, &mut y)),
             count,
         ));
@@ -112,7 +128,11 @@ fn run() {
     ));
     let h = rand(&mut rng, n * f);
     let mut g = vec![0.0; n * f];
-    rows.push(("gelu fwd".into(), time_ms(reps, || Gelu.forward(&h, &mut g)), nl));
+    rows.push((
+        "gelu fwd".into(),
+        time_ms(reps, || Gelu.forward(&h, &mut g)),
+        nl,
+    ));
     rows.push((
         "gelu bwd".into(),
         time_ms(reps, || Gelu.backward_in_place(&h, &mut g)),
@@ -140,11 +160,17 @@ fn run() {
         rayon::current_num_threads(),
         ws_total as f64 / MB
     );
-    println!("{:<44} {:>10} {:>6} {:>10}", "op", "ms/call", "calls", "ms/step");
+    println!(
+        "{:<44} {:>10} {:>6} {:>10}",
+        "op", "ms/call", "calls", "ms/step"
+    );
     let mut total = 0.0;
     for (name, ms, count) in &rows {
         total += ms * *count as f64;
-        println!("{name:<44} {ms:>10.3} {count:>6} {:>10.2}", ms * *count as f64);
+        println!(
+            "{name:<44} {ms:>10.3} {count:>6} {:>10.2}",
+            ms * *count as f64
+        );
     }
     println!("{:<44} {:>10} {:>6} {total:>10.2}", "sum", "", "");
 }

@@ -127,7 +127,7 @@ impl Attention {
         for b in 0..bsz {
             let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
             let out_b = &mut out[b * t * d..(b + 1) * t * d]; // (T, D)
-            // 1 for an allowed key, 0 for a padding one.
+                                                              // 1 for an allowed key, 0 for a padding one.
             match mask {
                 Some(m) => {
                     for (a, &v) in allow.iter_mut().zip(&m[b * t..(b + 1) * t]) {
