@@ -54,9 +54,9 @@ fn arm_config(base: &EncoderConfig, arm: &str) -> anyhow::Result<EncoderConfig> 
             c.ttm_embedding = true;
             c.mlm_decoder = MlmDecoderKind::Dense;
         }
-        other => anyhow::bail!(
-            "--arms: unknown arm `{other}` (dense, comera, comera-dense-decoder)"
-        ),
+        other => {
+            anyhow::bail!("--arms: unknown arm `{other}` (dense, comera, comera-dense-decoder)")
+        }
     }
     Ok(c)
 }
@@ -116,8 +116,7 @@ pub fn run(a: MlmArgs) -> anyhow::Result<ExitCode> {
         arm.model.zero_grad();
         arm.model.forward(&mut arm.st, true, 0)?;
         arm.model.backward(&mut arm.st);
-        arm.opt
-            .step(1.0, 1.0, |f| arm.model.visit_params_mut(f));
+        arm.opt.step(1.0, 1.0, |f| arm.model.visit_params_mut(f));
         Ok(t0.elapsed().as_secs_f64() * 1e3)
     };
     for arm in &mut arms {

@@ -4,22 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn comera(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_comera"))
-        .args(args)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.code().unwrap_or(-1), text)
-}
-
-fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("comera-train-test-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+mod common;
+use common::{comera, records, tempdir};
 
 const WORDS: &[&str] = &[
     "the", "a", "dress", "shirt", "fit", "color", "is", "was", "very",
@@ -259,14 +245,6 @@ fn bench_step_runs_on_tiny_sizes() {
 }
 
 /// The records of one kind from a run's metrics log.
-fn records(run: &Path, kind: &str) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|r| r["kind"] == kind)
-        .collect()
-}
 
 fn checkpoints(run: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(run.join("checkpoints"))
@@ -343,7 +321,7 @@ fn resume_matches(tag: &str, tt: bool, extra: &str, rank: bool) {
         let strip = |v: Vec<serde_json::Value>| -> Vec<serde_json::Value> {
             v.into_iter()
                 .map(|mut r| {
-                    for timing in ["tokens_per_s", "seconds"] {
+                    for timing in ["tokens_per_s", "ms_per_step", "seconds"] {
                         r.as_object_mut().unwrap().remove(timing);
                     }
                     r

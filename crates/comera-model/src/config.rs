@@ -261,12 +261,10 @@ impl EncoderConfig {
                 }
                 Some(s)
             }
-            (HeadKind::Mlm, MlmDecoderKind::Tied) if self.ttm_embedding => {
-                return Err(err(
-                    "model.mlm_decoder",
-                    "`tied` needs a dense word embedding (ttm_embedding = false); use `tt` or `dense`",
-                ))
-            }
+            (HeadKind::Mlm, MlmDecoderKind::Tied) if self.ttm_embedding => return Err(err(
+                "model.mlm_decoder",
+                "`tied` needs a dense word embedding (ttm_embedding = false); use `tt` or `dense`",
+            )),
             _ => None,
         };
         Ok(Layouts {

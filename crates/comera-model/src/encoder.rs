@@ -388,7 +388,12 @@ impl Encoder {
             }
         });
         // Their body parameters: all but the head's.
-        let head: Vec<&str> = other.head.params().iter().map(|p| p.name.as_str()).collect();
+        let head: Vec<&str> = other
+            .head
+            .params()
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect();
         let theirs: std::collections::HashMap<&str, &Param> = other
             .params()
             .into_iter()
@@ -856,8 +861,7 @@ impl ClassifierState {
         h.classifier
             .forward(&mut self.ws_cls, &self.pooled, &mut self.logits);
         if train {
-            h.ce
-                .forward_backward(&self.logits, &self.labels, &mut self.dlogits)
+            h.ce.forward_backward(&self.logits, &self.labels, &mut self.dlogits)
         } else {
             h.ce.forward(&self.logits, &self.labels)
         }
@@ -873,8 +877,12 @@ impl ClassifierState {
         );
         h.drop.backward_in_place(&self.ws_drop, &mut self.dpooled);
         Tanh.backward_in_place(&self.pooled_pre, &mut self.dpooled);
-        h.pool
-            .backward(&mut self.ws_pool, &self.cls, &self.dpooled, Some(&mut self.dcls));
+        h.pool.backward(
+            &mut self.ws_pool,
+            &self.cls,
+            &self.dpooled,
+            Some(&mut self.dcls),
+        );
     }
 
     fn bytes(&self) -> usize {
@@ -1096,7 +1104,10 @@ impl EncoderState {
             ));
         }
         if let Some(w) = selected.windows(2).find(|w| w[0] >= w[1]) {
-            return Err(format!("selected positions not ascending: {} then {}", w[0], w[1]));
+            return Err(format!(
+                "selected positions not ascending: {} then {}",
+                w[0], w[1]
+            ));
         }
         if let Some(&s) = selected.iter().find(|&&s| s as usize >= n) {
             return Err(format!("selected position {s} outside 0..{n}"));
@@ -1144,17 +1155,10 @@ impl EncoderState {
             HeadState::Classifier(h) => h.bytes(),
             HeadState::Mlm(h) => h.bytes(),
         };
-        total += [
-            &self.d,
-            &self.dqkv,
-            &self.dq,
-            &self.dk,
-            &self.dv,
-            &self.dg,
-        ]
-        .iter()
-        .map(|v| f(v))
-        .sum::<usize>();
+        total += [&self.d, &self.dqkv, &self.dq, &self.dk, &self.dv, &self.dg]
+            .iter()
+            .map(|v| f(v))
+            .sum::<usize>();
         total += self.tmp.iter().map(f).sum::<usize>();
         total += WordEmbedding::workspace_bytes(&self.ws_word);
         for s in &self.blocks {

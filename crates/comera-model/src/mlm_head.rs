@@ -52,15 +52,15 @@ pub struct MlmHeadState {
     pub(crate) selected: Vec<u32>,
     /// Per-token labels of the batch (N), `IGNORE_INDEX` where nothing is predicted.
     pub(crate) token_labels: Vec<i32>,
-    labels: Vec<i32>,  // R
-    x: Vec<f32>,       // R × D (gathered hidden states)
-    pre: Vec<f32>,     // R × D (before GELU)
-    act: Vec<f32>,     // R × D (after GELU)
-    t: Vec<f32>,       // R × D (after LN)
-    logits: Vec<f32>,  // R × V' (∂L/∂Z after a training forward)
-    scratch: Vec<f64>, // 2R (row losses for the loss)
-    dt: Vec<f32>,      // R × D
-    dpre: Vec<f32>,    // R × D
+    labels: Vec<i32>,        // R
+    x: Vec<f32>,             // R × D (gathered hidden states)
+    pre: Vec<f32>,           // R × D (before GELU)
+    act: Vec<f32>,           // R × D (after GELU)
+    t: Vec<f32>,             // R × D (after LN)
+    logits: Vec<f32>,        // R × V' (∂L/∂Z after a training forward)
+    scratch: Vec<f64>,       // 2R (row losses for the loss)
+    dt: Vec<f32>,            // R × D
+    dpre: Vec<f32>,          // R × D
     pub(crate) dx: Vec<f32>, // R × D
 }
 
@@ -145,13 +145,16 @@ impl MlmHead {
             st.x[i * d..(i + 1) * d].copy_from_slice(&hidden[s * d..(s + 1) * d]);
             st.labels[i] = st.token_labels[s];
         }
-        self.transform.forward(&mut st.ws_transform, &st.x, &mut st.pre);
+        self.transform
+            .forward(&mut st.ws_transform, &st.x, &mut st.pre);
         Gelu.forward(&st.pre, &mut st.act);
         self.ln.forward(&mut st.ws_ln, &st.act, &mut st.t);
         match (&self.decoder, &mut st.ws_decoder) {
             (MlmDecoder::Own(l), Some(ws)) => l.forward(ws, &st.t, &mut st.logits),
             (MlmDecoder::Tied { bias }, None) => {
-                let e = &table.expect("a tied MLM head needs the embedding table").value;
+                let e = &table
+                    .expect("a tied MLM head needs the embedding table")
+                    .value;
                 // Z = T·Eᵀ + b: (R × D)·(D × V).
                 matmul(
                     MatMut::new(&mut st.logits, r, w),
@@ -240,7 +243,10 @@ impl MlmHeadState {
             + self.dpre.len()
             + self.dx.len())
             + 8 * self.scratch.len()
-            + self.ws_decoder.as_ref().map_or(0, AnyLinear::workspace_bytes)
+            + self
+                .ws_decoder
+                .as_ref()
+                .map_or(0, AnyLinear::workspace_bytes)
     }
 
     /// Row capacity R.

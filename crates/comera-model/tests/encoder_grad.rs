@@ -337,3 +337,59 @@ fn tensorised_model_is_smaller_than_its_dense_equivalent() {
         dense.num_params()
     );
 }
+
+#[test]
+fn init_body_from_copies_the_pretrained_body_and_keeps_the_head() {
+    let mut pre_cfg = tiny_mlm(true, MlmDecoderKind::Auto);
+    pre_cfg.seq_len = 12;
+    let mut pre = Encoder::new(&pre_cfg, 3).unwrap();
+    // Truncated ranks in the pre-trained model: the fine-tuned one must take them.
+    pre.visit_compressible_mut(&mut |l| {
+        if l.layer_name() == "encoder.0.attn.q" {
+            l.set_ranks(&[1, 2, 3, 2, 1]).unwrap();
+        }
+    });
+    let fresh = Encoder::new(&tiny(true, false), 8).unwrap();
+    let mut ft = fresh.clone();
+    ft.init_body_from(&pre).unwrap();
+    let pre_params: std::collections::HashMap<String, Vec<f32>> = pre
+        .params()
+        .iter()
+        .map(|p| (p.name.clone(), p.value.clone()))
+        .collect();
+    let fresh_params: std::collections::HashMap<String, Vec<f32>> = fresh
+        .params()
+        .iter()
+        .map(|p| (p.name.clone(), p.value.clone()))
+        .collect();
+    let mut body = 0;
+    for p in ft.params() {
+        if p.name.starts_with("pooler") || p.name.starts_with("classifier") {
+            assert_eq!(
+                p.value, fresh_params[&p.name],
+                "{} keeps its own head",
+                p.name
+            );
+        } else if p.name == "embeddings.position.weight" {
+            // 6 of the 12 pre-trained positions.
+            assert_eq!(p.value[..], pre_params[&p.name][..6 * 16]);
+        } else {
+            assert_eq!(p.value, pre_params[&p.name], "{}", p.name);
+            body += 1;
+        }
+    }
+    assert!(body > 20);
+    let mut q_ranks = vec![];
+    ft.visit_compressible(&mut |l| {
+        if l.layer_name() == "encoder.0.attn.q" {
+            q_ranks = l.ranks();
+        }
+    });
+    assert_eq!(q_ranks, vec![1, 2, 3, 2, 1]);
+    // Another body shape is refused by field.
+    let e = Encoder::new(&tiny(true, true), 1)
+        .unwrap()
+        .init_body_from(&pre)
+        .unwrap_err();
+    assert_eq!(e.field, "model.pre_ln");
+}

@@ -2,7 +2,7 @@
 //! the CPU counterpart of the paper's whole-step CUDA Graph. A counting global allocator
 //! watches step 3.
 
-use comera_model::{Encoder, EncoderConfig, LayerTt, TtmConfig};
+use comera_model::{Encoder, EncoderConfig, HeadKind, LayerTt, TtmConfig};
 use comera_optim::{clip_scale, AdamW, AdamWConfig};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -92,8 +92,22 @@ fn steady_state_training_steps_allocate_nothing() {
 }
 
 fn steps_allocate_nothing(threads: usize) {
-    for (tt, pre_ln) in [(false, false), (true, false), (true, true)] {
-        let cfg = config(tt, pre_ln);
+    for (tt, pre_ln, mlm) in [
+        (false, false, false),
+        (true, false, false),
+        (true, true, false),
+        (true, true, true),
+        (false, false, true),
+    ] {
+        let mut cfg = config(tt, pre_ln);
+        if mlm {
+            cfg.head = HeadKind::Mlm;
+            cfg.mlm_decoder_tt = LayerTt {
+                in_modes: vec![4, 8],
+                out_modes: vec![42, 50],
+                rank: 4,
+            };
+        }
         let mut model = Encoder::new(&cfg, 1).unwrap();
         let (b, t) = (16usize, cfg.seq_len);
         let mut st = model.state(b);
@@ -102,11 +116,29 @@ fn steps_allocate_nothing(threads: usize) {
         let types = vec![0u32; b * t];
         let mask: Vec<u32> = (0..b * t).map(|i| (i % t < t - 3) as u32).collect();
         let labels: Vec<usize> = (0..b).map(|i| i % 3).collect();
+        // MLM: 4 labelled positions per sequence.
+        let selected: Vec<u32> = (0..b * t)
+            .filter(|i| i % t % 7 == 1)
+            .map(|i| i as u32)
+            .collect();
+        let token_labels: Vec<i32> = (0..b * t)
+            .map(|i| {
+                if i % t % 7 == 1 {
+                    (i * 13 % 2000) as i32
+                } else {
+                    -100
+                }
+            })
+            .collect();
         // Allocations per step, split by phase: (load + zero_grad, forward, backward, clip + AdamW).
         let mut counts = [[0usize; 4]; 4];
         for (step, phases) in counts.iter_mut().enumerate() {
             let a0 = ALLOCS.load(Ordering::SeqCst);
-            st.load(&ids, &types, &mask, &labels).unwrap();
+            if mlm {
+                st.load_mlm(&ids, &mask, &token_labels, &selected).unwrap();
+            } else {
+                st.load(&ids, &types, &mask, &labels).unwrap();
+            }
             model.zero_grad();
             let a1 = ALLOCS.load(Ordering::SeqCst);
             let s = model.forward(&mut st, true, step as u64).unwrap();
@@ -119,7 +151,7 @@ fn steps_allocate_nothing(threads: usize) {
             let a4 = ALLOCS.load(Ordering::SeqCst);
             *phases = [a1 - a0, a2 - a1, a3 - a2, a4 - a3];
         }
-        let tag = format!("{threads} threads, tt={tt} pre_ln={pre_ln}: allocations per step (load, fwd, bwd, optim) {counts:?}");
+        let tag = format!("{threads} threads, tt={tt} pre_ln={pre_ln} mlm={mlm}: allocations per step (load, fwd, bwd, optim) {counts:?}");
         let c0 = ALLOCS.load(Ordering::SeqCst);
         std::hint::black_box(vec![0u8; 64]);
         assert!(

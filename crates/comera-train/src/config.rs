@@ -284,7 +284,10 @@ impl RunConfig {
         let mlm = self.model.head == comera_model::HeadKind::Mlm;
         match (d.source.as_str(), mlm) {
             ("corpus", false) => {
-                return Err("model.head: data.source `corpus` trains a masked-LM: set head = \"mlm\"".into())
+                return Err(
+                    "model.head: data.source `corpus` trains a masked-LM: set head = \"mlm\""
+                        .into(),
+                )
             }
             (s, true) if s != "corpus" => {
                 return Err(format!(
@@ -299,7 +302,10 @@ impl RunConfig {
             }
             let p = |x: f64| (0.0..=1.0).contains(&x);
             if !(p(d.select_prob) && d.select_prob > 0.0) {
-                return Err(format!("data.select_prob: must be in (0, 1], got {}", d.select_prob));
+                return Err(format!(
+                    "data.select_prob: must be in (0, 1], got {}",
+                    d.select_prob
+                ));
             }
             if !(p(d.mask_prob) && p(d.random_prob) && d.mask_prob + d.random_prob <= 1.0) {
                 return Err(format!(

@@ -174,7 +174,10 @@ impl CorpusData {
     /// Resolves the sources and loads the tokenizer; nothing is read from the corpus yet.
     pub fn new(cfg: &DataConfig, seed: u64) -> anyhow::Result<CorpusData> {
         let cache = cache_dir(cfg);
-        let kind: TokenizerKind = cfg.tokenizer.parse().map_err(|e| anyhow!("data.tokenizer: {e}"))?;
+        let kind: TokenizerKind = cfg
+            .tokenizer
+            .parse()
+            .map_err(|e| anyhow!("data.tokenizer: {e}"))?;
         let (tokenizer, vocab) = match (kind, &cfg.vocab) {
             (TokenizerKind::WordPiece, Some(v)) => (
                 CorpusTokenizer::WordPiece(
@@ -251,13 +254,19 @@ impl CorpusData {
             ..self.pack
         };
         let mut p = pack_corpus(&self.corpus, &self.tokenizer, &cfg)?;
-        for (set, max) in [(&mut p.train, self.max_train), (&mut p.valid, self.max_valid)] {
+        for (set, max) in [
+            (&mut p.train, self.max_train),
+            (&mut p.valid, self.max_valid),
+        ] {
             if max > 0 && set.len() > max {
                 set.input_ids.truncate(max * seq_len);
             }
         }
         if p.train.is_empty() {
-            bail!("data.corpus: no training blocks of {seq_len} tokens in {:?}", self.corpus.sources);
+            bail!(
+                "data.corpus: no training blocks of {seq_len} tokens in {:?}",
+                self.corpus.sources
+            );
         }
         if p.valid.is_empty() {
             bail!("data.valid_fraction: no held-out block of {seq_len} tokens (raise the fraction or add documents)");

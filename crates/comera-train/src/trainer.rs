@@ -2,8 +2,8 @@
 //! metrics log, the plot and the model files.
 
 use crate::checkpoint::{self, Checkpoint, OptState, Progress};
-use crate::config::RunConfig;
 use crate::config::Phase;
+use crate::config::RunConfig;
 use crate::data::{prepare, CorpusData, PreparedData};
 use crate::files::{save_model, MetricsLog, ModelMeta};
 use crate::plot::{plot_panels, Panel, Series};
@@ -144,8 +144,13 @@ impl EpochBatches<'_> {
                 if !it.next_into(b) {
                     return Ok(false);
                 }
-                st.load(&b.input_ids, &b.token_type_ids, &b.attention_mask, &b.labels)
-                    .map_err(anyhow::Error::msg)?;
+                st.load(
+                    &b.input_ids,
+                    &b.token_type_ids,
+                    &b.attention_mask,
+                    &b.labels,
+                )
+                .map_err(anyhow::Error::msg)?;
             }
             EpochBatches::Mlm(it, b) => {
                 if !it.next_into(b) {
@@ -177,7 +182,9 @@ impl TaskData {
 
     fn epoch_batches(&self, seq_len: usize, b: usize, seed: u64) -> EpochBatches<'_> {
         match self {
-            TaskData::Classify(d) => EpochBatches::Classify(d.train.batches(b, seed), Batch::default()),
+            TaskData::Classify(d) => {
+                EpochBatches::Classify(d.train.batches(b, seed), Batch::default())
+            }
             TaskData::Mlm(d) => {
                 let packed = d.packed_ref(seq_len);
                 EpochBatches::Mlm(
@@ -598,9 +605,8 @@ fn train_here(
             if let Some(dir) = &cfg.train.init_from {
                 let (pre, _) = crate::files::load_model(dir)
                     .with_context(|| format!("train.init_from: {}", dir.display()))?;
-                m.init_body_from(&pre).map_err(|e| {
-                    anyhow::anyhow!("train.init_from: {}: {e}", dir.display())
-                })?;
+                m.init_body_from(&pre)
+                    .map_err(|e| anyhow::anyhow!("train.init_from: {}: {e}", dir.display()))?;
                 eprintln!(
                     "init  encoder from {} ({} parameters)",
                     dir.display(),
@@ -758,12 +764,7 @@ fn train_here(
         if ph != st_phase {
             st = new_state(&model, phase)?;
             st_phase = ph;
-            bar.println(format!(
-                "phase {}: seq_len {}, batch {}",
-                ph + 1,
-                phase.seq_len,
-                b
-            ));
+            bar.suspend(|| eprintln!("phase {}: seq_len {}, batch {b}", ph + 1, phase.seq_len));
         }
         let tokens_per_step = (b * phase.seq_len) as f64;
         let mut batches =
@@ -844,7 +845,7 @@ fn train_here(
                     Branch::Loss => "late-loss",
                     Branch::Size => "late-size",
                 };
-                let mut r = json!({"kind": "train", "epoch": epoch + 1, "step": step, "tokens": tokens_at(step), "loss": l, "accuracy": a, "lr_scale": lr, "grad_norm": gnorm, "tokens_per_s": tps, "params": model.num_params(), "compression": model_ratio(&model)});
+                let mut r = json!({"kind": "train", "epoch": epoch + 1, "step": step, "tokens": tokens_at(step), "loss": l, "accuracy": a, "lr_scale": lr, "grad_norm": gnorm, "tokens_per_s": tps, "ms_per_step": secs * 1e3 / steps_in_window, "params": model.num_params(), "compression": model_ratio(&model)});
                 if rank.active() {
                     r["size"] = json!(obj.size);
                     r["size_l1"] = json!(obj.size_l1);
