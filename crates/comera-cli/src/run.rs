@@ -41,6 +41,9 @@ pub struct TrainArgs {
     /// Stop after this many steps with a checkpoint (resumable).
     #[arg(long)]
     stop_after_steps: Option<u64>,
+    /// Start the encoder from a pre-trained run directory (sets `train.init_from`).
+    #[arg(long)]
+    init_from: Option<PathBuf>,
 }
 
 pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
@@ -52,6 +55,12 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
         if a.stop_after_steps.is_some() {
             bail!(
                 "--stop-after-steps: DLRM runs ({}) have no checkpoints yet",
+                p.display()
+            );
+        }
+        if a.init_from.is_some() {
+            bail!(
+                "--init-from: DLRM runs ({}) have no pre-trained encoder",
                 p.display()
             );
         }
@@ -96,6 +105,9 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
     }
     if let Some(v) = a.stop_after_steps {
         cfg.train.stop_after_steps = v;
+    }
+    if let Some(v) = a.init_from {
+        cfg.train.init_from = Some(v);
     }
     if a.dense {
         cfg.model.tt_linear = false;

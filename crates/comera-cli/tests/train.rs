@@ -244,8 +244,6 @@ fn bench_step_runs_on_tiny_sizes() {
     }
 }
 
-/// The records of one kind from a run's metrics log.
-
 fn checkpoints(run: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(run.join("checkpoints"))
         .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())

@@ -93,6 +93,8 @@ pub struct Encoder {
 
 /// What sits on the encoder's last hidden states.
 #[derive(Clone, Debug)]
+// One per model: the variants' size difference costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 pub enum Head {
     Classifier(ClassifierHead),
     Mlm(MlmHead),
@@ -144,20 +146,20 @@ impl Head {
     /// The MLM head's TT output projection, if it has one.
     fn tt_decoder(&self) -> Option<&TtLinear> {
         match self {
-            Head::Mlm(MlmHead {
-                decoder: MlmDecoder::Own(AnyLinear::Tt(t)),
-                ..
-            }) => Some(t),
+            Head::Mlm(h) => match &h.decoder {
+                MlmDecoder::Own(AnyLinear::Tt(t)) => Some(t),
+                _ => None,
+            },
             _ => None,
         }
     }
 
     fn tt_decoder_mut(&mut self) -> Option<&mut TtLinear> {
         match self {
-            Head::Mlm(MlmHead {
-                decoder: MlmDecoder::Own(AnyLinear::Tt(t)),
-                ..
-            }) => Some(t),
+            Head::Mlm(h) => match &mut h.decoder {
+                MlmDecoder::Own(AnyLinear::Tt(t)) => Some(t),
+                _ => None,
+            },
             _ => None,
         }
     }

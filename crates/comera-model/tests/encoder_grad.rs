@@ -118,7 +118,7 @@ fn check_model(tt: bool, pre_ln: bool) {
 
 fn check(cfg: &EncoderConfig, load: &dyn Fn(&mut EncoderState, &Batch)) {
     let (tt, pre_ln) = (cfg.tt_linear, cfg.pre_ln);
-    let mut m = Encoder::new(&cfg, 5).unwrap();
+    let mut m = Encoder::new(cfg, 5).unwrap();
     let mut rng = init::rng(9);
     // Gates away from 1 so that gate gradients are not trivially tied to core gradients.
     m.visit_params_mut(&mut |p| {

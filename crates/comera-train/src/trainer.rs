@@ -130,7 +130,8 @@ enum TaskData {
     Mlm(CorpusData),
 }
 
-/// One epoch's batches.
+/// One epoch's batches (one per epoch: the variants' size difference does not matter).
+#[allow(clippy::large_enum_variant)]
 enum EpochBatches<'a> {
     Classify(Batches<'a>, Batch),
     Mlm(MlmBatches<'a>, MlmBatch),
@@ -757,8 +758,7 @@ fn train_here(
         checkpoint::save(&out, &resolved, prog, rank, model, &state, keep).map(|_| ())
     };
     let n_epochs = epochs.len();
-    'epochs: for epoch in prog.epoch..n_epochs {
-        let (ph, per_epoch) = epochs[epoch];
+    'epochs: for (epoch, &(ph, per_epoch)) in epochs.iter().enumerate().skip(prog.epoch) {
         let phase = &phases[ph];
         let b = phase.batch_size;
         if ph != st_phase {
