@@ -239,8 +239,9 @@ fn layer_workspace_bytes(enc: &Encoder, b: usize) -> usize {
             total += AnyLinear::workspace_bytes(&l.workspace(n));
         }
     }
-    let attn = Attention::new(c.d_model, c.heads).workspace(b, c.seq_len);
-    total + c.layers * 4 * (attn.probs().len() + attn.seq_len() * attn.seq_len())
+    // As the encoder makes them: P is recomputed in the backward, not kept.
+    let attn = Attention::new(c.d_model, c.heads).workspace_recompute(b, c.seq_len);
+    total + c.layers * Attention::workspace_bytes(&attn)
 }
 
 enum Opt {
@@ -331,10 +332,12 @@ fn time_child(cfg: &RunConfig, arm: &str, a: &CompareArgs) -> anyhow::Result<Tim
     // Accounting (after the peak was read: the workspaces are rebuilt to be measured).
     let params = enc.num_params();
     let state = st.bytes();
-    let layer_ws = layer_workspace_bytes(&enc, b).min(state);
     // TT/TTM layers borrow their per-call scratch from one pool per thread, shared by every
-    // layer (not part of `EncoderState::bytes`); this thread ran the steps.
-    let workspace_bytes = layer_ws + comera_layers::tt_linear::scratch_pool_bytes();
+    // layer (`EncoderState::bytes` counts this thread's, which ran the steps).
+    let layer_ws = (layer_workspace_bytes(&enc, b)
+        + comera_layers::tt_linear::scratch_pool_bytes())
+    .min(state);
+    let workspace_bytes = layer_ws;
     let (optimizer_bytes, galore_bytes, update_every) = match &opt {
         Opt::AdamW(o) => (o.bytes(), None, None),
         Opt::GaLore(g) => {

@@ -218,8 +218,8 @@ fn child(a: &StepArgs, model: &str) -> anyhow::Result<ChildReport> {
         params,
         dense_equivalent_params: enc.dense_equivalent_params(),
         param_bytes: 2 * 4 * params,
-        // Plus the scratch pool the TT/TTM layers share on this thread (not in the state).
-        state_bytes: st.bytes() + comera_layers::tt_linear::scratch_pool_bytes(),
+        // Includes the scratch pool the TT/TTM layers share on this thread.
+        state_bytes: st.bytes(),
         optimizer_bytes: opt.bytes(),
         loss,
         threads: rayon::current_num_threads(),

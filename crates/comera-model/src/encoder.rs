@@ -615,15 +615,19 @@ impl Encoder {
             } else {
                 x
             };
-            blk.q.forward(&mut s.ws_q, attn_in, &mut s.q);
-            blk.k.forward(&mut s.ws_k, attn_in, &mut s.k);
-            blk.v.forward(&mut s.ws_v, attn_in, &mut s.v);
-            interleave(&s.q, &s.k, &s.v, d, &mut s.qkv);
+            // q, k, v go through the backward's dq/dk/dv (free during the forward) into the
+            // saved interleaved qkv; the attention output a and the FFN output f only live
+            // until their residual sums, in tmp[0].
+            blk.q.forward(&mut s.ws_q, attn_in, &mut st.dq);
+            blk.k.forward(&mut s.ws_k, attn_in, &mut st.dk);
+            blk.v.forward(&mut s.ws_v, attn_in, &mut st.dv);
+            interleave(&st.dq, &st.dk, &st.dv, d, &mut s.qkv);
             self.attn
                 .forward(&mut s.ws_attn, &s.qkv, Some(&st.mask), &mut s.att);
-            blk.o.forward(&mut s.ws_o, &s.att, &mut s.a);
-            self.drop_attn[l].forward_in_place(&mut s.ws_drop_attn, step, train, &mut s.a);
-            sum_into(x, &s.a, &mut s.r1);
+            let a = &mut st.tmp[0];
+            blk.o.forward(&mut s.ws_o, &s.att, a);
+            self.drop_attn[l].forward_in_place(&mut s.ws_drop_attn, step, train, a);
+            sum_into(x, a, &mut s.r1);
             let ffn_in: &[f32] = if self.cfg.pre_ln {
                 blk.ln2.forward(&mut s.ws_ln2, &s.r1, &mut s.ln2_out);
                 &s.ln2_out
@@ -631,14 +635,16 @@ impl Encoder {
                 blk.ln1.forward(&mut s.ws_ln1, &s.r1, &mut s.ln1_out);
                 &s.ln1_out
             };
+            // g = GELU(h) is not kept: the backward recomputes it.
             blk.up.forward(&mut s.ws_up, ffn_in, &mut s.h);
-            Gelu.forward(&s.h, &mut s.g);
-            blk.down.forward(&mut s.ws_down, &s.g, &mut s.f);
-            self.drop_ffn[l].forward_in_place(&mut s.ws_drop_ffn, step, train, &mut s.f);
+            Gelu.forward(&s.h, &mut st.g);
+            let f = &mut st.tmp[0];
+            blk.down.forward(&mut s.ws_down, &st.g, f);
+            self.drop_ffn[l].forward_in_place(&mut s.ws_drop_ffn, step, train, f);
             if self.cfg.pre_ln {
-                sum_into(&s.r1, &s.f, &mut s.out);
+                sum_into(&s.r1, f, &mut s.out);
             } else {
-                sum_into(&s.ln1_out, &s.f, &mut s.r2);
+                sum_into(&s.ln1_out, f, &mut s.r2);
                 blk.ln2.forward(&mut s.ws_ln2, &s.r2, &mut s.out);
             }
         }
@@ -695,8 +701,9 @@ impl Encoder {
             }
             t2.copy_from_slice(t1);
             self.drop_ffn[l].backward_in_place(&s.ws_drop_ffn, t2);
+            Gelu.forward(&s.h, &mut st.g);
             blk.down
-                .backward(&mut s.ws_down, &s.g, t2, Some(&mut st.dg));
+                .backward(&mut s.ws_down, &st.g, t2, Some(&mut st.dg));
             Gelu.backward_in_place(&s.h, &mut st.dg);
             let ffn_in: &[f32] = if pre { &s.ln2_out } else { &s.ln1_out };
             blk.up.backward(&mut s.ws_up, ffn_in, &st.dg, Some(t3));
@@ -792,18 +799,12 @@ pub struct BlockState {
     ws_ln2: LayerNormWorkspace,
     ws_drop_attn: DropoutWorkspace,
     ws_drop_ffn: DropoutWorkspace,
-    q: Vec<f32>,       // N × D
-    k: Vec<f32>,       // N × D
-    v: Vec<f32>,       // N × D
     qkv: Vec<f32>,     // N × 3D
     att: Vec<f32>,     // N × D
-    a: Vec<f32>,       // N × D (after dropout)
     r1: Vec<f32>,      // N × D
     ln1_out: Vec<f32>, // N × D
     ln2_out: Vec<f32>, // N × D (pre-LN only)
     h: Vec<f32>,       // N × F
-    g: Vec<f32>,       // N × F
-    f: Vec<f32>,       // N × D (after dropout)
     r2: Vec<f32>,      // N × D (post-LN only)
     out: Vec<f32>,     // N × D
 }
@@ -947,6 +948,7 @@ pub struct EncoderState {
     dk: Vec<f32>,
     dv: Vec<f32>,
     dg: Vec<f32>, // N × F
+    g: Vec<f32>,  // N × F: GELU(h) of the block being run (recomputed in the backward)
 }
 
 impl EncoderState {
@@ -966,23 +968,19 @@ impl EncoderState {
                 ws_o: blk.o.workspace(n),
                 ws_up: blk.up.workspace(n),
                 ws_down: blk.down.workspace(n),
-                ws_attn: m.attn.workspace(b, t),
+                // P is rebuilt in the backward from q, k (one extra q·kᵀ per head) rather
+                // than kept: B·H·T² floats per block.
+                ws_attn: m.attn.workspace_recompute(b, t),
                 ws_ln1: blk.ln1.workspace(n),
                 ws_ln2: blk.ln2.workspace(n),
                 ws_drop_attn: m.drop_attn[l].workspace(n * d),
                 ws_drop_ffn: m.drop_ffn[l].workspace(n * d),
-                q: z(n * d),
-                k: z(n * d),
-                v: z(n * d),
                 qkv: z(3 * n * d),
                 att: z(n * d),
-                a: z(n * d),
                 r1: z(n * d),
                 ln1_out: z(n * d),
                 ln2_out: if c.pre_ln { z(n * d) } else { Vec::new() },
                 h: z(n * f),
-                g: z(n * f),
-                f: z(n * d),
                 r2: if c.pre_ln { Vec::new() } else { z(n * d) },
                 out: z(n * d),
             })
@@ -1023,6 +1021,7 @@ impl EncoderState {
             dk: z(n * d),
             dv: z(n * d),
             dg: z(n * f),
+            g: z(n * f),
         }
     }
 
@@ -1157,16 +1156,17 @@ impl EncoderState {
             HeadState::Classifier(h) => h.bytes(),
             HeadState::Mlm(h) => h.bytes(),
         };
-        total += [&self.d, &self.dqkv, &self.dq, &self.dk, &self.dv, &self.dg]
-            .iter()
-            .map(|v| f(v))
-            .sum::<usize>();
+        total += [
+            &self.d, &self.dqkv, &self.dq, &self.dk, &self.dv, &self.dg, &self.g,
+        ]
+        .iter()
+        .map(|v| f(v))
+        .sum::<usize>();
         total += self.tmp.iter().map(f).sum::<usize>();
         total += WordEmbedding::workspace_bytes(&self.ws_word);
         for s in &self.blocks {
             total += [
-                &s.q, &s.k, &s.v, &s.qkv, &s.att, &s.a, &s.r1, &s.ln1_out, &s.ln2_out, &s.h, &s.g,
-                &s.f, &s.r2, &s.out,
+                &s.qkv, &s.att, &s.r1, &s.ln1_out, &s.ln2_out, &s.h, &s.r2, &s.out,
             ]
             .iter()
             .map(|v| f(v))
@@ -1174,12 +1174,9 @@ impl EncoderState {
             for w in [&s.ws_q, &s.ws_k, &s.ws_v, &s.ws_o, &s.ws_up, &s.ws_down] {
                 total += AnyLinear::workspace_bytes(w);
             }
-            total += 4 * (s.ws_attn.probs().len() + self_t2(&s.ws_attn));
+            total += Attention::workspace_bytes(&s.ws_attn);
         }
-        total
+        // The TT layers' scratch, shared through this thread's pool.
+        total + comera_layers::tt_linear::scratch_pool_bytes()
     }
-}
-
-fn self_t2(ws: &AttentionWorkspace) -> usize {
-    ws.seq_len() * ws.seq_len()
 }
