@@ -51,6 +51,10 @@ pub struct CompareArgs {
     /// 30522, TT rank 30, TTM rank 32) instead of the config's `[model]` table.
     #[arg(long)]
     paper_model: bool,
+    /// Every arm keeps only the blocks' outputs and recomputes a block's activations in the
+    /// backward (`model.recompute_blocks`: less memory, one more forward of the blocks).
+    #[arg(long)]
+    recompute_blocks: bool,
     /// Batch sizes of the timing part (the paper: 1 for memory, 32 for speed).
     #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 32])]
     batch: Vec<usize>,
@@ -180,6 +184,9 @@ fn base_config(a: &CompareArgs) -> anyhow::Result<RunConfig> {
             dropout: c.model.dropout,
             ..EncoderConfig::default()
         };
+    }
+    if a.recompute_blocks {
+        c.model.recompute_blocks = true;
     }
     if let Some(n) = a.train_steps {
         ensure!(n >= 1, "--train-steps must be at least 1");

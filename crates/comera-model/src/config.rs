@@ -118,6 +118,10 @@ pub struct EncoderConfig {
     /// TT layout of the MLM output projection (`in_modes` multiply to D, `out_modes` to at
     /// least the vocabulary size).
     pub mlm_decoder_tt: LayerTt,
+    /// Activation checkpointing: keep only each block's output during the forward and rebuild
+    /// a block's activations from its input in the backward (one more forward of the blocks
+    /// per step, the same gradients bit for bit, about 1/layers of the block activations).
+    pub recompute_blocks: bool,
 }
 
 impl Default for EncoderConfig {
@@ -165,6 +169,7 @@ impl Default for EncoderConfig {
                 out_modes: vec![20, 40, 40],
                 rank: 30,
             },
+            recompute_blocks: false,
         }
     }
 }

@@ -562,14 +562,15 @@ impl Encoder {
         train: bool,
         step: u64,
     ) -> Result<StepStats, EmbeddingError> {
+        st.step = step;
         self.forward_body(st, train, step)?;
         let stats = match (&self.head, &mut st.head) {
             (Head::Classifier(h), HeadState::Classifier(hs)) => {
-                let hidden = hidden_of(&st.blocks, &st.x_final);
+                let hidden = hidden_of(&st.acts, &st.outs, &st.x_final);
                 hs.forward(h, hidden, st.t, train, step)
             }
             (Head::Mlm(h), HeadState::Mlm(hs)) => {
-                let hidden = hidden_of(&st.blocks, &st.x_final);
+                let hidden = hidden_of(&st.acts, &st.outs, &st.x_final);
                 let table = match &self.word {
                     WordEmbedding::Dense(e) => Some(&e.table),
                     WordEmbedding::Ttm(_) => None,
@@ -592,79 +593,108 @@ impl Encoder {
         train: bool,
         step: u64,
     ) -> Result<(), EmbeddingError> {
-        let d = self.cfg.d_model;
         // Embeddings.
         self.word.forward(&mut st.ws_word, &st.ids, &mut st.emb)?;
         self.pos
-            .forward(&mut st.ws_pos, &st.pos_ids, &mut st.tmp[0])?;
-        add_into(&mut st.emb, &st.tmp[0]);
+            .forward(&mut st.ws_pos, &st.pos_ids, &mut st.sc.tmp[0])?;
+        add_into(&mut st.emb, &st.sc.tmp[0]);
         self.types
-            .forward(&mut st.ws_type, &st.types, &mut st.tmp[0])?;
-        add_into(&mut st.emb, &st.tmp[0]);
+            .forward(&mut st.ws_type, &st.types, &mut st.sc.tmp[0])?;
+        add_into(&mut st.emb, &st.sc.tmp[0]);
         self.ln_emb.forward(&mut st.ws_ln_emb, &st.emb, &mut st.x0);
         self.drop_emb
             .forward_in_place(&mut st.ws_drop_emb, step, train, &mut st.x0);
         // Blocks.
-        for (l, blk) in self.blocks.iter().enumerate() {
-            let (done, rest) = st.blocks.split_at_mut(l);
-            let x: &[f32] = if l == 0 { &st.x0 } else { &done[l - 1].out };
-            let s = &mut rest[0];
-            let attn_in: &[f32] = if self.cfg.pre_ln {
-                blk.ln1.forward(&mut s.ws_ln1, x, &mut s.ln1_out);
-                &s.ln1_out
-            } else {
-                x
-            };
-            // q, k, v go through the backward's dq/dk/dv (free during the forward) into the
-            // saved interleaved qkv; the attention output a and the FFN output f only live
-            // until their residual sums, in tmp[0].
-            blk.q.forward(&mut s.ws_q, attn_in, &mut st.dq);
-            blk.k.forward(&mut s.ws_k, attn_in, &mut st.dk);
-            blk.v.forward(&mut s.ws_v, attn_in, &mut st.dv);
-            interleave(&st.dq, &st.dk, &st.dv, d, &mut s.qkv);
-            self.attn
-                .forward(&mut s.ws_attn, &s.qkv, Some(&st.mask), &mut s.att);
-            let a = &mut st.tmp[0];
-            blk.o.forward(&mut s.ws_o, &s.att, a);
-            self.drop_attn[l].forward_in_place(&mut s.ws_drop_attn, step, train, a);
-            sum_into(x, a, &mut s.r1);
-            let ffn_in: &[f32] = if self.cfg.pre_ln {
-                blk.ln2.forward(&mut s.ws_ln2, &s.r1, &mut s.ln2_out);
-                &s.ln2_out
-            } else {
-                blk.ln1.forward(&mut s.ws_ln1, &s.r1, &mut s.ln1_out);
-                &s.ln1_out
-            };
-            // g = GELU(h) is not kept: the backward recomputes it.
-            blk.up.forward(&mut s.ws_up, ffn_in, &mut s.h);
-            Gelu.forward(&s.h, &mut st.g);
-            let f = &mut st.tmp[0];
-            blk.down.forward(&mut s.ws_down, &st.g, f);
-            self.drop_ffn[l].forward_in_place(&mut s.ws_drop_ffn, step, train, f);
-            if self.cfg.pre_ln {
-                sum_into(&s.r1, f, &mut s.out);
-            } else {
-                sum_into(&s.ln1_out, f, &mut s.r2);
-                blk.ln2.forward(&mut s.ws_ln2, &s.r2, &mut s.out);
+        let rec = self.cfg.recompute_blocks;
+        for l in 0..self.blocks.len() {
+            let (x, a) = block_io(&st.x0, &st.outs, &mut st.acts, l, rec);
+            self.block_forward(
+                l,
+                x,
+                &mut st.blocks[l],
+                a,
+                &mut st.sc,
+                &st.mask,
+                train,
+                step,
+            );
+            if rec {
+                // Keep only the block's output (the next block's input).
+                std::mem::swap(&mut st.acts[0].out, &mut st.outs[l]);
             }
         }
         if let Some(ln) = &self.ln_final {
-            let last = &st.blocks.last().expect("at least one layer").out;
+            let last = last_out(&st.acts, &st.outs);
             ln.forward(&mut st.ws_ln_final, last, &mut st.x_final);
         }
         Ok(())
     }
 
+    /// One block's forward from its input `x` into `a`; `sc`'s q/k/v, tmp[0] and g are scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn block_forward(
+        &self,
+        l: usize,
+        x: &[f32],
+        s: &mut BlockState,
+        a: &mut BlockActs,
+        sc: &mut Scratch,
+        mask: &[u8],
+        train: bool,
+        step: u64,
+    ) {
+        let d = self.cfg.d_model;
+        let blk = &self.blocks[l];
+        let attn_in: &[f32] = if self.cfg.pre_ln {
+            blk.ln1.forward(&mut s.ws_ln1, x, &mut a.ln1_out);
+            &a.ln1_out
+        } else {
+            x
+        };
+        // q, k, v go through the backward's dq/dk/dv (free during the forward) into the
+        // saved interleaved qkv; the attention output and the FFN output only live until
+        // their residual sums, in tmp[0].
+        blk.q.forward(&mut s.ws_q, attn_in, &mut sc.dq);
+        blk.k.forward(&mut s.ws_k, attn_in, &mut sc.dk);
+        blk.v.forward(&mut s.ws_v, attn_in, &mut sc.dv);
+        interleave(&sc.dq, &sc.dk, &sc.dv, d, &mut a.qkv);
+        self.attn
+            .forward(&mut s.ws_attn, &a.qkv, Some(mask), &mut a.att);
+        let o = &mut sc.tmp[0];
+        blk.o.forward(&mut s.ws_o, &a.att, o);
+        self.drop_attn[l].forward_in_place(&mut s.ws_drop_attn, step, train, o);
+        sum_into(x, o, &mut a.r1);
+        let ffn_in: &[f32] = if self.cfg.pre_ln {
+            blk.ln2.forward(&mut s.ws_ln2, &a.r1, &mut a.ln2_out);
+            &a.ln2_out
+        } else {
+            blk.ln1.forward(&mut s.ws_ln1, &a.r1, &mut a.ln1_out);
+            &a.ln1_out
+        };
+        // g = GELU(h) is not kept: the backward recomputes it.
+        blk.up.forward(&mut s.ws_up, ffn_in, &mut a.h);
+        Gelu.forward(&a.h, &mut sc.g);
+        let f = &mut sc.tmp[0];
+        blk.down.forward(&mut s.ws_down, &sc.g, f);
+        self.drop_ffn[l].forward_in_place(&mut s.ws_drop_ffn, step, train, f);
+        if self.cfg.pre_ln {
+            sum_into(&a.r1, f, &mut a.out);
+        } else {
+            sum_into(&a.ln1_out, f, &mut a.r2);
+            blk.ln2.forward(&mut s.ws_ln2, &a.r2, &mut a.out);
+        }
+    }
+
     /// Backward of the last training forward: accumulates every parameter's gradient.
     pub fn backward(&mut self, st: &mut EncoderState) {
         let (d, t) = (self.cfg.d_model, st.t);
-        // Head: `st.d` ← ∂L/∂(last hidden states).
-        st.d.fill(0.0);
+        // Head: `st.sc.d` ← ∂L/∂(last hidden states).
+        st.sc.d.fill(0.0);
         match (&mut self.head, &mut st.head) {
             (Head::Classifier(h), HeadState::Classifier(hs)) => {
                 hs.backward(h);
                 for (b, row) in hs.dcls.chunks_exact(d).enumerate() {
-                    st.d[b * t * d..b * t * d + d].copy_from_slice(row);
+                    st.sc.d[b * t * d..b * t * d + d].copy_from_slice(row);
                 }
             }
             (Head::Mlm(h), HeadState::Mlm(hs)) => {
@@ -675,70 +705,77 @@ impl Encoder {
                 h.backward(hs, table);
                 for (i, &s) in hs.selected.iter().enumerate() {
                     let s = s as usize;
-                    st.d[s * d..(s + 1) * d].copy_from_slice(&hs.dx[i * d..(i + 1) * d]);
+                    st.sc.d[s * d..(s + 1) * d].copy_from_slice(&hs.dx[i * d..(i + 1) * d]);
                 }
             }
             _ => unreachable!("state made for another head"),
         }
         if let Some(ln) = &mut self.ln_final {
-            let last = &st.blocks.last().expect("at least one layer").out;
-            ln.backward(&mut st.ws_ln_final, last, &st.d, Some(&mut st.tmp[0]));
-            std::mem::swap(&mut st.d, &mut st.tmp[0]);
+            let last = last_out(&st.acts, &st.outs);
+            ln.backward(&mut st.ws_ln_final, last, &st.sc.d, Some(&mut st.sc.tmp[0]));
+            std::mem::swap(&mut st.sc.d, &mut st.sc.tmp[0]);
         }
-        // Blocks, last to first: `st.d` holds ∂L/∂out on entry and ∂L/∂x on exit.
+        // Blocks, last to first: `sc.d` holds ∂L/∂out on entry and ∂L/∂x on exit.
+        let rec = self.cfg.recompute_blocks;
         for l in (0..self.blocks.len()).rev() {
-            let (done, rest) = st.blocks.split_at_mut(l);
-            let x: &[f32] = if l == 0 { &st.x0 } else { &done[l - 1].out };
-            let s = &mut rest[0];
+            let (x, a) = block_io(&st.x0, &st.outs, &mut st.acts, l, rec);
+            let sc = &mut st.sc;
+            let s = &mut st.blocks[l];
+            if rec {
+                // Rebuild the block's activations from its input: the same layers, the same
+                // dropout masks (seeded by step), so the same values as the forward's.
+                self.block_forward(l, x, s, a, sc, &st.mask, true, st.step);
+            }
             let blk = &mut self.blocks[l];
-            let [t1, t2, t3] = &mut st.tmp;
+            let [t1, t2, t3] = &mut sc.tmp;
             let pre = self.cfg.pre_ln;
             // ∂L/∂r2 (post-LN) or ∂L/∂out (pre-LN) is the FFN output's gradient.
             if pre {
-                t1.copy_from_slice(&st.d); // residual part of ∂L/∂r1
+                t1.copy_from_slice(&sc.d); // residual part of ∂L/∂r1
             } else {
-                blk.ln2.backward(&mut s.ws_ln2, &s.r2, &st.d, Some(t1)); // ∂L/∂r2
+                blk.ln2.backward(&mut s.ws_ln2, &a.r2, &sc.d, Some(t1)); // ∂L/∂r2
             }
             t2.copy_from_slice(t1);
             self.drop_ffn[l].backward_in_place(&s.ws_drop_ffn, t2);
-            Gelu.forward(&s.h, &mut st.g);
+            Gelu.forward(&a.h, &mut sc.g);
             blk.down
-                .backward(&mut s.ws_down, &st.g, t2, Some(&mut st.dg));
-            Gelu.backward_in_place(&s.h, &mut st.dg);
-            let ffn_in: &[f32] = if pre { &s.ln2_out } else { &s.ln1_out };
-            blk.up.backward(&mut s.ws_up, ffn_in, &st.dg, Some(t3));
+                .backward(&mut s.ws_down, &sc.g, t2, Some(&mut sc.dg));
+            Gelu.backward_in_place(&a.h, &mut sc.dg);
+            let ffn_in: &[f32] = if pre { &a.ln2_out } else { &a.ln1_out };
+            blk.up.backward(&mut s.ws_up, ffn_in, &sc.dg, Some(t3));
             if pre {
-                blk.ln2.backward(&mut s.ws_ln2, &s.r1, t3, Some(t2));
+                blk.ln2.backward(&mut s.ws_ln2, &a.r1, t3, Some(t2));
                 add_into(t1, t2); // t1 = ∂L/∂r1
             } else {
                 add_into(t1, t3); // ∂L/∂x1
-                blk.ln1.backward(&mut s.ws_ln1, &s.r1, t1, Some(t2));
+                blk.ln1.backward(&mut s.ws_ln1, &a.r1, t1, Some(t2));
                 std::mem::swap(t1, t2); // t1 = ∂L/∂r1
             }
             // Attention branch: ∂L/∂a = ∂L/∂r1.
             t2.copy_from_slice(t1);
             self.drop_attn[l].backward_in_place(&s.ws_drop_attn, t2);
-            blk.o.backward(&mut s.ws_o, &s.att, t2, Some(t3));
-            self.attn.backward(&mut s.ws_attn, &s.qkv, t3, &mut st.dqkv);
-            split(&st.dqkv, d, &mut st.dq, &mut st.dk, &mut st.dv);
-            let attn_in: &[f32] = if pre { &s.ln1_out } else { x };
-            blk.q.backward(&mut s.ws_q, attn_in, &st.dq, Some(t2));
-            blk.k.backward(&mut s.ws_k, attn_in, &st.dk, Some(t3));
+            blk.o.backward(&mut s.ws_o, &a.att, t2, Some(t3));
+            self.attn.backward(&mut s.ws_attn, &a.qkv, t3, &mut sc.dqkv);
+            split(&sc.dqkv, d, &mut sc.dq, &mut sc.dk, &mut sc.dv);
+            let attn_in: &[f32] = if pre { &a.ln1_out } else { x };
+            blk.q.backward(&mut s.ws_q, attn_in, &sc.dq, Some(t2));
+            blk.k.backward(&mut s.ws_k, attn_in, &sc.dk, Some(t3));
             add_into(t2, t3);
-            blk.v.backward(&mut s.ws_v, attn_in, &st.dv, Some(t3));
+            blk.v.backward(&mut s.ws_v, attn_in, &sc.dv, Some(t3));
             add_into(t2, t3); // t2 = ∂L/∂(attention input)
             if pre {
                 blk.ln1.backward(&mut s.ws_ln1, x, t2, Some(t3));
-                sum_into(t1, t3, &mut st.d);
+                sum_into(t1, t3, &mut sc.d);
             } else {
-                sum_into(t1, t2, &mut st.d);
+                sum_into(t1, t2, &mut sc.d);
             }
         }
         // Embeddings.
-        self.drop_emb.backward_in_place(&st.ws_drop_emb, &mut st.d);
-        let [t1, ..] = &mut st.tmp;
+        self.drop_emb
+            .backward_in_place(&st.ws_drop_emb, &mut st.sc.d);
+        let [t1, ..] = &mut st.sc.tmp;
         self.ln_emb
-            .backward(&mut st.ws_ln_emb, &st.emb, &st.d, Some(t1));
+            .backward(&mut st.ws_ln_emb, &st.emb, &st.sc.d, Some(t1));
         self.word.backward(&mut st.ws_word, &st.ids, t1);
         self.pos.backward(&mut st.ws_pos, &st.pos_ids, t1);
         self.types.backward(&mut st.ws_type, &st.types, t1);
@@ -785,7 +822,7 @@ fn split(qkv: &[f32], d: usize, q: &mut [f32], k: &mut [f32], v: &mut [f32]) {
     }
 }
 
-/// One block's saved activations and workspaces (N = batch·seq_len rows).
+/// One block's layer workspaces.
 #[derive(Debug)]
 pub struct BlockState {
     ws_q: AnyLinearWorkspace,
@@ -799,6 +836,11 @@ pub struct BlockState {
     ws_ln2: LayerNormWorkspace,
     ws_drop_attn: DropoutWorkspace,
     ws_drop_ffn: DropoutWorkspace,
+}
+
+/// One block's saved activations (N = batch·seq_len rows).
+#[derive(Debug)]
+struct BlockActs {
     qkv: Vec<f32>,     // N × 3D
     att: Vec<f32>,     // N × D
     r1: Vec<f32>,      // N × D
@@ -911,12 +953,40 @@ pub enum HeadState {
     Mlm(MlmHeadState),
 }
 
+/// The last block's output: its activations' `out`, or with block recomputation the kept
+/// output.
+fn last_out<'a>(acts: &'a [BlockActs], outs: &'a [Vec<f32>]) -> &'a [f32] {
+    match outs.last() {
+        Some(o) => o,
+        None => &acts.last().expect("at least one layer").out,
+    }
+}
+
 /// The last hidden states: the last block's output, or the final LN's (pre-LN).
-fn hidden_of<'a>(blocks: &'a [BlockState], x_final: &'a [f32]) -> &'a [f32] {
+fn hidden_of<'a>(acts: &'a [BlockActs], outs: &'a [Vec<f32>], x_final: &'a [f32]) -> &'a [f32] {
     if x_final.is_empty() {
-        &blocks.last().expect("at least one layer").out
+        last_out(acts, outs)
     } else {
         x_final
+    }
+}
+
+/// Block `l`'s input (the embeddings' output or the previous block's output) and the
+/// activation buffers it runs in (its own, or the one shared set with recomputation).
+fn block_io<'a>(
+    x0: &'a [f32],
+    outs: &'a [Vec<f32>],
+    acts: &'a mut [BlockActs],
+    l: usize,
+    recompute: bool,
+) -> (&'a [f32], &'a mut BlockActs) {
+    if recompute {
+        let x: &[f32] = if l == 0 { x0 } else { &outs[l - 1] };
+        (x, &mut acts[0])
+    } else {
+        let (done, rest) = acts.split_at_mut(l);
+        let x: &[f32] = if l == 0 { x0 } else { &done[l - 1].out };
+        (x, &mut rest[0])
     }
 }
 
@@ -939,16 +1009,28 @@ pub struct EncoderState {
     emb: Vec<f32>, // N × D
     x0: Vec<f32>,  // N × D
     blocks: Vec<BlockState>,
+    /// One set per block, or one shared set when blocks are recomputed.
+    acts: Vec<BlockActs>,
+    /// With block recomputation: each block's output (N × D), the next block's input.
+    outs: Vec<Vec<f32>>,
     x_final: Vec<f32>, // N × D (pre-LN only)
     head: HeadState,
+    sc: Scratch,
+    /// The step of the last forward (its dropout masks, for recomputation).
+    step: u64,
+}
+
+/// Scratch shared by all blocks.
+#[derive(Debug)]
+struct Scratch {
     d: Vec<f32>,        // N × D: the flowing gradient
-    tmp: [Vec<f32>; 3], // N × D scratch
+    tmp: [Vec<f32>; 3], // N × D
     dqkv: Vec<f32>,     // N × 3D
-    dq: Vec<f32>,
-    dk: Vec<f32>,
-    dv: Vec<f32>,
-    dg: Vec<f32>, // N × F
-    g: Vec<f32>,  // N × F: GELU(h) of the block being run (recomputed in the backward)
+    dq: Vec<f32>,       // N × D (q in the forward)
+    dk: Vec<f32>,       // N × D (k in the forward)
+    dv: Vec<f32>,       // N × D (v in the forward)
+    dg: Vec<f32>,       // N × F
+    g: Vec<f32>,        // N × F: GELU(h) of the block being run (recomputed in the backward)
 }
 
 impl EncoderState {
@@ -975,6 +1057,11 @@ impl EncoderState {
                 ws_ln2: blk.ln2.workspace(n),
                 ws_drop_attn: m.drop_attn[l].workspace(n * d),
                 ws_drop_ffn: m.drop_ffn[l].workspace(n * d),
+            })
+            .collect();
+        let rec = c.recompute_blocks;
+        let acts = (0..if rec { 1 } else { c.layers })
+            .map(|_| BlockActs {
                 qkv: z(3 * n * d),
                 att: z(n * d),
                 r1: z(n * d),
@@ -985,6 +1072,11 @@ impl EncoderState {
                 out: z(n * d),
             })
             .collect();
+        let outs = if rec {
+            (0..c.layers).map(|_| z(n * d)).collect()
+        } else {
+            Vec::new()
+        };
         let ln_final = m
             .ln_final
             .clone()
@@ -1012,16 +1104,21 @@ impl EncoderState {
             emb: z(n * d),
             x0: z(n * d),
             blocks,
+            acts,
+            outs,
             x_final: if c.pre_ln { z(n * d) } else { Vec::new() },
             head,
-            d: z(n * d),
-            tmp: [z(n * d), z(n * d), z(n * d)],
-            dqkv: z(3 * n * d),
-            dq: z(n * d),
-            dk: z(n * d),
-            dv: z(n * d),
-            dg: z(n * f),
-            g: z(n * f),
+            sc: Scratch {
+                d: z(n * d),
+                tmp: [z(n * d), z(n * d), z(n * d)],
+                dqkv: z(3 * n * d),
+                dq: z(n * d),
+                dk: z(n * d),
+                dv: z(n * d),
+                dg: z(n * f),
+                g: z(n * f),
+            },
+            step: 0,
         }
     }
 
@@ -1133,7 +1230,7 @@ impl EncoderState {
     /// row-major (after the final LayerNorm for pre-LN models): what BERT calls
     /// `last_hidden_state`.
     pub fn hidden(&self) -> &[f32] {
-        hidden_of(&self.blocks, &self.x_final)
+        hidden_of(&self.acts, &self.outs, &self.x_final)
     }
 
     /// Logits of the last forward of a classifier, `(batch, num_labels)` row-major (empty for
@@ -1156,21 +1253,23 @@ impl EncoderState {
             HeadState::Classifier(h) => h.bytes(),
             HeadState::Mlm(h) => h.bytes(),
         };
-        total += [
-            &self.d, &self.dqkv, &self.dq, &self.dk, &self.dv, &self.dg, &self.g,
-        ]
-        .iter()
-        .map(|v| f(v))
-        .sum::<usize>();
-        total += self.tmp.iter().map(f).sum::<usize>();
+        let sc = &self.sc;
+        total += [&sc.d, &sc.dqkv, &sc.dq, &sc.dk, &sc.dv, &sc.dg, &sc.g]
+            .iter()
+            .map(|v| f(v))
+            .sum::<usize>();
+        total += sc.tmp.iter().map(f).sum::<usize>();
         total += WordEmbedding::workspace_bytes(&self.ws_word);
-        for s in &self.blocks {
+        for a in &self.acts {
             total += [
-                &s.qkv, &s.att, &s.r1, &s.ln1_out, &s.ln2_out, &s.h, &s.r2, &s.out,
+                &a.qkv, &a.att, &a.r1, &a.ln1_out, &a.ln2_out, &a.h, &a.r2, &a.out,
             ]
             .iter()
             .map(|v| f(v))
             .sum::<usize>();
+        }
+        total += self.outs.iter().map(f).sum::<usize>();
+        for s in &self.blocks {
             for w in [&s.ws_q, &s.ws_k, &s.ws_v, &s.ws_o, &s.ws_up, &s.ws_down] {
                 total += AnyLinear::workspace_bytes(w);
             }
