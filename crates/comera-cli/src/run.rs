@@ -88,6 +88,9 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
         Some(p) => RunConfig::from_file(p)?,
         None => RunConfig::builtin(),
     };
+    if !cfg.train.phases.is_empty() && (a.epochs.is_some() || a.batch_size.is_some()) {
+        bail!("--epochs / --batch-size: this config has [[train.phases]]; set epochs and batch_size per phase there");
+    }
     if let Some(v) = a.epochs {
         cfg.train.epochs = v;
     }

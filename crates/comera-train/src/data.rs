@@ -260,6 +260,12 @@ impl CorpusData {
         ] {
             if max > 0 && set.len() > max {
                 set.input_ids.truncate(max * seq_len);
+                let sp = set.special;
+                set.tokens = set
+                    .input_ids
+                    .iter()
+                    .filter(|&&i| i != sp.pad && i != sp.cls && i != sp.sep)
+                    .count() as u64;
             }
         }
         if p.train.is_empty() {
