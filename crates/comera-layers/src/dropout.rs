@@ -115,15 +115,25 @@ impl Dropout {
     fn draw(&self, ws: &mut DropoutWorkspace, step: u64, train: bool) -> bool {
         ws.active = train && self.p > 0.0;
         if ws.active {
+            use rayon::prelude::*;
             let key = self.key(step);
-            for (w, word) in ws.bits.iter_mut().enumerate() {
-                let mut bits = 0u64;
-                let n = (ws.len - w * 64).min(64);
-                for b in 0..n {
-                    bits |= (self.keep_with_key(key, w * 64 + b) as u64) << b;
-                }
-                *word = bits;
-            }
+            let len = ws.len;
+            // Each bit depends only on (key, index): words are drawn in parallel, in chunks of
+            // 256 words (16k elements), with the same result on any thread count.
+            ws.bits
+                .par_chunks_mut(256)
+                .enumerate()
+                .for_each(|(c, words)| {
+                    for (j, word) in words.iter_mut().enumerate() {
+                        let w = c * 256 + j;
+                        let mut bits = 0u64;
+                        let n = (len - w * 64).min(64);
+                        for b in 0..n {
+                            bits |= (self.keep_with_key(key, w * 64 + b) as u64) << b;
+                        }
+                        *word = bits;
+                    }
+                });
         }
         ws.active
     }
