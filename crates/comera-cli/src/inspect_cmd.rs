@@ -85,15 +85,21 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let (params, dense) = (model.num_params(), model.dense_equivalent_params());
     println!("model      {}", dir.display());
     println!(
-        "encoder    {} layers, d_model {}, {} heads, ffn {}, seq_len {}, vocab {}, {} labels ({}), {}",
+        "encoder    {} layers, d_model {}, {} heads, ffn {}, seq_len {}, vocab {}, {}, {}",
         c.layers,
         c.d_model,
         c.heads,
         c.ffn,
         c.seq_len,
         c.vocab_size,
-        meta.labels.len(),
-        meta.labels.join(", "),
+        match c.head {
+            comera_model::HeadKind::Classifier =>
+                format!("{} labels ({})", meta.labels.len(), meta.labels.join(", ")),
+            comera_model::HeadKind::Mlm => format!(
+                "masked-LM head ({} output projection)",
+                format!("{:?}", c.mlm_decoder()).to_lowercase()
+            ),
+        },
         if c.pre_ln { "pre-LN" } else { "post-LN" }
     );
     println!(
