@@ -137,14 +137,15 @@ impl MlmHead {
     ) -> comera_layers::loss::CrossEntropyStats {
         let d = self.transform.in_features();
         let (r, w) = (st.rows, self.width());
-        // Gather: x[i] = hidden[s_i], zero rows past S.
-        st.x.fill(0.0);
-        st.labels.fill(IGNORE_INDEX);
+        // Gather: x[i] = hidden[s_i]; rows past S are zero and unlabelled.
+        let used = st.selected.len();
         for (i, &s) in st.selected.iter().enumerate() {
             let s = s as usize;
             st.x[i * d..(i + 1) * d].copy_from_slice(&hidden[s * d..(s + 1) * d]);
             st.labels[i] = st.token_labels[s];
         }
+        st.x[used * d..].fill(0.0);
+        st.labels[used..].fill(IGNORE_INDEX);
         self.transform
             .forward(&mut st.ws_transform, &st.x, &mut st.pre);
         Gelu.forward(&st.pre, &mut st.act);
