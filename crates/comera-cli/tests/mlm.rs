@@ -3,7 +3,7 @@
 //! `comera eval`, exact resume, and the pre-train → fine-tune flow (`train.init_from`).
 
 mod common;
-use common::{comera, records, tempdir};
+use common::{comera, records, tempdir, untimed};
 use std::path::{Path, PathBuf};
 
 const SPECIALS: &[&str] = &["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"];
@@ -184,17 +184,11 @@ fn a_stopped_and_resumed_pretraining_run_matches_an_uninterrupted_one() {
     ]);
     assert_eq!(c, 0, "{text}");
     for kind in ["train", "eval"] {
-        let strip = |v: Vec<serde_json::Value>| -> Vec<serde_json::Value> {
-            v.into_iter()
-                .map(|mut r| {
-                    for k in ["tokens_per_s", "ms_per_step", "seconds"] {
-                        r.as_object_mut().unwrap().remove(k);
-                    }
-                    r
-                })
-                .collect()
-        };
-        assert_eq!(strip(records(&a, kind)), strip(records(&b, kind)), "{kind}");
+        assert_eq!(
+            untimed(records(&a, kind)),
+            untimed(records(&b, kind)),
+            "{kind}"
+        );
     }
     assert!(
         std::fs::read(a.join("model.safetensors")).unwrap()

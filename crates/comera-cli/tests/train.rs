@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{comera, records, tempdir};
+use common::{comera, records, tempdir, untimed};
 
 const WORDS: &[&str] = &[
     "the", "a", "dress", "shirt", "fit", "color", "is", "was", "very",
@@ -316,19 +316,9 @@ fn resume_matches(tag: &str, tt: bool, extra: &str, rank: bool) {
         assert!(!records(&a, "stage").is_empty(), "the run switched stage");
     }
     for kind in ["train", "eval", "truncate", "stage"] {
-        let strip = |v: Vec<serde_json::Value>| -> Vec<serde_json::Value> {
-            v.into_iter()
-                .map(|mut r| {
-                    for timing in ["tokens_per_s", "ms_per_step", "seconds"] {
-                        r.as_object_mut().unwrap().remove(timing);
-                    }
-                    r
-                })
-                .collect()
-        };
         assert_eq!(
-            strip(records(&a, kind)),
-            strip(records(&b, kind)),
+            untimed(records(&a, kind)),
+            untimed(records(&b, kind)),
             "{kind} records differ after resume"
         );
     }

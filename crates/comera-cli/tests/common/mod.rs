@@ -32,3 +32,16 @@ pub fn records(run: &Path, kind: &str) -> Vec<serde_json::Value> {
         .filter(|r| r["kind"] == kind)
         .collect()
 }
+
+/// Records without their wall-clock fields (tokens/s, ms/step, seconds), for comparing runs.
+pub fn untimed(records: Vec<serde_json::Value>) -> Vec<serde_json::Value> {
+    records
+        .into_iter()
+        .map(|mut r| {
+            for k in ["tokens_per_s", "ms_per_step", "seconds"] {
+                r.as_object_mut().unwrap().remove(k);
+            }
+            r
+        })
+        .collect()
+}
