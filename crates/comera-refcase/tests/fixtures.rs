@@ -1,16 +1,15 @@
-//! Every reference case in `../shared/fixtures/` passes on every path, and malformed cases
+//! Every reference case in `crates/comera-refcase/fixtures/` (SPEC §6) passes on every path, and malformed cases
 //! are clear errors.
 
 use comera_refcase::{verify, RefCase, RefCaseError};
 use std::path::{Path, PathBuf};
 
-/// `../shared/fixtures` beside the repository (CI checks out `shared/` there), or
-/// `$COMERA_FIXTURES`.
+/// The reference cases kept in this crate (`fixtures/`), or `$COMERA_FIXTURES`.
 fn fixtures_dir() -> PathBuf {
     if let Ok(d) = std::env::var("COMERA_FIXTURES") {
         return PathBuf::from(d);
     }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
 
 fn cases(prefix: &str) -> Vec<PathBuf> {
