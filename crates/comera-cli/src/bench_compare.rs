@@ -22,7 +22,7 @@ use crate::bench::median;
 use crate::bench_step::peak_rss_bytes;
 use anyhow::{bail, ensure, Context};
 use comera_layers::attention::Attention;
-use comera_model::{AnyLinear, Encoder, EncoderConfig, WordEmbedding};
+use comera_model::{AnyLinear, Encoder, EncoderConfig, AnyEmbedding};
 use comera_optim::{clip_scale, AdamW, GaLore};
 use comera_tensor::init;
 use comera_train::plot::{plot_panels, Panel, Series};
@@ -240,7 +240,7 @@ fn synthetic_batch(
 fn layer_workspace_bytes(enc: &Encoder, b: usize) -> usize {
     let c = &enc.cfg;
     let n = b * c.seq_len;
-    let mut total = WordEmbedding::workspace_bytes(&enc.word.workspace(n));
+    let mut total = AnyEmbedding::workspace_bytes(&enc.word.workspace(n));
     for blk in &enc.blocks {
         for l in [&blk.q, &blk.k, &blk.v, &blk.o, &blk.up, &blk.down] {
             total += AnyLinear::workspace_bytes(&l.workspace(n));

@@ -13,7 +13,7 @@
 //! Backward: ∂L/∂Z from the loss (in place of Z), then through W_o (tied: ∂E += ∂Zᵀ·T,
 //! ∂T = ∂Z·E), LN, GELU and W_t, giving ∂L/∂X; the encoder scatters it back to rows s.
 
-use crate::any::{AnyLinear, AnyLinearWorkspace};
+use comera_layers::any::{AnyLinear, AnyLinearWorkspace};
 use comera_layers::activation::Gelu;
 use comera_layers::linear::LinearWorkspace;
 use comera_layers::loss::{CrossEntropy, IGNORE_INDEX};
