@@ -22,7 +22,7 @@ use crate::bench::median;
 use crate::bench_step::peak_rss_bytes;
 use anyhow::{bail, ensure, Context};
 use comera_layers::attention::Attention;
-use comera_model::{AnyLinear, Encoder, EncoderConfig, AnyEmbedding};
+use comera_model::{AnyEmbedding, AnyLinear, Encoder, EncoderConfig};
 use comera_optim::{clip_scale, AdamW, GaLore};
 use comera_tensor::init;
 use comera_train::plot::{plot_panels, Panel, Series};

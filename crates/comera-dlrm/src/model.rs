@@ -311,9 +311,11 @@ impl Dlrm {
     pub fn dense_table_params(&self) -> usize {
         self.tables.iter().map(|t| t.rows()).sum::<usize>() * self.cfg.embedding_dim
     }
+}
 
-    /// Parameters by reference, in visiting order (bottom MLP, tables, top MLP).
-    pub fn params(&self) -> Vec<&Param> {
+impl Model for Dlrm {
+    /// Parameters by reference, in visiting order.
+    fn params(&self) -> Vec<&Param> {
         let mut v = self.bottom.params();
         for t in &self.tables {
             v.extend(t.params());
@@ -321,9 +323,7 @@ impl Dlrm {
         v.extend(self.top.params());
         v
     }
-}
 
-impl Model for Dlrm {
     /// Every parameter, in a fixed order (bottom MLP, tables, top MLP).
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
         self.bottom.visit_params_mut(f);
@@ -342,7 +342,11 @@ impl Model for Dlrm {
     }
 
     fn visit_compressible_mut(&mut self, f: &mut dyn FnMut(&mut dyn Compressible)) {
-        for t in self.tables.iter_mut().filter_map(AnyEmbedding::compressible_mut) {
+        for t in self
+            .tables
+            .iter_mut()
+            .filter_map(AnyEmbedding::compressible_mut)
+        {
             f(t);
         }
     }
@@ -362,7 +366,12 @@ impl Trainable for Dlrm {
 
     /// Logits, then the mean BCE against the loaded labels; dL/dlogit is left for the
     /// backward. `correct` counts predictions at probability 0.5.
-    fn forward(&self, st: &mut DlrmState, _train: bool, _step: u64) -> Result<StepStats, DlrmError> {
+    fn forward(
+        &self,
+        st: &mut DlrmState,
+        _train: bool,
+        _step: u64,
+    ) -> Result<StepStats, DlrmError> {
         self.forward_logits(st)?;
         let (logits, dl) = self.top.output_and_grad(&mut st.top);
         let (loss, correct) = bce_with_logits(logits, &st.labels, Some(dl));

@@ -15,7 +15,7 @@
 
 use crate::{ImportError, Result};
 use comera_layers::{RankGates, TtLinear, TtmEmbedding};
-use comera_model::{AnyLinear, Encoder, AnyEmbedding};
+use comera_model::{AnyEmbedding, AnyLinear, Encoder};
 use comera_tensor::ttsvd::{self, TtDecomposition, TtSvdOptions};
 use comera_tensor::{TtShape, TtmShape};
 use rayon::prelude::*;

@@ -17,7 +17,7 @@
 use crate::bert::{hf_name, HfBertConfig};
 use crate::{ImportError, Result};
 use comera_layers::{Embedding, Linear, Param, ParamKind, RankGates, TtLinear, TtmEmbedding};
-use comera_model::{AnyLinear, Encoder, EncoderConfig, AnyEmbedding};
+use comera_model::{AnyEmbedding, AnyLinear, Encoder, EncoderConfig};
 use comera_tensor::{TtShape, TtmShape};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::BTreeMap;

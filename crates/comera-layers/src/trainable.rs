@@ -42,6 +42,8 @@ impl MemoryBreakdown {
 pub trait Model {
     /// Calls `f` on every parameter in a fixed order (stable names), without allocating.
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
+    /// Every parameter, in the order of [`Model::visit_params_mut`].
+    fn params(&self) -> Vec<&Param>;
     /// Calls `f` on every TT/TTM layer in a fixed order.
     fn visit_compressible(&self, f: &mut dyn FnMut(&dyn Compressible));
     /// [`Model::visit_compressible`] with mutable layers, same order, without allocating.
@@ -66,8 +68,12 @@ pub trait Trainable: Model {
     /// Forward on the batch loaded in `st` to the mean loss and task statistics. With `train`,
     /// dropout is on (masks from `step`) and the loss gradient is left for
     /// [`Trainable::backward`].
-    fn forward(&self, st: &mut Self::State, train: bool, step: u64)
-        -> Result<StepStats, Self::Error>;
+    fn forward(
+        &self,
+        st: &mut Self::State,
+        train: bool,
+        step: u64,
+    ) -> Result<StepStats, Self::Error>;
 
     /// Backward of the last training forward: accumulates every parameter's gradient.
     fn backward(&mut self, st: &mut Self::State);

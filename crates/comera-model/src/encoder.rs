@@ -13,10 +13,10 @@
 //! [`EncoderState`] holds every activation, gradient scratch and layer workspace for one fixed
 //! (batch, seq_len), allocated once; a steady-state training step allocates nothing.
 
-use comera_layers::any::{AnyEmbedding, AnyEmbeddingWorkspace, AnyLinear, AnyLinearWorkspace};
 use crate::config::{ConfigError, EncoderConfig, HeadKind, MlmDecoderKind};
 use crate::mlm_head::{MlmDecoder, MlmHead, MlmHeadState};
 use comera_layers::activation::{Gelu, Tanh};
+use comera_layers::any::{AnyEmbedding, AnyEmbeddingWorkspace, AnyLinear, AnyLinearWorkspace};
 use comera_layers::attention::{Attention, AttentionWorkspace};
 use comera_layers::dropout::{Dropout, DropoutWorkspace};
 use comera_layers::embedding::EmbeddingWorkspace;
@@ -24,8 +24,8 @@ use comera_layers::linear::LinearWorkspace;
 use comera_layers::loss::CrossEntropy;
 use comera_layers::norm::{LayerNorm, LayerNormWorkspace};
 use comera_layers::{
-    Compressible, Embedding, EmbeddingError, EmbeddingLayer, Layer, Linear, Param, RankGates, StepStats,
-    TtLinear, TtmEmbedding,
+    Compressible, Embedding, EmbeddingError, EmbeddingLayer, Layer, Linear, Param, RankGates,
+    StepStats, TtLinear, TtmEmbedding,
 };
 use comera_tensor::init;
 
@@ -1224,12 +1224,12 @@ impl EncoderState {
         hidden_of(&self.acts, &self.outs, &self.x_final)
     }
 
-    /// Logits of the last forward of a classifier, `(batch, num_labels)` row-major (empty for
-    /// an MLM head).
+    /// Logits of the last forward: a classifier's `(batch, num_labels)` row-major, or an MLM
+    /// head's labelled rows (see [`crate::mlm_head::MlmHeadState::logits`]).
     pub fn logits(&self) -> &[f32] {
         match &self.head {
             HeadState::Classifier(h) => &h.logits,
-            HeadState::Mlm(_) => &[],
+            HeadState::Mlm(h) => h.logits(),
         }
     }
 

@@ -12,7 +12,7 @@ pub mod mlm_head;
 mod trainable;
 
 pub use comera_layers::any::{AnyEmbedding, AnyLinear};
-pub use config::{ConfigError, EncoderConfig, HeadKind, LayerTt, MlmDecoderKind, TtmConfig};
 pub use comera_layers::StepStats;
+pub use config::{ConfigError, EncoderConfig, HeadKind, LayerTt, MlmDecoderKind, TtmConfig};
 pub use encoder::{Encoder, EncoderState, Head};
 pub use mlm_head::{MlmDecoder, MlmHead};

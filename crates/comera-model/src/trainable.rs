@@ -10,6 +10,9 @@ impl Model for Encoder {
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
         Encoder::visit_params_mut(self, f)
     }
+    fn params(&self) -> Vec<&Param> {
+        Encoder::params(self)
+    }
     fn visit_compressible(&self, f: &mut dyn FnMut(&dyn Compressible)) {
         Encoder::visit_compressible(self, f)
     }

@@ -23,7 +23,10 @@ pub struct OptState {
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
     #[error("the checkpoint's optimiser is `{found}`, the run's config asks for {expected}")]
-    Kind { found: String, expected: &'static str },
+    Kind {
+        found: String,
+        expected: &'static str,
+    },
     #[error("optimizer `{0}` is missing")]
     MissingScalar(&'static str),
     #[error("optimiser tensor `{name}`: {msg}")]
@@ -43,9 +46,9 @@ impl Optimizer {
     /// GaLore when `galore` is given, else AdamW, with state sized for `model`'s parameters.
     pub fn new(cfg: AdamWConfig, galore: Option<GaLoreConfig>, model: &mut dyn Model) -> Self {
         match galore {
-            Some(g) => Optimizer::GaLore(Box::new(GaLore::new(cfg, g, |f| {
-                model.visit_params_mut(f)
-            }))),
+            Some(g) => {
+                Optimizer::GaLore(Box::new(GaLore::new(cfg, g, |f| model.visit_params_mut(f))))
+            }
             None => Optimizer::AdamW(AdamW::new(cfg, |f| model.visit_params_mut(f))),
         }
     }

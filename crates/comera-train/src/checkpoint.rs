@@ -60,6 +60,8 @@ pub struct Checkpoint {
     pub path: PathBuf,
     /// The resolved run config the checkpoint was written with (TOML).
     pub config_toml: String,
+    /// The model's `model.toml` at the checkpoint.
+    pub model_toml: String,
     pub progress: Progress,
     pub rank: RankController,
     /// The optimiser's scalars (`kind`, `t`, …).
@@ -112,13 +114,20 @@ pub fn list(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     Ok(v)
 }
 
+/// The run's state a checkpoint saves besides tensors.
+pub struct RunState<'a> {
+    /// The resolved run config (TOML).
+    pub config_toml: &'a str,
+    /// The model's `model.toml` (kind, shape, labels, vocabulary).
+    pub model_toml: &'a str,
+    pub progress: &'a Progress,
+    pub rank: &'a RankController,
+}
+
 /// Writes a checkpoint atomically and removes all but the newest `keep` (0: keep all).
-#[allow(clippy::too_many_arguments)]
 pub fn save(
     run_dir: &Path,
-    config_toml: &str,
-    progress: &Progress,
-    rank: &RankController,
+    run: &RunState<'_>,
     model: &mut dyn Model,
     opt: &OptState,
     keep: usize,
@@ -144,9 +153,10 @@ pub fn save(
     let meta: HashMap<String, String> = [
         ("format", FORMAT.to_string()),
         ("version", VERSION.to_string()),
-        ("config", config_toml.to_string()),
-        ("progress", serde_json::to_string(progress)?),
-        ("rank", serde_json::to_string(rank)?),
+        ("config", run.config_toml.to_string()),
+        ("model", run.model_toml.to_string()),
+        ("progress", serde_json::to_string(run.progress)?),
+        ("rank", serde_json::to_string(run.rank)?),
         ("optimizer", opt.scalars.to_string()),
         ("sha256", sha),
     ]
@@ -158,7 +168,7 @@ pub fn save(
         .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
         .collect::<Result<_, safetensors::SafeTensorError>>()?;
     let bytes = safetensors::serialize(views, Some(meta))?;
-    let path = path_for(run_dir, progress.step);
+    let path = path_for(run_dir, run.progress.step);
     crate::files::write_atomic_then(&path, &bytes, || {
         // For the kill-during-write test: hold the finished temporary file this long before
         // the rename, so a SIGKILL lands mid-write.
@@ -236,6 +246,7 @@ impl Checkpoint {
             tensors.insert(name.to_string(), (shape, v));
         }
         let config_toml = field("config")?.clone();
+        let model_toml = field("model")?.clone();
         AnyRunConfig::from_toml(Path::new("<checkpoint config>"), &config_toml)
             .context("metadata `config`")?;
         let progress: Progress =
@@ -247,6 +258,7 @@ impl Checkpoint {
         Ok(Checkpoint {
             path: path.to_path_buf(),
             config_toml,
+            model_toml,
             progress,
             rank,
             optimizer,
@@ -270,6 +282,13 @@ impl Checkpoint {
         AnyRunConfig::from_toml(&self.path, &self.config_toml)
     }
 
+    /// The model at the checkpoint, of whichever kind, with its parameters.
+    pub fn saved_model(&self) -> anyhow::Result<crate::files::SavedModel> {
+        let mut saved = crate::files::SavedModel::from_meta(&self.path, &self.model_toml)?;
+        self.load_params(saved.model_mut())?;
+        Ok(saved)
+    }
+
     /// Loads the checkpoint's parameters into `model` (built from the checkpoint's config):
     /// re-shaped to the saved ranks, every parameter filled in (missing or mis-shaped tensors
     /// are errors).
@@ -286,7 +305,9 @@ impl Checkpoint {
     /// Fills `buf` from the saved optimiser tensor `opt/<name>` (for
     /// [`comera_optim::Optimizer::restore`]).
     pub fn opt_fill(&self, name: &str, buf: &mut [f32]) -> Result<(), String> {
-        let v = self.opt_tensor(name, buf.len()).map_err(|e| format!("{e:#}"))?;
+        let v = self
+            .opt_tensor(name, buf.len())
+            .map_err(|e| format!("{e:#}"))?;
         buf.copy_from_slice(v);
         Ok(())
     }

@@ -1,9 +1,9 @@
 //! The run configuration: one TOML file with `[data]`, `[model]`, `[optim]` and `[train]`
 //! tables. Every field is documented in `configs/reviews-small.toml`; unknown fields are errors.
 
-use comera_optim::rank::RankConfig;
 use comera_model::{EncoderConfig, LayerTt, TtmConfig};
 use comera_optim::galore::GaLoreConfig;
+use comera_optim::rank::RankConfig;
 use comera_optim::{AdamWConfig, Decay};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -587,5 +587,78 @@ impl AnyRunConfig {
             AnyRunConfig::Encoder(c) => &mut c.train.stop_after_steps,
             AnyRunConfig::Dlrm(c) => &mut c.train.stop_after_steps,
         }
+    }
+}
+
+/// Command-line overrides of a run config's common fields.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    pub epochs: Option<usize>,
+    pub batch_size: Option<usize>,
+    pub seed: Option<u64>,
+    pub out: Option<PathBuf>,
+    pub max_steps_per_epoch: Option<usize>,
+    pub stop_after_steps: Option<u64>,
+    pub init_from: Option<PathBuf>,
+    /// Every layer (or table) dense instead of TT/TTM.
+    pub dense: bool,
+}
+
+impl AnyRunConfig {
+    /// Applies `o` and checks the result; errors name the flag or field.
+    pub fn apply(&mut self, o: &Overrides) -> anyhow::Result<()> {
+        match self {
+            AnyRunConfig::Encoder(cfg) => {
+                if !cfg.train.phases.is_empty() && (o.epochs.is_some() || o.batch_size.is_some()) {
+                    anyhow::bail!("--epochs / --batch-size: this config has [[train.phases]]; set epochs and batch_size per phase there");
+                }
+                let t = &mut cfg.train;
+                set(&mut t.epochs, o.epochs);
+                set(&mut t.batch_size, o.batch_size);
+                set(&mut t.seed, o.seed);
+                set(&mut t.out_dir, o.out.clone());
+                set(&mut t.max_steps_per_epoch, o.max_steps_per_epoch);
+                set(&mut t.stop_after_steps, o.stop_after_steps);
+                if let Some(v) = &o.init_from {
+                    t.init_from = Some(v.clone());
+                }
+                if o.dense {
+                    cfg.model.tt_linear = false;
+                    cfg.model.ttm_embedding = false;
+                }
+                cfg.validate().map_err(anyhow::Error::msg)
+            }
+            AnyRunConfig::Dlrm(cfg) => {
+                if o.init_from.is_some() {
+                    anyhow::bail!(
+                        "--init-from: a DLRM run has no pre-trained encoder to start from"
+                    );
+                }
+                let t = &mut cfg.train;
+                set(&mut t.epochs, o.epochs);
+                set(&mut t.batch_size, o.batch_size);
+                set(&mut t.seed, o.seed);
+                set(&mut t.out_dir, o.out.clone());
+                set(&mut t.max_steps_per_epoch, o.max_steps_per_epoch);
+                set(&mut t.stop_after_steps, o.stop_after_steps);
+                if o.dense {
+                    cfg.dlrm.tables = comera_dlrm::TableKind::Dense;
+                }
+                cfg.validate().map_err(anyhow::Error::msg)
+            }
+        }
+    }
+
+    pub fn to_toml(&self) -> String {
+        match self {
+            AnyRunConfig::Encoder(c) => c.to_toml(),
+            AnyRunConfig::Dlrm(c) => c.to_toml(),
+        }
+    }
+}
+
+fn set<T>(field: &mut T, v: Option<T>) {
+    if let Some(v) = v {
+        *field = v;
     }
 }

@@ -110,22 +110,16 @@ pub fn save_weights(dir: &Path, params: &[&Param]) -> anyhow::Result<()> {
     write_atomic(&dir.join(MODEL_WEIGHTS), &data)
 }
 
-/// Saves `model.safetensors` and `model.toml` into `dir`, each atomically; the weights are
-/// written first so a meta file never points at missing weights.
-fn save_with_meta(dir: &Path, params: &[&Param], meta: &impl Serialize) -> anyhow::Result<()> {
+/// Saves `model.safetensors` and `model.toml` (`meta_toml`) into `dir`, each atomically; the
+/// weights are written first so a meta file never points at missing weights.
+pub fn save_model_files(dir: &Path, params: &[&Param], meta_toml: &str) -> anyhow::Result<()> {
     save_weights(dir, params)?;
-    let text = toml::to_string_pretty(meta)?;
-    write_atomic(&dir.join(MODEL_META), text.as_bytes())
+    write_atomic(&dir.join(MODEL_META), meta_toml.as_bytes())
 }
 
 /// Saves an encoder (`model.safetensors` + `model.toml`).
 pub fn save_model(dir: &Path, model: &Encoder, meta: &ModelMeta) -> anyhow::Result<()> {
-    save_with_meta(dir, &model.params(), meta)
-}
-
-/// Saves a DLRM (`model.safetensors` + `model.toml`).
-pub fn save_dlrm(dir: &Path, model: &Dlrm, meta: &DlrmMeta) -> anyhow::Result<()> {
-    save_with_meta(dir, &model.params(), meta)
+    save_model_files(dir, &model.params(), &toml::to_string_pretty(meta)?)
 }
 
 /// Loads an encoder saved by [`save_model`]; every parameter must be present with its shape.
@@ -144,38 +138,59 @@ pub fn load_saved(dir: &Path) -> anyhow::Result<SavedModel> {
     let meta_path = dir.join(MODEL_META);
     let text = std::fs::read_to_string(&meta_path)
         .with_context(|| format!("{}: cannot read", meta_path.display()))?;
-    let bad = |e: &dyn std::fmt::Display| anyhow!("{}: {e}", meta_path.display());
-    let kind = text
-        .parse::<toml::Table>()
-        .map_err(|e| bad(&e))?
-        .get("kind")
-        .and_then(|k| k.as_str().map(str::to_string));
-    let mut saved = match kind.as_deref() {
-        Some("dlrm") => {
-            let meta: DlrmMeta = toml::from_str(&text).map_err(|e| bad(&e))?;
-            let model = Dlrm::new(
-                &meta.model,
-                meta.n_dense,
-                &meta.field_names,
-                &meta.table_sizes,
-                0,
-            )
-            .map_err(|e| bad(&e))?;
-            SavedModel::Dlrm(model, meta)
-        }
-        None => {
-            let meta: ModelMeta = toml::from_str(&text).map_err(|e| bad(&e))?;
-            let model = Encoder::new(&meta.model, 0).map_err(|e| bad(&e))?;
-            SavedModel::Encoder(model, meta)
-        }
-        Some(k) => bail!("{}: kind `{k}` is not `dlrm` (or absent for an encoder)", meta_path.display()),
-    };
-    let model: &mut dyn Model = match &mut saved {
-        SavedModel::Encoder(m, _) => m,
-        SavedModel::Dlrm(m, _) => m,
-    };
-    load_weights(&dir.join(MODEL_WEIGHTS), model)?;
+    let mut saved = SavedModel::from_meta(&meta_path, &text)?;
+    load_weights(&dir.join(MODEL_WEIGHTS), saved.model_mut())?;
     Ok(saved)
+}
+
+impl SavedModel {
+    /// A freshly initialised model of the kind and shape `model.toml` text describes (`path`
+    /// names it in errors); fill its weights with [`load_weights`].
+    pub fn from_meta(path: &Path, text: &str) -> anyhow::Result<SavedModel> {
+        let bad = |e: &dyn std::fmt::Display| anyhow!("{}: {e}", path.display());
+        let kind = text
+            .parse::<toml::Table>()
+            .map_err(|e| bad(&e))?
+            .get("kind")
+            .and_then(|k| k.as_str().map(str::to_string));
+        Ok(match kind.as_deref() {
+            Some("dlrm") => {
+                let meta: DlrmMeta = toml::from_str(text).map_err(|e| bad(&e))?;
+                let model = Dlrm::new(
+                    &meta.model,
+                    meta.n_dense,
+                    &meta.field_names,
+                    &meta.table_sizes,
+                    0,
+                )
+                .map_err(|e| bad(&e))?;
+                SavedModel::Dlrm(model, meta)
+            }
+            None => {
+                let meta: ModelMeta = toml::from_str(text).map_err(|e| bad(&e))?;
+                let model = Encoder::new(&meta.model, 0).map_err(|e| bad(&e))?;
+                SavedModel::Encoder(model, meta)
+            }
+            Some(k) => bail!(
+                "{}: kind `{k}` is not `dlrm` (or absent, for an encoder)",
+                path.display()
+            ),
+        })
+    }
+
+    pub fn model(&self) -> &dyn Model {
+        match self {
+            SavedModel::Encoder(m, _) => m,
+            SavedModel::Dlrm(m, _) => m,
+        }
+    }
+
+    pub fn model_mut(&mut self) -> &mut dyn Model {
+        match self {
+            SavedModel::Encoder(m, _) => m,
+            SavedModel::Dlrm(m, _) => m,
+        }
+    }
 }
 
 /// Fills `model` from a weights file: re-shaped to the saved ranks, then every parameter by

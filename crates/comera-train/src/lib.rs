@@ -7,6 +7,7 @@
 //! - [`task`]: the [`task::Task`] trait and its encoder and CTR implementations, evaluation;
 //! - [`trainer`]: the loop ([`train`], [`train_dlrm`], [`resume`]) and `TrainSummary`;
 //! - [`checkpoint`]: checkpoints with exact resume;
+//! - [`infer`]: evaluation and predictions of a saved model of any kind;
 //! - [`files`]: atomic writes, model files of every kind, the metrics log;
 //! - [`data`]: the encoder's data (labelled examples, corpora);
 //! - [`plot`]: figures;
@@ -16,12 +17,13 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod files;
+pub mod infer;
 pub mod plot;
 pub mod task;
 pub mod trainer;
 
 pub use comera_optim::rank;
-pub use config::{AnyRunConfig, DataConfig, DlrmRunConfig, RunConfig, TrainConfig};
+pub use config::{AnyRunConfig, DataConfig, DlrmRunConfig, Overrides, RunConfig, TrainConfig};
 pub use files::{load_model, load_saved, save_model, write_atomic, ModelMeta, SavedModel};
 pub use rank::{RankConfig, RankController};
 pub use task::EvalStats;

@@ -5,7 +5,7 @@
 
 use crate::config::Phase;
 use crate::data::{CorpusData, PreparedData};
-use crate::files::{save_dlrm, save_model, DlrmMeta, ModelMeta};
+use crate::files::{DlrmMeta, ModelMeta};
 use anyhow::bail;
 use comera_data::ctr::{CtrBatch, CtrData};
 use comera_data::mlm::MlmBatches;
@@ -16,7 +16,7 @@ use comera_dlrm::{Dlrm, DlrmState};
 use comera_layers::{Model, Trainable};
 use comera_model::{Encoder, EncoderConfig, EncoderState};
 use serde::{Deserialize, Serialize};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Held-out figures of a model.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
@@ -63,14 +63,12 @@ pub trait Task {
         model: &Self::Model,
         st: &mut <Self::Model as Trainable>::State,
     ) -> anyhow::Result<EvalStats>;
-    /// Writes `model.safetensors` + `model.toml` into `dir`.
-    fn save_model(
-        &self,
-        dir: &Path,
-        model: &Self::Model,
-        epoch: usize,
-        step: u64,
-    ) -> anyhow::Result<()>;
+    /// The model's `model.toml` (what loading it needs besides its weights).
+    fn model_meta(&self, model: &Self::Model, epoch: usize, step: u64) -> anyhow::Result<String>;
+    /// Whether the run writes its model files after every epoch.
+    fn saves_model(&self) -> bool {
+        true
+    }
     /// Sequence positions per example (1 for a row of tabular data).
     fn tokens_per_example(&self, phase: &Phase) -> usize;
     /// What the task's loss is called in messages.
@@ -214,8 +212,13 @@ pub fn evaluate_ctr(
 }
 
 fn load_classify(st: &mut EncoderState, b: &Batch) -> anyhow::Result<()> {
-    st.load(&b.input_ids, &b.token_type_ids, &b.attention_mask, &b.labels)
-        .map_err(anyhow::Error::msg)
+    st.load(
+        &b.input_ids,
+        &b.token_type_ids,
+        &b.attention_mask,
+        &b.labels,
+    )
+    .map_err(anyhow::Error::msg)
 }
 
 fn load_mlm(st: &mut EncoderState, b: &MlmBatch) -> anyhow::Result<()> {
@@ -317,7 +320,7 @@ impl Task for EncoderTask {
         }
     }
 
-    fn save_model(&self, dir: &Path, model: &Encoder, epoch: usize, step: u64) -> anyhow::Result<()> {
+    fn model_meta(&self, _model: &Encoder, epoch: usize, step: u64) -> anyhow::Result<String> {
         let (labels, pair) = match &self.data {
             EncoderData::Classify(d) => (d.label_names.clone(), d.pair),
             EncoderData::Mlm(_) => (Vec::new(), false),
@@ -330,7 +333,7 @@ impl Task for EncoderTask {
             epoch,
             step,
         };
-        save_model(dir, model, &meta)
+        Ok(toml::to_string_pretty(&meta)?)
     }
 
     fn tokens_per_example(&self, phase: &Phase) -> usize {
@@ -408,7 +411,11 @@ impl Task for CtrTask {
 
     fn epoch<'a>(&'a mut self, phase: &Phase, epoch: usize) -> anyhow::Result<CtrEpoch<'a>> {
         self.train.start_epoch(epoch, self.seed)?;
-        let batch = CtrBatch::new(phase.batch_size, self.meta.n_dense, self.meta.field_names.len());
+        let batch = CtrBatch::new(
+            phase.batch_size,
+            self.meta.n_dense,
+            self.meta.field_names.len(),
+        );
         Ok(CtrEpoch {
             source: &mut self.train,
             batch,
@@ -419,17 +426,18 @@ impl Task for CtrTask {
         Ok(evaluate_ctr(model, st, &self.valid)?.0)
     }
 
-    fn save_model(&self, dir: &Path, model: &Dlrm, epoch: usize, step: u64) -> anyhow::Result<()> {
-        if !self.save_model {
-            return Ok(());
-        }
+    fn saves_model(&self) -> bool {
+        self.save_model
+    }
+
+    fn model_meta(&self, model: &Dlrm, epoch: usize, step: u64) -> anyhow::Result<String> {
         let meta = DlrmMeta {
             tables: model.tables.iter().map(|t| t.describe()).collect(),
             epoch,
             step,
             ..self.meta.clone()
         };
-        save_dlrm(dir, model, &meta)
+        Ok(toml::to_string_pretty(&meta)?)
     }
 
     fn tokens_per_example(&self, _phase: &Phase) -> usize {
@@ -447,10 +455,18 @@ impl Task for CtrTask {
     fn report_extra(&self, model: &Dlrm) -> serde_json::Map<String, serde_json::Value> {
         let mut m = serde_json::Map::new();
         m.insert("table_params".into(), model.table_params().into());
-        m.insert("dense_table_params".into(), model.dense_table_params().into());
+        m.insert(
+            "dense_table_params".into(),
+            model.dense_table_params().into(),
+        );
         m.insert(
             "tables".into(),
-            model.tables.iter().map(|t| t.describe()).collect::<Vec<_>>().into(),
+            model
+                .tables
+                .iter()
+                .map(|t| t.describe())
+                .collect::<Vec<_>>()
+                .into(),
         );
         m.insert("num_params".into(), Model::num_params(model).into());
         m

@@ -237,8 +237,16 @@ fn setup_encoder(
         "model {} layers, d_model {}, {}{}",
         mcfg.layers,
         mcfg.d_model,
-        if mcfg.tt_linear { "TT linear" } else { "dense linear" },
-        if mcfg.ttm_embedding { " + TTM embedding" } else { " + dense embedding" },
+        if mcfg.tt_linear {
+            "TT linear"
+        } else {
+            "dense linear"
+        },
+        if mcfg.ttm_embedding {
+            " + TTM embedding"
+        } else {
+            " + dense embedding"
+        },
     );
     let optimizer = Optimizer::new(cfg.optim.clone(), cfg.galore.clone(), &mut model);
     if cfg.galore.is_some() && cfg.rank.enabled {
@@ -511,7 +519,6 @@ fn mean_ranks(layers: &[LayerRanks]) -> serde_json::Value {
     serde_json::Value::Object(m)
 }
 
-
 /// Each epoch's phase index and batch count (None: a streamed epoch of unknown length);
 /// epochs are numbered across phases.
 fn plan_epochs<T: Task>(task: &mut T) -> anyhow::Result<Vec<(usize, Option<usize>)>> {
@@ -673,13 +680,22 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     let (mut best_valid, mut best_epoch) = (f64::NEG_INFINITY, 0);
     let mut win_start = Instant::now();
     let mut stopped = false;
-    let save_checkpoint =
-        |prog: &Progress, stepper: &Stepper, model: &mut T::Model| -> anyhow::Result<()> {
-            let state = stepper.optimizer.state(model);
-            let keep = cfg.keep_checkpoints;
-            checkpoint::save(&out, &cfg.config_toml, prog, &stepper.rank, model, &state, keep)
-                .map(|_| ())
+    // A checkpoint holds the model's `model.toml` (its kind and shape; truncated ranks are
+    // read from the tensors' shapes when it is loaded).
+    let save_checkpoint = |meta: &str,
+                           prog: &Progress,
+                           stepper: &Stepper,
+                           model: &mut T::Model|
+     -> anyhow::Result<()> {
+        let state = stepper.optimizer.state(model);
+        let run = checkpoint::RunState {
+            config_toml: &cfg.config_toml,
+            model_toml: meta,
+            progress: prog,
+            rank: &stepper.rank,
         };
+        checkpoint::save(&out, &run, model, &state, cfg.keep_checkpoints).map(|_| ())
+    };
     let stop_due = |step: u64| cfg.stop_after_steps > 0 && step >= cfg.stop_after_steps;
     let n_epochs = epochs.len();
     'epochs: for (epoch, &(ph, per_epoch)) in epochs.iter().enumerate().skip(prog.epoch) {
@@ -694,6 +710,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 phase.batch_size
             ));
         }
+        let meta = task.model_meta(&model, epoch, prog.step)?;
         let mut batches = task.epoch(phase, epoch)?;
         // Resuming inside an epoch: replay its data order up to the checkpoint.
         for _ in 0..prog.batch_in_epoch {
@@ -714,7 +731,14 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             prog.step += 1;
             prog.batch_in_epoch = i;
             let step = prog.step;
-            rank_events(&mut stepper, &mut model, &mut rep, &mut prog, epoch + 1, epoch_end)?;
+            rank_events(
+                &mut stepper,
+                &mut model,
+                &mut rep,
+                &mut prog,
+                epoch + 1,
+                epoch_end,
+            )?;
             let s = r.stats;
             prog.ep_loss += s.loss * s.count as f64;
             prog.ep_correct += s.correct;
@@ -749,7 +773,10 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 } else {
                     String::new()
                 };
-                let msg = format!("epoch {} loss {l:.4} acc {a:.3}{size} {tps:.0}/s", epoch + 1);
+                let msg = format!(
+                    "epoch {} loss {l:.4} acc {a:.3}{size} {tps:.0}/s",
+                    epoch + 1
+                );
                 rep.bar.set_message(msg);
                 (prog.win_loss, prog.win_correct, prog.win_count) = (0.0, 0, 0);
                 win_steps = 0;
@@ -760,10 +787,9 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 break;
             }
             let stop_now = stop_due(step);
-            if stop_now || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every))
-            {
+            if stop_now || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)) {
                 prog.seconds = base_seconds + t0.elapsed().as_secs_f64();
-                save_checkpoint(&prog, &stepper, &mut model)?;
+                save_checkpoint(&meta, &prog, &stepper, &mut model)?;
             }
             if stop_now {
                 stopped = true;
@@ -773,7 +799,14 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         drop(batches);
         if per_epoch.is_none() {
             // A streamed epoch ends when its data does: the epoch-end rank events run now.
-            rank_events(&mut stepper, &mut model, &mut rep, &mut prog, epoch + 1, true)?;
+            rank_events(
+                &mut stepper,
+                &mut model,
+                &mut rep,
+                &mut prog,
+                epoch + 1,
+                true,
+            )?;
         }
         if prog.ep_count == 0 {
             bail!(
@@ -811,12 +844,15 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             valid.loss,
             valid.accuracy
         ));
-        task.save_model(&out, &model, epoch + 1, prog.step)?;
+        let meta = task.model_meta(&model, epoch + 1, prog.step)?;
+        if task.saves_model() {
+            crate::files::save_model_files(&out, &model.params(), &meta)?;
+        }
         // The next epoch starts from a clean slate; checkpoint that point.
         (prog.epoch, prog.batch_in_epoch) = (epoch + 1, 0);
         (prog.ep_loss, prog.ep_correct, prog.ep_count) = (0.0, 0, 0);
         prog.seconds = secs;
-        save_checkpoint(&prog, &stepper, &mut model)?;
+        save_checkpoint(&meta, &prog, &stepper, &mut model)?;
         rep.plots(&out, rank_active, task.loss_name());
         if stop_due(prog.step) && epoch + 1 < n_epochs {
             stopped = true;
@@ -830,7 +866,15 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         Stage::Late => "late",
     };
     if rank_active && !stopped {
-        write_rank_report(&out, &prog, &ranks_end, stage, initial_params, &model, &mut rep)?;
+        write_rank_report(
+            &out,
+            &prog,
+            &ranks_end,
+            stage,
+            initial_params,
+            &model,
+            &mut rep,
+        )?;
     }
     let med = median(&mut step_ms);
     let batch_size = phases.last().map_or(0, |p| p.batch_size);
