@@ -1,7 +1,7 @@
 //! `comera train`, `comera eval`, `comera predict`: argument parsing, then comera-train.
 
 use anyhow::bail;
-use comera_train::infer::{eval_run, fill_mask, load_run, predict_clicks, predict_texts};
+use comera_train::infer::{eval_run, fill_mask, load_run, predict_clicks, predict_texts, EvalKind};
 use comera_train::{AnyRunConfig, Overrides, RunConfig, SavedModel, TrainSummary};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -150,21 +150,31 @@ pub struct EvalArgs {
 }
 
 pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
-    let s = eval_run(
+    let (kind, s) = eval_run(
         &a.model,
         a.checkpoint.as_deref(),
         a.data.as_deref(),
         a.batch_size,
     )?;
-    let auc = s.auc.map(|x| format!(", AUC {x:.4}")).unwrap_or_default();
-    println!(
-        "{}: {} predictions, accuracy {:.4}, loss {:.4} (perplexity {:.2}){auc}",
-        a.model.display(),
-        s.examples,
-        s.accuracy,
-        s.loss,
-        s.loss.exp()
-    );
+    let (m, n) = (a.model.display(), s.examples);
+    match kind {
+        EvalKind::Classifier => println!(
+            "{m}: {n} examples, accuracy {:.4}, loss {:.4}",
+            s.accuracy, s.loss
+        ),
+        EvalKind::MaskedLm => println!(
+            "{m}: {n} held-out tokens predicted, MLM loss {:.4}, perplexity {:.2}, masked-token accuracy {:.4}",
+            s.loss,
+            s.loss.exp(),
+            s.accuracy
+        ),
+        EvalKind::Ctr => println!(
+            "{m}: {n} examples, AUC {:.4}, log-loss {:.4}, accuracy {:.4}",
+            s.auc.unwrap_or(0.5),
+            s.loss,
+            s.accuracy
+        ),
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -34,6 +34,14 @@ pub fn load_run(
     }
 }
 
+/// What [`eval_run`] evaluated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvalKind {
+    Classifier,
+    MaskedLm,
+    Ctr,
+}
+
 /// Evaluates the model of `run` (or of `checkpoint`) on its run's held-out data, or on
 /// `data`: a file in the run's data format (a TSV/CSV/Parquet file of a file-source
 /// classifier, a text file for a masked-LM model, a Criteo-format TSV for a DLRM).
@@ -42,7 +50,7 @@ pub fn eval_run(
     checkpoint: Option<&Path>,
     data: Option<&Path>,
     batch: usize,
-) -> anyhow::Result<EvalStats> {
+) -> anyhow::Result<(EvalKind, EvalStats)> {
     if batch == 0 {
         bail!("--batch-size: must be at least 1");
     }
@@ -61,7 +69,8 @@ pub fn eval_run(
                 let mut st = model
                     .state_for(batch, t, rows)
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
-                return evaluate_mlm(&model, &mut st, &d, &d.packed_ref(t).valid);
+                let s = evaluate_mlm(&model, &mut st, &d, &d.packed_ref(t).valid)?;
+                return Ok((EvalKind::MaskedLm, s));
             }
             if let Some(f) = data {
                 if !["tsv", "csv", "parquet"].contains(&cfg.data.source.as_str()) {
@@ -74,7 +83,10 @@ pub fn eval_run(
             }
             let d = prepare(&cfg.data, t, cfg.train.seed)?;
             let mut st = model.state(batch);
-            evaluate_classifier(&model, &mut st, &d.valid)
+            Ok((
+                EvalKind::Classifier,
+                evaluate_classifier(&model, &mut st, &d.valid)?,
+            ))
         }
         (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
             let valid = match data {
@@ -82,7 +94,7 @@ pub fn eval_run(
                 None => comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)?.valid,
             };
             let mut st = model.state(batch);
-            Ok(evaluate_ctr(&model, &mut st, &valid)?.0)
+            Ok((EvalKind::Ctr, evaluate_ctr(&model, &mut st, &valid)?.0))
         }
         _ => bail!(
             "{}: the model and the run's config.toml are of different kinds",
@@ -161,16 +173,27 @@ pub fn fill_mask(
     }
     let tok = BertTokenizer::from_vocab_file(&meta.vocab)
         .with_context(|| format!("vocabulary {}", meta.vocab.display()))?;
-    let mask_id = tok
-        .token_to_id("[MASK]")
-        .context("the vocabulary has no [MASK] token")?;
     let t = meta.model.seq_len;
-    let enc = tok.encode_single(text, t)?;
+    // `[CLS] piece [MASK] piece … [SEP] [PAD]…`: the text is split at its `[MASK]`s, so
+    // they need no support from the tokenizer's own splitting.
+    let sp = tok.special_ids();
+    let mut ids = vec![sp.cls];
+    for (i, piece) in text.split("[MASK]").enumerate() {
+        if i > 0 {
+            ids.push(sp.mask);
+        }
+        ids.extend(tok.tokenize(piece)?);
+    }
+    ids.truncate(t - 1);
+    ids.push(sp.sep);
+    let mut mask = vec![1u32; ids.len()];
+    mask.resize(t, 0);
+    ids.resize(t, sp.pad);
     let selected: Vec<u32> = (0..t as u32)
-        .filter(|&i| enc.input_ids[i as usize] == mask_id)
+        .filter(|&i| ids[i as usize] == sp.mask)
         .collect();
     if selected.is_empty() {
-        bail!("no [MASK] token in the text (within its first {t} tokens)");
+        bail!("no [MASK] in the text (within its first {t} tokens): write [MASK] where a token is to be predicted");
     }
     let mut st = model
         .state_for(1, t, selected.len())
@@ -184,7 +207,7 @@ pub fn fill_mask(
             }
         })
         .collect();
-    st.load_mlm(&enc.input_ids, &enc.attention_mask, &labels, &selected)
+    st.load_mlm(&ids, &mask, &labels, &selected)
         .map_err(anyhow::Error::msg)?;
     model.forward(&mut st, false, 0)?;
     let logits = st.logits();
