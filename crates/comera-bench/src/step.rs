@@ -6,7 +6,7 @@
 //! one model alone; children run one after the other, dense and TT alternating for
 //! `--rounds`, and the reported median is over every timed step of every round.
 
-use crate::bench::median;
+use crate::harness::{median, peak_rss_bytes};
 use comera_model::{Encoder, EncoderConfig};
 use comera_optim::{clip_scale, AdamW, AdamWConfig};
 use comera_tensor::{factor::balanced_factorisations, init};
@@ -139,17 +139,6 @@ fn config(a: &StepArgs, model: &str) -> anyhow::Result<EncoderConfig> {
     c.validate()
         .map_err(|e| anyhow::anyhow!("model configuration: {e}"))?;
     Ok(c)
-}
-
-/// `VmHWM` (peak resident set) of this process, in bytes.
-pub(crate) fn peak_rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
 }
 
 /// Runs one model at one batch size in this process.

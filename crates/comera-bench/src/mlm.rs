@@ -6,7 +6,7 @@
 //! AdamW) on the same synthetic batch in this process; arms alternate round by round and the
 //! medians of the per-step times are reported, with ratios to the dense arm.
 
-use crate::bench::median;
+use crate::harness::median;
 use comera_model::{Encoder, EncoderConfig, HeadKind, MlmDecoderKind};
 use comera_optim::AdamW;
 use comera_train::RunConfig;

@@ -1,6 +1,6 @@
 //! `comera bench ttm`: TTM lookups (optimised, naive) vs a dense gather, forward+backward.
 
-use crate::bench::interleaved_medians;
+use crate::harness::interleaved_medians;
 use comera_layers::{Embedding, EmbeddingLayer, Lookup, RankGates, TtmEmbedding};
 use comera_tensor::{init, TtmShape};
 use rand_distr::{Distribution, Uniform, Zipf};

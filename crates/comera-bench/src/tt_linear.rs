@@ -1,26 +1,11 @@
-//! `comera bench …`: timings measured side by side in one run (interleaved rounds, medians).
+//! `comera bench tt-linear`: forward+backward of the paper's TT linear layers on every
+//! contraction path, the planner's pick and the dense layer, interleaved in one run.
 
+use crate::harness::interleaved_medians;
 use comera_layers::{Layer, Linear, RankGates, TtLinear};
 use comera_plan::TtPath;
 use comera_tensor::{init, TtShape};
 use std::process::ExitCode;
-use std::time::Instant;
-
-#[derive(clap::Subcommand)]
-pub enum Bench {
-    /// Forward+backward of the paper's TT linear layers on every path vs the dense layer.
-    TtLinear(TtLinearArgs),
-    /// Forward+backward per looked-up id of TTM tables (optimised, naive) vs a dense gather.
-    Ttm(crate::bench_ttm::TtmArgs),
-    /// Whole training steps (forward, loss, backward, AdamW) of the dense vs the TT/TTM encoder.
-    Step(crate::bench_step::StepArgs),
-    /// Dense + AdamW vs dense + GaLore vs CoMERA (TT/TTM): step time, memory, loss, accuracy.
-    Compare(crate::bench_compare::CompareArgs),
-    /// Step time of a rank-adaptive run's model at its initial vs its truncated ranks.
-    Rank(crate::bench_rank::RankArgs),
-    /// Masked-LM pre-training steps: dense vs CoMERA with a TT or a dense output projection.
-    Mlm(crate::bench_mlm::MlmArgs),
-}
 
 #[derive(clap::Args)]
 pub struct TtLinearArgs {
@@ -51,44 +36,6 @@ fn paper_modes(layer: &str) -> anyhow::Result<(Vec<usize>, Vec<usize>)> {
             "--layers: unknown layer `{other}` (expected 768x768, 768x3072 or 3072x768)"
         ),
     })
-}
-
-/// Times each variant in interleaved rounds; returns the median ms per call of each.
-pub fn interleaved_medians(variants: &mut [Box<dyn FnMut() + '_>], seconds: f64) -> Vec<f64> {
-    // Calibrate: enough inner calls for a ≥ 2 ms sample, and a round count for the budget.
-    let mut inner = Vec::with_capacity(variants.len());
-    let mut round_s = 0.0;
-    for v in variants.iter_mut() {
-        v(); // warm-up (first-touch of buffers, thread pool start)
-        let t = Instant::now();
-        v();
-        let dt = t.elapsed().as_secs_f64().max(1e-7);
-        let k = (2e-3 / dt).ceil().max(1.0) as usize;
-        inner.push(k);
-        round_s += dt * k as f64;
-    }
-    let rounds = ((seconds / round_s) as usize).clamp(7, 201);
-    let mut samples = vec![Vec::with_capacity(rounds); variants.len()];
-    for _ in 0..rounds {
-        for (i, v) in variants.iter_mut().enumerate() {
-            let t = Instant::now();
-            for _ in 0..inner[i] {
-                v();
-            }
-            samples[i].push(t.elapsed().as_secs_f64() * 1e3 / inner[i] as f64);
-        }
-    }
-    samples.into_iter().map(median).collect()
-}
-
-pub fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if !n.is_multiple_of(2) {
-        v[n / 2]
-    } else {
-        0.5 * (v[n / 2 - 1] + v[n / 2])
-    }
 }
 
 fn tt_train_step(
@@ -132,7 +79,7 @@ fn dense_train_step(layer: &mut Linear, tokens: usize) -> Box<dyn FnMut() + '_> 
     })
 }
 
-fn tt_linear(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
+pub fn run(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
     let threads = rayon::current_num_threads();
     if !a.json {
         println!(
@@ -217,15 +164,4 @@ fn tt_linear(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
-}
-
-pub fn run(b: Bench) -> anyhow::Result<ExitCode> {
-    match b {
-        Bench::TtLinear(a) => tt_linear(a),
-        Bench::Ttm(a) => crate::bench_ttm::run(a),
-        Bench::Step(a) => crate::bench_step::run(a),
-        Bench::Compare(a) => crate::bench_compare::run(a),
-        Bench::Rank(a) => crate::bench_rank::run(a),
-        Bench::Mlm(a) => crate::bench_mlm::run(a),
-    }
 }

@@ -18,8 +18,8 @@
 //! Results are printed and written to the output directory as `compare.md`, `compare.json` and
 //! `compare.png` (bar charts), beside each arm's resolved config and training run directory.
 
-use crate::bench::median;
-use crate::bench_step::peak_rss_bytes;
+use crate::harness::median;
+use crate::harness::peak_rss_bytes;
 use anyhow::{bail, ensure, Context};
 use comera_layers::attention::Attention;
 use comera_model::{AnyLinear, Encoder, EncoderConfig, WordEmbedding};

@@ -1,7 +1,7 @@
 //! `comera bench rank RUN_DIR`: training-step time of a rank-adaptive run's model as it was
 //! at the start (initial ranks) and as it ended (truncated ranks), side by side in one run.
 
-use crate::bench::interleaved_medians;
+use crate::harness::interleaved_medians;
 use anyhow::Context;
 use comera_model::Encoder;
 use comera_optim::{AdamW, AdamWConfig};
