@@ -1,7 +1,7 @@
 //! `comera bench tt-linear`: forward+backward of the paper's TT linear layers on every
 //! contraction path, the planner's pick and the dense layer, interleaved in one run.
 
-use crate::harness::interleaved_medians;
+use crate::harness::{interleaved_medians, normal_vec, TextTable};
 use comera_layers::{Layer, Linear, RankGates, TtLinear};
 use comera_plan::TtPath;
 use comera_tensor::{init, TtShape};
@@ -38,39 +38,20 @@ fn paper_modes(layer: &str) -> anyhow::Result<(Vec<usize>, Vec<usize>)> {
     })
 }
 
-fn tt_train_step(
-    layer: &mut TtLinear,
-    path: Option<TtPath>,
+/// One forward+backward (with dX) of `layer` in `ws` on fixed N(0, 1) inputs drawn from `seed`.
+fn fwd_bwd<'a, L: Layer>(
+    layer: &'a mut L,
+    mut ws: L::Workspace,
     tokens: usize,
-) -> (Box<dyn FnMut() + '_>, TtPath) {
+    seed: u64,
+) -> Box<dyn FnMut() + 'a>
+where
+    L::Workspace: 'a,
+{
     let (n, m) = (layer.in_features(), layer.out_features());
-    let mut ws = layer.workspace(tokens);
-    if path.is_some() {
-        ws.force_path(path);
-    }
-    let chosen = ws.path();
-    let mut rng = init::rng(1);
-    let mut x = vec![0.0; tokens * n];
-    init::fill_normal(&mut rng, &mut x, 1.0);
-    let mut dy = vec![0.0; tokens * m];
-    init::fill_normal(&mut rng, &mut dy, 1.0);
-    let mut y = vec![0.0; tokens * m];
-    let mut dx = vec![0.0; tokens * n];
-    let f = move || {
-        layer.forward(&mut ws, &x, &mut y);
-        layer.backward(&mut ws, &x, &dy, Some(&mut dx));
-    };
-    (Box::new(f), chosen)
-}
-
-fn dense_train_step(layer: &mut Linear, tokens: usize) -> Box<dyn FnMut() + '_> {
-    let (n, m) = (layer.in_features(), layer.out_features());
-    let mut ws = layer.workspace(tokens);
-    let mut rng = init::rng(2);
-    let mut x = vec![0.0; tokens * n];
-    init::fill_normal(&mut rng, &mut x, 1.0);
-    let mut dy = vec![0.0; tokens * m];
-    init::fill_normal(&mut rng, &mut dy, 1.0);
+    let mut rng = init::rng(seed);
+    let x = normal_vec(&mut rng, tokens * n);
+    let dy = normal_vec(&mut rng, tokens * m);
     let mut y = vec![0.0; tokens * m];
     let mut dx = vec![0.0; tokens * n];
     Box::new(move || {
@@ -78,6 +59,9 @@ fn dense_train_step(layer: &mut Linear, tokens: usize) -> Box<dyn FnMut() + '_> 
         layer.backward(&mut ws, &x, &dy, Some(&mut dx));
     })
 }
+
+/// Column widths of the text table.
+const TABLE: TextTable = TextTable(&[9, 6, 10, 10, 10, 10, 11, 8, 9]);
 
 pub fn run(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
     let threads = rayon::current_num_threads();
@@ -87,16 +71,18 @@ pub fn run(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
             a.rank
         );
         println!(
-            "{:<9} {:>6} {:>10} {:>10} {:>10} {:>10} {:>11} {:>8} {:>9}",
-            "layer",
-            "tokens",
-            "merged",
-            "sequential",
-            "tt-dense",
-            "Linear",
-            "pick",
-            "pick/best",
-            "Linear/TT"
+            "{}",
+            TABLE.line(&[
+                "layer",
+                "tokens",
+                "merged",
+                "sequential",
+                "tt-dense",
+                "Linear",
+                "pick",
+                "pick/best",
+                "Linear/TT",
+            ])
         );
     }
     for name in &a.layers {
@@ -108,22 +94,23 @@ pub fn run(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
         for &tokens in &a.tokens {
             let mut layers: Vec<TtLinear> = (0..4).map(|_| tt.clone()).collect();
             let mut dense = dense.clone();
+            let dense_ws = dense.workspace(tokens);
             let mut variants: Vec<Box<dyn FnMut() + '_>> = Vec::new();
             let mut pick = TtPath::Merged;
             let mut est = Vec::new();
             for (i, l) in layers.iter_mut().enumerate() {
+                // Each forced path, then (None) the planner's pick.
                 let path = TtPath::ALL.get(i).copied();
-                if path.is_none() {
-                    let ws = l.workspace(tokens);
+                let mut ws = l.workspace(tokens);
+                if path.is_some() {
+                    ws.force_path(path);
+                } else {
                     est = ws.plan().costs.clone();
+                    pick = ws.path();
                 }
-                let (f, chosen) = tt_train_step(l, path, tokens);
-                if path.is_none() {
-                    pick = chosen;
-                }
-                variants.push(f);
+                variants.push(fwd_bwd(l, ws, tokens, 1));
             }
-            variants.push(dense_train_step(&mut dense, tokens));
+            variants.push(fwd_bwd(&mut dense, dense_ws, tokens, 2));
             let med = interleaved_medians(&mut variants, a.seconds);
             drop(variants);
             let (paths, planner, linear) = (&med[..3], med[3], med[4]);
@@ -148,18 +135,18 @@ pub fn run(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
                 );
             } else {
                 let pick_ms = paths[TtPath::ALL.iter().position(|p| *p == pick).unwrap()];
-                println!(
-                    "{:<9} {:>6} {:>10.4} {:>10.4} {:>10.4} {:>10.4} {:>11} {:>8.2} {:>9.2}",
-                    name,
-                    tokens,
-                    paths[0],
-                    paths[1],
-                    paths[2],
-                    linear,
-                    pick.name(),
-                    pick_ms / best,
-                    linear / best
-                );
+                let row = [
+                    name.clone(),
+                    tokens.to_string(),
+                    format!("{:.4}", paths[0]),
+                    format!("{:.4}", paths[1]),
+                    format!("{:.4}", paths[2]),
+                    format!("{linear:.4}"),
+                    pick.name().to_string(),
+                    format!("{:.2}", pick_ms / best),
+                    format!("{:.2}", linear / best),
+                ];
+                println!("{}", TABLE.line(&row));
             }
         }
     }
