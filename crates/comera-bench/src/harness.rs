@@ -355,3 +355,53 @@ pub fn md_row<S: AsRef<str>>(cells: &[S]) -> String {
     let cells: Vec<&str> = cells.iter().map(|c| c.as_ref()).collect();
     format!("| {} |", cells.join(" | "))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(Vec::new()).is_nan());
+        assert_eq!(pooled_median([&[1.0, 5.0][..], &[3.0][..]]), Some(3.0));
+        assert_eq!(pooled_median([&[][..]]), None);
+    }
+
+    #[test]
+    fn text_table_pads_like_format_widths() {
+        let t = TextTable(&[6, 5, 10]);
+        assert_eq!(
+            t.line(&["tt", "2", &format!("{:.2}", 1.234)]),
+            format!("{:<6} {:>5} {:>10.2}", "tt", 2, 1.234)
+        );
+    }
+
+    #[test]
+    fn markdown_header_and_row() {
+        assert_eq!(
+            md_header(&["a", "b", "c"], true),
+            "| a | b | c |\n|---|---:|---:|"
+        );
+        assert_eq!(md_header(&["a", "b"], false), "| a | b |\n|---|---|");
+        assert_eq!(md_row(&["x".to_string(), "1".into()]), "| x | 1 |");
+    }
+
+    #[test]
+    fn interleave_gives_every_variant_its_samples() {
+        let (mut a, mut b) = (0, 0);
+        let samples = {
+            let mut v: Vec<Box<dyn FnMut() + '_>> = vec![Box::new(|| a += 1), Box::new(|| b += 1)];
+            interleave(&mut v, 3, 2, &[1, 4])
+        };
+        assert_eq!(samples.iter().map(Vec::len).collect::<Vec<_>>(), [6, 6]);
+        assert_eq!((a, b), (6, 24));
+    }
+
+    #[test]
+    fn peak_rss_is_at_least_the_current_rss() {
+        let (peak, now) = (peak_rss_bytes(), current_rss_bytes());
+        assert!(now > 0 && peak >= now, "peak {peak}, current {now}");
+    }
+}
