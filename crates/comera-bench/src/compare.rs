@@ -25,7 +25,7 @@ use crate::harness::{
 use anyhow::{bail, ensure, Context};
 use comera_layers::attention::Attention;
 use comera_model::{AnyEmbedding, AnyLinear, Encoder, EncoderConfig};
-use comera_optim::{clip_scale, AdamW, GaLore};
+use comera_optim::{Decay, Optimizer, Schedule, Stepper};
 use comera_train::plot::{plot_panels, Panel, Series};
 use comera_train::{RankController, RunConfig};
 use serde::{Deserialize, Serialize};
@@ -33,7 +33,6 @@ use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
 
 const ARMS: [&str; 3] = ["dense", "galore", "comera"];
 const WARMUP: usize = 2;
@@ -211,11 +210,6 @@ fn layer_workspace_bytes(enc: &Encoder, b: usize) -> usize {
     total + c.layers * Attention::workspace_bytes(&attn)
 }
 
-enum Opt {
-    AdamW(AdamW),
-    GaLore(Box<GaLore>),
-}
-
 /// One arm at one batch size, in this process.
 fn time_child(cfg: &RunConfig, arm: &str, a: &CompareArgs) -> anyhow::Result<TimeReport> {
     ensure!(a.batch.len() == 1, "--child takes exactly one --batch");
@@ -225,23 +219,26 @@ fn time_child(cfg: &RunConfig, arm: &str, a: &CompareArgs) -> anyhow::Result<Tim
     let mcfg = &cfg.model;
     let mut enc = Encoder::new(mcfg, cfg.train.seed)?;
     let mut st = enc.state(b);
-    let mut rank = RankController::new(&cfg.rank, &enc);
-    let mut opt = match &cfg.galore {
-        Some(g) => Opt::GaLore(Box::new(GaLore::new(cfg.optim.clone(), g.clone(), |f| {
-            enc.visit_params_mut(f)
-        }))),
-        None => {
-            let mut o = AdamW::new(cfg.optim.clone(), |f| enc.visit_params_mut(f));
-            if rank.active() {
-                o.freeze_gates_at = Some(mcfg.threshold);
-            }
-            Opt::AdamW(o)
-        }
+    // The training step as runs take it (constant learning rate: the schedule does not change
+    // the work).
+    let optimizer = Optimizer::new(cfg.optim.clone(), cfg.galore.clone(), &mut enc);
+    let rank = RankController::new(&cfg.rank, &enc);
+    let schedule = Schedule {
+        warmup: 0,
+        total: u64::MAX,
+        decay: Decay::Constant,
     };
+    let mut stepper = Stepper::new(
+        optimizer,
+        rank,
+        schedule,
+        cfg.optim.clip_norm,
+        mcfg.threshold,
+    );
     ClassBatch::random(mcfg, b, cfg.train.seed.wrapping_add(1)).load(&mut st)?;
 
     let (mut times, mut refresh_times) = (StepTimes::default(), StepTimes::default());
-    let refreshes = if matches!(opt, Opt::GaLore(_)) {
+    let refreshes = if matches!(stepper.optimizer, Optimizer::GaLore(_)) {
         a.refresh_steps
     } else {
         0
@@ -249,41 +246,26 @@ fn time_child(cfg: &RunConfig, arm: &str, a: &CompareArgs) -> anyhow::Result<Tim
     let mut loss = 0.0;
     for step in 0..WARMUP + a.steps + refreshes {
         let forced = step >= WARMUP + a.steps;
-        let refresh = match &mut opt {
-            Opt::GaLore(g) => {
+        let refresh = match &mut stepper.optimizer {
+            Optimizer::GaLore(g) => {
                 if forced {
                     g.request_refresh();
                 }
                 g.refresh_due()
             }
-            Opt::AdamW(_) => false,
+            Optimizer::AdamW(_) => false,
         };
-        let t0 = Instant::now();
-        enc.zero_grad();
-        let s = enc.forward(&mut st, true, step as u64)?;
-        let t1 = Instant::now();
-        enc.backward(&mut st);
-        rank.apply(&mut enc, s.loss);
-        let t2 = Instant::now();
-        let (scale, _) = clip_scale(cfg.optim.clip_norm, |f| enc.visit_params_mut(f));
-        match &mut opt {
-            Opt::AdamW(o) => o.step(1.0, scale, |f| enc.visit_params_mut(f)),
-            Opt::GaLore(o) => o.step(1.0, scale, |f| enc.visit_params_mut(f)),
-        }
-        let t3 = Instant::now();
-        ensure!(
-            s.loss.is_finite(),
-            "{arm}: loss is {} at step {step}",
-            s.loss
-        );
-        loss = s.loss;
+        let r = stepper
+            .step(&mut enc, &mut st, step as u64)
+            .with_context(|| format!("{arm}: step {step}"))?;
+        loss = r.stats.loss;
         if step >= WARMUP {
             let kind = if refresh {
                 &mut refresh_times
             } else {
                 &mut times
             };
-            kind.push([t0, t1, t2, t3]);
+            kind.push_report(&r);
         }
     }
     let peak_rss_bytes = peak_rss_bytes();
@@ -296,9 +278,9 @@ fn time_child(cfg: &RunConfig, arm: &str, a: &CompareArgs) -> anyhow::Result<Tim
         + comera_layers::tt_linear::scratch_pool_bytes())
     .min(state);
     let workspace_bytes = layer_ws;
-    let (optimizer_bytes, galore_bytes, update_every) = match &opt {
-        Opt::AdamW(o) => (o.bytes(), None, None),
-        Opt::GaLore(g) => {
+    let (optimizer_bytes, galore_bytes, update_every) = match &stepper.optimizer {
+        Optimizer::AdamW(o) => (o.bytes(), None, None),
+        Optimizer::GaLore(g) => {
             let d = g.breakdown();
             (
                 d.total(),

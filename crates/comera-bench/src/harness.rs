@@ -4,7 +4,7 @@
 
 use anyhow::{ensure, Context};
 use comera_model::{Encoder, EncoderConfig, EncoderState};
-use comera_optim::AdamW;
+use comera_optim::{AdamWConfig, Optimizer, StepReport, Stepper};
 use comera_tensor::init;
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -101,6 +101,16 @@ pub struct StepTimes {
 }
 
 impl StepTimes {
+    /// Records one step from its phases (see [`comera_optim::StepReport::phases`]).
+    pub fn push_report(&mut self, r: &StepReport) {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let [f, b, o] = r.phases;
+        self.step_ms.push(ms(f + b + o));
+        self.fwd_ms.push(ms(f));
+        self.bwd_ms.push(ms(b));
+        self.opt_ms.push(ms(o));
+    }
+
     /// Records one step from its four instants: start, after the forward, after the backward,
     /// after the optimiser.
     pub fn push(&mut self, [t0, t1, t2, t3]: [Instant; 4]) {
@@ -299,18 +309,11 @@ impl MlmBatch {
     }
 }
 
-/// One plain training step (zero-grad, forward with loss, backward, AdamW without clipping or
-/// schedule), as `bench rank` and `bench mlm` time it.
-pub(crate) fn plain_adamw_step(
-    model: &mut Encoder,
-    st: &mut EncoderState,
-    opt: &mut AdamW,
-) -> anyhow::Result<()> {
-    model.zero_grad();
-    model.forward(st, true, 0)?;
-    model.backward(st);
-    opt.step(1.0, 1.0, |f| model.visit_params_mut(f));
-    Ok(())
+/// A stepper for `model` with AdamW (`cfg`) at a constant rate, no rank schedule and no
+/// clipping, as `bench rank` and `bench mlm` time the one training step.
+pub(crate) fn plain_stepper(cfg: AdamWConfig, model: &mut Encoder) -> Stepper {
+    let opt = Optimizer::new(cfg, None, model);
+    Stepper::plain(opt, model)
 }
 
 // ---------------------------------------------------------------------------------------------

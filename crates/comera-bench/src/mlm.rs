@@ -6,9 +6,8 @@
 //! AdamW) on the same synthetic batch in this process; arms alternate round by round and the
 //! medians of the per-step times are reported, with ratios to the dense arm.
 
-use crate::harness::{interleave, md_header, md_row, median, plain_adamw_step, MlmBatch};
+use crate::harness::{interleave, md_header, md_row, median, plain_stepper, MlmBatch};
 use comera_model::{Encoder, EncoderConfig, HeadKind, MlmDecoderKind};
-use comera_optim::AdamW;
 use comera_train::RunConfig;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -75,20 +74,22 @@ pub fn run(a: MlmArgs) -> anyhow::Result<ExitCode> {
             .state_for(b, t, rows)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         batch.load(&mut st)?;
-        let opt = AdamW::new(cfg.optim.clone(), |f| model.visit_params_mut(f));
-        models.push((model, st, opt));
+        let stepper = plain_stepper(cfg.optim.clone(), &mut model);
+        models.push((model, st, stepper));
     }
     // One warm-up step per arm (and the one place a failing step reports its error).
-    for (model, st, opt) in &mut models {
-        plain_adamw_step(model, st, opt)?;
+    for (model, st, stepper) in &mut models {
+        stepper.step(model, st, 0)?;
     }
     let one_call_per_sample = vec![1; models.len()];
     let times = {
         let mut steps: Vec<Box<dyn FnMut() + '_>> = models
             .iter_mut()
-            .map(|(model, st, opt)| {
+            .map(|(model, st, stepper)| {
                 Box::new(move || {
-                    plain_adamw_step(model, st, opt).expect("the warm-up step succeeded")
+                    stepper
+                        .step(model, st, 0)
+                        .expect("the warm-up step succeeded");
                 }) as Box<dyn FnMut()>
             })
             .collect();

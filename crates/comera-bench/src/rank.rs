@@ -1,10 +1,10 @@
 //! `comera bench rank RUN_DIR`: training-step time of a rank-adaptive run's model as it was
 //! at the start (initial ranks) and as it ended (truncated ranks), side by side in one run.
 
-use crate::harness::{interleaved_medians, md_header, md_row, plain_adamw_step, ClassBatch};
+use crate::harness::{interleaved_medians, md_header, md_row, plain_stepper, ClassBatch};
 use anyhow::Context;
 use comera_model::Encoder;
-use comera_optim::{AdamW, AdamWConfig};
+use comera_optim::AdamWConfig;
 use comera_train::rank;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -21,13 +21,15 @@ pub struct RankArgs {
     seconds: f64,
 }
 
-/// A whole training step (forward, loss, backward, AdamW) of `model` on a fixed batch.
+/// The one training step (forward, loss, backward, AdamW) of `model` on a fixed batch.
 fn train_step(model: &mut Encoder, batch: usize) -> anyhow::Result<Box<dyn FnMut() + '_>> {
     let mut st = model.state(batch);
     ClassBatch::strided(&model.cfg, batch).load(&mut st)?;
-    let mut opt = AdamW::new(AdamWConfig::default(), |f| model.visit_params_mut(f));
+    let mut stepper = plain_stepper(AdamWConfig::default(), model);
     Ok(Box::new(move || {
-        plain_adamw_step(model, &mut st, &mut opt).expect("ids below vocab_size")
+        stepper
+            .step(model, &mut st, 0)
+            .expect("ids below vocab_size");
     }))
 }
 

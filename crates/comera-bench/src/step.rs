@@ -11,11 +11,10 @@ use crate::harness::{
     TextTable, MB,
 };
 use comera_model::{Encoder, EncoderConfig};
-use comera_optim::{clip_scale, AdamW, AdamWConfig};
+use comera_optim::{clip_scale, AdamW, AdamWConfig, Optimizer, Stepper};
 use comera_tensor::{factor::balanced_factorisations, init};
 use serde::{Deserialize, Serialize};
 use std::process::ExitCode;
-use std::time::Instant;
 
 #[derive(clap::Args, Clone)]
 pub struct StepArgs {
@@ -149,8 +148,9 @@ fn child(a: &StepArgs, model: &str) -> anyhow::Result<ChildReport> {
     let mut enc = Encoder::new(&cfg, SEED)?;
     let mut st = enc.state(b);
     let ocfg = AdamWConfig::default();
-    let clip = ocfg.clip_norm;
-    let mut opt = AdamW::new(ocfg, |f| enc.visit_params_mut(f));
+    let clip_norm = ocfg.clip_norm;
+    let mut stepper = Stepper::plain(Optimizer::new(ocfg, None, &mut enc), &enc);
+    stepper.clip_norm = clip_norm;
 
     // Inputs: random ids, two segments, last 10% of positions padded in every other sequence.
     ClassBatch::random(&cfg, b, SEED + 1).load(&mut st)?;
@@ -158,18 +158,10 @@ fn child(a: &StepArgs, model: &str) -> anyhow::Result<ChildReport> {
     let mut times = StepTimes::default();
     let mut loss = 0.0;
     for step in 0..WARMUP + a.steps {
-        let t0 = Instant::now();
-        let stats = enc.forward(&mut st, true, step as u64)?;
-        let t1 = Instant::now();
-        enc.zero_grad();
-        enc.backward(&mut st);
-        let t2 = Instant::now();
-        let (scale, _norm) = clip_scale(clip, |f| enc.visit_params_mut(f));
-        opt.step(1.0, scale, |f| enc.visit_params_mut(f));
-        let t3 = Instant::now();
-        loss = stats.loss;
+        let r = stepper.step(&mut enc, &mut st, step as u64)?;
+        loss = r.stats.loss;
         if step >= WARMUP {
-            times.push([t0, t1, t2, t3]);
+            times.push_report(&r);
         }
     }
     let params = enc.num_params();
@@ -184,7 +176,7 @@ fn child(a: &StepArgs, model: &str) -> anyhow::Result<ChildReport> {
         param_bytes: 2 * 4 * params,
         // Includes the scratch pool the TT/TTM layers share on this thread.
         state_bytes: st.bytes(),
-        optimizer_bytes: opt.bytes(),
+        optimizer_bytes: stepper.optimizer.bytes(),
         loss,
         threads: rayon::current_num_threads(),
     })

@@ -38,6 +38,9 @@ pub struct StepReport {
     pub grad_norm: f64,
     /// The schedule's learning-rate scale at this step.
     pub lr_scale: f32,
+    /// Wall time of the step's three phases: zero-grad + forward; backward + rank objective;
+    /// clipping + optimiser + rank projection (what benchmarks report).
+    pub phases: [std::time::Duration; 3],
 }
 
 /// Everything a step needs besides the model and its batch state.
@@ -50,6 +53,26 @@ pub struct Stepper {
 }
 
 impl Stepper {
+    /// A plain stepper: `optimizer` at a constant learning rate, no rank schedule, no
+    /// clipping (benchmarks and tests).
+    pub fn plain(optimizer: Optimizer, model: &dyn Model) -> Stepper {
+        let off = crate::rank::RankConfig {
+            enabled: false,
+            ..Default::default()
+        };
+        let schedule = Schedule {
+            warmup: 0,
+            total: u64::MAX,
+            decay: crate::Decay::Constant,
+        };
+        Stepper {
+            optimizer,
+            rank: RankController::new(&off, model),
+            schedule,
+            clip_norm: 0.0,
+        }
+    }
+
     /// A stepper driving `rank` (a fresh [`RankController`], or a resumed one). With an active
     /// rank schedule, gate entries at or below the model's gate threshold τ are frozen by the
     /// optimiser.
@@ -84,6 +107,7 @@ impl Stepper {
         st: &mut M::State,
         step: u64,
     ) -> Result<StepReport, StepError> {
+        let t0 = std::time::Instant::now();
         model.zero_grad();
         let stats = model
             .forward(st, true, step)
@@ -95,8 +119,10 @@ impl Stepper {
                 step,
             });
         }
+        let t1 = std::time::Instant::now();
         model.backward(st);
         let objective = self.rank.apply(model, stats.loss);
+        let t2 = std::time::Instant::now();
         let (grad_scale, grad_norm) =
             crate::clip_scale(self.clip_norm, |f| model.visit_params_mut(f));
         if !grad_norm.is_finite() {
@@ -109,11 +135,13 @@ impl Stepper {
         let lr_scale = self.schedule.scale(step);
         self.optimizer.step(lr_scale, grad_scale, model);
         self.rank.project(model);
+        let t3 = std::time::Instant::now();
         Ok(StepReport {
             stats,
             objective,
             grad_norm,
             lr_scale,
+            phases: [t1 - t0, t2 - t1, t3 - t2],
         })
     }
 
