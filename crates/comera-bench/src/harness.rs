@@ -111,16 +111,6 @@ impl StepTimes {
         self.opt_ms.push(ms(o));
     }
 
-    /// Records one step from its four instants: start, after the forward, after the backward,
-    /// after the optimiser.
-    pub fn push(&mut self, [t0, t1, t2, t3]: [Instant; 4]) {
-        let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-        self.step_ms.push(ms(t0, t3));
-        self.fwd_ms.push(ms(t0, t1));
-        self.bwd_ms.push(ms(t1, t2));
-        self.opt_ms.push(ms(t2, t3));
-    }
-
     /// Medians over every step of every round: `[step, fwd, bwd, opt]` ms (NaN where empty).
     pub fn pooled<'a>(rounds: impl Iterator<Item = &'a StepTimes> + Clone) -> [f64; 4] {
         let of =
