@@ -309,3 +309,38 @@ impl MetricsLog {
             .with_context(|| format!("{}: cannot write", self.path.display()))
     }
 }
+
+/// A DLRM as one safetensors file, `model.toml` in its metadata (`format` `comera-dlrm`,
+/// `model`): with `dense`, every TTM table reconstructed as its dense V × D matrix (named
+/// `<table>.weight`), the rest as trained; without, the parameters as trained (cores and gates).
+pub fn export_dlrm(model: &Dlrm, meta: &DlrmMeta, dense: bool) -> anyhow::Result<Vec<u8>> {
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let as_tensor = |p: &Param| (p.name.clone(), p.shape.clone(), bytes(&p.value));
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> =
+        model.bottom.params().into_iter().map(as_tensor).collect();
+    for t in &model.tables {
+        match (t, dense) {
+            (comera_layers::AnyEmbedding::Ttm(e), true) => {
+                let name = format!("{}.weight", comera_layers::Compressible::layer_name(e));
+                tensors.push((name, vec![t.rows(), t.dim()], bytes(&e.dense_table())));
+            }
+            _ => tensors.extend(t.params().into_iter().map(as_tensor)),
+        }
+    }
+    tensors.extend(model.top.params().into_iter().map(as_tensor));
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
+        .collect::<Result<_, safetensors::SafeTensorError>>()?;
+    let metadata = [
+        ("format".to_string(), "comera-dlrm".to_string()),
+        (
+            "tables".to_string(),
+            if dense { "dense" } else { "as trained" }.to_string(),
+        ),
+        ("model".to_string(), toml::to_string_pretty(meta)?),
+    ]
+    .into_iter()
+    .collect();
+    Ok(safetensors::serialize(views, Some(metadata))?)
+}

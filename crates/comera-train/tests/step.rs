@@ -57,6 +57,8 @@ fn pruned_gates_stay_pruned_and_min_rank_keeps_every_bond_alive() {
     let rcfg = RankConfig {
         gamma: 50.0,
         min_rank: 1,
+        // Without normalisation the penalty shrinks whole bonds: min_rank must step in.
+        normalise_gates: false,
         ..RankConfig::default()
     };
     let cfg = AdamWConfig {
