@@ -162,7 +162,7 @@ fn trains_a_ttm_dlrm_on_a_criteo_file_and_reports() {
         &dir,
         &train,
         &valid,
-        "[optim]\nlr_gates = 0.05\n[rank]\ngamma = 5.0\ntruncate_every = 10\n",
+        "[optim]\nlr_gates = 0.05\n[rank]\ngamma = 5.0\ntruncate_every = 10\nnormalise_gates = false\n",
     );
     let (code, out) = comera(&["train", "--config", s(&rcfg), "--quiet", "--epochs", "1"]);
     assert_eq!(code, 0, "{out}");
@@ -236,7 +236,11 @@ fn bad_dlrm_configs_name_the_field() {
 /// The MovieLens DLRM config of the repository, with `extra` appended.
 fn movielens_config(dir: &Path, extra: &str) -> PathBuf {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/dlrm-movielens.toml");
-    let text = std::fs::read_to_string(repo).unwrap() + extra;
+    // Fast gates, so that a few dozen steps prune and truncate.
+    let text = std::fs::read_to_string(repo)
+        .unwrap()
+        .replace("lr_gates = 0.001", "lr_gates = 0.05")
+        + extra;
     let p = dir.join("movielens.toml");
     std::fs::write(&p, text).unwrap();
     p
@@ -249,7 +253,7 @@ fn a_stopped_and_resumed_dlrm_run_matches_an_uninterrupted_one_bit_for_bit() {
     // truncations exactly.
     let cfg = movielens_config(
         &dir,
-        "\n[rank]\ngamma = 0.5\ntruncate_every = 7\nmin_rank = 1\n",
+        "\n[rank]\ngamma = 5.0\ntruncate_every = 7\nmin_rank = 1\nnormalise_gates = false\n",
     );
     let (a, b) = (dir.join("a"), dir.join("b"));
     let base = [
@@ -303,7 +307,7 @@ fn a_rank_adaptive_dlrm_keeps_min_rank_writes_its_rank_report_and_serves_every_c
         &dir,
         &train,
         &valid,
-        "[optim]\nlr_gates = 0.1\n[rank]\ngamma = 50.0\ntruncate_every = 10\nmin_rank = 1\n",
+        "[optim]\nlr_gates = 0.1\n[rank]\ngamma = 50.0\ntruncate_every = 10\nmin_rank = 1\nnormalise_gates = false\n",
     );
     let (code, out) = comera(&["--threads", "2", "train", "--config", s(&cfg), "--quiet"]);
     assert_eq!(code, 0, "{out}");
