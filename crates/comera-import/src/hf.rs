@@ -777,3 +777,54 @@ pub fn validation_inputs(
         None,
     ))
 }
+
+/// The contents of a [`check_file`].
+#[derive(Clone, Debug)]
+pub struct CheckInputs {
+    /// n × T each.
+    pub input_ids: Vec<u32>,
+    pub token_type_ids: Vec<u32>,
+    pub attention_mask: Vec<u32>,
+    /// Masked-LM: the position (in its row) whose logits are stored.
+    pub positions: Option<Vec<usize>>,
+    /// n × width.
+    pub logits: Vec<f32>,
+}
+
+/// Reads a [`check_file`]; `source` names it in errors.
+pub fn read_check_file(bytes: &[u8], source: &str) -> Result<CheckInputs> {
+    let st = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| ImportError::new(source, format!("not a valid safetensors file: {e}")))?;
+    let get = |name: &str, dtype: safetensors::Dtype| {
+        let t = st
+            .tensor(name)
+            .map_err(|_| ImportError::new(format!("{source}: tensor `{name}`"), "is missing"))?;
+        if t.dtype() != dtype {
+            return Err(ImportError::new(
+                format!("{source}: tensor `{name}`"),
+                format!("is {:?}, expected {dtype:?}", t.dtype()),
+            ));
+        }
+        Ok(t.data().to_vec())
+    };
+    let ints = |name: &str| -> Result<Vec<u32>> {
+        Ok(get(name, safetensors::Dtype::I64)?
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")) as u32)
+            .collect())
+    };
+    let positions = match st.tensor("positions") {
+        Ok(_) => Some(ints("positions")?.into_iter().map(|p| p as usize).collect()),
+        Err(_) => None,
+    };
+    Ok(CheckInputs {
+        input_ids: ints("input_ids")?,
+        token_type_ids: ints("token_type_ids")?,
+        attention_mask: ints("attention_mask")?,
+        positions,
+        logits: get("logits", safetensors::Dtype::F32)?
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect(),
+    })
+}
