@@ -117,11 +117,14 @@ pub fn densify(enc: &Encoder) -> Encoder {
     out
 }
 
+/// A tensor to write: name, shape, little-endian F32 bytes.
+pub(crate) type NamedTensor = (String, Vec<usize>, Vec<u8>);
+
 /// Safetensors bytes with tensors sorted by name and the metadata keys sorted, so the same
 /// model always gives the same file (the `safetensors` crate takes the metadata as a `HashMap`
 /// and writes it in hash order). Header padded with spaces to a multiple of 8 bytes.
 pub(crate) fn serialize(
-    tensors: &[(String, Vec<usize>, Vec<u8>)],
+    tensors: &[NamedTensor],
     meta: BTreeMap<String, String>,
 ) -> Result<Vec<u8>> {
     let typed: Vec<(String, &str, Vec<usize>, Vec<u8>)> = tensors
@@ -186,7 +189,7 @@ fn config_json(cfg: &EncoderConfig) -> Result<String> {
 
 /// The parameters of `enc` under their Hugging Face BERT names (without the `bert.` prefix)
 /// and layouts, TT/TTM layers reconstructed ([`densify`]): (name, shape, little-endian F32).
-pub(crate) fn hf_tensors(dense: &Encoder) -> Result<Vec<(String, Vec<usize>, Vec<u8>)>> {
+pub(crate) fn hf_tensors(dense: &Encoder) -> Result<Vec<NamedTensor>> {
     let mut tensors = Vec::new();
     for p in dense.params() {
         let h = hf_name(&p.name)

@@ -20,7 +20,7 @@
 //! export can be compared with `transformers` outside comera.
 
 use crate::bert::{import_dense, BertWeights, HfBertConfig, ImportInfo};
-use crate::export::{densify, hf_tensors, le_bytes, serialize, serialize_typed};
+use crate::export::{densify, hf_tensors, le_bytes, serialize, serialize_typed, NamedTensor};
 use crate::minilm::Reference;
 use crate::{ImportError, Result};
 use comera_data::BertTokenizer;
@@ -112,7 +112,7 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
         ));
     }
     let dense = densify(enc);
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = hf_tensors(&dense)?
+    let mut tensors: Vec<NamedTensor> = hf_tensors(&dense)?
         .into_iter()
         .map(|(name, shape, bytes)| {
             let name = if name.starts_with("classifier.") || name.starts_with("cls.") {

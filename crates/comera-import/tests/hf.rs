@@ -292,7 +292,10 @@ fn pre_ln_is_refused_with_the_reason() {
 
 /// Rewrites the export's model.safetensors through `edit` (name → Some(new shape/data) or None
 /// to drop it).
-fn rewrite(dir: &Path, edit: &dyn Fn(&str, &[usize], &[u8]) -> Option<(Vec<usize>, Vec<u8>)>) {
+/// A tensor's new shape and bytes, or `None` to drop it.
+type Edit = dyn Fn(&str, &[usize], &[u8]) -> Option<(Vec<usize>, Vec<u8>)>;
+
+fn rewrite(dir: &Path, edit: &Edit) {
     let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
