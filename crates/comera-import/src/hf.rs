@@ -131,12 +131,12 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
         "num_attention_heads": cfg.heads,
         "intermediate_size": cfg.ffn,
         "hidden_act": "gelu",
-        "hidden_dropout_prob": cfg.dropout,
+        "hidden_dropout_prob": short(cfg.dropout),
         "attention_probs_dropout_prob": 0.0,
         "max_position_embeddings": cfg.seq_len,
         "type_vocab_size": cfg.type_vocab,
-        "initializer_range": cfg.init_std,
-        "layer_norm_eps": cfg.ln_eps,
+        "initializer_range": short(cfg.init_std),
+        "layer_norm_eps": short(cfg.ln_eps),
         "pad_token_id": tok.special_ids().pad,
         "position_embedding_type": "absolute",
         "torch_dtype": "float32",
@@ -238,6 +238,11 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
         files: files.iter().map(|(n, _)| n.to_string()).collect(),
         notes,
     })
+}
+
+/// An f32 as the f64 of its shortest decimal form (0.1, not 0.10000000149011612).
+fn short(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
 }
 
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -490,7 +495,12 @@ pub fn read_hf(src: &Path, opts: &ReadOptions) -> Result<HfModel> {
     BertTokenizer::from_vocab_text(&vocab, Path::new("vocab.txt"))
         .map_err(|e| ImportError::new(format!("{shown}: vocabulary"), e.to_string()))?;
     let weights = BertWeights::from_bytes(&bytes, &st_what)?;
-    let (encoder, import) = import_dense(&weights, &cfg, opts.seed)?;
+    let (encoder, mut import) = import_dense(&weights, &cfg, opts.seed)?;
+    // transformers writes the MLM bias twice (`cls.predictions.bias` and the decoder's).
+    let bias = |n: &str| weights.get(n).map(|t| &t.data);
+    import
+        .unused
+        .retain(|n| n != "cls.predictions.decoder.bias" || bias(n) != bias("cls.predictions.bias"));
     let mut notes = Vec::new();
     if let Some(b) = member(src, "tokenizer_config.json")? {
         let tc: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);

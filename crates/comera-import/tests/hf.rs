@@ -272,6 +272,7 @@ fn masked_lm_export_layout_and_round_trip() {
 
         let back = read_hf(&dir.0, &ReadOptions::default()).unwrap();
         assert_eq!(back.encoder.cfg.head, HeadKind::Mlm);
+        assert!(back.import.unused.is_empty(), "{:?}", back.import.unused);
         let (a, b) = (masked_lm_logits(&back.encoder), masked_lm_logits(&enc));
         assert_eq!(a.len(), 3 * V);
         let d = max_rel_diff(&a, &b);
