@@ -229,6 +229,42 @@ fn classifier_export_layout_and_round_trip() {
         assert_eq!(s.len(), 5 + 2 * 16 + 4, "{:?}", s.keys());
         assert!(s.keys().all(|k| !k.contains("core") && !k.contains("gate")));
 
+        // Linear weights are stored (out, in): HF[j][i] = comera W[i][j] (square layers too).
+        let bytes = std::fs::read(dir.0.join("model.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let dense = comera_import::densify(&enc);
+        for (comera, hf) in [
+            ("pooler.weight", "bert.pooler.dense.weight"),
+            (
+                "encoder.1.attn.q.weight",
+                "bert.encoder.layer.1.attention.self.query.weight",
+            ),
+            (
+                "encoder.0.attn.o.weight",
+                "bert.encoder.layer.0.attention.output.dense.weight",
+            ),
+            ("classifier.weight", "classifier.weight"),
+        ] {
+            let w = dense
+                .params()
+                .into_iter()
+                .find(|p| p.name == comera)
+                .unwrap();
+            let t: Vec<f32> = st
+                .tensor(hf)
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            let (n, m) = (w.shape[0], w.shape[1]);
+            for i in 0..n {
+                for j in 0..m {
+                    assert_eq!(t[j * n + i], w.value[i * m + j], "{hf}[{j}][{i}]");
+                }
+            }
+        }
+
         let back = read_hf(&dir.0, &ReadOptions::default()).unwrap();
         assert_eq!(back.info.labels, info(3).labels);
         assert_eq!(back.info.vocab, vocab());
