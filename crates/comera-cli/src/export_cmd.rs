@@ -1,9 +1,7 @@
-//! `comera export SRC --dense OUT | --compressed OUT`: a saved model out of comera.
+//! `comera export SRC --dense F | --compressed F | --hf DIR`: argument parsing for
+//! [`comera_import::command::export`].
 
-use anyhow::Context;
-use comera_import::{export_compressed, export_dense, load_bert, load_compressed};
-use comera_model::Encoder;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(clap::Args)]
@@ -17,44 +15,23 @@ pub struct Args {
     /// Write the compressed export: cores, gates and the other parameters, config in metadata.
     #[arg(long)]
     compressed: Option<PathBuf>,
-}
-
-/// Loads any model source `export` accepts.
-pub fn load_any(src: &Path) -> anyhow::Result<Encoder> {
-    if src.is_dir() {
-        let (m, _) = comera_train::files::load_model(src)?;
-        return Ok(m);
-    }
-    let bytes = std::fs::read(src).with_context(|| format!("{}: cannot read", src.display()))?;
-    if comera_import::export::format_of(&bytes).is_some_and(|f| f == "compressed") {
-        Ok(load_compressed(&bytes, &src.display().to_string())?)
-    } else {
-        Ok(load_bert(src, None, None, 0)?.0)
-    }
+    /// Write a Hugging Face directory (config.json, model.safetensors, tokenizer files) that
+    /// transformers loads with from_pretrained(DIR); SRC must be a run directory.
+    #[arg(long)]
+    hf: Option<PathBuf>,
+    /// With --hf: also write DIR/comera_check.safetensors, this many validation inputs of the
+    /// run with comera's logits on them, to compare another implementation against.
+    #[arg(long, default_value_t = 0)]
+    samples: usize,
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
-    anyhow::ensure!(
-        a.dense.is_some() || a.compressed.is_some(),
-        "nothing to write: give --dense OUT and/or --compressed OUT"
-    );
-    let m = load_any(&a.src)?;
-    println!(
-        "{}: {} parameters (dense equivalent {})",
-        a.src.display(),
-        m.num_params(),
-        m.dense_equivalent_params()
-    );
-    if let Some(p) = &a.dense {
-        comera_train::files::write_atomic(p, &export_dense(&m)?)?;
-        println!(
-            "wrote {} (dense export, Hugging Face BERT names)",
-            p.display()
-        );
-    }
-    if let Some(p) = &a.compressed {
-        comera_train::files::write_atomic(p, &export_compressed(&m)?)?;
-        println!("wrote {} (compressed export)", p.display());
-    }
+    comera_import::command::export(
+        &a.src,
+        a.dense.as_deref(),
+        a.compressed.as_deref(),
+        a.hf.as_deref(),
+        a.samples,
+    )?;
     Ok(ExitCode::SUCCESS)
 }

@@ -68,7 +68,7 @@ fn tiny_bert(dir: &Dir) -> String {
 fn import_compress_and_export_a_bert_file() {
     let dir = Dir::new("roundtrip");
     let tiny = tiny_bert(&dir);
-    let (c, d) = (dir.path("c.safetensors"), dir.path("d.safetensors"));
+    let c = dir.path("c.safetensors");
     let (code, text) = comera(&[
         "import",
         "bert",
@@ -78,11 +78,6 @@ fn import_compress_and_export_a_bert_file() {
         "--tt",
         "--rank",
         "2,4",
-        "--per-layer",
-        "--out",
-        &c,
-        "--dense-out",
-        &d,
     ]);
     assert_eq!(code, 0, "{text}");
     assert!(text.contains("seq_len 8"), "{text}");
@@ -93,6 +88,7 @@ fn import_compress_and_export_a_bert_file() {
         "ffn.down",
         "word",
         "encoder.1.ffn.down",
+        "embeddings.word",
     ] {
         assert!(text.contains(kind), "report lists {kind}: {text}");
     }
@@ -100,21 +96,20 @@ fn import_compress_and_export_a_bert_file() {
         text.contains("rank ≤ 2") && text.contains("rank ≤ 4"),
         "{text}"
     );
-    assert!(
-        text.contains("compressed export") && text.contains("dense export"),
-        "{text}"
-    );
+    // A file without a vocabulary beside it cannot become a run directory.
+    let (code, text) = comera(&["import", "hf", &tiny, "--out", &dir.path("run")]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("vocab"), "{text}");
 
-    // The compressed file exports again; the dense file re-imports and compresses (JSON).
+    // The dense file exports as a compressed file and back to the same dense file.
     let d2 = dir.path("d2.safetensors");
+    let (code, text) = comera(&["export", &tiny, "--compressed", &c]);
+    assert_eq!(code, 0, "{text}");
     let (code, text) = comera(&["export", &c, "--dense", &d2]);
     assert_eq!(code, 0, "{text}");
-    let same = std::fs::read(&d2).unwrap() == std::fs::read(&d).unwrap();
-    assert!(
-        same,
-        "exporting the compressed file gives the same dense file"
-    );
-    let (code, text) = comera(&["import", "bert", &d, "--tt", "--tol", "0.5", "--json"]);
+    let same = std::fs::read(&d2).unwrap() == std::fs::read(&tiny).unwrap();
+    assert!(same, "dense → compressed → dense gives the same file");
+    let (code, text) = comera(&["import", "hf", &tiny, "--tt", "--tol", "0.5", "--json"]);
     assert_eq!(code, 0, "{text}");
     let kinds: Vec<String> = text
         .lines()
@@ -126,6 +121,8 @@ fn import_compress_and_export_a_bert_file() {
         })
         .collect();
     assert_eq!(kinds.len(), 7, "{text}");
+    let layers = text.lines().filter(|l| l.contains("tt_svd_layer")).count();
+    assert_eq!(layers, 2 * 6 + 1, "one line per compressed layer: {text}");
 }
 
 #[test]
@@ -136,7 +133,7 @@ fn bad_inputs_are_clear_errors() {
     let (code, text) = comera(&["import", "bert", &missing]);
     assert_eq!(code, 2, "{text}");
     assert!(
-        text.contains("missing.safetensors") && text.contains("cannot read"),
+        text.contains("missing.safetensors") && text.contains("does not exist"),
         "{text}"
     );
 

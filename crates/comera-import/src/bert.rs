@@ -18,6 +18,10 @@
 //! | `pooler.weight` | `pooler.dense.weight`ᵀ |
 //! | `classifier.weight` | `classifier.weight`ᵀ (optional: kept at its initialisation if absent) |
 //! | `encoder.ln_final.{gamma,beta}` (pre-LN only) | `encoder.final_layer_norm.{weight,bias}` (comera's own) |
+//! | `mlm.transform.weight` | `cls.predictions.transform.dense.weight`ᵀ |
+//! | `mlm.ln.{gamma,beta}` | `cls.predictions.transform.LayerNorm.{weight,bias}` |
+//! | `mlm.decoder.weight` (dense decoder) | `cls.predictions.decoder.weight`ᵀ |
+//! | `mlm.decoder.bias` | `cls.predictions.bias` |
 //!
 //! Biases map alike (`….bias`). A leading `bert.` on every HF name (as in
 //! `BertForSequenceClassification` files) is accepted. Only `hidden_act = "gelu"` (exact erf,
@@ -469,6 +473,12 @@ pub fn hf_name(comera: &str) -> Option<HfName> {
         }),
         "encoder.ln_final.gamma" => Some(plain("encoder.final_layer_norm.weight", false)),
         "encoder.ln_final.beta" => Some(plain("encoder.final_layer_norm.bias", false)),
+        "mlm.transform.weight" => Some(plain("cls.predictions.transform.dense.weight", true)),
+        "mlm.transform.bias" => Some(plain("cls.predictions.transform.dense.bias", false)),
+        "mlm.ln.gamma" => Some(plain("cls.predictions.transform.LayerNorm.weight", false)),
+        "mlm.ln.beta" => Some(plain("cls.predictions.transform.LayerNorm.bias", false)),
+        "mlm.decoder.weight" => Some(plain("cls.predictions.decoder.weight", true)),
+        "mlm.decoder.bias" => Some(plain("cls.predictions.bias", false)),
         _ => None,
     };
     if fixed.is_some() {

@@ -16,8 +16,13 @@
 
 use crate::bert::{hf_name, HfBertConfig};
 use crate::{ImportError, Result};
-use comera_layers::{Embedding, Linear, Param, ParamKind, RankGates, TtLinear, TtmEmbedding};
-use comera_model::{AnyEmbedding, AnyLinear, Encoder, EncoderConfig};
+use comera_layers::{
+    Embedding, Layer, Linear, Param, ParamKind, RankGates, TtLinear, TtmEmbedding,
+};
+use comera_model::{
+    AnyEmbedding, AnyLinear, Encoder, EncoderConfig, Head, HeadKind, MlmDecoder, MlmDecoderKind,
+    MlmHead,
+};
 use comera_tensor::{TtShape, TtmShape};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::BTreeMap;
@@ -69,16 +74,69 @@ pub fn densify(enc: &Encoder) -> Encoder {
             ),
         });
     }
+    // A TT output projection D → V' becomes a dense D × V one: the V' − V padding columns
+    // only ever give −∞ logits (masked out of the softmax), so cutting them changes nothing.
+    if let Head::Mlm(h) = &out.head {
+        if let MlmDecoder::Own(AnyLinear::Tt(t)) = &h.decoder {
+            let (d, wide, v) = (t.in_features(), t.out_features(), out.cfg.vocab_size);
+            let full = t.dense_weight(); // D × V'
+            let weight: Vec<f32> = full
+                .chunks_exact(wide)
+                .flat_map(|row| row[..v].iter().copied())
+                .collect();
+            let lin = Linear {
+                weight: Param::new("mlm.decoder.weight", &[d, v], ParamKind::Other, weight),
+                bias: Param::new(
+                    "mlm.decoder.bias",
+                    &[v],
+                    ParamKind::Other,
+                    t.bias.value[..v].to_vec(),
+                ),
+            };
+            let mut rng = comera_tensor::init::rng(0);
+            let mut head =
+                MlmHead::new(d, v, out.cfg.ln_eps, Some(AnyLinear::Dense(lin)), &mut rng);
+            head.transform = h.transform.clone();
+            head.ln = h.ln.clone();
+            out.head = Head::Mlm(head);
+            out.cfg.mlm_decoder = MlmDecoderKind::Dense;
+        }
+    }
+    // `auto` would now resolve to `tied`: name the decoder the head has.
+    if out.cfg.head == HeadKind::Mlm && out.cfg.mlm_decoder == MlmDecoderKind::Auto {
+        out.cfg.mlm_decoder = match &out.head {
+            Head::Mlm(MlmHead {
+                decoder: MlmDecoder::Tied { .. },
+                ..
+            }) => MlmDecoderKind::Tied,
+            _ => MlmDecoderKind::Dense,
+        };
+    }
     out.cfg.tt_linear = false;
     out.cfg.ttm_embedding = false;
     out
 }
 
+/// A tensor to write: name, shape, little-endian F32 bytes.
+pub(crate) type NamedTensor = (String, Vec<usize>, Vec<u8>);
+
 /// Safetensors bytes with tensors sorted by name and the metadata keys sorted, so the same
 /// model always gives the same file (the `safetensors` crate takes the metadata as a `HashMap`
 /// and writes it in hash order). Header padded with spaces to a multiple of 8 bytes.
-fn serialize(
-    tensors: &[(String, Vec<usize>, Vec<u8>)],
+pub(crate) fn serialize(
+    tensors: &[NamedTensor],
+    meta: BTreeMap<String, String>,
+) -> Result<Vec<u8>> {
+    let typed: Vec<(String, &str, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, s, b)| (n.clone(), "F32", s.clone(), b.clone()))
+        .collect();
+    serialize_typed(&typed, meta)
+}
+
+/// [`serialize`] with a dtype per tensor (`F32` or `I64`).
+pub(crate) fn serialize_typed(
+    tensors: &[(String, &str, Vec<usize>, Vec<u8>)],
     meta: BTreeMap<String, String>,
 ) -> Result<Vec<u8>> {
     let mut order: Vec<usize> = (0..tensors.len()).collect();
@@ -87,8 +145,9 @@ fn serialize(
     header.insert("__metadata__".to_string(), serde_json::json!(meta));
     let mut offset = 0usize;
     for &i in &order {
-        let (name, shape, bytes) = &tensors[i];
-        if bytes.len() != 4 * shape.iter().product::<usize>() {
+        let (name, dtype, shape, bytes) = &tensors[i];
+        let size = if *dtype == "I64" { 8 } else { 4 };
+        if bytes.len() != size * shape.iter().product::<usize>() {
             return Err(ImportError::new(
                 name,
                 format!("{} bytes for shape {shape:?}", bytes.len()),
@@ -97,7 +156,7 @@ fn serialize(
         header.insert(
             name.clone(),
             serde_json::json!({
-                "dtype": "F32",
+                "dtype": dtype,
                 "shape": shape,
                 "data_offsets": [offset, offset + bytes.len()],
             }),
@@ -114,12 +173,12 @@ fn serialize(
     out.extend((h.len() as u64).to_le_bytes());
     out.extend(h);
     for &i in &order {
-        out.extend(&tensors[i].2);
+        out.extend(&tensors[i].3);
     }
     Ok(out)
 }
 
-fn le_bytes(v: &[f32]) -> Vec<u8> {
+pub(crate) fn le_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
@@ -128,9 +187,9 @@ fn config_json(cfg: &EncoderConfig) -> Result<String> {
         .map_err(|e| ImportError::new("export", format!("config as JSON: {e}")))
 }
 
-/// The dense export of `enc` as safetensors bytes (see the module docs).
-pub fn export_dense(enc: &Encoder) -> Result<Vec<u8>> {
-    let dense = densify(enc);
+/// The parameters of `enc` under their Hugging Face BERT names (without the `bert.` prefix)
+/// and layouts, TT/TTM layers reconstructed ([`densify`]): (name, shape, little-endian F32).
+pub(crate) fn hf_tensors(dense: &Encoder) -> Result<Vec<NamedTensor>> {
     let mut tensors = Vec::new();
     for p in dense.params() {
         let h = hf_name(&p.name)
@@ -148,6 +207,13 @@ pub fn export_dense(enc: &Encoder) -> Result<Vec<u8>> {
             tensors.push((h.name, p.shape.clone(), le_bytes(&p.value)));
         }
     }
+    Ok(tensors)
+}
+
+/// The dense export of `enc` as safetensors bytes (see the module docs).
+pub fn export_dense(enc: &Encoder) -> Result<Vec<u8>> {
+    let dense = densify(enc);
+    let tensors = hf_tensors(&dense)?;
     let hf = serde_json::to_string(&HfBertConfig::from_encoder(&dense.cfg))
         .map_err(|e| ImportError::new("export", format!("config as JSON: {e}")))?;
     let meta = BTreeMap::from([

@@ -8,13 +8,17 @@
 //! - [`export`]: a dense export (reconstructed weights in the HF BERT layout, re-importable by
 //!   [`bert`]) and a compressed export (cores, gates and the other parameters, with the model
 //!   config in the file's metadata);
+//! - [`hf`]: Hugging Face model directories both ways (`config.json`, `model.safetensors` with
+//!   the `bert.` prefix, tokenizer files) and comera run directories written from them;
 //! - [`minilm`]: all-MiniLM-L6-v2 (fetched from a package registry into the data cache) and the
 //!   check of the dense import against reference hidden states computed independently
 //!   (`tests/data/make_minilm_reference.py`, NumPy).
 
 pub mod bert;
+pub mod command;
 pub mod compress;
 pub mod export;
+pub mod hf;
 pub mod minilm;
 
 pub use bert::{import_dense, load_bert, BertWeights, HfBertConfig};

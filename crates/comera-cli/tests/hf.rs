@@ -1,0 +1,256 @@
+//! The Hugging Face round trip end to end, no Python and no network: train a small run on data
+//! the test writes, `export --hf`, `import hf` into a run directory that reproduces the run's
+//! logits and that `inspect`, `eval`, `predict` and `train --init-from` accept, dense and
+//! TT-SVD compressed.
+
+use std::path::{Path, PathBuf};
+
+mod common;
+use common::{comera, tempdir};
+
+const WORDS: &[&str] = &[
+    "the", "a", "dress", "shirt", "fit", "color", "is", "was", "very",
+];
+
+fn write_data(dir: &Path) -> (PathBuf, PathBuf) {
+    let vocab = dir.join("vocab.txt");
+    let mut v = vec![
+        "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "great", "bad", "awful",
+    ];
+    v.extend_from_slice(WORDS);
+    std::fs::write(&vocab, v.join("\n") + "\n").unwrap();
+    let mut tsv = String::from("sentence\tlabel\n");
+    for i in 0..120usize {
+        let pos = i % 2 == 0;
+        let key = if pos { "good" } else { "bad" };
+        let f1 = WORDS[i % WORDS.len()];
+        let f2 = WORDS[(i * 7 + 3) % WORDS.len()];
+        tsv += &format!("{f1} {key} {f2}\t{}\n", if pos { "pos" } else { "neg" });
+    }
+    let data = dir.join("train.tsv");
+    std::fs::write(&data, tsv).unwrap();
+    (data, vocab)
+}
+
+/// A run config: 1-layer post-LN encoder, TT/TTM with the given layouts (TOML inline tables).
+fn write_config(dir: &Path, name: &str, layouts: &str) -> PathBuf {
+    let (data, vocab) = write_data(dir);
+    let cfg = format!(
+        r#"
+[data]
+source = "tsv"
+train = "{data}"
+text_a = "sentence"
+label = "label"
+labels = ["neg", "pos"]
+vocab = "{vocab}"
+valid_fraction = 0.25
+
+[model]
+vocab_size = 18
+seq_len = 8
+d_model = 16
+heads = 2
+ffn = 32
+layers = 1
+dropout = 0.0
+{layouts}
+
+[optim]
+lr_cores = 0.01
+lr_gates = 0.01
+lr_other = 0.01
+
+[train]
+epochs = 1
+batch_size = 8
+warmup_steps = 2
+log_every = 5
+out_dir = "{out}"
+"#,
+        data = data.display(),
+        vocab = vocab.display(),
+        out = dir.join("run").display()
+    );
+    let path = dir.join(name);
+    std::fs::write(&path, cfg).unwrap();
+    path
+}
+
+const LAYOUTS: &str = r#"
+attn_tt = { in_modes = [4, 4], out_modes = [4, 4], rank = 3 }
+ffn_up_tt = { in_modes = [4, 4], out_modes = [4, 8], rank = 3 }
+ffn_down_tt = { in_modes = [4, 8], out_modes = [4, 4], rank = 3 }
+word_ttm = { vocab_modes = [3, 6], dim_modes = [4, 4], rank = 3 }
+"#;
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The run's logits on the export's check inputs, and the logits stored there.
+fn logits_on_check_inputs(run: &Path, check: &Path) -> (Vec<f32>, Vec<f32>) {
+    let (model, _) = comera_train::load_model(run).unwrap();
+    let c = comera_import::hf::read_check_file(&std::fs::read(check).unwrap(), "check").unwrap();
+    let (ids, types, mask, want) = (c.input_ids, c.token_type_ids, c.attention_mask, c.logits);
+    let n = ids.len() / model.cfg.seq_len;
+    let mut state = model.state(n);
+    state.load(&ids, &types, &mask, &vec![0; n]).unwrap();
+    model.forward(&mut state, false, 0).unwrap();
+    (state.logits().to_vec(), want)
+}
+
+#[test]
+fn export_hf_then_import_hf_reproduces_the_run() {
+    let dir = tempdir("hf-roundtrip");
+    let cfg = write_config(
+        &dir,
+        "run.toml",
+        &format!("tt_linear = true\nttm_embedding = true\n{LAYOUTS}"),
+    );
+    let run = dir.join("run");
+    let (code, text) = comera(&["train", "--config", s(&cfg), "--quiet"]);
+    assert_eq!(code, 0, "{text}");
+
+    // Export: a BertForSequenceClassification directory with check inputs.
+    let hf = dir.join("hf");
+    let (code, text) = comera(&["export", s(&run), "--hf", s(&hf), "--samples", "8"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.contains("BertForSequenceClassification") && text.contains("8 validation inputs"),
+        "{text}"
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["id2label"]["0"], "neg");
+    assert_eq!(config["id2label"]["1"], "pos");
+    assert_eq!(config["label2id"]["pos"], 1);
+    assert_eq!(
+        std::fs::read_to_string(hf.join("vocab.txt")).unwrap(),
+        std::fs::read_to_string(dir.join("vocab.txt")).unwrap()
+    );
+    // The stored logits are the run's own.
+    let check = hf.join("comera_check.safetensors");
+    let (got, want) = logits_on_check_inputs(&run, &check);
+    assert_eq!(got, want);
+
+    // Import into a run directory: same logits on the same inputs, same predictions.
+    let back = dir.join("back");
+    let (code, text) = comera(&[
+        "import",
+        "hf",
+        s(&hf),
+        "--out",
+        s(&back),
+        "--config",
+        s(&cfg),
+    ]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("2-label classifier"), "{text}");
+    let (got, want) = logits_on_check_inputs(&back, &check);
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let diff = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(diff <= 1e-5 * scale.max(1.0), "logits differ by {diff}");
+    let texts = ["the good dress", "a bad shirt is very bad"];
+    let (c1, p1) = comera(&["predict", s(&run), texts[0], texts[1]]);
+    let (c2, p2) = comera(&["predict", s(&back), texts[0], texts[1]]);
+    assert_eq!((c1, c2), (0, 0), "{p1}\n{p2}");
+    assert_eq!(p1, p2);
+    for (cmd, want) in [("inspect", "2 labels (neg, pos)"), ("eval", "accuracy")] {
+        let (code, text) = comera(&[cmd, s(&back)]);
+        assert_eq!(code, 0, "{cmd}: {text}");
+        assert!(text.contains(want), "{cmd}: {text}");
+    }
+    // Fine-tune from it (a dense body: --dense).
+    let (code, text) = comera(&[
+        "train",
+        "--config",
+        s(&cfg),
+        "--dense",
+        "--quiet",
+        "--init-from",
+        s(&back),
+        "--out",
+        s(&dir.join("ft-dense")),
+    ]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("init  encoder from"), "{text}");
+
+    // TT-SVD import: per-layer errors, the hidden-state error in words, a run directory that
+    // trains on with its ranks.
+    let tt = dir.join("tt");
+    let (code, text) = comera(&[
+        "import",
+        "hf",
+        s(&hf),
+        "--tt",
+        "--rank",
+        "2",
+        "--out",
+        s(&tt),
+        "--config",
+        s(&cfg),
+    ]);
+    assert_eq!(code, 0, "{text}");
+    for want in [
+        "encoder.0.ffn.down",
+        "embeddings.word",
+        "hidden-state error",
+        "dense import",
+    ] {
+        assert!(text.contains(want), "{want}: {text}");
+    }
+    let (code, text) = comera(&["inspect", s(&tt)]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("TT linear"), "{text}");
+    let (model, _) = comera_train::load_model(&tt).unwrap();
+    let c = &model.cfg;
+    let layouts = format!(
+        "tt_linear = true\nttm_embedding = true\n\
+         attn_tt = {{ in_modes = {:?}, out_modes = {:?}, rank = 2 }}\n\
+         ffn_up_tt = {{ in_modes = {:?}, out_modes = {:?}, rank = 2 }}\n\
+         ffn_down_tt = {{ in_modes = {:?}, out_modes = {:?}, rank = 2 }}\n\
+         word_ttm = {{ vocab_modes = {:?}, dim_modes = {:?}, rank = 2 }}\n",
+        c.attn_tt.in_modes,
+        c.attn_tt.out_modes,
+        c.ffn_up_tt.in_modes,
+        c.ffn_up_tt.out_modes,
+        c.ffn_down_tt.in_modes,
+        c.ffn_down_tt.out_modes,
+        c.word_ttm.vocab_modes,
+        c.word_ttm.dim_modes
+    );
+    let tt_cfg = write_config(&dir, "tt.toml", &layouts);
+    let (code, text) = comera(&[
+        "train",
+        "--config",
+        s(&tt_cfg),
+        "--quiet",
+        "--init-from",
+        s(&tt),
+        "--out",
+        s(&dir.join("ft-tt")),
+    ]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("init  encoder from"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn export_hf_needs_a_run_directory() {
+    let dir = tempdir("hf-errors");
+    let (code, text) = comera(&["export", s(&dir.join("nope")), "--hf", s(&dir.join("out"))]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("nope"), "{text}");
+    let (code, text) = comera(&["import", "hf", s(&dir.join("nope"))]);
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.contains("nope") && text.contains("does not exist"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
