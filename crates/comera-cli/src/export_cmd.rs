@@ -26,6 +26,31 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
+    if a.src.is_dir() {
+        if let comera_train::SavedModel::Dlrm(m, meta) = comera_train::load_saved(&a.src)? {
+            anyhow::ensure!(
+                a.hf.is_none(),
+                "--hf: {} holds a DLRM, which Hugging Face BERT cannot represent",
+                a.src.display()
+            );
+            anyhow::ensure!(
+                a.dense.is_some() || a.compressed.is_some(),
+                "nothing to write: give --dense FILE and/or --compressed FILE"
+            );
+            for (path, dense) in [(&a.dense, true), (&a.compressed, false)] {
+                if let Some(p) = path {
+                    let bytes = comera_train::files::export_dlrm(&m, &meta, dense)?;
+                    comera_train::write_atomic(p, &bytes)?;
+                    println!(
+                        "wrote {} (DLRM, {} tables)",
+                        p.display(),
+                        if dense { "dense" } else { "as trained" }
+                    );
+                }
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
+    }
     comera_import::command::export(
         &a.src,
         a.dense.as_deref(),

@@ -26,7 +26,7 @@ use crate::{ImportError, Result};
 use comera_data::BertTokenizer;
 use comera_layers::activation::Gelu;
 use comera_layers::Layer;
-use comera_model::{AnyLinear, Encoder, Head, HeadKind, MlmDecoder, MlmDecoderKind, AnyEmbedding};
+use comera_model::{AnyEmbedding, AnyLinear, Encoder, Head, HeadKind, MlmDecoder, MlmDecoderKind};
 use comera_tensor::{matmul, MatMut, MatRef};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
