@@ -36,8 +36,8 @@ pub struct TrainArgs {
     #[arg(long)]
     quiet: bool,
     /// Continue the run in this directory from its newest checkpoint (its own config; other
-    /// options are ignored).
-    #[arg(long, conflicts_with_all = ["config", "print_config"])]
+    /// options are refused).
+    #[arg(long, conflicts_with_all = ["config", "print_config", "epochs", "batch_size", "seed", "out", "dense", "max_steps_per_epoch", "stop_after_steps", "init_from"])]
     resume: Option<PathBuf>,
     /// Stop after this many steps with a checkpoint (resumable).
     #[arg(long)]

@@ -439,7 +439,7 @@ fn corrupt_truncated_or_foreign_checkpoints_are_refused_by_name() {
         ("flipped data byte", flipped, "hash mismatch"),
         (
             "wrong version",
-            replace("\"version\":\"1\"", "\"version\":\"7\""),
+            replace("\"version\":\"2\"", "\"version\":\"7\""),
             "version 7",
         ),
         (
@@ -447,10 +447,16 @@ fn corrupt_truncated_or_foreign_checkpoints_are_refused_by_name() {
             replace("comera-checkpoint", "other-checkpoint!"),
             "format",
         ),
+        // The hash covers the metadata: a changed model shape or step is caught.
         (
             "foreign model",
             replace("seq_len = 8", "seq_len = 9"),
-            "shape",
+            "hash mismatch",
+        ),
+        (
+            "flipped step",
+            replace("\\\"step\\\":15", "\\\"step\\\":95"),
+            "hash mismatch",
         ),
     ];
     for (what, bytes, expect) in cases {
@@ -470,5 +476,64 @@ fn corrupt_truncated_or_foreign_checkpoints_are_refused_by_name() {
         assert_eq!(code, 2, "{what}: resume must refuse: {text}");
         assert!(text.contains(expect), "{what}: {text}");
     }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_run_directory_has_one_writer_one_config_and_no_stale_temporaries() {
+    let dir = tempdir("trust");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, true, "max_steps_per_epoch = 3");
+    let run = dir.join("run");
+    let train = |extra: &[&str]| {
+        comera(
+            &[
+                &[
+                    "train",
+                    "--config",
+                    cfg.to_str().unwrap(),
+                    "--quiet",
+                    "--epochs",
+                    "1",
+                ][..],
+                extra,
+            ]
+            .concat(),
+        )
+    };
+    // A temporary file of a process that no longer runs is removed when the run starts.
+    std::fs::create_dir_all(&run).unwrap();
+    let stale = run.join(".metrics.jsonl.tmp-4000000");
+    std::fs::write(&stale, b"half written").unwrap();
+    let (code, text) = train(&[]);
+    assert_eq!(code, 0, "{text}");
+    assert!(!stale.exists(), "stale temporary left behind");
+    // Resuming a finished run says so.
+    let (code, text) = comera(&["train", "--resume", run.to_str().unwrap(), "--quiet"]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("the run finished"), "{text}");
+    // A checkpoint of another run (other seed) dropped in under a higher step is refused.
+    let other = dir.join("other");
+    let (code, text) = train(&["--seed", "7", "--out", other.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    let foreign = checkpoints(&other).pop().unwrap();
+    std::fs::copy(
+        &foreign,
+        run.join("checkpoints/step-0000009999.safetensors"),
+    )
+    .unwrap();
+    let (code, text) = comera(&["train", "--resume", run.to_str().unwrap(), "--quiet"]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("another config"), "{text}");
+    // A second writer is refused while the directory is locked.
+    let lock = std::fs::OpenOptions::new()
+        .write(true)
+        .open(run.join(".lock"))
+        .unwrap();
+    lock.try_lock().unwrap();
+    let (code, text) = train(&[]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("in use by another comera process"), "{text}");
+    drop(lock);
     std::fs::remove_dir_all(&dir).ok();
 }

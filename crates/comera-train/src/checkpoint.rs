@@ -1,16 +1,16 @@
 //! Training checkpoints: one safetensors file holding everything a run needs to continue
 //! exactly where it stopped.
 //!
-//! Layout (format `comera-checkpoint`, version 1):
+//! Layout (format `comera-checkpoint`, version 2):
 //! - tensors `model/<name>`: every parameter at its current (possibly truncated) shape;
 //! - tensors `opt/…`: the optimiser's state ([`OptState`]: AdamW's moments, or GaLore's
 //!   projections and projected moments);
 //! - metadata (`__metadata__`, strings): `format`, `version`, `config` (the resolved run config,
 //!   TOML), `progress` (step, epoch, position in the epoch's data order, running sums; JSON),
-//!   `rank` (the rank schedule's state; JSON), `optimizer` (the optimiser's kind and scalars,
-//!   such as Adam's step count; JSON) and
-//!   `sha256`: a hash of every tensor's name, shape and bytes in file order, so a flipped bit
-//!   anywhere is caught.
+//!   `model` (the model's `model.toml`), `rank` (the rank schedule's state; JSON), `optimizer`
+//!   (the optimiser's kind and scalars, such as Adam's step count; JSON) and
+//!   `sha256`: a hash of every other metadata field (by key) and every tensor's name, shape and
+//!   bytes in file order, so a flipped bit anywhere resume reads is caught.
 //!
 //! Data order and dropout need no RNG state of their own: each epoch's shuffle is seeded by
 //! (seed, epoch) and dropout masks by (seed, step), so (epoch, position, step) restores them.
@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 pub const FORMAT: &str = "comera-checkpoint";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 pub const DIR: &str = "checkpoints";
 
 /// Where in training a checkpoint was taken, and the running sums the logs need.
@@ -86,6 +86,15 @@ fn digest<'a>(items: impl Iterator<Item = (&'a str, &'a [usize], &'a [u8])>) -> 
         h.update(bytes);
     }
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The metadata fields the hash covers (all but `sha256`), sorted by key, as hash items
+/// (key, no shape, the value's bytes).
+fn meta_items(meta: &HashMap<String, String>) -> impl Iterator<Item = (&str, &[usize], &[u8])> {
+    let mut keys: Vec<&String> = meta.keys().filter(|k| *k != "sha256").collect();
+    keys.sort();
+    keys.into_iter()
+        .map(move |k| (k.as_str(), &[][..], meta[k].as_bytes()))
 }
 
 /// Path of the checkpoint after `step` steps in `run_dir`.
@@ -145,12 +154,7 @@ pub fn save(
     }
     // safetensors orders tensors by name in the file; hash in that order.
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let sha = digest(
-        tensors
-            .iter()
-            .map(|(n, s, b)| (n.as_str(), s.as_slice(), b.as_slice())),
-    );
-    let meta: HashMap<String, String> = [
+    let mut meta: HashMap<String, String> = [
         ("format", FORMAT.to_string()),
         ("version", VERSION.to_string()),
         ("config", run.config_toml.to_string()),
@@ -158,11 +162,18 @@ pub fn save(
         ("progress", serde_json::to_string(run.progress)?),
         ("rank", serde_json::to_string(run.rank)?),
         ("optimizer", opt.scalars.to_string()),
-        ("sha256", sha),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    let sha = digest(
+        meta_items(&meta).chain(
+            tensors
+                .iter()
+                .map(|(n, s, b)| (n.as_str(), s.as_slice(), b.as_slice())),
+        ),
+    );
+    meta.insert("sha256".into(), sha);
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
@@ -234,7 +245,8 @@ impl Checkpoint {
             }
             items.push((name, t.shape().to_vec(), t.data()));
         }
-        let sha = digest(items.iter().map(|(n, s, b)| (*n, s.as_slice(), *b)));
+        let sha =
+            digest(meta_items(meta).chain(items.iter().map(|(n, s, b)| (*n, s.as_slice(), *b))));
         if &sha != field("sha256")? {
             bail!("content hash mismatch (the file was modified or damaged after it was written)");
         }

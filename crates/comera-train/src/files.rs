@@ -344,3 +344,65 @@ pub fn export_dlrm(model: &Dlrm, meta: &DlrmMeta, dense: bool) -> anyhow::Result
     .collect();
     Ok(safetensors::serialize(views, Some(metadata))?)
 }
+
+/// Removes temporary files (`.NAME.tmp-PID`, left by [`write_atomic`]) of processes that no
+/// longer run from `dir`; returns how many. (Where /proc is missing nothing is removed.)
+pub fn remove_stale_temporaries(dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix('.')
+            .and_then(|n| n.rsplit_once(".tmp-"))
+            .and_then(|(_, pid)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let alive = Path::new("/proc").join(pid.to_string()).exists();
+        if !alive && Path::new("/proc/self").exists() && std::fs::remove_file(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// The exclusive lock of a run directory (`.lock`, an OS file lock that dies with the
+/// process), held while a process writes the directory.
+pub struct RunLock {
+    _file: std::fs::File,
+}
+
+impl RunLock {
+    /// Locks `dir` for writing; refused, naming the holder's pid, when another process has it.
+    pub fn acquire(dir: &Path) -> anyhow::Result<RunLock> {
+        let path = dir.join(".lock");
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("{}: cannot open the run's lock", path.display()))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let holder = std::fs::read_to_string(&path).unwrap_or_default();
+                bail!(
+                    "{}: the run directory is in use by another comera process (pid {}); one writer at a time",
+                    dir.display(),
+                    holder.trim()
+                );
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(anyhow!("{}: cannot lock: {e}", path.display()))
+            }
+        }
+        file.set_len(0)
+            .and_then(|_| write!(file, "{}", std::process::id()))
+            .with_context(|| format!("{}: cannot write", path.display()))?;
+        Ok(RunLock { _file: file })
+    }
+}

@@ -9,7 +9,7 @@
 use crate::checkpoint::{self, Checkpoint, Progress};
 use crate::config::{AnyRunConfig, DlrmRunConfig, Phase, RunConfig};
 use crate::data::{prepare, CorpusData, PreparedData};
-use crate::files::{DlrmMeta, MetricsLog};
+use crate::files::{DlrmMeta, MetricsLog, RunLock};
 use crate::plot::{plot_panels, Panel, Series};
 use crate::task::{CtrTask, EncoderData, EncoderTask, EpochBatches, EvalStats, Task};
 use anyhow::{bail, Context};
@@ -124,6 +124,8 @@ struct Setup<T: Task> {
     gate_threshold: f32,
     settings: LoopSettings,
     resume: Option<Checkpoint>,
+    /// The run directory's lock, held until the run ends.
+    _lock: RunLock,
 }
 
 /// Runs a whole encoder training job as configured; writes into `cfg.train.out_dir`.
@@ -161,14 +163,39 @@ pub fn resume(run_dir: &Path, progress: bool) -> anyhow::Result<TrainSummary> {
     })
 }
 
-/// Creates the run directory and writes its resolved `config.toml` (a fresh run).
-fn start_run_dir(out: &Path, config_toml: &str, resume: &Option<Checkpoint>) -> anyhow::Result<()> {
+/// Opens the run directory for writing: creates it, locks it (one writer), removes temporary
+/// files of dead processes, and for a fresh run writes its resolved `config.toml`; a resumed
+/// run's checkpoint must have been written with the directory's own config.
+fn start_run_dir(
+    out: &Path,
+    config_toml: &str,
+    resume: &Option<Checkpoint>,
+) -> anyhow::Result<RunLock> {
+    if out.as_os_str().is_empty() {
+        bail!("train.out_dir: empty; name the run directory");
+    }
     std::fs::create_dir_all(out)
         .with_context(|| format!("{}: cannot create run directory", out.display()))?;
-    if resume.is_none() {
-        crate::files::write_atomic(&out.join("config.toml"), config_toml.as_bytes())?;
+    let lock = RunLock::acquire(out)?;
+    for d in [out.to_path_buf(), out.join(checkpoint::DIR)] {
+        crate::files::remove_stale_temporaries(&d);
     }
-    Ok(())
+    match resume {
+        None => crate::files::write_atomic(&out.join("config.toml"), config_toml.as_bytes())?,
+        Some(ck) => {
+            let path = out.join("config.toml");
+            let own = std::fs::read_to_string(&path)
+                .with_context(|| format!("{}: cannot read the run's config", path.display()))?;
+            if own != ck.config_toml {
+                bail!(
+                    "{}: written with another config than {} (a checkpoint of another run?); refusing to resume from it",
+                    ck.path.display(),
+                    path.display()
+                );
+            }
+        }
+    }
+    Ok(lock)
 }
 
 fn setup_encoder(
@@ -208,7 +235,11 @@ fn setup_encoder(
     }
     let mut resolved = cfg.clone();
     resolved.model = mcfg.clone();
-    let config_toml = resolved.to_toml();
+    // A resumed run keeps writing the config it was created with.
+    let config_toml = match &resume {
+        Some(ck) => ck.config_toml.clone(),
+        None => resolved.to_toml(),
+    };
     if let Some(ck) = &resume {
         match ck.config()? {
             AnyRunConfig::Encoder(c) if c.model == mcfg => {}
@@ -219,7 +250,7 @@ fn setup_encoder(
         }
     }
     let out = cfg.train.out_dir.clone();
-    start_run_dir(&out, &config_toml, &resume)?;
+    let lock = start_run_dir(&out, &config_toml, &resume)?;
     let mut model = Encoder::new(&mcfg, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?;
     if let (None, Some(dir)) = (&resume, &cfg.train.init_from) {
         let (pre, _) = crate::files::load_model(dir)
@@ -278,6 +309,7 @@ fn setup_encoder(
             progress,
         },
         resume,
+        _lock: lock,
     })
 }
 
@@ -288,9 +320,12 @@ fn setup_dlrm(
 ) -> anyhow::Result<Setup<CtrTask>> {
     let prepared = comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)?;
     eprintln!("data  {}", prepared.summary);
-    let config_toml = cfg.to_toml();
+    let config_toml = match &resume {
+        Some(ck) => ck.config_toml.clone(),
+        None => cfg.to_toml(),
+    };
     let t = &cfg.train;
-    start_run_dir(&t.out_dir, &config_toml, &resume)?;
+    let lock = start_run_dir(&t.out_dir, &config_toml, &resume)?;
     let model = Dlrm::new(
         &cfg.dlrm,
         prepared.n_dense,
@@ -358,6 +393,7 @@ fn setup_dlrm(
             progress,
         },
         resume,
+        _lock: lock,
     })
 }
 
@@ -588,6 +624,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         gate_threshold,
         settings: cfg,
         resume,
+        _lock,
     } = setup;
     let out = cfg.out.clone();
     let initial_params = model.num_params();
@@ -615,6 +652,16 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         dense_params as f64 / model.num_params() as f64
     );
     let epochs = plan_epochs(&mut task)?;
+    if let Some(ck) = &resume {
+        if ck.progress.epoch >= epochs.len() {
+            bail!(
+                "{}: the run finished ({} epochs, {} steps); nothing to resume. To train further, start a new run from it with --init-from (encoder) or a new directory",
+                out.display(),
+                epochs.len(),
+                ck.progress.step
+            );
+        }
+    }
     let phases = task.phases().to_vec();
     let total = epochs
         .iter()
