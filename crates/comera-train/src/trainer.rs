@@ -17,7 +17,7 @@ use comera_dlrm::Dlrm;
 use comera_layers::{Model, Trainable};
 use comera_model::Encoder;
 use comera_optim::rank::{self, Branch, LayerRanks, RankConfig, RankController, Stage};
-use comera_optim::{Decay, Optimizer, Schedule, Stepper};
+use comera_optim::{AdamWConfig, Decay, GaLoreConfig, Optimizer, Schedule, Stepper};
 use serde::Serialize;
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -118,7 +118,10 @@ pub struct LoopSettings {
 struct Setup<T: Task> {
     task: T,
     model: T::Model,
-    optimizer: Optimizer,
+    /// The optimiser's settings (it is made once the model has its final shape: a resumed
+    /// model takes the checkpoint's truncated ranks first).
+    optim: AdamWConfig,
+    galore: Option<GaLoreConfig>,
     rank_cfg: RankConfig,
     clip_norm: f32,
     gate_threshold: f32,
@@ -279,7 +282,6 @@ fn setup_encoder(
             " + dense embedding"
         },
     );
-    let optimizer = Optimizer::new(cfg.optim.clone(), cfg.galore.clone(), &mut model);
     if cfg.galore.is_some() && cfg.rank.enabled {
         eprintln!("note  GaLore run: rank gates are trained, but pruned slices are not truncated");
     }
@@ -293,7 +295,8 @@ fn setup_encoder(
             seed: t.seed,
         },
         model,
-        optimizer,
+        optim: cfg.optim.clone(),
+        galore: cfg.galore.clone(),
         rank_cfg: cfg.rank.clone(),
         clip_norm: cfg.optim.clip_norm,
         gate_threshold: mcfg.threshold,
@@ -347,8 +350,6 @@ fn setup_dlrm(
     for (name, table) in prepared.field_names.iter().zip(&model.tables) {
         eprintln!("      {name}: {}", table.describe());
     }
-    let mut model = model;
-    let optimizer = Optimizer::new(cfg.optim.clone(), None, &mut model);
     let meta = DlrmMeta {
         kind: "dlrm".into(),
         model: cfg.dlrm.clone(),
@@ -374,7 +375,8 @@ fn setup_dlrm(
             save_model: t.save_model,
         },
         model,
-        optimizer,
+        optim: cfg.optim.clone(),
+        galore: None,
         rank_cfg: cfg.rank.clone().unwrap_or(RankConfig {
             enabled: false,
             ..RankConfig::default()
@@ -618,7 +620,8 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     let Setup {
         mut task,
         mut model,
-        mut optimizer,
+        optim,
+        galore,
         rank_cfg,
         clip_norm,
         gate_threshold,
@@ -628,9 +631,13 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     } = setup;
     let out = cfg.out.clone();
     let initial_params = model.num_params();
+    if let Some(ck) = &resume {
+        // The checkpoint's (possibly truncated) ranks first: the optimiser's state follows them.
+        ck.load_params(&mut model)?;
+    }
+    let mut optimizer = Optimizer::new(optim, galore, &mut model);
     let (rank, mut prog) = match &resume {
         Some(ck) => {
-            ck.load_params(&mut model)?;
             optimizer
                 .restore(&ck.optimizer, &mut |n, b| ck.opt_fill(n, b), &mut model)
                 .with_context(|| format!("{}", ck.path.display()))?;
