@@ -227,17 +227,11 @@ impl RunConfig {
 
     /// Parses a TOML config; errors name the file and the offending key or line.
     pub fn from_toml(path: &Path, text: &str) -> anyhow::Result<RunConfig> {
-        let cfg: RunConfig =
-            toml::from_str(text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        cfg.validate()
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        Ok(cfg)
+        parse(path, text, RunConfig::validate)
     }
 
     pub fn from_file(path: &Path) -> anyhow::Result<RunConfig> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| anyhow::anyhow!("{}: cannot read config: {e}", path.display()))?;
-        Self::from_toml(path, &text)
+        Self::from_toml(path, &read_config(path)?)
     }
 
     /// Checks every table; the message names the field.
@@ -467,17 +461,11 @@ pub fn is_dlrm_config(text: &str) -> bool {
 impl DlrmRunConfig {
     /// Parses a TOML config; errors name the file and the offending key or line.
     pub fn from_toml(path: &Path, text: &str) -> anyhow::Result<DlrmRunConfig> {
-        let cfg: DlrmRunConfig =
-            toml::from_str(text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        cfg.validate()
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        Ok(cfg)
+        parse(path, text, DlrmRunConfig::validate)
     }
 
     pub fn from_file(path: &Path) -> anyhow::Result<DlrmRunConfig> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| anyhow::anyhow!("{}: cannot read config: {e}", path.display()))?;
-        Self::from_toml(path, &text)
+        Self::from_toml(path, &read_config(path)?)
     }
 
     /// Checks every table; the message names the field.
@@ -569,9 +557,7 @@ impl AnyRunConfig {
     }
 
     pub fn from_file(path: &Path) -> anyhow::Result<AnyRunConfig> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| anyhow::anyhow!("{}: cannot read config: {e}", path.display()))?;
-        Self::from_toml(path, &text)
+        Self::from_toml(path, &read_config(path)?)
     }
 
     /// The run directory.
@@ -661,4 +647,21 @@ fn set<T>(field: &mut T, v: Option<T>) {
     if let Some(v) = v {
         *field = v;
     }
+}
+
+/// The text of a config file; the error names it.
+fn read_config(path: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("{}: cannot read config: {e}", path.display()))
+}
+
+/// Parses and checks a config; errors name the file and the offending key, line or field.
+fn parse<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    text: &str,
+    validate: impl Fn(&T) -> Result<(), String>,
+) -> anyhow::Result<T> {
+    let cfg: T = toml::from_str(text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    validate(&cfg).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    Ok(cfg)
 }
