@@ -23,6 +23,7 @@ use comera_layers::embedding::EmbeddingWorkspace;
 use comera_layers::linear::LinearWorkspace;
 use comera_layers::loss::CrossEntropy;
 use comera_layers::norm::{LayerNorm, LayerNormWorkspace};
+use comera_layers::tt_linear::SharedInput;
 use comera_layers::{
     Compressible, Embedding, EmbeddingError, EmbeddingLayer, Layer, Linear, Param, RankGates,
     TtLinear, TtmEmbedding,
@@ -651,13 +652,19 @@ impl Encoder {
         } else {
             x
         };
-        // q, k, v go through the backward's dq/dk/dv (free during the forward) into the
-        // saved interleaved qkv; the attention output and the FFN output only live until
-        // their residual sums, in tmp[0].
-        blk.q.forward(&mut s.ws_q, attn_in, &mut sc.dq);
-        blk.k.forward(&mut s.ws_k, attn_in, &mut sc.dk);
-        blk.v.forward(&mut s.ws_v, attn_in, &mut sc.dv);
-        interleave(&sc.dq, &sc.dk, &sc.dv, d, &mut a.qkv);
+        // q, k, v: TT layers on the merged path as one fused product straight into the
+        // saved interleaved qkv; otherwise one by one through the backward's dq/dk/dv (free
+        // during the forward). The attention output and the FFN output only live until their
+        // residual sums, in tmp[0].
+        if let Some((w, layers)) = shared_qkv(blk, s, x.len() / d) {
+            w.forward(&layers, attn_in, &mut a.qkv);
+        } else {
+            sc.ensure_qkv_split(a.qkv.len() / 3);
+            blk.q.forward(&mut s.ws_q, attn_in, &mut sc.dq);
+            blk.k.forward(&mut s.ws_k, attn_in, &mut sc.dk);
+            blk.v.forward(&mut s.ws_v, attn_in, &mut sc.dv);
+            interleave(&sc.dq, &sc.dk, &sc.dv, d, &mut a.qkv);
+        }
         self.attn
             .forward(&mut s.ws_attn, &a.qkv, Some(mask), &mut a.att);
         let o = &mut sc.tmp[0];
@@ -756,13 +763,25 @@ impl Encoder {
             self.drop_attn[l].backward_in_place(&s.ws_drop_attn, t2);
             blk.o.backward(&mut s.ws_o, &a.att, t2, Some(t3));
             self.attn.backward(&mut s.ws_attn, &a.qkv, t3, &mut sc.dqkv);
-            split(&sc.dqkv, d, &mut sc.dq, &mut sc.dk, &mut sc.dv);
             let attn_in: &[f32] = if pre { &a.ln1_out } else { x };
-            blk.q.backward(&mut s.ws_q, attn_in, &sc.dq, Some(t2));
-            blk.k.backward(&mut s.ws_k, attn_in, &sc.dk, Some(t3));
-            add_into(t2, t3);
-            blk.v.backward(&mut s.ws_v, attn_in, &sc.dv, Some(t3));
-            add_into(t2, t3); // t2 = ∂L/∂(attention input)
+            let fused = match (&mut blk.q, &mut blk.k, &mut blk.v, &mut s.ws_qkv) {
+                (AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v), Some(w))
+                    if w.applies(&[q, k, v]) =>
+                {
+                    // The forward ran fused too (same layers, same ranks).
+                    w.backward(&mut [q, k, v], attn_in, &sc.dqkv, t2);
+                    true
+                }
+                _ => false,
+            };
+            if !fused {
+                split(&sc.dqkv, d, &mut sc.dq, &mut sc.dk, &mut sc.dv);
+                blk.q.backward(&mut s.ws_q, attn_in, &sc.dq, Some(t2));
+                blk.k.backward(&mut s.ws_k, attn_in, &sc.dk, Some(t3));
+                add_into(t2, t3);
+                blk.v.backward(&mut s.ws_v, attn_in, &sc.dv, Some(t3));
+                add_into(t2, t3);
+            } // t2 = ∂L/∂(attention input)
             if pre {
                 blk.ln1.backward(&mut s.ws_ln1, x, t2, Some(t3));
                 sum_into(t1, t3, &mut sc.d);
@@ -779,6 +798,33 @@ impl Encoder {
         self.word.backward(&mut st.ws_word, &st.ids, t1);
         self.pos.backward(&mut st.ws_pos, &st.pos_ids, t1);
         self.types.backward(&mut st.ws_type, &st.types, t1);
+    }
+}
+
+/// The fused q/k/v workspace and layers of a block whose q, k and v are TT layers planned on
+/// the merged path (`None`: run them one by one). Planned when the state is made and again
+/// only after a rank change.
+fn shared_qkv<'a>(
+    blk: &'a Block,
+    s: &'a mut BlockState,
+    rows: usize,
+) -> Option<(&'a mut SharedInput, [&'a TtLinear; 3])> {
+    let (AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v)) = (&blk.q, &blk.k, &blk.v) else {
+        return None;
+    };
+    let layers = [q, k, v];
+    let same = s.qkv_shapes.len() == 3
+        && s.qkv_shapes
+            .iter()
+            .zip(&layers)
+            .all(|(a, l)| a == l.shape());
+    if !same {
+        s.qkv_shapes = layers.iter().map(|l| l.shape().clone()).collect();
+        s.ws_qkv = SharedInput::new(&layers, rows);
+    }
+    match &mut s.ws_qkv {
+        Some(w) if w.applies(&layers) => Some((w, layers)),
+        _ => None,
     }
 }
 
@@ -831,6 +877,9 @@ pub struct BlockState {
     ws_o: AnyLinearWorkspace,
     ws_up: AnyLinearWorkspace,
     ws_down: AnyLinearWorkspace,
+    /// q, k and v as one fused TT product (see `shared_qkv`), planned for these shapes.
+    ws_qkv: Option<SharedInput>,
+    qkv_shapes: Vec<comera_tensor::TtShape>,
     ws_attn: AttentionWorkspace,
     ws_ln1: LayerNormWorkspace,
     ws_ln2: LayerNormWorkspace,
@@ -1033,13 +1082,23 @@ struct Scratch {
     g: Vec<f32>,        // N × F: GELU(h) of the block being run (recomputed in the backward)
 }
 
+impl Scratch {
+    /// Sizes dq/dk/dv (N × D each) for a block whose q/k/v run one by one (allocates only
+    /// the first time, or after a rank change ended a fusion).
+    fn ensure_qkv_split(&mut self, nd: usize) {
+        for v in [&mut self.dq, &mut self.dk, &mut self.dv] {
+            v.resize(nd, 0.0);
+        }
+    }
+}
+
 impl EncoderState {
     fn new(m: &Encoder, b: usize, t: usize, mlm_rows_per_seq: usize) -> EncoderState {
         let c = &m.cfg;
         let (d, f) = (c.d_model, c.ffn);
         let n = b * t;
         let z = |len: usize| vec![0.0f32; len];
-        let blocks = m
+        let blocks: Vec<BlockState> = m
             .blocks
             .iter()
             .enumerate()
@@ -1047,6 +1106,19 @@ impl EncoderState {
                 ws_q: blk.q.workspace(n),
                 ws_k: blk.k.workspace(n),
                 ws_v: blk.v.workspace(n),
+                ws_qkv: match (&blk.q, &blk.k, &blk.v) {
+                    (AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v)) => {
+                        SharedInput::new(&[q, k, v], n)
+                    }
+                    _ => None,
+                },
+                qkv_shapes: [&blk.q, &blk.k, &blk.v]
+                    .iter()
+                    .filter_map(|l| match l {
+                        AnyLinear::Tt(t) => Some(t.shape().clone()),
+                        _ => None,
+                    })
+                    .collect(),
                 ws_o: blk.o.workspace(n),
                 ws_up: blk.up.workspace(n),
                 ws_down: blk.down.workspace(n),
@@ -1059,6 +1131,20 @@ impl EncoderState {
                 ws_drop_ffn: m.drop_ffn[l].workspace(n * d),
             })
             .collect();
+        let mut sc = Scratch {
+            d: z(n * d),
+            tmp: [z(n * d), z(n * d), z(n * d)],
+            dqkv: z(3 * n * d),
+            // Only for blocks whose q/k/v do not run fused.
+            dq: Vec::new(),
+            dk: Vec::new(),
+            dv: Vec::new(),
+            dg: z(n * f),
+            g: z(n * f),
+        };
+        if blocks.iter().any(|b: &BlockState| b.ws_qkv.is_none()) {
+            sc.ensure_qkv_split(n * d);
+        }
         let rec = c.recompute_blocks;
         let acts = (0..if rec { 1 } else { c.layers })
             .map(|_| BlockActs {
@@ -1108,18 +1194,24 @@ impl EncoderState {
             outs,
             x_final: if c.pre_ln { z(n * d) } else { Vec::new() },
             head,
-            sc: Scratch {
-                d: z(n * d),
-                tmp: [z(n * d), z(n * d), z(n * d)],
-                dqkv: z(3 * n * d),
-                dq: z(n * d),
-                dk: z(n * d),
-                dv: z(n * d),
-                dg: z(n * f),
-                g: z(n * f),
-            },
+            sc,
             step: 0,
         }
+    }
+
+    /// Fuses every TT block's q/k/v whatever the planner chose (tests: the fused path on
+    /// shapes too small for the planner to pick it). Returns the number of fused blocks.
+    #[doc(hidden)]
+    pub fn force_fused_qkv(&mut self, m: &Encoder) -> usize {
+        let mut fused = 0;
+        for (blk, s) in m.blocks.iter().zip(&mut self.blocks) {
+            if let (AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v)) = (&blk.q, &blk.k, &blk.v)
+            {
+                s.ws_qkv = SharedInput::new_unplanned(&[q, k, v], self.n);
+                fused += s.ws_qkv.is_some() as usize;
+            }
+        }
+        fused
     }
 
     /// Number of sequences per step.
@@ -1273,6 +1365,7 @@ impl EncoderState {
             for w in [&s.ws_q, &s.ws_k, &s.ws_v, &s.ws_o, &s.ws_up, &s.ws_down] {
                 total += AnyLinear::workspace_bytes(w);
             }
+            total += s.ws_qkv.as_ref().map_or(0, SharedInput::bytes);
             total += Attention::workspace_bytes(&s.ws_attn);
         }
         // The TT layers' scratch, shared through this thread's pool.

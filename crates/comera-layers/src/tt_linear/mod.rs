@@ -12,9 +12,11 @@ mod dense;
 mod merged;
 pub(crate) mod pool;
 mod sequential;
+mod shared;
 
 use pool::Lease;
 pub use pool::{clear_pool as clear_scratch_pool, pooled_bytes as scratch_pool_bytes};
+pub use shared::SharedInput;
 
 use crate::compress::{self, Compressible, Retained};
 use crate::{
