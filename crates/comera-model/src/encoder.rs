@@ -23,7 +23,7 @@ use comera_layers::embedding::EmbeddingWorkspace;
 use comera_layers::linear::LinearWorkspace;
 use comera_layers::loss::CrossEntropy;
 use comera_layers::norm::{LayerNorm, LayerNormWorkspace};
-use comera_layers::tt_linear::SharedInput;
+use comera_layers::tt_linear::{FusedFfn, SharedInput};
 use comera_layers::{
     Compressible, Embedding, EmbeddingError, EmbeddingLayer, Layer, Linear, Param, RankGates,
     TtLinear, TtmEmbedding,
@@ -678,11 +678,20 @@ impl Encoder {
             blk.ln1.forward(&mut s.ws_ln1, &a.r1, &mut a.ln1_out);
             &a.ln1_out
         };
-        // g = GELU(h) is not kept: the backward recomputes it.
-        blk.up.forward(&mut s.ws_up, ffn_in, &mut a.h);
-        Gelu.forward(&a.h, &mut sc.g);
         let f = &mut sc.tmp[0];
-        blk.down.forward(&mut s.ws_down, &sc.g, f);
+        if let Some((w, up, down)) = fused_ffn(blk, s, x.len() / d) {
+            // Up → bias + GELU → Down in row blocks: no N × F buffer.
+            w.forward(up, down, ffn_in, f);
+        } else {
+            // g = GELU(h) is not kept: the backward recomputes it.
+            let nf = x.len() / d * self.cfg.ffn;
+            ensure_len(&mut a.h, nf);
+            ensure_len(&mut sc.g, nf);
+            ensure_len(&mut sc.dg, nf);
+            blk.up.forward(&mut s.ws_up, ffn_in, &mut a.h);
+            Gelu.forward(&a.h, &mut sc.g);
+            blk.down.forward(&mut s.ws_down, &sc.g, f);
+        }
         self.drop_ffn[l].forward_in_place(&mut s.ws_drop_ffn, step, train, f);
         if self.cfg.pre_ln {
             sum_into(&a.r1, f, &mut a.out);
@@ -744,12 +753,22 @@ impl Encoder {
             }
             t2.copy_from_slice(t1);
             self.drop_ffn[l].backward_in_place(&s.ws_drop_ffn, t2);
-            Gelu.forward(&a.h, &mut sc.g);
-            blk.down
-                .backward(&mut s.ws_down, &sc.g, t2, Some(&mut sc.dg));
-            Gelu.backward_in_place(&a.h, &mut sc.dg);
             let ffn_in: &[f32] = if pre { &a.ln2_out } else { &a.ln1_out };
-            blk.up.backward(&mut s.ws_up, ffn_in, &sc.dg, Some(t3));
+            let fused = match (&mut blk.up, &mut blk.down, &mut s.ws_ffn) {
+                (AnyLinear::Tt(up), AnyLinear::Tt(down), Some(w)) if w.applies(up, down) => {
+                    // The forward ran fused too (same layers, same ranks).
+                    w.backward(up, down, ffn_in, t2, t3);
+                    true
+                }
+                _ => false,
+            };
+            if !fused {
+                Gelu.forward(&a.h, &mut sc.g);
+                blk.down
+                    .backward(&mut s.ws_down, &sc.g, t2, Some(&mut sc.dg));
+                Gelu.backward_in_place(&a.h, &mut sc.dg);
+                blk.up.backward(&mut s.ws_up, ffn_in, &sc.dg, Some(t3));
+            }
             if pre {
                 blk.ln2.backward(&mut s.ws_ln2, &a.r1, t3, Some(t2));
                 add_into(t1, t2); // t1 = ∂L/∂r1
@@ -828,6 +847,38 @@ fn shared_qkv<'a>(
     }
 }
 
+/// The fused FFN workspace and layers of a block whose up and down are TT layers planned on
+/// the merged path (`None`: run Up, GELU, Down one by one). Planned when the state is made and
+/// again only after a rank change.
+fn fused_ffn<'a>(
+    blk: &'a Block,
+    s: &'a mut BlockState,
+    rows: usize,
+) -> Option<(&'a mut FusedFfn, &'a TtLinear, &'a TtLinear)> {
+    let (AnyLinear::Tt(up), AnyLinear::Tt(down)) = (&blk.up, &blk.down) else {
+        return None;
+    };
+    let same = s.ffn_shapes.len() == 2
+        && s.ffn_shapes[0] == *up.shape()
+        && s.ffn_shapes[1] == *down.shape();
+    if !same {
+        s.ffn_shapes = vec![up.shape().clone(), down.shape().clone()];
+        s.ws_ffn = FusedFfn::new(up, down, rows);
+    }
+    match &mut s.ws_ffn {
+        Some(w) if w.applies(up, down) => Some((w, up, down)),
+        _ => None,
+    }
+}
+
+/// Gives `v` length `len` (zeros), allocating only the first time (buffers of the unfused
+/// paths exist only once a block needs them).
+fn ensure_len(v: &mut Vec<f32>, len: usize) {
+    if v.len() != len {
+        v.resize(len, 0.0);
+    }
+}
+
 fn add_into(acc: &mut [f32], x: &[f32]) {
     for (a, v) in acc.iter_mut().zip(x) {
         *a += v;
@@ -880,6 +931,9 @@ pub struct BlockState {
     /// q, k and v as one fused TT product (see `shared_qkv`), planned for these shapes.
     ws_qkv: Option<SharedInput>,
     qkv_shapes: Vec<comera_tensor::TtShape>,
+    /// Up → GELU → Down fused in row blocks (see `fused_ffn`), planned for these shapes.
+    ws_ffn: Option<FusedFfn>,
+    ffn_shapes: Vec<comera_tensor::TtShape>,
     ws_attn: AttentionWorkspace,
     ws_ln1: LayerNormWorkspace,
     ws_ln2: LayerNormWorkspace,
@@ -895,7 +949,7 @@ struct BlockActs {
     r1: Vec<f32>,      // N × D
     ln1_out: Vec<f32>, // N × D
     ln2_out: Vec<f32>, // N × D (pre-LN only)
-    h: Vec<f32>,       // N × F
+    h: Vec<f32>,       // N × F (only for a block whose FFN does not run fused)
     r2: Vec<f32>,      // N × D (post-LN only)
     out: Vec<f32>,     // N × D
 }
@@ -1078,8 +1132,8 @@ struct Scratch {
     dq: Vec<f32>,       // N × D (q in the forward)
     dk: Vec<f32>,       // N × D (k in the forward)
     dv: Vec<f32>,       // N × D (v in the forward)
-    dg: Vec<f32>,       // N × F
-    g: Vec<f32>,        // N × F: GELU(h) of the block being run (recomputed in the backward)
+    dg: Vec<f32>,       // N × F (only for blocks whose FFN does not run fused)
+    g: Vec<f32>,        // N × F: GELU(h) of the block being run (recomputed in the backward; same)
 }
 
 impl Scratch {
@@ -1112,6 +1166,17 @@ impl EncoderState {
                     }
                     _ => None,
                 },
+                ws_ffn: match (&blk.up, &blk.down) {
+                    (AnyLinear::Tt(up), AnyLinear::Tt(down)) => FusedFfn::new(up, down, n),
+                    _ => None,
+                },
+                ffn_shapes: [&blk.up, &blk.down]
+                    .iter()
+                    .filter_map(|l| match l {
+                        AnyLinear::Tt(t) => Some(t.shape().clone()),
+                        _ => None,
+                    })
+                    .collect(),
                 qkv_shapes: [&blk.q, &blk.k, &blk.v]
                     .iter()
                     .filter_map(|l| match l {
@@ -1139,9 +1204,14 @@ impl EncoderState {
             dq: Vec::new(),
             dk: Vec::new(),
             dv: Vec::new(),
-            dg: z(n * f),
-            g: z(n * f),
+            dg: Vec::new(),
+            g: Vec::new(),
         };
+        let unfused_ffn = blocks.iter().any(|b: &BlockState| b.ws_ffn.is_none());
+        if unfused_ffn {
+            sc.dg = z(n * f);
+            sc.g = z(n * f);
+        }
         if blocks.iter().any(|b: &BlockState| b.ws_qkv.is_none()) {
             sc.ensure_qkv_split(n * d);
         }
@@ -1153,7 +1223,7 @@ impl EncoderState {
                 r1: z(n * d),
                 ln1_out: z(n * d),
                 ln2_out: if c.pre_ln { z(n * d) } else { Vec::new() },
-                h: z(n * f),
+                h: if unfused_ffn { z(n * f) } else { Vec::new() },
                 r2: if c.pre_ln { Vec::new() } else { z(n * d) },
                 out: z(n * d),
             })
@@ -1209,6 +1279,20 @@ impl EncoderState {
             {
                 s.ws_qkv = SharedInput::new_unplanned(&[q, k, v], self.n);
                 fused += s.ws_qkv.is_some() as usize;
+            }
+        }
+        fused
+    }
+
+    /// Fuses every TT block's Up → GELU → Down whatever the planner chose (tests, as
+    /// [`EncoderState::force_fused_qkv`]). Returns the number of fused blocks.
+    #[doc(hidden)]
+    pub fn force_fused_ffn(&mut self, m: &Encoder) -> usize {
+        let mut fused = 0;
+        for (blk, s) in m.blocks.iter().zip(&mut self.blocks) {
+            if let (AnyLinear::Tt(up), AnyLinear::Tt(down)) = (&blk.up, &blk.down) {
+                s.ws_ffn = FusedFfn::new_unplanned(up, down, self.n);
+                fused += s.ws_ffn.is_some() as usize;
             }
         }
         fused
@@ -1366,6 +1450,7 @@ impl EncoderState {
                 total += AnyLinear::workspace_bytes(w);
             }
             total += s.ws_qkv.as_ref().map_or(0, SharedInput::bytes);
+            total += s.ws_ffn.as_ref().map_or(0, FusedFfn::bytes);
             total += Attention::workspace_bytes(&s.ws_attn);
         }
         // The TT layers' scratch, shared through this thread's pool.

@@ -435,10 +435,11 @@ fn recomputed_blocks_give_identical_gradients() {
     }
 }
 
-/// q, k and v as one fused TT product give the gradients of the three layers run one by one
-/// (which the finite-difference tests above prove), post-LN and pre-LN.
+/// q, k and v as one fused TT product, and Up → GELU → Down fused in row blocks, give the
+/// gradients of the layers run one by one (which the finite-difference tests above prove),
+/// post-LN and pre-LN.
 #[test]
-fn fused_qkv_gives_the_gradients_of_separate_layers() {
+fn fused_qkv_and_ffn_give_the_gradients_of_separate_layers() {
     for pre_ln in [false, true] {
         let cfg = tiny(true, pre_ln);
         let mut m = Encoder::new(&cfg, 5).unwrap();
@@ -448,6 +449,7 @@ fn fused_qkv_gives_the_gradients_of_separate_layers() {
             let mut st = m.state_for(3, 6, 2).unwrap();
             if fuse {
                 assert_eq!(st.force_fused_qkv(m), cfg.layers);
+                assert_eq!(st.force_fused_ffn(m), cfg.layers);
             }
             st.load(&b.ids, &b.types, &b.mask, &b.labels).unwrap();
             m.zero_grad();

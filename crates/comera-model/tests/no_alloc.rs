@@ -92,7 +92,8 @@ fn steady_state_training_steps_allocate_nothing() {
 }
 
 fn steps_allocate_nothing(threads: usize) {
-    // The last flag fuses q/k/v whatever the planner chose (too small here to choose it).
+    // The last flag fuses q/k/v and the FFN whatever the planner chose (too small here to
+    // choose it).
     for (tt, pre_ln, mlm, fuse) in [
         (false, false, false, false),
         (true, false, false, false),
@@ -115,6 +116,7 @@ fn steps_allocate_nothing(threads: usize) {
         let mut st = model.state(b);
         if fuse {
             assert_eq!(st.force_fused_qkv(&model), cfg.layers);
+            assert_eq!(st.force_fused_ffn(&model), cfg.layers);
         }
         let mut opt = AdamW::new(AdamWConfig::default(), |f| model.visit_params_mut(f));
         let ids: Vec<u32> = (0..b * t).map(|i| (i * 37 % 2100) as u32).collect();

@@ -9,11 +9,13 @@
 
 mod chain;
 mod dense;
+mod ffn;
 mod merged;
 pub(crate) mod pool;
 mod sequential;
 mod shared;
 
+pub use ffn::FusedFfn;
 use pool::Lease;
 pub use pool::{clear_pool as clear_scratch_pool, pooled_bytes as scratch_pool_bytes};
 pub use shared::SharedInput;
