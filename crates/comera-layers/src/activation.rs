@@ -182,7 +182,7 @@ impl Gelu {
     pub fn forward_bias_in_place(&self, y: &mut [f32], bias: &[f32]) {
         let w = bias.len();
         assert!(
-            w > 0 && y.len() % w == 0,
+            w > 0 && y.len().is_multiple_of(w),
             "Gelu: {} values in rows of {w}",
             y.len()
         );

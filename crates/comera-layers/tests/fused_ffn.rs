@@ -1,5 +1,6 @@
 //! `FusedFfn` (Up → GELU → Down in row blocks) against the layers run one by one and against
 //! finite differences of its own forward.
+#![allow(clippy::needless_range_loop)]
 
 use comera_layers::activation::Gelu;
 use comera_layers::tt_linear::FusedFfn;

@@ -1,5 +1,6 @@
 //! `SharedInput` (q, k, v as one fused merged-path product) against the layers run one by one
 //! and against finite differences of its own forward.
+#![allow(clippy::needless_range_loop)]
 
 use comera_layers::tt_linear::SharedInput;
 use comera_layers::{Layer, RankGates, TtLinear};
