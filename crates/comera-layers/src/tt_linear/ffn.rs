@@ -27,9 +27,14 @@ use comera_tensor::{matmul, MatMut, MatRef, TtShape};
 /// Rows per block: two ROWS × F buffers (1.5 MB each at F = 3072) stay in cache.
 const ROWS: usize = 128;
 
-/// Multiply-adds ×2 of Y = X·L·R on the merged path for `rows` rows (chains not counted).
-fn merged_flops(s: &TtShape, rows: usize) -> f64 {
-    2.0 * (rows * s.middle_rank() * (s.in_features() + s.out_features())) as f64
+/// Counted FLOPs (forward, backward) of one layer on the merged path for `rows` rows, as the
+/// planner counts them (2 per multiply-add, chain products included).
+pub(crate) fn merged_flops(s: &TtShape, rows: usize) -> (f64, f64) {
+    let cost = |pass| {
+        comera_plan::tt_linear_cost(s, rows, TtPath::Merged, pass, &Default::default()).flops
+    };
+    let fwd = cost(comera_plan::Pass::Forward);
+    (fwd, cost(comera_plan::Pass::Train { need_dx: true }) - fwd)
 }
 
 /// The fused workspace of one Up → GELU → Down pair for one batch size.
@@ -98,15 +103,14 @@ impl FusedFfn {
         4 * (self.t1u.len() + self.t1d.len())
     }
 
-    /// Multiply-adds ×2 of one forward (both layers' products, chains not counted).
-    pub fn forward_flops(&self) -> f64 {
-        merged_flops(&self.shapes[0], self.batch) + merged_flops(&self.shapes[1], self.batch)
-    }
-
-    /// Multiply-adds ×2 of one backward: each layer's four products, plus h = T1u·R_u again.
-    pub fn backward_flops(&self) -> f64 {
+    /// Counted FLOPs of one forward and one backward: both layers' merged paths, plus
+    /// h = T1u·R_u again in the backward.
+    pub fn flops(&self) -> (f64, f64) {
+        let (uf, ub) = merged_flops(&self.shapes[0], self.batch);
+        let (df, db) = merged_flops(&self.shapes[1], self.batch);
         let s = &self.shapes[0];
-        2.0 * self.forward_flops() + 2.0 * (self.batch * s.middle_rank() * s.out_features()) as f64
+        let again = 2.0 * (self.batch * s.middle_rank() * s.out_features()) as f64;
+        (uf + df, ub + db + again)
     }
 
     fn acquire(&mut self, layers: [&TtLinear; 2], backward: bool) {

@@ -373,6 +373,20 @@ impl TtLinearWorkspace {
         *self = TtLinearWorkspace::new(&self.shape, self.batch, self.pass, self.forced, model);
     }
 
+    /// Counted FLOPs (2 per multiply-add, chain products included, as the planner counts
+    /// them) of one forward and of one backward on the path in use.
+    pub fn flops(&self) -> (f64, f64) {
+        let fwd = comera_plan::tt_linear_cost(
+            &self.shape,
+            self.batch,
+            self.plan.path,
+            Pass::Forward,
+            &self.model,
+        )
+        .flops;
+        (fwd, self.plan.cost_of(self.plan.path).flops - fwd)
+    }
+
     /// Bytes held by this workspace between calls (what the forward saves for the backward).
     pub fn bytes(&self) -> usize {
         match &self.bufs {

@@ -108,15 +108,13 @@ impl SharedInput {
         *self.mcol.last().expect("n ≥ 1")
     }
 
-    /// Multiply-adds ×2 of one forward: X·Lcat and each T1_i·R_i (chains not counted).
-    pub fn forward_flops(&self) -> f64 {
-        let s = *self.rcol.last().expect("n ≥ 1");
-        let b = self.batch;
-        let mut f = b * self.n_in * s;
-        for i in 0..self.shapes.len() {
-            f += b * (self.rcol[i + 1] - self.rcol[i]) * (self.mcol[i + 1] - self.mcol[i]);
-        }
-        2.0 * f as f64
+    /// Counted FLOPs of one forward and one backward: each layer's merged path (the fused
+    /// products do the same multiply-adds, grouped).
+    pub fn flops(&self) -> (f64, f64) {
+        self.shapes
+            .iter()
+            .map(|s| super::ffn::merged_flops(s, self.batch))
+            .fold((0.0, 0.0), |(f, b), (x, y)| (f + x, b + y))
     }
 
     /// Layer `i`'s gated cores and chains (leases acquired; `backward`: also the gradient
