@@ -1,8 +1,9 @@
-//! `comera inspect PATH`: what a saved model or a training checkpoint holds — its layers,
-//! shapes, ranks, parameter counts, compression, and the training state it was saved at.
+//! `comera inspect PATH`: what a saved model (encoder or DLRM) or a training checkpoint holds —
+//! its layers, shapes, ranks, parameter counts, compression, and the training state.
 
 use anyhow::Context;
 use comera_train::checkpoint::{self, Checkpoint};
+use comera_train::files::{ModelMeta, SavedModel};
 use comera_train::rank;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -17,73 +18,89 @@ pub struct Args {
     tensors: bool,
 }
 
-/// A checkpoint: its training state, then the model it holds.
-fn checkpoint(a: &Args) -> anyhow::Result<ExitCode> {
-    let ck = Checkpoint::load(&a.path)?;
-    let model = ck.model()?;
-    let p = &ck.progress;
-    let (params, dense) = (model.num_params(), model.dense_equivalent_params());
-    println!(
-        "checkpoint {} (format {}, version {})",
-        a.path.display(),
-        checkpoint::FORMAT,
-        checkpoint::VERSION
-    );
-    println!(
-        "progress   step {}, epoch {} (+{} batches), {:.0} s of training; optimizer {}",
-        p.step, p.epoch, p.batch_in_epoch, p.seconds, ck.optimizer
-    );
-    let r = &ck.rank;
-    println!(
-        "rank       {}; stage {:?}{}",
-        if r.active() { "adaptive" } else { "off" },
-        r.stage,
-        r.target_size
-            .map(|s| format!(", target size {s:.0}"))
-            .unwrap_or_default()
-    );
-    println!(
-        "parameters {params} ({dense} as a dense model: {:.1}× compression); {} layers, d_model {}",
-        dense as f64 / params as f64,
-        model.cfg.layers,
-        model.cfg.d_model
-    );
-    if rank::sizes(&model).2 > 0.0 {
-        println!(
-            "\n{}",
-            rank::rank_table(&[("now", &rank::layer_ranks(&model))])
-        );
-    }
-    if a.tensors {
-        for (name, shape) in ck.tensor_shapes() {
-            println!("{name:<48} {shape:?}");
-        }
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let is_checkpoint = a.path.is_file()
         && a.path.extension().is_some_and(|e| e == "safetensors")
         && a.path
             .file_name()
             .is_some_and(|n| n != comera_train::files::MODEL_WEIGHTS);
-    if is_checkpoint {
-        return checkpoint(&a);
-    }
-    let dir = if a.path.is_dir() {
-        a.path.clone()
+    let saved = if is_checkpoint {
+        let ck = Checkpoint::load(&a.path)?;
+        let p = &ck.progress;
+        println!(
+            "checkpoint {} (format {}, version {})",
+            a.path.display(),
+            checkpoint::FORMAT,
+            checkpoint::VERSION
+        );
+        println!(
+            "progress   step {}, epoch {} (+{} batches), {:.0} s of training; optimizer {}",
+            p.step, p.epoch, p.batch_in_epoch, p.seconds, ck.optimizer
+        );
+        let r = &ck.rank;
+        println!(
+            "rank       {}; stage {:?}{}",
+            if r.active() { "adaptive" } else { "off" },
+            r.stage,
+            r.target_size
+                .map(|s| format!(", target size {s:.0}"))
+                .unwrap_or_default()
+        );
+        ck.saved_model()?
     } else {
-        a.path
-            .parent()
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("."))
+        let dir = if a.path.is_dir() {
+            a.path.clone()
+        } else {
+            a.path
+                .parent()
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("."))
+        };
+        println!("model      {}", dir.display());
+        comera_train::load_saved(&dir)
+            .with_context(|| format!("{}: cannot inspect", a.path.display()))?
     };
-    let (model, meta) = comera_train::load_model(&dir)
-        .with_context(|| format!("{}: cannot inspect", a.path.display()))?;
-    let c = &model.cfg;
+    match &saved {
+        SavedModel::Encoder(m, meta) => describe_encoder(m, meta),
+        SavedModel::Dlrm(m, meta) => {
+            println!(
+                "dlrm       dim {}, bottom MLP {:?}, top MLP {:?}, {} dense features, {} fields",
+                m.cfg.embedding_dim,
+                m.cfg.bottom_mlp,
+                m.cfg.top_mlp,
+                m.n_dense,
+                m.n_fields()
+            );
+            for (name, t) in m.field_names.iter().zip(&m.tables) {
+                println!("table      {name}: {}", t.describe());
+            }
+            println!("trained    epoch {}, step {}", meta.epoch, meta.step);
+        }
+    }
+    let model = saved.model();
     let (params, dense) = (model.num_params(), model.dense_equivalent_params());
-    println!("model      {}", dir.display());
+    println!(
+        "parameters {params} ({dense} as a dense model: {:.1}× compression)",
+        dense as f64 / params as f64
+    );
+    let (s, s1, d) = rank::sizes(model);
+    if d > 0.0 {
+        println!(
+            "TT/TTM     S = {s} of {d} dense ({:.1}×), Ŝ = {s1:.1}\n\n{}",
+            d / s.max(1.0),
+            rank::rank_table(&[("now", &rank::layer_ranks(model))])
+        );
+    }
+    if a.tensors {
+        for p in model.params() {
+            println!("{:<40} {:?} {:?}", p.name, p.shape, p.kind);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn describe_encoder(model: &comera_model::Encoder, meta: &ModelMeta) {
+    let c = &model.cfg;
     println!(
         "encoder    {} layers, d_model {}, {} heads, ffn {}, seq_len {}, vocab {}, {}, {}",
         c.layers,
@@ -103,22 +120,11 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         if c.pre_ln { "pre-LN" } else { "post-LN" }
     );
     println!(
-        "layers     {} linear, {} word embedding",
+        "layers     {} linear, {} word embedding, gate threshold {}",
         if c.tt_linear { "TT" } else { "dense" },
-        if c.ttm_embedding { "TTM" } else { "dense" }
+        if c.ttm_embedding { "TTM" } else { "dense" },
+        c.threshold
     );
-    println!(
-        "parameters {params} ({dense} as a dense model: {:.1}× compression)",
-        dense as f64 / params as f64
-    );
-    let (s, s1, d) = rank::sizes(&model);
-    if d > 0.0 {
-        println!(
-            "TT/TTM     S = {s} of {d} dense ({:.1}×), Ŝ = {s1:.1}, threshold {}",
-            d / s.max(1.0),
-            c.threshold
-        );
-    }
     println!(
         "trained    epoch {}, step {}; vocabulary {}{}",
         meta.epoch,
@@ -126,16 +132,4 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         meta.vocab.display(),
         if meta.pair { "; sentence pairs" } else { "" }
     );
-    if d > 0.0 {
-        println!(
-            "\n{}",
-            rank::rank_table(&[("now", &rank::layer_ranks(&model))])
-        );
-    }
-    if a.tensors {
-        for p in model.params() {
-            println!("{:<40} {:?} {:?}", p.name, p.shape, p.kind);
-        }
-    }
-    Ok(ExitCode::SUCCESS)
 }

@@ -1,11 +1,5 @@
 //! `comera`: the command-line front end of the engine.
 
-mod bench;
-mod bench_compare;
-mod bench_mlm;
-mod bench_rank;
-mod bench_step;
-mod bench_ttm;
 mod data_cmd;
 mod dlrm_cmd;
 mod export_cmd;
@@ -39,7 +33,7 @@ enum Command {
     Verify(verify::Args),
     /// Benchmarks (median times, side by side in one run).
     #[command(subcommand)]
-    Bench(bench::Bench),
+    Bench(comera_bench::Bench),
     /// Propose TT layouts (balanced modes, rank for a parameter budget) for an N → M layer.
     Factor(factor::Args),
     /// Train a model (without --config: a small TT/TTM encoder on the review data set).
@@ -77,7 +71,7 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Verify(a) => verify::run(a),
-        Command::Bench(b) => bench::run(b),
+        Command::Bench(b) => comera_bench::run(b),
         Command::Train(a) => run::train(a),
         Command::Eval(a) => run::eval(a),
         Command::Predict(a) => run::predict(a),

@@ -57,10 +57,16 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         });
         valid.push(Series { name, points: v });
     }
+    if train.iter().chain(&valid).all(|s| s.points.is_empty()) {
+        anyhow::bail!(
+            "no training or evaluation record has a `{}` field: nothing to plot (try --x step)",
+            a.x
+        );
+    }
     let panel = |title: &str, series| Panel {
         title: title.into(),
         x_label: a.x.clone(),
-        y_label: "cross-entropy".into(),
+        y_label: "loss".into(),
         series,
         log_y: false,
     };

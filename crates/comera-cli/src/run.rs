@@ -1,15 +1,16 @@
-//! `comera train`, `comera eval`, `comera predict`.
+//! `comera train`, `comera eval`, `comera predict`: argument parsing, then comera-train.
 
-use anyhow::{bail, Context};
-use comera_data::BertTokenizer;
-use comera_train::{evaluate, load_model, train as run_training, RunConfig};
+use anyhow::bail;
+use comera_train::infer::{eval_run, fill_mask, load_run, predict_clicks, predict_texts, EvalKind};
+use comera_train::{AnyRunConfig, Overrides, RunConfig, SavedModel, TrainSummary};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(clap::Args)]
 pub struct TrainArgs {
-    /// Run configuration (TOML; every field is documented in configs/reviews-small.toml).
-    /// Without it: the built-in small TT/TTM encoder on the review data set.
+    /// Run configuration (TOML; every field is documented in configs/reviews-small.toml, or
+    /// configs/dlrm-movielens.toml for a DLRM). Without it: the built-in small TT/TTM encoder
+    /// on the review data set.
     #[arg(long)]
     config: Option<PathBuf>,
     /// Overrides of the config's common fields.
@@ -22,7 +23,7 @@ pub struct TrainArgs {
     /// Run directory.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Dense linear layers and embedding instead of TT/TTM.
+    /// Dense layers and embeddings (tables) instead of TT/TTM.
     #[arg(long)]
     dense: bool,
     /// Stop each epoch after this many steps.
@@ -47,87 +48,38 @@ pub struct TrainArgs {
 }
 
 pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
-    if let Some(p) = a
-        .config
-        .as_deref()
-        .filter(|p| crate::dlrm_cmd::is_dlrm(p).unwrap_or(false))
-    {
-        if a.stop_after_steps.is_some() {
-            bail!(
-                "--stop-after-steps: DLRM runs ({}) have no checkpoints yet",
-                p.display()
-            );
-        }
-        if a.init_from.is_some() {
-            bail!(
-                "--init-from: DLRM runs ({}) have no pre-trained encoder",
-                p.display()
-            );
-        }
-        let (epochs, batch_size, seed, out) = (a.epochs, a.batch_size, a.seed, a.out.clone());
-        let (dense, max_steps_per_epoch) = (a.dense, a.max_steps_per_epoch);
-        let (print_config, quiet) = (a.print_config, a.quiet);
-        let o = crate::dlrm_cmd::Overrides {
-            epochs,
-            batch_size,
-            seed,
-            out,
-            dense,
-            max_steps_per_epoch,
-            print_config,
-            quiet,
-        };
-        return crate::dlrm_cmd::train(p, o);
-    }
     if let Some(dir) = &a.resume {
-        let s = comera_train::resume(dir, !a.quiet)?;
-        report(&s);
+        report(&comera_train::resume(dir, !a.quiet)?);
         return Ok(ExitCode::SUCCESS);
     }
     let mut cfg = match &a.config {
-        Some(p) => RunConfig::from_file(p)?,
-        None => RunConfig::builtin(),
+        Some(p) => AnyRunConfig::from_file(p)?,
+        None => AnyRunConfig::Encoder(RunConfig::builtin()),
     };
-    if !cfg.train.phases.is_empty() && (a.epochs.is_some() || a.batch_size.is_some()) {
-        bail!("--epochs / --batch-size: this config has [[train.phases]]; set epochs and batch_size per phase there");
-    }
-    if let Some(v) = a.epochs {
-        cfg.train.epochs = v;
-    }
-    if let Some(v) = a.batch_size {
-        cfg.train.batch_size = v;
-    }
-    if let Some(v) = a.seed {
-        cfg.train.seed = v;
-    }
-    if let Some(v) = a.out {
-        cfg.train.out_dir = v;
-    }
-    if let Some(v) = a.max_steps_per_epoch {
-        cfg.train.max_steps_per_epoch = v;
-    }
-    if let Some(v) = a.stop_after_steps {
-        cfg.train.stop_after_steps = v;
-    }
-    if let Some(v) = a.init_from {
-        cfg.train.init_from = Some(v);
-    }
-    if a.dense {
-        cfg.model.tt_linear = false;
-        cfg.model.ttm_embedding = false;
-    }
-    cfg.validate().map_err(anyhow::Error::msg)?;
+    cfg.apply(&Overrides {
+        epochs: a.epochs,
+        batch_size: a.batch_size,
+        seed: a.seed,
+        out: a.out,
+        max_steps_per_epoch: a.max_steps_per_epoch,
+        stop_after_steps: a.stop_after_steps,
+        init_from: a.init_from,
+        dense: a.dense,
+    })?;
     if a.print_config {
         print!("{}", cfg.to_toml());
         return Ok(ExitCode::SUCCESS);
     }
-    let s = run_training(&cfg, !a.quiet)?;
+    let s = match &cfg {
+        AnyRunConfig::Encoder(c) => comera_train::train(c, !a.quiet)?,
+        AnyRunConfig::Dlrm(c) => comera_train::train_dlrm(c, !a.quiet)?,
+    };
     report(&s);
     Ok(ExitCode::SUCCESS)
 }
 
 /// The last lines of a training run.
-fn report(s: &comera_train::TrainSummary) {
+fn report(s: &TrainSummary) {
     if s.stopped {
         println!(
             "stopped after {} steps; resume with: comera train --resume {}",
@@ -140,12 +92,16 @@ fn report(s: &comera_train::TrainSummary) {
         println!("{table}");
     }
     let v = &s.final_valid;
-    let result = match s.majority_accuracy {
-        Some(m) => format!(
+    let result = match (v.auc, s.majority_accuracy) {
+        (Some(auc), _) => format!(
+            "validation AUC {auc:.4} (best {:.4} at epoch {}), log-loss {:.4}, accuracy {:.4} on {} examples",
+            s.best_valid, s.best_epoch, v.loss, v.accuracy, v.examples
+        ),
+        (None, Some(m)) => format!(
             "validation accuracy {:.4} (majority class {m:.4}), loss {:.4}",
             v.accuracy, v.loss
         ),
-        None => format!(
+        (None, None) => format!(
             "held-out MLM loss {:.4} (perplexity {:.1}), masked-token accuracy {:.4} over {} predicted tokens; {} tokens trained",
             v.loss,
             v.loss.exp(),
@@ -155,14 +111,26 @@ fn report(s: &comera_train::TrainSummary) {
         ),
     };
     println!(
-        "done: {} epochs, {} steps in {:.0} s; {result}; {} parameters ({:.1}x compression vs dense {}); run directory {}",
+        "done: {} epochs, {} steps of {} in {:.0} s; {result}; {} parameters ({:.1}x compression vs dense {}); run directory {}",
         s.epochs,
         s.steps,
+        s.batch_size,
         s.seconds,
         s.params,
         s.compression(),
         s.dense_params,
         s.out_dir.display()
+    );
+    const MIB: f64 = 1048576.0;
+    println!(
+        "speed: median step {:.1} ms = {:.0} samples/s; peak RSS {:.1} MiB (parameters+grads {:.1} MiB, optimiser {:.1} MiB, batch state {:.1} MiB); report {}",
+        s.median_step_ms,
+        s.examples_per_s,
+        s.peak_rss_bytes as f64 / MIB,
+        s.param_bytes as f64 / MIB,
+        s.optimizer_bytes as f64 / MIB,
+        s.state_bytes as f64 / MIB,
+        s.out_dir.join("report.json").display()
     );
 }
 
@@ -170,46 +138,43 @@ fn report(s: &comera_train::TrainSummary) {
 pub struct EvalArgs {
     /// Run directory holding model.safetensors, model.toml and config.toml.
     model: PathBuf,
-    /// Sequences per forward pass.
+    /// Evaluate this checkpoint of the run instead of its model files.
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Score this file (in the run's data format) instead of the run's held-out data.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Examples per forward pass.
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
 }
 
 pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
-    let (model, meta) = load_model(&a.model)?;
-    let cfg_path = a.model.join("config.toml");
-    let cfg = RunConfig::from_file(&cfg_path)
-        .with_context(|| "eval reads the run's data settings from its config.toml")?;
-    if cfg.data.source == "corpus" {
-        let mut data = comera_train::data::CorpusData::new(&cfg.data, cfg.train.seed)?;
-        let t = meta.model.seq_len;
-        data.packed(t)?;
-        let blocks = &data.packed_ref(t).valid;
-        let rows = data.masker.max_selected_per_row(t);
-        let mut st = model
-            .state_for(a.batch_size, t, rows)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let s = comera_train::trainer::evaluate_mlm(&model, &mut st, &data, blocks)?;
-        println!(
-            "{}: {} held-out tokens predicted, MLM loss {:.4}, perplexity {:.2}, masked-token accuracy {:.4}",
-            a.model.display(),
-            s.examples,
+    let (kind, s) = eval_run(
+        &a.model,
+        a.checkpoint.as_deref(),
+        a.data.as_deref(),
+        a.batch_size,
+    )?;
+    let (m, n) = (a.model.display(), s.examples);
+    match kind {
+        EvalKind::Classifier => println!(
+            "{m}: {n} examples, accuracy {:.4}, loss {:.4}",
+            s.accuracy, s.loss
+        ),
+        EvalKind::MaskedLm => println!(
+            "{m}: {n} held-out tokens predicted, MLM loss {:.4}, perplexity {:.2}, masked-token accuracy {:.4}",
             s.loss,
             s.loss.exp(),
             s.accuracy
-        );
-        return Ok(ExitCode::SUCCESS);
+        ),
+        EvalKind::Ctr => println!(
+            "{m}: {n} examples, AUC {:.4}, log-loss {:.4}, accuracy {:.4}",
+            s.auc.unwrap_or(0.5),
+            s.loss,
+            s.accuracy
+        ),
     }
-    let data = comera_train::data::prepare(&cfg.data, meta.model.seq_len, cfg.train.seed)?;
-    let mut st = model.state(a.batch_size);
-    let s = evaluate(&model, &mut st, &data.valid)?;
-    println!(
-        "{}: {} examples, accuracy {:.4}, loss {:.4}",
-        a.model.display(),
-        s.examples,
-        s.accuracy,
-        s.loss
-    );
     Ok(ExitCode::SUCCESS)
 }
 
@@ -217,56 +182,48 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
 pub struct PredictArgs {
     /// Run directory holding model.safetensors and model.toml.
     model: PathBuf,
-    /// Texts to classify (one per argument); with none, lines are read from standard input.
-    /// For sentence-pair models separate the two texts with a tab.
-    texts: Vec<String>,
+    /// Inputs, one per argument (with none, lines of standard input): texts to classify
+    /// (pairs separated by a tab), texts with [MASK] tokens for a masked-LM model, or for a
+    /// DLRM one Criteo-format TSV file of rows.
+    inputs: Vec<String>,
+    /// Tokens shown per [MASK] (masked-LM models).
+    #[arg(long, default_value_t = 5)]
+    top_k: usize,
 }
 
 pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
-    let (model, meta) = load_model(&a.model)?;
-    if meta.model.head != comera_model::HeadKind::Classifier {
-        bail!(
-            "{}: a masked-LM (pre-trained) model has no labels to predict; fine-tune it with train.init_from = \"{}\"",
-            a.model.display(),
-            a.model.display()
-        );
-    }
-    let tok = BertTokenizer::from_vocab_file(&meta.vocab)
-        .with_context(|| format!("vocabulary {}", meta.vocab.display()))?;
-    let texts: Vec<String> = if a.texts.is_empty() {
+    let inputs: Vec<String> = if a.inputs.is_empty() {
         std::io::stdin().lines().collect::<Result<_, _>>()?
     } else {
-        a.texts
+        a.inputs
     };
-    let t = meta.model.seq_len;
-    let mut st = model.state(1);
-    for text in texts {
-        let enc = if meta.pair {
-            let Some((x, y)) = text.split_once('\t') else {
-                bail!("this model reads sentence pairs: separate the two texts with a tab")
+    match load_run(&a.model, None)? {
+        (SavedModel::Encoder(model, meta), _) if meta.model.head == comera_model::HeadKind::Mlm => {
+            for text in &inputs {
+                for (i, top) in fill_mask(&model, &meta, text, a.top_k)?.iter().enumerate() {
+                    let shown: Vec<String> =
+                        top.iter().map(|(t, p)| format!("{t} {p:.3}")).collect();
+                    println!("[MASK] {}\t{}\t{text}", i + 1, shown.join("\t"));
+                }
+            }
+        }
+        (SavedModel::Encoder(model, meta), _) => {
+            for ((label, p), text) in predict_texts(&model, &meta, &inputs)?.iter().zip(&inputs) {
+                println!("{label}\t{p:.3}\t{text}");
+            }
+        }
+        (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
+            let [file] = inputs.as_slice() else {
+                bail!("a DLRM predicts the rows of one Criteo-format TSV file: give its path")
             };
-            tok.encode_pair(x, y, t)?
-        } else {
-            tok.encode_single(&text, t)?
-        };
-        st.load(
-            &enc.input_ids,
-            &enc.token_type_ids,
-            &enc.attention_mask,
-            &[0],
-        )
-        .map_err(anyhow::Error::msg)?;
-        model.forward(&mut st, false, 0)?;
-        let logits = st.logits();
-        let label = comera_layers::loss::argmax(logits);
-        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let z: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
-        println!(
-            "{}\t{:.3}\t{}",
-            meta.labels[label],
-            (logits[label] - max).exp() / z,
-            text
-        );
+            for p in predict_clicks(&model, &cfg.data.mapping, std::path::Path::new(file))? {
+                println!("{p:.6}");
+            }
+        }
+        _ => bail!(
+            "{}: model and config.toml are of different kinds",
+            a.model.display()
+        ),
     }
     Ok(ExitCode::SUCCESS)
 }

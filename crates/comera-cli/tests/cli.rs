@@ -6,7 +6,9 @@ use std::process::Command;
 fn fixtures() -> PathBuf {
     std::env::var("COMERA_FIXTURES")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../comera-refcase/fixtures"))
+        .unwrap_or_else(|_| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../comera-refcase/fixtures")
+        })
 }
 
 fn comera(args: &[&str]) -> (i32, String) {

@@ -2,6 +2,8 @@
 //! trains on it when the config has a `[dlrm]` table (TTM and dense tables), and bad data and
 //! configs give clear errors (no network).
 
+mod common;
+use common::{every_command_works_on, records, untimed};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -165,7 +167,7 @@ fn trains_a_ttm_dlrm_on_a_criteo_file_and_reports() {
     let (code, out) = comera(&["train", "--config", s(&rcfg), "--quiet", "--epochs", "1"]);
     assert_eq!(code, 0, "{out}");
     assert!(
-        out.contains("ranks of the TTM tables") && out.contains("table.C1"),
+        out.contains("Ranks of the TT/TTM layers") && out.contains("table.C1"),
         "{out}"
     );
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
@@ -228,5 +230,104 @@ fn bad_dlrm_configs_name_the_field() {
     let (code, out) = comera(&["train", "--config", s(&p), "--print-config", "--dense"]);
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("tables = \"dense\""), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The MovieLens DLRM config of the repository, with `extra` appended.
+fn movielens_config(dir: &Path, extra: &str) -> PathBuf {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/dlrm-movielens.toml");
+    let text = std::fs::read_to_string(repo).unwrap() + extra;
+    let p = dir.join("movielens.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn a_stopped_and_resumed_dlrm_run_matches_an_uninterrupted_one_bit_for_bit() {
+    let dir = tempdir("resume");
+    // Rank-adaptive tables, so the resumed run also has to continue the rank schedule and its
+    // truncations exactly.
+    let cfg = movielens_config(
+        &dir,
+        "\n[rank]\ngamma = 0.5\ntruncate_every = 7\nmin_rank = 1\n",
+    );
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let base = [
+        "--threads",
+        "2",
+        "train",
+        "--config",
+        s(&cfg),
+        "--epochs",
+        "2",
+        "--max-steps-per-epoch",
+        "15",
+        "--quiet",
+    ];
+    let (code, text) = comera(&[&base[..], &["--out", s(&a)]].concat());
+    assert_eq!(code, 0, "{text}");
+    // Stopped in the second epoch, between truncations.
+    let (code, text) = comera(&[&base[..], &["--out", s(&b), "--stop-after-steps", "20"]].concat());
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("stopped after 20 steps"), "{text}");
+    let (code, text) = comera(&["--threads", "2", "train", "--resume", s(&b), "--quiet"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(!records(&a, "truncate").is_empty(), "the run truncated");
+    for kind in ["train", "eval", "truncate", "ranks"] {
+        assert_eq!(
+            untimed(records(&a, kind)),
+            untimed(records(&b, kind)),
+            "{kind} records differ after resume"
+        );
+    }
+    assert!(
+        std::fs::read(a.join("model.safetensors")).unwrap()
+            == std::fs::read(b.join("model.safetensors")).unwrap(),
+        "final weights differ after resume"
+    );
+    // Every command reads the DLRM run directory: predict scores Criteo-format rows only, so
+    // a MovieLens model is asked for one and must refuse with the reason.
+    let (code, text) = comera(&["predict", s(&a), s(&cfg)]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("Criteo"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_adaptive_dlrm_keeps_min_rank_writes_its_rank_report_and_serves_every_command() {
+    let dir = tempdir("rank");
+    let train = synth(&dir, "train.tsv", "3000", "1");
+    let valid = synth(&dir, "valid.tsv", "500", "2");
+    // A size penalty strong enough to prune every slice it can: min_rank = 1 must keep one.
+    let cfg = config(
+        &dir,
+        &train,
+        &valid,
+        "[optim]\nlr_gates = 0.1\n[rank]\ngamma = 50.0\ntruncate_every = 10\nmin_rank = 1\n",
+    );
+    let (code, out) = comera(&["--threads", "2", "train", "--config", s(&cfg), "--quiet"]);
+    assert_eq!(code, 0, "{out}");
+    let run = dir.join("run");
+    for f in ["ranks.md", "ranks.png", "curves.png", "report.json"] {
+        assert!(run.join(f).exists(), "{f} missing: {out}");
+    }
+    let ranks = std::fs::read_to_string(run.join("ranks.md")).unwrap();
+    assert!(ranks.contains("table.C"), "{ranks}");
+    assert!(
+        !ranks.contains("dead"),
+        "min_rank = 1 keeps every table alive:\n{ranks}"
+    );
+    let end = &records(&run, "ranks")[0]["end"];
+    for layer in end.as_array().unwrap() {
+        assert_eq!(layer["dead"], false, "{layer}");
+        for r in layer["ranks"].as_array().unwrap() {
+            assert!(r.as_u64().unwrap() >= 1, "{layer}");
+        }
+    }
+    assert!(
+        !records(&run, "truncate").is_empty(),
+        "the penalty pruned and truncated"
+    );
+    every_command_works_on(&run, &[s(&valid)], "0.");
     let _ = std::fs::remove_dir_all(&dir);
 }

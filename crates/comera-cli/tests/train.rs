@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{comera, records, tempdir, untimed};
+use common::{comera, every_command_works_on, records, tempdir, untimed};
 
 const WORDS: &[&str] = &[
     "the", "a", "dress", "shirt", "fit", "color", "is", "was", "very",
@@ -142,6 +142,7 @@ fn train_eval_predict_on_a_small_local_data_set() {
             .map(|l| l.split('\t').next().unwrap())
             .collect();
         assert_eq!(labels, ["pos", "neg"], "{text}");
+        every_command_works_on(&run, &["the good dress"], "pos\t");
         std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -16,15 +16,21 @@
 
 use crate::config::{DlrmConfig, TableKind};
 use crate::loss::bce_with_logits;
-use comera_layers::embedding::EmbeddingWorkspace;
-use comera_layers::linear::LinearWorkspace;
+use comera_data::ctr::CtrBatch;
+use comera_layers::any::AnyEmbeddingWorkspace;
+use comera_layers::mlp::MlpState;
 use comera_layers::{
-    Compressible, Embedding, EmbeddingError, EmbeddingLayer, Layer, Linear, Param, RankGates,
-    TtmEmbedding, TtmWorkspace,
+    AnyEmbedding, Compressible, Embedding, MemoryBreakdown, Mlp, Model, Param, RankGates,
+    StepStats, Trainable, TtmEmbedding,
 };
 use comera_tensor::factor::balanced_factorisations;
 use comera_tensor::{init, TtmShape};
 use rayon::prelude::*;
+
+/// A model that cannot be built, or a batch it cannot take (wrong sizes, an id out of range).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct DlrmError(pub String);
 
 /// Proposes a TTM layout for a `rows × dim` table with `cores` cores and uniform `rank`:
 /// dim modes are comera-tensor's most balanced factorisation of `dim`; vocab modes start at
@@ -78,204 +84,6 @@ pub fn propose_ttm_shape(
     TtmShape::new(&v, &e, &ranks, rows).map_err(|err| err.to_string())
 }
 
-/// One field's table.
-#[derive(Clone, Debug)]
-pub enum Table {
-    Dense(Embedding),
-    Ttm(TtmEmbedding),
-}
-
-/// A table's lookup workspace.
-#[derive(Debug)]
-// One per table, made once: the size difference between variants is irrelevant.
-#[allow(clippy::large_enum_variant)]
-pub enum TableWs {
-    Dense(EmbeddingWorkspace),
-    Ttm(TtmWorkspace),
-}
-
-impl Table {
-    pub fn rows(&self) -> usize {
-        match self {
-            Table::Dense(t) => t.num_embeddings(),
-            Table::Ttm(t) => t.num_embeddings(),
-        }
-    }
-
-    /// Trainable scalars.
-    pub fn num_params(&self) -> usize {
-        match self {
-            Table::Dense(t) => t.params().iter().map(|p| p.len()).sum(),
-            Table::Ttm(t) => t.params().iter().map(|p| p.len()).sum(),
-        }
-    }
-
-    /// `dense 943×16` or `ttm 943×16 v=[10,10,10] e=[4,2,2] r=[1,8,8,1]`.
-    pub fn describe(&self) -> String {
-        match self {
-            Table::Dense(t) => format!("dense {}x{}", t.num_embeddings(), t.dim()),
-            Table::Ttm(t) => {
-                let s = t.shape();
-                format!(
-                    "ttm {}x{} v={:?} e={:?} r={:?}",
-                    s.num_embeddings(),
-                    s.dim(),
-                    s.vocab_modes(),
-                    s.dim_modes(),
-                    s.ranks()
-                )
-            }
-        }
-    }
-
-    fn workspace(&self, tokens: usize) -> TableWs {
-        match self {
-            Table::Dense(t) => TableWs::Dense(t.workspace(tokens)),
-            Table::Ttm(t) => TableWs::Ttm(t.workspace(tokens)),
-        }
-    }
-
-    fn forward(&self, ws: &mut TableWs, ids: &[u32], y: &mut [f32]) -> Result<(), EmbeddingError> {
-        match (self, ws) {
-            (Table::Dense(t), TableWs::Dense(w)) => t.forward(w, ids, y),
-            (Table::Ttm(t), TableWs::Ttm(w)) => t.forward(w, ids, y),
-            _ => unreachable!("table and workspace kinds always match"),
-        }
-    }
-
-    fn backward(&mut self, ws: &mut TableWs, ids: &[u32], dy: &[f32]) {
-        match (self, ws) {
-            (Table::Dense(t), TableWs::Dense(w)) => t.backward(w, ids, dy),
-            (Table::Ttm(t), TableWs::Ttm(w)) => t.backward(w, ids, dy),
-            _ => unreachable!("table and workspace kinds always match"),
-        }
-    }
-
-    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
-        match self {
-            Table::Dense(t) => t.visit_params_mut(f),
-            Table::Ttm(t) => t.visit_params_mut(f),
-        }
-    }
-
-    fn params(&self) -> Vec<&Param> {
-        match self {
-            Table::Dense(t) => t.params(),
-            Table::Ttm(t) => t.params(),
-        }
-    }
-}
-
-/// A stack of dense layers with ReLU after each layer (after the last one too when
-/// `relu_last`).
-#[derive(Clone, Debug)]
-pub struct Mlp {
-    pub layers: Vec<Linear>,
-    pub relu_last: bool,
-}
-
-/// Per-batch buffers of an [`Mlp`]: each layer's output (after its ReLU) and its gradient.
-#[derive(Debug)]
-pub struct MlpState {
-    ws: Vec<LinearWorkspace>,
-    acts: Vec<Vec<f32>>,
-    dacts: Vec<Vec<f32>>,
-}
-
-impl Mlp {
-    /// Layers `widths[0] → widths[1] → … → widths[last]`.
-    pub fn new(name: &str, widths: &[usize], relu_last: bool, rng: &mut init::Rng) -> Mlp {
-        let layers = widths
-            .windows(2)
-            .enumerate()
-            .map(|(l, w)| Linear::new(&format!("{name}.{l}"), w[0], w[1], rng))
-            .collect();
-        Mlp { layers, relu_last }
-    }
-
-    pub fn state(&self, batch: usize) -> MlpState {
-        let acts: Vec<Vec<f32>> = self
-            .layers
-            .iter()
-            .map(|l| vec![0.0; batch * l.out_features()])
-            .collect();
-        MlpState {
-            ws: self.layers.iter().map(|l| l.workspace(batch)).collect(),
-            dacts: acts.clone(),
-            acts,
-        }
-    }
-
-    fn relu_at(&self, l: usize) -> bool {
-        l + 1 < self.layers.len() || self.relu_last
-    }
-
-    pub fn forward(&self, st: &mut MlpState, x: &[f32]) {
-        for l in 0..self.layers.len() {
-            let (prev, cur) = st.acts.split_at_mut(l);
-            let input = if l == 0 { x } else { &prev[l - 1][..] };
-            self.layers[l].forward(&mut st.ws[l], input, &mut cur[0]);
-            if self.relu_at(l) {
-                relu_in_place(&mut cur[0]);
-            }
-        }
-    }
-
-    /// The last layer's output.
-    pub fn output<'a>(&self, st: &'a MlpState) -> &'a [f32] {
-        st.acts.last().expect("an MLP has a layer")
-    }
-
-    /// The last layer's output gradient (to be written before `backward`).
-    pub fn output_grad<'a>(&self, st: &'a mut MlpState) -> &'a mut [f32] {
-        st.dacts.last_mut().expect("an MLP has a layer")
-    }
-
-    /// From the output gradient in [`Mlp::output_grad`], accumulates parameter gradients and
-    /// writes `dx` when given. Clobbers the state's gradient buffers.
-    pub fn backward(&mut self, st: &mut MlpState, x: &[f32], mut dx: Option<&mut [f32]>) {
-        for l in (0..self.layers.len()).rev() {
-            if self.relu_at(l) {
-                relu_backward_in_place(&st.acts[l], &mut st.dacts[l]);
-            }
-            let (dprev, dcur) = st.dacts.split_at_mut(l);
-            let input = if l == 0 { x } else { &st.acts[l - 1][..] };
-            let d_in = if l == 0 {
-                dx.as_deref_mut()
-            } else {
-                Some(&mut dprev[l - 1][..])
-            };
-            self.layers[l].backward(&mut st.ws[l], input, &dcur[0], d_in);
-        }
-    }
-
-    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
-        for l in &mut self.layers {
-            l.visit_params_mut(f);
-        }
-    }
-
-    fn num_params(&self) -> usize {
-        self.layers.iter().map(|l| l.num_params()).sum()
-    }
-}
-
-/// y ← max(y, 0).
-pub fn relu_in_place(y: &mut [f32]) {
-    for v in y {
-        *v = v.max(0.0);
-    }
-}
-
-/// d ← d ⊙ [y > 0], y the ReLU's output.
-pub fn relu_backward_in_place(y: &[f32], d: &mut [f32]) {
-    for (g, &v) in d.iter_mut().zip(y) {
-        if v <= 0.0 {
-            *g = 0.0;
-        }
-    }
-}
-
 /// Index of pair (i, j), i > j, in the interaction's upper-triangle order
 /// (i = 1..F, j = 0..i−1): i(i−1)/2 + j.
 #[inline]
@@ -290,7 +98,7 @@ pub struct Dlrm {
     pub n_dense: usize,
     pub field_names: Vec<String>,
     pub bottom: Mlp,
-    pub tables: Vec<Table>,
+    pub tables: Vec<AnyEmbedding>,
     pub top: Mlp,
 }
 
@@ -300,7 +108,11 @@ pub struct DlrmState {
     batch: usize,
     bottom: MlpState,
     top: MlpState,
-    tws: Vec<TableWs>,
+    tws: Vec<AnyEmbeddingWorkspace>,
+    /// The loaded batch: dense features (B × n_dense), ids (field-major F × B), labels (B).
+    dense: Vec<f32>,
+    ids: Vec<u32>,
+    labels: Vec<f32>,
     /// (F+1) × B × D: slot 0 the bottom output, slot f the table f−1 rows.
     t: Vec<f32>,
     dt: Vec<f32>,
@@ -316,28 +128,43 @@ impl DlrmState {
 
     /// The logits of the last forward (B).
     pub fn logits(&self) -> &[f32] {
-        self.top.acts.last().expect("an MLP has a layer")
+        self.top.output()
     }
 
-    /// Bytes held by the state's buffers (activations, gradients, table workspaces).
+    /// Loads a batch of exactly [`DlrmState::batch`] examples (checked).
+    pub fn load(&mut self, b: &CtrBatch) -> Result<(), DlrmError> {
+        if b.dense.len() != self.dense.len()
+            || b.cats.len() != self.ids.len()
+            || b.labels.len() != self.labels.len()
+        {
+            return Err(DlrmError(format!(
+                "batch has {} dense values, {} ids and {} labels; the model expects {}, {} and {}",
+                b.dense.len(),
+                b.cats.len(),
+                b.labels.len(),
+                self.dense.len(),
+                self.ids.len(),
+                self.labels.len()
+            )));
+        }
+        self.dense.copy_from_slice(&b.dense);
+        self.ids.copy_from_slice(&b.cats);
+        self.labels.copy_from_slice(&b.labels);
+        Ok(())
+    }
+
+    /// Bytes held by the state's buffers (activations, gradients, table workspaces, batch).
     pub fn bytes(&self) -> usize {
-        let v = |b: &[Vec<f32>]| b.iter().map(Vec::capacity).sum::<usize>();
-        let ws: usize = self
-            .tws
-            .iter()
-            .map(|w| match w {
-                TableWs::Dense(_) => 0,
-                TableWs::Ttm(w) => w.bytes(),
-            })
-            .sum();
-        4 * (v(&self.bottom.acts)
-            + v(&self.bottom.dacts)
-            + v(&self.top.acts)
-            + v(&self.top.dacts)
-            + self.t.capacity()
-            + self.dt.capacity()
-            + self.z.capacity()
-            + self.dz.capacity())
+        let ws: usize = self.tws.iter().map(AnyEmbedding::workspace_bytes).sum();
+        self.bottom.bytes()
+            + self.top.bytes()
+            + 4 * (self.t.capacity()
+                + self.dt.capacity()
+                + self.z.capacity()
+                + self.dz.capacity()
+                + self.dense.capacity()
+                + self.ids.capacity()
+                + self.labels.capacity())
             + ws
     }
 }
@@ -350,15 +177,16 @@ impl Dlrm {
         field_names: &[String],
         table_sizes: &[usize],
         seed: u64,
-    ) -> Result<Dlrm, String> {
-        cfg.validate()?;
+    ) -> Result<Dlrm, DlrmError> {
+        let err = |m: String| DlrmError(m);
+        cfg.validate().map_err(err)?;
         if n_dense == 0 {
-            return Err(
+            return Err(err(
                 "the data has no dense features; DLRM's bottom MLP needs at least one".into(),
-            );
+            ));
         }
         if table_sizes.is_empty() {
-            return Err("the data has no categorical fields".into());
+            return Err(err("the data has no categorical fields".into()));
         }
         let mut rng = init::rng(seed);
         let d = cfg.embedding_dim;
@@ -381,13 +209,13 @@ impl Dlrm {
             let mut trng = init::rng(seed ^ (0x7ab1e ^ (f as u64 + 1)).wrapping_mul(0x9e37_79b9));
             tables.push(if ttm {
                 let shape = propose_ttm_shape(rows, d, cfg.ttm_cores, cfg.ttm_rank)
-                    .map_err(|e| format!("{name}: {e}"))?;
-                Table::Ttm(
+                    .map_err(|e| err(format!("{name}: {e}")))?;
+                AnyEmbedding::Ttm(
                     TtmEmbedding::new(&name, shape, rule, cfg.embedding_std, &mut trng)
-                        .map_err(|e| format!("{name}: {e}"))?,
+                        .map_err(|e| err(format!("{name}: {e}")))?,
                 )
             } else {
-                Table::Dense(Embedding::new(&name, rows, d, cfg.embedding_std, &mut trng))
+                AnyEmbedding::Dense(Embedding::new(&name, rows, d, cfg.embedding_std, &mut trng))
             });
         }
         let f = table_sizes.len();
@@ -423,6 +251,9 @@ impl Dlrm {
             bottom: self.bottom.state(batch),
             top: self.top.state(batch),
             tws: self.tables.iter().map(|t| t.workspace(batch)).collect(),
+            dense: vec![0.0; batch * self.n_dense],
+            ids: vec![0; batch * f],
+            labels: vec![0.0; batch],
             t: vec![0.0; (f + 1) * batch * d],
             dt: vec![0.0; (f + 1) * batch * d],
             z: vec![0.0; batch * self.interaction_width()],
@@ -430,25 +261,15 @@ impl Dlrm {
         }
     }
 
-    /// Forward for one batch (dense B × n_dense, ids field-major F × B); the logits are in
-    /// [`DlrmState::logits`]. Bad ids are an error naming the field.
-    pub fn forward(&self, st: &mut DlrmState, dense: &[f32], ids: &[u32]) -> Result<(), String> {
+    /// Forward on the loaded batch up to the logits ([`DlrmState::logits`]). Bad ids are an
+    /// error naming the field.
+    pub fn forward_logits(&self, st: &mut DlrmState) -> Result<(), DlrmError> {
         let (b, f, d) = (st.batch, self.n_fields(), self.cfg.embedding_dim);
-        if dense.len() != b * self.n_dense || ids.len() != b * f {
-            return Err(format!(
-                "batch has {} dense values and {} ids; the model expects {} × {} and {} × {}",
-                dense.len(),
-                ids.len(),
-                b,
-                self.n_dense,
-                f,
-                b
-            ));
-        }
         let bd = b * d;
-        self.bottom.forward(&mut st.bottom, dense);
+        self.bottom.forward(&mut st.bottom, &st.dense);
         let (slot0, rest) = st.t.split_at_mut(bd);
         slot0.copy_from_slice(self.bottom.output(&st.bottom));
+        let ids = &st.ids;
         self.tables
             .par_iter()
             .zip(st.tws.par_iter_mut())
@@ -456,10 +277,10 @@ impl Dlrm {
             .enumerate()
             .try_for_each(|(k, ((tab, ws), y))| {
                 tab.forward(ws, &ids[k * b..(k + 1) * b], y).map_err(|e| {
-                    format!(
+                    DlrmError(format!(
                         "field `{}`: {e}",
                         self.field_names.get(k).map_or("?", String::as_str)
-                    )
+                    ))
                 })
             })?;
         let t = &st.t;
@@ -481,16 +302,88 @@ impl Dlrm {
         Ok(())
     }
 
-    /// Mean BCE of the last forward's logits against `labels`; writes dL/dlogit for
-    /// [`Dlrm::backward`]. Returns (mean loss, correct predictions at 0.5).
-    pub fn loss(&self, st: &mut DlrmState, labels: &[f32]) -> (f64, usize) {
-        let logits = st.top.acts.last().expect("an MLP has a layer");
-        let dl = st.top.dacts.last_mut().expect("an MLP has a layer");
-        bce_with_logits(logits, labels, Some(dl))
+    /// Trainable scalars of the embedding tables.
+    pub fn table_params(&self) -> usize {
+        self.tables.iter().map(AnyEmbedding::num_params).sum()
     }
 
-    /// Backward of the last forward and [`Dlrm::loss`]: accumulates every parameter gradient.
-    pub fn backward(&mut self, st: &mut DlrmState, dense: &[f32], ids: &[u32]) {
+    /// What the tables would hold as dense V × D tables.
+    pub fn dense_table_params(&self) -> usize {
+        self.tables.iter().map(|t| t.rows()).sum::<usize>() * self.cfg.embedding_dim
+    }
+}
+
+impl Model for Dlrm {
+    /// Parameters by reference, in visiting order.
+    fn params(&self) -> Vec<&Param> {
+        let mut v = self.bottom.params();
+        for t in &self.tables {
+            v.extend(t.params());
+        }
+        v.extend(self.top.params());
+        v
+    }
+
+    /// Every parameter, in a fixed order (bottom MLP, tables, top MLP).
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        self.bottom.visit_params_mut(f);
+        for t in &mut self.tables {
+            t.visit_params_mut(f);
+        }
+        self.top.visit_params_mut(f);
+    }
+
+    /// The TTM tables, in field order.
+    fn visit_compressible(&self, f: &mut dyn FnMut(&dyn Compressible)) {
+        self.tables
+            .iter()
+            .filter_map(AnyEmbedding::compressible)
+            .for_each(f);
+    }
+
+    fn visit_compressible_mut(&mut self, f: &mut dyn FnMut(&mut dyn Compressible)) {
+        for t in self
+            .tables
+            .iter_mut()
+            .filter_map(AnyEmbedding::compressible_mut)
+        {
+            f(t);
+        }
+    }
+
+    fn num_params(&self) -> usize {
+        self.bottom.num_params() + self.top.num_params() + self.table_params()
+    }
+
+    fn dense_equivalent_params(&self) -> usize {
+        self.num_params() - self.table_params() + self.dense_table_params()
+    }
+}
+
+impl Trainable for Dlrm {
+    type State = DlrmState;
+    type Error = DlrmError;
+
+    /// Logits, then the mean BCE against the loaded labels; dL/dlogit is left for the
+    /// backward. `correct` counts predictions at probability 0.5.
+    fn forward(
+        &self,
+        st: &mut DlrmState,
+        _train: bool,
+        _step: u64,
+    ) -> Result<StepStats, DlrmError> {
+        self.forward_logits(st)?;
+        let (logits, dl) = self.top.output_and_grad(&mut st.top);
+        let (loss, correct) = bce_with_logits(logits, &st.labels, Some(dl));
+        Ok(StepStats {
+            loss,
+            correct,
+            count: st.batch,
+        })
+    }
+
+    /// Backward of the last forward: accumulates every parameter gradient.
+    fn backward(&mut self, st: &mut DlrmState) {
         let (b, f, d) = (st.batch, self.n_fields(), self.cfg.embedding_dim);
         let bd = b * d;
         let w = self.interaction_width();
@@ -523,6 +416,7 @@ impl Dlrm {
             }
         });
         let (dt0, drest) = st.dt.split_at(bd);
+        let ids = &st.ids;
         self.tables
             .par_iter_mut()
             .zip(st.tws.par_iter_mut())
@@ -530,83 +424,16 @@ impl Dlrm {
             .enumerate()
             .for_each(|(k, ((tab, ws), dy))| tab.backward(ws, &ids[k * b..(k + 1) * b], dy));
         self.bottom.output_grad(&mut st.bottom).copy_from_slice(dt0);
-        self.bottom.backward(&mut st.bottom, dense, None);
+        self.bottom.backward(&mut st.bottom, &st.dense, None);
     }
 
-    /// Every parameter, in a fixed order (bottom MLP, tables, top MLP).
-    pub fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
-        self.bottom.visit_params_mut(f);
-        for t in &mut self.tables {
-            t.visit_params_mut(f);
+    fn bytes(&self, st: &DlrmState) -> MemoryBreakdown {
+        let params = 4 * self.num_params();
+        MemoryBreakdown {
+            params,
+            grads: params,
+            state: st.bytes(),
         }
-        self.top.visit_params_mut(f);
-    }
-
-    /// Parameters by reference, in visiting order.
-    pub fn params(&self) -> Vec<&Param> {
-        let mut v: Vec<&Param> = Vec::new();
-        for l in &self.bottom.layers {
-            v.extend(l.params());
-        }
-        for t in &self.tables {
-            v.extend(t.params());
-        }
-        for l in &self.top.layers {
-            v.extend(l.params());
-        }
-        v
-    }
-
-    /// Zeroes every gradient (dense tables: the whole table, as dense training does).
-    pub fn zero_grad(&mut self) {
-        self.visit_params_mut(&mut |p| p.grad.fill(0.0));
-    }
-
-    pub fn num_params(&self) -> usize {
-        self.bottom.num_params()
-            + self.top.num_params()
-            + self.tables.iter().map(Table::num_params).sum::<usize>()
-    }
-
-    /// Trainable scalars of the embedding tables.
-    pub fn table_params(&self) -> usize {
-        self.tables.iter().map(Table::num_params).sum()
-    }
-
-    /// What the tables would hold as dense V × D tables.
-    pub fn dense_table_params(&self) -> usize {
-        self.tables.iter().map(|t| t.rows()).sum::<usize>() * self.cfg.embedding_dim
-    }
-
-    /// The TTM tables, for the rank-adaptive controller (size penalty, truncation).
-    pub fn compressible_mut(&mut self) -> Vec<&mut dyn Compressible> {
-        self.tables
-            .iter_mut()
-            .filter_map(|t| match t {
-                Table::Ttm(t) => Some(t as &mut dyn Compressible),
-                Table::Dense(_) => None,
-            })
-            .collect()
-    }
-}
-
-impl comera_train::RankAdaptive for Dlrm {
-    fn visit_compressible(&self, f: &mut dyn FnMut(&dyn Compressible)) {
-        for t in &self.tables {
-            if let Table::Ttm(t) = t {
-                f(t);
-            }
-        }
-    }
-    fn visit_compressible_mut(&mut self, f: &mut dyn FnMut(&mut dyn Compressible)) {
-        for t in &mut self.tables {
-            if let Table::Ttm(t) = t {
-                f(t);
-            }
-        }
-    }
-    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
-        Dlrm::visit_params_mut(self, f)
     }
 }
 

@@ -1,9 +1,10 @@
 //! The DLRM's hand-derived backward against central finite differences, TTM tables against
 //! their dense equivalent, and determinism across thread counts.
 
+use comera_data::ctr::CtrBatch;
 use comera_dlrm::config::{DlrmConfig, TableKind};
-use comera_dlrm::model::{Dlrm, Table};
-use comera_layers::{Embedding, Param, ParamKind};
+use comera_dlrm::model::{Dlrm, DlrmState};
+use comera_layers::{AnyEmbedding as Table, Embedding, Model, Param, ParamKind, Trainable};
 
 fn cfg(tables: TableKind) -> DlrmConfig {
     DlrmConfig {
@@ -37,21 +38,30 @@ fn batch() -> (Vec<f32>, Vec<u32>, Vec<f32>) {
     (dense, ids, labels)
 }
 
+/// The state of `model` for the batch, loaded.
+fn loaded(model: &Dlrm, dense: &[f32], ids: &[u32], labels: &[f32]) -> DlrmState {
+    let mut st = model.state(6);
+    let mut b = CtrBatch::new(6, 3, 3);
+    b.dense.copy_from_slice(dense);
+    b.cats.copy_from_slice(ids);
+    b.labels.copy_from_slice(labels);
+    st.load(&b).unwrap();
+    st
+}
+
 fn loss(model: &Dlrm) -> f64 {
     let (dense, ids, labels) = batch();
-    let mut st = model.state(6);
-    model.forward(&mut st, &dense, &ids).unwrap();
-    model.loss(&mut st, &labels).0
+    let mut st = loaded(model, &dense, &ids, &labels);
+    model.forward(&mut st, false, 0).unwrap().loss
 }
 
 fn check_gradients(kind: TableKind) {
     let mut model = Dlrm::new(&cfg(kind), 3, &names(), &SIZES, 3).unwrap();
     let (dense, ids, labels) = batch();
-    let mut st = model.state(6);
+    let mut st = loaded(&model, &dense, &ids, &labels);
     model.zero_grad();
-    model.forward(&mut st, &dense, &ids).unwrap();
-    model.loss(&mut st, &labels);
-    model.backward(&mut st, &dense, &ids);
+    model.forward(&mut st, true, 0).unwrap();
+    model.backward(&mut st);
     let analytic: Vec<(String, Vec<f32>)> = model
         .params()
         .iter()
@@ -124,12 +134,14 @@ fn a_ttm_table_behaves_like_its_dense_equivalent() {
 #[test]
 fn bad_ids_are_errors_naming_the_field() {
     let m = Dlrm::new(&cfg(TableKind::Auto), 3, &names(), &SIZES, 3).unwrap();
-    let (dense, mut ids, _) = batch();
+    let (dense, mut ids, labels) = batch();
     ids[7] = 30;
-    let mut st = m.state(6);
-    let e = m.forward(&mut st, &dense, &ids).unwrap_err();
+    let mut st = loaded(&m, &dense, &ids, &labels);
+    let e = m.forward(&mut st, false, 0).unwrap_err().to_string();
     assert!(e.contains("field `b`") && e.contains("30"), "{e}");
-    let e = m.forward(&mut st, &dense[..3], &ids).unwrap_err();
+    let mut short = CtrBatch::new(6, 3, 3);
+    short.dense.truncate(3);
+    let e = st.load(&short).unwrap_err().to_string();
     assert!(e.contains("dense"), "{e}");
 }
 
@@ -142,17 +154,16 @@ fn training_steps_are_identical_on_one_and_two_threads() {
             .unwrap();
         pool.install(|| {
             let mut m = Dlrm::new(&cfg(TableKind::Auto), 3, &names(), &SIZES, 9).unwrap();
-            let mut opt = comera_optim::AdamW::new(comera_dlrm::config::default_optim(), |f| {
+            let mut opt = comera_optim::AdamW::new(comera_optim::AdamWConfig::default(), |f| {
                 m.visit_params_mut(f)
             });
             let (dense, ids, labels) = batch();
-            let mut st = m.state(6);
+            let mut st = loaded(&m, &dense, &ids, &labels);
             let mut losses = vec![];
             for _ in 0..5 {
                 m.zero_grad();
-                m.forward(&mut st, &dense, &ids).unwrap();
-                losses.push(m.loss(&mut st, &labels).0);
-                m.backward(&mut st, &dense, &ids);
+                losses.push(m.forward(&mut st, true, 0).unwrap().loss);
+                m.backward(&mut st);
                 opt.step(1.0, 1.0, |f| m.visit_params_mut(f));
             }
             assert!(losses[4] < losses[0], "{losses:?}");

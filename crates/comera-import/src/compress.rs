@@ -15,7 +15,7 @@
 
 use crate::{ImportError, Result};
 use comera_layers::{RankGates, TtLinear, TtmEmbedding};
-use comera_model::{AnyLinear, Encoder, WordEmbedding};
+use comera_model::{AnyEmbedding, AnyLinear, Encoder};
 use comera_tensor::ttsvd::{self, TtDecomposition, TtSvdOptions};
 use comera_tensor::{TtShape, TtmShape};
 use rayon::prelude::*;
@@ -173,8 +173,8 @@ pub fn compress(enc: &Encoder, opts: &CompressOptions) -> Result<(Encoder, Vec<L
     if let Some(topts) = &opts.word {
         let name = "embeddings.word";
         let table = match &enc.word {
-            WordEmbedding::Dense(e) => e.table.value.clone(),
-            WordEmbedding::Ttm(e) => e.dense_table(),
+            AnyEmbedding::Dense(e) => e.table.value.clone(),
+            AnyEmbedding::Ttm(e) => e.dense_table(),
         };
         let t = &cfg.word_ttm;
         let v = cfg.vocab_size;
@@ -213,7 +213,7 @@ pub fn compress(enc: &Encoder, opts: &CompressOptions) -> Result<(Encoder, Vec<L
             rel_error,
             predicted: ttm.rel_error,
         });
-        out.word = WordEmbedding::Ttm(layer);
+        out.word = AnyEmbedding::Ttm(layer);
         cfg.ttm_embedding = true;
         cfg.word_ttm.rank = target.iter().copied().max().unwrap_or(1);
     }

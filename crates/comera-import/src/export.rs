@@ -17,7 +17,7 @@
 use crate::bert::{hf_name, HfBertConfig};
 use crate::{ImportError, Result};
 use comera_layers::{Embedding, Linear, Param, ParamKind, RankGates, TtLinear, TtmEmbedding};
-use comera_model::{AnyLinear, Encoder, EncoderConfig, WordEmbedding};
+use comera_model::{AnyEmbedding, AnyLinear, Encoder, EncoderConfig};
 use comera_tensor::{TtShape, TtmShape};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::BTreeMap;
@@ -58,9 +58,9 @@ pub fn densify(enc: &Encoder) -> Encoder {
             }
         }
     }
-    if let WordEmbedding::Ttm(e) = &out.word {
+    if let AnyEmbedding::Ttm(e) = &out.word {
         let (v, d) = (e.shape().num_embeddings(), e.shape().dim());
-        out.word = WordEmbedding::Dense(Embedding {
+        out.word = AnyEmbedding::Dense(Embedding {
             table: Param::new(
                 "embeddings.word.weight",
                 &[v, d],
@@ -293,7 +293,7 @@ pub fn load_compressed(bytes: &[u8], source: &str) -> Result<Encoder> {
             }
         }
     }
-    if let WordEmbedding::Ttm(e) = &mut enc.word {
+    if let AnyEmbedding::Ttm(e) = &mut enc.word {
         let name = "embeddings.word";
         let s = e.shape().clone();
         let (ranks, cores) = chain(name, s.n_cores(), 4)?;

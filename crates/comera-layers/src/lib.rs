@@ -14,6 +14,7 @@
 #![allow(clippy::needless_range_loop)]
 
 pub mod activation;
+pub mod any;
 pub mod attention;
 pub mod compress;
 pub mod dropout;
@@ -21,16 +22,21 @@ pub mod embedding;
 pub mod gates;
 pub mod linear;
 pub mod loss;
+pub mod mlp;
 pub mod norm;
 pub mod param;
+pub mod trainable;
 pub mod tt_linear;
 pub mod ttm_embedding;
 
+pub use any::{AnyEmbedding, AnyLinear};
 pub use compress::{Compressible, Retained};
 pub use embedding::{Embedding, EmbeddingError, EmbeddingLayer};
 pub use gates::RankGates;
 pub use linear::Linear;
+pub use mlp::Mlp;
 pub use param::{Param, ParamKind};
+pub use trainable::{MemoryBreakdown, Model, StepStats, Trainable};
 pub use tt_linear::{TtLinear, TtLinearWorkspace};
 pub use ttm_embedding::{Lookup, TtmEmbedding, TtmWorkspace};
 

@@ -13,10 +13,10 @@
 //! [`EncoderState`] holds every activation, gradient scratch and layer workspace for one fixed
 //! (batch, seq_len), allocated once; a steady-state training step allocates nothing.
 
-use crate::any::{AnyLinear, AnyLinearWorkspace, WordEmbedding, WordEmbeddingWorkspace};
 use crate::config::{ConfigError, EncoderConfig, HeadKind, MlmDecoderKind};
 use crate::mlm_head::{MlmDecoder, MlmHead, MlmHeadState};
 use comera_layers::activation::{Gelu, Tanh};
+use comera_layers::any::{AnyEmbedding, AnyEmbeddingWorkspace, AnyLinear, AnyLinearWorkspace};
 use comera_layers::attention::{Attention, AttentionWorkspace};
 use comera_layers::dropout::{Dropout, DropoutWorkspace};
 use comera_layers::embedding::EmbeddingWorkspace;
@@ -26,7 +26,7 @@ use comera_layers::norm::{LayerNorm, LayerNormWorkspace};
 use comera_layers::tt_linear::{FusedFfn, SharedInput};
 use comera_layers::{
     Compressible, Embedding, EmbeddingError, EmbeddingLayer, Layer, Linear, Param, RankGates,
-    TtLinear, TtmEmbedding,
+    StepStats, TtLinear, TtmEmbedding,
 };
 use comera_tensor::init;
 
@@ -78,7 +78,7 @@ impl Block {
 #[derive(Clone, Debug)]
 pub struct Encoder {
     pub cfg: EncoderConfig,
-    pub word: WordEmbedding,
+    pub word: AnyEmbedding,
     pub pos: Embedding,
     pub types: Embedding,
     pub ln_emb: LayerNorm,
@@ -166,15 +166,6 @@ impl Head {
     }
 }
 
-/// What one step saw.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct StepStats {
-    /// Mean cross-entropy over the batch.
-    pub loss: f64,
-    pub correct: usize,
-    pub count: usize,
-}
-
 impl Encoder {
     /// A freshly initialised model (seeded; dropout masks also derive from `seed`).
     pub fn new(cfg: &EncoderConfig, seed: u64) -> Result<Encoder, ConfigError> {
@@ -183,14 +174,14 @@ impl Encoder {
         let rule = RankGates::new(cfg.threshold);
         let (d, f) = (cfg.d_model, cfg.ffn);
         let word = match &layouts.word {
-            Some(s) => WordEmbedding::Ttm(
+            Some(s) => AnyEmbedding::Ttm(
                 TtmEmbedding::new("embeddings.word", s.clone(), rule, cfg.init_std, &mut rng)
                     .map_err(|e| ConfigError {
                         field: "model.word_ttm".into(),
                         msg: e.to_string(),
                     })?,
             ),
-            None => WordEmbedding::Dense(Embedding::new(
+            None => AnyEmbedding::Dense(Embedding::new(
                 "embeddings.word",
                 cfg.vocab_size,
                 d,
@@ -437,7 +428,7 @@ impl Encoder {
     /// Calls `f` on every TT/TTM layer: the word embedding (if TTM), then each block's
     /// q, k, v, o, up, down (if TT), then the MLM head's output projection (if TT).
     pub fn visit_compressible(&self, f: &mut dyn FnMut(&dyn Compressible)) {
-        if let WordEmbedding::Ttm(t) = &self.word {
+        if let AnyEmbedding::Ttm(t) = &self.word {
             f(t);
         }
         for b in &self.blocks {
@@ -454,7 +445,7 @@ impl Encoder {
 
     /// [`Encoder::visit_compressible`] with mutable layers, same order, without allocating.
     pub fn visit_compressible_mut(&mut self, f: &mut dyn FnMut(&mut dyn Compressible)) {
-        if let WordEmbedding::Ttm(t) = &mut self.word {
+        if let AnyEmbedding::Ttm(t) = &mut self.word {
             f(t);
         }
         for b in &mut self.blocks {
@@ -573,8 +564,8 @@ impl Encoder {
             (Head::Mlm(h), HeadState::Mlm(hs)) => {
                 let hidden = hidden_of(&st.acts, &st.outs, &st.x_final);
                 let table = match &self.word {
-                    WordEmbedding::Dense(e) => Some(&e.table),
-                    WordEmbedding::Ttm(_) => None,
+                    AnyEmbedding::Dense(e) => Some(&e.table),
+                    AnyEmbedding::Ttm(_) => None,
                 };
                 h.forward(hs, hidden, table, train)
             }
@@ -715,8 +706,8 @@ impl Encoder {
             }
             (Head::Mlm(h), HeadState::Mlm(hs)) => {
                 let table = match &mut self.word {
-                    WordEmbedding::Dense(e) => Some(&mut e.table),
-                    WordEmbedding::Ttm(_) => None,
+                    AnyEmbedding::Dense(e) => Some(&mut e.table),
+                    AnyEmbedding::Ttm(_) => None,
                 };
                 h.backward(hs, table);
                 for (i, &s) in hs.selected.iter().enumerate() {
@@ -1103,7 +1094,7 @@ pub struct EncoderState {
     types: Vec<u32>,
     pos_ids: Vec<u32>,
     mask: Vec<u8>,
-    ws_word: WordEmbeddingWorkspace,
+    ws_word: AnyEmbeddingWorkspace,
     ws_pos: EmbeddingWorkspace,
     ws_type: EmbeddingWorkspace,
     ws_ln_emb: LayerNormWorkspace,
@@ -1409,12 +1400,12 @@ impl EncoderState {
         hidden_of(&self.acts, &self.outs, &self.x_final)
     }
 
-    /// Logits of the last forward of a classifier, `(batch, num_labels)` row-major (empty for
-    /// an MLM head).
+    /// Logits of the last forward: a classifier's `(batch, num_labels)` row-major, or an MLM
+    /// head's labelled rows (see [`crate::mlm_head::MlmHeadState::logits`]).
     pub fn logits(&self) -> &[f32] {
         match &self.head {
             HeadState::Classifier(h) => &h.logits,
-            HeadState::Mlm(_) => &[],
+            HeadState::Mlm(h) => h.logits(),
         }
     }
 
@@ -1435,7 +1426,7 @@ impl EncoderState {
             .map(|v| f(v))
             .sum::<usize>();
         total += sc.tmp.iter().map(f).sum::<usize>();
-        total += WordEmbedding::workspace_bytes(&self.ws_word);
+        total += AnyEmbedding::workspace_bytes(&self.ws_word);
         for a in &self.acts {
             total += [
                 &a.qkv, &a.att, &a.r1, &a.ln1_out, &a.ln2_out, &a.h, &a.r2, &a.out,

@@ -2,16 +2,17 @@
 //!
 //! - [`config`]: the model's shape (sizes, dense or TT/TTM per layer kind, modes and ranks),
 //!   checked with errors that name the offending field;
-//! - [`any`]: dense-or-tensorised wrappers (`AnyLinear`, `WordEmbedding`);
+//! - [`Encoder`] implements [`comera_layers::Trainable`] (the one step and loop drive it);
 //! - [`encoder`]: the six-encoder BERT-style classifier of the paper, planned once for a fixed
 //!   batch and sequence length, with explicit forward and backward.
 
-pub mod any;
 pub mod config;
 pub mod encoder;
 pub mod mlm_head;
+mod trainable;
 
-pub use any::{AnyLinear, WordEmbedding};
+pub use comera_layers::any::{AnyEmbedding, AnyLinear};
+pub use comera_layers::StepStats;
 pub use config::{ConfigError, EncoderConfig, HeadKind, LayerTt, MlmDecoderKind, TtmConfig};
-pub use encoder::{Encoder, EncoderState, Head, StepStats};
+pub use encoder::{Encoder, EncoderState, Head};
 pub use mlm_head::{MlmDecoder, MlmHead};

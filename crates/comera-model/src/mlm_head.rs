@@ -13,8 +13,8 @@
 //! Backward: ∂L/∂Z from the loss (in place of Z), then through W_o (tied: ∂E += ∂Zᵀ·T,
 //! ∂T = ∂Z·E), LN, GELU and W_t, giving ∂L/∂X; the encoder scatters it back to rows s.
 
-use crate::any::{AnyLinear, AnyLinearWorkspace};
 use comera_layers::activation::Gelu;
+use comera_layers::any::{AnyLinear, AnyLinearWorkspace};
 use comera_layers::linear::LinearWorkspace;
 use comera_layers::loss::{CrossEntropy, IGNORE_INDEX};
 use comera_layers::norm::{LayerNorm, LayerNormWorkspace};
@@ -233,6 +233,11 @@ impl MlmHead {
 }
 
 impl MlmHeadState {
+    /// Logits of the labelled rows of the last forward: `rows() × V′` (V′ ≥ the vocabulary;
+    /// padding columns of a TT decoder are −∞). Overwritten by ∂L/∂Z in a training forward.
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
     /// Bytes of the head's buffers.
     pub fn bytes(&self) -> usize {
         4 * (self.x.len()

@@ -3,13 +3,23 @@
 //! - [`AdamW`]: Adam with decoupled weight decay and one learning rate per parameter group
 //!   (TT cores, rank gates, everything else; SPEC §3);
 //! - [`Schedule`]: linear warm-up, then constant or linear decay;
-//! - [`clip_scale`]: the factor that brings the global gradient norm under a limit.
+//! - [`clip_scale`]: the factor that brings the global gradient norm under a limit;
+//! - [`galore`]: GaLore (low-rank projected Adam for dense matrices);
+//! - [`optimizer`]: [`Optimizer`], AdamW or GaLore behind one type with checkpoint state;
+//! - [`rank`]: the rank schedule of CoMERA (SPEC §3): stages, objective, truncation;
+//! - [`step`]: [`Stepper::step`], the one training step of every trainer and benchmark.
 //!
 //! Models expose `visit_params_mut(&mut dyn FnMut(&mut Param))`; the optimiser keeps its
 //! moments in the same order.
 
 pub mod galore;
+pub mod optimizer;
+pub mod rank;
+pub mod step;
 pub use galore::{GaLore, GaLoreBytes, GaLoreConfig};
+pub use optimizer::{OptState, Optimizer};
+pub use rank::{RankConfig, RankController};
+pub use step::{StepError, StepReport, Stepper};
 
 use comera_layers::{Param, ParamKind, Retained};
 use rayon::prelude::*;

@@ -17,11 +17,11 @@
 //! Files are written atomically ([`crate::files::write_atomic`]: temporary file, fsync, rename)
 //! as `checkpoints/step-<step>.safetensors`; the newest `keep` are kept.
 
-use crate::config::RunConfig;
-use crate::rank::{LayerRanks, RankController};
+use crate::config::AnyRunConfig;
 use anyhow::{anyhow, bail, Context};
-use comera_layers::Param;
-use comera_model::Encoder;
+use comera_layers::{Model, Param};
+use comera_optim::rank::{LayerRanks, RankController};
+use comera_optim::OptState;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
@@ -55,17 +55,13 @@ pub struct Progress {
     pub ranks_switch: Option<Vec<LayerRanks>>,
 }
 
-/// An optimiser's state as named tensors (saved under `opt/<name>`) and JSON scalars.
-#[derive(Clone, Debug, Default)]
-pub struct OptState {
-    pub scalars: serde_json::Value,
-    pub tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
-}
-
 /// A loaded checkpoint, checked.
 pub struct Checkpoint {
     pub path: PathBuf,
-    pub config: RunConfig,
+    /// The resolved run config the checkpoint was written with (TOML).
+    pub config_toml: String,
+    /// The model's `model.toml` at the checkpoint.
+    pub model_toml: String,
     pub progress: Progress,
     pub rank: RankController,
     /// The optimiser's scalars (`kind`, `t`, …).
@@ -118,14 +114,21 @@ pub fn list(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     Ok(v)
 }
 
+/// The run's state a checkpoint saves besides tensors.
+pub struct RunState<'a> {
+    /// The resolved run config (TOML).
+    pub config_toml: &'a str,
+    /// The model's `model.toml` (kind, shape, labels, vocabulary).
+    pub model_toml: &'a str,
+    pub progress: &'a Progress,
+    pub rank: &'a RankController,
+}
+
 /// Writes a checkpoint atomically and removes all but the newest `keep` (0: keep all).
-#[allow(clippy::too_many_arguments)]
 pub fn save(
     run_dir: &Path,
-    config: &RunConfig,
-    progress: &Progress,
-    rank: &RankController,
-    model: &mut Encoder,
+    run: &RunState<'_>,
+    model: &mut dyn Model,
     opt: &OptState,
     keep: usize,
 ) -> anyhow::Result<PathBuf> {
@@ -150,9 +153,10 @@ pub fn save(
     let meta: HashMap<String, String> = [
         ("format", FORMAT.to_string()),
         ("version", VERSION.to_string()),
-        ("config", config.to_toml()),
-        ("progress", serde_json::to_string(progress)?),
-        ("rank", serde_json::to_string(rank)?),
+        ("config", run.config_toml.to_string()),
+        ("model", run.model_toml.to_string()),
+        ("progress", serde_json::to_string(run.progress)?),
+        ("rank", serde_json::to_string(run.rank)?),
         ("optimizer", opt.scalars.to_string()),
         ("sha256", sha),
     ]
@@ -164,7 +168,7 @@ pub fn save(
         .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
         .collect::<Result<_, safetensors::SafeTensorError>>()?;
     let bytes = safetensors::serialize(views, Some(meta))?;
-    let path = path_for(run_dir, progress.step);
+    let path = path_for(run_dir, run.progress.step);
     crate::files::write_atomic_then(&path, &bytes, || {
         // For the kill-during-write test: hold the finished temporary file this long before
         // the rename, so a SIGKILL lands mid-write.
@@ -241,7 +245,9 @@ impl Checkpoint {
                 .collect();
             tensors.insert(name.to_string(), (shape, v));
         }
-        let config = RunConfig::from_toml(Path::new("<checkpoint config>"), field("config")?)
+        let config_toml = field("config")?.clone();
+        let model_toml = field("model")?.clone();
+        AnyRunConfig::from_toml(Path::new("<checkpoint config>"), &config_toml)
             .context("metadata `config`")?;
         let progress: Progress =
             serde_json::from_str(field("progress")?).context("metadata `progress`")?;
@@ -251,7 +257,8 @@ impl Checkpoint {
             serde_json::from_str(field("optimizer")?).context("metadata `optimizer`")?;
         Ok(Checkpoint {
             path: path.to_path_buf(),
-            config,
+            config_toml,
+            model_toml,
             progress,
             rank,
             optimizer,
@@ -270,20 +277,39 @@ impl Checkpoint {
         v
     }
 
-    /// The model at the checkpoint: built from the checkpoint's config, re-shaped to the saved
-    /// ranks, every parameter filled in (missing or mis-shaped tensors are errors).
-    pub fn model(&self) -> anyhow::Result<Encoder> {
-        let mut model = Encoder::new(&self.config.model, self.config.train.seed)
-            .map_err(|e| anyhow!("{}: model config: {e}", self.path.display()))?;
-        let gate_shapes: HashMap<String, Vec<usize>> = self
-            .tensors
-            .iter()
-            .filter_map(|(n, (s, _))| n.strip_prefix("model/").map(|n| (n.to_string(), s.clone())))
-            .collect();
-        crate::files::reshape_ranks(&mut model, &|name| gate_shapes.get(name).cloned())
-            .map_err(|e| anyhow!("{}: {e}", self.path.display()))?;
-        self.fill(&mut model, "model/", &mut |p, v| p.value.copy_from_slice(v))?;
-        Ok(model)
+    /// The run config the checkpoint was written with.
+    pub fn config(&self) -> anyhow::Result<AnyRunConfig> {
+        AnyRunConfig::from_toml(&self.path, &self.config_toml)
+    }
+
+    /// The model at the checkpoint, of whichever kind, with its parameters.
+    pub fn saved_model(&self) -> anyhow::Result<crate::files::SavedModel> {
+        let mut saved = crate::files::SavedModel::from_meta(&self.path, &self.model_toml)?;
+        self.load_params(saved.model_mut())?;
+        Ok(saved)
+    }
+
+    /// Loads the checkpoint's parameters into `model` (built from the checkpoint's config):
+    /// re-shaped to the saved ranks, every parameter filled in (missing or mis-shaped tensors
+    /// are errors).
+    pub fn load_params(&self, model: &mut dyn Model) -> anyhow::Result<()> {
+        crate::files::reshape_ranks(model, &|name| {
+            self.tensors
+                .get(&format!("model/{name}"))
+                .map(|(s, _)| s.clone())
+        })
+        .map_err(|e| anyhow!("{}: {e}", self.path.display()))?;
+        self.fill(model, "model/", &mut |p, v| p.value.copy_from_slice(v))
+    }
+
+    /// Fills `buf` from the saved optimiser tensor `opt/<name>` (for
+    /// [`comera_optim::Optimizer::restore`]).
+    pub fn opt_fill(&self, name: &str, buf: &mut [f32]) -> Result<(), String> {
+        let v = self
+            .opt_tensor(name, buf.len())
+            .map_err(|e| format!("{e:#}"))?;
+        buf.copy_from_slice(v);
+        Ok(())
     }
 
     /// The saved optimiser tensor `opt/<name>`: its values, which must have `len` entries.
@@ -305,7 +331,7 @@ impl Checkpoint {
     /// the tensor `<prefix><name>` (which must exist with the parameter's shape).
     fn fill(
         &self,
-        model: &mut Encoder,
+        model: &mut dyn Model,
         prefix: &str,
         f: &mut dyn FnMut(&mut Param, &[f32]),
     ) -> anyhow::Result<()> {

@@ -1,9 +1,9 @@
 //! The run configuration: one TOML file with `[data]`, `[model]`, `[optim]` and `[train]`
 //! tables. Every field is documented in `configs/reviews-small.toml`; unknown fields are errors.
 
-use crate::rank::RankConfig;
 use comera_model::{EncoderConfig, LayerTt, TtmConfig};
 use comera_optim::galore::GaLoreConfig;
+use comera_optim::rank::RankConfig;
 use comera_optim::{AdamWConfig, Decay};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -364,5 +364,301 @@ impl RunConfig {
 
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("a run config serialises")
+    }
+}
+
+/// The training loop's settings (`[train]` table).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DlrmTrainConfig {
+    pub epochs: usize,
+    /// Examples per step (fixed; an epoch's last partial batch is dropped).
+    pub batch_size: usize,
+    pub seed: u64,
+    /// Linear warm-up steps, then `decay` (`constant` or `linear` to zero at the last step).
+    pub warmup_steps: u64,
+    pub decay: Decay,
+    /// Write a training line to the metrics log every this many steps.
+    pub log_every: usize,
+    /// Stop an epoch after this many steps (0 = the whole training set).
+    pub max_steps_per_epoch: usize,
+    /// Run directory (config, metrics, plot, model files, report).
+    pub out_dir: PathBuf,
+    /// Write `model.safetensors` after every epoch.
+    pub save_model: bool,
+    /// Write a checkpoint every this many steps (0: only at epoch ends, where one is always
+    /// written).
+    pub checkpoint_every: u64,
+    /// Keep the newest this many checkpoints (0: all).
+    pub keep_checkpoints: usize,
+    /// Stop (with a checkpoint, resumable with `comera train --resume`) after this many steps
+    /// (0: run to the end).
+    pub stop_after_steps: u64,
+}
+
+impl Default for DlrmTrainConfig {
+    fn default() -> Self {
+        DlrmTrainConfig {
+            epochs: 3,
+            batch_size: 256,
+            seed: 42,
+            warmup_steps: 0,
+            decay: Decay::Constant,
+            log_every: 50,
+            max_steps_per_epoch: 0,
+            out_dir: PathBuf::from("runs/dlrm"),
+            save_model: true,
+            checkpoint_every: 500,
+            keep_checkpoints: 3,
+            stop_after_steps: 0,
+        }
+    }
+}
+
+/// A whole DLRM run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DlrmRunConfig {
+    #[serde(default)]
+    pub dlrm: comera_dlrm::DlrmConfig,
+    #[serde(default)]
+    pub data: comera_dlrm::config::CtrDataConfig,
+    #[serde(default = "default_optim")]
+    pub optim: AdamWConfig,
+    #[serde(default)]
+    pub train: DlrmTrainConfig,
+    /// Rank-adaptive training of the TTM tables (`[rank]`, see comera-optim's `rank` module:
+    /// size penalty, early/late stage, truncation of pruned rank slices). Off without the table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<RankConfig>,
+}
+
+/// DLRM's optimiser defaults: one learning rate of 1e-3 for everything, clipping at 10.
+pub fn default_optim() -> AdamWConfig {
+    AdamWConfig {
+        lr_cores: 1e-3,
+        lr_gates: 1e-3,
+        lr_other: 1e-3,
+        weight_decay: 0.0,
+        clip_norm: 10.0,
+        ..AdamWConfig::default()
+    }
+}
+
+impl Default for DlrmRunConfig {
+    fn default() -> Self {
+        DlrmRunConfig {
+            dlrm: comera_dlrm::DlrmConfig::default(),
+            data: comera_dlrm::config::CtrDataConfig::default(),
+            optim: default_optim(),
+            train: DlrmTrainConfig::default(),
+            rank: None,
+        }
+    }
+}
+
+/// Whether a parsed TOML document is a DLRM run config (it has a top-level `[dlrm]` table).
+pub fn is_dlrm_config(text: &str) -> bool {
+    text.parse::<toml::Table>()
+        .map(|t| t.contains_key("dlrm"))
+        .unwrap_or(false)
+}
+
+impl DlrmRunConfig {
+    /// Parses a TOML config; errors name the file and the offending key or line.
+    pub fn from_toml(path: &Path, text: &str) -> anyhow::Result<DlrmRunConfig> {
+        let cfg: DlrmRunConfig =
+            toml::from_str(text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        cfg.validate()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Ok(cfg)
+    }
+
+    pub fn from_file(path: &Path) -> anyhow::Result<DlrmRunConfig> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("{}: cannot read config: {e}", path.display()))?;
+        Self::from_toml(path, &text)
+    }
+
+    /// Checks every table; the message names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        self.dlrm.validate()?;
+        self.optim.validate()?;
+        if let Some(r) = &self.rank {
+            r.validate()?;
+        }
+        let t = &self.train;
+        if t.epochs == 0 {
+            return Err("train.epochs: must be at least 1".into());
+        }
+        if t.batch_size == 0 {
+            return Err("train.batch_size: must be at least 1".into());
+        }
+        if t.log_every == 0 {
+            return Err("train.log_every: must be at least 1".into());
+        }
+        let d = &self.data;
+        let known = ["movielens", "adult", "criteo", "synthetic"];
+        if !known.contains(&d.source.as_str()) {
+            return Err(format!(
+                "data.source: `{}` is not one of {known:?}",
+                d.source
+            ));
+        }
+        if !(0.0..1.0).contains(&d.valid_fraction) {
+            return Err(format!(
+                "data.valid_fraction: must be in [0, 1), got {}",
+                d.valid_fraction
+            ));
+        }
+        if d.mapping.parse::<comera_data::ctr::CatMapping>().is_err() {
+            return Err(format!(
+                "data.mapping: `{}` is not `hash` or `modulo`",
+                d.mapping
+            ));
+        }
+        if d.source == "criteo" && d.train.is_none() {
+            return Err("data.train: the criteo source needs a training file".into());
+        }
+        if !d.table_sizes.is_empty() && d.table_sizes.len() != comera_data::ctr::CRITEO_CATS {
+            return Err(format!(
+                "data.table_sizes: Criteo has {} categorical fields, got {} sizes",
+                comera_data::ctr::CRITEO_CATS,
+                d.table_sizes.len()
+            ));
+        }
+        if d.table_sizes.contains(&0) {
+            return Err("data.table_sizes: every table needs at least 1 row".into());
+        }
+        if d.table_sizes.is_empty() && d.total_rows < comera_data::ctr::CRITEO_CATS * 4 {
+            return Err("data.total_rows: at least 104 (4 rows per table)".into());
+        }
+        if !(d.zipf_s > 0.0 && d.zipf_s.is_finite()) {
+            return Err(format!("data.zipf_s: must be > 0, got {}", d.zipf_s));
+        }
+        if !(0.0..1.0).contains(&d.missing) {
+            return Err(format!(
+                "data.missing: must be in [0, 1), got {}",
+                d.missing
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a run config serialises")
+    }
+}
+
+/// A run config of either kind: a DLRM run (the file has a `[dlrm]` table) or an encoder run.
+#[derive(Clone, Debug, PartialEq)]
+#[allow(clippy::large_enum_variant)]
+pub enum AnyRunConfig {
+    Encoder(RunConfig),
+    Dlrm(DlrmRunConfig),
+}
+
+impl AnyRunConfig {
+    /// Parses either kind; errors name the file and the field.
+    pub fn from_toml(path: &Path, text: &str) -> anyhow::Result<AnyRunConfig> {
+        Ok(if is_dlrm_config(text) {
+            AnyRunConfig::Dlrm(DlrmRunConfig::from_toml(path, text)?)
+        } else {
+            AnyRunConfig::Encoder(RunConfig::from_toml(path, text)?)
+        })
+    }
+
+    pub fn from_file(path: &Path) -> anyhow::Result<AnyRunConfig> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("{}: cannot read config: {e}", path.display()))?;
+        Self::from_toml(path, &text)
+    }
+
+    /// The run directory.
+    pub fn out_dir_mut(&mut self) -> &mut PathBuf {
+        match self {
+            AnyRunConfig::Encoder(c) => &mut c.train.out_dir,
+            AnyRunConfig::Dlrm(c) => &mut c.train.out_dir,
+        }
+    }
+
+    pub fn stop_after_steps_mut(&mut self) -> &mut u64 {
+        match self {
+            AnyRunConfig::Encoder(c) => &mut c.train.stop_after_steps,
+            AnyRunConfig::Dlrm(c) => &mut c.train.stop_after_steps,
+        }
+    }
+}
+
+/// Command-line overrides of a run config's common fields.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    pub epochs: Option<usize>,
+    pub batch_size: Option<usize>,
+    pub seed: Option<u64>,
+    pub out: Option<PathBuf>,
+    pub max_steps_per_epoch: Option<usize>,
+    pub stop_after_steps: Option<u64>,
+    pub init_from: Option<PathBuf>,
+    /// Every layer (or table) dense instead of TT/TTM.
+    pub dense: bool,
+}
+
+impl AnyRunConfig {
+    /// Applies `o` and checks the result; errors name the flag or field.
+    pub fn apply(&mut self, o: &Overrides) -> anyhow::Result<()> {
+        match self {
+            AnyRunConfig::Encoder(cfg) => {
+                if !cfg.train.phases.is_empty() && (o.epochs.is_some() || o.batch_size.is_some()) {
+                    anyhow::bail!("--epochs / --batch-size: this config has [[train.phases]]; set epochs and batch_size per phase there");
+                }
+                let t = &mut cfg.train;
+                set(&mut t.epochs, o.epochs);
+                set(&mut t.batch_size, o.batch_size);
+                set(&mut t.seed, o.seed);
+                set(&mut t.out_dir, o.out.clone());
+                set(&mut t.max_steps_per_epoch, o.max_steps_per_epoch);
+                set(&mut t.stop_after_steps, o.stop_after_steps);
+                if let Some(v) = &o.init_from {
+                    t.init_from = Some(v.clone());
+                }
+                if o.dense {
+                    cfg.model.tt_linear = false;
+                    cfg.model.ttm_embedding = false;
+                }
+                cfg.validate().map_err(anyhow::Error::msg)
+            }
+            AnyRunConfig::Dlrm(cfg) => {
+                if o.init_from.is_some() {
+                    anyhow::bail!(
+                        "--init-from: a DLRM run has no pre-trained encoder to start from"
+                    );
+                }
+                let t = &mut cfg.train;
+                set(&mut t.epochs, o.epochs);
+                set(&mut t.batch_size, o.batch_size);
+                set(&mut t.seed, o.seed);
+                set(&mut t.out_dir, o.out.clone());
+                set(&mut t.max_steps_per_epoch, o.max_steps_per_epoch);
+                set(&mut t.stop_after_steps, o.stop_after_steps);
+                if o.dense {
+                    cfg.dlrm.tables = comera_dlrm::TableKind::Dense;
+                }
+                cfg.validate().map_err(anyhow::Error::msg)
+            }
+        }
+    }
+
+    pub fn to_toml(&self) -> String {
+        match self {
+            AnyRunConfig::Encoder(c) => c.to_toml(),
+            AnyRunConfig::Dlrm(c) => c.to_toml(),
+        }
+    }
+}
+
+fn set<T>(field: &mut T, v: Option<T>) {
+    if let Some(v) = v {
+        *field = v;
     }
 }

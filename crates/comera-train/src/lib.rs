@@ -1,15 +1,30 @@
-//! Training runs: the run configuration, the training loop with evaluation, the metrics log,
-//! plots, and model files (safetensors + TOML, written atomically).
+//! Training runs: the run configuration, the one training loop over tasks (classification,
+//! masked LM, click-through prediction), evaluation, the metrics log, plots, checkpoints and
+//! model files (safetensors + TOML, written atomically).
+//!
+//! - [`config`]: run configs (`RunConfig` for the encoder, `DlrmRunConfig`, either as
+//!   `AnyRunConfig`), errors naming the file and field;
+//! - [`task`]: the [`task::Task`] trait and its encoder and CTR implementations, evaluation;
+//! - [`trainer`]: the loop ([`train`], [`train_dlrm`], [`resume`]) and `TrainSummary`;
+//! - [`checkpoint`]: checkpoints with exact resume;
+//! - [`infer`]: evaluation and predictions of a saved model of any kind;
+//! - [`files`]: atomic writes, model files of every kind, the metrics log;
+//! - [`data`]: the encoder's data (labelled examples, corpora);
+//! - [`plot`]: figures;
+//! - [`rank`]: the rank schedule (re-exported from comera-optim).
 
 pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod files;
+pub mod infer;
 pub mod plot;
-pub mod rank;
+pub mod task;
 pub mod trainer;
 
-pub use config::{DataConfig, RunConfig, TrainConfig};
-pub use files::{load_model, save_model, write_atomic, ModelMeta};
-pub use rank::{RankAdaptive, RankConfig, RankController};
-pub use trainer::{evaluate, resume, train, EvalStats, TrainSummary};
+pub use comera_optim::rank;
+pub use config::{AnyRunConfig, DataConfig, DlrmRunConfig, Overrides, RunConfig, TrainConfig};
+pub use files::{load_model, load_saved, save_model, write_atomic, ModelMeta, SavedModel};
+pub use rank::{RankConfig, RankController};
+pub use task::EvalStats;
+pub use trainer::{peak_rss_bytes, resume, train, train_dlrm, TrainSummary};

@@ -1,234 +1,72 @@
-//! The training loop: fixed-shape steps over shuffled batches, evaluation each epoch, the
-//! metrics log, the plot and the model files.
+//! The one training loop ([`run`]) over any [`Task`]: phases of fixed-shape steps, each step
+//! [`Stepper::step`]; the rank schedule's stage switch and truncation; evaluation, model files
+//! and a checkpoint after every epoch (and every `checkpoint_every` steps); exact resume; the
+//! metrics log, progress, plots, `ranks.md` and `report.json`.
+//!
+//! Entry points: [`train`] (an encoder run: classification or masked LM), [`train_dlrm`] (a
+//! DLRM run) and [`resume`] (either, from the newest checkpoint of a run directory).
 
-use crate::checkpoint::{self, Checkpoint, OptState, Progress};
-use crate::config::Phase;
-use crate::config::RunConfig;
+use crate::checkpoint::{self, Checkpoint, Progress};
+use crate::config::{AnyRunConfig, DlrmRunConfig, Phase, RunConfig};
 use crate::data::{prepare, CorpusData, PreparedData};
-use crate::files::{save_model, MetricsLog, ModelMeta};
+use crate::files::{DlrmMeta, MetricsLog};
 use crate::plot::{plot_panels, Panel, Series};
-use crate::rank::{self, Branch, LayerRanks, RankController, Stage};
+use crate::task::{CtrTask, EncoderData, EncoderTask, EpochBatches, EvalStats, Task};
 use anyhow::{bail, Context};
-use comera_data::mlm::MlmBatches;
-use comera_data::{Batch, Batches, EncodedDataset, MlmBatch};
-use comera_layers::Retained;
-use comera_model::{Encoder, EncoderState};
-use comera_optim::galore::ParamState;
-use comera_optim::{clip_scale, AdamW, GaLore, Schedule};
+use comera_dlrm::Dlrm;
+use comera_layers::{Model, Trainable};
+use comera_model::Encoder;
+use comera_optim::rank::{self, Branch, LayerRanks, RankConfig, RankController, Stage};
+use comera_optim::{Decay, Optimizer, Schedule, Stepper};
+use serde::Serialize;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// Loss and accuracy over a data set.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct EvalStats {
-    pub loss: f64,
-    pub accuracy: f64,
-    pub examples: usize,
-}
-
-/// Evaluates `model` on every example of `data` (the last partial batch is padded with copies
-/// of the first example, which are not counted).
-pub fn evaluate(
-    model: &Encoder,
-    st: &mut EncoderState,
-    data: &EncodedDataset,
-) -> anyhow::Result<EvalStats> {
-    let (b, t, c) = (st.batch(), data.max_len, model.cfg.num_labels);
-    let n = data.len();
-    let mut batch = Batch::default();
-    let (mut loss, mut correct) = (0.0f64, 0usize);
-    let mut start = 0;
-    while start < n {
-        batch.input_ids.clear();
-        batch.token_type_ids.clear();
-        batch.attention_mask.clear();
-        batch.labels.clear();
-        for j in 0..b {
-            let i = if start + j < n { start + j } else { 0 };
-            batch
-                .input_ids
-                .extend_from_slice(&data.input_ids[i * t..(i + 1) * t]);
-            batch
-                .token_type_ids
-                .extend_from_slice(&data.token_type_ids[i * t..(i + 1) * t]);
-            batch
-                .attention_mask
-                .extend_from_slice(&data.attention_mask[i * t..(i + 1) * t]);
-            batch.labels.push(data.labels[i]);
-        }
-        st.load(
-            &batch.input_ids,
-            &batch.token_type_ids,
-            &batch.attention_mask,
-            &batch.labels,
-        )
-        .map_err(anyhow::Error::msg)?;
-        model.forward(st, false, 0)?;
-        for (j, row) in st.logits().chunks_exact(c).enumerate().take(n - start) {
-            let label = batch.labels[j];
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            let lse = max as f64
-                + row
-                    .iter()
-                    .map(|&v| ((v - max) as f64).exp())
-                    .sum::<f64>()
-                    .ln();
-            loss += lse - row[label] as f64;
-            correct += (comera_layers::loss::argmax(row) == label) as usize;
-        }
-        start += b;
-    }
-    Ok(EvalStats {
-        loss: loss / n as f64,
-        accuracy: correct as f64 / n as f64,
-        examples: n,
-    })
-}
-
-/// Held-out masked-LM loss and masked-token accuracy over every batch of `blocks` (masks from
-/// a fixed seed, so every evaluation and every run sees the same ones). `examples` counts the
-/// predicted tokens.
-pub fn evaluate_mlm(
-    model: &Encoder,
-    st: &mut EncoderState,
-    data: &CorpusData,
-    blocks: &comera_data::corpus::PackedSequences,
-) -> anyhow::Result<EvalStats> {
-    let b = st.batch();
-    let mut batch = MlmBatch::new(b, blocks.seq_len);
-    let mut it = MlmBatches::new(blocks, data.masker, b, 0x5EED_E7A1, false);
-    let (mut loss, mut correct, mut count) = (0.0f64, 0usize, 0usize);
-    while it.next_into(&mut batch) {
-        load_mlm(st, &batch)?;
-        let s = model.forward(st, false, 0)?;
-        loss += s.loss * s.count as f64;
-        correct += s.correct;
-        count += s.count;
-    }
-    if count == 0 {
-        bail!(
-            "evaluation: the {} held-out blocks make no batch of {b}",
-            blocks.len()
-        );
-    }
-    Ok(EvalStats {
-        loss: loss / count as f64,
-        accuracy: correct as f64 / count as f64,
-        examples: count,
-    })
-}
-
-fn load_mlm(st: &mut EncoderState, b: &MlmBatch) -> anyhow::Result<()> {
-    st.load_mlm(&b.input_ids, &b.attention_mask, &b.labels, &b.selected)
-        .map_err(anyhow::Error::msg)
-}
-
-/// The data of a run: labelled examples (classification) or a corpus (masked-LM).
-enum TaskData {
-    Classify(PreparedData),
-    Mlm(CorpusData),
-}
-
-/// One epoch's batches (one per epoch: the variants' size difference does not matter).
-#[allow(clippy::large_enum_variant)]
-enum EpochBatches<'a> {
-    Classify(Batches<'a>, Batch),
-    Mlm(MlmBatches<'a>, MlmBatch),
-}
-
-impl EpochBatches<'_> {
-    /// Loads the next batch into `st`; false at the epoch's end.
-    fn next_into(&mut self, st: &mut EncoderState) -> anyhow::Result<bool> {
-        match self {
-            EpochBatches::Classify(it, b) => {
-                if !it.next_into(b) {
-                    return Ok(false);
-                }
-                st.load(
-                    &b.input_ids,
-                    &b.token_type_ids,
-                    &b.attention_mask,
-                    &b.labels,
-                )
-                .map_err(anyhow::Error::msg)?;
-            }
-            EpochBatches::Mlm(it, b) => {
-                if !it.next_into(b) {
-                    return Ok(false);
-                }
-                load_mlm(st, b)?;
-            }
-        }
-        Ok(true)
-    }
-}
-
-impl TaskData {
-    /// Training examples (classification) or blocks (corpus) at `seq_len`.
-    fn train_len(&mut self, seq_len: usize) -> anyhow::Result<usize> {
-        Ok(match self {
-            TaskData::Classify(d) => d.train.len(),
-            TaskData::Mlm(d) => d.packed(seq_len)?.train.len(),
-        })
-    }
-
-    /// Packs every phase's sequence length up front (so epochs can borrow the data).
-    fn prepare_phases(&mut self, phases: &[Phase]) -> anyhow::Result<()> {
-        for p in phases {
-            self.train_len(p.seq_len)?;
-        }
-        Ok(())
-    }
-
-    fn epoch_batches(&self, seq_len: usize, b: usize, seed: u64) -> EpochBatches<'_> {
-        match self {
-            TaskData::Classify(d) => {
-                EpochBatches::Classify(d.train.batches(b, seed), Batch::default())
-            }
-            TaskData::Mlm(d) => {
-                let packed = d.packed_ref(seq_len);
-                EpochBatches::Mlm(
-                    MlmBatches::new(&packed.train, d.masker, b, seed, true),
-                    MlmBatch::new(b, seq_len),
-                )
-            }
-        }
-    }
-
-    fn evaluate(&self, model: &Encoder, st: &mut EncoderState) -> anyhow::Result<EvalStats> {
-        match self {
-            TaskData::Classify(d) => evaluate(model, st, &d.valid),
-            TaskData::Mlm(d) => evaluate_mlm(model, st, d, &d.packed_ref(st.seq_len()).valid),
-        }
-    }
-}
-
-/// What a finished run reports.
-#[derive(Clone, Debug)]
+/// What a finished (or stopped) run reports; also written to `report.json`.
+#[derive(Clone, Debug, Serialize)]
 pub struct TrainSummary {
     pub out_dir: PathBuf,
     pub epochs: usize,
     pub steps: u64,
-    /// Sequence positions trained on.
+    /// Examples per step in the last phase.
+    pub batch_size: usize,
+    /// Sequence positions (or examples, for tabular data) trained on.
     pub tokens: u64,
-    /// For a masked-LM run, `final_valid` is the held-out MLM loss and masked-token accuracy.
+    /// The last evaluation (for a masked-LM run: held-out MLM loss and masked-token accuracy).
     pub final_valid: EvalStats,
+    /// The best validation AUC (binary tasks) or accuracy over the epochs, and its epoch.
+    pub best_valid: f64,
+    pub best_epoch: usize,
     /// Share of the most frequent label (classification runs).
     pub majority_accuracy: Option<f64>,
-    /// Trainable parameters at the end (after truncations).
+    /// Trainable parameters at the end (after truncations) and at the start.
     pub params: usize,
-    /// Trainable parameters at the start.
     pub initial_params: usize,
     pub dense_params: usize,
     pub seconds: f64,
+    /// Median wall time of the steps of this process (ms) and the examples/s it gives.
+    pub median_step_ms: f64,
+    pub examples_per_s: f64,
+    /// Peak resident set of the process (VmHWM), bytes; 0 where /proc is unavailable.
+    pub peak_rss_bytes: u64,
+    /// The engine's own accounting: parameters + gradients, optimiser state, batch state.
+    pub param_bytes: usize,
+    pub optimizer_bytes: usize,
+    pub state_bytes: usize,
     /// Per-layer ranks of the TT/TTM layers at the start, at the switch to the late stage (if
     /// any) and at the end.
     pub ranks_start: Vec<LayerRanks>,
     pub ranks_switch: Option<Vec<LayerRanks>>,
     pub ranks_end: Vec<LayerRanks>,
+    /// Whether the rank schedule was active, and its stage at the end.
+    pub rank_active: bool,
+    pub rank_stage: String,
     /// Whether the run stopped early at `train.stop_after_steps` (resumable).
     pub stopped: bool,
+    /// Task-specific figures (a DLRM's table sizes).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl TrainSummary {
@@ -237,144 +75,290 @@ impl TrainSummary {
     }
 }
 
-/// Share of the most frequent label among `labels`.
-fn majority(labels: &[usize], classes: usize) -> f64 {
-    let mut counts = vec![0usize; classes];
-    for &l in labels {
-        counts[l] += 1;
+/// Peak resident set size of this process (`VmHWM` in /proc/self/status), bytes.
+pub fn peak_rss_bytes() -> u64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
+        return 0;
+    };
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// The median of `v` (0 when empty).
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
     }
-    *counts.iter().max().unwrap_or(&0) as f64 / labels.len().max(1) as f64
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
 }
 
-/// The optimiser a run uses: AdamW, or GaLore for dense matrices (AdamW for the rest).
-enum Optimizer {
-    AdamW(AdamW),
-    GaLore(Box<GaLore>),
+/// The loop's settings, from either kind of run config.
+pub struct LoopSettings {
+    pub out: PathBuf,
+    /// The resolved run config (TOML), saved in every checkpoint.
+    pub config_toml: String,
+    pub warmup_steps: u64,
+    pub decay: Decay,
+    pub log_every: usize,
+    pub checkpoint_every: u64,
+    pub keep_checkpoints: usize,
+    pub stop_after_steps: u64,
+    pub progress: bool,
 }
 
-impl Optimizer {
-    fn step(&mut self, lr: f32, gscale: f32, model: &mut Encoder) {
-        match self {
-            Optimizer::AdamW(o) => o.step(lr, gscale, |f| model.visit_params_mut(f)),
-            Optimizer::GaLore(o) => o.step(lr, gscale, |f| model.visit_params_mut(f)),
+/// A run ready to start (or to continue from a checkpoint).
+struct Setup<T: Task> {
+    task: T,
+    model: T::Model,
+    optimizer: Optimizer,
+    rank_cfg: RankConfig,
+    clip_norm: f32,
+    gate_threshold: f32,
+    settings: LoopSettings,
+    resume: Option<Checkpoint>,
+}
+
+/// Runs a whole encoder training job as configured; writes into `cfg.train.out_dir`.
+///
+/// The job runs on a worker of the rayon pool, so parallel work inside a step is scheduled
+/// through the workers' own queues (no per-call injection, no allocation in the step).
+pub fn train(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
+    rayon::scope(|_| run(setup_encoder(cfg, None, progress)?))
+}
+
+/// Runs a whole DLRM training job as configured; writes into `cfg.train.out_dir`.
+pub fn train_dlrm(cfg: &DlrmRunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
+    rayon::scope(|_| run(setup_dlrm(cfg, None, progress)?))
+}
+
+/// Continues the run in `run_dir` from its newest checkpoint. With the same thread count, the
+/// losses are bit for bit those of a run that was never stopped.
+pub fn resume(run_dir: &Path, progress: bool) -> anyhow::Result<TrainSummary> {
+    let path = checkpoint::list(run_dir)?.pop().ok_or_else(|| {
+        anyhow::anyhow!(
+            "{}: no checkpoint to resume from (expected {}/step-*.safetensors)",
+            run_dir.display(),
+            checkpoint::DIR
+        )
+    })?;
+    let ck = Checkpoint::load(&path)?;
+    let mut cfg = ck.config()?;
+    *cfg.out_dir_mut() = run_dir.to_path_buf();
+    // A resumed run runs to the configured end (the stop is what interrupted it).
+    *cfg.stop_after_steps_mut() = 0;
+    eprintln!("resume {} (step {})", path.display(), ck.progress.step);
+    rayon::scope(|_| match &cfg {
+        AnyRunConfig::Encoder(c) => run(setup_encoder(c, Some(ck), progress)?),
+        AnyRunConfig::Dlrm(c) => run(setup_dlrm(c, Some(ck), progress)?),
+    })
+}
+
+/// Creates the run directory and writes its resolved `config.toml` (a fresh run).
+fn start_run_dir(out: &Path, config_toml: &str, resume: &Option<Checkpoint>) -> anyhow::Result<()> {
+    std::fs::create_dir_all(out)
+        .with_context(|| format!("{}: cannot create run directory", out.display()))?;
+    if resume.is_none() {
+        crate::files::write_atomic(&out.join("config.toml"), config_toml.as_bytes())?;
+    }
+    Ok(())
+}
+
+fn setup_encoder(
+    cfg: &RunConfig,
+    resume: Option<Checkpoint>,
+    progress: bool,
+) -> anyhow::Result<Setup<EncoderTask>> {
+    let phases = cfg.phases();
+    let data = if cfg.data.source == "corpus" {
+        EncoderData::Mlm(CorpusData::new(&cfg.data, cfg.train.seed)?)
+    } else {
+        if let Some(p) = phases.iter().find(|p| p.seq_len != cfg.model.seq_len) {
+            bail!(
+                "train.phases: seq_len {} differs from model.seq_len {}; only corpus (masked-LM) runs change the sequence length",
+                p.seq_len,
+                cfg.model.seq_len
+            );
         }
+        let d: PreparedData = prepare(&cfg.data, cfg.model.seq_len, cfg.train.seed)?;
+        eprintln!("data  {}", d.summary);
+        EncoderData::Classify(d)
+    };
+    let (vocab_size, vocab) = match &data {
+        EncoderData::Classify(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
+        EncoderData::Mlm(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
+    };
+    let mut mcfg = cfg.model.clone();
+    if mcfg.vocab_size != vocab_size {
+        bail!(
+            "model.vocab_size: {} but the vocabulary {} has {vocab_size} tokens",
+            mcfg.vocab_size,
+            vocab.display(),
+        );
     }
-
-    /// The state a checkpoint saves: tensors in parameter order, named after the parameters.
-    fn state(&self, model: &mut Encoder) -> OptState {
-        let mut tensors = Vec::new();
-        let mut i = 0;
-        let scalars = match self {
-            Optimizer::AdamW(o) => {
-                model.visit_params_mut(&mut |p| {
-                    tensors.push((format!("m/{}", p.name), p.shape.clone(), o.m[i].clone()));
-                    tensors.push((format!("v/{}", p.name), p.shape.clone(), o.v[i].clone()));
-                    i += 1;
-                });
-                json!({"kind": "adamw", "t": o.t})
-            }
-            Optimizer::GaLore(o) => {
-                let names: Vec<String> = model.params().iter().map(|p| p.name.clone()).collect();
-                let mut projected = serde_json::Map::new();
-                for st in &o.state {
-                    match st {
-                        ParamState::Adam { m, v } => {
-                            let name = &names[i];
-                            tensors.push((format!("m/{name}"), vec![m.len()], m.clone()));
-                            tensors.push((format!("v/{name}"), vec![v.len()], v.clone()));
-                        }
-                        ParamState::Projected(pr) => {
-                            let (a, b) = pr.projected_shape();
-                            let n = &pr.name;
-                            tensors.push((
-                                format!("p/{n}"),
-                                vec![pr.p.len() / pr.rank, pr.rank],
-                                pr.p.clone(),
-                            ));
-                            tensors.push((format!("m/{n}"), vec![a, b], pr.m[..a * b].to_vec()));
-                            tensors.push((format!("v/{n}"), vec![a, b], pr.v[..a * b].to_vec()));
-                            projected.insert(n.clone(), json!([pr.refreshes, pr.refreshed_at]));
-                        }
-                    }
-                    i += 1;
-                }
-                json!({"kind": "galore", "t": o.t, "refresh_steps": o.refresh_steps, "svd_fallbacks": o.svd_fallbacks, "projected": projected})
-            }
-        };
-        OptState { scalars, tensors }
+    if let EncoderData::Classify(d) = &data {
+        mcfg.num_labels = d.label_names.len();
     }
-
-    /// Restores [`Optimizer::state`] from a checkpoint (a fresh optimiser for the same model).
-    fn restore(&mut self, ck: &Checkpoint, model: &mut Encoder) -> anyhow::Result<()> {
-        let s = &ck.optimizer;
-        let kind = s["kind"].as_str().unwrap_or("");
-        let num = |k: &str| {
-            s[k].as_u64()
-                .ok_or_else(|| anyhow::anyhow!("{}: optimizer `{k}` is missing", ck.path.display()))
-        };
-        match self {
-            Optimizer::AdamW(o) if kind == "adamw" => {
-                o.t = num("t")?;
-                let mut i = 0;
-                let mut err = None;
-                model.visit_params_mut(&mut |p| {
-                    let r = (|| -> anyhow::Result<()> {
-                        o.m[i].copy_from_slice(ck.opt_tensor(&format!("m/{}", p.name), p.len())?);
-                        o.v[i].copy_from_slice(ck.opt_tensor(&format!("v/{}", p.name), p.len())?);
-                        Ok(())
-                    })();
-                    if let (Err(e), None) = (r, &err) {
-                        err = Some(e);
-                    }
-                    i += 1;
-                });
-                err.map_or(Ok(()), Err)
-            }
-            Optimizer::GaLore(o) if kind == "galore" => {
-                let names: Vec<String> = model.params().iter().map(|p| p.name.clone()).collect();
-                (o.t, o.refresh_steps, o.svd_fallbacks) =
-                    (num("t")?, num("refresh_steps")?, num("svd_fallbacks")?);
-                for (i, st) in o.state.iter_mut().enumerate() {
-                    match st {
-                        ParamState::Adam { m, v } => {
-                            let name = &names[i];
-                            let len = m.len();
-                            m.copy_from_slice(ck.opt_tensor(&format!("m/{name}"), len)?);
-                            v.copy_from_slice(ck.opt_tensor(&format!("v/{name}"), len)?);
-                        }
-                        ParamState::Projected(pr) => {
-                            let (a, b) = pr.projected_shape();
-                            let n = pr.name.clone();
-                            let len = pr.p.len();
-                            pr.p.copy_from_slice(ck.opt_tensor(&format!("p/{n}"), len)?);
-                            pr.m[..a * b].copy_from_slice(ck.opt_tensor(&format!("m/{n}"), a * b)?);
-                            pr.v[..a * b].copy_from_slice(ck.opt_tensor(&format!("v/{n}"), a * b)?);
-                            let counts = &s["projected"][&n];
-                            pr.refreshes = counts[0].as_u64().unwrap_or(0);
-                            pr.refreshed_at = counts[1].as_u64().unwrap_or(0);
-                        }
-                    }
-                }
-                Ok(())
-            }
+    let mut resolved = cfg.clone();
+    resolved.model = mcfg.clone();
+    let config_toml = resolved.to_toml();
+    if let Some(ck) = &resume {
+        match ck.config()? {
+            AnyRunConfig::Encoder(c) if c.model == mcfg => {}
             _ => bail!(
-                "{}: the checkpoint's optimiser is `{kind}`, the run's config asks for {}",
-                ck.path.display(),
-                match self {
-                    Optimizer::AdamW(_) => "adamw",
-                    Optimizer::GaLore(_) => "galore (a [galore] table)",
-                }
+                "{}: the checkpoint's [model] differs from what its run's data gives now (labels or vocabulary changed?)",
+                ck.path.display()
             ),
         }
     }
-
-    /// Cuts the moments of truncated parameters. GaLore runs are not truncated (see
-    /// [`train`]), so only AdamW has to follow.
-    fn retain(&mut self, changed: &[Retained], model: &mut Encoder) {
-        if let Optimizer::AdamW(o) = self {
-            o.retain(changed, |f| model.visit_params_mut(f));
-        }
+    let out = cfg.train.out_dir.clone();
+    start_run_dir(&out, &config_toml, &resume)?;
+    let mut model = Encoder::new(&mcfg, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?;
+    if let (None, Some(dir)) = (&resume, &cfg.train.init_from) {
+        let (pre, _) = crate::files::load_model(dir)
+            .with_context(|| format!("train.init_from: {}", dir.display()))?;
+        model
+            .init_body_from(&pre)
+            .map_err(|e| anyhow::anyhow!("train.init_from: {}: {e}", dir.display()))?;
+        eprintln!(
+            "init  encoder from {} ({} parameters)",
+            dir.display(),
+            pre.num_params()
+        );
     }
+    eprintln!(
+        "model {} layers, d_model {}, {}{}",
+        mcfg.layers,
+        mcfg.d_model,
+        if mcfg.tt_linear {
+            "TT linear"
+        } else {
+            "dense linear"
+        },
+        if mcfg.ttm_embedding {
+            " + TTM embedding"
+        } else {
+            " + dense embedding"
+        },
+    );
+    let optimizer = Optimizer::new(cfg.optim.clone(), cfg.galore.clone(), &mut model);
+    if cfg.galore.is_some() && cfg.rank.enabled {
+        eprintln!("note  GaLore run: rank gates are trained, but pruned slices are not truncated");
+    }
+    let t = &cfg.train;
+    Ok(Setup {
+        task: EncoderTask {
+            data,
+            phases,
+            model_cfg: mcfg.clone(),
+            vocab,
+            seed: t.seed,
+        },
+        model,
+        optimizer,
+        rank_cfg: cfg.rank.clone(),
+        clip_norm: cfg.optim.clip_norm,
+        gate_threshold: mcfg.threshold,
+        settings: LoopSettings {
+            out,
+            config_toml,
+            warmup_steps: t.warmup_steps,
+            decay: t.decay,
+            log_every: t.log_every,
+            checkpoint_every: t.checkpoint_every,
+            keep_checkpoints: t.keep_checkpoints,
+            stop_after_steps: t.stop_after_steps,
+            progress,
+        },
+        resume,
+    })
+}
+
+fn setup_dlrm(
+    cfg: &DlrmRunConfig,
+    resume: Option<Checkpoint>,
+    progress: bool,
+) -> anyhow::Result<Setup<CtrTask>> {
+    let prepared = comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)?;
+    eprintln!("data  {}", prepared.summary);
+    let config_toml = cfg.to_toml();
+    let t = &cfg.train;
+    start_run_dir(&t.out_dir, &config_toml, &resume)?;
+    let model = Dlrm::new(
+        &cfg.dlrm,
+        prepared.n_dense,
+        &prepared.field_names,
+        &prepared.table_sizes,
+        t.seed,
+    )
+    .map_err(|e| anyhow::anyhow!("dlrm: {e}"))?;
+    eprintln!(
+        "model DLRM, dim {}, bottom {:?}, top {:?}: {} parameters; tables {} parameters ({} as dense tables, {:.1}x smaller)",
+        cfg.dlrm.embedding_dim,
+        cfg.dlrm.bottom_mlp,
+        cfg.dlrm.top_mlp,
+        model.num_params(),
+        model.table_params(),
+        model.dense_table_params(),
+        model.dense_table_params() as f64 / model.table_params() as f64
+    );
+    for (name, table) in prepared.field_names.iter().zip(&model.tables) {
+        eprintln!("      {name}: {}", table.describe());
+    }
+    let mut model = model;
+    let optimizer = Optimizer::new(cfg.optim.clone(), None, &mut model);
+    let meta = DlrmMeta {
+        kind: "dlrm".into(),
+        model: cfg.dlrm.clone(),
+        n_dense: prepared.n_dense,
+        field_names: prepared.field_names.clone(),
+        table_sizes: prepared.table_sizes.clone(),
+        tables: Vec::new(),
+        epoch: 0,
+        step: 0,
+    };
+    Ok(Setup {
+        task: CtrTask {
+            train: prepared.train,
+            valid: prepared.valid,
+            phases: vec![Phase {
+                seq_len: 1,
+                batch_size: t.batch_size,
+                epochs: t.epochs,
+                max_steps_per_epoch: Some(t.max_steps_per_epoch),
+            }],
+            meta,
+            seed: t.seed,
+            save_model: t.save_model,
+        },
+        model,
+        optimizer,
+        rank_cfg: cfg.rank.clone().unwrap_or(RankConfig {
+            enabled: false,
+            ..RankConfig::default()
+        }),
+        clip_norm: cfg.optim.clip_norm,
+        gate_threshold: cfg.dlrm.gate_threshold,
+        settings: LoopSettings {
+            out: t.out_dir.clone(),
+            config_toml,
+            warmup_steps: t.warmup_steps,
+            decay: t.decay,
+            log_every: t.log_every,
+            checkpoint_every: t.checkpoint_every,
+            keep_checkpoints: t.keep_checkpoints,
+            stop_after_steps: t.stop_after_steps,
+            progress,
+        },
+        resume,
+    })
 }
 
 /// Curves for the plots, built from the metrics log's records (so a resumed run plots its
@@ -385,6 +369,8 @@ struct Curves {
     valid_loss: Vec<(f64, f64)>,
     train_acc: Vec<(f64, f64)>,
     valid_acc: Vec<(f64, f64)>,
+    /// Validation AUC of a binary task (empty otherwise).
+    valid_auc: Vec<(f64, f64)>,
     /// Compression of the whole model over steps.
     model_ratio: Vec<(f64, f64)>,
     /// Per layer: mean active rank over its bonds, over steps.
@@ -420,13 +406,16 @@ impl Curves {
                     self.valid_loss.push((step, l));
                     self.valid_acc.push((step, a));
                 }
+                if let Some(a) = num("valid_auc") {
+                    self.valid_auc.push((step, a));
+                }
             }
             _ => {}
         }
     }
 
     /// Rank evolution, compression and loss over steps.
-    fn plot_ranks(&self, path: &Path) -> anyhow::Result<()> {
+    fn plot_ranks(&self, path: &Path, loss_name: &str) -> anyhow::Result<()> {
         let s = |name: &str, pts: &Vec<(f64, f64)>| Series {
             name: name.into(),
             points: pts.clone(),
@@ -449,7 +438,7 @@ impl Curves {
             Panel {
                 title: "loss".into(),
                 x_label: "step".into(),
-                y_label: "cross-entropy".into(),
+                y_label: loss_name.into(),
                 series: vec![s("train", &self.train_loss), s("valid", &self.valid_loss)],
                 log_y: false,
             },
@@ -458,16 +447,17 @@ impl Curves {
         Ok(())
     }
 
-    fn plot(&self, path: &Path) -> anyhow::Result<()> {
+    /// Loss and accuracy (and AUC for a binary task) over steps.
+    fn plot(&self, path: &Path, loss_name: &str) -> anyhow::Result<()> {
         let s = |name: &str, pts: &Vec<(f64, f64)>| Series {
             name: name.into(),
             points: pts.clone(),
         };
-        let panels = [
+        let mut panels = vec![
             Panel {
                 title: "loss".into(),
                 x_label: "step".into(),
-                y_label: "cross-entropy".into(),
+                y_label: loss_name.into(),
                 series: vec![s("train", &self.train_loss), s("valid", &self.valid_loss)],
                 log_y: false,
             },
@@ -479,36 +469,19 @@ impl Curves {
                 log_y: false,
             },
         ];
-        plot_panels(path, &panels, 900, 360)?;
+        if !self.valid_auc.is_empty() {
+            panels.push(Panel {
+                title: "validation AUC".into(),
+                x_label: "step".into(),
+                y_label: "AUC".into(),
+                series: vec![s("valid", &self.valid_auc)],
+                log_y: false,
+            });
+        }
+        let width = 450 * panels.len() as u32;
+        plot_panels(path, &panels, width, 360)?;
         Ok(())
     }
-}
-
-/// Runs a whole training job as configured; writes into `cfg.train.out_dir`.
-///
-/// The job runs on a worker of the rayon pool, so parallel work inside a step is scheduled
-/// through the workers' own queues (no per-call injection, no allocation in the step).
-pub fn train(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
-    rayon::scope(|_| train_here(cfg, None, progress))
-}
-
-/// Continues the run in `run_dir` from its newest checkpoint. With the same thread count, the
-/// losses are bit for bit those of a run that was never stopped.
-pub fn resume(run_dir: &Path, progress: bool) -> anyhow::Result<TrainSummary> {
-    let path = checkpoint::list(run_dir)?.pop().ok_or_else(|| {
-        anyhow::anyhow!(
-            "{}: no checkpoint to resume from (expected {}/step-*.safetensors)",
-            run_dir.display(),
-            checkpoint::DIR
-        )
-    })?;
-    let ck = Checkpoint::load(&path)?;
-    let mut cfg = ck.config.clone();
-    cfg.train.out_dir = run_dir.to_path_buf();
-    // A resumed run runs to the configured end (the stop is what interrupted it).
-    cfg.train.stop_after_steps = 0;
-    eprintln!("resume {} (step {})", path.display(), ck.progress.step);
-    rayon::scope(|_| train_here(&cfg, Some(ck), progress))
 }
 
 /// Rewrites the metrics log without records after `step` (written after the checkpoint a run
@@ -546,176 +519,134 @@ fn mean_ranks(layers: &[LayerRanks]) -> serde_json::Value {
     serde_json::Value::Object(m)
 }
 
-fn train_here(
-    cfg: &RunConfig,
-    resume: Option<Checkpoint>,
-    progress: bool,
-) -> anyhow::Result<TrainSummary> {
-    let t0 = Instant::now();
-    let out = cfg.train.out_dir.clone();
-    std::fs::create_dir_all(&out)
-        .with_context(|| format!("{}: cannot create run directory", out.display()))?;
-    let phases = cfg.phases();
-    let mut data = if cfg.data.source == "corpus" {
-        TaskData::Mlm(CorpusData::new(&cfg.data, cfg.train.seed)?)
-    } else {
-        if let Some(p) = phases.iter().find(|p| p.seq_len != cfg.model.seq_len) {
-            bail!(
-                "train.phases: seq_len {} differs from model.seq_len {}; only corpus (masked-LM) runs change the sequence length",
-                p.seq_len,
-                cfg.model.seq_len
-            );
-        }
-        let d: PreparedData = prepare(&cfg.data, cfg.model.seq_len, cfg.train.seed)?;
-        eprintln!("data  {}", d.summary);
-        TaskData::Classify(d)
-    };
-    let (vocab_size, vocab_path) = match &data {
-        TaskData::Classify(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
-        TaskData::Mlm(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
-    };
-    let mut mcfg = cfg.model.clone();
-    if mcfg.vocab_size != vocab_size {
-        bail!(
-            "model.vocab_size: {} but the vocabulary {} has {vocab_size} tokens",
-            mcfg.vocab_size,
-            vocab_path.display(),
-        );
-    }
-    if let TaskData::Classify(d) = &data {
-        mcfg.num_labels = d.label_names.len();
-    }
-    data.prepare_phases(&phases)?;
-    let mut resolved = cfg.clone();
-    resolved.model = mcfg.clone();
-    if let Some(ck) = &resume {
-        if ck.config.model != mcfg {
-            bail!(
-                "{}: the checkpoint's [model] differs from what its run's data gives now (labels or vocabulary changed?)",
-                ck.path.display()
-            );
-        }
-    } else {
-        crate::files::write_atomic(&out.join("config.toml"), resolved.to_toml().as_bytes())?;
-    }
-
-    let mut model = match &resume {
-        Some(ck) => ck.model()?,
-        None => {
-            let mut m = Encoder::new(&mcfg, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?;
-            if let Some(dir) = &cfg.train.init_from {
-                let (pre, _) = crate::files::load_model(dir)
-                    .with_context(|| format!("train.init_from: {}", dir.display()))?;
-                m.init_body_from(&pre)
-                    .map_err(|e| anyhow::anyhow!("train.init_from: {}: {e}", dir.display()))?;
-                eprintln!(
-                    "init  encoder from {} ({} parameters)",
-                    dir.display(),
-                    pre.num_params()
-                );
-            }
-            m
-        }
-    };
-    let dense_params = model.dense_equivalent_params();
-    let initial_params = Encoder::new(&mcfg, cfg.train.seed)
-        .map_err(|e| anyhow::anyhow!("{e}"))?
-        .num_params();
-    eprintln!(
-        "model {} layers, d_model {}, {}{}: {} parameters ({dense_params} dense, {:.1}x compression)",
-        mcfg.layers,
-        mcfg.d_model,
-        if mcfg.tt_linear { "TT linear" } else { "dense linear" },
-        if mcfg.ttm_embedding { " + TTM embedding" } else { " + dense embedding" },
-        model.num_params(),
-        dense_params as f64 / model.num_params() as f64
-    );
-    let mut rank = match &resume {
-        Some(ck) => ck.rank.clone(),
-        None => RankController::new(&cfg.rank, &model),
-    };
-    let mut prog = match &resume {
-        Some(ck) => ck.progress.clone(),
-        None => Progress {
-            ranks_start: rank::layer_ranks(&model),
-            ..Progress::default()
-        },
-    };
-    let mut opt = match &cfg.galore {
-        Some(g) => {
-            if rank.active() {
-                eprintln!(
-                    "note  GaLore run: rank gates are trained, but pruned slices are not truncated"
-                );
-            }
-            Optimizer::GaLore(Box::new(GaLore::new(cfg.optim.clone(), g.clone(), |f| {
-                model.visit_params_mut(f)
-            })))
-        }
-        None => {
-            let mut o = AdamW::new(cfg.optim.clone(), |f| model.visit_params_mut(f));
-            if rank.active() {
-                o.freeze_gates_at = Some(mcfg.threshold);
-            }
-            Optimizer::AdamW(o)
-        }
-    };
-    if let Some(ck) = &resume {
-        opt.restore(ck, &mut model)?;
-    }
-    let truncating = rank.active() && matches!(opt, Optimizer::AdamW(_));
-    // Each epoch's phase and steps; epochs are numbered across phases.
-    let mut epochs: Vec<(usize, usize)> = Vec::new();
+/// Each epoch's phase index and batch count (None: a streamed epoch of unknown length);
+/// epochs are numbered across phases.
+fn plan_epochs<T: Task>(task: &mut T) -> anyhow::Result<Vec<(usize, Option<usize>)>> {
+    let phases = task.phases().to_vec();
+    let mut epochs = Vec::new();
     for (i, ph) in phases.iter().enumerate() {
-        let len = data.train_len(ph.seq_len)?;
-        let full = len / ph.batch_size;
-        if full == 0 {
-            bail!(
-                "train.batch_size: {} is larger than the {len} training {}",
-                ph.batch_size,
-                match data {
-                    TaskData::Classify(_) => "examples",
-                    TaskData::Mlm(_) => "blocks",
-                }
-            );
-        }
-        let per_epoch = match ph.max_steps_per_epoch.unwrap_or(0) {
-            0 => full,
-            m => m.min(full),
+        let full = task.batches_per_epoch(ph)?;
+        let per_epoch = match (ph.max_steps_per_epoch.unwrap_or(0), full) {
+            (0, f) => f,
+            (m, Some(f)) => Some(m.min(f)),
+            (m, None) => Some(m),
         };
         epochs.extend(std::iter::repeat_n((i, per_epoch), ph.epochs));
     }
-    let total: u64 = epochs.iter().map(|e| e.1 as u64).sum();
-    // Tokens seen before step `s` (sequence positions, padding included).
+    Ok(epochs)
+}
+
+/// The running state of the loop that is not in the checkpoint's [`Progress`].
+struct Reporter {
+    log: MetricsLog,
+    curves: Curves,
+    bar: indicatif::ProgressBar,
+    dense_params: usize,
+}
+
+impl Reporter {
+    /// Writes a record to the metrics log and the curves.
+    fn record(&mut self, r: serde_json::Value) -> anyhow::Result<()> {
+        self.curves.add(&r);
+        self.log.write(&r)
+    }
+
+    /// A line above the progress bar, or on stderr when the bar is hidden (off a terminal).
+    fn say(&self, msg: String) {
+        if self.bar.is_hidden() {
+            eprintln!("{msg}");
+        } else {
+            self.bar.println(msg);
+        }
+    }
+
+    fn ratio(&self, model: &dyn Model) -> f64 {
+        self.dense_params as f64 / model.num_params() as f64
+    }
+
+    fn plots(&self, out: &Path, rank_active: bool, loss_name: &str) {
+        if let Err(e) = self.curves.plot(&out.join("curves.png"), loss_name) {
+            self.say(format!("warning: plot not written: {e:#}"));
+        }
+        if rank_active {
+            if let Err(e) = self.curves.plot_ranks(&out.join("ranks.png"), loss_name) {
+                self.say(format!("warning: plot not written: {e:#}"));
+            }
+        }
+    }
+}
+
+/// The one training loop (module docs).
+fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
+    let t0 = Instant::now();
+    let Setup {
+        mut task,
+        mut model,
+        mut optimizer,
+        rank_cfg,
+        clip_norm,
+        gate_threshold,
+        settings: cfg,
+        resume,
+    } = setup;
+    let out = cfg.out.clone();
+    let initial_params = model.num_params();
+    let (rank, mut prog) = match &resume {
+        Some(ck) => {
+            ck.load_params(&mut model)?;
+            optimizer
+                .restore(&ck.optimizer, &mut |n, b| ck.opt_fill(n, b), &mut model)
+                .with_context(|| format!("{}", ck.path.display()))?;
+            (ck.rank.clone(), ck.progress.clone())
+        }
+        None => {
+            let rank = RankController::new(&rank_cfg, &model);
+            let prog = Progress {
+                ranks_start: rank::layer_ranks(&model),
+                ..Progress::default()
+            };
+            (rank, prog)
+        }
+    };
+    let dense_params = model.dense_equivalent_params();
+    eprintln!(
+        "      {} parameters ({dense_params} dense, {:.1}x compression)",
+        model.num_params(),
+        dense_params as f64 / model.num_params() as f64
+    );
+    let epochs = plan_epochs(&mut task)?;
+    let phases = task.phases().to_vec();
+    let total = epochs
+        .iter()
+        .map(|e| e.1.map(|n| n as u64))
+        .sum::<Option<u64>>();
+    // Sequence positions (or examples) per step of each phase, and seen before step `s`.
+    let tokens_per_step: Vec<u64> = phases
+        .iter()
+        .map(|p| (p.batch_size * task.tokens_per_example(p)) as u64)
+        .collect();
     let tokens_at = |s: u64| -> u64 {
         let mut left = s;
         let mut tokens = 0;
         for &(ph, n) in &epochs {
-            let k = left.min(n as u64);
-            tokens += k * (phases[ph].batch_size * phases[ph].seq_len) as u64;
+            let k = left.min(n.map_or(u64::MAX, |n| n as u64));
+            tokens += k * tokens_per_step[ph];
             left -= k;
         }
         tokens
     };
     let schedule = Schedule {
-        warmup: cfg.train.warmup_steps.min(total),
-        total,
-        decay: cfg.train.decay,
+        warmup: cfg.warmup_steps.min(total.unwrap_or(u64::MAX)),
+        total: total.unwrap_or(u64::MAX),
+        decay: cfg.decay,
     };
-    let new_state = |model: &Encoder, ph: &Phase| -> anyhow::Result<EncoderState> {
-        let rows = match &data {
-            TaskData::Mlm(d) => d.masker.max_selected_per_row(ph.seq_len),
-            TaskData::Classify(_) => 0,
-        };
-        model
-            .state_for(ph.batch_size, ph.seq_len, rows)
-            .map_err(|e| anyhow::anyhow!("{e}"))
-    };
+    let mut stepper = Stepper::new(optimizer, rank, schedule, clip_norm, gate_threshold);
+    let rank_active = stepper.rank.active();
     let mut st_phase = epochs.get(prog.epoch).map_or(phases.len() - 1, |e| e.0);
-    let mut st = new_state(&model, &phases[st_phase])?;
+    let mut st = task.state(&model, &phases[st_phase])?;
     let metrics_path = out.join("metrics.jsonl");
     let mut curves = Curves::default();
-    let mut log = match &resume {
+    let log = match &resume {
         Some(_) => {
             for r in metrics_up_to(&metrics_path, prog.step)? {
                 curves.add(&r);
@@ -724,16 +655,10 @@ fn train_here(
         }
         None => MetricsLog::create(&metrics_path)?,
     };
-    // Writes a record to the log and the curves.
-    let record = |log: &mut MetricsLog, curves: &mut Curves, r: serde_json::Value| {
-        curves.add(&r);
-        log.write(&r)
-    };
-    let model_ratio = |m: &Encoder| dense_params as f64 / m.num_params() as f64;
-    let bar = if progress {
-        indicatif::ProgressBar::new(total)
-    } else {
-        indicatif::ProgressBar::hidden()
+    let bar = match (cfg.progress, total) {
+        (false, _) => indicatif::ProgressBar::hidden(),
+        (true, Some(t)) => indicatif::ProgressBar::new(t),
+        (true, None) => indicatif::ProgressBar::new_spinner(),
     };
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -742,89 +667,79 @@ fn train_here(
         .expect("valid template"),
     );
     bar.set_position(prog.step);
+    let mut rep = Reporter {
+        log,
+        curves,
+        bar,
+        dense_params,
+    };
     let base_seconds = prog.seconds;
     let mut win_steps = 0usize;
+    let mut step_ms: Vec<f64> = Vec::new();
     let mut final_valid = EvalStats::default();
+    let (mut best_valid, mut best_epoch) = (f64::NEG_INFINITY, 0);
     let mut win_start = Instant::now();
     let mut stopped = false;
-    let checkpoint_every = cfg.train.checkpoint_every;
-    let save_checkpoint = |prog: &Progress,
-                           rank: &RankController,
-                           model: &mut Encoder,
-                           opt: &Optimizer|
+    // A checkpoint holds the model's `model.toml` (its kind and shape; truncated ranks are
+    // read from the tensors' shapes when it is loaded).
+    let save_checkpoint = |meta: &str,
+                           prog: &Progress,
+                           stepper: &Stepper,
+                           model: &mut T::Model|
      -> anyhow::Result<()> {
-        let state = opt.state(model);
-        let keep = cfg.train.keep_checkpoints;
-        checkpoint::save(&out, &resolved, prog, rank, model, &state, keep).map(|_| ())
+        let state = stepper.optimizer.state(model);
+        let run = checkpoint::RunState {
+            config_toml: &cfg.config_toml,
+            model_toml: meta,
+            progress: prog,
+            rank: &stepper.rank,
+        };
+        checkpoint::save(&out, &run, model, &state, cfg.keep_checkpoints).map(|_| ())
     };
+    let stop_due = |step: u64| cfg.stop_after_steps > 0 && step >= cfg.stop_after_steps;
     let n_epochs = epochs.len();
     'epochs: for (epoch, &(ph, per_epoch)) in epochs.iter().enumerate().skip(prog.epoch) {
         let phase = &phases[ph];
-        let b = phase.batch_size;
         if ph != st_phase {
-            st = new_state(&model, phase)?;
+            st = task.state(&model, phase)?;
             st_phase = ph;
-            bar.suspend(|| eprintln!("phase {}: seq_len {}, batch {b}", ph + 1, phase.seq_len));
+            rep.say(format!(
+                "phase {}: seq_len {}, batch {}",
+                ph + 1,
+                phase.seq_len,
+                phase.batch_size
+            ));
         }
-        let tokens_per_step = (b * phase.seq_len) as f64;
-        let mut batches =
-            data.epoch_batches(phase.seq_len, b, cfg.train.seed.wrapping_add(epoch as u64));
+        let meta = task.model_meta(&model, epoch, prog.step)?;
+        let mut batches = task.epoch(phase, epoch)?;
         // Resuming inside an epoch: replay its data order up to the checkpoint.
         for _ in 0..prog.batch_in_epoch {
             batches.next_into(&mut st)?;
         }
-        for i in prog.batch_in_epoch..per_epoch {
+        let mut i = prog.batch_in_epoch;
+        while per_epoch.is_none_or(|n| i < n) {
             if !batches.next_into(&mut st)? {
                 break;
             }
-            let epoch_end = i + 1 == per_epoch;
-            model.zero_grad();
-            let step = prog.step;
-            let s = model.forward(&mut st, true, step)?;
-            if !s.loss.is_finite() {
-                bail!("training diverged: loss is {} at epoch {} step {step} (lower the learning rates in [optim])", s.loss, epoch + 1);
-            }
-            model.backward(&mut st);
-            let obj = rank.apply(&mut model, s.loss);
-            let (gscale, gnorm) = clip_scale(cfg.optim.clip_norm, |f| model.visit_params_mut(f));
-            if !gnorm.is_finite() {
-                bail!(
-                    "training diverged: gradient norm is {gnorm} at epoch {} step {step}",
-                    epoch + 1
-                );
-            }
-            let lr = schedule.scale(step);
-            opt.step(lr, gscale, &mut model);
-            rank.project(&mut model);
+            i += 1;
+            let epoch_end = per_epoch == Some(i);
+            let ts = Instant::now();
+            let r = stepper
+                .step(&mut model, &mut st, prog.step)
+                .with_context(|| format!("epoch {}", epoch + 1))?;
+            step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
             prog.step += 1;
-            prog.batch_in_epoch = i + 1;
+            prog.batch_in_epoch = i;
             let step = prog.step;
-            if rank.after_step(&model, step, epoch + 1, epoch_end) {
-                let now = rank::layer_ranks(&model);
-                let (size, _, _) = rank::sizes(&model);
-                record(
-                    &mut log,
-                    &mut curves,
-                    json!({"kind": "stage", "stage": "late", "epoch": epoch + 1, "step": step, "size": size, "target_size": rank.target_size, "ranks": now}),
-                )?;
-                bar.println(format!(
-                    "step {step}: late stage, size {size:.0} → target {:.0}",
-                    rank.target_size.unwrap_or(0.0)
-                ));
-                prog.ranks_switch = Some(now);
-            }
-            if truncating && rank.truncation_due(step, epoch_end) {
-                let changed = rank::truncate(&mut model);
-                if !changed.is_empty() {
-                    opt.retain(&changed, &mut model);
-                    let now = rank::layer_ranks(&model);
-                    record(
-                        &mut log,
-                        &mut curves,
-                        json!({"kind": "truncate", "epoch": epoch + 1, "step": step, "params": model.num_params(), "compression": model_ratio(&model), "ranks": now}),
-                    )?;
-                }
-            }
+            rank_events(
+                &mut stepper,
+                &mut model,
+                &mut rep,
+                &mut prog,
+                epoch + 1,
+                epoch_end,
+            )?;
+            let s = r.stats;
             prog.ep_loss += s.loss * s.count as f64;
             prog.ep_correct += s.correct;
             prog.ep_count += s.count;
@@ -832,48 +747,49 @@ fn train_here(
             prog.win_correct += s.correct;
             prog.win_count += s.count;
             win_steps += 1;
-            if step.is_multiple_of(cfg.train.log_every as u64) {
+            if step.is_multiple_of(cfg.log_every as u64) {
                 let secs = win_start.elapsed().as_secs_f64();
                 let steps_in_window = win_steps.max(1) as f64;
                 let (l, a) = (
                     prog.win_loss / prog.win_count as f64,
                     prog.win_correct as f64 / prog.win_count as f64,
                 );
-                let tps = tokens_per_step * steps_in_window / secs;
-                let branch = match obj.branch {
-                    Branch::Early => "early",
-                    Branch::Loss => "late-loss",
-                    Branch::Size => "late-size",
-                };
-                let mut r = json!({"kind": "train", "epoch": epoch + 1, "step": step, "tokens": tokens_at(step), "loss": l, "accuracy": a, "lr_scale": lr, "grad_norm": gnorm, "tokens_per_s": tps, "ms_per_step": secs * 1e3 / steps_in_window, "params": model.num_params(), "compression": model_ratio(&model)});
-                if rank.active() {
-                    r["size"] = json!(obj.size);
-                    r["size_l1"] = json!(obj.size_l1);
-                    r["branch"] = json!(branch);
-                    r["mean_ranks"] = mean_ranks(&rank::layer_ranks(&model));
+                let tps = tokens_per_step[ph] as f64 * steps_in_window / secs;
+                let mut rec = json!({"kind": "train", "epoch": epoch + 1, "step": step, "tokens": tokens_at(step), "loss": l, "accuracy": a, "lr_scale": r.lr_scale, "grad_norm": r.grad_norm, "tokens_per_s": tps, "ms_per_step": secs * 1e3 / steps_in_window, "params": model.num_params(), "compression": rep.ratio(&model)});
+                if rank_active {
+                    let branch = match r.objective.branch {
+                        Branch::Early => "early",
+                        Branch::Loss => "late-loss",
+                        Branch::Size => "late-size",
+                    };
+                    rec["size"] = json!(r.objective.size);
+                    rec["size_l1"] = json!(r.objective.size_l1);
+                    rec["branch"] = json!(branch);
+                    rec["mean_ranks"] = mean_ranks(&rank::layer_ranks(&model));
                 }
-                record(&mut log, &mut curves, r)?;
-                let size = if rank.active() {
-                    format!(" {:.1}x", model_ratio(&model))
+                rep.record(rec)?;
+                let size = if rank_active {
+                    format!(" {:.1}x", rep.ratio(&model))
                 } else {
                     String::new()
                 };
-                bar.set_message(format!(
-                    "epoch {} loss {l:.4} acc {a:.3}{size} {tps:.0} tok/s",
+                let msg = format!(
+                    "epoch {} loss {l:.4} acc {a:.3}{size} {tps:.0}/s",
                     epoch + 1
-                ));
+                );
+                rep.bar.set_message(msg);
                 (prog.win_loss, prog.win_correct, prog.win_count) = (0.0, 0, 0);
                 win_steps = 0;
                 win_start = Instant::now();
             }
-            bar.inc(1);
+            rep.bar.inc(1);
             if epoch_end {
                 break;
             }
-            let stop_now = cfg.train.stop_after_steps > 0 && step >= cfg.train.stop_after_steps;
-            if stop_now || (checkpoint_every > 0 && step.is_multiple_of(checkpoint_every)) {
+            let stop_now = stop_due(step);
+            if stop_now || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)) {
                 prog.seconds = base_seconds + t0.elapsed().as_secs_f64();
-                save_checkpoint(&prog, &rank, &mut model, &opt)?;
+                save_checkpoint(&meta, &prog, &stepper, &mut model)?;
             }
             if stop_now {
                 stopped = true;
@@ -881,99 +797,179 @@ fn train_here(
             }
         }
         drop(batches);
-        let valid = data.evaluate(&model, &mut st)?;
+        if per_epoch.is_none() {
+            // A streamed epoch ends when its data does: the epoch-end rank events run now.
+            rank_events(
+                &mut stepper,
+                &mut model,
+                &mut rep,
+                &mut prog,
+                epoch + 1,
+                true,
+            )?;
+        }
+        if prog.ep_count == 0 {
+            bail!(
+                "epoch {}: no full batch of {} examples in the training data",
+                epoch + 1,
+                phase.batch_size
+            );
+        }
+        if let Some(note) = task.epoch_note() {
+            rep.say(format!("data  {note}"));
+        }
+        let valid = task.evaluate(&model, &mut st)?;
         final_valid = valid;
+        let score = valid.auc.unwrap_or(valid.accuracy);
+        if score > best_valid {
+            (best_valid, best_epoch) = (score, epoch + 1);
+        }
         let (tl, ta) = (
-            prog.ep_loss / prog.ep_count.max(1) as f64,
-            prog.ep_correct as f64 / prog.ep_count.max(1) as f64,
+            prog.ep_loss / prog.ep_count as f64,
+            prog.ep_correct as f64 / prog.ep_count as f64,
         );
         let secs = base_seconds + t0.elapsed().as_secs_f64();
-        record(
-            &mut log,
-            &mut curves,
-            json!({"kind": "eval", "epoch": epoch + 1, "step": prog.step, "tokens": tokens_at(prog.step), "train_loss": tl, "train_accuracy": ta, "valid_loss": valid.loss, "valid_accuracy": valid.accuracy, "valid_perplexity": valid.loss.exp(), "seconds": secs}),
-        )?;
-        bar.println(format!(
-            "epoch {}: train loss {tl:.4} acc {ta:.4} | valid loss {:.4} acc {:.4}",
+        let mut rec = json!({"kind": "eval", "epoch": epoch + 1, "step": prog.step, "tokens": tokens_at(prog.step), "train_loss": tl, "train_accuracy": ta, "valid_loss": valid.loss, "valid_accuracy": valid.accuracy, "valid_perplexity": valid.loss.exp(), "seconds": secs});
+        let auc = match valid.auc {
+            Some(a) => {
+                rec["valid_auc"] = json!(a);
+                format!(" AUC {a:.4}")
+            }
+            None => String::new(),
+        };
+        rep.record(rec)?;
+        rep.say(format!(
+            "epoch {}: train loss {tl:.4} acc {ta:.4} | valid loss {:.4}{auc} acc {:.4}",
             epoch + 1,
             valid.loss,
             valid.accuracy
         ));
-        let (labels, pair) = match &data {
-            TaskData::Classify(d) => (d.label_names.clone(), d.pair),
-            TaskData::Mlm(_) => (Vec::new(), false),
-        };
-        let meta = ModelMeta {
-            model: mcfg.clone(),
-            labels,
-            vocab: vocab_path.clone(),
-            pair,
-            epoch: epoch + 1,
-            step: prog.step,
-        };
-        save_model(&out, &model, &meta)?;
+        let meta = task.model_meta(&model, epoch + 1, prog.step)?;
+        if task.saves_model() {
+            crate::files::save_model_files(&out, &model.params(), &meta)?;
+        }
         // The next epoch starts from a clean slate; checkpoint that point.
         (prog.epoch, prog.batch_in_epoch) = (epoch + 1, 0);
         (prog.ep_loss, prog.ep_correct, prog.ep_count) = (0.0, 0, 0);
         prog.seconds = secs;
-        save_checkpoint(&prog, &rank, &mut model, &opt)?;
-        if let Err(e) = curves.plot(&out.join("curves.png")) {
-            bar.println(format!("warning: plot not written: {e:#}"));
-        }
-        if rank.active() {
-            if let Err(e) = curves.plot_ranks(&out.join("ranks.png")) {
-                bar.println(format!("warning: plot not written: {e:#}"));
-            }
-        }
-        let stop_now = cfg.train.stop_after_steps > 0 && prog.step >= cfg.train.stop_after_steps;
-        if stop_now && epoch + 1 < n_epochs {
+        save_checkpoint(&meta, &prog, &stepper, &mut model)?;
+        rep.plots(&out, rank_active, task.loss_name());
+        if stop_due(prog.step) && epoch + 1 < n_epochs {
             stopped = true;
             break;
         }
     }
-    bar.finish_and_clear();
+    rep.bar.finish_and_clear();
     let ranks_end = rank::layer_ranks(&model);
-    if rank.active() && !stopped {
-        let mut points: Vec<(&str, &[LayerRanks])> = vec![("start", &prog.ranks_start)];
-        if let Some(r) = &prog.ranks_switch {
-            points.push(("after early stage", r));
-        }
-        points.push(("end", &ranks_end));
-        let table = rank::rank_table(&points);
-        let stage = match rank.stage {
-            Stage::Early => "early",
-            Stage::Late => "late",
-        };
-        let text = format!(
-            "# Ranks of the TT/TTM layers\n\nStage at the end: {stage}. Whole model: {initial_params} → {} parameters ({:.1}× → {:.1}× compression vs {dense_params} dense).\n\n{table}",
-            model.num_params(),
-            dense_params as f64 / initial_params as f64,
-            model_ratio(&model)
-        );
-        crate::files::write_atomic(&out.join("ranks.md"), text.as_bytes())?;
-        record(
-            &mut log,
-            &mut curves,
-            json!({"kind": "ranks", "step": prog.step, "start": prog.ranks_start, "switch": prog.ranks_switch, "end": ranks_end}),
+    let stage = match stepper.rank.stage {
+        Stage::Early => "early",
+        Stage::Late => "late",
+    };
+    if rank_active && !stopped {
+        write_rank_report(
+            &out,
+            &prog,
+            &ranks_end,
+            stage,
+            initial_params,
+            &model,
+            &mut rep,
         )?;
     }
-    Ok(TrainSummary {
-        out_dir: out,
+    let med = median(&mut step_ms);
+    let batch_size = phases.last().map_or(0, |p| p.batch_size);
+    let params = model.num_params();
+    let summary = TrainSummary {
+        out_dir: out.clone(),
         epochs: n_epochs,
         steps: prog.step,
+        batch_size,
         tokens: tokens_at(prog.step),
         final_valid,
-        majority_accuracy: match &data {
-            TaskData::Classify(d) => Some(majority(&d.valid.labels, d.label_names.len())),
-            TaskData::Mlm(_) => None,
-        },
-        params: model.num_params(),
+        best_valid,
+        best_epoch,
+        majority_accuracy: task.majority_accuracy(),
+        params,
         initial_params,
         dense_params,
         seconds: base_seconds + t0.elapsed().as_secs_f64(),
+        median_step_ms: med,
+        examples_per_s: if med > 0.0 {
+            batch_size as f64 / (med / 1e3)
+        } else {
+            0.0
+        },
+        peak_rss_bytes: peak_rss_bytes(),
+        param_bytes: model.bytes(&st).params + model.bytes(&st).grads,
+        optimizer_bytes: stepper.optimizer.bytes(),
+        state_bytes: model.bytes(&st).state,
         ranks_start: prog.ranks_start,
         ranks_switch: prog.ranks_switch,
         ranks_end,
+        rank_active,
+        rank_stage: stage.into(),
         stopped,
-    })
+        extra: task.report_extra(&model),
+    };
+    crate::files::write_atomic(
+        &out.join("report.json"),
+        serde_json::to_string_pretty(&summary)?.as_bytes(),
+    )?;
+    Ok(summary)
+}
+
+/// After a step: the rank schedule's switch to the late stage and truncation, each logged.
+fn rank_events(
+    stepper: &mut Stepper,
+    model: &mut dyn Model,
+    rep: &mut Reporter,
+    prog: &mut Progress,
+    epoch: usize,
+    epoch_end: bool,
+) -> anyhow::Result<()> {
+    let step = prog.step;
+    let (switched, truncated) = stepper.after_step(model, step, epoch, epoch_end);
+    if let Some(now) = switched {
+        let (size, _, _) = rank::sizes(model);
+        let target = stepper.rank.target_size;
+        rep.record(json!({"kind": "stage", "stage": "late", "epoch": epoch, "step": step, "size": size, "target_size": target, "ranks": now}))?;
+        rep.say(format!(
+            "step {step}: late stage, size {size:.0} → target {:.0}",
+            target.unwrap_or(0.0)
+        ));
+        prog.ranks_switch = Some(now);
+    }
+    if truncated {
+        let now = rank::layer_ranks(model);
+        let rec = json!({"kind": "truncate", "epoch": epoch, "step": step, "params": model.num_params(), "compression": rep.ratio(model), "ranks": now});
+        rep.record(rec)?;
+    }
+    Ok(())
+}
+
+/// `ranks.md` and the final `ranks` record of a rank-adaptive run.
+fn write_rank_report(
+    out: &Path,
+    prog: &Progress,
+    ranks_end: &[LayerRanks],
+    stage: &str,
+    initial_params: usize,
+    model: &dyn Model,
+    rep: &mut Reporter,
+) -> anyhow::Result<()> {
+    let mut points: Vec<(&str, &[LayerRanks])> = vec![("start", &prog.ranks_start)];
+    if let Some(r) = &prog.ranks_switch {
+        points.push(("after early stage", r));
+    }
+    points.push(("end", ranks_end));
+    let table = rank::rank_table(&points);
+    let dense = rep.dense_params;
+    let text = format!(
+        "# Ranks of the TT/TTM layers\n\nStage at the end: {stage}. Whole model: {initial_params} → {} parameters ({:.1}× → {:.1}× compression vs {dense} dense).\n\n{table}",
+        model.num_params(),
+        dense as f64 / initial_params as f64,
+        rep.ratio(model)
+    );
+    crate::files::write_atomic(&out.join("ranks.md"), text.as_bytes())?;
+    rep.record(json!({"kind": "ranks", "step": prog.step, "start": prog.ranks_start, "switch": prog.ranks_switch, "end": ranks_end}))
 }

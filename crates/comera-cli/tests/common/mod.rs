@@ -45,3 +45,51 @@ pub fn untimed(records: Vec<serde_json::Value>) -> Vec<serde_json::Value> {
         })
         .collect()
 }
+
+/// Every command that reads a run directory works on `run`: `inspect` (the directory and its
+/// newest checkpoint), `eval` (the directory and the checkpoint, which saw the same weights
+/// at the run's end), `predict` with `inputs` (output must contain `expect`), `export
+/// --compressed` and `plot`.
+pub fn every_command_works_on(run: &Path, inputs: &[&str], expect: &str) {
+    let r = run.to_str().unwrap();
+    let (code, text) = comera(&["inspect", r]);
+    assert_eq!(code, 0, "inspect: {text}");
+    assert!(text.contains("parameters"), "inspect: {text}");
+    let mut cks: Vec<PathBuf> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    cks.sort();
+    let ck = cks
+        .last()
+        .expect("a checkpoint")
+        .to_str()
+        .unwrap()
+        .to_string();
+    let (code, text) = comera(&["inspect", &ck]);
+    assert_eq!(code, 0, "inspect checkpoint: {text}");
+    assert!(text.contains("progress"), "inspect checkpoint: {text}");
+    let (code, from_model) = comera(&["eval", r]);
+    assert_eq!(code, 0, "eval: {from_model}");
+    assert!(from_model.contains("loss"), "eval: {from_model}");
+    let (code, from_ck) = comera(&["eval", r, "--checkpoint", &ck]);
+    assert_eq!(code, 0, "eval --checkpoint: {from_ck}");
+    assert_eq!(
+        from_model, from_ck,
+        "the last checkpoint holds the final model"
+    );
+    let (code, text) = comera(&[&["predict", r][..], inputs].concat());
+    assert_eq!(code, 0, "predict: {text}");
+    assert!(text.contains(expect), "predict: {text}");
+    let out = run.join("export.safetensors");
+    let (code, text) = comera(&["export", r, "--compressed", out.to_str().unwrap()]);
+    assert_eq!(code, 0, "export: {text}");
+    assert!(out.exists(), "export: {text}");
+    let fig = run.join("plot.png");
+    let (code, text) = comera(&["plot", r, "--out", fig.to_str().unwrap()]);
+    assert_eq!(code, 0, "plot: {text}");
+    assert!(
+        std::fs::metadata(&fig).unwrap().len() > 1000,
+        "plot: {text}"
+    );
+}

@@ -1,10 +1,10 @@
 //! `comera bench rank RUN_DIR`: training-step time of a rank-adaptive run's model as it was
 //! at the start (initial ranks) and as it ended (truncated ranks), side by side in one run.
 
-use crate::bench::interleaved_medians;
+use crate::harness::{interleaved_medians, md_header, md_row, plain_stepper, ClassBatch};
 use anyhow::Context;
 use comera_model::Encoder;
-use comera_optim::{AdamW, AdamWConfig};
+use comera_optim::AdamWConfig;
 use comera_train::rank;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -21,27 +21,16 @@ pub struct RankArgs {
     seconds: f64,
 }
 
-/// A whole training step (forward, loss, backward, AdamW) of `model` on a fixed random batch.
-fn train_step(model: &mut Encoder, batch: usize) -> Box<dyn FnMut() + '_> {
-    let c = model.cfg.clone();
+/// The one training step (forward, loss, backward, AdamW) of `model` on a fixed batch.
+fn train_step(model: &mut Encoder, batch: usize) -> anyhow::Result<Box<dyn FnMut() + '_>> {
     let mut st = model.state(batch);
-    let n = batch * c.seq_len;
-    // Spread-out ids (a fixed stride through the vocabulary), none of them padding.
-    let ids: Vec<u32> = (0..n)
-        .map(|i| (1 + (i * 7919) % (c.vocab_size - 1)) as u32)
-        .collect();
-    let labels: Vec<usize> = (0..batch).map(|i| i % c.num_labels).collect();
-    st.load(&ids, &vec![0; n], &vec![1; n], &labels)
-        .expect("a batch of the model's own shape");
-    let mut opt = AdamW::new(AdamWConfig::default(), |f| model.visit_params_mut(f));
-    Box::new(move || {
-        model.zero_grad();
-        model
-            .forward(&mut st, true, 0)
+    ClassBatch::strided(&model.cfg, batch).load(&mut st)?;
+    let mut stepper = plain_stepper(AdamWConfig::default(), model);
+    Ok(Box::new(move || {
+        stepper
+            .step(model, &mut st, 0)
             .expect("ids below vocab_size");
-        model.backward(&mut st);
-        opt.step(1.0, 1.0, |f| model.visit_params_mut(f));
-    })
+    }))
 }
 
 pub fn run(a: RankArgs) -> anyhow::Result<ExitCode> {
@@ -65,8 +54,8 @@ pub fn run(a: RankArgs) -> anyhow::Result<ExitCode> {
     ];
     let ms = {
         let mut variants = vec![
-            train_step(&mut initial, a.batch),
-            train_step(&mut trained, a.batch),
+            train_step(&mut initial, a.batch)?,
+            train_step(&mut trained, a.batch)?,
         ];
         interleaved_medians(&mut variants, a.seconds)
     };
@@ -78,16 +67,25 @@ pub fn run(a: RankArgs) -> anyhow::Result<ExitCode> {
         rayon::current_num_threads(),
         a.run.display()
     );
-    println!(
-        "| model | params | compression vs dense | TT/TTM size S | median ms/step | tokens/s |"
-    );
-    println!("|---|---|---|---|---|---|");
+    let columns = [
+        "model",
+        "params",
+        "compression vs dense",
+        "TT/TTM size S",
+        "median ms/step",
+        "tokens/s",
+    ];
+    println!("{}", md_header(&columns, false));
     for ((name, params, size), ms) in rows.iter().zip(&ms) {
-        println!(
-            "| {name} | {params} | {:.1}× | {size} | {ms:.2} | {:.0} |",
-            dense / *params as f64,
-            tokens / ms * 1e3
-        );
+        let row = [
+            name.to_string(),
+            params.to_string(),
+            format!("{:.1}×", dense / *params as f64),
+            size.to_string(),
+            format!("{ms:.2}"),
+            format!("{:.0}", tokens / ms * 1e3),
+        ];
+        println!("{}", md_row(&row));
     }
     println!(
         "\nstep-time ratio initial / truncated: {:.2}×",

@@ -1,6 +1,6 @@
 //! `comera bench ttm`: TTM lookups (optimised, naive) vs a dense gather, forward+backward.
 
-use crate::bench::interleaved_medians;
+use crate::harness::{interleaved_medians, normal_vec, TextTable};
 use comera_layers::{Embedding, EmbeddingLayer, Lookup, RankGates, TtmEmbedding};
 use comera_tensor::{init, TtmShape};
 use rand_distr::{Distribution, Uniform, Zipf};
@@ -62,6 +62,9 @@ struct Case {
     dist: Option<f64>,
 }
 
+/// Column widths of the text table.
+const TABLE: TextTable = TextTable(&[17, 6, 8, 7, 11, 11, 11, 9, 11, 11]);
+
 pub fn run(a: TtmArgs) -> anyhow::Result<ExitCode> {
     let mut cases = Vec::new();
     for t in &a.tables {
@@ -95,17 +98,19 @@ pub fn run(a: TtmArgs) -> anyhow::Result<ExitCode> {
     if !a.json {
         println!("forward+backward µs per looked-up id (median); extra memory = lookup workspace; rank {}", a.rank);
         println!(
-            "{:<17} {:>6} {:>8} {:>7} {:>11} {:>11} {:>11} {:>9} {:>11} {:>11}",
-            "table",
-            "ids",
-            "dist",
-            "unique",
-            "optimized",
-            "naive",
-            "dense",
-            "naive/opt",
-            "opt MB",
-            "naive MB"
+            "{}",
+            TABLE.line(&[
+                "table",
+                "ids",
+                "dist",
+                "unique",
+                "optimized",
+                "naive",
+                "dense",
+                "naive/opt",
+                "opt MB",
+                "naive MB",
+            ])
         );
     }
     let mut dense_cache: Option<(usize, usize, Embedding)> = None;
@@ -123,8 +128,7 @@ pub fn run(a: TtmArgs) -> anyhow::Result<ExitCode> {
         uniq.sort_unstable();
         uniq.dedup();
         let d = c.shape.dim();
-        let mut dy = vec![0.0; c.tokens * d];
-        init::fill_normal(&mut rng, &mut dy, 1.0);
+        let dy = normal_vec(&mut rng, c.tokens * d);
         let (mut t_opt, mut t_naive) = (ttm.clone(), ttm.clone());
         let mut ws_opt = t_opt.workspace_with(c.tokens, Lookup::Optimized);
         let mut ws_naive = t_naive.workspace_with(c.tokens, Lookup::Naive);
@@ -190,19 +194,19 @@ pub fn run(a: TtmArgs) -> anyhow::Result<ExitCode> {
             } else {
                 "-".into()
             };
-            println!(
-                "{:<17} {:>6} {:>8} {:>7} {:>11.3} {:>11.3} {:>11} {:>9.2} {:>11.1} {:>11.1}",
-                c.table,
-                c.tokens,
+            let row = [
+                c.table.to_string(),
+                c.tokens.to_string(),
                 dist,
-                uniq.len(),
-                per_id(med[0]),
-                per_id(med[1]),
+                uniq.len().to_string(),
+                format!("{:.3}", per_id(med[0])),
+                format!("{:.3}", per_id(med[1])),
                 dense,
-                med[1] / med[0],
-                opt_bytes as f64 / 1e6,
-                naive_bytes as f64 / 1e6
-            );
+                format!("{:.2}", med[1] / med[0]),
+                format!("{:.1}", opt_bytes as f64 / 1e6),
+                format!("{:.1}", naive_bytes as f64 / 1e6),
+            ];
+            println!("{}", TABLE.line(&row));
         }
     }
     Ok(ExitCode::SUCCESS)

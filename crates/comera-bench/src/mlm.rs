@@ -6,15 +6,11 @@
 //! AdamW) on the same synthetic batch in this process; arms alternate round by round and the
 //! medians of the per-step times are reported, with ratios to the dense arm.
 
-use crate::bench::median;
+use crate::harness::{interleave, md_header, md_row, median, plain_stepper, MlmBatch};
 use comera_model::{Encoder, EncoderConfig, HeadKind, MlmDecoderKind};
-use comera_optim::AdamW;
 use comera_train::RunConfig;
-use rand::seq::SliceRandom;
-use rand::Rng;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct MlmArgs {
@@ -61,14 +57,6 @@ fn arm_config(base: &EncoderConfig, arm: &str) -> anyhow::Result<EncoderConfig> 
     Ok(c)
 }
 
-struct Arm {
-    name: String,
-    model: Encoder,
-    st: comera_model::EncoderState,
-    opt: AdamW,
-    times: Vec<f64>,
-}
-
 pub fn run(a: MlmArgs) -> anyhow::Result<ExitCode> {
     let cfg = RunConfig::from_file(&a.config)?;
     let phases = cfg.phases();
@@ -77,59 +65,36 @@ pub fn run(a: MlmArgs) -> anyhow::Result<ExitCode> {
     let vocab = cfg.model.vocab_size as u32;
     let rows = (t as f64 * cfg.data.select_prob).ceil() as usize;
     // One synthetic batch: random ordinary ids, `rows` labelled positions per sequence.
-    let mut rng = comera_tensor::init::rng(cfg.train.seed);
-    let ids: Vec<u32> = (0..b * t).map(|_| rng.random_range(1000..vocab)).collect();
-    let mask = vec![1u32; b * t];
-    let mut labels = vec![-100i32; b * t];
-    let mut selected = Vec::new();
-    for r in 0..b {
-        let mut pos: Vec<usize> = (1..t - 1).collect();
-        pos.shuffle(&mut rng);
-        let mut pos = pos[..rows.min(t - 2)].to_vec();
-        pos.sort_unstable();
-        for p in pos {
-            let i = r * t + p;
-            labels[i] = ids[i] as i32;
-            selected.push(i as u32);
-        }
-    }
-    let mut arms = Vec::new();
+    let batch = MlmBatch::random(b, t, rows, vocab, cfg.train.seed);
+    let mut models = Vec::new();
     for name in &a.arms {
         let c = arm_config(&cfg.model, name)?;
         let mut model = Encoder::new(&c, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?;
         let mut st = model
             .state_for(b, t, rows)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        st.load_mlm(&ids, &mask, &labels, &selected)
-            .map_err(anyhow::Error::msg)?;
-        let opt = AdamW::new(cfg.optim.clone(), |f| model.visit_params_mut(f));
-        arms.push(Arm {
-            name: name.clone(),
-            model,
-            st,
-            opt,
-            times: Vec::new(),
-        });
+        batch.load(&mut st)?;
+        let stepper = plain_stepper(cfg.optim.clone(), &mut model);
+        models.push((model, st, stepper));
     }
-    let step = |arm: &mut Arm| -> anyhow::Result<f64> {
-        let t0 = Instant::now();
-        arm.model.zero_grad();
-        arm.model.forward(&mut arm.st, true, 0)?;
-        arm.model.backward(&mut arm.st);
-        arm.opt.step(1.0, 1.0, |f| arm.model.visit_params_mut(f));
-        Ok(t0.elapsed().as_secs_f64() * 1e3)
+    // One warm-up step per arm (and the one place a failing step reports its error).
+    for (model, st, stepper) in &mut models {
+        stepper.step(model, st, 0)?;
+    }
+    let one_call_per_sample = vec![1; models.len()];
+    let times = {
+        let mut steps: Vec<Box<dyn FnMut() + '_>> = models
+            .iter_mut()
+            .map(|(model, st, stepper)| {
+                Box::new(move || {
+                    stepper
+                        .step(model, st, 0)
+                        .expect("the warm-up step succeeded");
+                }) as Box<dyn FnMut()>
+            })
+            .collect();
+        interleave(&mut steps, a.rounds, a.steps, &one_call_per_sample)
     };
-    for arm in &mut arms {
-        step(arm)?;
-    }
-    for _ in 0..a.rounds {
-        for arm in &mut arms {
-            for _ in 0..a.steps {
-                let ms = step(arm)?;
-                arm.times.push(ms);
-            }
-        }
-    }
     println!(
         "MLM training steps: batch {b} × seq {t}, {rows} predicted positions per sequence, vocab {vocab}; {} threads; {} rounds × {} steps per arm, interleaved",
         rayon::current_num_threads(),
@@ -137,21 +102,30 @@ pub fn run(a: MlmArgs) -> anyhow::Result<ExitCode> {
         a.steps
     );
     println!();
-    println!("| arm | parameters | median ms/step | tokens/s | vs dense |");
-    println!("|---|---|---|---|---|");
-    let dense_ms = arms
+    let columns = [
+        "arm",
+        "parameters",
+        "median ms/step",
+        "tokens/s",
+        "vs dense",
+    ];
+    println!("{}", md_header(&columns, false));
+    let medians: Vec<f64> = times.into_iter().map(median).collect();
+    let dense_ms = a
+        .arms
         .iter()
-        .find(|x| x.name == "dense")
-        .map(|x| median(x.times.clone()));
-    for arm in &arms {
-        let ms = median(arm.times.clone());
+        .position(|name| name == "dense")
+        .map(|i| medians[i]);
+    for ((name, (model, _, _)), &ms) in a.arms.iter().zip(&models).zip(&medians) {
         let ratio = dense_ms.map_or("-".to_string(), |d| format!("{:.2}× faster", d / ms));
-        println!(
-            "| {} | {} | {ms:.1} | {:.0} | {ratio} |",
-            arm.name,
-            arm.model.num_params(),
-            (b * t) as f64 / ms * 1e3
-        );
+        let row = [
+            name.clone(),
+            model.num_params().to_string(),
+            format!("{ms:.1}"),
+            format!("{:.0}", (b * t) as f64 / ms * 1e3),
+            ratio,
+        ];
+        println!("{}", md_row(&row));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -6,14 +6,15 @@
 //! one model alone; children run one after the other, dense and TT alternating for
 //! `--rounds`, and the reported median is over every timed step of every round.
 
-use crate::bench::median;
+use crate::harness::{
+    median_ms, normal_vec, peak_rss_bytes, report_to_parent, run_child, ClassBatch, StepTimes,
+    TextTable, MB,
+};
 use comera_model::{Encoder, EncoderConfig};
-use comera_optim::{clip_scale, AdamW, AdamWConfig};
+use comera_optim::{clip_scale, AdamW, AdamWConfig, Optimizer, Stepper};
 use comera_tensor::{factor::balanced_factorisations, init};
-use rand_distr::{Distribution, Uniform};
 use serde::{Deserialize, Serialize};
-use std::process::{Command, ExitCode, Stdio};
-use std::time::Instant;
+use std::process::ExitCode;
 
 #[derive(clap::Args, Clone)]
 pub struct StepArgs {
@@ -62,10 +63,7 @@ struct ChildReport {
     model: String,
     batch: usize,
     seq_len: usize,
-    step_ms: Vec<f64>,
-    fwd_ms: Vec<f64>,
-    bwd_ms: Vec<f64>,
-    opt_ms: Vec<f64>,
+    times: StepTimes,
     peak_rss_bytes: u64,
     params: usize,
     dense_equivalent_params: usize,
@@ -141,86 +139,44 @@ fn config(a: &StepArgs, model: &str) -> anyhow::Result<EncoderConfig> {
     Ok(c)
 }
 
-/// `VmHWM` (peak resident set) of this process, in bytes.
-pub(crate) fn peak_rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
-}
-
 /// Runs one model at one batch size in this process.
 fn child(a: &StepArgs, model: &str) -> anyhow::Result<ChildReport> {
     anyhow::ensure!(a.batch.len() == 1, "--child takes exactly one --batch");
     let b = a.batch[0];
     anyhow::ensure!(b >= 1, "--batch must be at least 1");
     let cfg = config(a, model)?;
-    let t = cfg.seq_len;
-    let n = b * t;
     let mut enc = Encoder::new(&cfg, SEED)?;
     let mut st = enc.state(b);
     let ocfg = AdamWConfig::default();
-    let clip = ocfg.clip_norm;
-    let mut opt = AdamW::new(ocfg, |f| enc.visit_params_mut(f));
+    let clip_norm = ocfg.clip_norm;
+    let mut stepper = Stepper::plain(Optimizer::new(ocfg, None, &mut enc), &enc);
+    stepper.clip_norm = clip_norm;
 
     // Inputs: random ids, two segments, last 10% of positions padded in every other sequence.
-    let mut rng = init::rng(SEED + 1);
-    let ids_d = Uniform::new(0, cfg.vocab_size as u32).expect("vocab ≥ 1");
-    let ids: Vec<u32> = (0..n).map(|_| ids_d.sample(&mut rng)).collect();
-    let types: Vec<u32> = (0..n).map(|i| ((i % t) >= t / 2) as u32).collect();
-    let pad = t / 10;
-    let mask: Vec<u32> = (0..n)
-        .map(|i| {
-            let (s, p) = (i / t, i % t);
-            (s % 2 == 0 || p == 0 || p < t - pad) as u32
-        })
-        .collect();
-    let lab_d = Uniform::new(0, cfg.num_labels).expect("labels ≥ 2");
-    let labels: Vec<usize> = (0..b).map(|_| lab_d.sample(&mut rng)).collect();
-    st.load(&ids, &types, &mask, &labels)
-        .map_err(|e| anyhow::anyhow!(e))?;
+    ClassBatch::random(&cfg, b, SEED + 1).load(&mut st)?;
 
-    let (mut step_ms, mut fwd_ms, mut bwd_ms, mut opt_ms) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut times = StepTimes::default();
     let mut loss = 0.0;
     for step in 0..WARMUP + a.steps {
-        let t0 = Instant::now();
-        let stats = enc.forward(&mut st, true, step as u64)?;
-        let t1 = Instant::now();
-        enc.zero_grad();
-        enc.backward(&mut st);
-        let t2 = Instant::now();
-        let (scale, _norm) = clip_scale(clip, |f| enc.visit_params_mut(f));
-        opt.step(1.0, scale, |f| enc.visit_params_mut(f));
-        let t3 = Instant::now();
-        loss = stats.loss;
+        let r = stepper.step(&mut enc, &mut st, step as u64)?;
+        loss = r.stats.loss;
         if step >= WARMUP {
-            let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-            step_ms.push(ms(t0, t3));
-            fwd_ms.push(ms(t0, t1));
-            bwd_ms.push(ms(t1, t2));
-            opt_ms.push(ms(t2, t3));
+            times.push_report(&r);
         }
     }
     let params = enc.num_params();
     Ok(ChildReport {
         model: model.to_string(),
         batch: b,
-        seq_len: t,
-        step_ms,
-        fwd_ms,
-        bwd_ms,
-        opt_ms,
+        seq_len: cfg.seq_len,
+        times,
         peak_rss_bytes: peak_rss_bytes(),
         params,
         dense_equivalent_params: enc.dense_equivalent_params(),
         param_bytes: 2 * 4 * params,
         // Includes the scratch pool the TT/TTM layers share on this thread.
         state_bytes: st.bytes(),
-        optimizer_bytes: opt.bytes(),
+        optimizer_bytes: stepper.optimizer.bytes(),
         loss,
         threads: rayon::current_num_threads(),
     })
@@ -228,17 +184,10 @@ fn child(a: &StepArgs, model: &str) -> anyhow::Result<ChildReport> {
 
 /// Re-invokes this executable for one (model, batch) and parses its report.
 fn spawn(a: &StepArgs, model: &str, batch: usize, threads: usize) -> anyhow::Result<ChildReport> {
-    // /proc/self/exe still runs this binary if a concurrent build has replaced the file.
-    let proc_exe = std::path::Path::new("/proc/self/exe");
-    let exe = if proc_exe.exists() {
-        proc_exe.to_path_buf()
-    } else {
-        std::env::current_exe()?
-    };
-    let mut cmd = Command::new(exe);
-    cmd.args(["--threads", &threads.to_string(), "bench", "step"])
-        .args(["--child", model, "--batch", &batch.to_string()])
-        .args(["--steps", &a.steps.to_string()]);
+    let mut args: Vec<String> = ["step", "--child", model, "--batch", &batch.to_string()]
+        .map(String::from)
+        .to_vec();
+    args.extend(["--steps".to_string(), a.steps.to_string()]);
     for (flag, v) in [
         ("--seq-len", a.seq_len),
         ("--layers", a.layers),
@@ -247,25 +196,11 @@ fn spawn(a: &StepArgs, model: &str, batch: usize, threads: usize) -> anyhow::Res
         ("--heads", a.heads),
     ] {
         if let Some(v) = v {
-            cmd.args([flag, &v.to_string()]);
+            args.extend([flag.to_string(), v.to_string()]);
         }
     }
-    let out = cmd.stdin(Stdio::null()).stderr(Stdio::inherit()).output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "child `{model}` at batch {batch} failed ({})",
-        out.status
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .ok_or_else(|| anyhow::anyhow!("child `{model}` printed no report"))?;
-    Ok(serde_json::from_str(line)?)
+    run_child(threads, &args, &format!("`{model}` at batch {batch}"))
 }
-
-const MB: f64 = 1024.0 * 1024.0;
 
 /// One model's rounds merged: medians over all timed steps, the largest peak RSS.
 struct Merged {
@@ -279,11 +214,7 @@ struct Merged {
 
 fn merge(reports: Vec<ChildReport>) -> Merged {
     let rss = reports.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0);
-    let all = |f: fn(&ChildReport) -> &Vec<f64>| {
-        median(reports.iter().flat_map(|r| f(r).iter().copied()).collect())
-    };
-    let median_ms = all(|r| &r.step_ms);
-    let (fwd, bwd, opt) = (all(|r| &r.fwd_ms), all(|r| &r.bwd_ms), all(|r| &r.opt_ms));
+    let [median_ms, fwd, bwd, opt] = StepTimes::pooled(reports.iter().map(|r| &r.times));
     let r = reports.into_iter().next().expect("at least one round");
     Merged {
         r,
@@ -295,6 +226,9 @@ fn merge(reports: Vec<ChildReport>) -> Merged {
     }
 }
 
+/// Column widths of the text table.
+const TABLE: TextTable = TextTable(&[6, 5, 10, 9, 9, 9, 10, 11, 9, 10, 10, 10, 10]);
+
 pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
     if a.ops {
         rayon::scope(|_| ops(&a))?;
@@ -302,8 +236,7 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
     }
     if let Some(model) = a.child.clone() {
         let rep = rayon::scope(|_| child(&a, &model))?; // on a pool worker, as `comera train` runs
-        println!("{}", serde_json::to_string(&rep)?);
-        return Ok(ExitCode::SUCCESS);
+        return report_to_parent(&rep);
     }
     anyhow::ensure!(a.rounds >= 1, "--rounds must be at least 1");
     anyhow::ensure!(a.steps >= 1, "--steps must be at least 1");
@@ -321,20 +254,22 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
             c.layers, c.d_model, c.ffn, c.heads, c.seq_len, a.steps, a.rounds
         );
         println!(
-            "{:<6} {:>5} {:>10} {:>9} {:>9} {:>9} {:>10} {:>11} {:>9} {:>10} {:>10} {:>10} {:>10}",
-            "model",
-            "batch",
-            "median_ms",
-            "fwd_ms",
-            "bwd_ms",
-            "opt_ms",
-            "tokens/s",
-            "params",
-            "rss_MB",
-            "param+g_MB",
-            "adam_MB",
-            "state_MB",
-            "engine_MB"
+            "{}",
+            TABLE.line(&[
+                "model",
+                "batch",
+                "median_ms",
+                "fwd_ms",
+                "bwd_ms",
+                "opt_ms",
+                "tokens/s",
+                "params",
+                "rss_MB",
+                "param+g_MB",
+                "adam_MB",
+                "state_MB",
+                "engine_MB",
+            ])
         );
     }
     for &batch in &a.batch {
@@ -368,22 +303,22 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
                 }
                 println!("{rec}");
             } else {
-                println!(
-                    "{:<6} {:>5} {:>10.2} {:>9.2} {:>9.2} {:>9.2} {:>10.0} {:>11} {:>9.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
-                    r.model,
-                    r.batch,
-                    m.median_ms,
-                    m.fwd,
-                    m.bwd,
-                    m.opt,
-                    tokens_per_s,
-                    r.params,
-                    m.rss as f64 / MB,
-                    r.param_bytes as f64 / MB,
-                    r.optimizer_bytes as f64 / MB,
-                    r.state_bytes as f64 / MB,
-                    engine as f64 / MB
-                );
+                let row = [
+                    r.model.clone(),
+                    r.batch.to_string(),
+                    format!("{:.2}", m.median_ms),
+                    format!("{:.2}", m.fwd),
+                    format!("{:.2}", m.bwd),
+                    format!("{:.2}", m.opt),
+                    format!("{tokens_per_s:.0}"),
+                    r.params.to_string(),
+                    format!("{:.1}", m.rss as f64 / MB),
+                    format!("{:.1}", r.param_bytes as f64 / MB),
+                    format!("{:.1}", r.optimizer_bytes as f64 / MB),
+                    format!("{:.1}", r.state_bytes as f64 / MB),
+                    format!("{:.1}", engine as f64 / MB),
+                ];
+                println!("{}", TABLE.line(&row));
             }
         }
         if let (Some(d), Some(t), false) = (dense, tt, a.json) {
@@ -405,20 +340,6 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Median ms of `f` over `reps` calls after one warm-up call.
-fn time_ms(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut v: Vec<f64> = (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// `--ops`: each operation of a TT/TTM training step timed on its own.
 fn ops(a: &StepArgs) -> anyhow::Result<()> {
     use comera_layers::activation::Gelu;
@@ -432,11 +353,6 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
     let n = b * t;
     let reps = a.steps.max(5);
     let mut rng = init::rng(SEED);
-    let rand = |rng: &mut init::Rng, len: usize| {
-        let mut v = vec![0.0f32; len];
-        init::fill_normal(rng, &mut v, 1.0);
-        v
-    };
     let mut rows: Vec<(String, f64, usize)> = Vec::new();
     let rule = RankGates::new(cfg.threshold);
     let tt =
@@ -448,8 +364,8 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
     ] {
         let mut layer = TtLinear::new(name, shape, rule, &mut rng)?;
         let mut ws = layer.workspace(n);
-        let x = rand(&mut rng, n * layer.in_features());
-        let dy = rand(&mut rng, n * layer.out_features());
+        let x = normal_vec(&mut rng, n * layer.in_features());
+        let dy = normal_vec(&mut rng, n * layer.out_features());
         let mut y = vec![0.0; n * layer.out_features()];
         let mut dx = vec![0.0; n * layer.in_features()];
         rows.push((
@@ -458,56 +374,56 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
                 ws.path(),
                 ws.bytes() as f64 / MB
             ),
-            time_ms(reps, || layer.forward(&mut ws, &x, &mut y)),
+            median_ms(reps, || layer.forward(&mut ws, &x, &mut y)),
             count,
         ));
         rows.push((
             format!("{name} bwd"),
-            time_ms(reps, || layer.backward(&mut ws, &x, &dy, Some(&mut dx))),
+            median_ms(reps, || layer.backward(&mut ws, &x, &dy, Some(&mut dx))),
             count,
         ));
     }
     let attn = Attention::new(d, cfg.heads);
     let mut aws = attn.workspace(b, t);
-    let qkv = rand(&mut rng, 3 * n * d);
-    let dout = rand(&mut rng, n * d);
+    let qkv = normal_vec(&mut rng, 3 * n * d);
+    let dout = normal_vec(&mut rng, n * d);
     let mut out = vec![0.0; n * d];
     let mut dqkv = vec![0.0; 3 * n * d];
     let mask: Vec<u8> = (0..n).map(|i| (i % t < t - t / 10) as u8).collect();
     rows.push((
         "attention fwd".into(),
-        time_ms(reps, || attn.forward(&mut aws, &qkv, Some(&mask), &mut out)),
+        median_ms(reps, || attn.forward(&mut aws, &qkv, Some(&mask), &mut out)),
         nl,
     ));
     rows.push((
         "attention bwd".into(),
-        time_ms(reps, || attn.backward(&mut aws, &qkv, &dout, &mut dqkv)),
+        median_ms(reps, || attn.backward(&mut aws, &qkv, &dout, &mut dqkv)),
         nl,
     ));
     let mut ln = LayerNorm::new("ln", d);
     let mut lws = ln.workspace(n);
-    let x = rand(&mut rng, n * d);
+    let x = normal_vec(&mut rng, n * d);
     let mut y = vec![0.0; n * d];
     rows.push((
         "layernorm fwd".into(),
-        time_ms(reps, || ln.forward(&mut lws, &x, &mut y)),
+        median_ms(reps, || ln.forward(&mut lws, &x, &mut y)),
         2 * nl + 1,
     ));
     rows.push((
         "layernorm bwd".into(),
-        time_ms(reps, || ln.backward(&mut lws, &x, &dout, Some(&mut y))),
+        median_ms(reps, || ln.backward(&mut lws, &x, &dout, Some(&mut y))),
         2 * nl + 1,
     ));
-    let h = rand(&mut rng, n * f);
+    let h = normal_vec(&mut rng, n * f);
     let mut g = vec![0.0; n * f];
     rows.push((
         "gelu fwd".into(),
-        time_ms(reps, || Gelu.forward(&h, &mut g)),
+        median_ms(reps, || Gelu.forward(&h, &mut g)),
         nl,
     ));
     rows.push((
         "gelu bwd".into(),
-        time_ms(reps, || Gelu.backward_in_place(&h, &mut g)),
+        median_ms(reps, || Gelu.backward_in_place(&h, &mut g)),
         nl,
     ));
     let w = &cfg.word_ttm;
@@ -518,17 +434,17 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         .map(|i| (i * 7919) % cfg.vocab_size as u32)
         .collect();
     let mut ey = vec![0.0; n * d];
-    let dey = rand(&mut rng, n * d);
+    let dey = normal_vec(&mut rng, n * d);
     rows.push((
         format!("ttm fwd [ws {:.2} MB]", ews.bytes() as f64 / MB),
-        time_ms(reps, || {
+        median_ms(reps, || {
             emb.forward(&mut ews, &ids, &mut ey).expect("ids < V")
         }),
         1,
     ));
     rows.push((
         "ttm bwd".into(),
-        time_ms(reps, || emb.backward(&mut ews, &ids, &dey)),
+        median_ms(reps, || emb.backward(&mut ews, &ids, &dey)),
         1,
     ));
     let mut enc = Encoder::new(&cfg, SEED)?;
@@ -536,33 +452,35 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
     let mut opt = AdamW::new(ocfg, |f| enc.visit_params_mut(f));
     rows.push((
         format!("clip norm ({} params)", enc.num_params()),
-        time_ms(reps, || {
+        median_ms(reps, || {
             clip_scale(1.0, |f| enc.visit_params_mut(f));
         }),
         1,
     ));
     rows.push((
         "adamw".into(),
-        time_ms(reps, || opt.step(1.0, 1.0, |f| enc.visit_params_mut(f))),
+        median_ms(reps, || opt.step(1.0, 1.0, |f| enc.visit_params_mut(f))),
         1,
     ));
-    rows.push(("zero grad".into(), time_ms(reps, || enc.zero_grad()), 1));
+    rows.push(("zero grad".into(), median_ms(reps, || enc.zero_grad()), 1));
     println!(
         "per-operation medians, batch {b} ({n} tokens), {} threads",
         rayon::current_num_threads()
     );
-    println!(
-        "{:<44} {:>10} {:>6} {:>10}",
-        "op", "ms/call", "calls", "ms/step"
-    );
+    let table = TextTable(&[44, 10, 6, 10]);
+    println!("{}", table.line(&["op", "ms/call", "calls", "ms/step"]));
     let mut total = 0.0;
     for (name, ms, count) in &rows {
-        total += ms * *count as f64;
-        println!(
-            "{name:<44} {ms:>10.3} {count:>6} {:>10.2}",
-            ms * *count as f64
-        );
+        let per_step = ms * *count as f64;
+        total += per_step;
+        let row = [
+            name.clone(),
+            format!("{ms:.3}"),
+            count.to_string(),
+            format!("{per_step:.2}"),
+        ];
+        println!("{}", table.line(&row));
     }
-    println!("{:<44} {:>10} {:>6} {total:>10.2}", "sum", "", "");
+    println!("{}", table.line(&["sum", "", "", &format!("{total:.2}")]));
     Ok(())
 }

@@ -18,25 +18,24 @@
 //! Results are printed and written to the output directory as `compare.md`, `compare.json` and
 //! `compare.png` (bar charts), beside each arm's resolved config and training run directory.
 
-use crate::bench::median;
-use crate::bench_step::peak_rss_bytes;
+use crate::harness::{
+    current_rss_bytes, md_header, md_row, peak_rss_bytes, pooled_median, report_to_parent,
+    run_child, ClassBatch, StepTimes, MB,
+};
 use anyhow::{bail, ensure, Context};
 use comera_layers::attention::Attention;
-use comera_model::{AnyLinear, Encoder, EncoderConfig, WordEmbedding};
-use comera_optim::{clip_scale, AdamW, GaLore};
-use comera_tensor::init;
+use comera_model::{AnyEmbedding, AnyLinear, Encoder, EncoderConfig};
+use comera_optim::{Decay, Optimizer, Schedule, Stepper};
 use comera_train::plot::{plot_panels, Panel, Series};
 use comera_train::{RankController, RunConfig};
-use rand_distr::{Distribution, Uniform};
 use serde::{Deserialize, Serialize};
+use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
-use std::time::Instant;
+use std::process::ExitCode;
 
 const ARMS: [&str; 3] = ["dense", "galore", "comera"];
 const WARMUP: usize = 2;
-const MB: f64 = 1024.0 * 1024.0;
 /// Largest disagreement between the engine's accounting and the peak RSS that counts as
 /// agreement (relative to the peak RSS).
 const AGREE: f64 = 0.15;
@@ -97,13 +96,9 @@ struct TimeReport {
     batch: usize,
     seq_len: usize,
     threads: usize,
-    step_ms: Vec<f64>,
-    fwd_ms: Vec<f64>,
-    bwd_ms: Vec<f64>,
-    opt_ms: Vec<f64>,
-    /// GaLore: whole steps that recomputed the projections, and their optimiser part.
-    refresh_ms: Vec<f64>,
-    refresh_opt_ms: Vec<f64>,
+    times: StepTimes,
+    /// GaLore: the steps that recomputed the projections.
+    refresh: StepTimes,
     update_every: Option<u64>,
     peak_rss_bytes: u64,
     /// RSS when the child started (binary, libraries, thread pool), before the model.
@@ -198,49 +193,13 @@ fn base_config(a: &CompareArgs) -> anyhow::Result<RunConfig> {
     Ok(c)
 }
 
-/// `VmRSS` (current resident set) of this process, in bytes.
-fn current_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
-}
-
-/// A fixed synthetic batch: uniform ids, two segments, the last 10% of positions padded in
-/// every other sequence, uniform labels.
-fn synthetic_batch(
-    cfg: &EncoderConfig,
-    b: usize,
-    seed: u64,
-) -> (Vec<u32>, Vec<u32>, Vec<u32>, Vec<usize>) {
-    let t = cfg.seq_len;
-    let n = b * t;
-    let mut rng = init::rng(seed);
-    let ids_d = Uniform::new(0, cfg.vocab_size as u32).expect("vocab ≥ 1");
-    let ids = (0..n).map(|_| ids_d.sample(&mut rng)).collect();
-    let types = (0..n).map(|i| ((i % t) >= t / 2) as u32).collect();
-    let pad = t / 10;
-    let mask = (0..n)
-        .map(|i| {
-            let (s, p) = (i / t, i % t);
-            (s % 2 == 0 || p == 0 || p < t - pad) as u32
-        })
-        .collect();
-    let lab_d = Uniform::new(0, cfg.num_labels.max(1)).expect("labels ≥ 1");
-    let labels = (0..b).map(|_| lab_d.sample(&mut rng)).collect();
-    (ids, types, mask, labels)
-}
-
 /// Bytes of the layer workspaces an `EncoderState` for `b` sequences holds (TT/TTM saved
 /// intermediates and scratch, attention probabilities): made afresh with the layers' own
 /// constructors and measured, one at a time (call after reading the peak RSS).
 fn layer_workspace_bytes(enc: &Encoder, b: usize) -> usize {
     let c = &enc.cfg;
     let n = b * c.seq_len;
-    let mut total = WordEmbedding::workspace_bytes(&enc.word.workspace(n));
+    let mut total = AnyEmbedding::workspace_bytes(&enc.word.workspace(n));
     for blk in &enc.blocks {
         for l in [&blk.q, &blk.k, &blk.v, &blk.o, &blk.up, &blk.down] {
             total += AnyLinear::workspace_bytes(&l.workspace(n));
@@ -249,11 +208,6 @@ fn layer_workspace_bytes(enc: &Encoder, b: usize) -> usize {
     // As the encoder makes them: P is recomputed in the backward, not kept.
     let attn = Attention::new(c.d_model, c.heads).workspace_recompute(b, c.seq_len);
     total + c.layers * Attention::workspace_bytes(&attn)
-}
-
-enum Opt {
-    AdamW(AdamW),
-    GaLore(Box<GaLore>),
 }
 
 /// One arm at one batch size, in this process.
@@ -265,27 +219,26 @@ fn time_child(cfg: &RunConfig, arm: &str, a: &CompareArgs) -> anyhow::Result<Tim
     let mcfg = &cfg.model;
     let mut enc = Encoder::new(mcfg, cfg.train.seed)?;
     let mut st = enc.state(b);
-    let mut rank = RankController::new(&cfg.rank, &enc);
-    let mut opt = match &cfg.galore {
-        Some(g) => Opt::GaLore(Box::new(GaLore::new(cfg.optim.clone(), g.clone(), |f| {
-            enc.visit_params_mut(f)
-        }))),
-        None => {
-            let mut o = AdamW::new(cfg.optim.clone(), |f| enc.visit_params_mut(f));
-            if rank.active() {
-                o.freeze_gates_at = Some(mcfg.threshold);
-            }
-            Opt::AdamW(o)
-        }
+    // The training step as runs take it (constant learning rate: the schedule does not change
+    // the work).
+    let optimizer = Optimizer::new(cfg.optim.clone(), cfg.galore.clone(), &mut enc);
+    let rank = RankController::new(&cfg.rank, &enc);
+    let schedule = Schedule {
+        warmup: 0,
+        total: u64::MAX,
+        decay: Decay::Constant,
     };
-    let (ids, types, mask, labels) = synthetic_batch(mcfg, b, cfg.train.seed.wrapping_add(1));
-    st.load(&ids, &types, &mask, &labels)
-        .map_err(|e| anyhow::anyhow!(e))?;
+    let mut stepper = Stepper::new(
+        optimizer,
+        rank,
+        schedule,
+        cfg.optim.clip_norm,
+        mcfg.threshold,
+    );
+    ClassBatch::random(mcfg, b, cfg.train.seed.wrapping_add(1)).load(&mut st)?;
 
-    let (mut step_ms, mut fwd_ms, mut bwd_ms, mut opt_ms) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut refresh_ms, mut refresh_opt_ms) = (Vec::new(), Vec::new());
-    let refreshes = if matches!(opt, Opt::GaLore(_)) {
+    let (mut times, mut refresh_times) = (StepTimes::default(), StepTimes::default());
+    let refreshes = if matches!(stepper.optimizer, Optimizer::GaLore(_)) {
         a.refresh_steps
     } else {
         0
@@ -293,46 +246,26 @@ fn time_child(cfg: &RunConfig, arm: &str, a: &CompareArgs) -> anyhow::Result<Tim
     let mut loss = 0.0;
     for step in 0..WARMUP + a.steps + refreshes {
         let forced = step >= WARMUP + a.steps;
-        let refresh = match &mut opt {
-            Opt::GaLore(g) => {
+        let refresh = match &mut stepper.optimizer {
+            Optimizer::GaLore(g) => {
                 if forced {
                     g.request_refresh();
                 }
                 g.refresh_due()
             }
-            Opt::AdamW(_) => false,
+            Optimizer::AdamW(_) => false,
         };
-        let t0 = Instant::now();
-        enc.zero_grad();
-        let s = enc.forward(&mut st, true, step as u64)?;
-        let t1 = Instant::now();
-        enc.backward(&mut st);
-        rank.apply(&mut enc, s.loss);
-        let t2 = Instant::now();
-        let (scale, _) = clip_scale(cfg.optim.clip_norm, |f| enc.visit_params_mut(f));
-        match &mut opt {
-            Opt::AdamW(o) => o.step(1.0, scale, |f| enc.visit_params_mut(f)),
-            Opt::GaLore(o) => o.step(1.0, scale, |f| enc.visit_params_mut(f)),
-        }
-        let t3 = Instant::now();
-        ensure!(
-            s.loss.is_finite(),
-            "{arm}: loss is {} at step {step}",
-            s.loss
-        );
-        loss = s.loss;
-        let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-        if step < WARMUP {
-            continue;
-        }
-        if refresh {
-            refresh_ms.push(ms(t0, t3));
-            refresh_opt_ms.push(ms(t2, t3));
-        } else {
-            step_ms.push(ms(t0, t3));
-            fwd_ms.push(ms(t0, t1));
-            bwd_ms.push(ms(t1, t2));
-            opt_ms.push(ms(t2, t3));
+        let r = stepper
+            .step(&mut enc, &mut st, step as u64)
+            .with_context(|| format!("{arm}: step {step}"))?;
+        loss = r.stats.loss;
+        if step >= WARMUP {
+            let kind = if refresh {
+                &mut refresh_times
+            } else {
+                &mut times
+            };
+            kind.push_report(&r);
         }
     }
     let peak_rss_bytes = peak_rss_bytes();
@@ -345,9 +278,9 @@ fn time_child(cfg: &RunConfig, arm: &str, a: &CompareArgs) -> anyhow::Result<Tim
         + comera_layers::tt_linear::scratch_pool_bytes())
     .min(state);
     let workspace_bytes = layer_ws;
-    let (optimizer_bytes, galore_bytes, update_every) = match &opt {
-        Opt::AdamW(o) => (o.bytes(), None, None),
-        Opt::GaLore(g) => {
+    let (optimizer_bytes, galore_bytes, update_every) = match &stepper.optimizer {
+        Optimizer::AdamW(o) => (o.bytes(), None, None),
+        Optimizer::GaLore(g) => {
             let d = g.breakdown();
             (
                 d.total(),
@@ -361,12 +294,8 @@ fn time_child(cfg: &RunConfig, arm: &str, a: &CompareArgs) -> anyhow::Result<Tim
         batch: b,
         seq_len: mcfg.seq_len,
         threads: rayon::current_num_threads(),
-        step_ms,
-        fwd_ms,
-        bwd_ms,
-        opt_ms,
-        refresh_ms,
-        refresh_opt_ms,
+        times,
+        refresh: refresh_times,
         update_every,
         peak_rss_bytes,
         base_rss_bytes,
@@ -411,41 +340,19 @@ fn train_child(cfg: &RunConfig, arm: &str) -> anyhow::Result<TrainReport> {
     })
 }
 
-/// Re-invokes this executable as a child and parses the JSON line it prints last.
+/// Runs one child (`time:ARM` or `train:ARM`) on the arm's resolved config.
 fn spawn<T: serde::de::DeserializeOwned>(
     child: &str,
     resolved: &Path,
     extra: &[String],
     threads: usize,
 ) -> anyhow::Result<T> {
-    // /proc/self/exe still runs this binary if a concurrent build has replaced the file.
-    let proc_exe = Path::new("/proc/self/exe");
-    let exe = if proc_exe.exists() {
-        proc_exe.to_path_buf()
-    } else {
-        std::env::current_exe()?
-    };
-    let out = Command::new(exe)
-        .args(["--threads", &threads.to_string(), "bench", "compare"])
-        .args(["--child", child])
-        .arg("--resolved")
-        .arg(resolved)
-        .args(extra)
-        .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "child `{child}` failed ({})",
-        out.status
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .ok_or_else(|| anyhow::anyhow!("child `{child}` printed no report"))?;
-    Ok(serde_json::from_str(line)?)
+    let mut args: Vec<OsString> = ["compare", "--child", child, "--resolved"]
+        .map(OsString::from)
+        .to_vec();
+    args.push(resolved.into());
+    args.extend(extra.iter().map(OsString::from));
+    run_child(threads, &args, &format!("`{child}`"))
 }
 
 /// One arm at one batch, its rounds merged.
@@ -488,16 +395,12 @@ struct Timing {
 }
 
 fn merge(reports: Vec<TimeReport>) -> Timing {
-    let all = |f: fn(&TimeReport) -> &Vec<f64>| {
-        let v: Vec<f64> = reports.iter().flat_map(|r| f(r).iter().copied()).collect();
-        (!v.is_empty()).then(|| median(v))
-    };
-    let median_ms = all(|r| &r.step_ms).unwrap_or(f64::NAN);
-    let refresh_ms = all(|r| &r.refresh_ms);
-    let refresh_opt_ms = all(|r| &r.refresh_opt_ms);
+    let [median_ms, fwd_ms, bwd_ms, opt_ms] = StepTimes::pooled(reports.iter().map(|r| &r.times));
+    let refresh_ms = pooled_median(reports.iter().map(|r| &r.refresh.step_ms[..]));
+    let refresh_opt_ms = pooled_median(reports.iter().map(|r| &r.refresh.opt_ms[..]));
     let rss = reports.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0);
     let base = reports.iter().map(|r| r.base_rss_bytes).max().unwrap_or(0);
-    let steps = reports.iter().map(|r| r.step_ms.len()).sum();
+    let steps = reports.iter().map(|r| r.times.step_ms.len()).sum();
     let r = &reports[0];
     let amortised_ms = match (refresh_ms, r.update_every) {
         (Some(f), Some(t)) if t >= 1 => (median_ms * (t - 1) as f64 + f) / t as f64,
@@ -514,9 +417,9 @@ fn merge(reports: Vec<TimeReport>) -> Timing {
         threads: r.threads,
         steps,
         median_ms,
-        fwd_ms: all(|r| &r.fwd_ms).unwrap_or(f64::NAN),
-        bwd_ms: all(|r| &r.bwd_ms).unwrap_or(f64::NAN),
-        opt_ms: all(|r| &r.opt_ms).unwrap_or(f64::NAN),
+        fwd_ms,
+        bwd_ms,
+        opt_ms,
         tokens_per_s: (r.batch * r.seq_len) as f64 / (median_ms / 1e3),
         refresh_ms,
         refresh_opt_ms,
@@ -577,6 +480,12 @@ fn explain(r: &TimeReport, rss: u64, base: u64, engine: usize) -> String {
         );
     }
     s
+}
+
+/// `v` with `decimals` decimals, or "–" when there is none.
+fn or_dash(v: Option<f64>, decimals: usize) -> String {
+    v.map(|x| format!("{x:.decimals$}"))
+        .unwrap_or_else(|| "–".into())
 }
 
 fn arm_label(arm: &str) -> &str {
@@ -803,42 +712,52 @@ fn report(
              accounting checked against the peak RSS is the engine's bytes plus the process \
              baseline (its RSS when the child started, before the model was built).\n"
         );
-        let _ = writeln!(
-            md,
-            "| arm | batch | median ms/step | tokens/s | refresh ms | amortised ms | peak RSS MB \
-             | baseline MB | weights MB | grads MB | optimiser MB | activations MB | workspaces MB \
-             | engine MB | RSS − accounted | params | compression |"
-        );
-        let _ = writeln!(
-            md,
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-        );
+        let columns = [
+            "arm",
+            "batch",
+            "median ms/step",
+            "tokens/s",
+            "refresh ms",
+            "amortised ms",
+            "peak RSS MB",
+            "baseline MB",
+            "weights MB",
+            "grads MB",
+            "optimiser MB",
+            "activations MB",
+            "workspaces MB",
+            "engine MB",
+            "RSS − accounted",
+            "params",
+            "compression",
+        ];
+        let _ = writeln!(md, "{}", md_header(&columns, true));
+        let mb = |bytes: f64| format!("{:.1}", bytes / MB);
         for t in timings {
-            let _ = writeln!(
-                md,
-                "| {} | {} | {:.2} | {:.0} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | \
-                 {:.1} | {:.1} | {:.1} | {:+.1}%{} | {} | {:.1}x |",
-                arm_label(&t.arm),
-                t.batch,
-                t.median_ms,
-                t.tokens_per_s,
-                t.refresh_ms
-                    .map(|r| format!("{r:.0}"))
-                    .unwrap_or_else(|| "–".into()),
-                t.amortised_ms,
-                t.peak_rss_bytes as f64 / MB,
-                t.base_rss_bytes as f64 / MB,
-                t.weight_bytes as f64 / MB,
-                t.grad_bytes as f64 / MB,
-                t.optimizer_bytes as f64 / MB,
-                t.activation_bytes as f64 / MB,
-                t.workspace_bytes as f64 / MB,
-                t.engine_bytes as f64 / MB,
-                100.0 * t.rss_gap,
-                if t.agrees { "" } else { " (see notes)" },
-                t.params,
-                t.compression
-            );
+            let row = [
+                arm_label(&t.arm).to_string(),
+                t.batch.to_string(),
+                format!("{:.2}", t.median_ms),
+                format!("{:.0}", t.tokens_per_s),
+                or_dash(t.refresh_ms, 0),
+                format!("{:.2}", t.amortised_ms),
+                mb(t.peak_rss_bytes as f64),
+                mb(t.base_rss_bytes as f64),
+                mb(t.weight_bytes as f64),
+                mb(t.grad_bytes as f64),
+                mb(t.optimizer_bytes as f64),
+                mb(t.activation_bytes as f64),
+                mb(t.workspace_bytes as f64),
+                mb(t.engine_bytes as f64),
+                format!(
+                    "{:+.1}%{}",
+                    100.0 * t.rss_gap,
+                    if t.agrees { "" } else { " (see notes)" }
+                ),
+                t.params.to_string(),
+                format!("{:.1}x", t.compression),
+            ];
+            let _ = writeln!(md, "{}", md_row(&row));
         }
         let _ = writeln!(md, "\nRatios (each names its baseline):\n");
         let find = |arm: &str, b: usize| timings.iter().find(|t| t.arm == arm && t.batch == b);
@@ -902,12 +821,8 @@ fn report(
                 t.galore_moment_bytes.unwrap_or(0) as f64 / MB,
                 t.galore_projection_bytes.unwrap_or(0) as f64 / MB,
                 t.galore_scratch_bytes.unwrap_or(0) as f64 / MB,
-                t.refresh_ms
-                    .map(|r| format!("{r:.0}"))
-                    .unwrap_or_else(|| "–".into()),
-                t.refresh_opt_ms
-                    .map(|r| format!("{r:.0}"))
-                    .unwrap_or_else(|| "–".into())
+                or_dash(t.refresh_ms, 0),
+                or_dash(t.refresh_opt_ms, 0)
             );
         }
         let _ = writeln!(md);
@@ -919,34 +834,35 @@ fn report(
              process, same data, seed and steps. Final training loss: the last logged window \
              (`log_every` steps); validation: after the last epoch.\n"
         );
-        let _ = writeln!(
-            md,
-            "| arm | steps | batch | final train loss | valid loss | valid accuracy | majority \
-             class | params (start → end) | compression | seconds | peak RSS MB |"
-        );
-        let _ = writeln!(
-            md,
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-        );
+        let columns = [
+            "arm",
+            "steps",
+            "batch",
+            "final train loss",
+            "valid loss",
+            "valid accuracy",
+            "majority class",
+            "params (start → end)",
+            "compression",
+            "seconds",
+            "peak RSS MB",
+        ];
+        let _ = writeln!(md, "{}", md_header(&columns, true));
         for t in trains {
-            let _ = writeln!(
-                md,
-                "| {} | {} | {} | {} | {:.4} | {:.4} | {:.4} | {} → {} | {:.1}x | {:.0} | {:.1} |",
-                arm_label(&t.arm),
-                t.steps,
-                t.batch,
-                t.final_train_loss
-                    .map(|l| format!("{l:.4}"))
-                    .unwrap_or_else(|| "–".into()),
-                t.valid_loss,
-                t.valid_accuracy,
-                t.majority_accuracy,
-                t.initial_params,
-                t.params,
-                t.dense_params as f64 / t.params.max(1) as f64,
-                t.seconds,
-                t.peak_rss_bytes as f64 / MB
-            );
+            let row = [
+                arm_label(&t.arm).to_string(),
+                t.steps.to_string(),
+                t.batch.to_string(),
+                or_dash(t.final_train_loss, 4),
+                format!("{:.4}", t.valid_loss),
+                format!("{:.4}", t.valid_accuracy),
+                format!("{:.4}", t.majority_accuracy),
+                format!("{} → {}", t.initial_params, t.params),
+                format!("{:.1}x", t.dense_params as f64 / t.params.max(1) as f64),
+                format!("{:.0}", t.seconds),
+                format!("{:.1}", t.peak_rss_bytes as f64 / MB),
+            ];
+            let _ = writeln!(md, "{}", md_row(&row));
         }
         let _ = writeln!(md);
     }
@@ -960,15 +876,11 @@ pub fn run(a: CompareArgs) -> anyhow::Result<ExitCode> {
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("--child needs --resolved"))?;
         let cfg = RunConfig::from_file(path)?;
-        let line = match child.split_once(':') {
-            Some(("time", arm)) => {
-                serde_json::to_string(&rayon::scope(|_| time_child(&cfg, arm, &a))?)?
-            }
-            Some(("train", arm)) => serde_json::to_string(&train_child(&cfg, arm)?)?,
+        return match child.split_once(':') {
+            Some(("time", arm)) => report_to_parent(&rayon::scope(|_| time_child(&cfg, arm, &a))?),
+            Some(("train", arm)) => report_to_parent(&train_child(&cfg, arm)?),
             _ => bail!("--child: expected time:ARM or train:ARM, got `{child}`"),
         };
-        println!("{line}");
-        return Ok(ExitCode::SUCCESS);
     }
     ensure!(a.rounds >= 1, "--rounds must be at least 1");
     ensure!(a.steps >= 1, "--steps must be at least 1");
@@ -1038,9 +950,7 @@ pub fn run(a: CompareArgs) -> anyhow::Result<ExitCode> {
                 "{:<16} trained {} steps: train loss {}, valid accuracy {:.4} (loss {:.4}), {} params, {:.0} s",
                 arm_label(&r.arm),
                 r.steps,
-                r.final_train_loss
-                    .map(|l| format!("{l:.4}"))
-                    .unwrap_or_else(|| "–".into()),
+                or_dash(r.final_train_loss, 4),
                 r.valid_accuracy,
                 r.valid_loss,
                 r.params,

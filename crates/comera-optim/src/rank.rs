@@ -16,28 +16,8 @@
 //!
 //! The gradient becomes w_L·∂L + w_S·∂Ŝn + 2β·G (G: every TT/TTM core).
 
-use comera_layers::{Compressible, Param, ParamKind, Retained};
-use comera_model::Encoder;
+use comera_layers::{Model, ParamKind, Retained};
 use serde::{Deserialize, Serialize};
-
-/// A model whose TT/TTM layers the rank schedule drives.
-pub trait RankAdaptive {
-    fn visit_compressible(&self, f: &mut dyn FnMut(&dyn Compressible));
-    fn visit_compressible_mut(&mut self, f: &mut dyn FnMut(&mut dyn Compressible));
-    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
-}
-
-impl RankAdaptive for Encoder {
-    fn visit_compressible(&self, f: &mut dyn FnMut(&dyn Compressible)) {
-        Encoder::visit_compressible(self, f)
-    }
-    fn visit_compressible_mut(&mut self, f: &mut dyn FnMut(&mut dyn Compressible)) {
-        Encoder::visit_compressible_mut(self, f)
-    }
-    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
-        Encoder::visit_params_mut(self, f)
-    }
-}
 
 /// The `[rank]` table of a run config.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -199,7 +179,7 @@ pub struct LayerRanks {
 }
 
 /// Per-layer ranks and sizes of a model now.
-pub fn layer_ranks(model: &dyn RankAdaptive) -> Vec<LayerRanks> {
+pub fn layer_ranks(model: &dyn Model) -> Vec<LayerRanks> {
     let mut out = Vec::new();
     model.visit_compressible(&mut |l| {
         let a = l.active_ranks();
@@ -215,7 +195,7 @@ pub fn layer_ranks(model: &dyn RankAdaptive) -> Vec<LayerRanks> {
 }
 
 /// (S, Ŝ, dense parameters) summed over a model's TT/TTM layers.
-pub fn sizes(model: &dyn RankAdaptive) -> (f64, f64, f64) {
+pub fn sizes(model: &dyn Model) -> (f64, f64, f64) {
     let (mut s, mut s1, mut d) = (0.0, 0.0, 0.0);
     model.visit_compressible(&mut |l| {
         s += l.size_l0();
@@ -243,7 +223,7 @@ pub struct RankController {
 }
 
 impl RankController {
-    pub fn new(cfg: &RankConfig, model: &dyn RankAdaptive) -> RankController {
+    pub fn new(cfg: &RankConfig, model: &dyn Model) -> RankController {
         let (s, _, d) = sizes(model);
         RankController {
             cfg: cfg.clone(),
@@ -263,7 +243,7 @@ impl RankController {
 
     /// Turns the data-loss gradient left by the backward pass into the gradient of the
     /// current stage's objective (module docs). `loss` is the batch's mean data loss.
-    pub fn apply(&mut self, model: &mut dyn RankAdaptive, loss: f64) -> Objective {
+    pub fn apply(&mut self, model: &mut dyn Model, loss: f64) -> Objective {
         let (s, s1, _) = sizes(model);
         let mut obj = Objective {
             loss,
@@ -319,7 +299,7 @@ impl RankController {
 
     /// After the optimiser's step: keeps `min_rank` active entries on every bond, then (with
     /// `normalise_gates`) moves each bond's scale into its core.
-    pub fn project(&self, model: &mut dyn RankAdaptive) {
+    pub fn project(&self, model: &mut dyn Model) {
         if !self.active() {
             return;
         }
@@ -339,7 +319,7 @@ impl RankController {
     /// switched now.
     pub fn after_step(
         &mut self,
-        model: &dyn RankAdaptive,
+        model: &dyn Model,
         step: u64,
         epoch: usize,
         epoch_end: bool,
@@ -385,7 +365,7 @@ impl RankController {
 
 /// Removes pruned rank slices from every TT/TTM layer; returns the changed parameters (for the
 /// optimiser's moments).
-pub fn truncate(model: &mut dyn RankAdaptive) -> Vec<Retained> {
+pub fn truncate(model: &mut dyn Model) -> Vec<Retained> {
     let mut changed = Vec::new();
     model.visit_compressible_mut(&mut |l| changed.extend(l.truncate()));
     changed

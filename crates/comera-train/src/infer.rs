@@ -1,0 +1,243 @@
+//! Using a saved model of any kind: evaluation on its run's held-out data, on a given file or
+//! from a checkpoint ([`eval_run`]), and predictions ([`predict_texts`] for a classifier,
+//! [`fill_mask`] for a masked-LM encoder, [`predict_clicks`] for a DLRM).
+
+use crate::checkpoint::Checkpoint;
+use crate::config::AnyRunConfig;
+use crate::data::{prepare, CorpusData};
+use crate::files::{load_saved, ModelMeta, SavedModel};
+use crate::task::{evaluate_classifier, evaluate_ctr, evaluate_mlm, EvalStats};
+use anyhow::{bail, Context};
+use comera_data::ctr::{CatMapping, CriteoReader, CriteoSpec, CtrData};
+use comera_data::BertTokenizer;
+use comera_dlrm::loss::sigmoid;
+use comera_dlrm::Dlrm;
+use comera_model::{Encoder, HeadKind};
+use std::path::Path;
+
+/// The model of a run directory, or of one of its checkpoints, with the run's config.
+pub fn load_run(
+    run: &Path,
+    checkpoint: Option<&Path>,
+) -> anyhow::Result<(SavedModel, AnyRunConfig)> {
+    match checkpoint {
+        Some(p) => {
+            let ck = Checkpoint::load(p)?;
+            Ok((ck.saved_model()?, ck.config()?))
+        }
+        None => {
+            let cfg_path = run.join("config.toml");
+            let cfg = AnyRunConfig::from_file(&cfg_path)
+                .context("the run's data settings come from its config.toml")?;
+            Ok((load_saved(run)?, cfg))
+        }
+    }
+}
+
+/// What [`eval_run`] evaluated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvalKind {
+    Classifier,
+    MaskedLm,
+    Ctr,
+}
+
+/// Evaluates the model of `run` (or of `checkpoint`) on its run's held-out data, or on
+/// `data`: a file in the run's data format (a TSV/CSV/Parquet file of a file-source
+/// classifier, a text file for a masked-LM model, a Criteo-format TSV for a DLRM).
+pub fn eval_run(
+    run: &Path,
+    checkpoint: Option<&Path>,
+    data: Option<&Path>,
+    batch: usize,
+) -> anyhow::Result<(EvalKind, EvalStats)> {
+    if batch == 0 {
+        bail!("--batch-size: must be at least 1");
+    }
+    match load_run(run, checkpoint)? {
+        (SavedModel::Encoder(model, meta), AnyRunConfig::Encoder(mut cfg)) => {
+            let t = meta.model.seq_len;
+            if cfg.data.source == "corpus" {
+                if let Some(f) = data {
+                    // Every document of the file is held out.
+                    cfg.data.corpus = vec![f.display().to_string()];
+                    cfg.data.valid_fraction = 1.0;
+                }
+                let mut d = CorpusData::new(&cfg.data, cfg.train.seed)?;
+                d.packed(t)?;
+                let rows = d.masker.max_selected_per_row(t);
+                let mut st = model
+                    .state_for(batch, t, rows)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                let s = evaluate_mlm(&model, &mut st, &d, &d.packed_ref(t).valid)?;
+                return Ok((EvalKind::MaskedLm, s));
+            }
+            if let Some(f) = data {
+                if !["tsv", "csv", "parquet"].contains(&cfg.data.source.as_str()) {
+                    bail!(
+                        "--data: the run's data source `{}` is a fetched data set; --data takes a file of a file-source run (tsv, csv, parquet)",
+                        cfg.data.source
+                    );
+                }
+                cfg.data.valid = Some(f.to_path_buf());
+            }
+            let d = prepare(&cfg.data, t, cfg.train.seed)?;
+            let mut st = model.state(batch);
+            Ok((
+                EvalKind::Classifier,
+                evaluate_classifier(&model, &mut st, &d.valid)?,
+            ))
+        }
+        (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
+            let valid = match data {
+                Some(f) => read_criteo(&model, &cfg.data.mapping, f)?,
+                None => comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)?.valid,
+            };
+            let mut st = model.state(batch);
+            Ok((EvalKind::Ctr, evaluate_ctr(&model, &mut st, &valid)?.0))
+        }
+        _ => bail!(
+            "{}: the model and the run's config.toml are of different kinds",
+            run.display()
+        ),
+    }
+}
+
+/// Reads a Criteo-format TSV for `model` (its table sizes, the run's id mapping).
+fn read_criteo(model: &Dlrm, mapping: &str, path: &Path) -> anyhow::Result<CtrData> {
+    let sizes: Vec<usize> = model.tables.iter().map(|t| t.rows()).collect();
+    if sizes.len() != comera_data::ctr::CRITEO_CATS {
+        bail!(
+            "{}: this DLRM has {} fields; only models trained on Criteo-format data read Criteo TSV rows",
+            path.display(),
+            sizes.len()
+        );
+    }
+    let spec = CriteoSpec {
+        table_sizes: sizes,
+        mapping: mapping.parse::<CatMapping>().map_err(anyhow::Error::msg)?,
+        max_malformed: 0,
+    };
+    Ok(CriteoReader::open(path, spec)?.read_all(0)?)
+}
+
+/// A classifier's label and its probability for each text (pairs separated by a tab).
+pub fn predict_texts(
+    model: &Encoder,
+    meta: &ModelMeta,
+    texts: &[String],
+) -> anyhow::Result<Vec<(String, f32)>> {
+    if meta.model.head != HeadKind::Classifier {
+        bail!("a masked-LM model has no labels to predict: use it to fill [MASK] tokens, or fine-tune it with train.init_from");
+    }
+    let tok = BertTokenizer::from_vocab_file(&meta.vocab)
+        .with_context(|| format!("vocabulary {}", meta.vocab.display()))?;
+    let t = meta.model.seq_len;
+    let mut st = model.state(1);
+    let mut out = Vec::with_capacity(texts.len());
+    for text in texts {
+        let enc = if meta.pair {
+            let Some((x, y)) = text.split_once('\t') else {
+                bail!("this model reads sentence pairs: separate the two texts with a tab")
+            };
+            tok.encode_pair(x, y, t)?
+        } else {
+            tok.encode_single(text, t)?
+        };
+        st.load(
+            &enc.input_ids,
+            &enc.token_type_ids,
+            &enc.attention_mask,
+            &[0],
+        )
+        .map_err(anyhow::Error::msg)?;
+        model.forward(&mut st, false, 0)?;
+        let logits = st.logits();
+        let label = comera_layers::loss::argmax(logits);
+        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let z: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
+        out.push((meta.labels[label].clone(), (logits[label] - max).exp() / z));
+    }
+    Ok(out)
+}
+
+/// For each `[MASK]` of `text`, the `k` most probable tokens with their probabilities.
+pub fn fill_mask(
+    model: &Encoder,
+    meta: &ModelMeta,
+    text: &str,
+    k: usize,
+) -> anyhow::Result<Vec<Vec<(String, f32)>>> {
+    if meta.model.head != HeadKind::Mlm {
+        bail!("a classifier has no masked-LM head: use it to predict labels");
+    }
+    let tok = BertTokenizer::from_vocab_file(&meta.vocab)
+        .with_context(|| format!("vocabulary {}", meta.vocab.display()))?;
+    let t = meta.model.seq_len;
+    // `[CLS] piece [MASK] piece … [SEP] [PAD]…`: the text is split at its `[MASK]`s, so
+    // they need no support from the tokenizer's own splitting.
+    let sp = tok.special_ids();
+    let mut ids = vec![sp.cls];
+    for (i, piece) in text.split("[MASK]").enumerate() {
+        if i > 0 {
+            ids.push(sp.mask);
+        }
+        ids.extend(tok.tokenize(piece)?);
+    }
+    ids.truncate(t - 1);
+    ids.push(sp.sep);
+    let mut mask = vec![1u32; ids.len()];
+    mask.resize(t, 0);
+    ids.resize(t, sp.pad);
+    let selected: Vec<u32> = (0..t as u32)
+        .filter(|&i| ids[i as usize] == sp.mask)
+        .collect();
+    if selected.is_empty() {
+        bail!("no [MASK] in the text (within its first {t} tokens): write [MASK] where a token is to be predicted");
+    }
+    let mut st = model
+        .state_for(1, t, selected.len())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let labels: Vec<i32> = (0..t)
+        .map(|i| {
+            if selected.contains(&(i as u32)) {
+                0
+            } else {
+                -100
+            }
+        })
+        .collect();
+    st.load_mlm(&ids, &mask, &labels, &selected)
+        .map_err(anyhow::Error::msg)?;
+    model.forward(&mut st, false, 0)?;
+    let logits = st.logits();
+    let width = logits.len() / selected.len().max(1);
+    let vocab = meta.model.vocab_size.min(width);
+    Ok(logits
+        .chunks_exact(width)
+        .take(selected.len())
+        .map(|row| {
+            let row = &row[..vocab];
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let z: f32 = row.iter().map(|&v| (v - max).exp()).sum();
+            let mut idx: Vec<usize> = (0..vocab).collect();
+            idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            idx.iter()
+                .take(k)
+                .map(|&i| {
+                    let token = tok.id_to_token(i as u32).unwrap_or_else(|| format!("#{i}"));
+                    (token, (row[i] - max).exp() / z)
+                })
+                .collect()
+        })
+        .collect())
+}
+
+/// Click probabilities of the rows of a Criteo-format TSV (label column included, as in
+/// training files; it is ignored).
+pub fn predict_clicks(model: &Dlrm, mapping: &str, path: &Path) -> anyhow::Result<Vec<f32>> {
+    let data = read_criteo(model, mapping, path)?;
+    let mut st = model.state(1);
+    let (_, scores) = evaluate_ctr(model, &mut st, &data)?;
+    Ok(scores.into_iter().map(sigmoid).collect())
+}

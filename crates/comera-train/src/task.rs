@@ -1,0 +1,474 @@
+//! What the one training loop ([`crate::trainer`]) needs from a task: its phases, batches
+//! loaded into the model's state, evaluation and model files. Three tasks implement it:
+//! classification and masked-LM pre-training ([`EncoderTask`], the encoder) and click-through
+//! prediction ([`CtrTask`], the DLRM).
+
+use crate::config::Phase;
+use crate::data::{CorpusData, PreparedData};
+use crate::files::{DlrmMeta, ModelMeta};
+use anyhow::bail;
+use comera_data::ctr::{CtrBatch, CtrData};
+use comera_data::mlm::MlmBatches;
+use comera_data::{Batch, Batches, EncodedDataset, MlmBatch};
+use comera_dlrm::data::TrainSource;
+use comera_dlrm::loss::{auc, bce_with_logits};
+use comera_dlrm::{Dlrm, DlrmState};
+use comera_layers::{Model, Trainable};
+use comera_model::{Encoder, EncoderConfig, EncoderState};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Held-out figures of a model.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub struct EvalStats {
+    /// Mean loss (cross-entropy, masked-LM cross-entropy or BCE).
+    pub loss: f64,
+    /// Accuracy (argmax; masked tokens; probability 0.5 for a click).
+    pub accuracy: f64,
+    /// Predictions counted (examples, or masked tokens).
+    pub examples: usize,
+    /// ROC AUC of a binary task (CTR).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auc: Option<f64>,
+}
+
+/// One epoch's batches: loads the next one into the state.
+pub trait EpochBatches<S> {
+    /// Loads the next batch into `st`; false at the epoch's end.
+    fn next_into(&mut self, st: &mut S) -> anyhow::Result<bool>;
+}
+
+/// A training task over one model kind.
+pub trait Task {
+    type Model: Trainable;
+    type Epoch<'a>: EpochBatches<<Self::Model as Trainable>::State>
+    where
+        Self: 'a;
+
+    /// The phases, in order (one for tasks without phases).
+    fn phases(&self) -> &[Phase];
+    /// Batches in a full epoch of `phase` (None: a streamed source of unknown length).
+    fn batches_per_epoch(&mut self, phase: &Phase) -> anyhow::Result<Option<usize>>;
+    /// A fresh state for `phase`'s batch shape.
+    fn state(
+        &self,
+        model: &Self::Model,
+        phase: &Phase,
+    ) -> anyhow::Result<<Self::Model as Trainable>::State>;
+    /// The batches of epoch `epoch` (0-based, numbered across phases).
+    fn epoch<'a>(&'a mut self, phase: &Phase, epoch: usize) -> anyhow::Result<Self::Epoch<'a>>;
+    /// Held-out evaluation with the state of the current phase.
+    fn evaluate(
+        &mut self,
+        model: &Self::Model,
+        st: &mut <Self::Model as Trainable>::State,
+    ) -> anyhow::Result<EvalStats>;
+    /// The model's `model.toml` (what loading it needs besides its weights).
+    fn model_meta(&self, model: &Self::Model, epoch: usize, step: u64) -> anyhow::Result<String>;
+    /// Whether the run writes its model files after every epoch.
+    fn saves_model(&self) -> bool {
+        true
+    }
+    /// Sequence positions per example (1 for a row of tabular data).
+    fn tokens_per_example(&self, phase: &Phase) -> usize;
+    /// What the task's loss is called in messages.
+    fn loss_name(&self) -> &'static str;
+    /// Share of the most frequent label in the validation set (classification).
+    fn majority_accuracy(&self) -> Option<f64> {
+        None
+    }
+    /// Called after each epoch's training batches (a data-quality note to print, if any).
+    fn epoch_note(&self) -> Option<String> {
+        None
+    }
+    /// Task-specific fields of `report.json`.
+    fn report_extra(&self, _model: &Self::Model) -> serde_json::Map<String, serde_json::Value> {
+        serde_json::Map::new()
+    }
+}
+
+/// Evaluates a classifier on every example of `data` (the last partial batch is padded with
+/// copies of the first example, which are not counted).
+pub fn evaluate_classifier(
+    model: &Encoder,
+    st: &mut EncoderState,
+    data: &EncodedDataset,
+) -> anyhow::Result<EvalStats> {
+    let (b, t, c) = (st.batch(), data.max_len, model.cfg.num_labels);
+    let n = data.len();
+    let mut batch = Batch::default();
+    let (mut loss, mut correct) = (0.0f64, 0usize);
+    let mut start = 0;
+    while start < n {
+        batch.input_ids.clear();
+        batch.token_type_ids.clear();
+        batch.attention_mask.clear();
+        batch.labels.clear();
+        for j in 0..b {
+            let i = if start + j < n { start + j } else { 0 };
+            batch
+                .input_ids
+                .extend_from_slice(&data.input_ids[i * t..(i + 1) * t]);
+            batch
+                .token_type_ids
+                .extend_from_slice(&data.token_type_ids[i * t..(i + 1) * t]);
+            batch
+                .attention_mask
+                .extend_from_slice(&data.attention_mask[i * t..(i + 1) * t]);
+            batch.labels.push(data.labels[i]);
+        }
+        load_classify(st, &batch)?;
+        model.forward(st, false, 0)?;
+        for (j, row) in st.logits().chunks_exact(c).enumerate().take(n - start) {
+            let label = batch.labels[j];
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let lse = max as f64
+                + row
+                    .iter()
+                    .map(|&v| ((v - max) as f64).exp())
+                    .sum::<f64>()
+                    .ln();
+            loss += lse - row[label] as f64;
+            correct += (comera_layers::loss::argmax(row) == label) as usize;
+        }
+        start += b;
+    }
+    Ok(EvalStats {
+        loss: loss / n as f64,
+        accuracy: correct as f64 / n as f64,
+        examples: n,
+        auc: None,
+    })
+}
+
+/// Held-out masked-LM loss and masked-token accuracy over every batch of `blocks` (masks from
+/// a fixed seed, so every evaluation and every run sees the same ones). `examples` counts the
+/// predicted tokens.
+pub fn evaluate_mlm(
+    model: &Encoder,
+    st: &mut EncoderState,
+    data: &CorpusData,
+    blocks: &comera_data::corpus::PackedSequences,
+) -> anyhow::Result<EvalStats> {
+    let b = st.batch();
+    let mut batch = MlmBatch::new(b, blocks.seq_len);
+    let mut it = MlmBatches::new(blocks, data.masker, b, 0x5EED_E7A1, false);
+    let (mut loss, mut correct, mut count) = (0.0f64, 0usize, 0usize);
+    while it.next_into(&mut batch) {
+        load_mlm(st, &batch)?;
+        let s = model.forward(st, false, 0)?;
+        loss += s.loss * s.count as f64;
+        correct += s.correct;
+        count += s.count;
+    }
+    if count == 0 {
+        bail!(
+            "evaluation: the {} held-out blocks make no batch of {b}",
+            blocks.len()
+        );
+    }
+    Ok(EvalStats {
+        loss: loss / count as f64,
+        accuracy: correct as f64 / count as f64,
+        examples: count,
+        auc: None,
+    })
+}
+
+/// Evaluates a DLRM on every example of `data`, batch by batch (the last partial batch is
+/// padded with copies of the first example, which are not counted). Also returns the logits.
+pub fn evaluate_ctr(
+    model: &Dlrm,
+    st: &mut DlrmState,
+    data: &CtrData,
+) -> anyhow::Result<(EvalStats, Vec<f32>)> {
+    let (b, n) = (st.batch(), data.len());
+    if n == 0 {
+        bail!("the validation set is empty");
+    }
+    let mut batch = CtrBatch::new(b, data.dense_names.len(), data.field_names.len());
+    let mut scores = Vec::with_capacity(n + b);
+    let mut start = 0;
+    while start < n {
+        for j in 0..b {
+            let i = if start + j < n { start + j } else { 0 };
+            batch.set_from(j, data, i);
+        }
+        st.load(&batch)?;
+        model
+            .forward_logits(st)
+            .map_err(|e| anyhow::anyhow!("validation data: {e}"))?;
+        scores.extend_from_slice(&st.logits()[..b.min(n - start)]);
+        start += b;
+    }
+    let (loss, correct) = bce_with_logits(&scores, &data.labels, None);
+    let stats = EvalStats {
+        loss,
+        accuracy: correct as f64 / n as f64,
+        examples: n,
+        auc: Some(auc(&scores, &data.labels).unwrap_or(0.5)),
+    };
+    Ok((stats, scores))
+}
+
+fn load_classify(st: &mut EncoderState, b: &Batch) -> anyhow::Result<()> {
+    st.load(
+        &b.input_ids,
+        &b.token_type_ids,
+        &b.attention_mask,
+        &b.labels,
+    )
+    .map_err(anyhow::Error::msg)
+}
+
+fn load_mlm(st: &mut EncoderState, b: &MlmBatch) -> anyhow::Result<()> {
+    st.load_mlm(&b.input_ids, &b.attention_mask, &b.labels, &b.selected)
+        .map_err(anyhow::Error::msg)
+}
+
+/// The data of an encoder run: labelled examples (classification) or a corpus (masked-LM).
+pub enum EncoderData {
+    Classify(PreparedData),
+    Mlm(CorpusData),
+}
+
+/// Classification or masked-LM pre-training of the encoder.
+pub struct EncoderTask {
+    pub data: EncoderData,
+    pub phases: Vec<Phase>,
+    pub model_cfg: EncoderConfig,
+    pub vocab: PathBuf,
+    pub seed: u64,
+}
+
+/// One epoch's batches of an encoder task.
+#[allow(clippy::large_enum_variant)]
+pub enum EncoderEpoch<'a> {
+    Classify(Batches<'a>, Batch),
+    Mlm(MlmBatches<'a>, MlmBatch),
+}
+
+impl EpochBatches<EncoderState> for EncoderEpoch<'_> {
+    fn next_into(&mut self, st: &mut EncoderState) -> anyhow::Result<bool> {
+        match self {
+            EncoderEpoch::Classify(it, b) => {
+                if !it.next_into(b) {
+                    return Ok(false);
+                }
+                load_classify(st, b)?;
+            }
+            EncoderEpoch::Mlm(it, b) => {
+                if !it.next_into(b) {
+                    return Ok(false);
+                }
+                load_mlm(st, b)?;
+            }
+        }
+        Ok(true)
+    }
+}
+
+impl Task for EncoderTask {
+    type Model = Encoder;
+    type Epoch<'a> = EncoderEpoch<'a>;
+
+    fn phases(&self) -> &[Phase] {
+        &self.phases
+    }
+
+    fn batches_per_epoch(&mut self, phase: &Phase) -> anyhow::Result<Option<usize>> {
+        let (len, what) = match &mut self.data {
+            EncoderData::Classify(d) => (d.train.len(), "examples"),
+            EncoderData::Mlm(d) => (d.packed(phase.seq_len)?.train.len(), "blocks"),
+        };
+        if len < phase.batch_size {
+            bail!(
+                "train.batch_size: {} is larger than the {len} training {what}",
+                phase.batch_size
+            );
+        }
+        Ok(Some(len / phase.batch_size))
+    }
+
+    fn state(&self, model: &Encoder, phase: &Phase) -> anyhow::Result<EncoderState> {
+        let rows = match &self.data {
+            EncoderData::Mlm(d) => d.masker.max_selected_per_row(phase.seq_len),
+            EncoderData::Classify(_) => 0,
+        };
+        model
+            .state_for(phase.batch_size, phase.seq_len, rows)
+            .map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
+    fn epoch<'a>(&'a mut self, phase: &Phase, epoch: usize) -> anyhow::Result<EncoderEpoch<'a>> {
+        let (b, seed) = (phase.batch_size, self.seed.wrapping_add(epoch as u64));
+        Ok(match &self.data {
+            EncoderData::Classify(d) => {
+                EncoderEpoch::Classify(d.train.batches(b, seed), Batch::default())
+            }
+            EncoderData::Mlm(d) => EncoderEpoch::Mlm(
+                MlmBatches::new(&d.packed_ref(phase.seq_len).train, d.masker, b, seed, true),
+                MlmBatch::new(b, phase.seq_len),
+            ),
+        })
+    }
+
+    fn evaluate(&mut self, model: &Encoder, st: &mut EncoderState) -> anyhow::Result<EvalStats> {
+        match &self.data {
+            EncoderData::Classify(d) => evaluate_classifier(model, st, &d.valid),
+            EncoderData::Mlm(d) => evaluate_mlm(model, st, d, &d.packed_ref(st.seq_len()).valid),
+        }
+    }
+
+    fn model_meta(&self, _model: &Encoder, epoch: usize, step: u64) -> anyhow::Result<String> {
+        let (labels, pair) = match &self.data {
+            EncoderData::Classify(d) => (d.label_names.clone(), d.pair),
+            EncoderData::Mlm(_) => (Vec::new(), false),
+        };
+        let meta = ModelMeta {
+            model: self.model_cfg.clone(),
+            labels,
+            vocab: self.vocab.clone(),
+            pair,
+            epoch,
+            step,
+        };
+        Ok(toml::to_string_pretty(&meta)?)
+    }
+
+    fn tokens_per_example(&self, phase: &Phase) -> usize {
+        phase.seq_len
+    }
+
+    fn loss_name(&self) -> &'static str {
+        "cross-entropy"
+    }
+
+    fn majority_accuracy(&self) -> Option<f64> {
+        match &self.data {
+            EncoderData::Classify(d) => {
+                let mut counts = vec![0usize; d.label_names.len()];
+                for &l in &d.valid.labels {
+                    counts[l] += 1;
+                }
+                let top = *counts.iter().max().unwrap_or(&0);
+                Some(top as f64 / d.valid.labels.len().max(1) as f64)
+            }
+            EncoderData::Mlm(_) => None,
+        }
+    }
+}
+
+/// Click-through-rate prediction with a DLRM.
+pub struct CtrTask {
+    pub train: TrainSource,
+    pub valid: CtrData,
+    pub phases: Vec<Phase>,
+    /// What a saved model needs besides its weights (epoch and step filled in on save).
+    pub meta: DlrmMeta,
+    pub seed: u64,
+    pub save_model: bool,
+}
+
+/// One epoch of a CTR task: the streamed or shuffled training source.
+pub struct CtrEpoch<'a> {
+    source: &'a mut TrainSource,
+    batch: CtrBatch,
+}
+
+impl EpochBatches<DlrmState> for CtrEpoch<'_> {
+    fn next_into(&mut self, st: &mut DlrmState) -> anyhow::Result<bool> {
+        if !self.source.next_batch(&mut self.batch)? {
+            return Ok(false);
+        }
+        st.load(&self.batch)?;
+        Ok(true)
+    }
+}
+
+impl Task for CtrTask {
+    type Model = Dlrm;
+    type Epoch<'a> = CtrEpoch<'a>;
+
+    fn phases(&self) -> &[Phase] {
+        &self.phases
+    }
+
+    fn batches_per_epoch(&mut self, phase: &Phase) -> anyhow::Result<Option<usize>> {
+        let n = self.train.steps_per_epoch(phase.batch_size);
+        if n == Some(0) {
+            bail!(
+                "train.batch_size: {} is larger than the training set",
+                phase.batch_size
+            );
+        }
+        Ok(n)
+    }
+
+    fn state(&self, model: &Dlrm, phase: &Phase) -> anyhow::Result<DlrmState> {
+        Ok(model.state(phase.batch_size))
+    }
+
+    fn epoch<'a>(&'a mut self, phase: &Phase, epoch: usize) -> anyhow::Result<CtrEpoch<'a>> {
+        self.train.start_epoch(epoch, self.seed)?;
+        let batch = CtrBatch::new(
+            phase.batch_size,
+            self.meta.n_dense,
+            self.meta.field_names.len(),
+        );
+        Ok(CtrEpoch {
+            source: &mut self.train,
+            batch,
+        })
+    }
+
+    fn evaluate(&mut self, model: &Dlrm, st: &mut DlrmState) -> anyhow::Result<EvalStats> {
+        Ok(evaluate_ctr(model, st, &self.valid)?.0)
+    }
+
+    fn saves_model(&self) -> bool {
+        self.save_model
+    }
+
+    fn model_meta(&self, model: &Dlrm, epoch: usize, step: u64) -> anyhow::Result<String> {
+        let meta = DlrmMeta {
+            tables: model.tables.iter().map(|t| t.describe()).collect(),
+            epoch,
+            step,
+            ..self.meta.clone()
+        };
+        Ok(toml::to_string_pretty(&meta)?)
+    }
+
+    fn tokens_per_example(&self, _phase: &Phase) -> usize {
+        1
+    }
+
+    fn loss_name(&self) -> &'static str {
+        "binary cross-entropy"
+    }
+
+    fn epoch_note(&self) -> Option<String> {
+        self.train.malformed_summary()
+    }
+
+    fn report_extra(&self, model: &Dlrm) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        m.insert("table_params".into(), model.table_params().into());
+        m.insert(
+            "dense_table_params".into(),
+            model.dense_table_params().into(),
+        );
+        m.insert(
+            "tables".into(),
+            model
+                .tables
+                .iter()
+                .map(|t| t.describe())
+                .collect::<Vec<_>>()
+                .into(),
+        );
+        m.insert("num_params".into(), Model::num_params(model).into());
+        m
+    }
+}
