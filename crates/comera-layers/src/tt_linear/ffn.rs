@@ -54,8 +54,13 @@ pub struct FusedFfn {
 impl FusedFfn {
     /// The fused workspace for `up` (N → F) and `down` (F → M) at `batch` rows, or `None` when
     /// it does not apply (either planned off the merged path at this batch, dead, or widths
-    /// that do not chain).
+    /// that do not chain) or does not pay (a single block of rows).
     pub fn new(up: &TtLinear, down: &TtLinear, batch: usize) -> Option<FusedFfn> {
+        // One block only: nothing to save in memory, and recomputing h costs a product (10%
+        // slower at batch 1 × 128 tokens, measured with `comera bench step --ops`).
+        if batch <= ROWS {
+            return None;
+        }
         if [up, down]
             .iter()
             .any(|l| l.workspace(batch).path() != TtPath::Merged)
