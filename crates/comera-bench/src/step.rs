@@ -52,7 +52,8 @@ pub struct StepArgs {
     #[arg(long, hide = true)]
     child: Option<String>,
     /// Time each layer operation of the TT/TTM step in this process (per call and per step,
-    /// at the first --batch), instead of whole steps: where a step's time goes.
+    /// at the first --batch), instead of whole steps: where a step's time goes, with each
+    /// operation's counted FLOPs and GFLOP/s next to a GEMM-rate calibration.
     #[arg(long)]
     ops: bool,
 }
@@ -340,34 +341,91 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `--ops`: each operation of a TT/TTM training step timed on its own.
+/// `--ops`: each operation of a TT/TTM training step timed on its own, as the encoder runs it
+/// (fused q/k/v and FFN where the planner allows), with counted FLOPs (the layers' own
+/// formulas) and achieved GFLOP/s, and a 1024³ GEMM through the engine as the reference rate.
 fn ops(a: &StepArgs) -> anyhow::Result<()> {
     use comera_layers::activation::Gelu;
     use comera_layers::attention::Attention;
     use comera_layers::norm::LayerNorm;
+    use comera_layers::tt_linear::{FusedFfn, SharedInput};
     use comera_layers::{EmbeddingLayer, Layer, RankGates, TtLinear, TtmEmbedding};
-    use comera_tensor::{TtShape, TtmShape};
+    use comera_tensor::{matmul, MatMut, MatRef, TtShape, TtmShape};
     let b = a.batch[0];
     let cfg = config(a, "tt")?;
     let (t, d, f, nl) = (cfg.seq_len, cfg.d_model, cfg.ffn, cfg.layers);
     let n = b * t;
     let reps = a.steps.max(5);
     let mut rng = init::rng(SEED);
-    let mut rows: Vec<(String, f64, usize)> = Vec::new();
+    // (operation, ms per call, calls per step, counted FLOPs per call; 0: not counted).
+    let mut rows: Vec<(String, f64, usize, f64)> = Vec::new();
     let rule = RankGates::new(cfg.threshold);
     let tt =
         |c: &comera_model::config::LayerTt| TtShape::uniform(&c.in_modes, &c.out_modes, c.rank);
-    for (name, shape, count) in [
-        ("tt q/k/v/o", tt(&cfg.attn_tt)?, 4 * nl),
-        ("tt ffn up", tt(&cfg.ffn_up_tt)?, nl),
-        ("tt ffn down", tt(&cfg.ffn_down_tt)?, nl),
-    ] {
-        let mut layer = TtLinear::new(name, shape, rule, &mut rng)?;
+    let new_tt = |rng: &mut init::Rng, name: &str, shape: &TtShape| {
+        TtLinear::new(name, shape.clone(), rule, rng)
+    };
+    // q, k, v: one fused product when the planner puts all three on the merged path (as the
+    // encoder does); the FFN likewise (Up → bias+GELU → Down in row blocks).
+    let attn_shape = tt(&cfg.attn_tt)?;
+    let mut qkv_layers = [
+        new_tt(&mut rng, "q", &attn_shape)?,
+        new_tt(&mut rng, "k", &attn_shape)?,
+        new_tt(&mut rng, "v", &attn_shape)?,
+    ];
+    let mut singles: Vec<(&str, TtShape, usize)> = vec![("tt o", attn_shape.clone(), nl)];
+    let fused_qkv = {
+        let refs = [&qkv_layers[0], &qkv_layers[1], &qkv_layers[2]];
+        SharedInput::new(&refs, n)
+    };
+    match fused_qkv {
+        Some(mut w) => {
+            let x = normal_vec(&mut rng, n * d);
+            let dy = normal_vec(&mut rng, n * 3 * d);
+            let mut y = vec![0.0; n * 3 * d];
+            let mut dx = vec![0.0; n * d];
+            let (ff, fb) = w.flops();
+            let refs = [&qkv_layers[0], &qkv_layers[1], &qkv_layers[2]];
+            let ms = median_ms(reps, || w.forward(&refs, &x, &mut y));
+            rows.push(("tt q/k/v fused fwd [merged]".into(), ms, nl, ff));
+            let [q, k, v] = &mut qkv_layers;
+            let ms = median_ms(reps, || {
+                w.backward(&mut [&mut *q, &mut *k, &mut *v], &x, &dy, &mut dx)
+            });
+            rows.push(("tt q/k/v fused bwd".into(), ms, nl, fb));
+        }
+        None => singles.push(("tt q/k/v", attn_shape.clone(), 3 * nl)),
+    }
+    let (up_shape, down_shape) = (tt(&cfg.ffn_up_tt)?, tt(&cfg.ffn_down_tt)?);
+    let mut up = new_tt(&mut rng, "up", &up_shape)?;
+    let mut down = new_tt(&mut rng, "down", &down_shape)?;
+    let ffn_fused = match FusedFfn::new(&up, &down, n) {
+        Some(mut w) => {
+            let x = normal_vec(&mut rng, n * d);
+            let dy = normal_vec(&mut rng, n * d);
+            let mut y = vec![0.0; n * d];
+            let mut dx = vec![0.0; n * d];
+            let (ff, fb) = w.flops();
+            let ms = median_ms(reps, || w.forward(&up, &down, &x, &mut y));
+            rows.push(("tt ffn up+gelu+down fused fwd".into(), ms, nl, ff));
+            let ms = median_ms(reps, || w.backward(&mut up, &mut down, &x, &dy, &mut dx));
+            rows.push(("tt ffn up+gelu+down fused bwd".into(), ms, nl, fb));
+            true
+        }
+        None => {
+            singles.push(("tt ffn up", up_shape.clone(), nl));
+            singles.push(("tt ffn down", down_shape.clone(), nl));
+            false
+        }
+    };
+    for (name, shape, count) in singles {
+        let mut layer = new_tt(&mut rng, name, &shape)?;
         let mut ws = layer.workspace(n);
         let x = normal_vec(&mut rng, n * layer.in_features());
         let dy = normal_vec(&mut rng, n * layer.out_features());
         let mut y = vec![0.0; n * layer.out_features()];
         let mut dx = vec![0.0; n * layer.in_features()];
+        let (ff, fb) = ws.flops();
         rows.push((
             format!(
                 "{name} fwd [{}; ws {:.2} MB]",
@@ -376,15 +434,18 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
             ),
             median_ms(reps, || layer.forward(&mut ws, &x, &mut y)),
             count,
+            ff,
         ));
         rows.push((
             format!("{name} bwd"),
             median_ms(reps, || layer.backward(&mut ws, &x, &dy, Some(&mut dx))),
             count,
+            fb,
         ));
     }
     let attn = Attention::new(d, cfg.heads);
-    let mut aws = attn.workspace(b, t);
+    // As the encoder runs it: P recomputed in the backward.
+    let mut aws = attn.workspace_recompute(b, t);
     let qkv = normal_vec(&mut rng, 3 * n * d);
     let dout = normal_vec(&mut rng, n * d);
     let mut out = vec![0.0; n * d];
@@ -394,11 +455,13 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         "attention fwd".into(),
         median_ms(reps, || attn.forward(&mut aws, &qkv, Some(&mask), &mut out)),
         nl,
+        attn.forward_flops(b, t),
     ));
     rows.push((
-        "attention bwd".into(),
+        "attention bwd (P recomputed)".into(),
         median_ms(reps, || attn.backward(&mut aws, &qkv, &dout, &mut dqkv)),
         nl,
+        attn.backward_flops(&aws),
     ));
     let mut ln = LayerNorm::new("ln", d);
     let mut lws = ln.workspace(n);
@@ -408,24 +471,30 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         "layernorm fwd".into(),
         median_ms(reps, || ln.forward(&mut lws, &x, &mut y)),
         2 * nl + 1,
+        0.0,
     ));
     rows.push((
         "layernorm bwd".into(),
         median_ms(reps, || ln.backward(&mut lws, &x, &dout, Some(&mut y))),
         2 * nl + 1,
+        0.0,
     ));
-    let h = normal_vec(&mut rng, n * f);
-    let mut g = vec![0.0; n * f];
-    rows.push((
-        "gelu fwd".into(),
-        median_ms(reps, || Gelu.forward(&h, &mut g)),
-        nl,
-    ));
-    rows.push((
-        "gelu bwd".into(),
-        median_ms(reps, || Gelu.backward_in_place(&h, &mut g)),
-        nl,
-    ));
+    if !ffn_fused {
+        let h = normal_vec(&mut rng, n * f);
+        let mut g = vec![0.0; n * f];
+        rows.push((
+            "gelu fwd".into(),
+            median_ms(reps, || Gelu.forward(&h, &mut g)),
+            nl,
+            0.0,
+        ));
+        rows.push((
+            "gelu bwd".into(),
+            median_ms(reps, || Gelu.backward_in_place(&h, &mut g)),
+            nl,
+            0.0,
+        ));
+    }
     let w = &cfg.word_ttm;
     let shape = TtmShape::uniform(&w.vocab_modes, &w.dim_modes, w.rank, cfg.vocab_size)?;
     let mut emb = TtmEmbedding::new("word", shape, rule, 1.0, &mut rng)?;
@@ -441,11 +510,13 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
             emb.forward(&mut ews, &ids, &mut ey).expect("ids < V")
         }),
         1,
+        0.0,
     ));
     rows.push((
         "ttm bwd".into(),
         median_ms(reps, || emb.backward(&mut ews, &ids, &dey)),
         1,
+        0.0,
     ));
     let mut enc = Encoder::new(&cfg, SEED)?;
     let ocfg = AdamWConfig::default();
@@ -456,31 +527,87 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
             clip_scale(1.0, |f| enc.visit_params_mut(f));
         }),
         1,
+        0.0,
     ));
     rows.push((
         "adamw".into(),
         median_ms(reps, || opt.step(1.0, 1.0, |f| enc.visit_params_mut(f))),
         1,
+        0.0,
     ));
-    rows.push(("zero grad".into(), median_ms(reps, || enc.zero_grad()), 1));
-    println!(
-        "per-operation medians, batch {b} ({n} tokens), {} threads",
-        rayon::current_num_threads()
+    rows.push((
+        "zero grad".into(),
+        median_ms(reps, || enc.zero_grad()),
+        1,
+        0.0,
+    ));
+    // The machine's GEMM rate in this run: a 1024³ product through the engine's one GEMM.
+    let cal = 1024;
+    let (ca, cb) = (
+        normal_vec(&mut rng, cal * cal),
+        normal_vec(&mut rng, cal * cal),
     );
-    let table = TextTable(&[44, 10, 6, 10]);
-    println!("{}", table.line(&["op", "ms/call", "calls", "ms/step"]));
-    let mut total = 0.0;
-    for (name, ms, count) in &rows {
+    let mut cc = vec![0.0; cal * cal];
+    let cal_ms = median_ms(reps, || {
+        matmul(
+            MatMut::new(&mut cc, cal, cal),
+            MatRef::new(&ca, cal, cal),
+            MatRef::new(&cb, cal, cal),
+            false,
+        )
+    });
+    let gflops = |flops: f64, ms: f64| flops / (ms * 1e6);
+    println!(
+        "per-operation medians, batch {b} ({n} tokens), {} threads; GEMM calibration \
+         (1024³ product): {:.1} GFLOP/s",
+        rayon::current_num_threads(),
+        gflops(2.0 * (cal * cal * cal) as f64, cal_ms)
+    );
+    let table = TextTable(&[44, 10, 6, 10, 10, 9]);
+    println!(
+        "{}",
+        table.line(&["op", "ms/call", "calls", "ms/step", "GFLOP/step", "GFLOP/s"])
+    );
+    let (mut total, mut total_flops, mut counted_ms) = (0.0, 0.0, 0.0);
+    for (name, ms, count, flops) in &rows {
         let per_step = ms * *count as f64;
         total += per_step;
+        let (fl, rate) = if *flops > 0.0 {
+            total_flops += flops * *count as f64;
+            counted_ms += per_step;
+            (
+                format!("{:.2}", flops * *count as f64 / 1e9),
+                format!("{:.1}", gflops(*flops, *ms)),
+            )
+        } else {
+            (String::new(), String::new())
+        };
         let row = [
             name.clone(),
             format!("{ms:.3}"),
             count.to_string(),
             format!("{per_step:.2}"),
+            fl,
+            rate,
         ];
         println!("{}", table.line(&row));
     }
-    println!("{}", table.line(&["sum", "", "", &format!("{total:.2}")]));
+    println!(
+        "{}",
+        table.line(&[
+            "sum",
+            "",
+            "",
+            &format!("{total:.2}"),
+            &format!("{:.2}", total_flops / 1e9),
+            &format!("{:.1}", gflops(total_flops, counted_ms)),
+        ])
+    );
+    println!(
+        "counted work over the whole step: {:.1} GFLOP/s; at the calibration rate it would take \
+         {:.1} ms",
+        gflops(total_flops, total),
+        total_flops / (2.0 * (cal * cal * cal) as f64) * cal_ms
+    );
     Ok(())
 }

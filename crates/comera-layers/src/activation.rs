@@ -129,6 +129,31 @@ mod simd {
         forward_body(y, x)
     }
 
+    #[inline(always)]
+    fn forward_bias_body(y: &mut [f32], bias: &[f32]) {
+        for row in y.chunks_exact_mut(bias.len()) {
+            for (yi, &bi) in row.iter_mut().zip(bias) {
+                *yi = gelu(*yi + bi);
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn forward_bias_avx2(y: &mut [f32], bias: &[f32]) {
+        forward_bias_body(y, bias)
+    }
+
+    /// `y[r, :] ← GELU(y[r, :] + bias)`: the same bits as adding the bias, then `gelu_forward`.
+    pub fn gelu_bias_in_place(y: &mut [f32], bias: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports the features the function was compiled for.
+            return unsafe { forward_bias_avx2(y, bias) };
+        }
+        forward_bias_body(y, bias)
+    }
+
     pub fn gelu_backward_in_place(d: &mut [f32], x: &[f32]) {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
@@ -148,6 +173,25 @@ impl Gelu {
             y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(f);
         } else {
             f((y, x));
+        }
+    }
+
+    /// `y[r, :] ← GELU(y[r, :] + bias)` for every row (a linear layer's output pass with its
+    /// bias and the activation in one sweep); the same bits as `add_bias` then
+    /// [`Gelu::forward`].
+    pub fn forward_bias_in_place(&self, y: &mut [f32], bias: &[f32]) {
+        let w = bias.len();
+        assert!(
+            w > 0 && y.len().is_multiple_of(w),
+            "Gelu: {} values in rows of {w}",
+            y.len()
+        );
+        let f = |y: &mut [f32]| simd::gelu_bias_in_place(y, bias);
+        let chunk = CHUNK.div_ceil(w) * w; // whole rows
+        if y.len() >= 2 * chunk {
+            y.par_chunks_mut(chunk).for_each(f);
+        } else {
+            f(y);
         }
     }
 

@@ -15,11 +15,11 @@
 //! all written straight into the matching strided views of dqkv (B, T, 3D). Excluded entries
 //! have P = 0, so they pass no gradient: K and V rows at padding positions get exactly zero.
 //!
-//! Each (b, h) is independent and writes disjoint columns; they run in a fixed order (the GEMMs
-//! themselves use the thread pool when large), so results do not depend on the thread count.
+//! Each (b, h) is independent and writes disjoint columns: groups of them run in parallel, each
+//! product on one thread, so results do not depend on the thread count.
 
 use crate::check_len;
-use comera_tensor::{matmul, MatMut, MatRef};
+use comera_tensor::{matmul_serial, DisjointMut, MatMut, MatRef};
 
 /// Multi-head scaled dot-product self-attention over a packed QKV buffer.
 #[derive(Clone, Copy, Debug)]
@@ -31,24 +31,36 @@ pub struct Attention {
 }
 
 /// Saved probabilities and scratch for a fixed (batch, seq_len).
+///
+/// The B·H (sequence, head) units are independent: they run as `parts` contiguous groups in
+/// parallel, each group on one thread with serial GEMMs and its own (T, T) scratch, so every
+/// unit's bits are the same whatever the thread count or grouping.
 #[derive(Debug)]
 pub struct AttentionWorkspace {
     batch: usize,
     seq: usize,
-    probs: Vec<f32>,   // (B, H, T, T)
-    scratch: Vec<f32>, // (T, T): dP, then dS, of the current head in backward
-    allow: Vec<f32>,   // (B, T): 1 for an allowed key, else 0
-    /// Recompute mode: P is not kept; `stats` holds each row's (max, 1/sum) and `probs` one
-    /// head's (T, T) at a time.
+    /// Kept P, (B, H, T, T); empty in recompute mode.
+    probs: Vec<f32>,
+    /// Per group: (T, T) for P (recompute mode), then (T, T) for dP/dS.
+    scratch: Vec<f32>,
+    allow: Vec<f32>, // (B, T): 1 for an allowed key, else 0
+    /// Recompute mode: P is not kept; `stats` holds each row's (max, 1/sum).
     recompute: bool,
     stats: Vec<f32>, // (B, H, T, 2) in recompute mode, else empty
+    /// Groups of units run in parallel (the thread count when the workspace was made).
+    parts: usize,
 }
 
 impl AttentionWorkspace {
     /// The attention probabilities of the last forward, (B, H, T, T) (for a workspace made by
-    /// [`Attention::workspace_recompute`]: only the (T, T) of the last head computed).
+    /// [`Attention::workspace_recompute`]: the (T, T) of the last head the first group
+    /// computed).
     pub fn probs(&self) -> &[f32] {
-        &self.probs
+        if self.recompute {
+            &self.scratch[..self.seq * self.seq]
+        } else {
+            &self.probs
+        }
     }
 
     pub fn batch(&self) -> usize {
@@ -58,6 +70,49 @@ impl AttentionWorkspace {
     pub fn seq_len(&self) -> usize {
         self.seq
     }
+}
+
+/// Mutable slices of one group of units: its kept P (per unit, or empty), its row statistics
+/// (per unit, or empty) and its two (T, T) scratch matrices.
+struct Group<'a> {
+    units: std::ops::Range<usize>,
+    probs: &'a mut [f32],
+    stats: &'a mut [f32],
+    scratch: &'a mut [f32],
+}
+
+/// Splits units `lo..hi` into `parts` contiguous groups and runs `f` on each, in parallel
+/// (nested `rayon::join`, nothing allocated). `pu`/`su` are the kept-P/statistics lengths per
+/// unit (0 when not kept), `cu` the scratch length per group.
+#[allow(clippy::too_many_arguments)]
+fn run_groups(
+    units: std::ops::Range<usize>,
+    parts: usize,
+    probs: &mut [f32],
+    pu: usize,
+    stats: &mut [f32],
+    su: usize,
+    scratch: &mut [f32],
+    cu: usize,
+    f: &(impl Fn(Group<'_>) + Sync),
+) {
+    if parts <= 1 || units.len() <= 1 {
+        return f(Group {
+            units,
+            probs,
+            stats,
+            scratch: &mut scratch[..cu],
+        });
+    }
+    let left = parts / 2;
+    let mid = units.start + units.len() * left / parts;
+    let (p1, p2) = probs.split_at_mut((mid - units.start) * pu);
+    let (s1, s2) = stats.split_at_mut((mid - units.start) * su);
+    let (c1, c2) = scratch.split_at_mut(left * cu);
+    rayon::join(
+        || run_groups(units.start..mid, left, p1, pu, s1, su, c1, cu, f),
+        || run_groups(mid..units.end, parts - left, p2, pu, s2, su, c2, cu, f),
+    );
 }
 
 impl Attention {
@@ -94,17 +149,45 @@ impl Attention {
         self.d_model / self.n_heads
     }
 
-    /// Allocates P (B, H, T, T) and a T × T scratch.
-    pub fn workspace(&self, batch: usize, seq_len: usize) -> AttentionWorkspace {
+    /// Multiply-adds ×2 of one forward over `batch` sequences of `seq_len` tokens: per head
+    /// S = Q·Kᵀ and O = P·V, 2·T²·d each (the softmax is not counted).
+    pub fn forward_flops(&self, batch: usize, seq_len: usize) -> f64 {
+        2.0 * 2.0 * (batch * self.n_heads * seq_len * seq_len * self.head_dim()) as f64
+    }
+
+    /// The same for a backward: dV = Pᵀ·dO, dP = dO·Vᵀ, dQ = dS·K, dK = dSᵀ·Q, plus S = Q·Kᵀ
+    /// again for a workspace that recomputes P.
+    pub fn backward_flops(&self, ws: &AttentionWorkspace) -> f64 {
+        let per = 2.0 * (ws.batch * self.n_heads * ws.seq * ws.seq * self.head_dim()) as f64;
+        per * if ws.recompute { 5.0 } else { 4.0 }
+    }
+
+    fn new_workspace(&self, batch: usize, seq_len: usize, recompute: bool) -> AttentionWorkspace {
+        let (units, tt) = (batch * self.n_heads, seq_len * seq_len);
+        let parts = rayon::current_num_threads().clamp(1, units.max(1));
         AttentionWorkspace {
             batch,
             seq: seq_len,
-            probs: vec![0.0; batch * self.n_heads * seq_len * seq_len],
-            scratch: vec![0.0; seq_len * seq_len],
+            probs: if recompute {
+                Vec::new()
+            } else {
+                vec![0.0; units * tt]
+            },
+            scratch: vec![0.0; parts * 2 * tt],
             allow: vec![1.0; batch * seq_len],
-            recompute: false,
-            stats: Vec::new(),
+            recompute,
+            stats: if recompute {
+                vec![0.0; units * 2 * seq_len]
+            } else {
+                Vec::new()
+            },
+            parts,
         }
+    }
+
+    /// Allocates P (B, H, T, T) and a (T, T) scratch per thread.
+    pub fn workspace(&self, batch: usize, seq_len: usize) -> AttentionWorkspace {
+        self.new_workspace(batch, seq_len, false)
     }
 
     /// A workspace that does not keep P (B·H·T² floats) for the backward but only each row's
@@ -112,15 +195,7 @@ impl Attention {
     /// more T×T×d product per head; the same bits as the forward's P, so the gradients are
     /// those of [`Attention::workspace`]).
     pub fn workspace_recompute(&self, batch: usize, seq_len: usize) -> AttentionWorkspace {
-        AttentionWorkspace {
-            batch,
-            seq: seq_len,
-            probs: vec![0.0; seq_len * seq_len],
-            scratch: vec![0.0; seq_len * seq_len],
-            allow: vec![1.0; batch * seq_len],
-            recompute: true,
-            stats: vec![0.0; batch * self.n_heads * seq_len * 2],
-        }
+        self.new_workspace(batch, seq_len, true)
     }
 
     /// Bytes held by a workspace (P or the row statistics, scratch, mask).
@@ -145,7 +220,7 @@ impl Attention {
         let scale = 1.0 / (hd as f32).sqrt();
         let q = MatRef::strided(&qkv_b[h * hd..], t, hd, 3 * d, 1); // (T, d)
         let k = MatRef::strided(&qkv_b[d + h * hd..], t, hd, 3 * d, 1); // (T, d)
-        matmul(MatMut::new(p, t, t), q, k.t(), false);
+        matmul_serial(MatMut::new(p, t, t), q, k.t(), false);
         let mut stats = stats;
         for (i, row) in p.chunks_exact_mut(t).enumerate() {
             // Keys after the query are excluded under a causal mask.
@@ -167,7 +242,7 @@ impl Attention {
     }
 
     /// `out` (B, T, D) = attention of `qkv` (B, T, 3D); `mask` (B, T), 1 = real token,
-    /// 0 = padding (`None`: no padding). Saves P in `ws`.
+    /// 0 = padding (`None`: no padding). Saves P (or its row statistics) in `ws`.
     pub fn forward(
         &self,
         ws: &mut AttentionWorkspace,
@@ -187,46 +262,60 @@ impl Attention {
         if let Some(m) = mask {
             check_len("Attention mask", m.len(), bsz * t);
         }
-        ws.allow.resize(bsz * t, 1.0);
-        for b in 0..bsz {
-            let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
-            let out_b = &mut out[b * t * d..(b + 1) * t * d]; // (T, D)
-                                                              // 1 for an allowed key, 0 for a padding one.
-            let allow = &mut ws.allow[b * t..(b + 1) * t];
-            match mask {
-                Some(m) => {
-                    for (a, &v) in allow.iter_mut().zip(&m[b * t..(b + 1) * t]) {
-                        *a = (v != 0) as u8 as f32;
-                    }
+        // 1 for an allowed key, 0 for a padding one.
+        match mask {
+            Some(m) => {
+                for (a, &v) in ws.allow.iter_mut().zip(m) {
+                    *a = (v != 0) as u8 as f32;
                 }
-                None => allow.fill(1.0),
             }
-            let allow = &ws.allow[b * t..(b + 1) * t];
-            for h in 0..nh {
-                let v = MatRef::strided(&qkv_b[2 * d + h * hd..], t, hd, 3 * d, 1); // (T, d)
-                let (p, stats) = if ws.recompute {
-                    let u = b * nh + h;
-                    (
-                        &mut ws.probs[..t * t],
-                        Some(&mut ws.stats[u * 2 * t..(u + 1) * 2 * t]),
-                    )
-                } else {
-                    (
-                        &mut ws.probs[(b * nh + h) * t * t..(b * nh + h + 1) * t * t],
-                        None,
-                    )
-                };
-                // Q·Kᵀ, then scale, mask and softmax each row in place.
-                self.probs_of_head(qkv_b, h, t, allow, p, stats, false);
-                // O = P·V into this head's columns of out.
-                matmul(
-                    MatMut::strided(&mut out_b[h * hd..], t, hd, d, 1),
-                    MatRef::new(p, t, t),
-                    v,
-                    false,
-                );
-            }
+            None => ws.allow.fill(1.0),
         }
+        let (tt, recompute) = (t * t, ws.recompute);
+        let allow_all = &ws.allow;
+        let out = DisjointMut::new(out);
+        let (pu, su) = if recompute { (0, 2 * t) } else { (tt, 0) };
+        run_groups(
+            0..bsz * nh,
+            ws.parts,
+            &mut ws.probs,
+            pu,
+            &mut ws.stats,
+            su,
+            &mut ws.scratch,
+            2 * tt,
+            &|g: Group<'_>| {
+                let first = g.units.start;
+                for u in g.units {
+                    let (b, h) = (u / nh, u % nh);
+                    let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
+                    let allow = &allow_all[b * t..(b + 1) * t];
+                    let v = MatRef::strided(&qkv_b[2 * d + h * hd..], t, hd, 3 * d, 1); // (T, d)
+                    let i = u - first;
+                    let (p, stats) = if recompute {
+                        (
+                            &mut g.scratch[..tt],
+                            Some(&mut g.stats[i * su..(i + 1) * su]),
+                        )
+                    } else {
+                        (&mut g.probs[i * tt..(i + 1) * tt], None)
+                    };
+                    // Q·Kᵀ, then scale, mask and softmax each row in place.
+                    self.probs_of_head(qkv_b, h, t, allow, p, stats, false);
+                    // O = P·V into this head's columns of out.
+                    // SAFETY: unit (b, h) alone writes out[b, :, h·d .. (h+1)·d].
+                    unsafe {
+                        out.matmul_serial_into(
+                            b * t * d + h * hd,
+                            (t, hd, d, 1),
+                            MatRef::new(p, t, t),
+                            v,
+                            false,
+                        )
+                    };
+                }
+            },
+        );
     }
 
     /// Given the `qkv` of the matching forward and `dout` (B, T, D), *writes* `dqkv`
@@ -249,56 +338,62 @@ impl Attention {
         check_len("Attention dout", dout.len(), bsz * t * d);
         check_len("Attention dqkv", dqkv.len(), bsz * t * 3 * d);
         let scale = 1.0 / (hd as f32).sqrt();
-        for b in 0..bsz {
-            let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
-            let dqkv_b = &mut dqkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
-            let dout_b = &dout[b * t * d..(b + 1) * t * d]; // (T, D)
-            for h in 0..nh {
-                let q = MatRef::strided(&qkv_b[h * hd..], t, hd, 3 * d, 1); // (T, d)
-                let k = MatRef::strided(&qkv_b[d + h * hd..], t, hd, 3 * d, 1); // (T, d)
-                let v = MatRef::strided(&qkv_b[2 * d + h * hd..], t, hd, 3 * d, 1); // (T, d)
-                let d_o = MatRef::strided(&dout_b[h * hd..], t, hd, d, 1); // (T, d)
-                let p: &[f32] = if ws.recompute {
-                    // P again from Q and K with the forward's row statistics.
-                    let u = b * nh + h;
-                    let p = &mut ws.probs[..t * t];
-                    let allow = &ws.allow[b * t..(b + 1) * t];
-                    let stats = &mut ws.stats[u * 2 * t..(u + 1) * 2 * t];
-                    self.probs_of_head(qkv_b, h, t, allow, p, Some(stats), true);
-                    p
-                } else {
-                    &ws.probs[(b * nh + h) * t * t..(b * nh + h + 1) * t * t] // (T, T)
-                };
-                let pm = MatRef::new(p, t, t);
-                // dV = Pᵀ·dO
-                matmul(
-                    MatMut::strided(&mut dqkv_b[2 * d + h * hd..], t, hd, 3 * d, 1),
-                    pm.t(),
-                    d_o,
-                    false,
-                );
-                // dP = dO·Vᵀ, then dS' = s·P ⊙ (dP − rowsum(P ⊙ dP)) in place.
-                let ds = &mut ws.scratch;
-                matmul(MatMut::new(ds, t, t), d_o, v.t(), false);
-                for (pr, dr) in p.chunks_exact(t).zip(ds.chunks_exact_mut(t)) {
-                    softmax::grad(pr, dr, scale);
+        let (tt, recompute) = (t * t, ws.recompute);
+        let allow_all = &ws.allow;
+        let dqkv = DisjointMut::new(dqkv);
+        let (pu, su) = if recompute { (0, 2 * t) } else { (tt, 0) };
+        run_groups(
+            0..bsz * nh,
+            ws.parts,
+            &mut ws.probs,
+            pu,
+            &mut ws.stats,
+            su,
+            &mut ws.scratch,
+            2 * tt,
+            &|g: Group<'_>| {
+                let first = g.units.start;
+                let (pbuf, ds) = g.scratch.split_at_mut(tt);
+                for u in g.units {
+                    let (b, h) = (u / nh, u % nh);
+                    let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
+                    let dout_b = &dout[b * t * d..(b + 1) * t * d]; // (T, D)
+                    let q = MatRef::strided(&qkv_b[h * hd..], t, hd, 3 * d, 1); // (T, d)
+                    let k = MatRef::strided(&qkv_b[d + h * hd..], t, hd, 3 * d, 1); // (T, d)
+                    let v = MatRef::strided(&qkv_b[2 * d + h * hd..], t, hd, 3 * d, 1); // (T, d)
+                    let d_o = MatRef::strided(&dout_b[h * hd..], t, hd, d, 1); // (T, d)
+                    let i = u - first;
+                    let p: &[f32] = if recompute {
+                        // P again from Q and K with the forward's row statistics.
+                        let allow = &allow_all[b * t..(b + 1) * t];
+                        let stats = &mut g.stats[i * su..(i + 1) * su];
+                        self.probs_of_head(qkv_b, h, t, allow, pbuf, Some(stats), true);
+                        pbuf
+                    } else {
+                        &g.probs[i * tt..(i + 1) * tt] // (T, T)
+                    };
+                    let pm = MatRef::new(p, t, t);
+                    let base = b * t * 3 * d + h * hd;
+                    // SAFETY (all three writes): unit (b, h) alone writes this head's q, k
+                    // and v columns of dqkv[b].
+                    // dV = Pᵀ·dO
+                    unsafe {
+                        dqkv.matmul_serial_into(base + 2 * d, (t, hd, 3 * d, 1), pm.t(), d_o, false)
+                    };
+                    // dP = dO·Vᵀ, then dS' = s·P ⊙ (dP − rowsum(P ⊙ dP)) in place.
+                    matmul_serial(MatMut::new(ds, t, t), d_o, v.t(), false);
+                    for (pr, dr) in p.chunks_exact(t).zip(ds.chunks_exact_mut(t)) {
+                        softmax::grad(pr, dr, scale);
+                    }
+                    let dsm = MatRef::new(ds, t, t);
+                    // dQ = dS'·K,  dK = dS'ᵀ·Q
+                    unsafe { dqkv.matmul_serial_into(base, (t, hd, 3 * d, 1), dsm, k, false) };
+                    unsafe {
+                        dqkv.matmul_serial_into(base + d, (t, hd, 3 * d, 1), dsm.t(), q, false)
+                    };
                 }
-                let dsm = MatRef::new(ds, t, t);
-                // dQ = dS'·K,  dK = dS'ᵀ·Q
-                matmul(
-                    MatMut::strided(&mut dqkv_b[h * hd..], t, hd, 3 * d, 1),
-                    dsm,
-                    k,
-                    false,
-                );
-                matmul(
-                    MatMut::strided(&mut dqkv_b[d + h * hd..], t, hd, 3 * d, 1),
-                    dsm.t(),
-                    q,
-                    false,
-                );
-            }
-        }
+            },
+        );
     }
 }
 
@@ -495,5 +590,47 @@ mod tests {
         }
         let ws = Attention::new(d, nh).workspace_recompute(b, t);
         assert!(Attention::workspace_bytes(&ws) < 4 * b * nh * t * t);
+    }
+
+    /// Heads run in parallel groups: 1, 2 or 3 threads (different groupings) give the same bits.
+    #[test]
+    fn same_bits_on_any_thread_count() {
+        let (b, t, d, nh) = (3, 17, 24, 4);
+        let mut rng = comera_tensor::init::rng(6);
+        let mut qkv = vec![0.0; b * t * 3 * d];
+        let mut dout = vec![0.0; b * t * d];
+        comera_tensor::init::fill_normal(&mut rng, &mut qkv, 1.0);
+        comera_tensor::init::fill_normal(&mut rng, &mut dout, 1.0);
+        let mask: Vec<u8> = (0..b * t).map(|i| (i % t < t - i / t) as u8).collect();
+        let attn = Attention::new(d, nh);
+        let run = |threads: usize, recompute: bool| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let mut ws = if recompute {
+                    attn.workspace_recompute(b, t)
+                } else {
+                    attn.workspace(b, t)
+                };
+                assert_eq!(ws.parts, threads);
+                let mut out = vec![0.0; b * t * d];
+                let mut dqkv = vec![0.0; b * t * 3 * d];
+                attn.forward(&mut ws, &qkv, Some(&mask), &mut out);
+                attn.backward(&mut ws, &qkv, &dout, &mut dqkv);
+                out.iter()
+                    .chain(&dqkv)
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>()
+            })
+        };
+        let one = run(1, true);
+        for (threads, recompute) in [(2, true), (3, true), (1, false), (3, false)] {
+            assert!(
+                one == run(threads, recompute),
+                "{threads} threads, recompute {recompute}"
+            );
+        }
     }
 }

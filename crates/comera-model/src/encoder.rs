@@ -23,6 +23,7 @@ use comera_layers::embedding::EmbeddingWorkspace;
 use comera_layers::linear::LinearWorkspace;
 use comera_layers::loss::CrossEntropy;
 use comera_layers::norm::{LayerNorm, LayerNormWorkspace};
+use comera_layers::tt_linear::{FusedFfn, SharedInput};
 use comera_layers::{
     Compressible, Embedding, EmbeddingError, EmbeddingLayer, Layer, Linear, Param, RankGates,
     StepStats, TtLinear, TtmEmbedding,
@@ -642,13 +643,19 @@ impl Encoder {
         } else {
             x
         };
-        // q, k, v go through the backward's dq/dk/dv (free during the forward) into the
-        // saved interleaved qkv; the attention output and the FFN output only live until
-        // their residual sums, in tmp[0].
-        blk.q.forward(&mut s.ws_q, attn_in, &mut sc.dq);
-        blk.k.forward(&mut s.ws_k, attn_in, &mut sc.dk);
-        blk.v.forward(&mut s.ws_v, attn_in, &mut sc.dv);
-        interleave(&sc.dq, &sc.dk, &sc.dv, d, &mut a.qkv);
+        // q, k, v: TT layers on the merged path as one fused product straight into the
+        // saved interleaved qkv; otherwise one by one through the backward's dq/dk/dv (free
+        // during the forward). The attention output and the FFN output only live until their
+        // residual sums, in tmp[0].
+        if let Some((w, layers)) = shared_qkv(blk, s, x.len() / d) {
+            w.forward(&layers, attn_in, &mut a.qkv);
+        } else {
+            sc.ensure_qkv_split(a.qkv.len() / 3);
+            blk.q.forward(&mut s.ws_q, attn_in, &mut sc.dq);
+            blk.k.forward(&mut s.ws_k, attn_in, &mut sc.dk);
+            blk.v.forward(&mut s.ws_v, attn_in, &mut sc.dv);
+            interleave(&sc.dq, &sc.dk, &sc.dv, d, &mut a.qkv);
+        }
         self.attn
             .forward(&mut s.ws_attn, &a.qkv, Some(mask), &mut a.att);
         let o = &mut sc.tmp[0];
@@ -662,11 +669,20 @@ impl Encoder {
             blk.ln1.forward(&mut s.ws_ln1, &a.r1, &mut a.ln1_out);
             &a.ln1_out
         };
-        // g = GELU(h) is not kept: the backward recomputes it.
-        blk.up.forward(&mut s.ws_up, ffn_in, &mut a.h);
-        Gelu.forward(&a.h, &mut sc.g);
         let f = &mut sc.tmp[0];
-        blk.down.forward(&mut s.ws_down, &sc.g, f);
+        if let Some((w, up, down)) = fused_ffn(blk, s, x.len() / d) {
+            // Up → bias + GELU → Down in row blocks: no N × F buffer.
+            w.forward(up, down, ffn_in, f);
+        } else {
+            // g = GELU(h) is not kept: the backward recomputes it.
+            let nf = x.len() / d * self.cfg.ffn;
+            ensure_len(&mut a.h, nf);
+            ensure_len(&mut sc.g, nf);
+            ensure_len(&mut sc.dg, nf);
+            blk.up.forward(&mut s.ws_up, ffn_in, &mut a.h);
+            Gelu.forward(&a.h, &mut sc.g);
+            blk.down.forward(&mut s.ws_down, &sc.g, f);
+        }
         self.drop_ffn[l].forward_in_place(&mut s.ws_drop_ffn, step, train, f);
         if self.cfg.pre_ln {
             sum_into(&a.r1, f, &mut a.out);
@@ -728,12 +744,22 @@ impl Encoder {
             }
             t2.copy_from_slice(t1);
             self.drop_ffn[l].backward_in_place(&s.ws_drop_ffn, t2);
-            Gelu.forward(&a.h, &mut sc.g);
-            blk.down
-                .backward(&mut s.ws_down, &sc.g, t2, Some(&mut sc.dg));
-            Gelu.backward_in_place(&a.h, &mut sc.dg);
             let ffn_in: &[f32] = if pre { &a.ln2_out } else { &a.ln1_out };
-            blk.up.backward(&mut s.ws_up, ffn_in, &sc.dg, Some(t3));
+            let fused = match (&mut blk.up, &mut blk.down, &mut s.ws_ffn) {
+                (AnyLinear::Tt(up), AnyLinear::Tt(down), Some(w)) if w.applies(up, down) => {
+                    // The forward ran fused too (same layers, same ranks).
+                    w.backward(up, down, ffn_in, t2, t3);
+                    true
+                }
+                _ => false,
+            };
+            if !fused {
+                Gelu.forward(&a.h, &mut sc.g);
+                blk.down
+                    .backward(&mut s.ws_down, &sc.g, t2, Some(&mut sc.dg));
+                Gelu.backward_in_place(&a.h, &mut sc.dg);
+                blk.up.backward(&mut s.ws_up, ffn_in, &sc.dg, Some(t3));
+            }
             if pre {
                 blk.ln2.backward(&mut s.ws_ln2, &a.r1, t3, Some(t2));
                 add_into(t1, t2); // t1 = ∂L/∂r1
@@ -747,13 +773,25 @@ impl Encoder {
             self.drop_attn[l].backward_in_place(&s.ws_drop_attn, t2);
             blk.o.backward(&mut s.ws_o, &a.att, t2, Some(t3));
             self.attn.backward(&mut s.ws_attn, &a.qkv, t3, &mut sc.dqkv);
-            split(&sc.dqkv, d, &mut sc.dq, &mut sc.dk, &mut sc.dv);
             let attn_in: &[f32] = if pre { &a.ln1_out } else { x };
-            blk.q.backward(&mut s.ws_q, attn_in, &sc.dq, Some(t2));
-            blk.k.backward(&mut s.ws_k, attn_in, &sc.dk, Some(t3));
-            add_into(t2, t3);
-            blk.v.backward(&mut s.ws_v, attn_in, &sc.dv, Some(t3));
-            add_into(t2, t3); // t2 = ∂L/∂(attention input)
+            let fused = match (&mut blk.q, &mut blk.k, &mut blk.v, &mut s.ws_qkv) {
+                (AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v), Some(w))
+                    if w.applies(&[q, k, v]) =>
+                {
+                    // The forward ran fused too (same layers, same ranks).
+                    w.backward(&mut [q, k, v], attn_in, &sc.dqkv, t2);
+                    true
+                }
+                _ => false,
+            };
+            if !fused {
+                split(&sc.dqkv, d, &mut sc.dq, &mut sc.dk, &mut sc.dv);
+                blk.q.backward(&mut s.ws_q, attn_in, &sc.dq, Some(t2));
+                blk.k.backward(&mut s.ws_k, attn_in, &sc.dk, Some(t3));
+                add_into(t2, t3);
+                blk.v.backward(&mut s.ws_v, attn_in, &sc.dv, Some(t3));
+                add_into(t2, t3);
+            } // t2 = ∂L/∂(attention input)
             if pre {
                 blk.ln1.backward(&mut s.ws_ln1, x, t2, Some(t3));
                 sum_into(t1, t3, &mut sc.d);
@@ -770,6 +808,65 @@ impl Encoder {
         self.word.backward(&mut st.ws_word, &st.ids, t1);
         self.pos.backward(&mut st.ws_pos, &st.pos_ids, t1);
         self.types.backward(&mut st.ws_type, &st.types, t1);
+    }
+}
+
+/// The fused q/k/v workspace and layers of a block whose q, k and v are TT layers planned on
+/// the merged path (`None`: run them one by one). Planned when the state is made and again
+/// only after a rank change.
+fn shared_qkv<'a>(
+    blk: &'a Block,
+    s: &'a mut BlockState,
+    rows: usize,
+) -> Option<(&'a mut SharedInput, [&'a TtLinear; 3])> {
+    let (AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v)) = (&blk.q, &blk.k, &blk.v) else {
+        return None;
+    };
+    let layers = [q, k, v];
+    let same = s.qkv_shapes.len() == 3
+        && s.qkv_shapes
+            .iter()
+            .zip(&layers)
+            .all(|(a, l)| a == l.shape());
+    if !same {
+        s.qkv_shapes = layers.iter().map(|l| l.shape().clone()).collect();
+        s.ws_qkv = SharedInput::new(&layers, rows);
+    }
+    match &mut s.ws_qkv {
+        Some(w) if w.applies(&layers) => Some((w, layers)),
+        _ => None,
+    }
+}
+
+/// The fused FFN workspace and layers of a block whose up and down are TT layers planned on
+/// the merged path (`None`: run Up, GELU, Down one by one). Planned when the state is made and
+/// again only after a rank change.
+fn fused_ffn<'a>(
+    blk: &'a Block,
+    s: &'a mut BlockState,
+    rows: usize,
+) -> Option<(&'a mut FusedFfn, &'a TtLinear, &'a TtLinear)> {
+    let (AnyLinear::Tt(up), AnyLinear::Tt(down)) = (&blk.up, &blk.down) else {
+        return None;
+    };
+    let same = s.ffn_shapes.len() == 2
+        && s.ffn_shapes[0] == *up.shape()
+        && s.ffn_shapes[1] == *down.shape();
+    if !same {
+        s.ffn_shapes = vec![up.shape().clone(), down.shape().clone()];
+        s.ws_ffn = FusedFfn::new(up, down, rows);
+    }
+    match &mut s.ws_ffn {
+        Some(w) if w.applies(up, down) => Some((w, up, down)),
+        _ => None,
+    }
+}
+
+/// Gives `v` length `len` (zeros), allocating only the first time (buffers of the unfused
+/// paths exist only once a block needs them).
+fn ensure_len(v: &mut Vec<f32>, len: usize) {
+    if v.len() != len {
+        v.resize(len, 0.0);
     }
 }
 
@@ -822,6 +919,12 @@ pub struct BlockState {
     ws_o: AnyLinearWorkspace,
     ws_up: AnyLinearWorkspace,
     ws_down: AnyLinearWorkspace,
+    /// q, k and v as one fused TT product (see `shared_qkv`), planned for these shapes.
+    ws_qkv: Option<SharedInput>,
+    qkv_shapes: Vec<comera_tensor::TtShape>,
+    /// Up → GELU → Down fused in row blocks (see `fused_ffn`), planned for these shapes.
+    ws_ffn: Option<FusedFfn>,
+    ffn_shapes: Vec<comera_tensor::TtShape>,
     ws_attn: AttentionWorkspace,
     ws_ln1: LayerNormWorkspace,
     ws_ln2: LayerNormWorkspace,
@@ -837,7 +940,7 @@ struct BlockActs {
     r1: Vec<f32>,      // N × D
     ln1_out: Vec<f32>, // N × D
     ln2_out: Vec<f32>, // N × D (pre-LN only)
-    h: Vec<f32>,       // N × F
+    h: Vec<f32>,       // N × F (only for a block whose FFN does not run fused)
     r2: Vec<f32>,      // N × D (post-LN only)
     out: Vec<f32>,     // N × D
 }
@@ -1020,8 +1123,18 @@ struct Scratch {
     dq: Vec<f32>,       // N × D (q in the forward)
     dk: Vec<f32>,       // N × D (k in the forward)
     dv: Vec<f32>,       // N × D (v in the forward)
-    dg: Vec<f32>,       // N × F
-    g: Vec<f32>,        // N × F: GELU(h) of the block being run (recomputed in the backward)
+    dg: Vec<f32>,       // N × F (only for blocks whose FFN does not run fused)
+    g: Vec<f32>,        // N × F: GELU(h) of the block being run (recomputed in the backward; same)
+}
+
+impl Scratch {
+    /// Sizes dq/dk/dv (N × D each) for a block whose q/k/v run one by one (allocates only
+    /// the first time, or after a rank change ended a fusion).
+    fn ensure_qkv_split(&mut self, nd: usize) {
+        for v in [&mut self.dq, &mut self.dk, &mut self.dv] {
+            v.resize(nd, 0.0);
+        }
+    }
 }
 
 impl EncoderState {
@@ -1030,7 +1143,7 @@ impl EncoderState {
         let (d, f) = (c.d_model, c.ffn);
         let n = b * t;
         let z = |len: usize| vec![0.0f32; len];
-        let blocks = m
+        let blocks: Vec<BlockState> = m
             .blocks
             .iter()
             .enumerate()
@@ -1038,6 +1151,30 @@ impl EncoderState {
                 ws_q: blk.q.workspace(n),
                 ws_k: blk.k.workspace(n),
                 ws_v: blk.v.workspace(n),
+                ws_qkv: match (&blk.q, &blk.k, &blk.v) {
+                    (AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v)) => {
+                        SharedInput::new(&[q, k, v], n)
+                    }
+                    _ => None,
+                },
+                ws_ffn: match (&blk.up, &blk.down) {
+                    (AnyLinear::Tt(up), AnyLinear::Tt(down)) => FusedFfn::new(up, down, n),
+                    _ => None,
+                },
+                ffn_shapes: [&blk.up, &blk.down]
+                    .iter()
+                    .filter_map(|l| match l {
+                        AnyLinear::Tt(t) => Some(t.shape().clone()),
+                        _ => None,
+                    })
+                    .collect(),
+                qkv_shapes: [&blk.q, &blk.k, &blk.v]
+                    .iter()
+                    .filter_map(|l| match l {
+                        AnyLinear::Tt(t) => Some(t.shape().clone()),
+                        _ => None,
+                    })
+                    .collect(),
                 ws_o: blk.o.workspace(n),
                 ws_up: blk.up.workspace(n),
                 ws_down: blk.down.workspace(n),
@@ -1050,6 +1187,25 @@ impl EncoderState {
                 ws_drop_ffn: m.drop_ffn[l].workspace(n * d),
             })
             .collect();
+        let mut sc = Scratch {
+            d: z(n * d),
+            tmp: [z(n * d), z(n * d), z(n * d)],
+            dqkv: z(3 * n * d),
+            // Only for blocks whose q/k/v do not run fused.
+            dq: Vec::new(),
+            dk: Vec::new(),
+            dv: Vec::new(),
+            dg: Vec::new(),
+            g: Vec::new(),
+        };
+        let unfused_ffn = blocks.iter().any(|b: &BlockState| b.ws_ffn.is_none());
+        if unfused_ffn {
+            sc.dg = z(n * f);
+            sc.g = z(n * f);
+        }
+        if blocks.iter().any(|b: &BlockState| b.ws_qkv.is_none()) {
+            sc.ensure_qkv_split(n * d);
+        }
         let rec = c.recompute_blocks;
         let acts = (0..if rec { 1 } else { c.layers })
             .map(|_| BlockActs {
@@ -1058,7 +1214,7 @@ impl EncoderState {
                 r1: z(n * d),
                 ln1_out: z(n * d),
                 ln2_out: if c.pre_ln { z(n * d) } else { Vec::new() },
-                h: z(n * f),
+                h: if unfused_ffn { z(n * f) } else { Vec::new() },
                 r2: if c.pre_ln { Vec::new() } else { z(n * d) },
                 out: z(n * d),
             })
@@ -1099,18 +1255,38 @@ impl EncoderState {
             outs,
             x_final: if c.pre_ln { z(n * d) } else { Vec::new() },
             head,
-            sc: Scratch {
-                d: z(n * d),
-                tmp: [z(n * d), z(n * d), z(n * d)],
-                dqkv: z(3 * n * d),
-                dq: z(n * d),
-                dk: z(n * d),
-                dv: z(n * d),
-                dg: z(n * f),
-                g: z(n * f),
-            },
+            sc,
             step: 0,
         }
+    }
+
+    /// Fuses every TT block's q/k/v whatever the planner chose (tests: the fused path on
+    /// shapes too small for the planner to pick it). Returns the number of fused blocks.
+    #[doc(hidden)]
+    pub fn force_fused_qkv(&mut self, m: &Encoder) -> usize {
+        let mut fused = 0;
+        for (blk, s) in m.blocks.iter().zip(&mut self.blocks) {
+            if let (AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v)) = (&blk.q, &blk.k, &blk.v)
+            {
+                s.ws_qkv = SharedInput::new_unplanned(&[q, k, v], self.n);
+                fused += s.ws_qkv.is_some() as usize;
+            }
+        }
+        fused
+    }
+
+    /// Fuses every TT block's Up → GELU → Down whatever the planner chose (tests, as
+    /// [`EncoderState::force_fused_qkv`]). Returns the number of fused blocks.
+    #[doc(hidden)]
+    pub fn force_fused_ffn(&mut self, m: &Encoder) -> usize {
+        let mut fused = 0;
+        for (blk, s) in m.blocks.iter().zip(&mut self.blocks) {
+            if let (AnyLinear::Tt(up), AnyLinear::Tt(down)) = (&blk.up, &blk.down) {
+                s.ws_ffn = FusedFfn::new_unplanned(up, down, self.n);
+                fused += s.ws_ffn.is_some() as usize;
+            }
+        }
+        fused
     }
 
     /// Number of sequences per step.
@@ -1264,6 +1440,8 @@ impl EncoderState {
             for w in [&s.ws_q, &s.ws_k, &s.ws_v, &s.ws_o, &s.ws_up, &s.ws_down] {
                 total += AnyLinear::workspace_bytes(w);
             }
+            total += s.ws_qkv.as_ref().map_or(0, SharedInput::bytes);
+            total += s.ws_ffn.as_ref().map_or(0, FusedFfn::bytes);
             total += Attention::workspace_bytes(&s.ws_attn);
         }
         // The TT layers' scratch, shared through this thread's pool.

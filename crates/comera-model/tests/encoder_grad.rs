@@ -434,3 +434,43 @@ fn recomputed_blocks_give_identical_gradients() {
         assert!(bytes1 < bytes0, "{bytes1} vs {bytes0}");
     }
 }
+
+/// q, k and v as one fused TT product, and Up → GELU → Down fused in row blocks, give the
+/// gradients of the layers run one by one (which the finite-difference tests above prove),
+/// post-LN and pre-LN.
+#[test]
+fn fused_qkv_and_ffn_give_the_gradients_of_separate_layers() {
+    for pre_ln in [false, true] {
+        let cfg = tiny(true, pre_ln);
+        let mut m = Encoder::new(&cfg, 5).unwrap();
+        let mut rng = init::rng(9);
+        let b = batch(&mut rng);
+        let run = |m: &mut Encoder, fuse: bool| {
+            let mut st = m.state_for(3, 6, 2).unwrap();
+            if fuse {
+                assert_eq!(st.force_fused_qkv(m), cfg.layers);
+                assert_eq!(st.force_fused_ffn(m), cfg.layers);
+            }
+            st.load(&b.ids, &b.types, &b.mask, &b.labels).unwrap();
+            m.zero_grad();
+            let l = loss(m, &mut st);
+            m.backward(&mut st);
+            let g: Vec<Vec<f32>> = m.params().iter().map(|p| p.grad.clone()).collect();
+            (l, g)
+        };
+        let (l1, g1) = run(&mut m, false);
+        let (l2, g2) = run(&mut m, true);
+        assert!((l1 - l2).abs() <= 1e-5 * l1.abs(), "loss {l1} vs {l2}");
+        for (i, (a, b)) in g1.iter().zip(&g2).enumerate() {
+            let scale = a.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+            let err = a
+                .iter()
+                .zip(b)
+                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                err <= 1e-4 * scale,
+                "pre_ln {pre_ln} param {i}: {err} vs {scale}"
+            );
+        }
+    }
+}

@@ -92,12 +92,15 @@ fn steady_state_training_steps_allocate_nothing() {
 }
 
 fn steps_allocate_nothing(threads: usize) {
-    for (tt, pre_ln, mlm) in [
-        (false, false, false),
-        (true, false, false),
-        (true, true, false),
-        (true, true, true),
-        (false, false, true),
+    // The last flag fuses q/k/v and the FFN whatever the planner chose (too small here to
+    // choose it).
+    for (tt, pre_ln, mlm, fuse) in [
+        (false, false, false, false),
+        (true, false, false, false),
+        (true, false, false, true),
+        (true, true, false, true),
+        (true, true, true, false),
+        (false, false, true, false),
     ] {
         let mut cfg = config(tt, pre_ln);
         if mlm {
@@ -111,6 +114,10 @@ fn steps_allocate_nothing(threads: usize) {
         let mut model = Encoder::new(&cfg, 1).unwrap();
         let (b, t) = (16usize, cfg.seq_len);
         let mut st = model.state(b);
+        if fuse {
+            assert_eq!(st.force_fused_qkv(&model), cfg.layers);
+            assert_eq!(st.force_fused_ffn(&model), cfg.layers);
+        }
         let mut opt = AdamW::new(AdamWConfig::default(), |f| model.visit_params_mut(f));
         let ids: Vec<u32> = (0..b * t).map(|i| (i * 37 % 2100) as u32).collect();
         let types = vec![0u32; b * t];
@@ -151,7 +158,7 @@ fn steps_allocate_nothing(threads: usize) {
             let a4 = ALLOCS.load(Ordering::SeqCst);
             *phases = [a1 - a0, a2 - a1, a3 - a2, a4 - a3];
         }
-        let tag = format!("{threads} threads, tt={tt} pre_ln={pre_ln} mlm={mlm}: allocations per step (load, fwd, bwd, optim) {counts:?}");
+        let tag = format!("{threads} threads, tt={tt} pre_ln={pre_ln} mlm={mlm} fused qkv={fuse}: allocations per step (load, fwd, bwd, optim) {counts:?}");
         let c0 = ALLOCS.load(Ordering::SeqCst);
         std::hint::black_box(vec![0u8; 64]);
         assert!(

@@ -123,6 +123,17 @@ impl<'a> MatMut<'a> {
 /// `C = A·B`, or `C += A·B` when `accumulate` is set. Shapes must agree (panics otherwise:
 /// a shape mismatch here is an engine bug, user-facing shapes are checked at layer boundaries).
 pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
+    matmul_on(c, a, b, accumulate, true)
+}
+
+/// [`matmul`] on the calling thread only: for callers that already run independent products
+/// in parallel (one per attention head), so that each product's bits do not depend on the
+/// thread count.
+pub fn matmul_serial(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
+    matmul_on(c, a, b, accumulate, false)
+}
+
+fn matmul_on(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, parallel: bool) {
     assert_eq!(
         a.cols, b.rows,
         "matmul inner dimensions differ: {}x{} · {}x{}",
@@ -146,7 +157,95 @@ pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     if use_small(&c, &a, &b) {
         small_matmul(c, a, b, accumulate);
     } else {
-        backend(c, a, b, accumulate);
+        backend(c, a, b, accumulate, parallel);
+    }
+}
+
+/// A buffer that several threads fill at once, each writing only elements no other thread
+/// reads or writes during the call (e.g. the columns of one attention head in a (B, T, D)
+/// output). Writes go through a raw pointer, never through overlapping `&mut` slices.
+#[derive(Clone, Copy, Debug)]
+pub struct DisjointMut<'a> {
+    ptr: *mut f32,
+    len: usize,
+    _borrow: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: a `DisjointMut` is a unique borrow of its buffer for 'a; the only way to write
+// through it (`matmul_serial_into`) is `unsafe` and requires the caller to keep the elements
+// each thread writes disjoint from those any other thread touches.
+unsafe impl Send for DisjointMut<'_> {}
+unsafe impl Sync for DisjointMut<'_> {}
+
+impl<'a> DisjointMut<'a> {
+    pub fn new(data: &'a mut [f32]) -> Self {
+        DisjointMut {
+            ptr: data.as_mut_ptr(),
+            len: data.len(),
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    /// `C = A·B` (or `C +=`) on the calling thread, C the strided `rows × cols` view starting
+    /// at element `offset` (bounds-checked like [`MatMut::strided`]).
+    ///
+    /// # Safety
+    /// While this runs, no other thread may read or write any element of that view.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul_serial_into(
+        &self,
+        offset: usize,
+        (rows, cols, rs, cs): (usize, usize, usize, usize),
+        a: MatRef<'_>,
+        b: MatRef<'_>,
+        accumulate: bool,
+    ) {
+        assert!(
+            offset <= self.len,
+            "DisjointMut offset {offset} > {}",
+            self.len
+        );
+        check_extent(self.len - offset, rows, cols, rs, cs);
+        assert_eq!(a.cols, b.rows, "matmul inner dimensions differ");
+        assert_eq!((rows, cols), (a.rows, b.cols), "matmul output shape");
+        if rows == 0 || cols == 0 {
+            return;
+        }
+        let stride = |x: usize| x as isize;
+        // SAFETY: the view is in bounds (checked above), `a` and `b` were bounds-checked when
+        // made and are shared borrows of other buffers (a `DisjointMut` holds its buffer's
+        // unique borrow), and the caller guarantees no other thread touches C's elements.
+        let (lhs, rhs, dst) = unsafe {
+            (
+                faer::MatRef::<f32>::from_raw_parts(
+                    a.data.as_ptr(),
+                    a.rows,
+                    a.cols,
+                    stride(a.rs),
+                    stride(a.cs),
+                ),
+                faer::MatRef::<f32>::from_raw_parts(
+                    b.data.as_ptr(),
+                    b.rows,
+                    b.cols,
+                    stride(b.rs),
+                    stride(b.cs),
+                ),
+                faer::MatMut::<f32>::from_raw_parts_mut(
+                    self.ptr.add(offset),
+                    rows,
+                    cols,
+                    stride(rs),
+                    stride(cs),
+                ),
+            )
+        };
+        let accum = if accumulate {
+            Accum::Add
+        } else {
+            Accum::Replace
+        };
+        faer::linalg::matmul::matmul(dst, accum, lhs, rhs, 1.0f32, Par::Seq);
     }
 }
 
@@ -174,10 +273,10 @@ fn use_small(c: &MatMut<'_>, a: &MatRef<'_>, b: &MatRef<'_>) -> bool {
 }
 
 /// `faer` on non-empty views of agreeing shapes, threaded above `PARALLEL_MIN_MACS`.
-fn backend(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
+fn backend(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, parallel: bool) {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let threads = rayon::current_num_threads();
-    let parts = if m * n * k >= PARALLEL_MIN_MACS {
+    let parts = if parallel && m * n * k >= PARALLEL_MIN_MACS {
         threads
     } else {
         1
@@ -1000,7 +1099,7 @@ mod tests {
                 std::hint::black_box(&mut c);
             });
             let t_gemm = time(&mut || {
-                backend(MatMut::new(&mut c, m, n), a.view(), b.view(), acc);
+                backend(MatMut::new(&mut c, m, n), a.view(), b.view(), acc, true);
                 std::hint::black_box(&mut c);
             });
             println!(

@@ -16,5 +16,5 @@ pub mod math;
 pub mod permute;
 pub mod ttsvd;
 
-pub use gemm::{matmul, MatMut, MatRef};
+pub use gemm::{matmul, matmul_serial, DisjointMut, MatMut, MatRef};
 pub use layout::{ShapeError, TtShape, TtmShape};

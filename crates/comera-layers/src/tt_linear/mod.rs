@@ -9,12 +9,16 @@
 
 mod chain;
 mod dense;
+mod ffn;
 mod merged;
 pub(crate) mod pool;
 mod sequential;
+mod shared;
 
+pub use ffn::FusedFfn;
 use pool::Lease;
 pub use pool::{clear_pool as clear_scratch_pool, pooled_bytes as scratch_pool_bytes};
+pub use shared::SharedInput;
 
 use crate::compress::{self, Compressible, Retained};
 use crate::{
@@ -367,6 +371,20 @@ impl TtLinearWorkspace {
     /// Uses another machine model. Re-plans and reallocates.
     pub fn set_cost_model(&mut self, model: CostModel) {
         *self = TtLinearWorkspace::new(&self.shape, self.batch, self.pass, self.forced, model);
+    }
+
+    /// Counted FLOPs (2 per multiply-add, chain products included, as the planner counts
+    /// them) of one forward and of one backward on the path in use.
+    pub fn flops(&self) -> (f64, f64) {
+        let fwd = comera_plan::tt_linear_cost(
+            &self.shape,
+            self.batch,
+            self.plan.path,
+            Pass::Forward,
+            &self.model,
+        )
+        .flops;
+        (fwd, self.plan.cost_of(self.plan.path).flops - fwd)
     }
 
     /// Bytes held by this workspace between calls (what the forward saves for the backward).

@@ -1,0 +1,278 @@
+//! The feed-forward block Y = Down(GELU(Up(X))) of two TT layers on the merged path, run in
+//! row blocks so that the F-wide activations (h = X·W_u + b_u, g = GELU(h) and their
+//! gradients) only exist for `ROWS` rows at a time, in cache: no B × F buffer at all.
+//! Forward (W_u = L_u·R_u: N × F, W_d = L_d·R_d: F × M):
+//!   T1u = X·L_u                                      (B × r_u, saved)
+//!   per block β of rows:  g_β = GELU(T1u_β·R_u + b_u)  (bias and GELU in one pass);
+//!                         T1d_β = g_β·L_d
+//!   Y = T1d·R_d + b_d                                (T1d: B × r_d, saved)
+//! Backward from dY:
+//!   dR_d = T1dᵀ·dY,  U_d = dY·R_dᵀ                   (B × r_d)
+//!   per block β:  h_β = T1u_β·R_u + b_u,  g_β = GELU(h_β)   (the forward's bits again)
+//!                 dL_d += g_βᵀ·U_d,β;   dg_β = U_d,β·L_dᵀ;   dh_β = dg_β ⊙ GELU'(h_β)
+//!                 dR_u += T1u_βᵀ·dh_β;  db_u += Σ_rows dh_β;  U_u,β = dh_β·R_uᵀ
+//!   dX = U_u·L_uᵀ,  dL_u = Xᵀ·U_u,  db_d = Σ_rows dY; then each layer peels its chains.
+//! Blocks run in order (the products inside are threaded as everywhere), so the sums over
+//! blocks have a fixed order: the same bits for a given thread count, and the result equals
+//! the unfused Up → GELU → Down up to float rounding.
+
+use super::chain::Chains;
+use super::pool::Lease;
+use super::TtLinear;
+use crate::activation::Gelu;
+use crate::{accumulate_bias_grad, add_bias, check_len, Layer};
+use comera_plan::TtPath;
+use comera_tensor::{matmul, MatMut, MatRef, TtShape};
+
+/// Rows per block: two ROWS × F buffers (1.5 MB each at F = 3072) stay in cache.
+const ROWS: usize = 128;
+
+/// Counted FLOPs (forward, backward) of one layer on the merged path for `rows` rows, as the
+/// planner counts them (2 per multiply-add, chain products included).
+pub(crate) fn merged_flops(s: &TtShape, rows: usize) -> (f64, f64) {
+    let cost = |pass| {
+        comera_plan::tt_linear_cost(s, rows, TtPath::Merged, pass, &Default::default()).flops
+    };
+    let fwd = cost(comera_plan::Pass::Forward);
+    (fwd, cost(comera_plan::Pass::Train { need_dx: true }) - fwd)
+}
+
+/// The fused workspace of one Up → GELU → Down pair for one batch size.
+#[derive(Debug)]
+pub struct FusedFfn {
+    batch: usize,
+    shapes: [TtShape; 2],
+    t1u: Vec<f32>, // B × r_u, saved
+    t1d: Vec<f32>, // B × r_d, saved
+    chains: [Chains; 2],
+    h: [Lease; 2],  // gated cores of up, down (scratch)
+    dh: [Lease; 2], // their gradients (scratch)
+    /// [h block (ROWS × F), g block (ROWS × F), U_u (B × r_u), U_d (B × r_d)], scratch.
+    buf: Lease,
+}
+
+impl FusedFfn {
+    /// The fused workspace for `up` (N → F) and `down` (F → M) at `batch` rows, or `None` when
+    /// it does not apply (either planned off the merged path at this batch, dead, or widths
+    /// that do not chain) or does not pay (a single block of rows).
+    pub fn new(up: &TtLinear, down: &TtLinear, batch: usize) -> Option<FusedFfn> {
+        // One block only: nothing to save in memory, and recomputing h costs a product (10%
+        // slower at batch 1 × 128 tokens, measured with `comera bench step --ops`).
+        if batch <= ROWS {
+            return None;
+        }
+        if [up, down]
+            .iter()
+            .any(|l| l.workspace(batch).path() != TtPath::Merged)
+        {
+            return None;
+        }
+        FusedFfn::new_unplanned(up, down, batch)
+    }
+
+    /// The same without asking the planner (tests on shapes too small for it to pick merged).
+    pub fn new_unplanned(up: &TtLinear, down: &TtLinear, batch: usize) -> Option<FusedFfn> {
+        if up.dead || down.dead || up.out_features() != down.in_features() {
+            return None;
+        }
+        let (ru, rd, f) = (
+            up.shape.middle_rank(),
+            down.shape.middle_rank(),
+            up.out_features(),
+        );
+        let lens = |l: &TtLinear| {
+            (0..l.shape.n_cores())
+                .map(|c| l.shape.core_len(c))
+                .collect()
+        };
+        let rows = ROWS.min(batch).max(1);
+        Some(FusedFfn {
+            batch,
+            shapes: [up.shape.clone(), down.shape.clone()],
+            t1u: vec![0.0; batch * ru],
+            t1d: vec![0.0; batch * rd],
+            chains: [Chains::new(&up.shape), Chains::new(&down.shape)],
+            h: [Lease::new(lens(up)), Lease::new(lens(down))],
+            dh: [Lease::new(lens(up)), Lease::new(lens(down))],
+            buf: Lease::new(vec![rows * f, rows * f, batch * ru, batch * rd]),
+        })
+    }
+
+    /// Whether this workspace still fits the layers (same ranks, neither dead).
+    pub fn applies(&self, up: &TtLinear, down: &TtLinear) -> bool {
+        !up.dead && !down.dead && up.shape == self.shapes[0] && down.shape == self.shapes[1]
+    }
+
+    /// Bytes kept between calls (T1u, T1d).
+    pub fn bytes(&self) -> usize {
+        4 * (self.t1u.len() + self.t1d.len())
+    }
+
+    /// Counted FLOPs of one forward and one backward: both layers' merged paths, plus
+    /// h = T1u·R_u again in the backward.
+    pub fn flops(&self) -> (f64, f64) {
+        let (uf, ub) = merged_flops(&self.shapes[0], self.batch);
+        let (df, db) = merged_flops(&self.shapes[1], self.batch);
+        let s = &self.shapes[0];
+        let again = 2.0 * (self.batch * s.middle_rank() * s.out_features()) as f64;
+        (uf + df, ub + db + again)
+    }
+
+    fn acquire(&mut self, layers: [&TtLinear; 2], backward: bool) {
+        self.buf.acquire();
+        for (i, l) in layers.iter().enumerate() {
+            self.h[i].acquire();
+            l.gate_cores(&mut self.h[i]);
+            if backward {
+                self.dh[i].acquire();
+                self.chains[i].acquire_backward();
+            } else {
+                self.chains[i].acquire_forward();
+            }
+            self.chains[i].build(&l.shape, &self.h[i]);
+        }
+    }
+
+    fn release(&mut self) {
+        self.buf.release();
+        for i in 0..2 {
+            self.h[i].release();
+            self.dh[i].release();
+            self.chains[i].release();
+        }
+    }
+
+    /// `y` (B × M) = Down(GELU(Up(`x`))) for `x` (B × N).
+    pub fn forward(&mut self, up: &TtLinear, down: &TtLinear, x: &[f32], y: &mut [f32]) {
+        assert!(
+            self.applies(up, down),
+            "FusedFfn: layers changed since planned"
+        );
+        let b = self.batch;
+        let (n, f, m) = (up.in_features(), up.out_features(), down.out_features());
+        let (ru, rd) = (up.shape.middle_rank(), down.shape.middle_rank());
+        check_len("FusedFfn x", x.len(), b * n);
+        check_len("FusedFfn y", y.len(), b * m);
+        self.acquire([up, down], false);
+        let (lu, ru_m) = (self.chains[0].l(), self.chains[0].r());
+        let (ld, rd_m) = (self.chains[1].l(), self.chains[1].r());
+        matmul(
+            MatMut::new(&mut self.t1u, b, ru),
+            MatRef::new(x, b, n),
+            MatRef::new(lu, n, ru),
+            false,
+        );
+        let g = &mut self.buf[0];
+        for r0 in (0..b).step_by(ROWS) {
+            let rows = ROWS.min(b - r0);
+            let g = &mut g[..rows * f];
+            matmul(
+                MatMut::new(g, rows, f),
+                MatRef::new(&self.t1u[r0 * ru..], rows, ru),
+                MatRef::new(ru_m, ru, f),
+                false,
+            );
+            Gelu.forward_bias_in_place(g, &up.bias.value);
+            matmul(
+                MatMut::new(&mut self.t1d[r0 * rd..(r0 + rows) * rd], rows, rd),
+                MatRef::new(g, rows, f),
+                MatRef::new(ld, f, rd),
+                false,
+            );
+        }
+        matmul(
+            MatMut::new(y, b, m),
+            MatRef::new(&self.t1d, b, rd),
+            MatRef::new(rd_m, rd, m),
+            false,
+        );
+        add_bias(y, &down.bias.value);
+        self.release();
+    }
+
+    /// Accumulates both layers' gradients from `dy` (B × M) and *writes* `dx` (B × N).
+    pub fn backward(
+        &mut self,
+        up: &mut TtLinear,
+        down: &mut TtLinear,
+        x: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+    ) {
+        assert!(
+            self.applies(up, down),
+            "FusedFfn backward: layers changed since forward"
+        );
+        let b = self.batch;
+        let (n, f, m) = (up.in_features(), up.out_features(), down.out_features());
+        let (ru, rd) = (up.shape.middle_rank(), down.shape.middle_rank());
+        check_len("FusedFfn x", x.len(), b * n);
+        check_len("FusedFfn dy", dy.len(), b * m);
+        check_len("FusedFfn dx", dx.len(), b * n);
+        self.acquire([up, down], true);
+        let [cu, cd] = &mut self.chains;
+        let [hb, gb, uu, ud] = &mut self.buf[..] else {
+            unreachable!("four buffers")
+        };
+        let dym = MatRef::new(dy, b, m);
+        {
+            // Down's output side: dR_d = T1dᵀ·dY,  U_d = dY·R_dᵀ.
+            let (_, r, _, dr) = cd.seed_grads();
+            let r = MatRef::new(r, rd, m);
+            matmul(
+                MatMut::new(dr, rd, m),
+                MatRef::new(&self.t1d, b, rd).t(),
+                dym,
+                false,
+            );
+            matmul(MatMut::new(ud, b, rd), dym, r.t(), false);
+        }
+        {
+            let (ld, _, dld, _) = cd.seed_grads();
+            let ld = MatRef::new(ld, f, rd);
+            let (_, rum, _, dru) = cu.seed_grads();
+            let rum = MatRef::new(rum, ru, f);
+            for r0 in (0..b).step_by(ROWS) {
+                let rows = ROWS.min(b - r0);
+                let (h, g) = (&mut hb[..rows * f], &mut gb[..rows * f]);
+                let t1u = MatRef::new(&self.t1u[r0 * ru..], rows, ru);
+                let udb = MatRef::new(&ud[r0 * rd..], rows, rd);
+                // h, g as in the forward.
+                matmul(MatMut::new(h, rows, f), t1u, rum, false);
+                add_bias(h, &up.bias.value);
+                Gelu.forward(h, g);
+                // dL_d += gᵀ·U_d;  dg = U_d·L_dᵀ (over g);  dh = dg ⊙ GELU'(h).
+                matmul(
+                    MatMut::new(dld, f, rd),
+                    MatRef::new(g, rows, f).t(),
+                    udb,
+                    r0 > 0,
+                );
+                matmul(MatMut::new(g, rows, f), udb, ld.t(), false);
+                Gelu.backward_in_place(h, g);
+                let dh = MatRef::new(g, rows, f);
+                // dR_u += T1uᵀ·dh;  db_u += Σ_rows dh;  U_u = dh·R_uᵀ.
+                matmul(MatMut::new(dru, ru, f), t1u.t(), dh, r0 > 0);
+                accumulate_bias_grad(g, &mut up.bias.grad);
+                matmul(
+                    MatMut::new(&mut uu[r0 * ru..(r0 + rows) * ru], rows, ru),
+                    dh,
+                    rum.t(),
+                    false,
+                );
+            }
+        }
+        // Up's input side: dX = U_u·L_uᵀ,  dL_u = Xᵀ·U_u.
+        let (lu, _, dlu, _) = cu.seed_grads();
+        let uu = MatRef::new(uu, b, ru);
+        matmul(MatMut::new(dx, b, n), uu, MatRef::new(lu, n, ru).t(), false);
+        matmul(MatMut::new(dlu, n, ru), MatRef::new(x, b, n).t(), uu, false);
+        for (i, l) in [up, down].into_iter().enumerate() {
+            self.chains[i].peel_left(&l.shape, &self.h[i], &mut self.dh[i]);
+            self.chains[i].peel_right(&l.shape, &self.h[i], &mut self.dh[i]);
+            l.accumulate_core_grads(&self.dh[i]);
+        }
+        accumulate_bias_grad(dy, &mut down.bias.grad);
+        self.release();
+    }
+}
