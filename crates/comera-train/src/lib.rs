@@ -10,7 +10,7 @@
 //! - [`infer`]: evaluation and predictions of a saved model of any kind;
 //! - [`files`]: atomic writes, model files of every kind, the metrics log;
 //! - [`data`]: the encoder's data (labelled examples, corpora);
-//! - [`plot`]: figures;
+//! - [`plot`]: the figures;
 //! - [`rank`]: the rank schedule (re-exported from comera-optim).
 
 pub mod checkpoint;
