@@ -322,7 +322,12 @@ fn last_train_loss(metrics: &Path) -> Option<f64> {
 }
 
 fn train_child(cfg: &RunConfig, arm: &str) -> anyhow::Result<TrainReport> {
-    let s = comera_train::train(cfg, false)?;
+    // Each arm's scratch run directory is replaced by the next benchmark run.
+    let opts = comera_train::RunOptions {
+        progress: false,
+        overwrite: true,
+    };
+    let s = comera_train::train(cfg, opts)?;
     Ok(TrainReport {
         arm: arm.to_string(),
         steps: s.steps,

@@ -59,6 +59,14 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Like other Unix filters, end quietly when the reader of our output goes away
+    // (`comera inspect RUN | head`): Rust ignores SIGPIPE, which turns the next print into a
+    // panic.
+    #[cfg(unix)]
+    // SAFETY: restoring a signal's default disposition before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     if let Some(t) = cli.threads {
         if let Err(e) = rayon::ThreadPoolBuilder::new()
@@ -83,11 +91,13 @@ fn main() -> ExitCode {
         Command::Import(i) => import_cmd::run(i),
         Command::Export(a) => export_cmd::run(a),
     };
+    // Exit status: 0 success, 1 an error of the run (bad input, refused files, failures),
+    // 2 a usage error (clap's).
     match result {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::from(2)
+            ExitCode::from(1)
         }
     }
 }

@@ -35,10 +35,14 @@ pub struct TrainArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
-    /// Continue the run in this directory from its newest checkpoint (its own config; other
-    /// options are refused).
-    #[arg(long, conflicts_with_all = ["config", "print_config", "epochs", "batch_size", "seed", "out", "dense", "max_steps_per_epoch", "stop_after_steps", "init_from"])]
+    /// Continue the run in this directory from its newest checkpoint that verifies (its own
+    /// config; other options are refused).
+    #[arg(long, conflicts_with_all = ["config", "print_config", "epochs", "batch_size", "seed", "out", "dense", "max_steps_per_epoch", "stop_after_steps", "init_from", "overwrite"])]
     resume: Option<PathBuf>,
+    /// Replace the run in the run directory (its files are removed first). Without it, a
+    /// non-empty run directory is refused.
+    #[arg(long)]
+    overwrite: bool,
     /// Stop after this many steps with a checkpoint (resumable).
     #[arg(long)]
     stop_after_steps: Option<u64>,
@@ -70,9 +74,13 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
         print!("{}", cfg.to_toml());
         return Ok(ExitCode::SUCCESS);
     }
+    let opts = comera_train::RunOptions {
+        progress: !a.quiet,
+        overwrite: a.overwrite,
+    };
     let s = match &cfg {
-        AnyRunConfig::Encoder(c) => comera_train::train(c, !a.quiet)?,
-        AnyRunConfig::Dlrm(c) => comera_train::train_dlrm(c, !a.quiet)?,
+        AnyRunConfig::Encoder(c) => comera_train::train(c, opts)?,
+        AnyRunConfig::Dlrm(c) => comera_train::train_dlrm(c, opts)?,
     };
     report(&s);
     Ok(ExitCode::SUCCESS)
@@ -191,25 +199,83 @@ pub struct PredictArgs {
     top_k: usize,
 }
 
-pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
-    let inputs: Vec<String> = if a.inputs.is_empty() {
-        std::io::stdin().lines().collect::<Result<_, _>>()?
+/// Text as it may be echoed into a line of tab-separated output: control characters (tabs,
+/// newlines, terminal escape codes) shown escaped (`\t`, `\u{1b}`), everything else as is.
+fn printable(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+/// The texts to predict: the arguments, or the lines of standard input. Lines that are not
+/// UTF-8 and empty texts are reported on stderr by line and left out (returned count), so one
+/// bad line does not cost the others their predictions.
+fn predict_inputs(args: Vec<String>) -> anyhow::Result<(Vec<String>, usize)> {
+    use std::io::BufRead;
+    let raw: Vec<Result<String, usize>> = if args.is_empty() {
+        let mut lines = Vec::new();
+        for (i, line) in std::io::stdin().lock().split(b'\n').enumerate() {
+            let mut bytes = line.map_err(|e| anyhow::anyhow!("standard input: {e}"))?;
+            if bytes.last() == Some(&b'\r') {
+                bytes.pop();
+            }
+            lines.push(String::from_utf8(bytes).map_err(|_| i + 1));
+        }
+        lines
     } else {
-        a.inputs
+        args.into_iter().map(Ok).collect()
     };
+    let what = |n: usize| {
+        if raw.len() > 1 {
+            format!("input {n}")
+        } else {
+            "input".into()
+        }
+    };
+    let mut bad = 0;
+    let mut texts = Vec::new();
+    for (i, r) in raw.iter().enumerate() {
+        match r {
+            Err(line) => {
+                eprintln!("error: standard input line {line}: not UTF-8 text; skipped");
+                bad += 1;
+            }
+            Ok(t) if t.trim().is_empty() => {
+                eprintln!("error: {}: empty text; nothing to predict", what(i + 1));
+                bad += 1;
+            }
+            Ok(t) => texts.push(t.clone()),
+        }
+    }
+    Ok((texts, bad))
+}
+
+pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
+    let (inputs, bad) = predict_inputs(a.inputs)?;
     match load_run(&a.model, None)? {
         (SavedModel::Encoder(model, meta), _) if meta.model.head == comera_model::HeadKind::Mlm => {
             for text in &inputs {
                 for (i, top) in fill_mask(&model, &meta, text, a.top_k)?.iter().enumerate() {
                     let shown: Vec<String> =
                         top.iter().map(|(t, p)| format!("{t} {p:.3}")).collect();
-                    println!("[MASK] {}\t{}\t{text}", i + 1, shown.join("\t"));
+                    println!(
+                        "[MASK] {}\t{}\t{}",
+                        i + 1,
+                        shown.join("\t"),
+                        printable(text)
+                    );
                 }
             }
         }
         (SavedModel::Encoder(model, meta), _) => {
             for ((label, p), text) in predict_texts(&model, &meta, &inputs)?.iter().zip(&inputs) {
-                println!("{label}\t{p:.3}\t{text}");
+                println!("{label}\t{p:.3}\t{}", printable(text));
             }
         }
         (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
@@ -224,6 +290,10 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
             "{}: model and config.toml are of different kinds",
             a.model.display()
         ),
+    }
+    if bad > 0 {
+        eprintln!("{bad} input(s) skipped (above)");
+        return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
 }

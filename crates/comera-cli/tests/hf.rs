@@ -244,10 +244,10 @@ fn export_hf_then_import_hf_reproduces_the_run() {
 fn export_hf_needs_a_run_directory() {
     let dir = tempdir("hf-errors");
     let (code, text) = comera(&["export", s(&dir.join("nope")), "--hf", s(&dir.join("out"))]);
-    assert_eq!(code, 2, "{text}");
+    assert_eq!(code, 1, "{text}");
     assert!(text.contains("nope"), "{text}");
     let (code, text) = comera(&["import", "hf", s(&dir.join("nope"))]);
-    assert_eq!(code, 2, "{text}");
+    assert_eq!(code, 1, "{text}");
     assert!(
         text.contains("nope") && text.contains("does not exist"),
         "{text}"

@@ -98,7 +98,7 @@ fn import_compress_and_export_a_bert_file() {
     );
     // A file without a vocabulary beside it cannot become a run directory.
     let (code, text) = comera(&["import", "hf", &tiny, "--out", &dir.path("run")]);
-    assert_eq!(code, 2, "{text}");
+    assert_eq!(code, 1, "{text}");
     assert!(text.contains("vocab"), "{text}");
 
     // The dense file exports as a compressed file and back to the same dense file.
@@ -131,7 +131,7 @@ fn bad_inputs_are_clear_errors() {
     let tiny = tiny_bert(&dir);
     let missing = dir.path("missing.safetensors");
     let (code, text) = comera(&["import", "bert", &missing]);
-    assert_eq!(code, 2, "{text}");
+    assert_eq!(code, 1, "{text}");
     assert!(
         text.contains("missing.safetensors") && text.contains("does not exist"),
         "{text}"
@@ -141,20 +141,20 @@ fn bad_inputs_are_clear_errors() {
     let cut = dir.path("cut.safetensors");
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
     let (code, text) = comera(&["import", "bert", &cut]);
-    assert_eq!(code, 2, "{text}");
+    assert_eq!(code, 1, "{text}");
     assert!(
         text.contains("cut.safetensors") && text.contains("not a valid safetensors"),
         "{text}"
     );
 
     let (code, text) = comera(&["import", "bert", &tiny, "--tt"]);
-    assert_eq!(code, 2, "{text}");
+    assert_eq!(code, 1, "{text}");
     assert!(text.contains("--rank"), "{text}");
     let (code, text) = comera(&["import", "bert", &tiny, "--check"]);
-    assert_eq!(code, 2, "{text}");
+    assert_eq!(code, 1, "{text}");
     assert!(text.contains("--reference"), "{text}");
     let (code, text) = comera(&["import", "bert", &tiny, "--seq-len", "13"]);
-    assert_eq!(code, 2, "{text}");
+    assert_eq!(code, 1, "{text}");
     assert!(text.contains("position"), "{text}");
 
     // A HF config comera cannot run (tanh-approximate GELU), from a config.json beside the file.
@@ -179,7 +179,7 @@ fn bad_inputs_are_clear_errors() {
     file.extend(&blob);
     std::fs::write(&plain, file).unwrap();
     let (code, text) = comera(&["import", "bert", &plain]);
-    assert_eq!(code, 2, "{text}");
+    assert_eq!(code, 1, "{text}");
     assert!(text.contains("no model config"), "{text}");
     std::fs::write(
         sub.path("config.json"),
@@ -188,7 +188,7 @@ fn bad_inputs_are_clear_errors() {
     )
     .unwrap();
     let (code, text) = comera(&["import", "bert", &plain]);
-    assert_eq!(code, 2, "{text}");
+    assert_eq!(code, 1, "{text}");
     assert!(text.contains("config.json: hidden_act"), "{text}");
     std::fs::write(
         sub.path("config.json"),
@@ -200,7 +200,7 @@ fn bad_inputs_are_clear_errors() {
     assert_eq!(code, 0, "{text}");
 
     let (code, text) = comera(&["export", &tiny]);
-    assert_eq!(code, 2, "{text}");
+    assert_eq!(code, 1, "{text}");
     assert!(text.contains("--dense"), "{text}");
 }
 

@@ -175,8 +175,10 @@ impl CtrData {
     }
 
     /// Share of positive labels.
+    /// (0 for no examples; an empty f64 sum is −0.0, which would print as "-0.000").
     pub fn positive_rate(&self) -> f64 {
-        self.labels.iter().map(|&l| l as f64).sum::<f64>() / self.len().max(1) as f64
+        let positives = self.labels.iter().filter(|&&l| l > 0.5).count();
+        positives as f64 / self.len().max(1) as f64
     }
 
     /// The examples at `indices`, in that order.

@@ -72,13 +72,57 @@ impl DlrmConfig {
         if self.ttm_rank == 0 {
             return Err("dlrm.ttm_rank: must be at least 1".into());
         }
-        if !(self.gate_threshold >= 0.0 && self.gate_threshold.is_finite()) {
-            return Err("dlrm.gate_threshold: must be finite and ≥ 0".into());
+        // τ ≥ 1 would prune every slice of gates initialised at 1 at the first step.
+        if !(self.gate_threshold > 0.0 && self.gate_threshold < 1.0) {
+            return Err(format!(
+                "dlrm.gate_threshold: must be in (0, 1) (gates start at 1; τ ≥ 1 prunes every rank slice at once), got {}",
+                self.gate_threshold
+            ));
         }
         if !(self.embedding_std > 0.0 && self.embedding_std.is_finite()) {
             return Err("dlrm.embedding_std: must be finite and > 0".into());
         }
         Ok(())
+    }
+
+    /// Training memory in bytes (parameters with gradients and AdamW's moments, and the batch
+    /// state) for `n_dense` features, tables of `table_sizes` rows and `batch` examples; an
+    /// estimate made before anything is allocated, in f64 so that absurd sizes cannot overflow.
+    /// A TTM table of R rows × D is counted as at most c·r²·(R·D)^(1/c) (c cores of rank r).
+    pub fn estimate_memory_bytes(
+        &self,
+        n_dense: usize,
+        table_sizes: &[usize],
+        batch: usize,
+    ) -> f64 {
+        let d = self.embedding_dim as f64;
+        let (c, r) = (self.ttm_cores as f64, self.ttm_rank as f64);
+        let tables: f64 = table_sizes
+            .iter()
+            .map(|&rows| {
+                let dense = rows as f64 * d;
+                let ttm = c * r * r * dense.powf(1.0 / c);
+                match self.tables {
+                    TableKind::Dense => dense,
+                    TableKind::Ttm => ttm.min(dense),
+                    TableKind::Auto if rows >= self.ttm_threshold => ttm.min(dense),
+                    TableKind::Auto => dense,
+                }
+            })
+            .sum();
+        let mlp = |widths: &[f64]| -> f64 { widths.windows(2).map(|w| (w[0] + 1.0) * w[1]).sum() };
+        let n_f = table_sizes.len() as f64 + 1.0;
+        let mut bottom = vec![n_dense as f64];
+        bottom.extend(self.bottom_mlp.iter().map(|&w| w as f64));
+        bottom.push(d);
+        let mut top = vec![d + n_f * (n_f - 1.0) / 2.0];
+        top.extend(self.top_mlp.iter().map(|&w| w as f64));
+        top.push(1.0);
+        let params = tables + mlp(&bottom) + mlp(&top);
+        // Per example: every MLP activation and its gradient, the looked-up rows and the
+        // pairwise dot products, each twice (value and gradient).
+        let per_example = 2.0 * (bottom.iter().sum::<f64>() + top.iter().sum::<f64>() + n_f * d);
+        4.0 * (4.0 * params + batch as f64 * per_example)
     }
 }
 

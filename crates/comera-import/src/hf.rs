@@ -544,6 +544,8 @@ pub fn write_run(
     let vocab = abs.join("vocab.txt");
     write_file(&vocab, info.vocab.as_bytes())?;
     let meta = comera_train::ModelMeta {
+        run_id: None,
+        weights_sha256: None,
         model: model.cfg.clone(),
         labels: info.labels.clone(),
         vocab: vocab.clone(),

@@ -241,8 +241,15 @@ impl EncoderConfig {
         if !(self.init_std > 0.0 && self.init_std.is_finite()) {
             return Err(err("model.init_std", "must be a positive number"));
         }
-        if !(self.threshold >= 0.0 && self.threshold.is_finite()) {
-            return Err(err("model.threshold", "must be a non-negative number"));
+        // τ ≥ 1 would prune every slice of gates initialised at 1 at the first step.
+        if !(self.threshold > 0.0 && self.threshold < 1.0) {
+            return Err(err(
+                "model.threshold",
+                format!(
+                    "must be in (0, 1) (gates start at 1; τ ≥ 1 prunes every rank slice at once), got {}",
+                    self.threshold
+                ),
+            ));
         }
         let (d, f) = (self.d_model, self.ffn);
         let tt = self.tt_linear;

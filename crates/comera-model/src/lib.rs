@@ -2,12 +2,15 @@
 //!
 //! - [`config`]: the model's shape (sizes, dense or TT/TTM per layer kind, modes and ranks),
 //!   checked with errors that name the offending field;
+//! - [`estimate`]: memory at a batch shape before anything is built, ranks above what a
+//!   shape can use;
 //! - [`Encoder`] implements [`comera_layers::Trainable`] (the one step and loop drive it);
 //! - [`encoder`]: the six-encoder BERT-style classifier of the paper, planned once for a fixed
 //!   batch and sequence length, with explicit forward and backward.
 
 pub mod config;
 pub mod encoder;
+pub mod estimate;
 pub mod mlm_head;
 mod trainable;
 

@@ -18,14 +18,24 @@ use comera_layers::{Model, Retained, StepStats, Trainable};
 pub enum StepError {
     #[error("batch: {0}")]
     Input(#[source] Box<dyn std::error::Error + Send + Sync>),
-    #[error(
-        "training diverged: {what} is {value} at step {step} (lower the learning rates in [optim])"
-    )]
+    #[error("training diverged: {what} is {value} at step {step} ({hint})")]
     Diverged {
         what: &'static str,
         value: f64,
         step: u64,
+        /// What to change: at the first step nothing has been updated yet, so the learning
+        /// rates are not the cause.
+        hint: &'static str,
     },
+}
+
+/// What to change when step `step` is not finite.
+fn diverged_hint(step: u64) -> &'static str {
+    if step == 0 {
+        "at the first step, before any update: the initial weights or the inputs are out of range; check model.init_std (or dlrm.embedding_std) and the data"
+    } else {
+        "lower the learning rates in [optim]"
+    }
 }
 
 /// What one step did.
@@ -117,6 +127,7 @@ impl Stepper {
                 what: "loss",
                 value: stats.loss,
                 step,
+                hint: diverged_hint(step),
             });
         }
         let t1 = std::time::Instant::now();
@@ -130,6 +141,7 @@ impl Stepper {
                 what: "gradient norm",
                 value: grad_norm,
                 step,
+                hint: diverged_hint(step),
             });
         }
         let lr_scale = self.schedule.scale(step);

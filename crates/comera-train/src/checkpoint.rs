@@ -1,23 +1,27 @@
 //! Training checkpoints: one safetensors file holding everything a run needs to continue
 //! exactly where it stopped.
 //!
-//! Layout (format `comera-checkpoint`, version 2):
+//! Layout (format `comera-checkpoint`, version 3):
 //! - tensors `model/<name>`: every parameter at its current (possibly truncated) shape;
 //! - tensors `opt/…`: the optimiser's state ([`OptState`]: AdamW's moments, or GaLore's
 //!   projections and projected moments);
 //! - metadata (`__metadata__`, strings): `format`, `version`, `config` (the resolved run config,
 //!   TOML), `progress` (step, epoch, position in the epoch's data order, running sums; JSON),
 //!   `model` (the model's `model.toml`), `rank` (the rank schedule's state; JSON), `optimizer`
-//!   (the optimiser's kind and scalars, such as Adam's step count; JSON) and
+//!   (the optimiser's kind and scalars, such as Adam's step count; JSON), `run_id` (the run
+//!   that wrote it, [`crate::run_dir`]) and
 //!   `sha256`: a hash of every other metadata field (by key) and every tensor's name, shape and
 //!   bytes in file order, so a flipped bit anywhere resume reads is caught.
 //!
 //! Data order and dropout need no RNG state of their own: each epoch's shuffle is seeded by
 //! (seed, epoch) and dropout masks by (seed, step), so (epoch, position, step) restores them.
 //! Files are written atomically ([`crate::files::write_atomic`]: temporary file, fsync, rename)
-//! as `checkpoints/step-<step>.safetensors`; the newest `keep` are kept.
+//! as `checkpoints/step-<step>.safetensors`; the newest `keep` are kept. "Newest" goes by the
+//! step inside the file (read from its header), not by its name: a renamed file is ranked by
+//! what it holds.
 
 use crate::config::AnyRunConfig;
+use crate::files::{digest, le_bytes};
 use anyhow::{anyhow, bail, Context};
 use comera_layers::{Model, Param};
 use comera_optim::rank::{LayerRanks, RankController};
@@ -25,12 +29,11 @@ use comera_optim::OptState;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 pub const FORMAT: &str = "comera-checkpoint";
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 pub const DIR: &str = "checkpoints";
 
 /// Where in training a checkpoint was taken, and the running sums the logs need.
@@ -58,6 +61,8 @@ pub struct Progress {
 /// A loaded checkpoint, checked.
 pub struct Checkpoint {
     pub path: PathBuf,
+    /// The run that wrote it.
+    pub run_id: String,
     /// The resolved run config the checkpoint was written with (TOML).
     pub config_toml: String,
     /// The model's `model.toml` at the checkpoint.
@@ -67,25 +72,6 @@ pub struct Checkpoint {
     /// The optimiser's scalars (`kind`, `t`, …).
     pub optimizer: serde_json::Value,
     tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
-}
-
-fn le_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-/// Hash of (name, shape, bytes) of every tensor, in the given order.
-fn digest<'a>(items: impl Iterator<Item = (&'a str, &'a [usize], &'a [u8])>) -> String {
-    let mut h = Sha256::new();
-    for (name, shape, bytes) in items {
-        h.update((name.len() as u64).to_le_bytes());
-        h.update(name.as_bytes());
-        for d in shape {
-            h.update((*d as u64).to_le_bytes());
-        }
-        h.update((bytes.len() as u64).to_le_bytes());
-        h.update(bytes);
-    }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The metadata fields the hash covers (all but `sha256`), sorted by key, as hash items
@@ -104,7 +90,30 @@ pub fn path_for(run_dir: &Path, step: u64) -> PathBuf {
         .join(format!("step-{step:010}.safetensors"))
 }
 
-/// Checkpoints of a run, oldest first (temporary files of interrupted writes are ignored).
+/// The step a checkpoint file says it holds, read from its header alone (not verified: the
+/// hash is checked when it is loaded); None when the header cannot be read.
+pub fn header_step(path: &Path) -> Option<u64> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).ok()?;
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n).ok()?;
+    let n = u64::from_le_bytes(n);
+    // A header is a few kB of JSON (the config, progress and rank state); refuse absurd sizes.
+    if n > 64 << 20 {
+        return None;
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).ok()?;
+    let header: serde_json::Value = serde_json::from_slice(&header).ok()?;
+    let progress = header.get("__metadata__")?.get("progress")?.as_str()?;
+    serde_json::from_str::<serde_json::Value>(progress)
+        .ok()?
+        .get("step")?
+        .as_u64()
+}
+
+/// Checkpoints of a run, oldest first by the step inside each file (files whose header cannot
+/// be read come first; temporary files of interrupted writes are ignored).
 pub fn list(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let dir = run_dir.join(DIR);
     if !dir.is_dir() {
@@ -120,11 +129,14 @@ pub fn list(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
         })
         .collect();
     v.sort();
+    v.sort_by_cached_key(|p| header_step(p).map_or((0, 0), |s| (1, s)));
     Ok(v)
 }
 
 /// The run's state a checkpoint saves besides tensors.
 pub struct RunState<'a> {
+    /// The run's id ([`crate::run_dir::RunIdentity`]).
+    pub run_id: &'a str,
     /// The resolved run config (TOML).
     pub config_toml: &'a str,
     /// The model's `model.toml` (kind, shape, labels, vocabulary).
@@ -162,6 +174,7 @@ pub fn save(
         ("progress", serde_json::to_string(run.progress)?),
         ("rank", serde_json::to_string(run.rank)?),
         ("optimizer", opt.scalars.to_string()),
+        ("run_id", run.run_id.to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -267,8 +280,10 @@ impl Checkpoint {
             serde_json::from_str(field("rank")?).context("metadata `rank`")?;
         let optimizer: serde_json::Value =
             serde_json::from_str(field("optimizer")?).context("metadata `optimizer`")?;
+        let run_id = field("run_id")?.clone();
         Ok(Checkpoint {
             path: path.to_path_buf(),
+            run_id,
             config_toml,
             model_toml,
             progress,
@@ -311,7 +326,14 @@ impl Checkpoint {
                 .map(|(s, _)| s.clone())
         })
         .map_err(|e| anyhow!("{}: {e}", self.path.display()))?;
-        self.fill(model, "model/", &mut |p, v| p.value.copy_from_slice(v))
+        self.fill(model, "model/", &mut |p, v| p.value.copy_from_slice(v))?;
+        let mut bad = Ok(());
+        model.visit_params_mut(&mut |p| {
+            if bad.is_ok() {
+                bad = crate::files::check_finite(p);
+            }
+        });
+        bad.map_err(|e| anyhow!("{}: {e}", self.path.display()))
     }
 
     /// Fills `buf` from the saved optimiser tensor `opt/<name>` (for

@@ -1,4 +1,10 @@
 //! Files a run writes: atomic writes, model files (safetensors + TOML), the metrics log.
+//!
+//! Integrity: `model.safetensors` carries, in its metadata, `sha256` = [`digest`] of its
+//! tensors (name, shape, bytes, in file order); `model.toml` starts with the stamp
+//! `run_id` (the run that wrote it, see [`crate::run_dir`]) and `weights_sha256` (the same
+//! digest), so a weights file that was damaged, or that belongs to another model, is refused by
+//! every loader, and so is a non-finite weight (named).
 
 use anyhow::{anyhow, bail, Context};
 use comera_dlrm::Dlrm;
@@ -53,6 +59,11 @@ pub fn write_atomic_then(
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelMeta {
+    /// The stamp [`save_model_files`] writes (absent in the text a checkpoint holds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights_sha256: Option<String>,
     pub model: EncoderConfig,
     /// Label names, in label order.
     pub labels: Vec<String>,
@@ -66,11 +77,18 @@ pub struct ModelMeta {
 
 pub const MODEL_WEIGHTS: &str = "model.safetensors";
 pub const MODEL_META: &str = "model.toml";
+/// `format` in the metadata of `model.safetensors`.
+pub const WEIGHTS_FORMAT: &str = "comera-model";
 
 /// What a saved DLRM needs besides its weights (`model.toml`, with `kind = "dlrm"`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DlrmMeta {
+    /// The stamp [`save_model_files`] writes (absent in the text a checkpoint holds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights_sha256: Option<String>,
     /// Always `dlrm`: tells a DLRM's `model.toml` from an encoder's.
     pub kind: String,
     pub model: comera_dlrm::DlrmConfig,
@@ -90,36 +108,92 @@ pub enum SavedModel {
     Dlrm(Dlrm, DlrmMeta),
 }
 
-/// Writes `model.safetensors`: every parameter by name, atomically.
-pub fn save_weights(dir: &Path, params: &[&Param]) -> anyhow::Result<()> {
-    let bytes: Vec<Vec<u8>> = params
+/// Hash of (name, shape, bytes) of every tensor, in the given order (hex SHA-256). Lengths are
+/// hashed before each field, so no two different sequences share a preimage.
+pub fn digest<'a>(items: impl Iterator<Item = (&'a str, &'a [usize], &'a [u8])>) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for (name, shape, bytes) in items {
+        h.update((name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        for d in shape {
+            h.update((*d as u64).to_le_bytes());
+        }
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Little-endian bytes of `v` (the safetensors F32 payload).
+pub fn le_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Writes `model.safetensors`: every parameter by name, with `format` = `comera-model` and
+/// `sha256` = [`digest`] of the tensors in file order, atomically. Returns the digest.
+pub fn save_weights(dir: &Path, params: &[&Param]) -> anyhow::Result<String> {
+    let mut tensors: Vec<(&str, &[usize], Vec<u8>)> = params
         .iter()
-        .map(|p| p.value.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .map(|p| (p.name.as_str(), p.shape.as_slice(), le_bytes(&p.value)))
         .collect();
-    let views: Vec<(String, TensorView<'_>)> = params
+    // safetensors orders tensors by name in the file; hash in that order.
+    tensors.sort_by(|a, b| a.0.cmp(b.0));
+    let sha = digest(tensors.iter().map(|(n, s, b)| (*n, *s, b.as_slice())));
+    let views: Vec<(&str, TensorView<'_>)> = tensors
         .iter()
-        .zip(&bytes)
-        .map(|(p, b)| {
-            Ok((
-                p.name.clone(),
-                TensorView::new(Dtype::F32, p.shape.clone(), b)?,
-            ))
-        })
+        .map(|(n, s, b)| Ok((*n, TensorView::new(Dtype::F32, s.to_vec(), b)?)))
         .collect::<Result<_, safetensors::SafeTensorError>>()?;
-    let data = safetensors::serialize(views, None)?;
-    write_atomic(&dir.join(MODEL_WEIGHTS), &data)
+    let meta = [
+        ("format".to_string(), WEIGHTS_FORMAT.to_string()),
+        ("sha256".to_string(), sha.clone()),
+    ]
+    .into_iter()
+    .collect();
+    let data = safetensors::serialize(views, Some(meta))?;
+    write_atomic(&dir.join(MODEL_WEIGHTS), &data)?;
+    Ok(sha)
 }
 
-/// Saves `model.safetensors` and `model.toml` (`meta_toml`) into `dir`, each atomically; the
-/// weights are written first so a meta file never points at missing weights.
-pub fn save_model_files(dir: &Path, params: &[&Param], meta_toml: &str) -> anyhow::Result<()> {
-    save_weights(dir, params)?;
-    write_atomic(&dir.join(MODEL_META), meta_toml.as_bytes())
+/// Saves `model.safetensors` and `model.toml` (`meta_toml`, stamped with `run_id` and the
+/// weights' digest) into `dir`, each atomically; the weights are written first so a meta file
+/// never points at missing weights.
+pub fn save_model_files(
+    dir: &Path,
+    params: &[&Param],
+    meta_toml: &str,
+    run_id: Option<&str>,
+) -> anyhow::Result<()> {
+    let sha = save_weights(dir, params)?;
+    // Root keys go before the first table header of the serialised meta.
+    let mut text = String::new();
+    if let Some(id) = run_id {
+        text.push_str(&format!("run_id = \"{id}\"\n"));
+    }
+    text.push_str(&format!("weights_sha256 = \"{sha}\"\n"));
+    text.push_str(meta_toml);
+    write_atomic(&dir.join(MODEL_META), text.as_bytes())
 }
 
-/// Saves an encoder (`model.safetensors` + `model.toml`).
+/// Saves an encoder (`model.safetensors` + `model.toml`) outside a training run.
 pub fn save_model(dir: &Path, model: &Encoder, meta: &ModelMeta) -> anyhow::Result<()> {
-    save_model_files(dir, &model.params(), &toml::to_string_pretty(meta)?)
+    let meta = ModelMeta {
+        run_id: None,
+        weights_sha256: None,
+        ..meta.clone()
+    };
+    let run_id = meta_run_id(dir);
+    save_model_files(
+        dir,
+        &model.params(),
+        &toml::to_string_pretty(&meta)?,
+        run_id.as_deref(),
+    )
+}
+
+/// The run id of the run directory `dir` (from its `run.toml`), if it is one.
+fn meta_run_id(dir: &Path) -> Option<String> {
+    crate::run_dir::RunIdentity::read(dir).ok().map(|r| r.id)
 }
 
 /// Loads an encoder saved by [`save_model`]; every parameter must be present with its shape.
@@ -139,7 +213,24 @@ pub fn load_saved(dir: &Path) -> anyhow::Result<SavedModel> {
     let text = std::fs::read_to_string(&meta_path)
         .with_context(|| format!("{}: cannot read", meta_path.display()))?;
     let mut saved = SavedModel::from_meta(&meta_path, &text)?;
-    load_weights(&dir.join(MODEL_WEIGHTS), saved.model_mut())?;
+    let (run_id, sha) = saved.stamp();
+    let Some(sha) = sha.map(str::to_string) else {
+        bail!(
+            "{}: no `weights_sha256` (written by an older comera?); the weights cannot be checked",
+            meta_path.display()
+        );
+    };
+    if let (Some(id), Ok(own)) = (run_id, crate::run_dir::RunIdentity::read(dir)) {
+        if id != own.id {
+            bail!(
+                "{}: written by run {id}, but the directory is run {} ({}); the model files belong to another run",
+                meta_path.display(),
+                own.id,
+                dir.join(crate::run_dir::IDENTITY).display()
+            );
+        }
+    }
+    load_weights(&dir.join(MODEL_WEIGHTS), saved.model_mut(), Some(&sha))?;
     Ok(saved)
 }
 
@@ -178,6 +269,15 @@ impl SavedModel {
         })
     }
 
+    /// The stamp of the `model.toml` it was read from: (run id, weights digest).
+    fn stamp(&self) -> (Option<&str>, Option<&str>) {
+        let (id, sha) = match self {
+            SavedModel::Encoder(_, m) => (&m.run_id, &m.weights_sha256),
+            SavedModel::Dlrm(_, m) => (&m.run_id, &m.weights_sha256),
+        };
+        (id.as_deref(), sha.as_deref())
+    }
+
     pub fn model(&self) -> &dyn Model {
         match self {
             SavedModel::Encoder(m, _) => m,
@@ -193,17 +293,59 @@ impl SavedModel {
     }
 }
 
-/// Fills `model` from a weights file: re-shaped to the saved ranks, then every parameter by
-/// name (missing or mis-shaped tensors are errors naming them).
-pub fn load_weights(wpath: &Path, model: &mut dyn Model) -> anyhow::Result<()> {
+/// Fills `model` from a weights file: checks its digest (the one in its metadata, and
+/// `expected_sha256` from `model.toml` when given), re-shapes the model to the saved ranks, then
+/// fills every parameter by name (missing, mis-shaped or non-finite tensors are errors naming
+/// them).
+pub fn load_weights(
+    wpath: &Path,
+    model: &mut dyn Model,
+    expected_sha256: Option<&str>,
+) -> anyhow::Result<()> {
     let bytes =
         std::fs::read(wpath).with_context(|| format!("{}: cannot read", wpath.display()))?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| anyhow!("{}: not a valid safetensors file: {e}", wpath.display()))?;
+    let bad = |e: &dyn std::fmt::Display| anyhow!("{}: {e}", wpath.display());
+    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| {
+        bad(&format!(
+            "not a complete safetensors file (truncated or corrupt?): {e}"
+        ))
+    })?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+        bad(&format!(
+            "not a complete safetensors file (truncated or corrupt?): {e}"
+        ))
+    })?;
+    let saved_sha = header
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("sha256"))
+        .ok_or_else(|| bad(&"no `sha256` in its metadata (written by an older comera?)"))?;
+    let mut names = st.names();
+    names.sort();
+    let views = names
+        .iter()
+        .map(|&n| st.tensor(n).map(|t| (n, t)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(&e))?;
+    let sha = digest(views.iter().map(|(n, t)| (*n, t.shape(), t.data())));
+    if &sha != saved_sha {
+        bail!(
+            "{}: content hash mismatch (the file was modified or damaged after it was written)",
+            wpath.display()
+        );
+    }
+    if let Some(expected) = expected_sha256.filter(|e| *e != sha) {
+        bail!(
+            "{}: its weights (sha256 {}…) are not the ones model.toml names ({}…): the pair is from different models, or a save was interrupted (use the newest checkpoint)",
+            wpath.display(),
+            &sha[..12],
+            &expected[..expected.len().min(12)]
+        );
+    }
     reshape_ranks(model, &|name| {
         st.tensor(name).ok().map(|t| t.shape().to_vec())
     })
-    .map_err(|e| anyhow!("{}: {e}", wpath.display()))?;
+    .map_err(|e| bad(&e))?;
     let mut err: Option<anyhow::Error> = None;
     model.visit_params_mut(&mut |p| {
         if err.is_some() {
@@ -225,13 +367,25 @@ pub fn load_weights(wpath: &Path, model: &mut dyn Model) -> anyhow::Result<()> {
             for (v, c) in p.value.iter_mut().zip(t.data().chunks_exact(4)) {
                 *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             }
-            Ok(())
+            check_finite(p)
         })();
         if let Err(e) = r {
-            err = Some(anyhow!("{}: {e}", wpath.display()));
+            err = Some(bad(&e));
         }
     });
     err.map_or(Ok(()), Err)
+}
+
+/// Refuses a parameter holding NaN or ±∞, naming it and the first bad entry.
+pub fn check_finite(p: &Param) -> anyhow::Result<()> {
+    match p.value.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => bail!(
+            "tensor `{}` holds a non-finite value ({} at index {i})",
+            p.name,
+            p.value[i]
+        ),
+    }
 }
 
 /// Gives every TT/TTM layer of `model` the ranks its saved gates have (a truncated model is
@@ -314,15 +468,14 @@ impl MetricsLog {
 /// `model`): with `dense`, every TTM table reconstructed as its dense V × D matrix (named
 /// `<table>.weight`), the rest as trained; without, the parameters as trained (cores and gates).
 pub fn export_dlrm(model: &Dlrm, meta: &DlrmMeta, dense: bool) -> anyhow::Result<Vec<u8>> {
-    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let as_tensor = |p: &Param| (p.name.clone(), p.shape.clone(), bytes(&p.value));
+    let as_tensor = |p: &Param| (p.name.clone(), p.shape.clone(), le_bytes(&p.value));
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> =
         model.bottom.params().into_iter().map(as_tensor).collect();
     for t in &model.tables {
         match (t, dense) {
             (comera_layers::AnyEmbedding::Ttm(e), true) => {
                 let name = format!("{}.weight", comera_layers::Compressible::layer_name(e));
-                tensors.push((name, vec![t.rows(), t.dim()], bytes(&e.dense_table())));
+                tensors.push((name, vec![t.rows(), t.dim()], le_bytes(&e.dense_table())));
             }
             _ => tensors.extend(t.params().into_iter().map(as_tensor)),
         }
@@ -369,40 +522,40 @@ pub fn remove_stale_temporaries(dir: &Path) -> usize {
     removed
 }
 
-/// The exclusive lock of a run directory (`.lock`, an OS file lock that dies with the
-/// process), held while a process writes the directory.
-pub struct RunLock {
-    _file: std::fs::File,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-impl RunLock {
-    /// Locks `dir` for writing; refused, naming the holder's pid, when another process has it.
-    pub fn acquire(dir: &Path) -> anyhow::Result<RunLock> {
-        let path = dir.join(".lock");
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .with_context(|| format!("{}: cannot open the run's lock", path.display()))?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                let holder = std::fs::read_to_string(&path).unwrap_or_default();
-                bail!(
-                    "{}: the run directory is in use by another comera process (pid {}); one writer at a time",
-                    dir.display(),
-                    holder.trim()
-                );
+    fn tiny_dlrm() -> Dlrm {
+        let cfg = comera_dlrm::DlrmConfig::default();
+        Dlrm::new(&cfg, 2, &["user".to_string()], &[10], 0).unwrap()
+    }
+
+    #[test]
+    fn a_non_finite_weight_is_refused_by_name_even_with_a_valid_hash() {
+        let dir = std::env::temp_dir().join(format!("comera-files-nan-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut model = tiny_dlrm();
+        let mut named = String::new();
+        model.visit_params_mut(&mut |p| {
+            if named.is_empty() {
+                p.value[0] = f32::NAN;
+                named = p.name.clone();
             }
-            Err(std::fs::TryLockError::Error(e)) => {
-                return Err(anyhow!("{}: cannot lock: {e}", path.display()))
-            }
-        }
-        file.set_len(0)
-            .and_then(|_| write!(file, "{}", std::process::id()))
-            .with_context(|| format!("{}: cannot write", path.display()))?;
-        Ok(RunLock { _file: file })
+        });
+        let sha = save_weights(&dir, &model.params()).unwrap();
+        let err = load_weights(&dir.join(MODEL_WEIGHTS), &mut tiny_dlrm(), Some(&sha))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("non-finite") && err.contains(&named), "{err}");
+        // The same file with a finite value loads, and checks its digest against model.toml's.
+        let good = tiny_dlrm();
+        let sha = save_weights(&dir, &good.params()).unwrap();
+        load_weights(&dir.join(MODEL_WEIGHTS), &mut tiny_dlrm(), Some(&sha)).unwrap();
+        let err = load_weights(&dir.join(MODEL_WEIGHTS), &mut tiny_dlrm(), Some("00"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not the ones model.toml names"), "{err}");
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -66,6 +66,7 @@ pub fn eval_run(
                 let mut d = CorpusData::new(&cfg.data, cfg.train.seed)?;
                 d.packed(t)?;
                 let rows = d.masker.max_selected_per_row(t);
+                let batch = clamp_batch(batch, d.packed_ref(t).valid.len(), "held-out blocks")?;
                 let mut st = model
                     .state_for(batch, t, rows)
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -82,6 +83,7 @@ pub fn eval_run(
                 cfg.data.valid = Some(f.to_path_buf());
             }
             let d = prepare(&cfg.data, t, cfg.train.seed)?;
+            let batch = clamp_batch(batch, d.valid.len(), "validation examples")?;
             let mut st = model.state(batch);
             Ok((
                 EvalKind::Classifier,
@@ -93,6 +95,7 @@ pub fn eval_run(
                 Some(f) => read_criteo(&model, &cfg.data.mapping, f)?,
                 None => comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)?.valid,
             };
+            let batch = clamp_batch(batch, valid.len(), "validation examples")?;
             let mut st = model.state(batch);
             Ok((EvalKind::Ctr, evaluate_ctr(&model, &mut st, &valid)?.0))
         }
@@ -101,6 +104,15 @@ pub fn eval_run(
             run.display()
         ),
     }
+}
+
+/// The evaluation batch: at most the `n` items there are (a larger batch would only allocate
+/// padding); no items at all is an error.
+fn clamp_batch(batch: usize, n: usize, what: &str) -> anyhow::Result<usize> {
+    if n == 0 {
+        bail!("no {what} to evaluate on");
+    }
+    Ok(batch.min(n))
 }
 
 /// Reads a Criteo-format TSV for `model` (its table sizes, the run's id mapping).

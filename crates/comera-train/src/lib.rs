@@ -7,6 +7,7 @@
 //! - [`task`]: the [`task::Task`] trait and its encoder and CTR implementations, evaluation;
 //! - [`trainer`]: the loop ([`train`], [`train_dlrm`], [`resume`]) and `TrainSummary`;
 //! - [`checkpoint`]: checkpoints with exact resume;
+//! - [`run_dir`]: a run directory's identity, lock, fresh start or resume;
 //! - [`infer`]: evaluation and predictions of a saved model of any kind;
 //! - [`files`]: atomic writes, model files of every kind, the metrics log;
 //! - [`data`]: the encoder's data (labelled examples, corpora);
@@ -19,6 +20,7 @@ pub mod data;
 pub mod files;
 pub mod infer;
 pub mod plot;
+pub mod run_dir;
 pub mod task;
 pub mod trainer;
 
@@ -27,4 +29,4 @@ pub use config::{AnyRunConfig, DataConfig, DlrmRunConfig, Overrides, RunConfig, 
 pub use files::{load_model, load_saved, save_model, write_atomic, ModelMeta, SavedModel};
 pub use rank::{RankConfig, RankController};
 pub use task::EvalStats;
-pub use trainer::{peak_rss_bytes, resume, train, train_dlrm, TrainSummary};
+pub use trainer::{peak_rss_bytes, resume, train, train_dlrm, RunOptions, TrainSummary};

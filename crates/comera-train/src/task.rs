@@ -326,6 +326,8 @@ impl Task for EncoderTask {
             EncoderData::Mlm(_) => (Vec::new(), false),
         };
         let meta = ModelMeta {
+            run_id: None,
+            weights_sha256: None,
             model: self.model_cfg.clone(),
             labels,
             vocab: self.vocab.clone(),

@@ -9,8 +9,9 @@
 use crate::checkpoint::{self, Checkpoint, Progress};
 use crate::config::{AnyRunConfig, DlrmRunConfig, Phase, RunConfig};
 use crate::data::{prepare, CorpusData, PreparedData};
-use crate::files::{DlrmMeta, MetricsLog, RunLock};
+use crate::files::{DlrmMeta, MetricsLog};
 use crate::plot::{plot_panels, Panel, Series};
+use crate::run_dir::RunDir;
 use crate::task::{CtrTask, EncoderData, EncoderTask, EpochBatches, EvalStats, Task};
 use anyhow::{bail, Context};
 use comera_dlrm::Dlrm;
@@ -86,6 +87,39 @@ pub fn peak_rss_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
+/// Memory this machine can still give (`MemAvailable` in /proc/meminfo), bytes; unbounded
+/// where it cannot be read.
+pub fn available_memory_bytes() -> f64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or(f64::INFINITY, |kb| kb * 1024.0)
+}
+
+/// Refuses an encoder config whose training memory in some phase (estimated before anything
+/// is allocated, even the data) exceeds what the machine has; warns of ranks no layer can use.
+fn check_encoder_fits(cfg: &RunConfig, phases: &[Phase]) -> anyhow::Result<()> {
+    let lay = cfg.model.validate()?;
+    let available = available_memory_bytes();
+    for p in phases {
+        cfg.model
+            .estimate_memory(&lay, p.batch_size, p.seq_len)
+            .check(
+                available,
+                &format!("training at batch {} × {} tokens", p.batch_size, p.seq_len),
+            )
+            .map_err(|m| anyhow::anyhow!("{m}"))?;
+    }
+    for w in cfg.model.rank_warnings(&lay) {
+        eprintln!("warning: {w}");
+    }
+    Ok(())
+}
+
 /// The median of `v` (0 when empty).
 fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
@@ -127,86 +161,93 @@ struct Setup<T: Task> {
     gate_threshold: f32,
     settings: LoopSettings,
     resume: Option<Checkpoint>,
-    /// The run directory's lock, held until the run ends.
-    _lock: RunLock,
+    /// The run directory, locked until the run ends.
+    run_dir: RunDir,
+}
+
+/// How a fresh run starts.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunOptions {
+    /// Show a progress bar (on a terminal).
+    pub progress: bool,
+    /// Clear a run directory that holds a previous run instead of refusing it.
+    pub overwrite: bool,
 }
 
 /// Runs a whole encoder training job as configured; writes into `cfg.train.out_dir`.
 ///
 /// The job runs on a worker of the rayon pool, so parallel work inside a step is scheduled
 /// through the workers' own queues (no per-call injection, no allocation in the step).
-pub fn train(cfg: &RunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
-    rayon::scope(|_| run(setup_encoder(cfg, None, progress)?))
+pub fn train(cfg: &RunConfig, opts: RunOptions) -> anyhow::Result<TrainSummary> {
+    rayon::scope(|_| {
+        run(setup_encoder(
+            cfg,
+            Start::Fresh(opts.overwrite),
+            opts.progress,
+        )?)
+    })
 }
 
 /// Runs a whole DLRM training job as configured; writes into `cfg.train.out_dir`.
-pub fn train_dlrm(cfg: &DlrmRunConfig, progress: bool) -> anyhow::Result<TrainSummary> {
-    rayon::scope(|_| run(setup_dlrm(cfg, None, progress)?))
+pub fn train_dlrm(cfg: &DlrmRunConfig, opts: RunOptions) -> anyhow::Result<TrainSummary> {
+    rayon::scope(|_| {
+        run(setup_dlrm(
+            cfg,
+            Start::Fresh(opts.overwrite),
+            opts.progress,
+        )?)
+    })
 }
 
-/// Continues the run in `run_dir` from its newest checkpoint. With the same thread count, the
-/// losses are bit for bit those of a run that was never stopped.
+/// Continues the run in `run_dir` from its newest checkpoint that verifies. With the same
+/// thread count, the losses are bit for bit those of a run that was never stopped.
 pub fn resume(run_dir: &Path, progress: bool) -> anyhow::Result<TrainSummary> {
-    let path = checkpoint::list(run_dir)?.pop().ok_or_else(|| {
-        anyhow::anyhow!(
-            "{}: no checkpoint to resume from (expected {}/step-*.safetensors)",
-            run_dir.display(),
-            checkpoint::DIR
-        )
-    })?;
-    let ck = Checkpoint::load(&path)?;
+    let dir = RunDir::open(run_dir)?;
+    let ck = dir.newest_checkpoint()?;
     let mut cfg = ck.config()?;
     *cfg.out_dir_mut() = run_dir.to_path_buf();
     // A resumed run runs to the configured end (the stop is what interrupted it).
     *cfg.stop_after_steps_mut() = 0;
-    eprintln!("resume {} (step {})", path.display(), ck.progress.step);
+    eprintln!("resume {} (step {})", ck.path.display(), ck.progress.step);
+    let start = Start::Resume(Box::new(ck), dir);
     rayon::scope(|_| match &cfg {
-        AnyRunConfig::Encoder(c) => run(setup_encoder(c, Some(ck), progress)?),
-        AnyRunConfig::Dlrm(c) => run(setup_dlrm(c, Some(ck), progress)?),
+        AnyRunConfig::Encoder(c) => run(setup_encoder(c, start, progress)?),
+        AnyRunConfig::Dlrm(c) => run(setup_dlrm(c, start, progress)?),
     })
 }
 
-/// Opens the run directory for writing: creates it, locks it (one writer), removes temporary
-/// files of dead processes, and for a fresh run writes its resolved `config.toml`; a resumed
-/// run's checkpoint must have been written with the directory's own config.
-fn start_run_dir(
-    out: &Path,
-    config_toml: &str,
-    resume: &Option<Checkpoint>,
-) -> anyhow::Result<RunLock> {
-    if out.as_os_str().is_empty() {
-        bail!("train.out_dir: empty; name the run directory");
-    }
-    std::fs::create_dir_all(out)
-        .with_context(|| format!("{}: cannot create run directory", out.display()))?;
-    let lock = RunLock::acquire(out)?;
-    for d in [out.to_path_buf(), out.join(checkpoint::DIR)] {
-        crate::files::remove_stale_temporaries(&d);
-    }
-    match resume {
-        None => crate::files::write_atomic(&out.join("config.toml"), config_toml.as_bytes())?,
-        Some(ck) => {
-            let path = out.join("config.toml");
-            let own = std::fs::read_to_string(&path)
-                .with_context(|| format!("{}: cannot read the run's config", path.display()))?;
-            if own != ck.config_toml {
-                bail!(
-                    "{}: written with another config than {} (a checkpoint of another run?); refusing to resume from it",
-                    ck.path.display(),
-                    path.display()
-                );
-            }
+/// How a run starts: fresh (with `--overwrite` or not), or from a checkpoint of its (locked)
+/// directory.
+enum Start {
+    Fresh(bool),
+    Resume(Box<Checkpoint>, RunDir),
+}
+
+impl Start {
+    /// The run directory, locked, and the checkpoint to resume from: a fresh run creates the
+    /// directory with `config_toml`; a resumed one keeps its own.
+    fn open(self, out: &Path, config_toml: &str) -> anyhow::Result<(RunDir, Option<Checkpoint>)> {
+        match self {
+            Start::Fresh(overwrite) => Ok((RunDir::create(out, config_toml, overwrite)?, None)),
+            Start::Resume(ck, dir) => Ok((dir, Some(*ck))),
         }
     }
-    Ok(lock)
+
+    fn checkpoint(&self) -> Option<&Checkpoint> {
+        match self {
+            Start::Fresh(_) => None,
+            Start::Resume(ck, _) => Some(ck),
+        }
+    }
 }
 
 fn setup_encoder(
     cfg: &RunConfig,
-    resume: Option<Checkpoint>,
+    start: Start,
     progress: bool,
 ) -> anyhow::Result<Setup<EncoderTask>> {
     let phases = cfg.phases();
+    check_encoder_fits(cfg, &phases)?;
     let data = if cfg.data.source == "corpus" {
         EncoderData::Mlm(CorpusData::new(&cfg.data, cfg.train.seed)?)
     } else {
@@ -239,11 +280,11 @@ fn setup_encoder(
     let mut resolved = cfg.clone();
     resolved.model = mcfg.clone();
     // A resumed run keeps writing the config it was created with.
-    let config_toml = match &resume {
+    let config_toml = match start.checkpoint() {
         Some(ck) => ck.config_toml.clone(),
         None => resolved.to_toml(),
     };
-    if let Some(ck) = &resume {
+    if let Some(ck) = start.checkpoint() {
         match ck.config()? {
             AnyRunConfig::Encoder(c) if c.model == mcfg => {}
             _ => bail!(
@@ -253,7 +294,7 @@ fn setup_encoder(
         }
     }
     let out = cfg.train.out_dir.clone();
-    let lock = start_run_dir(&out, &config_toml, &resume)?;
+    let (run_dir, resume) = start.open(&out, &config_toml)?;
     let mut model = Encoder::new(&mcfg, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?;
     if let (None, Some(dir)) = (&resume, &cfg.train.init_from) {
         let (pre, _) = crate::files::load_model(dir)
@@ -312,23 +353,39 @@ fn setup_encoder(
             progress,
         },
         resume,
-        _lock: lock,
+        run_dir,
     })
 }
 
-fn setup_dlrm(
-    cfg: &DlrmRunConfig,
-    resume: Option<Checkpoint>,
-    progress: bool,
-) -> anyhow::Result<Setup<CtrTask>> {
+fn setup_dlrm(cfg: &DlrmRunConfig, start: Start, progress: bool) -> anyhow::Result<Setup<CtrTask>> {
     let prepared = comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)?;
+    if prepared.valid.is_empty() {
+        bail!(
+            "data: no validation examples (data.valid_fraction = {}, data.max_valid = {}); the run could not be evaluated",
+            cfg.data.valid_fraction,
+            cfg.data.max_valid
+        );
+    }
     eprintln!("data  {}", prepared.summary);
-    let config_toml = match &resume {
+    let config_toml = match start.checkpoint() {
         Some(ck) => ck.config_toml.clone(),
         None => cfg.to_toml(),
     };
     let t = &cfg.train;
-    let lock = start_run_dir(&t.out_dir, &config_toml, &resume)?;
+    let need =
+        cfg.dlrm
+            .estimate_memory_bytes(prepared.n_dense, &prepared.table_sizes, t.batch_size);
+    let available = available_memory_bytes();
+    if need > available {
+        const GIB: f64 = (1u64 << 30) as f64;
+        bail!(
+            "training the DLRM at batch {} needs about {:.1} GiB, but {:.1} GiB are available; reduce dlrm.embedding_dim, dlrm.ttm_rank, the MLP widths or train.batch_size",
+            t.batch_size,
+            need / GIB,
+            available / GIB
+        );
+    }
+    let (run_dir, resume) = start.open(&t.out_dir, &config_toml)?;
     let model = Dlrm::new(
         &cfg.dlrm,
         prepared.n_dense,
@@ -351,6 +408,8 @@ fn setup_dlrm(
         eprintln!("      {name}: {}", table.describe());
     }
     let meta = DlrmMeta {
+        run_id: None,
+        weights_sha256: None,
         kind: "dlrm".into(),
         model: cfg.dlrm.clone(),
         n_dense: prepared.n_dense,
@@ -395,7 +454,7 @@ fn setup_dlrm(
             progress,
         },
         resume,
-        _lock: lock,
+        run_dir,
     })
 }
 
@@ -523,7 +582,8 @@ impl Curves {
 }
 
 /// Rewrites the metrics log without records after `step` (written after the checkpoint a run
-/// resumes from) and returns the kept records.
+/// resumes from), and without the final `ranks` record (written again when the run ends), and
+/// returns the kept records.
 fn metrics_up_to(path: &Path, step: u64) -> anyhow::Result<Vec<serde_json::Value>> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let mut kept = Vec::new();
@@ -533,11 +593,12 @@ fn metrics_up_to(path: &Path, step: u64) -> anyhow::Result<Vec<serde_json::Value
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
             continue;
         };
-        if v.get("step")
+        let before = v
+            .get("step")
             .and_then(serde_json::Value::as_u64)
             .unwrap_or(0)
-            <= step
-        {
+            <= step;
+        if before && v["kind"] != "ranks" {
             out.push_str(line);
             out.push('\n');
             kept.push(v);
@@ -627,8 +688,9 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         gate_threshold,
         settings: cfg,
         resume,
-        _lock,
+        run_dir,
     } = setup;
+    let run_id = run_dir.identity.id.clone();
     let out = cfg.out.clone();
     let initial_params = model.num_params();
     if let Some(ck) = &resume {
@@ -659,8 +721,18 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         dense_params as f64 / model.num_params() as f64
     );
     let epochs = plan_epochs(&mut task)?;
-    if let Some(ck) = &resume {
-        if ck.progress.epoch >= epochs.len() {
+    // A run whose last checkpoint is its end, killed before its final report, only finishes
+    // its report; a run that ended cleanly is not run again.
+    let finishing = resume
+        .as_ref()
+        .is_some_and(|ck| ck.progress.epoch >= epochs.len());
+    if finishing {
+        let ended = std::fs::read_to_string(out.join("report.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .is_some_and(|r| r["stopped"] == false);
+        let ck = resume.as_ref().expect("finishing a resumed run");
+        if ended {
             bail!(
                 "{}: the run finished ({} epochs, {} steps); nothing to resume. To train further, start a new run from it with --init-from (encoder) or a new directory",
                 out.display(),
@@ -668,6 +740,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 ck.progress.step
             );
         }
+        eprintln!("the run had finished training; writing its final report");
     }
     let phases = task.phases().to_vec();
     let total = epochs
@@ -700,9 +773,18 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     let mut st = task.state(&model, &phases[st_phase])?;
     let metrics_path = out.join("metrics.jsonl");
     let mut curves = Curves::default();
+    let (mut best_valid, mut best_epoch) = (f64::NEG_INFINITY, 0);
     let log = match &resume {
         Some(_) => {
             for r in metrics_up_to(&metrics_path, prog.step)? {
+                if r["kind"] == "eval" {
+                    let score = r["valid_auc"].as_f64().or(r["valid_accuracy"].as_f64());
+                    if let (Some(score), Some(epoch)) = (score, r["epoch"].as_u64()) {
+                        if score > best_valid {
+                            (best_valid, best_epoch) = (score, epoch as usize);
+                        }
+                    }
+                }
                 curves.add(&r);
             }
             MetricsLog::append(&metrics_path)?
@@ -730,8 +812,11 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     let base_seconds = prog.seconds;
     let mut win_steps = 0usize;
     let mut step_ms: Vec<f64> = Vec::new();
-    let mut final_valid = EvalStats::default();
-    let (mut best_valid, mut best_epoch) = (f64::NEG_INFINITY, 0);
+    let mut final_valid = if finishing {
+        task.evaluate(&model, &mut st)?
+    } else {
+        EvalStats::default()
+    };
     let mut win_start = Instant::now();
     let mut stopped = false;
     // A checkpoint holds the model's `model.toml` (its kind and shape; truncated ranks are
@@ -743,6 +828,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
      -> anyhow::Result<()> {
         let state = stepper.optimizer.state(model);
         let run = checkpoint::RunState {
+            run_id: &run_id,
             config_toml: &cfg.config_toml,
             model_toml: meta,
             progress: prog,
@@ -900,7 +986,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         ));
         let meta = task.model_meta(&model, epoch + 1, prog.step)?;
         if task.saves_model() {
-            crate::files::save_model_files(&out, &model.params(), &meta)?;
+            crate::files::save_model_files(&out, &model.params(), &meta, Some(&run_id))?;
         }
         // The next epoch starts from a clean slate; checkpoint that point.
         (prog.epoch, prog.batch_in_epoch) = (epoch + 1, 0);

@@ -93,3 +93,97 @@ pub fn every_command_works_on(run: &Path, inputs: &[&str], expect: &str) {
         "plot: {text}"
     );
 }
+
+const WORDS: &[&str] = &[
+    "the", "a", "dress", "shirt", "fit", "color", "is", "was", "very",
+];
+
+/// A sentiment-like TSV: "good"/"great" mean pos, "bad"/"awful" mean neg, among filler words.
+pub fn write_data(dir: &Path) -> (PathBuf, PathBuf) {
+    let vocab = dir.join("vocab.txt");
+    let mut v = vec![
+        "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "great", "bad", "awful",
+    ];
+    v.extend_from_slice(WORDS);
+    std::fs::write(&vocab, v.join("\n") + "\n").unwrap();
+    let mut tsv = String::from("sentence\tlabel\n");
+    for i in 0..160usize {
+        let pos = i % 2 == 0;
+        let key = if pos {
+            ["good", "great"][i % 3 % 2]
+        } else {
+            ["bad", "awful"][i % 3 % 2]
+        };
+        let f1 = WORDS[i % WORDS.len()];
+        let f2 = WORDS[(i * 7 + 3) % WORDS.len()];
+        let sentence = match i % 3 {
+            0 => format!("{f1} {key} {f2}"),
+            1 => format!("{key} {f1} {f2} {f1}"),
+            _ => format!("{f2} {f1} {key}"),
+        };
+        tsv += &format!("{sentence}\t{}\n", if pos { "pos" } else { "neg" });
+    }
+    let data = dir.join("train.tsv");
+    std::fs::write(&data, tsv).unwrap();
+    (data, vocab)
+}
+
+pub fn write_config(dir: &Path, data: &Path, vocab: &Path, tt: bool, extra: &str) -> PathBuf {
+    let cfg = format!(
+        r#"
+[data]
+source = "tsv"
+train = "{data}"
+text_a = "sentence"
+label = "label"
+labels = ["neg", "pos"]
+vocab = "{vocab}"
+valid_fraction = 0.25
+
+[model]
+vocab_size = 18
+seq_len = 8
+d_model = 16
+heads = 2
+ffn = 32
+layers = 1
+dropout = 0.0
+tt_linear = {tt}
+ttm_embedding = {tt}
+attn_tt = {{ in_modes = [4, 4], out_modes = [4, 4], rank = 3 }}
+ffn_up_tt = {{ in_modes = [4, 4], out_modes = [4, 8], rank = 3 }}
+ffn_down_tt = {{ in_modes = [4, 8], out_modes = [4, 4], rank = 3 }}
+word_ttm = {{ vocab_modes = [3, 6], dim_modes = [4, 4], rank = 3 }}
+
+[optim]
+lr_cores = 0.01
+lr_gates = 0.01
+lr_other = 0.01
+
+[train]
+epochs = 6
+batch_size = 8
+warmup_steps = 5
+log_every = 5
+out_dir = "{out}"
+{extra}
+"#,
+        data = data.display(),
+        vocab = vocab.display(),
+        out = dir.join("run").display()
+    );
+    let path = dir.join("run.toml");
+    std::fs::write(&path, cfg).unwrap();
+    path
+}
+
+pub fn checkpoints(run: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(run.join("checkpoints"))
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Rank-adaptive settings that make a short run switch stage and truncate.
+pub const RANK_EXTRA: &str = "checkpoint_every = 4\nkeep_checkpoints = 2\n\n[rank]\nlate_after_epochs = 1\ntarget_ratio = 0.5\ntarget_loss = 0.2\ntruncate_every = 3";

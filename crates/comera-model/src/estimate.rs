@@ -1,0 +1,244 @@
+//! What an encoder will need before it is built: its memory at a batch shape (so a config that
+//! cannot fit is refused before anything is allocated) and the ranks that exceed what a layer's
+//! shape can use.
+//!
+//! Memory, in f32 values (× 4 bytes), computed in f64 so that absurd sizes cannot overflow:
+//!
+//!   training = 4·P                  (values, gradients, AdamW's two moments)
+//!            + A(B, T)              (the batch state: activations, workspaces)
+//!   P        = Σ layers' parameters (dense: n·m; TT: Σ_k r_{k-1}·n_k·m_k·r_k)
+//!   A(B, T) ≈ B·T·(layers·(14·D + 3·F + 3·H·T) + 4·D) + head
+//!
+//! The activation term counts, per block and token, the block's D-wide buffers (input, q, k, v,
+//! context, attention output, two residual sums and LayerNorms, their masks and gradients), its
+//! F-wide ones (FFN pre-activation, GELU output, gradient) and the T-long attention rows
+//! (scores, probabilities, dropout mask) per head. It is checked against the built state's
+//! measured size in the tests (within a factor of 2).
+
+use crate::config::{EncoderConfig, HeadKind, Layouts, MlmDecoderKind};
+use comera_tensor::{TtShape, TtmShape};
+
+/// An estimate of a model's training memory at one batch shape, in bytes, with what drives it.
+#[derive(Clone, Debug)]
+pub struct MemoryEstimate {
+    /// Parameters, gradients and optimiser moments.
+    pub params_bytes: f64,
+    /// The batch state.
+    pub state_bytes: f64,
+    /// The config fields that drive each term (for the error naming them).
+    pub params_fields: &'static str,
+    pub state_fields: &'static str,
+}
+
+impl MemoryEstimate {
+    pub fn total(&self) -> f64 {
+        self.params_bytes + self.state_bytes
+    }
+
+    /// Refuses an estimate above `available` bytes, naming the fields of the larger term.
+    pub fn check(&self, available: f64, what: &str) -> Result<(), String> {
+        if self.total() <= available {
+            return Ok(());
+        }
+        const GIB: f64 = (1u64 << 30) as f64;
+        let fields = if self.params_bytes >= self.state_bytes {
+            self.params_fields
+        } else {
+            self.state_fields
+        };
+        Err(format!(
+            "{what} needs about {:.1} GiB (parameters with gradients and optimiser {:.1} GiB, batch state {:.1} GiB), but {:.1} GiB are available; reduce {fields}",
+            self.total() / GIB,
+            self.params_bytes / GIB,
+            self.state_bytes / GIB,
+            available / GIB
+        ))
+    }
+}
+
+fn tt_params(s: &TtShape) -> f64 {
+    (0..s.n_cores()).map(|k| s.core_len(k) as f64).sum()
+}
+
+fn ttm_params(s: &TtmShape) -> f64 {
+    (0..s.n_cores()).map(|k| s.core_len(k) as f64).sum()
+}
+
+impl EncoderConfig {
+    /// The training memory of this encoder at `batch` sequences of `seq_len` tokens (after
+    /// [`EncoderConfig::validate`], whose layouts it takes).
+    pub fn estimate_memory(&self, lay: &Layouts, batch: usize, seq_len: usize) -> MemoryEstimate {
+        let (d, f, v) = (self.d_model as f64, self.ffn as f64, self.vocab_size as f64);
+        let (b, t, h) = (batch as f64, seq_len as f64, self.heads as f64);
+        let linear = |s: &Option<TtShape>, n: f64, m: f64| s.as_ref().map_or(n * m, tt_params);
+        let block = 4.0 * linear(&lay.attn, d, d)
+            + linear(&lay.ffn_up, d, f)
+            + linear(&lay.ffn_down, f, d)
+            + 9.0 * d
+            + f;
+        let word = lay.word.as_ref().map_or(v * d, ttm_params);
+        let head = match self.head {
+            HeadKind::Classifier => d * d + d * self.num_labels as f64,
+            HeadKind::Mlm => {
+                d * d
+                    + match self.mlm_decoder() {
+                        MlmDecoderKind::Tied | MlmDecoderKind::Auto => v,
+                        MlmDecoderKind::Dense => d * v,
+                        MlmDecoderKind::Tt => lay.mlm_decoder.as_ref().map_or(d * v, tt_params),
+                    }
+            }
+        };
+        let params = self.layers as f64 * block + word + (t + self.type_vocab as f64) * d + head;
+        let per_token = self.layers as f64 * (14.0 * d + 3.0 * f + 3.0 * h * t) + 4.0 * d;
+        let head_state = match self.head {
+            HeadKind::Classifier => b * 4.0 * d,
+            // Logits over the vocabulary on ⌈0.15·T⌉ positions per sequence, and their gradient.
+            HeadKind::Mlm => b * (0.15 * t).ceil() * 2.0 * (v + d),
+        };
+        MemoryEstimate {
+            params_bytes: 4.0 * 4.0 * params,
+            state_bytes: 4.0 * (b * t * per_token + head_state),
+            params_fields:
+                "model.layers, model.d_model, model.ffn, the TT/TTM ranks or model.vocab_size",
+            state_fields:
+                "train.batch_size, model.seq_len (or the phase's), model.layers or model.d_model",
+        }
+    }
+
+    /// Warnings for TT/TTM ranks above what a layer's shape can use: a bond's rank beyond
+    /// min(Π of the modes on its left, Π on its right) adds parameters that no weight needs.
+    pub fn rank_warnings(&self, lay: &Layouts) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut check = |field: &str, sizes: Vec<usize>, rank: usize| {
+            let max = useful_rank(&sizes);
+            if rank > max {
+                out.push(format!(
+                    "{field}.rank = {rank} exceeds the largest useful rank {max} for modes {sizes:?} (ranks above it add parameters, not expressiveness)"
+                ));
+            }
+        };
+        let tt = |s: &TtShape| (0..s.n_cores()).map(|k| s.mode(k)).collect::<Vec<_>>();
+        if let Some(s) = &lay.attn {
+            check("model.attn_tt", tt(s), self.attn_tt.rank);
+        }
+        if let Some(s) = &lay.ffn_up {
+            check("model.ffn_up_tt", tt(s), self.ffn_up_tt.rank);
+        }
+        if let Some(s) = &lay.ffn_down {
+            check("model.ffn_down_tt", tt(s), self.ffn_down_tt.rank);
+        }
+        if let Some(s) = &lay.mlm_decoder {
+            check("model.mlm_decoder_tt", tt(s), self.mlm_decoder_tt.rank);
+        }
+        if let Some(s) = &lay.word {
+            check("model.word_ttm", s.size_modes(), self.word_ttm.rank);
+        }
+        out
+    }
+}
+
+/// The largest rank any bond of a TT with cores of `sizes` (each core's mode product) can use:
+/// max over bonds of min(Π sizes left of it, Π right of it); a uniform rank above it is waste
+/// at every bond.
+pub fn useful_rank(sizes: &[usize]) -> usize {
+    let total: f64 = sizes.iter().map(|&s| s as f64).product();
+    let mut left = 1.0f64;
+    let mut best = 1.0f64;
+    for &s in &sizes[..sizes.len().saturating_sub(1)] {
+        left *= s as f64;
+        best = best.max(left.min(total / left));
+    }
+    best.min(usize::MAX as f64) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Encoder, MlmDecoderKind};
+    use comera_layers::Trainable;
+
+    /// The estimate is within a factor of 2 of the built model's measured memory
+    /// (parameters ×4 for values, gradients and two moments; the state's own count).
+    fn close_to_built(cfg: &EncoderConfig, batch: usize) {
+        let lay = cfg.validate().unwrap();
+        let est = cfg.estimate_memory(&lay, batch, cfg.seq_len);
+        let model = Encoder::new(cfg, 0).unwrap();
+        let st = match cfg.head {
+            HeadKind::Classifier => model.state(batch),
+            HeadKind::Mlm => model
+                .state_for(
+                    batch,
+                    cfg.seq_len,
+                    (0.15 * cfg.seq_len as f64).ceil() as usize,
+                )
+                .unwrap(),
+        };
+        let params = 4.0 * 4.0 * model.num_params() as f64;
+        let state = model.bytes(&st).state as f64;
+        for (what, e, real) in [
+            ("parameters", est.params_bytes, params),
+            ("state", est.state_bytes, state),
+        ] {
+            let ratio = e / real;
+            assert!(
+                (0.5..=2.0).contains(&ratio),
+                "{what}: estimate {e:.3e} vs built {real:.3e} (ratio {ratio:.2}) for {cfg:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_estimate_matches_the_built_paper_model() {
+        let cfg = EncoderConfig {
+            num_labels: 2,
+            ..EncoderConfig::default()
+        };
+        close_to_built(&cfg, 2);
+    }
+
+    #[test]
+    fn the_estimate_matches_built_dense_and_mlm_models() {
+        let dense = EncoderConfig {
+            vocab_size: 1000,
+            seq_len: 64,
+            d_model: 128,
+            heads: 4,
+            ffn: 512,
+            layers: 2,
+            num_labels: 2,
+            tt_linear: false,
+            ttm_embedding: false,
+            ..EncoderConfig::default()
+        };
+        close_to_built(&dense, 4);
+        let mlm = EncoderConfig {
+            head: HeadKind::Mlm,
+            mlm_decoder: MlmDecoderKind::Dense,
+            ..dense
+        };
+        close_to_built(&mlm, 4);
+    }
+
+    #[test]
+    fn absurd_sizes_are_refused_without_overflow() {
+        let cfg = EncoderConfig {
+            layers: 1_000_000_000,
+            ..EncoderConfig::default()
+        };
+        let lay = cfg.validate().unwrap();
+        let e = cfg.estimate_memory(&lay, 32, 128);
+        let msg = e.check(24e9, "training").unwrap_err();
+        assert!(msg.contains("model.layers"), "{msg}");
+        let e = EncoderConfig::default().estimate_memory(&lay, 32, 100_000_000);
+        let msg = e.check(24e9, "training").unwrap_err();
+        assert!(msg.contains("model.seq_len"), "{msg}");
+    }
+
+    #[test]
+    fn useful_rank_is_the_largest_bond_limit() {
+        // A 32 → 32 layer with modes [4, 8 | 8, 4]: the middle bond can use 32.
+        assert_eq!(useful_rank(&[4, 8, 8, 4]), 32);
+        assert_eq!(useful_rank(&[2, 2]), 2);
+        assert_eq!(useful_rank(&[7]), 1);
+    }
+}
