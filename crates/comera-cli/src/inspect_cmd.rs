@@ -19,6 +19,9 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
+    if !a.path.exists() {
+        anyhow::bail!("{}: no such file or directory", a.path.display());
+    }
     let is_checkpoint = a.path.is_file()
         && a.path.extension().is_some_and(|e| e == "safetensors")
         && a.path

@@ -129,6 +129,13 @@ fn report(s: &TrainSummary) {
         s.dense_params,
         s.out_dir.display()
     );
+    if s.early_stopped {
+        println!(
+            "stopped early at step {} (train.early_stopping); the best model is in {}",
+            s.steps,
+            s.out_dir.join(comera_train::trainer::BEST_DIR).display()
+        );
+    }
     const MIB: f64 = 1048576.0;
     println!(
         "speed: median step {:.1} ms = {:.0} samples/s; peak RSS {:.1} MiB (parameters+grads {:.1} MiB, optimiser {:.1} MiB, batch state {:.1} MiB); report {}",

@@ -126,6 +126,7 @@ fn trains_a_ttm_dlrm_on_a_criteo_file_and_reports() {
         "--config",
         s(&cfg),
         "--quiet",
+        "--overwrite",
         "--dense",
         "--epochs",
         "1",
@@ -139,6 +140,7 @@ fn trains_a_ttm_dlrm_on_a_criteo_file_and_reports() {
         "--config",
         s(&cfg),
         "--quiet",
+        "--overwrite",
         "--epochs",
         "1",
     ])
@@ -150,6 +152,7 @@ fn trains_a_ttm_dlrm_on_a_criteo_file_and_reports() {
         "--config",
         s(&cfg),
         "--quiet",
+        "--overwrite",
         "--epochs",
         "1",
     ])
@@ -164,7 +167,15 @@ fn trains_a_ttm_dlrm_on_a_criteo_file_and_reports() {
         &valid,
         "[optim]\nlr_gates = 0.05\n[rank]\ngamma = 5.0\ntruncate_every = 10\nnormalise_gates = false\n",
     );
-    let (code, out) = comera(&["train", "--config", s(&rcfg), "--quiet", "--epochs", "1"]);
+    let (code, out) = comera(&[
+        "train",
+        "--config",
+        s(&rcfg),
+        "--quiet",
+        "--epochs",
+        "1",
+        "--overwrite",
+    ]);
     assert_eq!(code, 0, "{out}");
     assert!(
         out.contains("Ranks of the TT/TTM layers") && out.contains("table.C1"),
@@ -187,7 +198,15 @@ fn malformed_rows_are_counted_then_stop_the_run_with_line_numbers() {
     text.push_str(&format!("0\tx{}{}\n", "\t1".repeat(12), "\ta".repeat(26)));
     std::fs::write(&train, &text).unwrap();
     let cfg = config(&dir, &train, &valid, "");
-    let (code, out) = comera(&["train", "--config", s(&cfg), "--quiet", "--epochs", "1"]);
+    let (code, out) = comera(&[
+        "train",
+        "--config",
+        s(&cfg),
+        "--quiet",
+        "--epochs",
+        "1",
+        "--overwrite",
+    ]);
     assert_eq!(code, 0, "{out}");
     assert!(
         out.contains("3 malformed rows") && out.contains("401") && out.contains("402 (field C1"),
@@ -196,7 +215,15 @@ fn malformed_rows_are_counted_then_stop_the_run_with_line_numbers() {
     // Over the limit: the run stops naming the file and the line.
     let bad = text.clone() + &"1\t2\n".repeat(3);
     std::fs::write(&train, bad).unwrap();
-    let (code, out) = comera(&["train", "--config", s(&cfg), "--quiet", "--epochs", "1"]);
+    let (code, out) = comera(&[
+        "train",
+        "--config",
+        s(&cfg),
+        "--quiet",
+        "--epochs",
+        "1",
+        "--overwrite",
+    ]);
     assert_eq!(code, 1, "{out}");
     assert!(
         out.contains("train.tsv")

@@ -237,3 +237,59 @@ fn resume_matches(tag: &str, tt: bool, extra: &str, rank: bool) {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn early_stopping_evaluates_every_n_steps_keeps_the_best_model_and_ends_the_run() {
+    let dir = tempdir("early");
+    let (data, vocab) = write_data(&dir);
+    // An improvement must exceed 1.0 in accuracy: only the first evaluation improves (on none),
+    // so the evaluations at steps 4 and 6 do not, and patience 2 stops the run at step 6.
+    let extra = "eval_every = 2\ndecay = \"cosine\"\n\n[train.early_stopping]\npatience = 2\nmetric = \"valid_accuracy\"\nmin_delta = 1.0";
+    let cfg = write_config(&dir, &data, &vocab, true, extra);
+    let run = dir.join("run");
+    let (code, text) = comera(&["train", "--config", cfg.to_str().unwrap(), "--quiet"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("stopped early at step 6"), "{text}");
+    let evals = records(&run, "eval");
+    let steps: Vec<u64> = evals.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [2, 4, 6]);
+    let stop = records(&run, "early_stop");
+    assert_eq!(stop.len(), 1);
+    assert_eq!(stop[0]["step"], 6);
+    assert_eq!(stop[0]["best"], evals[0]["valid_accuracy"]);
+    // best/ holds the model of the first evaluation, readable like a run directory.
+    let best = run.join("best");
+    let (code, text) = comera(&["eval", best.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    let acc = evals[0]["valid_accuracy"].as_f64().unwrap();
+    assert!(
+        text.contains(&format!("accuracy {acc:.4}")),
+        "{acc}: {text}"
+    );
+    // The run is over: resuming says so.
+    let (code, text) = comera(&["train", "--resume", run.to_str().unwrap(), "--quiet"]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("the run finished"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn off_a_terminal_the_log_has_a_line_per_logging_window() {
+    let dir = tempdir("log-lines");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, true, "max_steps_per_epoch = 10");
+    // No --quiet, and stderr is a pipe: the bar is replaced by lines.
+    let (code, text) = comera(&["train", "--config", cfg.to_str().unwrap(), "--epochs", "1"]);
+    assert_eq!(code, 0, "{text}");
+    let steps: Vec<&str> = text.lines().filter(|l| l.starts_with("step ")).collect();
+    assert_eq!(steps.len(), 2, "log_every = 5 over 10 steps: {text}");
+    assert!(
+        steps[1].starts_with("step 10/10 epoch 1 loss ")
+            && steps[1].contains(" lr ")
+            && steps[1].contains("tok/s")
+            && steps[1].contains("ETA 0s"),
+        "{text}"
+    );
+    assert!(text.contains("epoch 1: train loss"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -372,8 +372,9 @@ fn stale_temporaries_are_removed_when_the_directory_is_opened() {
     let (data, vocab) = write_data(&dir);
     let cfg = write_config(&dir, &data, &vocab, true, "max_steps_per_epoch = 3");
     let run = dir.join("run");
-    std::fs::create_dir_all(run.join("checkpoints")).unwrap();
-    // pid 4000000 is above Linux's pid_max: no such process runs.
+    let (code, text) = train(&cfg, "2", &["--stop-after-steps", "2"]);
+    assert_eq!(code, 0, "{text}");
+    // What a killed writer leaves (pid 4000000 is above Linux's pid_max: no such process).
     let stale = [
         run.join(".metrics.jsonl.tmp-4000000"),
         run.join(".model.safetensors.tmp-4000000"),
@@ -382,7 +383,7 @@ fn stale_temporaries_are_removed_when_the_directory_is_opened() {
     for s in &stale {
         std::fs::write(s, b"half written").unwrap();
     }
-    let (code, text) = train(&cfg, "1", &[]);
+    let (code, text) = resume(&run);
     assert_eq!(code, 0, "{text}");
     for s in &stale {
         assert!(!s.exists(), "{} left behind", s.display());
@@ -462,7 +463,7 @@ fn twenty_kills_at_random_moments_change_nothing() {
             "--config",
             cfg,
             "--epochs",
-            "6",
+            "10",
             "--quiet",
             "--overwrite",
             "--out",
@@ -540,7 +541,7 @@ fn twenty_kills_at_random_moments_change_nothing() {
             }
             in_writes += usize::from(!temporaries(&b).is_empty());
         } else {
-            std::thread::sleep(std::time::Duration::from_millis(30 + next() % 300));
+            std::thread::sleep(std::time::Duration::from_millis(30 + next() % 250));
         }
         if let Some(status) = child.try_wait().unwrap() {
             let out = child.wait_with_output().unwrap();
@@ -571,5 +572,81 @@ fn twenty_kills_at_random_moments_change_nothing() {
         "final weights differ"
     );
     assert!(temporaries(&b).is_empty(), "{:?}", temporaries(&b));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn errors_name_what_is_wrong_and_predict_output_stays_one_line_per_input() {
+    let dir = tempdir("errors");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, true, "max_steps_per_epoch = 3");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    for (from, to, expect) in [
+        ("seq_len = 8\n", "seq_len = 1\n", "model.seq_len"),
+        (
+            "dropout = 0.0\n",
+            "dropout = 0.0\ninit_std = 1e30\n",
+            "model.init_std",
+        ),
+    ] {
+        let p = dir.join("bad.toml");
+        std::fs::write(&p, text.replace(from, to)).unwrap();
+        let (code, out) = comera(&[
+            "train",
+            "--config",
+            p.to_str().unwrap(),
+            "--quiet",
+            "--out",
+            dir.join("bad").to_str().unwrap(),
+        ]);
+        assert_eq!(code, 1, "{to}: {out}");
+        assert!(out.contains(expect), "{to}: expected `{expect}` in {out}");
+        assert!(!out.contains("lower the learning rates"), "{to}: {out}");
+    }
+    let (code, out) = train(&cfg, "1", &[]);
+    assert_eq!(code, 0, "{out}");
+    let run = dir.join("run");
+    // stdin: a good line, a non-UTF-8 line, an empty line, a line with a tab and an escape code.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_comera"))
+        .args(["predict", run.to_str().unwrap()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin
+            .write_all(b"good fit\n\xff\xfe bad\n\nawful\tcolor\x1b[31m\n")
+            .unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    assert!(lines[0].ends_with("\tgood fit"), "{stdout}");
+    assert!(lines[1].ends_with("\tawful\\tcolor\\u{1b}[31m"), "{stdout}");
+    assert_eq!(lines[1].split('\t').count(), 3, "{stdout}");
+    assert!(stderr.contains("line 2: not UTF-8"), "{stderr}");
+    assert!(stderr.contains("input 3: empty text"), "{stderr}");
+    // A reader that goes away ends the output quietly (no broken-pipe panic).
+    let mut child = Command::new(env!("CARGO_BIN_EXE_comera"))
+        .args(["inspect", run.to_str().unwrap(), "--tensors"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let (code, out) = comera(&["inspect", dir.join("nothing-here").to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("no such file or directory"), "{out}");
     std::fs::remove_dir_all(&dir).ok();
 }

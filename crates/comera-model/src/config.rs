@@ -238,8 +238,13 @@ impl EncoderConfig {
         if !(self.ln_eps > 0.0 && self.ln_eps.is_finite()) {
             return Err(err("model.ln_eps", "must be a positive number"));
         }
-        if !(self.init_std > 0.0 && self.init_std.is_finite()) {
-            return Err(err("model.init_std", "must be a positive number"));
+        // BERT uses 0.02; a standard deviation above 1 only saturates the softmax and GELU
+        // (and at 1e30 overflows the first step's sums).
+        if !(self.init_std > 0.0 && self.init_std <= 1.0) {
+            return Err(err(
+                "model.init_std",
+                format!("must be in (0, 1] (BERT: 0.02), got {}", self.init_std),
+            ));
         }
         // τ ≥ 1 would prune every slice of gates initialised at 1 at the first step.
         if !(self.threshold > 0.0 && self.threshold < 1.0) {

@@ -7,13 +7,14 @@
 //!   training = 4·P                  (values, gradients, AdamW's two moments)
 //!            + A(B, T)              (the batch state: activations, workspaces)
 //!   P        = Σ layers' parameters (dense: n·m; TT: Σ_k r_{k-1}·n_k·m_k·r_k)
-//!   A(B, T) ≈ B·T·(layers·(14·D + 3·F + 3·H·T) + 4·D) + head
+//!   A(B, T) ≈ B·T·(layers·(10·D + F + H·T) + 4·D) + head
 //!
-//! The activation term counts, per block and token, the block's D-wide buffers (input, q, k, v,
-//! context, attention output, two residual sums and LayerNorms, their masks and gradients), its
-//! F-wide ones (FFN pre-activation, GELU output, gradient) and the T-long attention rows
-//! (scores, probabilities, dropout mask) per head. It is checked against the built state's
-//! measured size in the tests (within a factor of 2).
+//! The activation term counts, per block and token, about ten D-wide buffers (input, q, k, v,
+//! context, attention output, residual sums, LayerNorms and their gradients), one F-wide and
+//! one T-long row per head: the fused paths (FFN recomputing its hidden layer, blocked
+//! attention) keep fewer, the plain dense paths more. Checked against the built state's own
+//! count in the tests: within a factor of 2 both ways (the paper's TT model 1.5× above, a
+//! small dense one 0.8×).
 
 use crate::config::{EncoderConfig, HeadKind, Layouts, MlmDecoderKind};
 use comera_tensor::{TtShape, TtmShape};
@@ -89,7 +90,7 @@ impl EncoderConfig {
             }
         };
         let params = self.layers as f64 * block + word + (t + self.type_vocab as f64) * d + head;
-        let per_token = self.layers as f64 * (14.0 * d + 3.0 * f + 3.0 * h * t) + 4.0 * d;
+        let per_token = self.layers as f64 * (10.0 * d + f + h * t) + 4.0 * d;
         let head_state = match self.head {
             HeadKind::Classifier => b * 4.0 * d,
             // Logits over the vocabulary on ⌈0.15·T⌉ positions per sequence, and their gradient.

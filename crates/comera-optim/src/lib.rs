@@ -268,13 +268,16 @@ pub fn clip_scale(max_norm: f32, visit: impl FnOnce(&mut dyn FnMut(&mut Param)))
     }
 }
 
-/// Learning-rate schedule: linear warm-up over `warmup` steps, then constant or linear decay
-/// to zero at `total` steps.
+/// Learning-rate schedule: linear warm-up over `warmup` steps, then constant, linear or cosine
+/// decay to zero at `total` steps.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Decay {
     Constant,
+    /// 1 − u, with u = (t − warmup)/(total − warmup) the fraction of the decay done.
     Linear,
+    /// ½·(1 + cos(π·u)): slow at both ends, half way at the middle.
+    Cosine,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -292,9 +295,13 @@ impl Schedule {
         }
         match self.decay {
             Decay::Constant => 1.0,
-            Decay::Linear => {
+            Decay::Linear | Decay::Cosine => {
                 let span = self.total.saturating_sub(self.warmup).max(1);
-                (1.0 - (t - self.warmup) as f32 / span as f32).max(0.0)
+                let u = ((t - self.warmup) as f64 / span as f64).min(1.0);
+                match self.decay {
+                    Decay::Linear => (1.0 - u) as f32,
+                    _ => (0.5 * (1.0 + (std::f64::consts::PI * u).cos())) as f32,
+                }
             }
         }
     }
@@ -364,6 +371,29 @@ mod tests {
         assert_eq!(sch.scale(4), 1.0);
         assert_eq!(sch.scale(9), 0.5);
         assert_eq!(sch.scale(20), 0.0);
+        // Cosine: warm-up as linear, then ½(1 + cos πu): 1 at the start of the decay, ½ half
+        // way, ¼·(2 − √2) three quarters along... and 0 at the end.
+        let cos = Schedule {
+            decay: Decay::Cosine,
+            ..sch
+        };
+        assert_eq!(cos.scale(0), 0.25);
+        assert_eq!(cos.scale(4), 1.0);
+        assert!((cos.scale(9) - 0.5).abs() < 1e-7);
+        let u = 7.5f64 / 10.0;
+        let three_quarters = Schedule {
+            warmup: 0,
+            total: 40,
+            decay: Decay::Cosine,
+        };
+        assert!(
+            (three_quarters.scale(30) as f64 - 0.5 * (1.0 + (std::f64::consts::PI * u).cos()))
+                .abs()
+                < 1e-7
+        );
+        assert!((three_quarters.scale(30) as f64 - 0.25 * (2.0 - 2f64.sqrt())).abs() < 1e-6);
+        assert_eq!(cos.scale(14), 0.0);
+        assert_eq!(cos.scale(99), 0.0);
         assert_eq!(
             Schedule {
                 warmup: 0,

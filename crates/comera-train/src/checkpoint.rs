@@ -56,6 +56,11 @@ pub struct Progress {
     /// Ranks at the start and at the switch to the late stage (for the final rank table).
     pub ranks_start: Vec<LayerRanks>,
     pub ranks_switch: Option<Vec<LayerRanks>>,
+    /// Early stopping: the best value of the watched metric so far, and evaluations since.
+    #[serde(default)]
+    pub best_metric: Option<f64>,
+    #[serde(default)]
+    pub evals_since_best: usize,
 }
 
 /// A loaded checkpoint, checked.

@@ -103,7 +103,8 @@ pub struct TrainConfig {
     /// Sequences per step (fixed; the last partial batch of an epoch is dropped).
     pub batch_size: usize,
     pub seed: u64,
-    /// Linear warm-up steps, then `decay` (`constant` or `linear` to zero at the last step).
+    /// Linear warm-up steps, then `decay` (`constant`, or `linear` or `cosine` to zero at the
+    /// last step).
     pub warmup_steps: u64,
     pub decay: Decay,
     /// Write a training line to the metrics log every this many steps.
@@ -124,6 +125,12 @@ pub struct TrainConfig {
     /// a run directory (its `model.safetensors`); the head stays freshly initialised.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_from: Option<PathBuf>,
+    /// Evaluate every this many steps as well as at each epoch's end (0: epoch ends only).
+    #[serde(default)]
+    pub eval_every: u64,
+    /// Stop when a validation metric stops improving, keeping the best model in `best/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_stopping: Option<EarlyStopping>,
     /// Training phases, run in order (empty: one phase of `epochs` × `batch_size` at
     /// `model.seq_len`). Epochs are numbered across phases, so `rank.late_after_epochs` can
     /// put the rank schedule's switch at a phase boundary.
@@ -146,6 +153,8 @@ impl Default for TrainConfig {
             keep_checkpoints: 3,
             stop_after_steps: 0,
             init_from: None,
+            eval_every: 0,
+            early_stopping: None,
             phases: Vec::new(),
         }
     }
@@ -237,6 +246,12 @@ impl RunConfig {
     /// Checks every table; the message names the field.
     pub fn validate(&self) -> Result<(), String> {
         self.model.validate().map_err(|e| e.to_string())?;
+        if self.model.seq_len < 2 {
+            return Err(format!(
+                "model.seq_len: must be at least 2 ([CLS] and [SEP] take two positions), got {}",
+                self.model.seq_len
+            ));
+        }
         self.optim.validate()?;
         self.rank.validate()?;
         if let Some(g) = &self.galore {
@@ -251,6 +266,9 @@ impl RunConfig {
         }
         if t.log_every == 0 {
             return Err("train.log_every: must be at least 1".into());
+        }
+        if let Some(es) = &t.early_stopping {
+            es.validate()?;
         }
         let d = &self.data;
         if !(0.0..1.0).contains(&d.valid_fraction) {
@@ -369,7 +387,8 @@ pub struct DlrmTrainConfig {
     /// Examples per step (fixed; an epoch's last partial batch is dropped).
     pub batch_size: usize,
     pub seed: u64,
-    /// Linear warm-up steps, then `decay` (`constant` or `linear` to zero at the last step).
+    /// Linear warm-up steps, then `decay` (`constant`, or `linear` or `cosine` to zero at the
+    /// last step).
     pub warmup_steps: u64,
     pub decay: Decay,
     /// Write a training line to the metrics log every this many steps.
@@ -388,6 +407,12 @@ pub struct DlrmTrainConfig {
     /// Stop (with a checkpoint, resumable with `comera train --resume`) after this many steps
     /// (0: run to the end).
     pub stop_after_steps: u64,
+    /// Evaluate every this many steps as well as at each epoch's end (0: epoch ends only).
+    #[serde(default)]
+    pub eval_every: u64,
+    /// Stop when a validation metric stops improving, keeping the best model in `best/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_stopping: Option<EarlyStopping>,
 }
 
 impl Default for DlrmTrainConfig {
@@ -405,7 +430,86 @@ impl Default for DlrmTrainConfig {
             checkpoint_every: 500,
             keep_checkpoints: 3,
             stop_after_steps: 0,
+            eval_every: 0,
+            early_stopping: None,
         }
+    }
+}
+
+/// Early stopping (`[train.early_stopping]`): after each evaluation, the run stops once
+/// `metric` has not improved by more than `min_delta` for `patience` evaluations in a row; the
+/// model of the best evaluation is kept in `RUN/best/` (model files and `config.toml`, so
+/// `eval`/`predict`/`export` read it like a run directory).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EarlyStopping {
+    /// Evaluations without improvement before the run stops (at least 1).
+    pub patience: usize,
+    /// `valid_loss`, `valid_accuracy` or `valid_auc` (binary tasks).
+    #[serde(default)]
+    pub metric: StopMetric,
+    /// `min` or `max`; default `min` for the loss, `max` for accuracy and AUC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<StopMode>,
+    /// The smallest change that counts as an improvement (default 0).
+    #[serde(default)]
+    pub min_delta: f64,
+}
+
+/// The validation figure early stopping watches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopMetric {
+    #[default]
+    ValidLoss,
+    ValidAccuracy,
+    ValidAuc,
+}
+
+/// Whether lower or higher is better.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopMode {
+    Min,
+    Max,
+}
+
+impl EarlyStopping {
+    fn validate(&self) -> Result<(), String> {
+        if self.patience == 0 {
+            return Err("train.early_stopping.patience: must be at least 1".into());
+        }
+        if !(self.min_delta >= 0.0 && self.min_delta.is_finite()) {
+            return Err(format!(
+                "train.early_stopping.min_delta: must be a finite number ≥ 0, got {}",
+                self.min_delta
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn mode(&self) -> StopMode {
+        self.mode.unwrap_or(match self.metric {
+            StopMetric::ValidLoss => StopMode::Min,
+            StopMetric::ValidAccuracy | StopMetric::ValidAuc => StopMode::Max,
+        })
+    }
+
+    /// The watched figure of an evaluation (None: AUC of a task that has none).
+    pub fn value(&self, s: &crate::task::EvalStats) -> Option<f64> {
+        match self.metric {
+            StopMetric::ValidLoss => Some(s.loss),
+            StopMetric::ValidAccuracy => Some(s.accuracy),
+            StopMetric::ValidAuc => s.auc,
+        }
+    }
+
+    /// Whether `value` beats `best` (by more than `min_delta`); anything beats no best.
+    pub fn improves(&self, value: f64, best: Option<f64>) -> bool {
+        best.is_none_or(|b| match self.mode() {
+            StopMode::Min => value < b - self.min_delta,
+            StopMode::Max => value > b + self.min_delta,
+        })
     }
 }
 
@@ -484,6 +588,9 @@ impl DlrmRunConfig {
         }
         if t.log_every == 0 {
             return Err("train.log_every: must be at least 1".into());
+        }
+        if let Some(es) = &t.early_stopping {
+            es.validate()?;
         }
         let d = &self.data;
         let known = ["movielens", "adult", "criteo", "synthetic"];

@@ -77,8 +77,6 @@ pub struct ModelMeta {
 
 pub const MODEL_WEIGHTS: &str = "model.safetensors";
 pub const MODEL_META: &str = "model.toml";
-/// `format` in the metadata of `model.safetensors`.
-pub const WEIGHTS_FORMAT: &str = "comera-model";
 
 /// What a saved DLRM needs besides its weights (`model.toml`, with `kind = "dlrm"`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -130,8 +128,8 @@ pub fn le_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// Writes `model.safetensors`: every parameter by name, with `format` = `comera-model` and
-/// `sha256` = [`digest`] of the tensors in file order, atomically. Returns the digest.
+/// Writes `model.safetensors`: every parameter by name, with `sha256` = [`digest`] of the
+/// tensors in file order as its metadata, atomically. Returns the digest.
 pub fn save_weights(dir: &Path, params: &[&Param]) -> anyhow::Result<String> {
     let mut tensors: Vec<(&str, &[usize], Vec<u8>)> = params
         .iter()
@@ -144,12 +142,9 @@ pub fn save_weights(dir: &Path, params: &[&Param]) -> anyhow::Result<String> {
         .iter()
         .map(|(n, s, b)| Ok((*n, TensorView::new(Dtype::F32, s.to_vec(), b)?)))
         .collect::<Result<_, safetensors::SafeTensorError>>()?;
-    let meta = [
-        ("format".to_string(), WEIGHTS_FORMAT.to_string()),
-        ("sha256".to_string(), sha.clone()),
-    ]
-    .into_iter()
-    .collect();
+    // One metadata key: safetensors writes its metadata map in hash order, so a second key
+    // would make two saves of the same weights differ in their bytes.
+    let meta = [("sha256".to_string(), sha.clone())].into_iter().collect();
     let data = safetensors::serialize(views, Some(meta))?;
     write_atomic(&dir.join(MODEL_WEIGHTS), &data)?;
     Ok(sha)

@@ -55,11 +55,12 @@ pub trait Task {
         model: &Self::Model,
         phase: &Phase,
     ) -> anyhow::Result<<Self::Model as Trainable>::State>;
-    /// The batches of epoch `epoch` (0-based, numbered across phases).
-    fn epoch<'a>(&'a mut self, phase: &Phase, epoch: usize) -> anyhow::Result<Self::Epoch<'a>>;
+    /// The batches of epoch `epoch` (0-based, numbered across phases). The task is shared,
+    /// so that it can evaluate in the middle of an epoch (`train.eval_every`).
+    fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> anyhow::Result<Self::Epoch<'a>>;
     /// Held-out evaluation with the state of the current phase.
     fn evaluate(
-        &mut self,
+        &self,
         model: &Self::Model,
         st: &mut <Self::Model as Trainable>::State,
     ) -> anyhow::Result<EvalStats>;
@@ -300,7 +301,7 @@ impl Task for EncoderTask {
             .map_err(|e| anyhow::anyhow!("{e}"))
     }
 
-    fn epoch<'a>(&'a mut self, phase: &Phase, epoch: usize) -> anyhow::Result<EncoderEpoch<'a>> {
+    fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> anyhow::Result<EncoderEpoch<'a>> {
         let (b, seed) = (phase.batch_size, self.seed.wrapping_add(epoch as u64));
         Ok(match &self.data {
             EncoderData::Classify(d) => {
@@ -313,7 +314,7 @@ impl Task for EncoderTask {
         })
     }
 
-    fn evaluate(&mut self, model: &Encoder, st: &mut EncoderState) -> anyhow::Result<EvalStats> {
+    fn evaluate(&self, model: &Encoder, st: &mut EncoderState) -> anyhow::Result<EvalStats> {
         match &self.data {
             EncoderData::Classify(d) => evaluate_classifier(model, st, &d.valid),
             EncoderData::Mlm(d) => evaluate_mlm(model, st, d, &d.packed_ref(st.seq_len()).valid),
@@ -363,7 +364,9 @@ impl Task for EncoderTask {
 
 /// Click-through-rate prediction with a DLRM.
 pub struct CtrTask {
-    pub train: TrainSource,
+    /// The training source: read by one epoch at a time (a cell, so that the task can
+    /// evaluate on `valid` while an epoch is under way).
+    pub train: std::cell::RefCell<TrainSource>,
     pub valid: CtrData,
     pub phases: Vec<Phase>,
     /// What a saved model needs besides its weights (epoch and step filled in on save).
@@ -374,7 +377,7 @@ pub struct CtrTask {
 
 /// One epoch of a CTR task: the streamed or shuffled training source.
 pub struct CtrEpoch<'a> {
-    source: &'a mut TrainSource,
+    source: std::cell::RefMut<'a, TrainSource>,
     batch: CtrBatch,
 }
 
@@ -397,7 +400,7 @@ impl Task for CtrTask {
     }
 
     fn batches_per_epoch(&mut self, phase: &Phase) -> anyhow::Result<Option<usize>> {
-        let n = self.train.steps_per_epoch(phase.batch_size);
+        let n = self.train.get_mut().steps_per_epoch(phase.batch_size);
         if n == Some(0) {
             bail!(
                 "train.batch_size: {} is larger than the training set",
@@ -411,20 +414,20 @@ impl Task for CtrTask {
         Ok(model.state(phase.batch_size))
     }
 
-    fn epoch<'a>(&'a mut self, phase: &Phase, epoch: usize) -> anyhow::Result<CtrEpoch<'a>> {
-        self.train.start_epoch(epoch, self.seed)?;
+    fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> anyhow::Result<CtrEpoch<'a>> {
+        let mut source = self.train.try_borrow_mut().map_err(|_| {
+            anyhow::anyhow!("internal: an epoch of the training source is still under way")
+        })?;
+        source.start_epoch(epoch, self.seed)?;
         let batch = CtrBatch::new(
             phase.batch_size,
             self.meta.n_dense,
             self.meta.field_names.len(),
         );
-        Ok(CtrEpoch {
-            source: &mut self.train,
-            batch,
-        })
+        Ok(CtrEpoch { source, batch })
     }
 
-    fn evaluate(&mut self, model: &Dlrm, st: &mut DlrmState) -> anyhow::Result<EvalStats> {
+    fn evaluate(&self, model: &Dlrm, st: &mut DlrmState) -> anyhow::Result<EvalStats> {
         Ok(evaluate_ctr(model, st, &self.valid)?.0)
     }
 
@@ -451,7 +454,7 @@ impl Task for CtrTask {
     }
 
     fn epoch_note(&self) -> Option<String> {
-        self.train.malformed_summary()
+        self.train.borrow().malformed_summary()
     }
 
     fn report_extra(&self, model: &Dlrm) -> serde_json::Map<String, serde_json::Value> {

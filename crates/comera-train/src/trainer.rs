@@ -7,7 +7,7 @@
 //! DLRM run) and [`resume`] (either, from the newest checkpoint of a run directory).
 
 use crate::checkpoint::{self, Checkpoint, Progress};
-use crate::config::{AnyRunConfig, DlrmRunConfig, Phase, RunConfig};
+use crate::config::{AnyRunConfig, DlrmRunConfig, EarlyStopping, Phase, RunConfig};
 use crate::data::{prepare, CorpusData, PreparedData};
 use crate::files::{DlrmMeta, MetricsLog};
 use crate::plot::{plot_panels, Panel, Series};
@@ -65,6 +65,9 @@ pub struct TrainSummary {
     pub rank_stage: String,
     /// Whether the run stopped early at `train.stop_after_steps` (resumable).
     pub stopped: bool,
+    /// Whether early stopping ended the run (the best model is in `best/`).
+    #[serde(default)]
+    pub early_stopped: bool,
     /// Task-specific figures (a DLRM's table sizes).
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -145,6 +148,9 @@ pub struct LoopSettings {
     pub checkpoint_every: u64,
     pub keep_checkpoints: usize,
     pub stop_after_steps: u64,
+    /// Evaluate every this many steps too (0: epoch ends only).
+    pub eval_every: u64,
+    pub early_stopping: Option<EarlyStopping>,
     pub progress: bool,
 }
 
@@ -350,6 +356,8 @@ fn setup_encoder(
             checkpoint_every: t.checkpoint_every,
             keep_checkpoints: t.keep_checkpoints,
             stop_after_steps: t.stop_after_steps,
+            eval_every: t.eval_every,
+            early_stopping: t.early_stopping.clone(),
             progress,
         },
         resume,
@@ -421,7 +429,7 @@ fn setup_dlrm(cfg: &DlrmRunConfig, start: Start, progress: bool) -> anyhow::Resu
     };
     Ok(Setup {
         task: CtrTask {
-            train: prepared.train,
+            train: std::cell::RefCell::new(prepared.train),
             valid: prepared.valid,
             phases: vec![Phase {
                 seq_len: 1,
@@ -451,6 +459,8 @@ fn setup_dlrm(cfg: &DlrmRunConfig, start: Start, progress: bool) -> anyhow::Resu
             checkpoint_every: t.checkpoint_every,
             keep_checkpoints: t.keep_checkpoints,
             stop_after_steps: t.stop_after_steps,
+            eval_every: t.eval_every,
+            early_stopping: t.early_stopping.clone(),
             progress,
         },
         resume,
@@ -697,6 +707,8 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         // The checkpoint's (possibly truncated) ranks first: the optimiser's state follows them.
         ck.load_params(&mut model)?;
     }
+    // The learning rate shown in log lines: the TT cores' (the rest scale alike).
+    let lr_cores = optim.lr_cores;
     let mut optimizer = Optimizer::new(optim, galore, &mut model);
     let (rank, mut prog) = match &resume {
         Some(ck) => {
@@ -810,6 +822,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         dense_params,
     };
     let base_seconds = prog.seconds;
+    let resumed_at = prog.step;
     let mut win_steps = 0usize;
     let mut step_ms: Vec<f64> = Vec::new();
     let mut final_valid = if finishing {
@@ -819,6 +832,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     };
     let mut win_start = Instant::now();
     let mut stopped = false;
+    let mut early_stopped = false;
     // A checkpoint holds the model's `model.toml` (its kind and shape; truncated ranks are
     // read from the tensors' shapes when it is loaded).
     let save_checkpoint = |meta: &str,
@@ -918,6 +932,27 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                     epoch + 1
                 );
                 rep.bar.set_message(msg);
+                if cfg.progress && rep.bar.is_hidden() {
+                    // Off a terminal (a log file, a batch job): a line in place of the bar.
+                    let done = (prog.step - resumed_at).max(1) as f64;
+                    let per_step = t0.elapsed().as_secs_f64() / done;
+                    let (of, eta) = match total {
+                        Some(n) => (
+                            format!("/{n}"),
+                            format!(
+                                " ETA {}",
+                                format_secs(per_step * n.saturating_sub(step) as f64)
+                            ),
+                        ),
+                        None => (String::new(), String::new()),
+                    };
+                    rep.say(format!(
+                        "step {step}{of} epoch {} loss {l:.4} acc {a:.3} lr {:.2e} {tps:.0} tok/s {} params{size}{eta}",
+                        epoch + 1,
+                        lr_cores * r.lr_scale,
+                        model.num_params()
+                    ));
+                }
                 (prog.win_loss, prog.win_correct, prog.win_count) = (0.0, 0, 0);
                 win_steps = 0;
                 win_start = Instant::now();
@@ -925,6 +960,44 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             rep.bar.inc(1);
             if epoch_end {
                 break;
+            }
+            // Evaluations come before the step's checkpoint: a checkpoint at step s implies
+            // that the evaluation at s is in the log (and in early stopping's state).
+            if cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every) {
+                let at = EvalAt {
+                    out: &out,
+                    run_id: &run_id,
+                    config_toml: &cfg.config_toml,
+                    early: cfg.early_stopping.as_ref(),
+                    epoch: epoch + 1,
+                    epoch_end: false,
+                    tokens: tokens_at(step),
+                    seconds: base_seconds + t0.elapsed().as_secs_f64(),
+                };
+                let (valid, stop_early) =
+                    evaluation(&task, &model, &mut st, &mut rep, &mut prog, &at)?;
+                final_valid = valid;
+                let score = valid.auc.unwrap_or(valid.accuracy);
+                if score > best_valid {
+                    (best_valid, best_epoch) = (score, epoch + 1);
+                }
+                if stop_early {
+                    if task.saves_model() {
+                        crate::files::save_model_files(
+                            &out,
+                            &model.params(),
+                            &meta,
+                            Some(&run_id),
+                        )?;
+                    }
+                    // The run is over: its checkpoint says so (resume reports it finished).
+                    (prog.epoch, prog.batch_in_epoch) = (n_epochs, 0);
+                    prog.seconds = at.seconds;
+                    save_checkpoint(&meta, &prog, &stepper, &mut model)?;
+                    rep.plots(&out, rank_active, task.loss_name());
+                    early_stopped = true;
+                    break 'epochs;
+                }
             }
             let stop_now = stop_due(step);
             if stop_now || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)) {
@@ -958,42 +1031,39 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         if let Some(note) = task.epoch_note() {
             rep.say(format!("data  {note}"));
         }
-        let valid = task.evaluate(&model, &mut st)?;
+        let secs = base_seconds + t0.elapsed().as_secs_f64();
+        let at = EvalAt {
+            out: &out,
+            run_id: &run_id,
+            config_toml: &cfg.config_toml,
+            early: cfg.early_stopping.as_ref(),
+            epoch: epoch + 1,
+            epoch_end: true,
+            tokens: tokens_at(prog.step),
+            seconds: secs,
+        };
+        let (valid, stop_early) = evaluation(&task, &model, &mut st, &mut rep, &mut prog, &at)?;
         final_valid = valid;
         let score = valid.auc.unwrap_or(valid.accuracy);
         if score > best_valid {
             (best_valid, best_epoch) = (score, epoch + 1);
         }
-        let (tl, ta) = (
-            prog.ep_loss / prog.ep_count as f64,
-            prog.ep_correct as f64 / prog.ep_count as f64,
-        );
-        let secs = base_seconds + t0.elapsed().as_secs_f64();
-        let mut rec = json!({"kind": "eval", "epoch": epoch + 1, "step": prog.step, "tokens": tokens_at(prog.step), "train_loss": tl, "train_accuracy": ta, "valid_loss": valid.loss, "valid_accuracy": valid.accuracy, "valid_perplexity": valid.loss.exp(), "seconds": secs});
-        let auc = match valid.auc {
-            Some(a) => {
-                rec["valid_auc"] = json!(a);
-                format!(" AUC {a:.4}")
-            }
-            None => String::new(),
-        };
-        rep.record(rec)?;
-        rep.say(format!(
-            "epoch {}: train loss {tl:.4} acc {ta:.4} | valid loss {:.4}{auc} acc {:.4}",
-            epoch + 1,
-            valid.loss,
-            valid.accuracy
-        ));
         let meta = task.model_meta(&model, epoch + 1, prog.step)?;
         if task.saves_model() {
             crate::files::save_model_files(&out, &model.params(), &meta, Some(&run_id))?;
         }
-        // The next epoch starts from a clean slate; checkpoint that point.
-        (prog.epoch, prog.batch_in_epoch) = (epoch + 1, 0);
+        // The next epoch starts from a clean slate; checkpoint that point (an early stop ends
+        // the run there).
+        let next = if stop_early { n_epochs } else { epoch + 1 };
+        (prog.epoch, prog.batch_in_epoch) = (next, 0);
         (prog.ep_loss, prog.ep_correct, prog.ep_count) = (0.0, 0, 0);
         prog.seconds = secs;
         save_checkpoint(&meta, &prog, &stepper, &mut model)?;
         rep.plots(&out, rank_active, task.loss_name());
+        if stop_early {
+            early_stopped = true;
+            break;
+        }
         if stop_due(prog.step) && epoch + 1 < n_epochs {
             stopped = true;
             break;
@@ -1049,6 +1119,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         rank_active,
         rank_stage: stage.into(),
         stopped,
+        early_stopped,
         extra: task.report_extra(&model),
     };
     crate::files::write_atomic(
@@ -1056,6 +1127,102 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         serde_json::to_string_pretty(&summary)?.as_bytes(),
     )?;
     Ok(summary)
+}
+
+/// `1h02m03s`, `2m03s` or `3s`.
+fn format_secs(secs: f64) -> String {
+    let s = secs.max(0.0).round() as u64;
+    match (s / 3600, s / 60 % 60, s % 60) {
+        (0, 0, s) => format!("{s}s"),
+        (0, m, s) => format!("{m}m{s:02}s"),
+        (h, m, s) => format!("{h}h{m:02}m{s:02}s"),
+    }
+}
+
+/// The directory of the best model under early stopping.
+pub const BEST_DIR: &str = "best";
+
+/// Where and when an evaluation happens.
+struct EvalAt<'a> {
+    out: &'a Path,
+    run_id: &'a str,
+    config_toml: &'a str,
+    early: Option<&'a EarlyStopping>,
+    /// The epoch in progress (1-based) and whether this is its end.
+    epoch: usize,
+    epoch_end: bool,
+    tokens: u64,
+    seconds: f64,
+}
+
+/// One evaluation on the held-out data: its `eval` record and line, and early stopping's
+/// bookkeeping: on an improvement of the watched metric the model is written to `best/` (with
+/// the run's `config.toml`, so every command reads it as a run directory); after `patience`
+/// evaluations without one, an `early_stop` record. Returns the figures and whether to stop.
+fn evaluation<T: Task>(
+    task: &T,
+    model: &T::Model,
+    st: &mut <T::Model as Trainable>::State,
+    rep: &mut Reporter,
+    prog: &mut Progress,
+    at: &EvalAt<'_>,
+) -> anyhow::Result<(EvalStats, bool)> {
+    let valid = task.evaluate(model, st)?;
+    // Training figures over the epoch so far.
+    let n = prog.ep_count.max(1) as f64;
+    let (tl, ta) = (prog.ep_loss / n, prog.ep_correct as f64 / n);
+    let mut rec = json!({"kind": "eval", "epoch": at.epoch, "step": prog.step, "tokens": at.tokens, "train_loss": tl, "train_accuracy": ta, "valid_loss": valid.loss, "valid_accuracy": valid.accuracy, "valid_perplexity": valid.loss.exp(), "seconds": at.seconds});
+    let auc = match valid.auc {
+        Some(a) => {
+            rec["valid_auc"] = json!(a);
+            format!(" AUC {a:.4}")
+        }
+        None => String::new(),
+    };
+    rep.record(rec)?;
+    let (vl, va) = (valid.loss, valid.accuracy);
+    rep.say(if at.epoch_end {
+        format!(
+            "epoch {}: train loss {tl:.4} acc {ta:.4} | valid loss {vl:.4}{auc} acc {va:.4}",
+            at.epoch
+        )
+    } else {
+        format!(
+            "step {} (epoch {}): valid loss {vl:.4}{auc} acc {va:.4}",
+            prog.step, at.epoch
+        )
+    });
+    let Some(es) = at.early else {
+        return Ok((valid, false));
+    };
+    let value = es.value(&valid).ok_or_else(|| {
+        anyhow::anyhow!(
+            "train.early_stopping.metric: valid_auc needs a binary task; this one reports no AUC (use valid_loss or valid_accuracy)"
+        )
+    })?;
+    if es.improves(value, prog.best_metric) {
+        (prog.best_metric, prog.evals_since_best) = (Some(value), 0);
+        let best = at.out.join(BEST_DIR);
+        let epochs_done = if at.epoch_end { at.epoch } else { at.epoch - 1 };
+        let meta = task.model_meta(model, epochs_done, prog.step)?;
+        crate::files::save_model_files(&best, &model.params(), &meta, Some(at.run_id))?;
+        crate::files::write_atomic(&best.join("config.toml"), at.config_toml.as_bytes())?;
+        return Ok((valid, false));
+    }
+    prog.evals_since_best += 1;
+    let stop = prog.evals_since_best >= es.patience;
+    if stop {
+        let best = prog.best_metric.unwrap_or(f64::NAN);
+        rep.record(json!({"kind": "early_stop", "epoch": at.epoch, "step": prog.step, "metric": es.metric, "best": best, "patience": es.patience}))?;
+        rep.say(format!(
+            "early stop at step {}: {} has not improved on {best:.4} in {} evaluations; the best model is in {}",
+            prog.step,
+            serde_json::to_value(es.metric)?.as_str().unwrap_or("metric"),
+            es.patience,
+            at.out.join(BEST_DIR).display()
+        ));
+    }
+    Ok((valid, stop))
 }
 
 /// After a step: the rank schedule's switch to the late stage and truncation, each logged.
