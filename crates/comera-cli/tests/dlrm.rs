@@ -3,7 +3,7 @@
 //! configs give clear errors (no network).
 
 mod common;
-use common::{every_command_works_on, records, untimed};
+use common::{assert_same_run, every_command_works_on, records};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -304,18 +304,7 @@ fn a_stopped_and_resumed_dlrm_run_matches_an_uninterrupted_one_bit_for_bit() {
     let (code, text) = comera(&["--threads", "2", "train", "--resume", s(&b), "--quiet"]);
     assert_eq!(code, 0, "{text}");
     assert!(!records(&a, "truncate").is_empty(), "the run truncated");
-    for kind in ["train", "eval", "truncate", "ranks"] {
-        assert_eq!(
-            untimed(records(&a, kind)),
-            untimed(records(&b, kind)),
-            "{kind} records differ after resume"
-        );
-    }
-    assert!(
-        std::fs::read(a.join("model.safetensors")).unwrap()
-            == std::fs::read(b.join("model.safetensors")).unwrap(),
-        "final weights differ after resume"
-    );
+    assert_same_run(&a, &b, &["train", "eval", "truncate", "ranks"]);
     // Every command reads the DLRM run directory: predict scores Criteo-format rows only, so
     // a MovieLens model is asked for one and must refuse with the reason.
     let (code, text) = comera(&["predict", s(&a), s(&cfg)]);

@@ -3,7 +3,7 @@
 //! `comera eval`, exact resume, and the pre-train → fine-tune flow (`train.init_from`).
 
 mod common;
-use common::{comera, every_command_works_on, records, tempdir, untimed};
+use common::{assert_same_run, comera, every_command_works_on, records, tempdir};
 use std::path::{Path, PathBuf};
 
 const SPECIALS: &[&str] = &["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"];
@@ -184,18 +184,7 @@ fn a_stopped_and_resumed_pretraining_run_matches_an_uninterrupted_one() {
         "--quiet",
     ]);
     assert_eq!(c, 0, "{text}");
-    for kind in ["train", "eval"] {
-        assert_eq!(
-            untimed(records(&a, kind)),
-            untimed(records(&b, kind)),
-            "{kind}"
-        );
-    }
-    assert!(
-        std::fs::read(a.join("model.safetensors")).unwrap()
-            == std::fs::read(b.join("model.safetensors")).unwrap(),
-        "final weights differ after resume"
-    );
+    assert_same_run(&a, &b, &["train", "eval"]);
     std::fs::remove_dir_all(&dir).ok();
 }
 

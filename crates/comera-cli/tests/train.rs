@@ -3,7 +3,7 @@
 
 mod common;
 use common::{
-    checkpoints, comera, every_command_works_on, records, tempdir, untimed, write_config,
+    assert_same_run, checkpoints, comera, every_command_works_on, records, tempdir, write_config,
     write_data, RANK_EXTRA,
 };
 
@@ -223,18 +223,7 @@ fn resume_matches(tag: &str, tt: bool, extra: &str, rank: bool) {
         assert!(!records(&a, "truncate").is_empty(), "the run truncated");
         assert!(!records(&a, "stage").is_empty(), "the run switched stage");
     }
-    for kind in ["train", "eval", "truncate", "stage"] {
-        assert_eq!(
-            untimed(records(&a, kind)),
-            untimed(records(&b, kind)),
-            "{kind} records differ after resume"
-        );
-    }
-    assert!(
-        std::fs::read(a.join("model.safetensors")).unwrap()
-            == std::fs::read(b.join("model.safetensors")).unwrap(),
-        "final weights differ after resume"
-    );
+    assert_same_run(&a, &b, &["train", "eval", "truncate", "stage"]);
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 mod common;
-use common::{checkpoints, comera, records, tempdir, untimed, write_config, write_data};
+use common::{assert_same_run, checkpoints, comera, records, tempdir, write_config, write_data};
 
 /// `comera train --config CFG --quiet --epochs N` plus `extra` arguments.
 fn train(cfg: &Path, epochs: &str, extra: &[&str]) -> (i32, String) {
@@ -426,17 +426,7 @@ fn a_damaged_newest_checkpoint_is_skipped_and_a_renamed_one_ranked_by_its_conten
         text.contains("step-0000000020.safetensors (step 20)"),
         "{text}"
     );
-    for kind in ["train", "eval"] {
-        assert_eq!(
-            untimed(records(&a, kind)),
-            untimed(records(&b, kind)),
-            "{kind}"
-        );
-    }
-    assert!(
-        std::fs::read(a.join("model.safetensors")).unwrap()
-            == std::fs::read(b.join("model.safetensors")).unwrap()
-    );
+    assert_same_run(&a, &b, &["train", "eval"]);
     // Rotation goes by content too: the renamed step-16 checkpoint is gone.
     assert!(!ck(99).exists(), "{:?}", checkpoints(&b));
     std::fs::remove_dir_all(&dir).ok();
@@ -559,18 +549,7 @@ fn twenty_kills_at_random_moments_change_nothing() {
         in_writes >= 4,
         "only {in_writes} kills inside checkpoint writes"
     );
-    for kind in ["train", "eval", "truncate", "stage", "ranks"] {
-        assert_eq!(
-            untimed(records(&a, kind)),
-            untimed(records(&b, kind)),
-            "{kind} records differ"
-        );
-    }
-    assert!(
-        std::fs::read(a.join("model.safetensors")).unwrap()
-            == std::fs::read(b.join("model.safetensors")).unwrap(),
-        "final weights differ"
-    );
+    assert_same_run(&a, &b, &["train", "eval", "truncate", "stage", "ranks"]);
     assert!(temporaries(&b).is_empty(), "{:?}", temporaries(&b));
     std::fs::remove_dir_all(&dir).ok();
 }

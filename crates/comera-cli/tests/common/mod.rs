@@ -46,6 +46,23 @@ pub fn untimed(records: Vec<serde_json::Value>) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Runs `a` and `b` ended alike: the metrics records of each kind in `kinds` equal (timing
+/// fields aside) and `model.safetensors` byte for byte.
+pub fn assert_same_run(a: &Path, b: &Path, kinds: &[&str]) {
+    for kind in kinds {
+        assert_eq!(
+            untimed(records(a, kind)),
+            untimed(records(b, kind)),
+            "{kind} records differ"
+        );
+    }
+    assert!(
+        std::fs::read(a.join("model.safetensors")).unwrap()
+            == std::fs::read(b.join("model.safetensors")).unwrap(),
+        "final weights differ"
+    );
+}
+
 /// Every command that reads a run directory works on `run`: `inspect` (the directory and its
 /// newest checkpoint), `eval` (the directory and the checkpoint, which saw the same weights
 /// at the run's end), `predict` with `inputs` (output must contain `expect`), `export
