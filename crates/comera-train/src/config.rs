@@ -270,6 +270,9 @@ impl RunConfig {
         if let Some(es) = &t.early_stopping {
             es.validate()?;
         }
+        if t.out_dir.as_os_str().is_empty() {
+            return Err("train.out_dir: empty; name the run directory".into());
+        }
         let d = &self.data;
         if !(0.0..1.0).contains(&d.valid_fraction) {
             return Err(format!(
@@ -591,6 +594,9 @@ impl DlrmRunConfig {
         }
         if let Some(es) = &t.early_stopping {
             es.validate()?;
+        }
+        if t.out_dir.as_os_str().is_empty() {
+            return Err("train.out_dir: empty; name the run directory".into());
         }
         let d = &self.data;
         let known = ["movielens", "adult", "criteo", "synthetic"];
