@@ -42,6 +42,7 @@ corpus = ["{code}"]
 extensions = ["rs"]
 vocab = "{vocab}"
 valid_fraction = 0.2
+cache_dir = "{cache}"
 
 [model]
 head = "mlm"
@@ -86,7 +87,8 @@ max_steps_per_epoch = 10
 "#,
         code = code.display(),
         vocab = vocab.display(),
-        out = dir.join("pre").display()
+        out = dir.join("pre").display(),
+        cache = dir.join("cache").display()
     );
     let path = dir.join("mlm.toml");
     std::fs::write(&path, cfg).unwrap();
@@ -166,6 +168,8 @@ fn a_stopped_and_resumed_pretraining_run_matches_an_uninterrupted_one() {
     let base = ["--threads", "2", "train", "--config", cfg, "--quiet"];
     let (c, text) = comera(&[&base[..], &["--out", a.to_str().unwrap()]].concat());
     assert_eq!(c, 0, "{text}");
+    // Both phases' blocks (8 and 16 tokens) come from one tokenisation, then from the cache.
+    assert_eq!(text.matches("data  tokenised in").count(), 1, "{text}");
     // Stopped inside the second phase (steps 31..50).
     let (c, text) = comera(
         &[
@@ -175,6 +179,8 @@ fn a_stopped_and_resumed_pretraining_run_matches_an_uninterrupted_one() {
         .concat(),
     );
     assert_eq!(c, 0, "{text}");
+    assert!(!text.contains("tokenised in"), "{text}");
+    assert_eq!(text.matches("from the cache").count(), 2, "{text}");
     let (c, text) = comera(&[
         "--threads",
         "2",

@@ -170,6 +170,59 @@ impl Corpus {
         self
     }
 
+    /// A hash (hex SHA-256) of what the corpus would read: every source's kind and settings,
+    /// and each file it reads by path, size and modification time (code trees walked like
+    /// [`Corpus::documents`] walks them). Equal fingerprints mean the same documents, unless a
+    /// file was rewritten with the same size within its timestamp's resolution.
+    pub fn fingerprint(&self) -> Result<String, CorpusError> {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        let file = |h: &mut Sha256, path: &Path| -> Result<(), CorpusError> {
+            let meta = fs::metadata(path).map_err(|source| CorpusError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            let mtime = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            h.update(format!("{}\0{}\0{mtime}\0", path.display(), meta.len()));
+            Ok(())
+        };
+        h.update(format!("{:?}\0", self.on_bad_file));
+        for source in &self.sources {
+            match source {
+                Source::Text { path, docs } => {
+                    h.update(format!("text {docs:?}\0"));
+                    file(&mut h, path)?;
+                }
+                Source::Code { root, extensions } => {
+                    h.update(format!("code {extensions:?}\0"));
+                    for entry in walkdir::WalkDir::new(root)
+                        .follow_links(false)
+                        .sort_by_file_name()
+                    {
+                        let entry = entry.map_err(|e| CorpusError::Walk {
+                            path: root.clone(),
+                            detail: e.to_string(),
+                        })?;
+                        let wanted = entry.file_type().is_file()
+                            && entry
+                                .path()
+                                .extension()
+                                .and_then(|e| e.to_str())
+                                .is_some_and(|e| extensions.iter().any(|x| x == e));
+                        if wanted {
+                            file(&mut h, entry.path())?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    }
+
     /// Streams the documents in order; [`Documents::stats`] counts what was read and skipped.
     pub fn documents(&self) -> Documents<'_> {
         Documents {
@@ -861,9 +914,26 @@ pub fn pack_corpus(
     tokenizer: &CorpusTokenizer,
     cfg: &PackConfig,
 ) -> Result<PackedCorpus, CorpusError> {
+    let mut packed = pack_corpus_lengths(corpus, tokenizer, cfg, &[cfg.seq_len], &mut |_| {})?;
+    Ok(packed.pop().expect("one sequence length"))
+}
+
+/// [`pack_corpus`] for several block lengths in one pass over the corpus (one tokenisation):
+/// one [`PackedCorpus`] per entry of `seq_lens` (`cfg.seq_len` is not used), in that order.
+/// `progress` is called with what has been read after each chunk of documents.
+pub fn pack_corpus_lengths(
+    corpus: &Corpus,
+    tokenizer: &CorpusTokenizer,
+    cfg: &PackConfig,
+    seq_lens: &[usize],
+    progress: &mut dyn FnMut(&CorpusStats),
+) -> Result<Vec<PackedCorpus>, CorpusError> {
     let special = tokenizer.special_ids();
-    let mut train = Packer::new(cfg.seq_len, special)?;
-    let mut valid = Packer::new(cfg.seq_len, special)?;
+    // (train, valid) packers per block length.
+    let mut packers = seq_lens
+        .iter()
+        .map(|&t| Ok((Packer::new(t, special)?, Packer::new(t, special)?)))
+        .collect::<Result<Vec<_>, CorpusError>>()?;
     let mut docs = corpus.documents();
     let mut chunk: Vec<Document> = Vec::new();
     let mut chunk_bytes = 0usize;
@@ -880,28 +950,37 @@ pub fn pack_corpus(
             })
             .collect::<Result<_, _>>()?;
         for (d, ids) in chunk.iter().zip(ids) {
-            if is_held_out(&d.key, cfg.valid_fraction, cfg.split_seed) {
-                valid.push_document(&ids);
-            } else {
-                train.push_document(&ids);
+            let held_out = is_held_out(&d.key, cfg.valid_fraction, cfg.split_seed);
+            for (train, valid) in packers.iter_mut() {
+                if held_out {
+                    valid.push_document(&ids);
+                } else {
+                    train.push_document(&ids);
+                }
             }
         }
         chunk.clear();
         Ok(())
     };
-    for d in docs.by_ref() {
+    while let Some(d) = docs.next() {
         let d = d?;
         chunk_bytes += d.text.len();
         chunk.push(d);
         if chunk_bytes >= cfg.chunk_bytes.max(1) {
             flush_chunk(&mut chunk)?;
             chunk_bytes = 0;
+            progress(docs.stats());
         }
     }
     flush_chunk(&mut chunk)?;
-    Ok(PackedCorpus {
-        train: train.finish(cfg.keep_partial),
-        valid: valid.finish(cfg.keep_partial),
-        stats: docs.stats().clone(),
-    })
+    let stats = docs.stats().clone();
+    progress(&stats);
+    Ok(packers
+        .into_iter()
+        .map(|(train, valid)| PackedCorpus {
+            train: train.finish(cfg.keep_partial),
+            valid: valid.finish(cfg.keep_partial),
+            stats: stats.clone(),
+        })
+        .collect())
 }

@@ -14,8 +14,8 @@ pub mod tokenizer;
 
 pub use bpe::BpeTokenizer;
 pub use corpus::{
-    pack_corpus, Corpus, CorpusError, CorpusStats, CorpusTokenizer, Document, OnBadFile,
-    PackConfig, PackedCorpus, PackedSequences, Packer, Source, TextDocs, TokenizerKind,
+    pack_corpus, pack_corpus_lengths, Corpus, CorpusError, CorpusStats, CorpusTokenizer, Document,
+    OnBadFile, PackConfig, PackedCorpus, PackedSequences, Packer, Source, TextDocs, TokenizerKind,
 };
 pub use dataset::{train_valid_split, Batch, Batches, EncodedDataset};
 pub use debian::{fetch_debian, DebianError, DebianSet, DEBIAN_SETS};

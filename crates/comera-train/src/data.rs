@@ -3,7 +3,8 @@
 use crate::config::DataConfig;
 use anyhow::{anyhow, bail, Context};
 use comera_data::corpus::{
-    pack_corpus, Corpus, CorpusTokenizer, PackConfig, PackedCorpus, TextDocs, TokenizerKind,
+    pack_corpus_lengths, Corpus, CorpusStats, CorpusTokenizer, PackConfig, PackedCorpus,
+    PackedSequences, TextDocs, TokenizerKind,
 };
 use comera_data::mlm::{MlmConfig, MlmMasker};
 use comera_data::{
@@ -168,6 +169,8 @@ pub struct CorpusData {
     max_train: usize,
     max_valid: usize,
     packed: Vec<(usize, PackedCorpus)>,
+    /// Where packed blocks are cached (`<cache>/corpus`).
+    cache: PathBuf,
 }
 
 impl CorpusData {
@@ -241,19 +244,121 @@ impl CorpusData {
             max_train: cfg.max_train,
             max_valid: cfg.max_valid,
             packed: Vec::new(),
+            cache: cache.join("corpus"),
         })
     }
 
     /// The corpus packed into blocks of `seq_len` (read and tokenised on first use).
     pub fn packed(&mut self, seq_len: usize) -> anyhow::Result<&PackedCorpus> {
-        if let Some(i) = self.packed.iter().position(|(l, _)| *l == seq_len) {
-            return Ok(&self.packed[i].1);
+        self.pack(&[seq_len])?;
+        Ok(self.packed_ref(seq_len))
+    }
+
+    /// Packs the corpus into blocks of each of `seq_lens` not packed yet: from the on-disk
+    /// cache when it holds them, otherwise in one pass over the corpus (one tokenisation for
+    /// every length, with progress on stderr), then cached.
+    ///
+    /// The cache (`<cache_dir>/corpus/<key>-<seq_len>.{train,valid}` and `.stats.json`) is
+    /// keyed by a hash of the corpus' files (paths, sizes, modification times), the tokenizer
+    /// and its vocabulary file, the split (held-out fraction, seed) and the format, so a
+    /// changed file, tokenizer or split tokenises anew. A damaged entry is re-made.
+    pub fn pack(&mut self, seq_lens: &[usize]) -> anyhow::Result<()> {
+        let mut missing: Vec<usize> = Vec::new();
+        for &t in seq_lens {
+            if !missing.contains(&t) && !self.packed.iter().any(|(l, _)| *l == t) {
+                missing.push(t);
+            }
         }
-        let cfg = PackConfig {
-            seq_len,
-            ..self.pack
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let key = self.cache_key()?;
+        let entry = |t: usize, part: &str| self.cache.join(format!("{key}-{t}.{part}"));
+        let mut made = Vec::new();
+        missing.retain(|&t| {
+            match load_cached(
+                &entry(t, "train"),
+                &entry(t, "valid"),
+                &entry(t, "stats.json"),
+            ) {
+                Some(p) => {
+                    eprintln!(
+                        "data  corpus blocks of {t} tokens from the cache ({}), tokenised earlier",
+                        entry(t, "*").display()
+                    );
+                    made.push((t, p));
+                    false
+                }
+                None => true,
+            }
+        });
+        if !missing.is_empty() {
+            let t0 = std::time::Instant::now();
+            let mut last = t0;
+            let mut progress = |st: &CorpusStats| {
+                if last.elapsed().as_secs_f64() >= 5.0 {
+                    last = std::time::Instant::now();
+                    eprintln!(
+                        "data  tokenising the corpus: {} files, {} documents, {:.1} MB read ({:.0} s)",
+                        st.files,
+                        st.documents,
+                        st.bytes as f64 / 1e6,
+                        t0.elapsed().as_secs_f64()
+                    );
+                }
+            };
+            let packs = pack_corpus_lengths(
+                &self.corpus,
+                &self.tokenizer,
+                &self.pack,
+                &missing,
+                &mut progress,
+            )?;
+            eprintln!(
+                "data  tokenised in {:.1} s; cached in {}",
+                t0.elapsed().as_secs_f64(),
+                self.cache.display()
+            );
+            for (&t, p) in missing.iter().zip(packs) {
+                if let Err(e) = save_cached(
+                    &p,
+                    &entry(t, "train"),
+                    &entry(t, "valid"),
+                    &entry(t, "stats.json"),
+                ) {
+                    eprintln!("warning: corpus cache not written: {e:#}");
+                }
+                made.push((t, p));
+            }
+        }
+        for (t, p) in made {
+            self.finish_pack(t, p)?;
+        }
+        Ok(())
+    }
+
+    /// The cache key: format, tokenizer, vocabulary, corpus fingerprint, split.
+    fn cache_key(&self) -> anyhow::Result<String> {
+        let vocab = std::fs::read(&self.vocab)
+            .with_context(|| format!("{}: cannot read the vocabulary", self.vocab.display()))?;
+        let kind = match &self.tokenizer {
+            CorpusTokenizer::WordPiece(_) => "wordpiece",
+            CorpusTokenizer::Bpe(_) => "bpe",
         };
-        let mut p = pack_corpus(&self.corpus, &self.tokenizer, &cfg)?;
+        let text = format!(
+            "comera corpus cache 1\0{kind}\0{}\0{}\0{}\0{}\0{}",
+            crate::run_dir::sha256_hex(&String::from_utf8_lossy(&vocab)),
+            self.corpus.fingerprint()?,
+            self.pack.valid_fraction,
+            self.pack.split_seed,
+            self.pack.keep_partial
+        );
+        Ok(crate::run_dir::sha256_hex(&text)[..24].to_string())
+    }
+
+    /// Applies `max_train`/`max_valid`, checks that both splits have blocks, reports and keeps
+    /// the blocks of length `seq_len`.
+    fn finish_pack(&mut self, seq_len: usize, mut p: PackedCorpus) -> anyhow::Result<()> {
         for (set, max) in [
             (&mut p.train, self.max_train),
             (&mut p.valid, self.max_valid),
@@ -290,8 +395,41 @@ impl CorpusData {
             p.valid.tokens
         );
         self.packed.push((seq_len, p));
-        Ok(&self.packed.last().expect("just pushed").1)
+        Ok(())
     }
+}
+
+/// A cached packed corpus, or None when any part is missing or damaged.
+fn load_cached(train: &Path, valid: &Path, stats: &Path) -> Option<PackedCorpus> {
+    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(stats).ok()?).ok()?;
+    let n = |k: &str| s[k].as_u64();
+    let stats = CorpusStats {
+        files: n("files")? as usize,
+        documents: n("documents")? as usize,
+        bytes: n("bytes")?,
+        skipped_files: n("skipped_files")? as usize,
+        skipped_lines: n("skipped_lines")? as usize,
+        ..CorpusStats::default()
+    };
+    Some(PackedCorpus {
+        train: PackedSequences::load(train).ok()?,
+        valid: PackedSequences::load(valid).ok()?,
+        stats,
+    })
+}
+
+/// Writes a packed corpus to the cache (each file atomically; the stats last, so a complete
+/// stats file means complete blocks).
+fn save_cached(p: &PackedCorpus, train: &Path, valid: &Path, stats: &Path) -> anyhow::Result<()> {
+    if let Some(dir) = train.parent() {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("{}: cannot create", dir.display()))?;
+    }
+    p.train.save(train)?;
+    p.valid.save(valid)?;
+    let s = &p.stats;
+    let json = serde_json::json!({"files": s.files, "documents": s.documents, "bytes": s.bytes, "skipped_files": s.skipped_files, "skipped_lines": s.skipped_lines});
+    crate::files::write_atomic(stats, json.to_string().as_bytes())
 }
 
 impl CorpusData {

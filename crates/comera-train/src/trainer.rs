@@ -255,7 +255,11 @@ fn setup_encoder(
     let phases = cfg.phases();
     check_encoder_fits(cfg, &phases)?;
     let data = if cfg.data.source == "corpus" {
-        EncoderData::Mlm(CorpusData::new(&cfg.data, cfg.train.seed)?)
+        let mut corpus = CorpusData::new(&cfg.data, cfg.train.seed)?;
+        // Every phase's blocks in one pass over the corpus (or from the cache).
+        let seq_lens: Vec<usize> = phases.iter().map(|p| p.seq_len).collect();
+        corpus.pack(&seq_lens)?;
+        EncoderData::Mlm(corpus)
     } else {
         if let Some(p) = phases.iter().find(|p| p.seq_len != cfg.model.seq_len) {
             bail!(
