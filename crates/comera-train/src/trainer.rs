@@ -868,6 +868,12 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 phase.batch_size
             ));
         }
+        // The bar names the epoch (and phase) from its first step, not the last window's.
+        rep.bar.set_message(if phases.len() > 1 {
+            format!("epoch {} (phase {})", epoch + 1, ph + 1)
+        } else {
+            format!("epoch {}", epoch + 1)
+        });
         let meta = task.model_meta(&model, epoch, prog.step)?;
         let mut batches = task.epoch(phase, epoch)?;
         // Resuming inside an epoch: replay its data order up to the checkpoint.
@@ -931,8 +937,13 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 } else {
                     String::new()
                 };
+                let phase_note = if phases.len() > 1 {
+                    format!(" (phase {})", ph + 1)
+                } else {
+                    String::new()
+                };
                 let msg = format!(
-                    "epoch {} loss {l:.4} acc {a:.3}{size} {tps:.0}/s",
+                    "epoch {}{phase_note} loss {l:.4} acc {a:.3}{size} {tps:.0}/s",
                     epoch + 1
                 );
                 rep.bar.set_message(msg);
