@@ -60,6 +60,15 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Under mpirun/srun (feature `mpi`): every process runs the command, data-parallel. Held
+    // until the end: MPI is finalised when it drops.
+    let _mpi = match comera_train::distributed::init() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
     if let Some(t) = cli.threads {
         if let Err(e) = rayon::ThreadPoolBuilder::new()
             .num_threads(t.max(1))
@@ -86,7 +95,14 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            let (p, n) = comera_train::distributed::processes();
+            if n > 1 {
+                // The other processes may be waiting for this one: end them all.
+                eprintln!("error (process {p} of {n}): {e:#}");
+                comera_train::distributed::abort_job(2);
+            } else {
+                eprintln!("error: {e:#}");
+            }
             ExitCode::from(2)
         }
     }

@@ -127,8 +127,9 @@ struct Setup<T: Task> {
     gate_threshold: f32,
     settings: LoopSettings,
     resume: Option<Checkpoint>,
-    /// The run directory's lock, held until the run ends.
-    _lock: RunLock,
+    /// The run directory's lock, held until the run ends (process 0 of a data-parallel run;
+    /// the others do not write).
+    _lock: Option<RunLock>,
 }
 
 /// Runs a whole encoder training job as configured; writes into `cfg.train.out_dir`.
@@ -253,7 +254,9 @@ fn setup_encoder(
         }
     }
     let out = cfg.train.out_dir.clone();
-    let lock = start_run_dir(&out, &config_toml, &resume)?;
+    let lock = crate::distributed::is_writer()
+        .then(|| start_run_dir(&out, &config_toml, &resume))
+        .transpose()?;
     let mut model = Encoder::new(&mcfg, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?;
     if let (None, Some(dir)) = (&resume, &cfg.train.init_from) {
         let (pre, _) = crate::files::load_model(dir)
@@ -293,6 +296,7 @@ fn setup_encoder(
             model_cfg: mcfg.clone(),
             vocab,
             seed: t.seed,
+            procs: crate::distributed::Processes::world(),
         },
         model,
         optim: cfg.optim.clone(),
@@ -328,7 +332,9 @@ fn setup_dlrm(
         None => cfg.to_toml(),
     };
     let t = &cfg.train;
-    let lock = start_run_dir(&t.out_dir, &config_toml, &resume)?;
+    let lock = crate::distributed::is_writer()
+        .then(|| start_run_dir(&t.out_dir, &config_toml, &resume))
+        .transpose()?;
     let model = Dlrm::new(
         &cfg.dlrm,
         prepared.n_dense,
@@ -373,6 +379,7 @@ fn setup_dlrm(
             meta,
             seed: t.seed,
             save_model: t.save_model,
+            procs: crate::distributed::Processes::world(),
         },
         model,
         optim: cfg.optim.clone(),
@@ -576,7 +583,9 @@ fn plan_epochs<T: Task>(task: &mut T) -> anyhow::Result<Vec<(usize, Option<usize
 
 /// The running state of the loop that is not in the checkpoint's [`Progress`].
 struct Reporter {
-    log: MetricsLog,
+    /// None on the processes of a data-parallel run that do not write (all but process 0).
+    log: Option<MetricsLog>,
+    writer: bool,
     curves: Curves,
     bar: indicatif::ProgressBar,
     dense_params: usize,
@@ -586,11 +595,17 @@ impl Reporter {
     /// Writes a record to the metrics log and the curves.
     fn record(&mut self, r: serde_json::Value) -> anyhow::Result<()> {
         self.curves.add(&r);
-        self.log.write(&r)
+        match &mut self.log {
+            Some(log) => log.write(&r),
+            None => Ok(()),
+        }
     }
 
     /// A line above the progress bar, or on stderr when the bar is hidden (off a terminal).
     fn say(&self, msg: String) {
+        if !self.writer {
+            return;
+        }
         if self.bar.is_hidden() {
             eprintln!("{msg}");
         } else {
@@ -695,21 +710,26 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         decay: cfg.decay,
     };
     let mut stepper = Stepper::new(optimizer, rank, schedule, clip_norm, gate_threshold);
+    // Data-parallel (several processes): process 0 alone writes the run directory.
+    stepper.data_parallel = crate::distributed::collective().map(comera_optim::DataParallel::new);
+    let (_, processes) = crate::distributed::processes();
+    let writer = crate::distributed::is_writer();
     let rank_active = stepper.rank.active();
     let mut st_phase = epochs.get(prog.epoch).map_or(phases.len() - 1, |e| e.0);
     let mut st = task.state(&model, &phases[st_phase])?;
     let metrics_path = out.join("metrics.jsonl");
     let mut curves = Curves::default();
     let log = match &resume {
+        _ if !writer => None,
         Some(_) => {
             for r in metrics_up_to(&metrics_path, prog.step)? {
                 curves.add(&r);
             }
-            MetricsLog::append(&metrics_path)?
+            Some(MetricsLog::append(&metrics_path)?)
         }
-        None => MetricsLog::create(&metrics_path)?,
+        None => Some(MetricsLog::create(&metrics_path)?),
     };
-    let bar = match (cfg.progress, total) {
+    let bar = match (cfg.progress && writer, total) {
         (false, _) => indicatif::ProgressBar::hidden(),
         (true, Some(t)) => indicatif::ProgressBar::new(t),
         (true, None) => indicatif::ProgressBar::new_spinner(),
@@ -723,12 +743,15 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     bar.set_position(prog.step);
     let mut rep = Reporter {
         log,
+        writer,
         curves,
         bar,
         dense_params,
     };
     let base_seconds = prog.seconds;
     let mut win_steps = 0usize;
+    // Seconds of the window's steps spent in collectives (data-parallel runs).
+    let mut win_comm = 0.0f64;
     let mut step_ms: Vec<f64> = Vec::new();
     let mut final_valid = EvalStats::default();
     let (mut best_valid, mut best_epoch) = (f64::NEG_INFINITY, 0);
@@ -741,6 +764,9 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                            stepper: &Stepper,
                            model: &mut T::Model|
      -> anyhow::Result<()> {
+        if !writer {
+            return Ok(());
+        }
         let state = stepper.optimizer.state(model);
         let run = checkpoint::RunState {
             config_toml: &cfg.config_toml,
@@ -782,6 +808,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 .step(&mut model, &mut st, prog.step)
                 .with_context(|| format!("epoch {}", epoch + 1))?;
             step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
+            win_comm += r.comm.as_secs_f64();
             prog.step += 1;
             prog.batch_in_epoch = i;
             let step = prog.step;
@@ -793,6 +820,9 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 epoch + 1,
                 epoch_end,
             )?;
+            if rank_active {
+                crate::distributed::check_same_ranks(&mut stepper, &model, prog.step)?;
+            }
             let s = r.stats;
             prog.ep_loss += s.loss * s.count as f64;
             prog.ep_correct += s.correct;
@@ -810,6 +840,11 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 );
                 let tps = tokens_per_step[ph] as f64 * steps_in_window / secs;
                 let mut rec = json!({"kind": "train", "epoch": epoch + 1, "step": step, "tokens": tokens_at(step), "loss": l, "accuracy": a, "lr_scale": r.lr_scale, "grad_norm": r.grad_norm, "tokens_per_s": tps, "ms_per_step": secs * 1e3 / steps_in_window, "params": model.num_params(), "compression": rep.ratio(&model)});
+                if let Some(dp) = &stepper.data_parallel {
+                    rec["processes"] = json!(processes);
+                    rec["allreduce_bytes_per_step"] = json!(dp.bytes_per_step);
+                    rec["comm_ms_per_step"] = json!(win_comm * 1e3 / steps_in_window);
+                }
                 if rank_active {
                     let branch = match r.objective.branch {
                         Branch::Early => "early",
@@ -834,6 +869,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 rep.bar.set_message(msg);
                 (prog.win_loss, prog.win_correct, prog.win_count) = (0.0, 0, 0);
                 win_steps = 0;
+                win_comm = 0.0;
                 win_start = Instant::now();
             }
             rep.bar.inc(1);
@@ -872,7 +908,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         if let Some(note) = task.epoch_note() {
             rep.say(format!("data  {note}"));
         }
-        let valid = task.evaluate(&model, &mut st)?;
+        let valid = task.evaluate(&model, &mut st, phase)?;
         final_valid = valid;
         let score = valid.auc.unwrap_or(valid.accuracy);
         if score > best_valid {
@@ -899,7 +935,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             valid.accuracy
         ));
         let meta = task.model_meta(&model, epoch + 1, prog.step)?;
-        if task.saves_model() {
+        if task.saves_model() && writer {
             crate::files::save_model_files(&out, &model.params(), &meta)?;
         }
         // The next epoch starts from a clean slate; checkpoint that point.
@@ -907,7 +943,9 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         (prog.ep_loss, prog.ep_correct, prog.ep_count) = (0.0, 0, 0);
         prog.seconds = secs;
         save_checkpoint(&meta, &prog, &stepper, &mut model)?;
-        rep.plots(&out, rank_active, task.loss_name());
+        if writer {
+            rep.plots(&out, rank_active, task.loss_name());
+        }
         if stop_due(prog.step) && epoch + 1 < n_epochs {
             stopped = true;
             break;
@@ -919,7 +957,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         Stage::Early => "early",
         Stage::Late => "late",
     };
-    if rank_active && !stopped {
+    if rank_active && !stopped && writer {
         write_rank_report(
             &out,
             &prog,
@@ -933,7 +971,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     let med = median(&mut step_ms);
     let batch_size = phases.last().map_or(0, |p| p.batch_size);
     let params = model.num_params();
-    let summary = TrainSummary {
+    let mut summary = TrainSummary {
         out_dir: out.clone(),
         epochs: n_epochs,
         steps: prog.step,
@@ -965,10 +1003,15 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         stopped,
         extra: task.report_extra(&model),
     };
-    crate::files::write_atomic(
-        &out.join("report.json"),
-        serde_json::to_string_pretty(&summary)?.as_bytes(),
-    )?;
+    if let Some(dp) = &stepper.data_parallel {
+        crate::distributed::report(&mut summary, dp, &step_ms);
+    }
+    if writer {
+        crate::files::write_atomic(
+            &out.join("report.json"),
+            serde_json::to_string_pretty(&summary)?.as_bytes(),
+        )?;
+    }
     Ok(summary)
 }
 
