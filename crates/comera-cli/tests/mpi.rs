@@ -18,7 +18,14 @@ fn launch(n: usize, args: &[&str]) -> (i32, String) {
     }
     let np = n.to_string();
     let out = Command::new("timeout")
-        .args(["240", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", &np])
+        .args([
+            "240",
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &np,
+        ])
         .arg(env!("CARGO_BIN_EXE_comera"))
         .args(args)
         // Containers refuse the cross-memory-attach single copy: plain shared memory.
@@ -92,7 +99,11 @@ fn same_run(a: &Path, b: &Path, n: usize, min_steps: u64) {
             );
         }
         if let Some(auc) = x.get("valid_auc") {
-            close(auc.as_f64().unwrap(), y["valid_auc"].as_f64().unwrap(), "AUC");
+            close(
+                auc.as_f64().unwrap(),
+                y["valid_auc"].as_f64().unwrap(),
+                "AUC",
+            );
         }
     }
     for kind in ["truncate", "stage"] {
@@ -228,20 +239,25 @@ fn a_rank_adaptive_classifier_on_2_and_3_processes_follows_one_and_reruns_bit_fo
         "a rerun on 3 processes gives other weights"
     );
     // Only process 0 wrote: one metrics line per record, not one per process.
-    assert_eq!(
-        records(&again, "train").len(),
-        records(&one, "train").len()
-    );
+    assert_eq!(records(&again, "train").len(), records(&one, "train").len());
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// GaLore: one projection (rank 1, from the first step's gradient) keeps the processes' runs
+/// within 1e-5 of one process, through a stop on 2 processes and a resume on 3. Refreshed
+/// low-rank projections are not compared across N: on this tiny model a change of the
+/// gradients in the last bits moves GaLore's losses by ~1e-4 even in one process (measured:
+/// lr_other 0.01 → 0.0100000005 moves a rank-2 GaLore run's losses by up to 5.5e-4, an AdamW
+/// run's by 2.2e-7), because the top-r singular subspace of a gradient with close singular
+/// values is ill-conditioned. What holds there is determinism: a rerun with the same N is
+/// bit-identical.
 #[test]
-fn a_galore_run_stopped_on_2_processes_resumes_on_3_and_follows_one() {
+fn galore_on_2_and_3_processes_follows_one_resumes_across_n_and_reruns_bit_for_bit() {
     let dir = tempdir("mpi-galore");
     let cfg = classifier_config(
         &dir,
         false,
-        "checkpoint_every = 4\n\n[galore]\nrank = 4\nupdate_every = 5",
+        "checkpoint_every = 4\n\n[galore]\nrank = 1\nupdate_every = 1000",
     );
     let one = dir.join("one");
     train(1, &cfg, &one, &[]);
@@ -254,6 +270,14 @@ fn a_galore_run_stopped_on_2_processes_resumes_on_3_and_follows_one() {
     );
     assert_eq!(code, 0, "{text}");
     same_run(&one, &run, 3, 30);
+    let refreshed = classifier_config(&dir, false, "[galore]\nrank = 4\nupdate_every = 5");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    train(2, &refreshed, &a, &[]);
+    train(2, &refreshed, &b, &[]);
+    assert!(
+        bytes(&a.join("model.safetensors")) == bytes(&b.join("model.safetensors")),
+        "a GaLore rerun on 2 processes gives other weights"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -269,14 +293,7 @@ fn a_failing_process_ends_the_job_with_its_error() {
     lock.lock().unwrap();
     let (code, text) = launch(
         2,
-        &[
-            "--threads",
-            "1",
-            "train",
-            "--config",
-            s(&cfg),
-            "--quiet",
-        ],
+        &["--threads", "1", "train", "--config", s(&cfg), "--quiet"],
     );
     assert_ne!(code, 0, "{text}");
     assert_ne!(code, 124, "the job hung until the timeout: {text}");
@@ -467,7 +484,14 @@ normalise_gates = false
     train(2, &cfg_path, &resumed, &["--stop-after-steps", "20"]);
     let (code, text) = launch(
         3,
-        &["--threads", "1", "train", "--resume", s(&resumed), "--quiet"],
+        &[
+            "--threads",
+            "1",
+            "train",
+            "--resume",
+            s(&resumed),
+            "--quiet",
+        ],
     );
     assert_eq!(code, 0, "{text}");
     same_run(&one, &resumed, 3, 30);

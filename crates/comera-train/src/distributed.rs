@@ -308,19 +308,12 @@ pub fn check_same_ranks(
 
 /// The data-parallel figures of `report.json`: processes, gradient bytes all-reduced per step
 /// (of the last step: truncation shrinks it), and the steps' time in collectives vs the rest.
-pub fn report(
-    summary: &mut crate::TrainSummary,
-    dp: &comera_optim::DataParallel,
-    step_ms: &[f64],
-) {
+pub fn report(summary: &mut crate::TrainSummary, dp: &comera_optim::DataParallel, step_ms: &[f64]) {
     let steps_s = step_ms.iter().sum::<f64>() / 1e3;
     let comm_s = dp.comm_time.as_secs_f64();
     let extra = &mut summary.extra;
     extra.insert("processes".into(), dp.comm.size().into());
-    extra.insert(
-        "allreduce_bytes_per_step".into(),
-        dp.bytes_per_step.into(),
-    );
+    extra.insert("allreduce_bytes_per_step".into(), dp.bytes_per_step.into());
     extra.insert("comm_seconds".into(), comm_s.into());
     extra.insert("compute_seconds".into(), (steps_s - comm_s).max(0.0).into());
 }

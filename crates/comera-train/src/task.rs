@@ -301,12 +301,14 @@ fn classify_rows(src: &Batch, rows: Range<usize>, out: &mut Batch) {
     let t = src.input_ids.len() / src.labels.len().max(1);
     let cells = rows.start * t..rows.end * t;
     out.input_ids.clear();
-    out.input_ids.extend_from_slice(&src.input_ids[cells.clone()]);
+    out.input_ids
+        .extend_from_slice(&src.input_ids[cells.clone()]);
     out.token_type_ids.clear();
     out.token_type_ids
         .extend_from_slice(&src.token_type_ids[cells.clone()]);
     out.attention_mask.clear();
-    out.attention_mask.extend_from_slice(&src.attention_mask[cells]);
+    out.attention_mask
+        .extend_from_slice(&src.attention_mask[cells]);
     out.labels.clear();
     out.labels.extend_from_slice(&src.labels[rows]);
 }
@@ -451,9 +453,7 @@ impl Task for EncoderTask {
     fn epoch<'a>(&'a mut self, phase: &Phase, epoch: usize) -> anyhow::Result<EncoderEpoch<'a>> {
         let (b, seed) = (phase.batch_size, self.seed.wrapping_add(epoch as u64));
         let shard = self.procs.shard;
-        let rows = (!shard.is_whole())
-            .then(|| shard.rows(b))
-            .transpose()?;
+        let rows = (!shard.is_whole()).then(|| shard.rows(b)).transpose()?;
         Ok(match &self.data {
             EncoderData::Classify(d) => EncoderEpoch::Classify(
                 d.train.batches(b, seed),
