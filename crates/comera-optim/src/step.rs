@@ -1,7 +1,8 @@
 //! The one training step every trainer and benchmark runs ([`Stepper::step`]):
 //!
 //!   zero_grad → forward (loss) → [data-parallel: global loss] → finite check → backward
-//!   → [data-parallel: gradient all-reduce] → rank-objective gradient → clipping → optimiser update → rank projection (min rank, gate normalisation)
+//!   → [data-parallel: gradient all-reduce] → rank-objective gradient → clipping
+//!   → optimiser update → rank projection (min rank, gate normalisation)
 //!
 //! and, between steps when the schedule asks, physical truncation of pruned rank slices with
 //! the optimiser's moments cut to match ([`Stepper::truncate`]). Pruned gate entries are frozen
