@@ -68,6 +68,15 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
+    // Under mpirun/srun (feature `mpi`): every process runs the command, data-parallel. Held
+    // until the end: MPI is finalised when it drops.
+    let _mpi = match comera_train::distributed::init() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::from(1);
+        }
+    };
     if let Some(t) = cli.threads {
         if let Err(e) = rayon::ThreadPoolBuilder::new()
             .num_threads(t.max(1))
@@ -96,7 +105,14 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            let (p, n) = comera_train::distributed::processes();
+            if n > 1 {
+                // The other processes may be waiting for this one: end them all.
+                eprintln!("error (process {p} of {n}): {e:#}");
+                comera_train::distributed::abort_job(1);
+            } else {
+                eprintln!("error: {e:#}");
+            }
             ExitCode::from(1)
         }
     }

@@ -88,6 +88,10 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
 
 /// The last lines of a training run.
 fn report(s: &TrainSummary) {
+    // Data-parallel: process 0 speaks for the run.
+    if !comera_train::distributed::is_writer() {
+        return;
+    }
     if s.stopped {
         println!(
             "stopped after {} steps; resume with: comera train --resume {}",
@@ -147,6 +151,16 @@ fn report(s: &TrainSummary) {
         s.state_bytes as f64 / MIB,
         s.out_dir.join("report.json").display()
     );
+    if let (Some(n), Some(bytes), Some(comm), Some(compute)) = (
+        s.extra.get("processes"),
+        s.extra.get("allreduce_bytes_per_step"),
+        s.extra.get("comm_seconds").and_then(|v| v.as_f64()),
+        s.extra.get("compute_seconds").and_then(|v| v.as_f64()),
+    ) {
+        println!(
+            "data-parallel: {n} processes, {bytes} gradient bytes all-reduced per step, steps spent {comm:.2} s in communication and {compute:.2} s in compute"
+        );
+    }
 }
 
 #[derive(clap::Args)]

@@ -7,15 +7,18 @@
 //! - [`galore`]: GaLore (low-rank projected Adam for dense matrices);
 //! - [`optimizer`]: [`Optimizer`], AdamW or GaLore behind one type with checkpoint state;
 //! - [`rank`]: the rank schedule of CoMERA (SPEC §3): stages, objective, truncation;
-//! - [`step`]: [`Stepper::step`], the one training step of every trainer and benchmark.
+//! - [`step`]: [`Stepper::step`], the one training step of every trainer and benchmark;
+//! - [`collective`]: data-parallel steps over several processes (the gradient all-reduce).
 //!
 //! Models expose `visit_params_mut(&mut dyn FnMut(&mut Param))`; the optimiser keeps its
 //! moments in the same order.
 
+pub mod collective;
 pub mod galore;
 pub mod optimizer;
 pub mod rank;
 pub mod step;
+pub use collective::{Collective, DataParallel};
 pub use galore::{GaLore, GaLoreBytes, GaLoreConfig};
 pub use optimizer::{OptState, Optimizer};
 pub use rank::{RankConfig, RankController};

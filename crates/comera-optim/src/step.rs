@@ -1,13 +1,15 @@
 //! The one training step every trainer and benchmark runs ([`Stepper::step`]):
 //!
-//!   zero_grad → forward (loss) → finite check → backward → rank-objective gradient
-//!   → clipping → optimiser update → rank projection (min rank, gate normalisation)
+//!   zero_grad → forward (loss) → [data-parallel: global loss] → finite check → backward
+//!   → [data-parallel: gradient all-reduce] → rank-objective gradient → clipping
+//!   → optimiser update → rank projection (min rank, gate normalisation)
 //!
 //! and, between steps when the schedule asks, physical truncation of pruned rank slices with
 //! the optimiser's moments cut to match ([`Stepper::truncate`]). Pruned gate entries are frozen
 //! by the optimiser whenever the rank schedule is active, so momentum cannot revive a pruned
 //! slice.
 
+use crate::collective::DataParallel;
 use crate::optimizer::Optimizer;
 use crate::rank::{self, LayerRanks, Objective, RankController};
 use crate::Schedule;
@@ -51,6 +53,8 @@ pub struct StepReport {
     /// Wall time of the step's three phases: zero-grad + forward; backward + rank objective;
     /// clipping + optimiser + rank projection (what benchmarks report).
     pub phases: [std::time::Duration; 3],
+    /// Of which in collectives (data-parallel runs; zero otherwise).
+    pub comm: std::time::Duration,
 }
 
 /// Everything a step needs besides the model and its batch state.
@@ -60,6 +64,8 @@ pub struct Stepper {
     pub schedule: Schedule,
     /// Clip the global gradient norm to this (0: no clipping).
     pub clip_norm: f32,
+    /// Several processes, each on its shard of the batch (None: this process alone).
+    pub data_parallel: Option<DataParallel>,
 }
 
 impl Stepper {
@@ -80,6 +86,7 @@ impl Stepper {
             rank: RankController::new(&off, model),
             schedule,
             clip_norm: 0.0,
+            data_parallel: None,
         }
     }
 
@@ -101,7 +108,15 @@ impl Stepper {
             rank,
             schedule,
             clip_norm,
+            data_parallel: None,
         }
+    }
+
+    /// Time spent in collectives since the start (zero for a single process).
+    pub fn comm_time(&self) -> std::time::Duration {
+        self.data_parallel
+            .as_ref()
+            .map_or(std::time::Duration::ZERO, |dp| dp.comm_time)
     }
 
     /// Whether truncation can run (an active schedule and an optimiser that follows it).
@@ -118,10 +133,17 @@ impl Stepper {
         step: u64,
     ) -> Result<StepReport, StepError> {
         let t0 = std::time::Instant::now();
+        let comm0 = self.comm_time();
         model.zero_grad();
-        let stats = model
+        let local = model
             .forward(st, true, step)
             .map_err(|e| StepError::Input(Box::new(e)))?;
+        // Data-parallel: the global batch's loss (every process takes the same decisions from
+        // it) and this process's share of it.
+        let (stats, share) = match &mut self.data_parallel {
+            Some(dp) => dp.reduce_stats(local),
+            None => (local, 1.0),
+        };
         if !stats.loss.is_finite() {
             return Err(StepError::Diverged {
                 what: "loss",
@@ -132,6 +154,10 @@ impl Stepper {
         }
         let t1 = std::time::Instant::now();
         model.backward(st);
+        // Before the rank objective: its gradient is added once, on the reduced gradient.
+        if let Some(dp) = &mut self.data_parallel {
+            dp.reduce_grads(model, share);
+        }
         let objective = self.rank.apply(model, stats.loss);
         let t2 = std::time::Instant::now();
         let (grad_scale, grad_norm) =
@@ -154,6 +180,7 @@ impl Stepper {
             grad_norm,
             lr_scale,
             phases: [t1 - t0, t2 - t1, t3 - t2],
+            comm: self.comm_time() - comm0,
         })
     }
 

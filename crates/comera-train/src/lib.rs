@@ -11,12 +11,14 @@
 //! - [`infer`]: evaluation and predictions of a saved model of any kind;
 //! - [`files`]: atomic writes, model files of every kind, the metrics log;
 //! - [`data`]: the encoder's data (labelled examples, corpora);
+//! - [`distributed`]: data-parallel runs over several processes (feature `mpi`);
 //! - [`plot`]: the figures;
 //! - [`rank`]: the rank schedule (re-exported from comera-optim).
 
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod distributed;
 pub mod files;
 pub mod infer;
 pub mod plot;

@@ -154,70 +154,74 @@ impl RunDir {
         })
     }
 
-    /// The checkpoint to resume from: the newest by the step inside the file that verifies.
-    /// Damaged ones are skipped, each reported on stderr with the reason; a checkpoint of
-    /// another run (id or config) is refused, naming both.
+    /// The checkpoint to resume from ([`newest_checkpoint`]).
     pub fn newest_checkpoint(&self) -> anyhow::Result<Checkpoint> {
-        let candidates = checkpoint::list(&self.path)?;
-        if candidates.is_empty() {
-            bail!(
-                "{}: no checkpoint to resume from (expected {}/step-*.safetensors)",
-                self.path.display(),
-                checkpoint::DIR
-            );
-        }
-        let mut skipped = Vec::new();
-        for path in candidates.iter().rev() {
-            let ck = match Checkpoint::load(path) {
-                Ok(ck) => ck,
-                Err(e) => {
-                    eprintln!("skip  {}: {e:#}", path.display());
-                    skipped.push(format!("{}: {e:#}", path.display()));
-                    continue;
-                }
-            };
-            self.check_owner(&ck)?;
-            return Ok(ck);
-        }
-        bail!(
-            "{}: no checkpoint verifies:\n  {}",
-            self.path.display(),
-            skipped.join("\n  ")
-        )
+        newest_checkpoint(&self.path, &self.identity)
     }
+}
 
-    /// Refuses a checkpoint written by another run than this directory's.
-    fn check_owner(&self, ck: &Checkpoint) -> anyhow::Result<()> {
-        let own = &self.identity;
-        if ck.run_id != own.id {
-            bail!(
-                "{}: written by run {}, but {} is run {} ({}); refusing a checkpoint of another run",
-                ck.path.display(),
-                ck.run_id,
-                self.path.display(),
-                own.id,
-                self.path.join(IDENTITY).display()
-            );
-        }
-        let config = self.path.join("config.toml");
-        let text = std::fs::read_to_string(&config)
-            .with_context(|| format!("{}: cannot read the run's config", config.display()))?;
-        if sha256_hex(&text) != own.config_sha256 {
-            bail!(
-                "{}: changed since the run started (its sha256 is not the one in {}); restore it, or start a new run",
-                config.display(),
-                IDENTITY
-            );
-        }
-        if ck.config_toml != text {
-            bail!(
-                "{}: written with another config than {} (a checkpoint of another run?); refusing to resume from it",
-                ck.path.display(),
-                config.display()
-            );
-        }
-        Ok(())
+/// The checkpoint of the run in `dir` (whose identity is `own`) to resume from: the newest by
+/// the step inside the file that verifies. Damaged ones are skipped, each reported on stderr
+/// with the reason; a checkpoint of another run (id or config) is refused, naming both.
+pub fn newest_checkpoint(dir: &Path, own: &RunIdentity) -> anyhow::Result<Checkpoint> {
+    let candidates = checkpoint::list(dir)?;
+    if candidates.is_empty() {
+        bail!(
+            "{}: no checkpoint to resume from (expected {}/step-*.safetensors)",
+            dir.display(),
+            checkpoint::DIR
+        );
     }
+    let mut skipped = Vec::new();
+    for path in candidates.iter().rev() {
+        match Checkpoint::load(path) {
+            Ok(ck) => {
+                check_owner(dir, own, &ck)?;
+                return Ok(ck);
+            }
+            Err(e) => {
+                eprintln!("skip  {}: {e:#}", path.display());
+                skipped.push(format!("{}: {e:#}", path.display()));
+            }
+        }
+    }
+    bail!(
+        "{}: no checkpoint verifies:\n  {}",
+        dir.display(),
+        skipped.join("\n  ")
+    )
+}
+
+/// Refuses a checkpoint written by another run than the one of `dir`.
+fn check_owner(dir: &Path, own: &RunIdentity, ck: &Checkpoint) -> anyhow::Result<()> {
+    if ck.run_id != own.id {
+        bail!(
+            "{}: written by run {}, but {} is run {} ({}); refusing a checkpoint of another run",
+            ck.path.display(),
+            ck.run_id,
+            dir.display(),
+            own.id,
+            dir.join(IDENTITY).display()
+        );
+    }
+    let config = dir.join("config.toml");
+    let text = std::fs::read_to_string(&config)
+        .with_context(|| format!("{}: cannot read the run's config", config.display()))?;
+    if sha256_hex(&text) != own.config_sha256 {
+        bail!(
+            "{}: changed since the run started (its sha256 is not the one in {}); restore it, or start a new run",
+            config.display(),
+            IDENTITY
+        );
+    }
+    if ck.config_toml != text {
+        bail!(
+            "{}: written with another config than {} (a checkpoint of another run?); refusing to resume from it",
+            ck.path.display(),
+            config.display()
+        );
+    }
+    Ok(())
 }
 
 /// The entries of `dir` other than its lock.

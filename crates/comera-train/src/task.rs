@@ -5,6 +5,7 @@
 
 use crate::config::Phase;
 use crate::data::{CorpusData, PreparedData};
+use crate::distributed::Processes;
 use crate::files::{DlrmMeta, ModelMeta};
 use anyhow::bail;
 use comera_data::ctr::{CtrBatch, CtrData};
@@ -16,6 +17,7 @@ use comera_dlrm::{Dlrm, DlrmState};
 use comera_layers::{Model, Trainable};
 use comera_model::{Encoder, EncoderConfig, EncoderState};
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 use std::path::PathBuf;
 
 /// Held-out figures of a model.
@@ -49,7 +51,7 @@ pub trait Task {
     fn phases(&self) -> &[Phase];
     /// Batches in a full epoch of `phase` (None: a streamed source of unknown length).
     fn batches_per_epoch(&mut self, phase: &Phase) -> anyhow::Result<Option<usize>>;
-    /// A fresh state for `phase`'s batch shape.
+    /// A fresh state for this process's shard of `phase`'s batch shape.
     fn state(
         &self,
         model: &Self::Model,
@@ -58,11 +60,13 @@ pub trait Task {
     /// The batches of epoch `epoch` (0-based, numbered across phases). The task is shared,
     /// so that it can evaluate in the middle of an epoch (`train.eval_every`).
     fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> anyhow::Result<Self::Epoch<'a>>;
-    /// Held-out evaluation with the state of the current phase.
+    /// Held-out evaluation with the state of the current phase (sharded over the processes
+    /// and summed: every process gets the same figures).
     fn evaluate(
         &self,
         model: &Self::Model,
         st: &mut <Self::Model as Trainable>::State,
+        phase: &Phase,
     ) -> anyhow::Result<EvalStats>;
     /// The model's `model.toml` (what loading it needs besides its weights).
     fn model_meta(&self, model: &Self::Model, epoch: usize, step: u64) -> anyhow::Result<String>;
@@ -95,11 +99,40 @@ pub fn evaluate_classifier(
     st: &mut EncoderState,
     data: &EncodedDataset,
 ) -> anyhow::Result<EvalStats> {
-    let (b, t, c) = (st.batch(), data.max_len, model.cfg.num_labels);
+    evaluate_classifier_sharded(model, st, data, &mut Processes::single())
+}
+
+/// [`evaluate_classifier`] over the processes: each takes its contiguous range of examples
+/// ([`Shard::range`](crate::distributed::Shard::range)) and the sums are reduced.
+pub fn evaluate_classifier_sharded(
+    model: &Encoder,
+    st: &mut EncoderState,
+    data: &EncodedDataset,
+    procs: &mut Processes,
+) -> anyhow::Result<EvalStats> {
     let n = data.len();
+    let mut sums = classifier_sums(model, st, data, procs.shard.range(n))?;
+    procs.sum_f64(&mut sums);
+    Ok(EvalStats {
+        loss: sums[0] / n as f64,
+        accuracy: sums[1] / n as f64,
+        examples: n,
+        auc: None,
+    })
+}
+
+/// (summed cross-entropy, correct) over the examples `range` of `data`.
+fn classifier_sums(
+    model: &Encoder,
+    st: &mut EncoderState,
+    data: &EncodedDataset,
+    range: Range<usize>,
+) -> anyhow::Result<[f64; 2]> {
+    let (b, t, c) = (st.batch(), data.max_len, model.cfg.num_labels);
+    let n = range.end;
     let mut batch = Batch::default();
     let (mut loss, mut correct) = (0.0f64, 0usize);
-    let mut start = 0;
+    let mut start = range.start;
     while start < n {
         batch.input_ids.clear();
         batch.token_type_ids.clear();
@@ -134,12 +167,7 @@ pub fn evaluate_classifier(
         }
         start += b;
     }
-    Ok(EvalStats {
-        loss: loss / n as f64,
-        accuracy: correct as f64 / n as f64,
-        examples: n,
-        auc: None,
-    })
+    Ok([loss, correct as f64])
 }
 
 /// Held-out masked-LM loss and masked-token accuracy over every batch of `blocks` (masks from
@@ -152,15 +180,43 @@ pub fn evaluate_mlm(
     blocks: &comera_data::corpus::PackedSequences,
 ) -> anyhow::Result<EvalStats> {
     let b = st.batch();
+    evaluate_mlm_sharded(model, st, data, blocks, b, &mut Processes::single())
+}
+
+/// [`evaluate_mlm`] over the processes: the global batches of `batch_size` rows (the masks of
+/// a single process), each process on its rows of each, the sums reduced.
+pub fn evaluate_mlm_sharded(
+    model: &Encoder,
+    st: &mut EncoderState,
+    data: &CorpusData,
+    blocks: &comera_data::corpus::PackedSequences,
+    batch_size: usize,
+    procs: &mut Processes,
+) -> anyhow::Result<EvalStats> {
+    let b = batch_size;
+    let rows = procs.shard.rows(b)?;
     let mut batch = MlmBatch::new(b, blocks.seq_len);
+    let mut part = MlmBatch::new(rows.len(), blocks.seq_len);
     let mut it = MlmBatches::new(blocks, data.masker, b, 0x5EED_E7A1, false);
     let (mut loss, mut correct, mut count) = (0.0f64, 0usize, 0usize);
     while it.next_into(&mut batch) {
-        load_mlm(st, &batch)?;
+        if procs.shard.is_whole() {
+            load_mlm(st, &batch)?;
+        } else {
+            mlm_rows(&batch, rows.clone(), &mut part);
+            load_mlm(st, &part)?;
+        }
         let s = model.forward(st, false, 0)?;
-        loss += s.loss * s.count as f64;
+        if s.count > 0 {
+            loss += s.loss * s.count as f64;
+        }
         correct += s.correct;
         count += s.count;
+    }
+    if !procs.shard.is_whole() {
+        let mut sums = [loss, correct as f64, count as f64];
+        procs.sum_f64(&mut sums);
+        (loss, correct, count) = (sums[0], sums[1] as usize, sums[2] as usize);
     }
     if count == 0 {
         bail!(
@@ -183,13 +239,49 @@ pub fn evaluate_ctr(
     st: &mut DlrmState,
     data: &CtrData,
 ) -> anyhow::Result<(EvalStats, Vec<f32>)> {
-    let (b, n) = (st.batch(), data.len());
+    evaluate_ctr_sharded(model, st, data, &mut Processes::single())
+}
+
+/// [`evaluate_ctr`] over the processes: each scores its contiguous range of examples
+/// ([`Shard::range`](crate::distributed::Shard::range)); the scores are gathered in rank order (the order of `data`).
+pub fn evaluate_ctr_sharded(
+    model: &Dlrm,
+    st: &mut DlrmState,
+    data: &CtrData,
+    procs: &mut Processes,
+) -> anyhow::Result<(EvalStats, Vec<f32>)> {
+    let n = data.len();
     if n == 0 {
         bail!("the validation set is empty");
     }
+    let mine = ctr_scores(model, st, data, procs.shard.range(n))?;
+    let scores = if procs.shard.is_whole() {
+        mine
+    } else {
+        procs.gather_f32(&mine)
+    };
+    let (loss, correct) = bce_with_logits(&scores, &data.labels, None);
+    let stats = EvalStats {
+        loss,
+        accuracy: correct as f64 / n as f64,
+        examples: n,
+        auc: Some(auc(&scores, &data.labels).unwrap_or(0.5)),
+    };
+    Ok((stats, scores))
+}
+
+/// The logits of the examples `range` of `data`, batch by batch (the last partial batch is
+/// padded with copies of the first example, whose logits are dropped).
+fn ctr_scores(
+    model: &Dlrm,
+    st: &mut DlrmState,
+    data: &CtrData,
+    range: Range<usize>,
+) -> anyhow::Result<Vec<f32>> {
+    let (b, n) = (st.batch(), range.end);
     let mut batch = CtrBatch::new(b, data.dense_names.len(), data.field_names.len());
-    let mut scores = Vec::with_capacity(n + b);
-    let mut start = 0;
+    let mut scores = Vec::with_capacity(range.len() + b);
+    let mut start = range.start;
     while start < n {
         for j in 0..b {
             let i = if start + j < n { start + j } else { 0 };
@@ -202,14 +294,56 @@ pub fn evaluate_ctr(
         scores.extend_from_slice(&st.logits()[..b.min(n - start)]);
         start += b;
     }
-    let (loss, correct) = bce_with_logits(&scores, &data.labels, None);
-    let stats = EvalStats {
-        loss,
-        accuracy: correct as f64 / n as f64,
-        examples: n,
-        auc: Some(auc(&scores, &data.labels).unwrap_or(0.5)),
-    };
-    Ok((stats, scores))
+    Ok(scores)
+}
+
+/// Rows `rows` of a classification batch (row-major `[batch, seq_len]` buffers) into `out`.
+fn classify_rows(src: &Batch, rows: Range<usize>, out: &mut Batch) {
+    let t = src.input_ids.len() / src.labels.len().max(1);
+    let cells = rows.start * t..rows.end * t;
+    out.input_ids.clear();
+    out.input_ids
+        .extend_from_slice(&src.input_ids[cells.clone()]);
+    out.token_type_ids.clear();
+    out.token_type_ids
+        .extend_from_slice(&src.token_type_ids[cells.clone()]);
+    out.attention_mask.clear();
+    out.attention_mask
+        .extend_from_slice(&src.attention_mask[cells]);
+    out.labels.clear();
+    out.labels.extend_from_slice(&src.labels[rows]);
+}
+
+/// Rows `rows` of a masked-LM batch into `out` (made for `rows.len()` rows): the selected
+/// flat positions `row·seq_len + col` inside the rows, shifted to the shard's first row.
+fn mlm_rows(src: &MlmBatch, rows: Range<usize>, out: &mut MlmBatch) {
+    let t = src.seq_len;
+    let cells = rows.start * t..rows.end * t;
+    out.input_ids.copy_from_slice(&src.input_ids[cells.clone()]);
+    out.attention_mask
+        .copy_from_slice(&src.attention_mask[cells.clone()]);
+    out.labels.copy_from_slice(&src.labels[cells.clone()]);
+    let first = cells.start as u32;
+    out.selected.clear();
+    out.selected.extend(
+        src.selected
+            .iter()
+            .filter(|&&i| cells.contains(&(i as usize)))
+            .map(|&i| i - first),
+    );
+}
+
+/// Rows `rows` of a CTR batch into `out` (made for `rows.len()` rows; `cats` is field-major
+/// `[n_fields, batch]`).
+fn ctr_rows(src: &CtrBatch, rows: Range<usize>, out: &mut CtrBatch) {
+    let (nd, b, ob) = (src.n_dense, src.batch, out.batch);
+    out.dense
+        .copy_from_slice(&src.dense[rows.start * nd..rows.end * nd]);
+    for f in 0..src.n_fields {
+        out.cats[f * ob..(f + 1) * ob]
+            .copy_from_slice(&src.cats[f * b + rows.start..f * b + rows.end]);
+    }
+    out.labels.copy_from_slice(&src.labels[rows]);
 }
 
 fn load_classify(st: &mut EncoderState, b: &Batch) -> anyhow::Result<()> {
@@ -240,29 +374,44 @@ pub struct EncoderTask {
     pub model_cfg: EncoderConfig,
     pub vocab: PathBuf,
     pub seed: u64,
+    /// This process's shard of every global batch and held-out set.
+    pub procs: std::cell::RefCell<Processes>,
 }
 
-/// One epoch's batches of an encoder task.
+/// One epoch's batches of an encoder task: the global batch, and this process's rows of it
+/// (None: a single process loads the global batch itself).
 #[allow(clippy::large_enum_variant)]
 pub enum EncoderEpoch<'a> {
-    Classify(Batches<'a>, Batch),
-    Mlm(MlmBatches<'a>, MlmBatch),
+    Classify(Batches<'a>, Batch, Option<(Range<usize>, Batch)>),
+    Mlm(MlmBatches<'a>, MlmBatch, Option<(Range<usize>, MlmBatch)>),
 }
 
 impl EpochBatches<EncoderState> for EncoderEpoch<'_> {
     fn next_into(&mut self, st: &mut EncoderState) -> anyhow::Result<bool> {
         match self {
-            EncoderEpoch::Classify(it, b) => {
+            EncoderEpoch::Classify(it, b, part) => {
                 if !it.next_into(b) {
                     return Ok(false);
                 }
-                load_classify(st, b)?;
+                match part {
+                    None => load_classify(st, b)?,
+                    Some((rows, p)) => {
+                        classify_rows(b, rows.clone(), p);
+                        load_classify(st, p)?;
+                    }
+                }
             }
-            EncoderEpoch::Mlm(it, b) => {
+            EncoderEpoch::Mlm(it, b, part) => {
                 if !it.next_into(b) {
                     return Ok(false);
                 }
-                load_mlm(st, b)?;
+                match part {
+                    None => load_mlm(st, b)?,
+                    Some((rows, p)) => {
+                        mlm_rows(b, rows.clone(), p);
+                        load_mlm(st, p)?;
+                    }
+                }
             }
         }
         Ok(true)
@@ -296,28 +445,46 @@ impl Task for EncoderTask {
             EncoderData::Mlm(d) => d.masker.max_selected_per_row(phase.seq_len),
             EncoderData::Classify(_) => 0,
         };
+        let b = self.procs.borrow().shard.rows(phase.batch_size)?.len();
         model
-            .state_for(phase.batch_size, phase.seq_len, rows)
+            .state_for(b, phase.seq_len, rows)
             .map_err(|e| anyhow::anyhow!("{e}"))
     }
 
     fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> anyhow::Result<EncoderEpoch<'a>> {
         let (b, seed) = (phase.batch_size, self.seed.wrapping_add(epoch as u64));
+        let shard = self.procs.borrow().shard;
+        let rows = (!shard.is_whole()).then(|| shard.rows(b)).transpose()?;
         Ok(match &self.data {
-            EncoderData::Classify(d) => {
-                EncoderEpoch::Classify(d.train.batches(b, seed), Batch::default())
-            }
+            EncoderData::Classify(d) => EncoderEpoch::Classify(
+                d.train.batches(b, seed),
+                Batch::default(),
+                rows.map(|r| (r, Batch::default())),
+            ),
             EncoderData::Mlm(d) => EncoderEpoch::Mlm(
                 MlmBatches::new(&d.packed_ref(phase.seq_len).train, d.masker, b, seed, true),
                 MlmBatch::new(b, phase.seq_len),
+                rows.map(|r| {
+                    let n = r.len();
+                    (r, MlmBatch::new(n, phase.seq_len))
+                }),
             ),
         })
     }
 
-    fn evaluate(&self, model: &Encoder, st: &mut EncoderState) -> anyhow::Result<EvalStats> {
+    fn evaluate(
+        &self,
+        model: &Encoder,
+        st: &mut EncoderState,
+        phase: &Phase,
+    ) -> anyhow::Result<EvalStats> {
+        let procs = &mut *self.procs.borrow_mut();
         match &self.data {
-            EncoderData::Classify(d) => evaluate_classifier(model, st, &d.valid),
-            EncoderData::Mlm(d) => evaluate_mlm(model, st, d, &d.packed_ref(st.seq_len()).valid),
+            EncoderData::Classify(d) => evaluate_classifier_sharded(model, st, &d.valid, procs),
+            EncoderData::Mlm(d) => {
+                let blocks = &d.packed_ref(st.seq_len()).valid;
+                evaluate_mlm_sharded(model, st, d, blocks, phase.batch_size, procs)
+            }
         }
     }
 
@@ -373,12 +540,16 @@ pub struct CtrTask {
     pub meta: DlrmMeta,
     pub seed: u64,
     pub save_model: bool,
+    /// This process's shard of every global batch and of the validation set.
+    pub procs: std::cell::RefCell<Processes>,
 }
 
-/// One epoch of a CTR task: the streamed or shuffled training source.
+/// One epoch of a CTR task: the streamed or shuffled training source, its global batch, and
+/// this process's rows of it (None: a single process loads the global batch itself).
 pub struct CtrEpoch<'a> {
     source: std::cell::RefMut<'a, TrainSource>,
     batch: CtrBatch,
+    part: Option<(Range<usize>, CtrBatch)>,
 }
 
 impl EpochBatches<DlrmState> for CtrEpoch<'_> {
@@ -386,7 +557,13 @@ impl EpochBatches<DlrmState> for CtrEpoch<'_> {
         if !self.source.next_batch(&mut self.batch)? {
             return Ok(false);
         }
-        st.load(&self.batch)?;
+        match &mut self.part {
+            None => st.load(&self.batch)?,
+            Some((rows, p)) => {
+                ctr_rows(&self.batch, rows.clone(), p);
+                st.load(p)?;
+            }
+        }
         Ok(true)
     }
 }
@@ -411,7 +588,7 @@ impl Task for CtrTask {
     }
 
     fn state(&self, model: &Dlrm, phase: &Phase) -> anyhow::Result<DlrmState> {
-        Ok(model.state(phase.batch_size))
+        Ok(model.state(self.procs.borrow().shard.rows(phase.batch_size)?.len()))
     }
 
     fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> anyhow::Result<CtrEpoch<'a>> {
@@ -424,11 +601,31 @@ impl Task for CtrTask {
             self.meta.n_dense,
             self.meta.field_names.len(),
         );
-        Ok(CtrEpoch { source, batch })
+        let shard = self.procs.borrow().shard;
+        let part = match shard.is_whole() {
+            true => None,
+            false => {
+                let rows = shard.rows(phase.batch_size)?;
+                let (nd, nf) = (self.meta.n_dense, self.meta.field_names.len());
+                let p = CtrBatch::new(rows.len(), nd, nf);
+                Some((rows, p))
+            }
+        };
+        Ok(CtrEpoch {
+            source,
+            batch,
+            part,
+        })
     }
 
-    fn evaluate(&self, model: &Dlrm, st: &mut DlrmState) -> anyhow::Result<EvalStats> {
-        Ok(evaluate_ctr(model, st, &self.valid)?.0)
+    fn evaluate(
+        &self,
+        model: &Dlrm,
+        st: &mut DlrmState,
+        _phase: &Phase,
+    ) -> anyhow::Result<EvalStats> {
+        let procs = &mut *self.procs.borrow_mut();
+        Ok(evaluate_ctr_sharded(model, st, &self.valid, procs)?.0)
     }
 
     fn saves_model(&self) -> bool {

@@ -167,8 +167,9 @@ struct Setup<T: Task> {
     gate_threshold: f32,
     settings: LoopSettings,
     resume: Option<Checkpoint>,
-    /// The run directory, locked until the run ends.
-    run_dir: RunDir,
+    /// The run directory, locked until the run ends (None on the processes of a data-parallel
+    /// run other than process 0, which do not write).
+    run_dir: Option<RunDir>,
 }
 
 /// How a fresh run starts.
@@ -208,8 +209,15 @@ pub fn train_dlrm(cfg: &DlrmRunConfig, opts: RunOptions) -> anyhow::Result<Train
 /// Continues the run in `run_dir` from its newest checkpoint that verifies. With the same
 /// thread count, the losses are bit for bit those of a run that was never stopped.
 pub fn resume(run_dir: &Path, progress: bool) -> anyhow::Result<TrainSummary> {
-    let dir = RunDir::open(run_dir)?;
-    let ck = dir.newest_checkpoint()?;
+    // Process 0 locks the directory; the others of a data-parallel run only read it.
+    let (dir, ck) = if crate::distributed::is_writer() {
+        let dir = RunDir::open(run_dir)?;
+        let ck = dir.newest_checkpoint()?;
+        (Some(dir), ck)
+    } else {
+        let identity = crate::run_dir::RunIdentity::read(run_dir)?;
+        (None, crate::run_dir::newest_checkpoint(run_dir, &identity)?)
+    };
     let mut cfg = ck.config()?;
     *cfg.out_dir_mut() = run_dir.to_path_buf();
     // A resumed run runs to the configured end (the stop is what interrupted it).
@@ -226,15 +234,24 @@ pub fn resume(run_dir: &Path, progress: bool) -> anyhow::Result<TrainSummary> {
 /// directory.
 enum Start {
     Fresh(bool),
-    Resume(Box<Checkpoint>, RunDir),
+    Resume(Box<Checkpoint>, Option<RunDir>),
 }
 
 impl Start {
     /// The run directory, locked, and the checkpoint to resume from: a fresh run creates the
     /// directory with `config_toml`; a resumed one keeps its own.
-    fn open(self, out: &Path, config_toml: &str) -> anyhow::Result<(RunDir, Option<Checkpoint>)> {
+    fn open(
+        self,
+        out: &Path,
+        config_toml: &str,
+    ) -> anyhow::Result<(Option<RunDir>, Option<Checkpoint>)> {
         match self {
-            Start::Fresh(overwrite) => Ok((RunDir::create(out, config_toml, overwrite)?, None)),
+            Start::Fresh(overwrite) => {
+                let dir = crate::distributed::is_writer()
+                    .then(|| RunDir::create(out, config_toml, overwrite))
+                    .transpose()?;
+                Ok((dir, None))
+            }
             Start::Resume(ck, dir) => Ok((dir, Some(*ck))),
         }
     }
@@ -344,6 +361,7 @@ fn setup_encoder(
             model_cfg: mcfg.clone(),
             vocab,
             seed: t.seed,
+            procs: std::cell::RefCell::new(crate::distributed::Processes::world()),
         },
         model,
         optim: cfg.optim.clone(),
@@ -444,6 +462,7 @@ fn setup_dlrm(cfg: &DlrmRunConfig, start: Start, progress: bool) -> anyhow::Resu
             meta,
             seed: t.seed,
             save_model: t.save_model,
+            procs: std::cell::RefCell::new(crate::distributed::Processes::world()),
         },
         model,
         optim: cfg.optim.clone(),
@@ -651,7 +670,9 @@ fn plan_epochs<T: Task>(task: &mut T) -> anyhow::Result<Vec<(usize, Option<usize
 
 /// The running state of the loop that is not in the checkpoint's [`Progress`].
 struct Reporter {
-    log: MetricsLog,
+    /// None on the processes of a data-parallel run that do not write (all but process 0).
+    log: Option<MetricsLog>,
+    writer: bool,
     curves: Curves,
     bar: indicatif::ProgressBar,
     dense_params: usize,
@@ -661,11 +682,17 @@ impl Reporter {
     /// Writes a record to the metrics log and the curves.
     fn record(&mut self, r: serde_json::Value) -> anyhow::Result<()> {
         self.curves.add(&r);
-        self.log.write(&r)
+        match &mut self.log {
+            Some(log) => log.write(&r),
+            None => Ok(()),
+        }
     }
 
     /// A line above the progress bar, or on stderr when the bar is hidden (off a terminal).
     fn say(&self, msg: String) {
+        if !self.writer {
+            return;
+        }
         if self.bar.is_hidden() {
             eprintln!("{msg}");
         } else {
@@ -704,7 +731,9 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         resume,
         run_dir,
     } = setup;
-    let run_id = run_dir.identity.id.clone();
+    let run_id = run_dir
+        .as_ref()
+        .map_or_else(String::new, |d| d.identity.id.clone());
     let out = cfg.out.clone();
     let initial_params = model.num_params();
     if let Some(ck) = &resume {
@@ -784,6 +813,10 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         decay: cfg.decay,
     };
     let mut stepper = Stepper::new(optimizer, rank, schedule, clip_norm, gate_threshold);
+    // Data-parallel (several processes): process 0 alone writes the run directory.
+    stepper.data_parallel = crate::distributed::collective().map(comera_optim::DataParallel::new);
+    let (_, processes) = crate::distributed::processes();
+    let writer = crate::distributed::is_writer();
     let rank_active = stepper.rank.active();
     let mut st_phase = epochs.get(prog.epoch).map_or(phases.len() - 1, |e| e.0);
     let mut st = task.state(&model, &phases[st_phase])?;
@@ -791,6 +824,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     let mut curves = Curves::default();
     let (mut best_valid, mut best_epoch) = (f64::NEG_INFINITY, 0);
     let log = match &resume {
+        _ if !writer => None,
         Some(_) => {
             for r in metrics_up_to(&metrics_path, prog.step)? {
                 if r["kind"] == "eval" {
@@ -803,11 +837,11 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 }
                 curves.add(&r);
             }
-            MetricsLog::append(&metrics_path)?
+            Some(MetricsLog::append(&metrics_path)?)
         }
-        None => MetricsLog::create(&metrics_path)?,
+        None => Some(MetricsLog::create(&metrics_path)?),
     };
-    let bar = match (cfg.progress, total) {
+    let bar = match (cfg.progress && writer, total) {
         (false, _) => indicatif::ProgressBar::hidden(),
         (true, Some(t)) => indicatif::ProgressBar::new(t),
         (true, None) => indicatif::ProgressBar::new_spinner(),
@@ -821,6 +855,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     bar.set_position(prog.step);
     let mut rep = Reporter {
         log,
+        writer,
         curves,
         bar,
         dense_params,
@@ -828,9 +863,11 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     let base_seconds = prog.seconds;
     let resumed_at = prog.step;
     let mut win_steps = 0usize;
+    // Seconds of the window's steps spent in collectives (data-parallel runs).
+    let mut win_comm = 0.0f64;
     let mut step_ms: Vec<f64> = Vec::new();
     let mut final_valid = if finishing {
-        task.evaluate(&model, &mut st)?
+        task.evaluate(&model, &mut st, &phases[st_phase])?
     } else {
         EvalStats::default()
     };
@@ -844,6 +881,9 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                            stepper: &Stepper,
                            model: &mut T::Model|
      -> anyhow::Result<()> {
+        if !writer {
+            return Ok(());
+        }
         let state = stepper.optimizer.state(model);
         let run = checkpoint::RunState {
             run_id: &run_id,
@@ -892,6 +932,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 .step(&mut model, &mut st, prog.step)
                 .with_context(|| format!("epoch {}", epoch + 1))?;
             step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
+            win_comm += r.comm.as_secs_f64();
             prog.step += 1;
             prog.batch_in_epoch = i;
             let step = prog.step;
@@ -903,6 +944,9 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 epoch + 1,
                 epoch_end,
             )?;
+            if rank_active {
+                crate::distributed::check_same_ranks(&mut stepper, &model, prog.step)?;
+            }
             let s = r.stats;
             prog.ep_loss += s.loss * s.count as f64;
             prog.ep_correct += s.correct;
@@ -920,6 +964,11 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 );
                 let tps = tokens_per_step[ph] as f64 * steps_in_window / secs;
                 let mut rec = json!({"kind": "train", "epoch": epoch + 1, "step": step, "tokens": tokens_at(step), "loss": l, "accuracy": a, "lr_scale": r.lr_scale, "grad_norm": r.grad_norm, "tokens_per_s": tps, "ms_per_step": secs * 1e3 / steps_in_window, "params": model.num_params(), "compression": rep.ratio(&model)});
+                if let Some(dp) = &stepper.data_parallel {
+                    rec["processes"] = json!(processes);
+                    rec["allreduce_bytes_per_step"] = json!(dp.bytes_per_step);
+                    rec["comm_ms_per_step"] = json!(win_comm * 1e3 / steps_in_window);
+                }
                 if rank_active {
                     let branch = match r.objective.branch {
                         Branch::Early => "early",
@@ -970,6 +1019,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                 }
                 (prog.win_loss, prog.win_correct, prog.win_count) = (0.0, 0, 0);
                 win_steps = 0;
+                win_comm = 0.0;
                 win_start = Instant::now();
             }
             rep.bar.inc(1);
@@ -980,6 +1030,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             // that the evaluation at s is in the log (and in early stopping's state).
             if cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every) {
                 let at = EvalAt {
+                    writer,
                     out: &out,
                     run_id: &run_id,
                     config_toml: &cfg.config_toml,
@@ -990,14 +1041,14 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                     seconds: base_seconds + t0.elapsed().as_secs_f64(),
                 };
                 let (valid, stop_early) =
-                    evaluation(&task, &model, &mut st, &mut rep, &mut prog, &at)?;
+                    evaluation(&task, &model, &mut st, phase, &mut rep, &mut prog, &at)?;
                 final_valid = valid;
                 let score = valid.auc.unwrap_or(valid.accuracy);
                 if score > best_valid {
                     (best_valid, best_epoch) = (score, epoch + 1);
                 }
                 if stop_early {
-                    if task.saves_model() {
+                    if task.saves_model() && writer {
                         crate::files::save_model_files(
                             &out,
                             &model.params(),
@@ -1009,7 +1060,9 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                     (prog.epoch, prog.batch_in_epoch) = (n_epochs, 0);
                     prog.seconds = at.seconds;
                     save_checkpoint(&meta, &prog, &stepper, &mut model)?;
-                    rep.plots(&out, rank_active, task.loss_name());
+                    if writer {
+                        rep.plots(&out, rank_active, task.loss_name());
+                    }
                     early_stopped = true;
                     break 'epochs;
                 }
@@ -1048,6 +1101,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         }
         let secs = base_seconds + t0.elapsed().as_secs_f64();
         let at = EvalAt {
+            writer,
             out: &out,
             run_id: &run_id,
             config_toml: &cfg.config_toml,
@@ -1057,14 +1111,15 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             tokens: tokens_at(prog.step),
             seconds: secs,
         };
-        let (valid, stop_early) = evaluation(&task, &model, &mut st, &mut rep, &mut prog, &at)?;
+        let (valid, stop_early) =
+            evaluation(&task, &model, &mut st, phase, &mut rep, &mut prog, &at)?;
         final_valid = valid;
         let score = valid.auc.unwrap_or(valid.accuracy);
         if score > best_valid {
             (best_valid, best_epoch) = (score, epoch + 1);
         }
         let meta = task.model_meta(&model, epoch + 1, prog.step)?;
-        if task.saves_model() {
+        if task.saves_model() && writer {
             crate::files::save_model_files(&out, &model.params(), &meta, Some(&run_id))?;
         }
         // The next epoch starts from a clean slate; checkpoint that point (an early stop ends
@@ -1074,7 +1129,9 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         (prog.ep_loss, prog.ep_correct, prog.ep_count) = (0.0, 0, 0);
         prog.seconds = secs;
         save_checkpoint(&meta, &prog, &stepper, &mut model)?;
-        rep.plots(&out, rank_active, task.loss_name());
+        if writer {
+            rep.plots(&out, rank_active, task.loss_name());
+        }
         if stop_early {
             early_stopped = true;
             break;
@@ -1090,7 +1147,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         Stage::Early => "early",
         Stage::Late => "late",
     };
-    if rank_active && !stopped {
+    if rank_active && !stopped && writer {
         write_rank_report(
             &out,
             &prog,
@@ -1104,7 +1161,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     let med = median(&mut step_ms);
     let batch_size = phases.last().map_or(0, |p| p.batch_size);
     let params = model.num_params();
-    let summary = TrainSummary {
+    let mut summary = TrainSummary {
         out_dir: out.clone(),
         epochs: n_epochs,
         steps: prog.step,
@@ -1137,10 +1194,15 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         early_stopped,
         extra: task.report_extra(&model),
     };
-    crate::files::write_atomic(
-        &out.join("report.json"),
-        serde_json::to_string_pretty(&summary)?.as_bytes(),
-    )?;
+    if let Some(dp) = &stepper.data_parallel {
+        crate::distributed::report(&mut summary, dp, &step_ms);
+    }
+    if writer {
+        crate::files::write_atomic(
+            &out.join("report.json"),
+            serde_json::to_string_pretty(&summary)?.as_bytes(),
+        )?;
+    }
     Ok(summary)
 }
 
@@ -1159,6 +1221,8 @@ pub const BEST_DIR: &str = "best";
 
 /// Where and when an evaluation happens.
 struct EvalAt<'a> {
+    /// Whether this process writes files (process 0 of a data-parallel run).
+    writer: bool,
     out: &'a Path,
     run_id: &'a str,
     config_toml: &'a str,
@@ -1178,11 +1242,12 @@ fn evaluation<T: Task>(
     task: &T,
     model: &T::Model,
     st: &mut <T::Model as Trainable>::State,
+    phase: &Phase,
     rep: &mut Reporter,
     prog: &mut Progress,
     at: &EvalAt<'_>,
 ) -> anyhow::Result<(EvalStats, bool)> {
-    let valid = task.evaluate(model, st)?;
+    let valid = task.evaluate(model, st, phase)?;
     // Training figures over the epoch so far.
     let n = prog.ep_count.max(1) as f64;
     let (tl, ta) = (prog.ep_loss / n, prog.ep_correct as f64 / n);
@@ -1217,6 +1282,9 @@ fn evaluation<T: Task>(
     })?;
     if es.improves(value, prog.best_metric) {
         (prog.best_metric, prog.evals_since_best) = (Some(value), 0);
+        if !at.writer {
+            return Ok((valid, false));
+        }
         let best = at.out.join(BEST_DIR);
         let epochs_done = if at.epoch_end { at.epoch } else { at.epoch - 1 };
         let meta = task.model_meta(model, epochs_done, prog.step)?;
