@@ -282,3 +282,59 @@ fn off_a_terminal_the_log_has_a_line_per_logging_window() {
     assert!(text.contains("epoch 1: train loss"), "{text}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn gradient_accumulation_matches_the_whole_batch_with_micro_batch_activations() {
+    let dir = tempdir("accumulate");
+    let (data, vocab) = write_data(&dir);
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    for (out, extra) in [(&a, ""), (&b, "accumulate_steps = 4\n")] {
+        // Dropout is 0 in this config, so the micro-batches see exactly the batch's examples.
+        let cfg = write_config(
+            &dir,
+            &data,
+            &vocab,
+            true,
+            &format!("{extra}max_steps_per_epoch = 10"),
+        );
+        let (code, text) = comera(&[
+            "--threads",
+            "2",
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--epochs",
+            "2",
+            "--quiet",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{text}");
+    }
+    let close = |x: &serde_json::Value, y: &serde_json::Value, what: &str| {
+        let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+        let rel = (x - y).abs() / x.abs().max(1e-12);
+        assert!(rel < 1e-4, "{what}: {x} vs {y} ({rel:.1e})");
+    };
+    let (ta, tb) = (records(&a, "train"), records(&b, "train"));
+    assert_eq!(ta.len(), 4);
+    assert_eq!(ta.len(), tb.len());
+    for (x, y) in ta.iter().zip(&tb) {
+        assert_eq!(x["step"], y["step"]);
+        close(&x["loss"], &y["loss"], "train loss");
+        close(&x["grad_norm"], &y["grad_norm"], "gradient norm");
+        assert_eq!(x["accuracy"], y["accuracy"]);
+    }
+    for (x, y) in records(&a, "eval").iter().zip(&records(&b, "eval")) {
+        close(&x["valid_loss"], &y["valid_loss"], "validation loss");
+    }
+    let report = |r: &std::path::Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(r.join("report.json")).unwrap()).unwrap()
+    };
+    let (sa, sb) = (
+        report(&a)["state_bytes"].as_u64().unwrap(),
+        report(&b)["state_bytes"].as_u64().unwrap(),
+    );
+    assert!(sb < sa, "micro-batch state {sb} vs batch state {sa}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -15,9 +15,20 @@ use crate::rank::{self, LayerRanks, Objective, RankController};
 use crate::Schedule;
 use comera_layers::{Model, Retained, StepStats, Trainable};
 
+/// An error of the data a step reads.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Multiplies every parameter's gradient by `s`.
+fn scale_grads(model: &mut dyn Model, s: f32) {
+    model.visit_params_mut(&mut |p| p.grad.iter_mut().for_each(|g| *g *= s));
+}
+
 /// A step that could not be taken.
 #[derive(Debug, thiserror::Error)]
 pub enum StepError {
+    /// The data ended inside an accumulated step (its micro-batches are dropped).
+    #[error("the data ended inside an accumulated step")]
+    EndOfData,
     #[error("batch: {0}")]
     Input(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("training diverged: {what} is {value} at step {step} ({hint})")]
@@ -50,8 +61,9 @@ pub struct StepReport {
     pub grad_norm: f64,
     /// The schedule's learning-rate scale at this step.
     pub lr_scale: f32,
-    /// Wall time of the step's three phases: zero-grad + forward; backward + rank objective;
-    /// clipping + optimiser + rank projection (what benchmarks report).
+    /// Wall time of the step's three phases: forward (every micro-batch's); zero-grad,
+    /// backward, reductions and rank objective; clipping + optimiser + rank projection (what
+    /// benchmarks report).
     pub phases: [std::time::Duration; 3],
     /// Of which in collectives (data-parallel runs; zero otherwise).
     pub comm: std::time::Duration,
@@ -132,14 +144,74 @@ impl Stepper {
         st: &mut M::State,
         step: u64,
     ) -> Result<StepReport, StepError> {
+        self.step_accumulated(model, st, step, 1, &mut |_| Ok(false))
+    }
+
+    /// One training step over `micro` batches (gradient accumulation): the first is loaded in
+    /// `st`, `load_next` loads each following one (false: the data ended inside the step,
+    /// [`StepError::EndOfData`], and nothing is updated). Micro-batch i's forward seeds its
+    /// dropout with `step·micro + i`.
+    ///
+    /// The update uses the gradient of the mean loss over all the micro-batches' predictions,
+    /// as one batch of them all would (up to the order of float sums). Micro-batch i
+    /// contributes the gradient g_i of its mean loss over n_i predictions; the layers' backward
+    /// adds into the gradient buffers, so the running mean G_i = (N_{i−1}·G_{i−1} + n_i·g_i)/N_i
+    /// (N_i = n_1 + … + n_i) is kept by scaling the buffers by N_{i−1}/n_i before that backward
+    /// and by n_i/N_i after it.
+    pub fn step_accumulated<M: Trainable>(
+        &mut self,
+        model: &mut M,
+        st: &mut M::State,
+        step: u64,
+        micro: usize,
+        load_next: &mut dyn FnMut(&mut M::State) -> Result<bool, BoxError>,
+    ) -> Result<StepReport, StepError> {
         let t0 = std::time::Instant::now();
         let comm0 = self.comm_time();
+        let mut forward = std::time::Duration::ZERO;
         model.zero_grad();
-        let local = model
-            .forward(st, true, step)
-            .map_err(|e| StepError::Input(Box::new(e)))?;
+        let (mut loss_sum, mut correct, mut count) = (0.0f64, 0usize, 0usize);
+        for i in 0..micro.max(1) {
+            if i > 0 && !load_next(st).map_err(StepError::Input)? {
+                return Err(StepError::EndOfData);
+            }
+            let tf = std::time::Instant::now();
+            let local = model
+                .forward(st, true, step * micro.max(1) as u64 + i as u64)
+                .map_err(|e| StepError::Input(Box::new(e)))?;
+            forward += tf.elapsed();
+            let n = local.count;
+            if n == 0 {
+                // Nothing to predict in this micro-batch (an MLM batch without labels).
+                continue;
+            }
+            if !local.loss.is_finite() && self.data_parallel.is_none() {
+                return Err(StepError::Diverged {
+                    what: "loss",
+                    value: local.loss,
+                    step,
+                    hint: diverged_hint(step),
+                });
+            }
+            if count > 0 {
+                scale_grads(model, count as f32 / n as f32);
+            }
+            model.backward(st);
+            if count > 0 {
+                scale_grads(model, n as f32 / (count + n) as f32);
+            }
+            loss_sum += local.loss * n as f64;
+            correct += local.correct;
+            count += n;
+        }
+        let local = StepStats {
+            loss: loss_sum / count.max(1) as f64,
+            correct,
+            count,
+        };
         // Data-parallel: the global batch's loss (every process takes the same decisions from
-        // it) and this process's share of it.
+        // it), then the gradients reduced with this process's share of it; both before the
+        // rank objective, whose gradient is added once, on the reduced gradient.
         let (stats, share) = match &mut self.data_parallel {
             Some(dp) => dp.reduce_stats(local),
             None => (local, 1.0),
@@ -152,9 +224,6 @@ impl Stepper {
                 hint: diverged_hint(step),
             });
         }
-        let t1 = std::time::Instant::now();
-        model.backward(st);
-        // Before the rank objective: its gradient is added once, on the reduced gradient.
         if let Some(dp) = &mut self.data_parallel {
             dp.reduce_grads(model, share);
         }
@@ -179,7 +248,7 @@ impl Stepper {
             objective,
             grad_norm,
             lr_scale,
-            phases: [t1 - t0, t2 - t1, t3 - t2],
+            phases: [forward, (t2 - t0).saturating_sub(forward), t3 - t2],
             comm: self.comm_time() - comm0,
         })
     }

@@ -128,6 +128,12 @@ pub struct TrainConfig {
     /// Evaluate every this many steps as well as at each epoch's end (0: epoch ends only).
     #[serde(default)]
     pub eval_every: u64,
+    /// Gradient accumulation: each step runs this many micro-batches of
+    /// `batch_size / accumulate_steps` examples and updates once, with the gradient of the
+    /// whole batch (the same result as one batch, up to float summation order; activations
+    /// for a micro-batch only). `batch_size` (and each phase's) must be a multiple of it.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub accumulate_steps: usize,
     /// Stop when a validation metric stops improving, keeping the best model in `best/`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub early_stopping: Option<EarlyStopping>,
@@ -155,6 +161,7 @@ impl Default for TrainConfig {
             init_from: None,
             eval_every: 0,
             early_stopping: None,
+            accumulate_steps: 1,
             phases: Vec::new(),
         }
     }
@@ -273,6 +280,7 @@ impl RunConfig {
         if t.out_dir.as_os_str().is_empty() {
             return Err("train.out_dir: empty; name the run directory".into());
         }
+        check_accumulation(t.accumulate_steps, t.batch_size, "train.batch_size")?;
         let d = &self.data;
         if !(0.0..1.0).contains(&d.valid_fraction) {
             return Err(format!(
@@ -354,6 +362,7 @@ impl RunConfig {
             if ph.epochs == 0 {
                 return Err(format!("{}: must be at least 1", f("epochs")));
             }
+            check_accumulation(t.accumulate_steps, ph.batch_size, &f("batch_size"))?;
         }
         Ok(())
     }
@@ -413,6 +422,12 @@ pub struct DlrmTrainConfig {
     /// Evaluate every this many steps as well as at each epoch's end (0: epoch ends only).
     #[serde(default)]
     pub eval_every: u64,
+    /// Gradient accumulation: each step runs this many micro-batches of
+    /// `batch_size / accumulate_steps` examples and updates once, with the gradient of the
+    /// whole batch (the same result as one batch, up to float summation order; activations
+    /// for a micro-batch only). `batch_size` (and each phase's) must be a multiple of it.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub accumulate_steps: usize,
     /// Stop when a validation metric stops improving, keeping the best model in `best/`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub early_stopping: Option<EarlyStopping>,
@@ -435,8 +450,30 @@ impl Default for DlrmTrainConfig {
             stop_after_steps: 0,
             eval_every: 0,
             early_stopping: None,
+            accumulate_steps: 1,
         }
     }
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(v: &usize) -> bool {
+    *v == 1
+}
+
+/// `train.accumulate_steps` must be at least 1 and divide the batch size `batch` (`field`).
+fn check_accumulation(steps: usize, batch: usize, field: &str) -> Result<(), String> {
+    if steps == 0 {
+        return Err("train.accumulate_steps: must be at least 1".into());
+    }
+    if !batch.is_multiple_of(steps) {
+        return Err(format!(
+            "train.accumulate_steps: {steps} does not divide {field} = {batch} (each step runs {steps} micro-batches of equal size)"
+        ));
+    }
+    Ok(())
 }
 
 /// Early stopping (`[train.early_stopping]`): after each evaluation, the run stops once
@@ -598,6 +635,7 @@ impl DlrmRunConfig {
         if t.out_dir.as_os_str().is_empty() {
             return Err("train.out_dir: empty; name the run directory".into());
         }
+        check_accumulation(t.accumulate_steps, t.batch_size, "train.batch_size")?;
         let d = &self.data;
         let known = ["movielens", "adult", "criteo", "synthetic"];
         if !known.contains(&d.source.as_str()) {

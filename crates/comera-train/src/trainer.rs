@@ -150,6 +150,8 @@ pub struct LoopSettings {
     pub stop_after_steps: u64,
     /// Evaluate every this many steps too (0: epoch ends only).
     pub eval_every: u64,
+    /// Micro-batches per step (gradient accumulation; 1: none).
+    pub accumulate_steps: usize,
     pub early_stopping: Option<EarlyStopping>,
     pub progress: bool,
 }
@@ -379,6 +381,7 @@ fn setup_encoder(
             keep_checkpoints: t.keep_checkpoints,
             stop_after_steps: t.stop_after_steps,
             eval_every: t.eval_every,
+            accumulate_steps: t.accumulate_steps,
             early_stopping: t.early_stopping.clone(),
             progress,
         },
@@ -483,6 +486,7 @@ fn setup_dlrm(cfg: &DlrmRunConfig, start: Start, progress: bool) -> anyhow::Resu
             keep_checkpoints: t.keep_checkpoints,
             stop_after_steps: t.stop_after_steps,
             eval_every: t.eval_every,
+            accumulate_steps: t.accumulate_steps,
             early_stopping: t.early_stopping.clone(),
             progress,
         },
@@ -651,13 +655,18 @@ fn mean_ranks(layers: &[LayerRanks]) -> serde_json::Value {
     serde_json::Value::Object(m)
 }
 
-/// Each epoch's phase index and batch count (None: a streamed epoch of unknown length);
-/// epochs are numbered across phases.
-fn plan_epochs<T: Task>(task: &mut T) -> anyhow::Result<Vec<(usize, Option<usize>)>> {
+/// Each epoch's phase index and step count (None: a streamed epoch of unknown length), with
+/// `accumulate` micro-batches a step; epochs are numbered across phases.
+fn plan_epochs<T: Task>(
+    task: &mut T,
+    accumulate: usize,
+) -> anyhow::Result<Vec<(usize, Option<usize>)>> {
     let phases = task.phases().to_vec();
     let mut epochs = Vec::new();
     for (i, ph) in phases.iter().enumerate() {
-        let full = task.batches_per_epoch(ph)?;
+        let full = task
+            .batches_per_epoch(&micro_phase(ph, accumulate))?
+            .map(|n| n / accumulate);
         let per_epoch = match (ph.max_steps_per_epoch.unwrap_or(0), full) {
             (0, f) => f,
             (m, Some(f)) => Some(m.min(f)),
@@ -666,6 +675,14 @@ fn plan_epochs<T: Task>(task: &mut T) -> anyhow::Result<Vec<(usize, Option<usize
         epochs.extend(std::iter::repeat_n((i, per_epoch), ph.epochs));
     }
     Ok(epochs)
+}
+
+/// The phase as the task sees it under gradient accumulation: batches of the micro-batch size.
+fn micro_phase(phase: &Phase, accumulate: usize) -> Phase {
+    Phase {
+        batch_size: phase.batch_size / accumulate,
+        ..phase.clone()
+    }
 }
 
 /// The running state of the loop that is not in the checkpoint's [`Progress`].
@@ -765,7 +782,8 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         model.num_params(),
         dense_params as f64 / model.num_params() as f64
     );
-    let epochs = plan_epochs(&mut task)?;
+    let accumulate = cfg.accumulate_steps.max(1);
+    let epochs = plan_epochs(&mut task, accumulate)?;
     // A run whose last checkpoint is its end, killed before its final report, only finishes
     // its report; a run that ended cleanly is not run again.
     let finishing = resume
@@ -819,7 +837,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     let writer = crate::distributed::is_writer();
     let rank_active = stepper.rank.active();
     let mut st_phase = epochs.get(prog.epoch).map_or(phases.len() - 1, |e| e.0);
-    let mut st = task.state(&model, &phases[st_phase])?;
+    let mut st = task.state(&model, &micro_phase(&phases[st_phase], accumulate))?;
     let metrics_path = out.join("metrics.jsonl");
     let mut curves = Curves::default();
     let (mut best_valid, mut best_epoch) = (f64::NEG_INFINITY, 0);
@@ -867,7 +885,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     let mut win_comm = 0.0f64;
     let mut step_ms: Vec<f64> = Vec::new();
     let mut final_valid = if finishing {
-        task.evaluate(&model, &mut st, &phases[st_phase])?
+        task.evaluate(&model, &mut st, &micro_phase(&phases[st_phase], accumulate))?
     } else {
         EvalStats::default()
     };
@@ -899,7 +917,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     'epochs: for (epoch, &(ph, per_epoch)) in epochs.iter().enumerate().skip(prog.epoch) {
         let phase = &phases[ph];
         if ph != st_phase {
-            st = task.state(&model, phase)?;
+            st = task.state(&model, &micro_phase(phase, accumulate))?;
             st_phase = ph;
             rep.say(format!(
                 "phase {}: seq_len {}, batch {}",
@@ -915,9 +933,11 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             format!("epoch {}", epoch + 1)
         });
         let meta = task.model_meta(&model, epoch, prog.step)?;
-        let mut batches = task.epoch(phase, epoch)?;
+        // What the task sees: batches of the micro-batch size (the phase's, without accumulation).
+        let micro = micro_phase(phase, accumulate);
+        let mut batches = task.epoch(&micro, epoch)?;
         // Resuming inside an epoch: replay its data order up to the checkpoint.
-        for _ in 0..prog.batch_in_epoch {
+        for _ in 0..prog.batch_in_epoch * accumulate {
             batches.next_into(&mut st)?;
         }
         let mut i = prog.batch_in_epoch;
@@ -928,9 +948,18 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             i += 1;
             let epoch_end = per_epoch == Some(i);
             let ts = Instant::now();
-            let r = stepper
-                .step(&mut model, &mut st, prog.step)
-                .with_context(|| format!("epoch {}", epoch + 1))?;
+            let mut load_next = |st: &mut _| batches.next_into(st).map_err(Into::into);
+            let r = match stepper.step_accumulated(
+                &mut model,
+                &mut st,
+                prog.step,
+                accumulate,
+                &mut load_next,
+            ) {
+                // A streamed epoch that ends inside an accumulated step drops it.
+                Err(comera_optim::StepError::EndOfData) => break,
+                r => r.with_context(|| format!("epoch {}", epoch + 1))?,
+            };
             step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
             win_comm += r.comm.as_secs_f64();
             prog.step += 1;
@@ -1041,7 +1070,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                     seconds: base_seconds + t0.elapsed().as_secs_f64(),
                 };
                 let (valid, stop_early) =
-                    evaluation(&task, &model, &mut st, phase, &mut rep, &mut prog, &at)?;
+                    evaluation(&task, &model, &mut st, &micro, &mut rep, &mut prog, &at)?;
                 final_valid = valid;
                 let score = valid.auc.unwrap_or(valid.accuracy);
                 if score > best_valid {
@@ -1112,7 +1141,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             seconds: secs,
         };
         let (valid, stop_early) =
-            evaluation(&task, &model, &mut st, phase, &mut rep, &mut prog, &at)?;
+            evaluation(&task, &model, &mut st, &micro, &mut rep, &mut prog, &at)?;
         final_valid = valid;
         let score = valid.auc.unwrap_or(valid.accuracy);
         if score > best_valid {
