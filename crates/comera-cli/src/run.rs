@@ -111,7 +111,7 @@ fn report(s: &TrainSummary) {
         ),
     };
     println!(
-        "done: {} epochs, {} steps of {} in {:.0} s; {result}; {} parameters ({:.1}x compression vs dense {}); run directory {}",
+        "done: {} epochs, {} steps of {} in {:.0} s; {result}; {} parameters (whole model {:.1}× compression vs dense {}); run directory {}",
         s.epochs,
         s.steps,
         s.batch_size,
@@ -121,6 +121,15 @@ fn report(s: &TrainSummary) {
         s.dense_params,
         s.out_dir.display()
     );
+    let plots: Vec<String> = ["curves.png", "ranks.png"]
+        .iter()
+        .map(|f| s.out_dir.join(f))
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    if !plots.is_empty() {
+        println!("plots: {}", plots.join(", "));
+    }
     const MIB: f64 = 1048576.0;
     println!(
         "speed: median step {:.1} ms = {:.0} samples/s; peak RSS {:.1} MiB (parameters+grads {:.1} MiB, optimiser {:.1} MiB, batch state {:.1} MiB); report {}",
