@@ -25,7 +25,7 @@ use crate::harness::{
 use anyhow::{bail, ensure, Context};
 use comera_layers::attention::Attention;
 use comera_model::{AnyEmbedding, AnyLinear, Encoder, EncoderConfig};
-use comera_optim::{Decay, Optimizer, Schedule, Stepper};
+use comera_optim::{Decay, GaLoreConfig, Optimizer, Schedule, Stepper};
 use comera_train::plot::{plot_panels, Panel, Series};
 use comera_train::{RankController, RunConfig};
 use serde::{Deserialize, Serialize};
@@ -482,6 +482,16 @@ fn explain(r: &TimeReport, rss: u64, base: u64, engine: usize) -> String {
     s
 }
 
+/// The note for a GaLore arm that projected no matrix: it is the dense + AdamW arm again.
+fn galore_equals_dense(g: &GaLoreConfig) -> String {
+    format!(
+        "the GaLore arm projected no matrix (rank {} is not below any matrix's smaller side): \
+         it is the dense + AdamW arm again; set a smaller galore.rank, or 0 for a quarter of \
+         each matrix's smaller side",
+        g.rank_label()
+    )
+}
+
 /// `v` with `decimals` decimals, or "–" when there is none.
 fn or_dash(v: Option<f64>, decimals: usize) -> String {
     v.map(|x| format!("{x:.decimals$}"))
@@ -681,7 +691,7 @@ fn report(
         "Arms: dense + AdamW; dense + GaLore (rank {}, T = {}, α = {}, on the encoder's and \
          pooler's dense matrices; embeddings {}); CoMERA: TT linear layers + TTM word embedding, \
          AdamW{}.\n",
-        g.rank,
+        g.rank_label(),
         g.update_every,
         g.scale,
         if g.embeddings {
@@ -813,6 +823,9 @@ fn report(
             );
         }
         for t in timings.iter().filter(|t| t.galore_moment_bytes.is_some()) {
+            if t.galore_projection_bytes == Some(0) {
+                let _ = writeln!(md, "- {}", galore_equals_dense(&g));
+            }
             let _ = writeln!(
                 md,
                 "- GaLore state at batch {}: moments {:.1} MB, projections {:.1} MB, buffers and \
@@ -937,6 +950,12 @@ pub fn run(a: CompareArgs) -> anyhow::Result<ExitCode> {
                     t.engine_bytes as f64 / MB,
                     t.params
                 );
+                if t.galore_projection_bytes == Some(0) {
+                    eprintln!(
+                        "warning: {}",
+                        galore_equals_dense(&base.galore.clone().unwrap_or_default())
+                    );
+                }
                 timings.push(t);
             }
         }
