@@ -28,6 +28,9 @@ pub struct DataConfig {
     pub label: Option<String>,
     /// The label set of a file source, in label order.
     pub labels: Option<Vec<String>>,
+    /// What the labels mean, in label order, as `predict`, `eval` and exports show them
+    /// (default: the data set's names, or `labels`).
+    pub label_names: Option<Vec<String>>,
     /// BERT `vocab.txt`; default: the fetched `bert-vocab`.
     pub vocab: Option<PathBuf>,
     /// Held-out fraction when there is no validation file.
@@ -64,6 +67,7 @@ impl Default for DataConfig {
             text_b: None,
             label: Some("recommended".into()),
             labels: None,
+            label_names: None,
             vocab: None,
             valid_fraction: 0.1,
             max_train: 0,
