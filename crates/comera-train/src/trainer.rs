@@ -413,6 +413,8 @@ struct Curves {
     model_ratio: Vec<(f64, f64)>,
     /// Per layer: mean active rank over its bonds, over steps.
     ranks: Vec<(String, Vec<(f64, f64)>)>,
+    /// The step at which the rank schedule switched to its late stage.
+    late_from: Option<f64>,
 }
 
 impl Curves {
@@ -439,6 +441,7 @@ impl Curves {
                     }
                 }
             }
+            Some("stage") => self.late_from = Some(step),
             Some("eval") => {
                 if let (Some(l), Some(a)) = (num("valid_loss"), num("valid_accuracy")) {
                     self.valid_loss.push((step, l));
@@ -458,6 +461,11 @@ impl Curves {
             name: name.into(),
             points: pts.clone(),
         };
+        let marks: Vec<(f64, String)> = self
+            .late_from
+            .map(|x| (x, "late stage".to_string()))
+            .into_iter()
+            .collect();
         let panels = [
             Panel {
                 title: "mean active rank per layer".into(),
@@ -465,6 +473,8 @@ impl Curves {
                 y_label: "rank".into(),
                 series: self.ranks.iter().map(|(n, p)| s(n, p)).collect(),
                 log_y: false,
+                marks: marks.clone(),
+                ..Default::default()
             },
             Panel {
                 title: "compression of the whole model".into(),
@@ -472,6 +482,8 @@ impl Curves {
                 y_label: "dense / trainable parameters".into(),
                 series: vec![s("whole model", &self.model_ratio)],
                 log_y: true,
+                marks: marks.clone(),
+                ..Default::default()
             },
             Panel {
                 title: "loss".into(),
@@ -479,6 +491,8 @@ impl Curves {
                 y_label: loss_name.into(),
                 series: vec![s("train", &self.train_loss), s("valid", &self.valid_loss)],
                 log_y: false,
+                marks: marks.clone(),
+                ..Default::default()
             },
         ];
         plot_panels(path, &panels, 1300, 380)?;
@@ -498,6 +512,7 @@ impl Curves {
                 y_label: loss_name.into(),
                 series: vec![s("train", &self.train_loss), s("valid", &self.valid_loss)],
                 log_y: false,
+                ..Default::default()
             },
             Panel {
                 title: "accuracy".into(),
@@ -505,6 +520,7 @@ impl Curves {
                 y_label: "accuracy".into(),
                 series: vec![s("train", &self.train_acc), s("valid", &self.valid_acc)],
                 log_y: false,
+                ..Default::default()
             },
         ];
         if !self.valid_auc.is_empty() {
@@ -514,6 +530,7 @@ impl Curves {
                 y_label: "AUC".into(),
                 series: vec![s("valid", &self.valid_auc)],
                 log_y: false,
+                ..Default::default()
             });
         }
         let width = 450 * panels.len() as u32;
