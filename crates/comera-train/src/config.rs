@@ -211,20 +211,34 @@ impl RunConfig {
                 },
                 ..EncoderConfig::default()
             },
+            // Measured over seeds (README): these rates train the TT/TTM model and its dense
+            // twin reliably; the gates' rate sets how fast the late stage can prune.
             optim: AdamWConfig {
                 lr_cores: 1e-3,
-                lr_gates: 1e-3,
+                lr_gates: 2e-2,
                 lr_other: 1e-3,
                 weight_decay: 0.01,
                 ..AdamWConfig::default()
             },
             train: TrainConfig {
-                epochs: 2,
+                epochs: 5,
                 batch_size: 32,
                 warmup_steps: 100,
                 ..TrainConfig::default()
             },
-            rank: RankConfig::default(),
+            // One epoch of the early stage, then the late stage towards 0.3× the size at the
+            // switch. rho_loss = 1 keeps the data loss's weight at 1 on size-branch steps (with
+            // the authors' 0.1 the loss gradient's scale jumps tenfold between branches, and
+            // Adam's second moment, set by the larger one, slows learning on size steps);
+            // size_weight = 0.3 lets the loss decide which slices go first.
+            rank: RankConfig {
+                late_after_epochs: 1,
+                target_loss: 0.3,
+                target_ratio: Some(0.3),
+                rho_loss: 1.0,
+                size_weight: 0.3,
+                ..RankConfig::default()
+            },
             galore: None,
         }
     }
