@@ -213,7 +213,7 @@ impl RunConfig {
             },
             // The gates' rate bounds how fast the late stage can prune (Adam moves a gate by
             // about lr_gates per step); 2e-2 shrinks the ranks within 5 epochs, but it is
-            // fragile early on: seeds 44 and 45 stay at the majority class (README).
+            // fragile early on: seeds 44-46 of 42-46 stay at the majority class (README).
             optim: AdamWConfig {
                 lr_cores: 1e-3,
                 lr_gates: 2e-2,
