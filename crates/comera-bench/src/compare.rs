@@ -25,8 +25,8 @@ use crate::harness::{
 use anyhow::{bail, ensure, Context};
 use comera_layers::attention::Attention;
 use comera_model::{AnyEmbedding, AnyLinear, Encoder, EncoderConfig};
-use comera_optim::{Decay, Optimizer, Schedule, Stepper};
-use comera_train::plot::{plot_panels, Panel, Series};
+use comera_optim::{Decay, GaLoreConfig, Optimizer, Schedule, Stepper};
+use comera_train::plot::{plot_panels, Bars, Panel, Series};
 use comera_train::{RankController, RunConfig};
 use serde::{Deserialize, Serialize};
 use std::ffi::OsString;
@@ -487,6 +487,16 @@ fn explain(r: &TimeReport, rss: u64, base: u64, engine: usize) -> String {
     s
 }
 
+/// The note for a GaLore arm that projected no matrix: it is the dense + AdamW arm again.
+fn galore_equals_dense(g: &GaLoreConfig) -> String {
+    format!(
+        "the GaLore arm projected no matrix (rank {} is not below any matrix's smaller side): \
+         it is the dense + AdamW arm again; set a smaller galore.rank, or 0 for a quarter of \
+         each matrix's smaller side",
+        g.rank_label()
+    )
+}
+
 /// `v` with `decimals` decimals, or "–" when there is none.
 fn or_dash(v: Option<f64>, decimals: usize) -> String {
     v.map(|x| format!("{x:.decimals$}"))
@@ -502,15 +512,17 @@ fn arm_label(arm: &str) -> &str {
     }
 }
 
-/// Bars drawn with the line-chart plotter: one closed outline per bar; bar i of `values` is
-/// centred at `x0 + i` with the given width.
-fn bars(name: &str, x0: f64, width: f64, values: &[f64]) -> Series {
-    let mut pts = Vec::new();
-    for (i, &v) in values.iter().enumerate() {
-        let (l, r) = (x0 + i as f64 - width / 2.0, x0 + i as f64 + width / 2.0);
-        pts.extend([(l, 0.0), (l, v), (r, v), (r, 0.0)]);
-    }
-    Series::new(name, pts)
+/// One series of bars: bar i of `values` is centred at `x0 + i` (arm i + 1 sits at x = i + 1,
+/// so a group of series shifts `x0` around 1).
+fn bars(name: &str, x0: f64, values: &[f64]) -> Series {
+    Series::new(
+        name,
+        values
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (x0 + i as f64, v))
+            .collect(),
+    )
 }
 
 fn chart(
@@ -519,12 +531,6 @@ fn chart(
     arms: &[String],
     batches: &[usize],
 ) -> anyhow::Result<()> {
-    let order = arms
-        .iter()
-        .enumerate()
-        .map(|(i, a)| format!("{}={}", i + 1, arm_label(a)))
-        .collect::<Vec<_>>()
-        .join(", ");
     let mut panels = Vec::new();
     for &b in batches {
         let row: Vec<&Timing> = arms
@@ -534,71 +540,66 @@ fn chart(
         if row.is_empty() {
             continue;
         }
+        let names: Vec<String> = row.iter().map(|t| arm_label(&t.arm).to_string()).collect();
         panels.push(Panel {
-            title: format!("batch {b}: median ms per training step (bars: {order})"),
+            title: format!("batch {b}: median ms per training step"),
             x_label: "arm".into(),
             y_label: "ms/step".into(),
             series: vec![
                 bars(
                     "median ms/step",
                     1.0 - 0.2,
-                    0.35,
                     &row.iter().map(|t| t.median_ms).collect::<Vec<_>>(),
                 ),
                 bars(
                     "amortised incl. SVD refresh",
                     1.0 + 0.2,
-                    0.35,
                     &row.iter().map(|t| t.amortised_ms).collect::<Vec<_>>(),
                 ),
             ],
             log_y: false,
+            bars: Some(Bars {
+                width: 0.35,
+                x_names: names.clone(),
+            }),
+            ..Default::default()
         });
         let w = 0.13;
         let comp = |f: fn(&Timing) -> f64| row.iter().map(|t| f(t) / MB).collect::<Vec<_>>();
         panels.push(Panel {
-            title: format!("batch {b}: memory, MB (bars: {order})"),
+            title: format!("batch {b}: memory, MB"),
             x_label: "arm".into(),
             y_label: "MB".into(),
             series: vec![
                 bars(
                     "peak RSS",
                     1.0 - 2.5 * w,
-                    w,
                     &comp(|t| t.peak_rss_bytes as f64),
                 ),
-                bars(
-                    "weights",
-                    1.0 - 1.5 * w,
-                    w,
-                    &comp(|t| t.weight_bytes as f64),
-                ),
-                bars(
-                    "gradients",
-                    1.0 - 0.5 * w,
-                    w,
-                    &comp(|t| t.grad_bytes as f64),
-                ),
+                bars("weights", 1.0 - 1.5 * w, &comp(|t| t.weight_bytes as f64)),
+                bars("gradients", 1.0 - 0.5 * w, &comp(|t| t.grad_bytes as f64)),
                 bars(
                     "optimiser",
                     1.0 + 0.5 * w,
-                    w,
                     &comp(|t| t.optimizer_bytes as f64),
                 ),
                 bars(
                     "activations",
                     1.0 + 1.5 * w,
-                    w,
                     &comp(|t| t.activation_bytes as f64),
                 ),
                 bars(
                     "workspaces",
                     1.0 + 2.5 * w,
-                    w,
                     &comp(|t| t.workspace_bytes as f64),
                 ),
             ],
             log_y: false,
+            bars: Some(Bars {
+                width: w,
+                x_names: names.clone(),
+            }),
+            ..Default::default()
         });
     }
     plot_panels(path, &panels, 1000, 340)?;
@@ -686,7 +687,7 @@ fn report(
         "Arms: dense + AdamW; dense + GaLore (rank {}, T = {}, α = {}, on the encoder's and \
          pooler's dense matrices; embeddings {}); CoMERA: TT linear layers + TTM word embedding, \
          AdamW{}.\n",
-        g.rank,
+        g.rank_label(),
         g.update_every,
         g.scale,
         if g.embeddings {
@@ -818,6 +819,9 @@ fn report(
             );
         }
         for t in timings.iter().filter(|t| t.galore_moment_bytes.is_some()) {
+            if t.galore_projection_bytes == Some(0) {
+                let _ = writeln!(md, "- {}", galore_equals_dense(&g));
+            }
             let _ = writeln!(
                 md,
                 "- GaLore state at batch {}: moments {:.1} MB, projections {:.1} MB, buffers and \
@@ -942,6 +946,12 @@ pub fn run(a: CompareArgs) -> anyhow::Result<ExitCode> {
                     t.engine_bytes as f64 / MB,
                     t.params
                 );
+                if t.galore_projection_bytes == Some(0) {
+                    eprintln!(
+                        "warning: {}",
+                        galore_equals_dense(&base.galore.clone().unwrap_or_default())
+                    );
+                }
                 timings.push(t);
             }
         }

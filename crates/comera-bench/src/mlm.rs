@@ -117,7 +117,13 @@ pub fn run(a: MlmArgs) -> anyhow::Result<ExitCode> {
         .position(|name| name == "dense")
         .map(|i| medians[i]);
     for ((name, (model, _, _)), &ms) in a.arms.iter().zip(&models).zip(&medians) {
-        let ratio = dense_ms.map_or("-".to_string(), |d| format!("{:.2}× faster", d / ms));
+        // The dense arm is the reference; a slower arm says "slower", not "0.80× faster".
+        let ratio = match dense_ms {
+            _ if name == "dense" => "reference".to_string(),
+            Some(d) if d >= ms => format!("{:.2}× faster", d / ms),
+            Some(d) => format!("{:.2}× slower", ms / d),
+            None => "-".to_string(),
+        };
         let row = [
             name.clone(),
             model.num_params().to_string(),

@@ -69,6 +69,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         y_label: "loss".into(),
         series,
         log_y: false,
+        ..Default::default()
     };
     plot_panels(
         &a.out,

@@ -123,7 +123,7 @@ fn report(s: &TrainSummary) {
         ),
     };
     println!(
-        "done: {} epochs, {} steps of {} in {:.0} s; {result}; {} parameters ({:.1}x compression vs dense {}); run directory {}",
+        "done: {} epochs, {} steps of {} in {:.0} s; {result}; {} parameters (whole model {:.1}× compression vs dense {}); run directory {}",
         s.epochs,
         s.steps,
         s.batch_size,
@@ -139,6 +139,15 @@ fn report(s: &TrainSummary) {
             s.steps,
             s.out_dir.join(comera_train::trainer::BEST_DIR).display()
         );
+    }
+    let plots: Vec<String> = ["curves.png", "ranks.png"]
+        .iter()
+        .map(|f| s.out_dir.join(f))
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    if !plots.is_empty() {
+        println!("plots: {}", plots.join(", "));
     }
     const MIB: f64 = 1048576.0;
     println!(

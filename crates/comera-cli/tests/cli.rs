@@ -90,6 +90,48 @@ fn factor_proposes_the_paper_layout() {
 }
 
 #[test]
+fn factor_handles_primes_huge_widths_and_refuses_absurd_ones() {
+    let (code, text) = comera(&["factor", "997", "768"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.contains("N = 997 has no balanced 3-factor layout")
+            && text.contains("1000 = [10, 10, 10]"),
+        "{text}"
+    );
+    let (code, text) = comera(&["factor", "4294967296", "4294967296"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("18446744073709551616 parameters"), "{text}");
+    assert!(!text.contains(" 0 core parameters"), "{text}");
+    let (code, text) = comera(&["factor", "18446744073709551615", "768"]);
+    assert_ne!(code, 0, "{text}");
+    assert!(text.contains("beyond 4294967296"), "{text}");
+}
+
+#[test]
+fn data_list_marks_cached_sets_with_their_size() {
+    let dir = std::env::temp_dir().join(format!("comera-data-list-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("bert-vocab")).unwrap();
+    std::fs::write(
+        dir.join("bert-vocab/vocab.txt"),
+        vec![b'a'; 3 * 1048576 / 2],
+    )
+    .unwrap();
+    let (code, text) = comera(&["data", "list", "--cache-dir", dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    let line = |name: &str| {
+        text.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+            .to_string()
+    };
+    assert!(line("bert-vocab").contains("cached 1.5 MiB"), "{text}");
+    assert!(!line("reviews").contains("cached"), "{text}");
+    assert!(!line("rust-src").contains("cached"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn bench_emits_json_lines() {
     let (code, text) = comera(&[
         "bench",

@@ -65,6 +65,58 @@ fn train_eval_predict_on_a_small_local_data_set() {
 }
 
 #[test]
+fn label_names_from_the_config_are_what_predict_and_eval_show() {
+    let dir = tempdir("names");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, false, "max_steps_per_epoch = 2");
+    let text = std::fs::read_to_string(&cfg).unwrap().replace(
+        "labels = [\"neg\", \"pos\"]",
+        "labels = [\"neg\", \"pos\"]\nlabel_names = [\"negative\", \"positive\"]",
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let (code, text) = comera(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--epochs",
+        "1",
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{text}");
+    let run = dir.join("run");
+    let (code, text) = comera(&[
+        "predict",
+        run.to_str().unwrap(),
+        "the good dress",
+        "a bad fit",
+    ]);
+    assert_eq!(code, 0, "{text}");
+    for line in text.lines() {
+        let label = line.split('\t').next().unwrap();
+        assert!(["negative", "positive"].contains(&label), "{text}");
+    }
+    // A count that does not match the data's labels is refused, naming the field.
+    let bad = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("[\"negative\", \"positive\"]", "[\"a\", \"b\", \"c\"]");
+    std::fs::write(&cfg, bad).unwrap();
+    let (code, text) = comera(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--out",
+        dir.join("run2").to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_ne!(code, 0, "{text}");
+    assert!(
+        text.contains("data.label_names") && text.contains("3 names for the 2 labels"),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn same_seed_same_thread_count_gives_the_same_model() {
     let dir = tempdir("det");
     let (data, vocab) = write_data(&dir);

@@ -381,6 +381,40 @@ fn fetch_from(
     Ok(target)
 }
 
+/// Bytes a data set (registry or Debian) takes in `cache_dir`, if it is there (`None`: not
+/// cached). A file data set counts when its file exists (a damaged one is replaced by the next
+/// `fetch`, which checks its sha256); a Debian source tree when its extraction is complete.
+pub fn cached_bytes(name: &str, cache_dir: &Path) -> Option<u64> {
+    if let Some(set) = crate::debian::debian_set(name) {
+        return crate::debian::is_cached(set, cache_dir)
+            .then(|| dir_bytes(&cache_dir.join(set.name)));
+    }
+    let ds = data_set(name)?;
+    std::fs::metadata(cached_path(ds, cache_dir))
+        .ok()
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+}
+
+/// Total size of the regular files under `dir` (symbolic links not followed).
+fn dir_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push(e.path()),
+                Ok(t) if t.is_file() => total += e.metadata().map_or(0, |m| m.len()),
+                _ => {}
+            }
+        }
+    }
+    total
+}
+
 fn cached_path(ds: &DataSet, cache_dir: &Path) -> PathBuf {
     cache_dir.join(ds.name).join(ds.file_name)
 }

@@ -19,7 +19,7 @@ pub use corpus::{
 };
 pub use dataset::{train_valid_split, Batch, Batches, EncodedDataset};
 pub use debian::{fetch_debian, DebianError, DebianSet, DEBIAN_SETS};
-pub use fetch::{default_cache_dir, fetch, FetchError};
+pub use fetch::{cached_bytes, default_cache_dir, fetch, FetchError};
 pub use loaders::{
     load_parquet, load_reviews, load_table, Delimited, Example, Labels, LoadError, LoadedSet,
     ReviewLabel, TableSpec,

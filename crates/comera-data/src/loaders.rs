@@ -35,6 +35,12 @@ pub enum Labels {
     Names(Vec<String>),
     /// The field is a number: label 1 if it is greater than the threshold, else 0.
     Above(f64),
+    /// The field (trimmed) must be one of `values` (codes such as `0`, `1`); its position is
+    /// the label, and `names` (same length) are what the labels mean.
+    Coded {
+        values: Vec<String>,
+        names: Vec<String>,
+    },
 }
 
 impl Labels {
@@ -43,11 +49,20 @@ impl Labels {
         Labels::Names(names.iter().map(|s| s.to_string()).collect())
     }
 
+    /// `Labels::Coded` from (value, name) pairs.
+    pub fn coded(pairs: &[(&str, &str)]) -> Self {
+        Labels::Coded {
+            values: pairs.iter().map(|p| p.0.to_string()).collect(),
+            names: pairs.iter().map(|p| p.1.to_string()).collect(),
+        }
+    }
+
     /// The class names, in label order.
     pub fn label_names(&self) -> Vec<String> {
         match self {
             Labels::Names(names) => names.clone(),
             Labels::Above(t) => vec![format!("<= {t}"), format!("> {t}")],
+            Labels::Coded { names, .. } => names.clone(),
         }
     }
 
@@ -55,7 +70,7 @@ impl Labels {
     fn map(&self, value: &str) -> Result<usize, String> {
         let value = value.trim();
         match self {
-            Labels::Names(names) => names
+            Labels::Names(names) | Labels::Coded { values: names, .. } => names
                 .iter()
                 .position(|n| n == value)
                 .ok_or_else(|| format!("one of {names:?}")),
@@ -122,13 +137,21 @@ impl TableSpec {
         TableSpec::single(Delimited::Tsv, "text", "sentiment", Labels::Above(0.0))
     }
 
-    /// The `trec` CSV with its six coarse classes (`label-coarse` 0-5).
+    /// The `trec` CSV with its six coarse classes (`label-coarse` 0-5: abbreviation, entity,
+    /// description, human, location, numeric — TREC-6's order).
     pub fn trec_coarse() -> Self {
         TableSpec::single(
             Delimited::Csv,
             "text",
             "label-coarse",
-            Labels::names(&["0", "1", "2", "3", "4", "5"]),
+            Labels::coded(&[
+                ("0", "ABBR"),
+                ("1", "ENTY"),
+                ("2", "DESC"),
+                ("3", "HUM"),
+                ("4", "LOC"),
+                ("5", "NUM"),
+            ]),
         )
     }
 }
@@ -420,7 +443,10 @@ pub enum ReviewLabel {
 pub fn load_reviews(path: &Path, label: ReviewLabel) -> Result<LoadedSet, LoadError> {
     let (column, labels) = match label {
         ReviewLabel::Rating => ("Rating", Labels::names(&["1", "2", "3", "4", "5"])),
-        ReviewLabel::Recommended => ("Recommended IND", Labels::names(&["0", "1"])),
+        ReviewLabel::Recommended => (
+            "Recommended IND",
+            Labels::coded(&[("0", "not recommended"), ("1", "recommended")]),
+        ),
     };
     load_parquet(path, "Review Text", column, &labels)
 }

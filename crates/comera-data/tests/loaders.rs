@@ -298,7 +298,8 @@ mod parquet_files {
         let set = load_reviews(&path, ReviewLabel::Recommended).unwrap();
         let labels: Vec<usize> = set.examples.iter().map(|e| e.label).collect();
         assert_eq!(labels, vec![1, 0, 0]);
-        assert_eq!(set.label_names, ["0", "1"]);
+        // The column holds 0/1 codes; the labels are named after what they mean.
+        assert_eq!(set.label_names, ["not recommended", "recommended"]);
 
         // Any column can be the label, as text or as a number.
         let set = load_parquet(&path, "Review Text", "Age", &Labels::Above(31.5)).unwrap();

@@ -37,8 +37,10 @@ pub struct DlrmConfig {
     /// Uniform TTM rank (clamped per bond to what the modes allow).
     pub ttm_rank: usize,
     /// Rank-gate threshold τ.
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub gate_threshold: f32,
     /// Standard deviation of the initial embedding entries (dense and TTM alike).
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub embedding_std: f32,
 }
 
@@ -143,6 +145,7 @@ pub struct CtrDataConfig {
     pub max_train: usize,
     pub max_valid: usize,
     /// MovieLens: click = rating ≥ this.
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub click_threshold: f32,
     /// Criteo / synthetic: rows of each of the 26 tables (empty: from `total_rows`).
     pub table_sizes: Vec<usize>,

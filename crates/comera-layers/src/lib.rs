@@ -17,6 +17,7 @@ pub mod activation;
 pub mod any;
 pub mod attention;
 pub mod compress;
+pub mod config_float;
 pub mod dropout;
 pub mod embedding;
 pub mod gates;

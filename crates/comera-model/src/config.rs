@@ -91,13 +91,17 @@ pub struct EncoderConfig {
     /// Token-type vocabulary (2 for sentence pairs).
     pub type_vocab: usize,
     /// Dropout after embeddings, attention output and FFN output.
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub dropout: f32,
     /// Pre-LN blocks (LN before attention/FFN, final LN) instead of BERT's post-LN.
     pub pre_ln: bool,
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub ln_eps: f32,
     /// Std of the dense weights' and embeddings' initialisation (BERT: 0.02).
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub init_std: f32,
     /// Rank-gate threshold τ.
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub threshold: f32,
     /// Encoder linear layers as TT (true) or dense.
     pub tt_linear: bool,

@@ -46,11 +46,13 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GaLoreConfig {
-    /// Rank r of the projection.
+    /// Rank r of the projection; 0 (the default): what each matrix supports, a quarter of its
+    /// smaller side (the GaLore paper's d/4), so no model is too narrow for it.
     pub rank: usize,
     /// Steps between projection refreshes (T); the first step always computes one.
     pub update_every: u64,
     /// Scale α of the projected-back update.
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub scale: f32,
     /// Project only matrices whose smaller side is at least this (0 = no limit beyond the
     /// rank: a matrix is projected only when its smaller side exceeds r).
@@ -60,11 +62,11 @@ pub struct GaLoreConfig {
 }
 
 impl Default for GaLoreConfig {
-    /// r = 128 (d/4 … d/6 for the paper's 768-wide model, as the GaLore paper's 60M-350M
-    /// models use d/4), T = 200, α = 0.25 (the GaLore paper's values).
+    /// r = a quarter of each matrix's smaller side (the GaLore paper's 60M-350M models use
+    /// d/4), T = 200, α = 0.25 (the GaLore paper's values).
     fn default() -> Self {
         GaLoreConfig {
-            rank: 128,
+            rank: 0,
             update_every: 200,
             scale: 0.25,
             min_dim: 0,
@@ -76,9 +78,6 @@ impl Default for GaLoreConfig {
 impl GaLoreConfig {
     /// Checks the values; the error names the field.
     pub fn validate(&self) -> Result<(), String> {
-        if self.rank == 0 {
-            return Err("galore.rank: must be at least 1".into());
-        }
         if self.update_every == 0 {
             return Err("galore.update_every: must be at least 1".into());
         }
@@ -98,7 +97,25 @@ impl GaLoreConfig {
         }
         let small = p.shape[0].min(p.shape[1]);
         let embedding = p.name.split('.').any(|s| s.starts_with("embedding"));
-        small > self.rank && small >= self.min_dim && (self.embeddings || !embedding)
+        let r = self.rank_for(small);
+        r >= 1 && small > r && small >= self.min_dim && (self.embeddings || !embedding)
+    }
+
+    /// The projection rank of a matrix whose smaller side is `small`: `rank`, or with
+    /// `rank = 0` a quarter of `small` (0 for matrices narrower than 4: not projected).
+    pub fn rank_for(&self, small: usize) -> usize {
+        match self.rank {
+            0 => small / 4,
+            r => r,
+        }
+    }
+
+    /// The rank as a phrase for reports.
+    pub fn rank_label(&self) -> String {
+        match self.rank {
+            0 => "a quarter of each matrix's smaller side".into(),
+            r => r.to_string(),
+        }
     }
 }
 
@@ -248,7 +265,7 @@ impl GaLore {
         visit(&mut |p: &mut Param| {
             if galore.projects(p) {
                 let (rows, cols) = (p.shape[0], p.shape[1]);
-                let rank = galore.rank;
+                let rank = galore.rank_for(rows.min(cols));
                 let side = if rows >= cols {
                     Side::Right
                 } else {
@@ -662,11 +679,6 @@ mod tests {
     fn config_errors_name_the_field() {
         let bad = |c: GaLoreConfig| c.validate().unwrap_err();
         assert!(bad(GaLoreConfig {
-            rank: 0,
-            ..Default::default()
-        })
-        .starts_with("galore.rank"));
-        assert!(bad(GaLoreConfig {
             update_every: 0,
             ..Default::default()
         })
@@ -677,5 +689,29 @@ mod tests {
         })
         .starts_with("galore.scale"));
         assert!(GaLoreConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn the_default_rank_is_what_each_matrix_supports() {
+        let g = GaLoreConfig::default();
+        let m = |rows: usize, cols: usize| {
+            Param::new(
+                "encoder.0.ffn.up.w",
+                &[rows, cols],
+                ParamKind::Other,
+                vec![0.0; rows * cols],
+            )
+        };
+        // The built-in model's 128-wide matrices are projected at rank 32 (a fixed 128 would
+        // have left them alone: GaLore = AdamW), the paper model's at 192.
+        assert!(g.projects(&m(128, 256)) && g.rank_for(128) == 32);
+        assert!(g.projects(&m(768, 3072)) && g.rank_for(768) == 192);
+        // A 2-column classifier is not.
+        assert!(!g.projects(&m(128, 2)));
+        let fixed = GaLoreConfig {
+            rank: 128,
+            ..Default::default()
+        };
+        assert!(!fixed.projects(&m(128, 256)) && fixed.projects(&m(768, 768)));
     }
 }

@@ -39,17 +39,25 @@ use serde::{Deserialize, Serialize};
 #[serde(default, deny_unknown_fields)]
 pub struct AdamWConfig {
     /// Learning rate of TT/TTM cores.
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub lr_cores: f32,
     /// Learning rate of rank gates.
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub lr_gates: f32,
     /// Learning rate of every other parameter (dense weights, biases, LayerNorm, embeddings).
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub lr_other: f32,
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub beta1: f32,
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub beta2: f32,
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub eps: f32,
     /// Decoupled weight decay (not applied to gates, biases or LayerNorm).
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub weight_decay: f32,
     /// Clip the global gradient norm to this (0 = off).
+    #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub clip_norm: f32,
 }
 

@@ -254,6 +254,16 @@ impl RankController {
             w_size: 0.0,
         };
         if !self.active() {
+            // Without the rank schedule the model is a plain TT/TTM model (as in the authors'
+            // code): the gates are constants (1 from initialisation), so ∂/∂gate is dropped
+            // here, before clipping. They take no part in the gradient norm and, with a zero
+            // gradient and zero moments, AdamW (or GaLore's Adam) moves them by exactly 0, so
+            // no entry can drift to τ and silently kill its slice.
+            model.visit_params_mut(&mut |p| {
+                if p.kind == ParamKind::RankGate {
+                    p.grad.fill(0.0);
+                }
+            });
             return obj;
         }
         let c = &self.cfg;
@@ -371,17 +381,17 @@ pub fn truncate(model: &mut dyn Model) -> Vec<Retained> {
     changed
 }
 
-/// A Markdown table of per-layer ranks at several points (`points`: a title and the layers).
+/// A Markdown table of per-layer ranks and sizes at several points (`points`: a title and the
+/// layers), each cell reading `first → … → last`, with a total row of the TT/TTM sizes, and
+/// below it the one labelled compression figure of the TT/TTM layers (their dense equivalent
+/// over their size) at each point.
 pub fn rank_table(points: &[(&str, &[LayerRanks])]) -> String {
-    let mut s = String::from("| layer | dense params |");
-    for (title, _) in points {
-        s.push_str(&format!(" {title}: ranks | size |"));
-    }
-    s.push_str("\n|---|---|");
-    for _ in points {
-        s.push_str("---|---|");
-    }
-    s.push('\n');
+    let titles: Vec<&str> = points.iter().map(|p| p.0).collect();
+    let arrow = " → ";
+    let mut s = format!(
+        "| layer | dense params | ranks: {t} | size: {t} |\n|---|---|---|---|\n",
+        t = titles.join(arrow)
+    );
     let Some((_, first)) = points.first() else {
         return s;
     };
@@ -393,24 +403,79 @@ pub fn rank_table(points: &[(&str, &[LayerRanks])]) -> String {
     };
     let mut totals = vec![0.0; points.len()];
     for (i, layer) in first.iter().enumerate() {
-        s.push_str(&format!("| {} | {} |", layer.name, layer.dense));
+        let (mut ranks, mut sizes) = (Vec::new(), Vec::new());
         for (j, (_, layers)) in points.iter().enumerate() {
             match layers.get(i) {
                 Some(l) => {
                     totals[j] += l.size;
                     let dead = if l.dead { " (dead)" } else { "" };
-                    s.push_str(&format!(" {}{dead} | {} |", fmt(&l.ranks), l.size));
+                    ranks.push(format!("{}{dead}", fmt(&l.ranks)));
+                    sizes.push(format!("{:.0}", l.size));
                 }
-                None => s.push_str(" – | – |"),
+                None => {
+                    ranks.push("–".into());
+                    sizes.push("–".into());
+                }
             }
         }
-        s.push('\n');
+        s.push_str(&format!(
+            "| {} | {} | {} | {} |\n",
+            layer.name,
+            layer.dense,
+            ranks.join(arrow),
+            sizes.join(arrow)
+        ));
     }
     let dense: usize = first.iter().map(|l| l.dense).sum();
-    s.push_str(&format!("| **total** | {dense} |"));
-    for t in &totals {
-        s.push_str(&format!(" {:.1}× | {t} |", dense as f64 / t.max(1.0)));
-    }
-    s.push('\n');
+    let join =
+        |f: &dyn Fn(f64) -> String| totals.iter().map(|&t| f(t)).collect::<Vec<_>>().join(arrow);
+    s.push_str(&format!(
+        "| **TT/TTM total** | {dense} | | {} |\n\nTT/TTM layers ({}): compression vs their dense equivalent {}.\n",
+        join(&|t| format!("{t:.0}")),
+        titles.join(arrow),
+        join(&|t| format!("{:.1}×", dense as f64 / t.max(1.0)))
+    ));
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer(name: &str, ranks: &[usize], size: f64) -> LayerRanks {
+        LayerRanks {
+            name: name.into(),
+            ranks: ranks.to_vec(),
+            size,
+            dense: 1000,
+            dead: false,
+        }
+    }
+
+    #[test]
+    fn rank_table_reads_start_to_end_and_labels_its_one_compression_figure() {
+        let start = [layer("a", &[4, 4], 200.0), layer("b", &[3], 300.0)];
+        let end = [layer("a", &[2, 1], 50.0), layer("b", &[1], 50.0)];
+        let t = rank_table(&[("start", &start), ("end", &end)]);
+        assert!(
+            t.contains("| ranks: start → end | size: start → end |"),
+            "{t}"
+        );
+        assert!(t.contains("| a | 1000 | 4-4 → 2-1 | 200 → 50 |"), "{t}");
+        assert!(
+            t.contains("| **TT/TTM total** | 2000 | | 500 → 100 |"),
+            "{t}"
+        );
+        assert!(
+            t.contains(
+                "TT/TTM layers (start → end): compression vs their dense equivalent 4.0× → 20.0×."
+            ),
+            "{t}"
+        );
+        // No compression figure in a ranks column.
+        for line in t.lines().filter(|l| l.starts_with("| ")) {
+            let ranks_cell = line.split('|').nth(3).unwrap();
+            assert!(!ranks_cell.contains('×'), "{line}");
+        }
+    }
 }

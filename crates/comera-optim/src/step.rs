@@ -7,7 +7,8 @@
 //! and, between steps when the schedule asks, physical truncation of pruned rank slices with
 //! the optimiser's moments cut to match ([`Stepper::truncate`]). Pruned gate entries are frozen
 //! by the optimiser whenever the rank schedule is active, so momentum cannot revive a pruned
-//! slice.
+//! slice. Without an active schedule the gates are constants: their gradient is dropped by the
+//! rank objective ([`RankController::apply`]), so they never move and stay out of clipping.
 
 use crate::collective::DataParallel;
 use crate::optimizer::Optimizer;

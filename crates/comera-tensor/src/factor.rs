@@ -31,6 +31,20 @@ pub fn balanced_factorisations(n: usize, parts: usize, limit: usize) -> Vec<Vec<
 }
 
 fn collect(n: usize, parts: usize, max: usize, cur: &mut Vec<usize>, out: &mut Vec<Vec<usize>>) {
+    let divisors = divisors(n);
+    collect_from(&divisors, n, parts, max, cur, out);
+}
+
+/// `collect` over the divisors of the original width only (every factor divides it), so the
+/// work grows with the number of divisors, not with `n`.
+fn collect_from(
+    divisors: &[usize],
+    n: usize,
+    parts: usize,
+    max: usize,
+    cur: &mut Vec<usize>,
+    out: &mut Vec<Vec<usize>>,
+) {
     if parts == 1 {
         if n >= 2 && n <= max {
             cur.push(n);
@@ -41,32 +55,95 @@ fn collect(n: usize, parts: usize, max: usize, cur: &mut Vec<usize>, out: &mut V
         }
         return;
     }
-    for f in (2..=max.min(n)).rev() {
-        if n.is_multiple_of(f) {
+    for &f in divisors.iter().rev() {
+        if f >= 2 && f <= max.min(n) && n.is_multiple_of(f) {
             cur.push(f);
-            collect(n / f, parts - 1, f, cur, out);
+            collect_from(divisors, n / f, parts - 1, f, cur, out);
             cur.pop();
         }
     }
 }
 
+/// The divisors of `n` in increasing order (trial division up to √n).
+fn divisors(n: usize) -> Vec<usize> {
+    let (mut small, mut large) = (Vec::new(), Vec::new());
+    let mut d = 1usize;
+    while d.saturating_mul(d) <= n {
+        if n.is_multiple_of(d) {
+            small.push(d);
+            if d != n / d {
+                large.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    small.extend(large.into_iter().rev());
+    small
+}
+
+/// Whether a factorisation is balanced enough to be a useful TT layout: no factor of 1 (unless
+/// the width itself is 1) and the largest factor at most 4× the smallest.
+pub fn is_balanced(f: &[usize]) -> bool {
+    let (min, max) = (f.iter().min(), f.iter().max());
+    match (min, max) {
+        (Some(&lo), Some(&hi)) => f.iter().product::<usize>() == 1 || (lo >= 2 && hi <= 4 * lo),
+        _ => false,
+    }
+}
+
+/// For a width without a balanced `parts`-factor layout (a prime, or a prime times a small
+/// number): the smallest width n' > n, within n + n/4 + 16, that has one, with its most
+/// balanced factorisation. The layer is then padded: extra input features are zeros, extra
+/// output features are dropped.
+pub fn padded_balanced(n: usize, parts: usize) -> Option<(usize, Vec<usize>)> {
+    let limit = n.saturating_add(n / 4 + 16);
+    (n.saturating_add(1)..=limit).find_map(|c| {
+        let f = balanced_factorisations(c, parts, 1).pop()?;
+        is_balanced(&f).then_some((c, f))
+    })
+}
+
+/// Core parameters of a TT layout with these modes (inputs then outputs) at one uniform inner
+/// rank, in u128 (saturating) so no width or rank overflows: s_1·r + Σ r²·s_k + s_K·r.
+pub fn uniform_core_params(modes: &[usize], rank: usize) -> u128 {
+    let r = rank as u128;
+    let k = modes.len();
+    modes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| {
+            let left = if i == 0 { 1 } else { r };
+            let right = if i + 1 == k { 1 } else { r };
+            left.saturating_mul(s as u128).saturating_mul(right)
+        })
+        .fold(0u128, u128::saturating_add)
+}
+
 /// The largest uniform rank r ≥ 1 whose cores hold at most `budget` parameters, or `None`
-/// when even rank 1 exceeds it.
+/// when even rank 1 exceeds it. A binary search: the count grows with r.
 pub fn rank_for_budget(
     in_modes: &[usize],
     out_modes: &[usize],
     budget: usize,
 ) -> Result<Option<usize>, ShapeError> {
-    let mut best = None;
-    let mut r = 1;
-    loop {
-        let params = TtShape::uniform(in_modes, out_modes, r)?.core_params();
-        if params > budget {
-            return Ok(best);
-        }
-        best = Some(r);
-        r += 1;
+    TtShape::uniform(in_modes, out_modes, 1)?;
+    let modes: Vec<usize> = in_modes.iter().chain(out_modes).copied().collect();
+    let fits = |r: usize| uniform_core_params(&modes, r) <= budget as u128;
+    if !fits(1) {
+        return Ok(None);
     }
+    // fits(lo) holds, fits(hi) does not (a rank above the budget itself never fits, as every
+    // layout has at least two cores, each with at least r parameters).
+    let (mut lo, mut hi) = (1usize, budget.saturating_add(1));
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(Some(lo))
 }
 
 #[cfg(test)]
@@ -103,5 +180,34 @@ mod tests {
             .core_params();
         assert!(at <= 20_000 && above > 20_000);
         assert_eq!(rank_for_budget(&[4], &[4], 3).unwrap(), None);
+        // The u128 count agrees with the layout's own.
+        for r in [1, 2, 7, 30] {
+            let s = TtShape::uniform(&[12, 8, 8], &[8, 8, 12], r).unwrap();
+            assert_eq!(
+                uniform_core_params(&[12, 8, 8, 8, 8, 12], r),
+                s.core_params() as u128
+            );
+        }
+    }
+
+    #[test]
+    fn huge_and_prime_widths_are_quick_and_exact() {
+        // 2^32 = (2^11)(2^11)(2^10): the divisor walk is √n work, not n.
+        let f = balanced_factorisations(1 << 32, 3, 1);
+        assert_eq!(f, vec![vec![2048, 2048, 1024]]);
+        let r = rank_for_budget(&f[0], &f[0], usize::MAX).unwrap().unwrap();
+        assert!(r > 1_000_000, "{r}");
+        // A prime has only the padded-with-ones layout; the nearest balanced width is offered.
+        assert_eq!(balanced_factorisations(997, 3, 3), vec![vec![997, 1, 1]]);
+        assert!(!is_balanced(&[997, 1, 1]));
+        let (n, f) = padded_balanced(997, 3).unwrap();
+        assert_eq!((n, f.iter().product::<usize>()), (1000, 1000));
+        assert!(is_balanced(&f), "{f:?}");
+        assert!(is_balanced(&[12, 8, 8]) && !is_balanced(&[64, 2, 2]));
+        // A large prime (2^31 − 1) factors in √n steps.
+        assert_eq!(
+            balanced_factorisations(2_147_483_647, 2, 3),
+            vec![vec![2_147_483_647, 1]]
+        );
     }
 }

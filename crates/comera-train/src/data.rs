@@ -113,7 +113,17 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> anyhow::Result<Pr
             (train, valid)
         }
     };
-    let label_names = train_set.label_names.clone();
+    let label_names = match &cfg.label_names {
+        Some(names) if names.len() != train_set.label_names.len() => bail!(
+            "data.label_names: {} names for the {} labels of source `{}` ({:?})",
+            names.len(),
+            train_set.label_names.len(),
+            cfg.source,
+            train_set.label_names
+        ),
+        Some(names) => names.clone(),
+        None => train_set.label_names.clone(),
+    };
     let dropped = train_set.dropped + valid_set.as_ref().map_or(0, |v| v.dropped);
     let (mut train, mut valid): (Vec<Example>, Vec<Example>) = match valid_set {
         Some(v) => (train_set.examples, v.examples),

@@ -49,6 +49,19 @@ pub struct Panel {
     pub series: Vec<Series>,
     /// Logarithmic y axis (points with `y <= 0` are skipped).
     pub log_y: bool,
+    /// Vertical lines across the chart at these x values, each labelled at its top (e.g. the
+    /// rank schedule's switch to its late stage).
+    pub marks: Vec<(f64, String)>,
+    /// Draw the series as filled bars instead of lines (see [`Bars`]).
+    pub bars: Option<Bars>,
+}
+
+/// A bar chart: each point `(x, y)` of a series is a filled bar of `width` centred at `x`,
+/// from 0 to `y`; with `x_names`, the x axis shows name i at x = i + 1 instead of numbers.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Bars {
+    pub width: f64,
+    pub x_names: Vec<String>,
 }
 
 /// Why a plot could not be written; every variant names the target file.
@@ -99,6 +112,8 @@ const LIGHT_GRID: RGBColor = RGBColor(242, 242, 242);
 const GREY: RGBColor = RGBColor(110, 110, 110);
 /// Series with at most this many points also get a dot on each point.
 const MARKER_MAX_POINTS: usize = 40;
+/// With more named series than this, the legend goes beside the chart instead of over it.
+const LEGEND_INSIDE_MAX: usize = 4;
 
 /// Writes a PNG at `path`, `width` pixels wide and `height_per_panel` pixels per panel, with the
 /// panels stacked vertically, each a line chart with a legend. An empty `panels` slice gives a
@@ -161,10 +176,12 @@ fn render(rgb: &mut [u8], width: u32, height: u32, panels: &[Panel]) -> Result<(
     root.present().map_err(err_text)
 }
 
-/// A series reduced to its drawable points.
+/// A series reduced to its drawable points, with its style: series i gets colour i mod 10,
+/// solid for the first ten, dashed for the next ten (so up to 20 lines are told apart).
 struct Prepared<'a> {
     name: &'a str,
     color: RGBColor,
+    dashed: bool,
     points: Vec<(f64, f64)>,
 }
 
@@ -183,6 +200,7 @@ fn draw_panel(area: &Area, panel: &Panel) -> Result<(), String> {
         .map(|(i, s)| Prepared {
             name: &s.name,
             color: COLORS[i % COLORS.len()],
+            dashed: (i / COLORS.len()) % 2 == 1,
             points: s.points.iter().copied().filter(drawable).collect(),
         })
         .collect();
@@ -192,6 +210,20 @@ fn draw_panel(area: &Area, panel: &Panel) -> Result<(), String> {
     for &(x, y) in series.iter().flat_map(|s| &s.points) {
         x_bounds = Some(x_bounds.map_or((x, x), |(lo, hi)| (lo.min(x), hi.max(x))));
         y_bounds = Some(y_bounds.map_or((y, y), |(lo, hi)| (lo.min(y), hi.max(y))));
+    }
+    if let (Some(b), Some((x_lo, x_hi)), Some((y_lo, y_hi))) = (&panel.bars, x_bounds, y_bounds) {
+        // Bars stand on 0 and are wholly inside the x range.
+        let half = b.width.abs() / 2.0;
+        let x = if b.x_names.is_empty() {
+            (x_lo - half, x_hi + half)
+        } else {
+            (
+                0.5f64.min(x_lo - half),
+                (b.x_names.len() as f64 + 0.5).max(x_hi + half),
+            )
+        };
+        x_bounds = Some(x);
+        y_bounds = Some((y_lo.min(0.0), y_hi.max(0.0)));
     }
     let (Some((x_lo, x_hi)), Some((y_lo, y_hi))) = (x_bounds, y_bounds) else {
         let has_finite = panel
@@ -207,7 +239,10 @@ fn draw_panel(area: &Area, panel: &Panel) -> Result<(), String> {
         return draw_message(area, &panel.title, message);
     };
 
-    let x_range = linear_range(x_lo, x_hi);
+    let x_range = match &panel.bars {
+        Some(_) => x_lo..x_hi,
+        None => linear_range(x_lo, x_hi),
+    };
     let legend_pos = legend_position(&series, x_range.clone(), y_lo, y_hi);
     if panel.log_y {
         let y_range = log_range(y_lo, y_hi);
@@ -218,14 +253,12 @@ fn draw_panel(area: &Area, panel: &Panel) -> Result<(), String> {
             .with_light_points(light);
         draw_chart(area, panel, &series, x_range, y_spec, legend_pos)
     } else {
-        draw_chart(
-            area,
-            panel,
-            &series,
-            x_range,
-            linear_range(y_lo, y_hi),
-            legend_pos,
-        )
+        let y_range = match &panel.bars {
+            // From 0 exactly, some room above the tallest bar.
+            Some(_) => y_lo..(y_hi + 0.08 * (y_hi - y_lo)).max(y_lo + 1.0),
+            None => linear_range(y_lo, y_hi),
+        };
+        draw_chart(area, panel, &series, x_range, y_range, legend_pos)
     }
 }
 
@@ -241,12 +274,27 @@ where
     Y: AsRangedCoord<Value = f64>,
     Y::CoordDescType: ValueFormatter<f64>,
 {
-    let (_, h) = area.dim_in_pixel();
+    let (w, h) = area.dim_in_pixel();
     let small = h < 260;
     let caption_size = if small { 16 } else { 20 };
     let label_size = if small { 12 } else { 14 };
+    let named: Vec<&Prepared> = series.iter().filter(|s| !s.name.is_empty()).collect();
+    // Many series: the legend gets its own column right of the chart, so it covers no line.
+    let beside = named.len() > LEGEND_INSIDE_MAX;
+    let (area, legend_area) = if beside {
+        let longest = named
+            .iter()
+            .map(|s| s.name.chars().count())
+            .max()
+            .unwrap_or(0);
+        let legend_w = (longest as u32 * (label_size as u32 * 6 / 10) + 60).min(w / 3);
+        let (a, b) = area.split_horizontally(w.saturating_sub(legend_w));
+        (a, Some(b))
+    } else {
+        (area.clone(), None)
+    };
 
-    let mut chart = ChartBuilder::on(area)
+    let mut chart = ChartBuilder::on(&area)
         .caption(
             &panel.title,
             (FONT, caption_size).into_font().style(FontStyle::Bold),
@@ -257,6 +305,21 @@ where
         .build_cartesian_2d(x_range, y_spec)
         .map_err(err_text)?;
 
+    let x_names = panel
+        .bars
+        .as_ref()
+        .map(|b| b.x_names.clone())
+        .unwrap_or_default();
+    let x_text = |v: &f64| {
+        if x_names.is_empty() {
+            return tick_text(*v);
+        }
+        let k = v.round();
+        match (k as usize).checked_sub(1).and_then(|i| x_names.get(i)) {
+            Some(name) if (v - k).abs() < 1e-6 => name.clone(),
+            _ => String::new(),
+        }
+    };
     chart
         .configure_mesh()
         .light_line_style(LIGHT_GRID)
@@ -266,34 +329,77 @@ where
         .y_desc(panel.y_label.as_str())
         .label_style((FONT, label_size))
         .axis_desc_style((FONT, label_size + 1))
-        .x_label_formatter(&|v| tick_text(*v))
+        .x_label_formatter(&x_text)
         .y_label_formatter(&|v| tick_text(*v))
-        .x_labels(8)
+        .x_labels(if x_names.is_empty() {
+            8
+        } else {
+            2 * x_names.len() + 1
+        })
         .y_labels(6)
         .draw()
         .map_err(err_text)?;
 
-    let mut any_label = false;
-    for s in series {
-        let color = s.color;
-        let line = chart
-            .draw_series(LineSeries::new(
-                s.points.iter().copied(),
-                color.stroke_width(2),
+    let (y_lo, y_hi) = {
+        let r = chart.y_range();
+        (r.start, r.end)
+    };
+    for (x, label) in &panel.marks {
+        if !chart.x_range().contains(x) {
+            continue;
+        }
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(*x, y_lo), (*x, y_hi)],
+                6,
+                4,
+                GREY.stroke_width(2),
             ))
             .map_err(err_text)?;
-        if !s.name.is_empty() {
+        let pos = chart.backend_coord(&(*x, y_hi));
+        area.draw(&Text::new(
+            label.clone(),
+            (
+                pos.0 - area.get_base_pixel().0 + 4,
+                pos.1 - area.get_base_pixel().1 + 4,
+            ),
+            (FONT, label_size).into_font().color(&GREY),
+        ))
+        .map_err(err_text)?;
+    }
+
+    let mut any_label = false;
+    for s in series {
+        let (color, dashed) = (s.color, s.dashed);
+        let style = color.stroke_width(2);
+        let drawn = match (&panel.bars, dashed) {
+            (Some(b), _) => {
+                let half = b.width.abs() / 2.0;
+                chart.draw_series(s.points.iter().map(|&(x, y)| {
+                    Rectangle::new([(x - half, 0.0), (x + half, y)], color.filled())
+                }))
+            }
+            (None, false) => chart.draw_series(LineSeries::new(s.points.iter().copied(), style)),
+            (None, true) => {
+                chart.draw_series(DashedLineSeries::new(s.points.iter().copied(), 8, 5, style))
+            }
+        }
+        .map_err(err_text)?;
+        if !s.name.is_empty() && !beside {
             any_label = true;
             let label = if s.points.is_empty() {
                 format!("{} (no data)", s.name)
             } else {
                 s.name.to_string()
             };
-            line.label(label).legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 22, y)], color.stroke_width(3))
+            // Inside the chart only up to LEGEND_INSIDE_MAX series, all solid: a line sample
+            // (a thick one for bars).
+            let width = if panel.bars.is_some() { 10 } else { 3 };
+            drawn.label(label).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 22, y)], color.stroke_width(width))
             });
         }
-        if s.points.len() <= MARKER_MAX_POINTS {
+        if panel.bars.is_none() && s.points.len() <= MARKER_MAX_POINTS {
             chart
                 .draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))
                 .map_err(err_text)?;
@@ -311,6 +417,64 @@ where
             .border_style(GREY)
             .draw()
             .map_err(err_text)?;
+    }
+    if let Some(legend) = legend_area {
+        let row = i32::from(label_size as u16) + 6;
+        let top = 12 + caption_size + 10;
+        for (k, s) in named.iter().enumerate() {
+            let y = top + k as i32 * row;
+            let label = if s.points.is_empty() {
+                format!("{} (no data)", s.name)
+            } else {
+                s.name.to_string()
+            };
+            draw_legend_sample(
+                &legend,
+                (8, y + row / 2 - 3),
+                s.color,
+                s.dashed,
+                panel.bars.is_some(),
+            )?;
+            legend
+                .draw(&Text::new(
+                    label,
+                    (40, y),
+                    (FONT, label_size).into_font().color(&BLACK),
+                ))
+                .map_err(err_text)?;
+        }
+    }
+    Ok(())
+}
+
+/// Draws the legend's sample of a series with its left end at (x, y) of `area`: a filled
+/// square for bars, else a short line, dashed like the series.
+fn draw_legend_sample(
+    area: &Area,
+    (x, y): (i32, i32),
+    color: RGBColor,
+    dashed: bool,
+    bar: bool,
+) -> Result<(), String> {
+    if bar {
+        return area
+            .draw(&Rectangle::new(
+                [(x, y - 6), (x + 12, y + 6)],
+                color.filled(),
+            ))
+            .map_err(err_text);
+    }
+    let segments: &[(i32, i32)] = if dashed {
+        &[(0, 8), (14, 22)]
+    } else {
+        &[(0, 22)]
+    };
+    for &(a, b) in segments {
+        area.draw(&PathElement::new(
+            vec![(x + a, y), (x + b, y)],
+            color.stroke_width(3),
+        ))
+        .map_err(err_text)?;
     }
     Ok(())
 }
@@ -596,6 +760,7 @@ mod tests {
                     ),
                 ],
                 log_y: true,
+                ..Default::default()
             },
             Panel {
                 title: "Accuracy".into(),
@@ -611,6 +776,7 @@ mod tests {
                         .collect(),
                 )],
                 log_y: false,
+                ..Default::default()
             },
         ]
     }
@@ -670,6 +836,87 @@ mod tests {
             )
             .unwrap();
         }
+    }
+
+    /// Pixels of exactly this colour in columns `x0..x1` of an RGB image `w` pixels wide.
+    fn count_colour(rgb: &[u8], w: u32, x0: u32, x1: u32, c: RGBColor) -> usize {
+        rgb.chunks(3)
+            .enumerate()
+            .filter(|(i, p)| {
+                let x = (*i as u32) % w;
+                (x0..x1).contains(&x) && p[0] == c.0 && p[1] == c.1 && p[2] == c.2
+            })
+            .count()
+    }
+
+    #[test]
+    fn many_series_get_a_legend_beside_the_chart_distinct_styles_and_marks() {
+        let dir = TempDir::new("many");
+        let path = dir.0.join("ranks.png");
+        let series: Vec<Series> = (0..13)
+            .map(|i| {
+                Series::new(
+                    format!("encoder.{i}.attn.q"),
+                    curve(50, |x| 16.0 - (i as f64 + 1.0) * x / 10.0),
+                )
+            })
+            .collect();
+        let panel = Panel {
+            title: "mean active rank per layer".into(),
+            x_label: "step".into(),
+            y_label: "rank".into(),
+            series,
+            marks: vec![(20.0, "late stage".into())],
+            ..Default::default()
+        };
+        plot_panels(&path, &[panel], 1300, 400).unwrap();
+        if let Some(keep) = std::env::var_os("COMERA_PLOT_KEEP") {
+            fs::copy(&path, Path::new(&keep).join("comera-plot-many.png")).unwrap();
+        }
+        let (w, _, rgb) = decode(&path);
+        // The legend has its own column: the chart's grid stops before it, so no line end is
+        // under the legend; the column holds the legend's samples (series 0's colour). (A grid
+        // running under the legend would give ~130 pixels per grid line; anti-aliased glyph
+        // edges hit the grid's grey on a few.)
+        let column = w - 150..w - 20;
+        assert!(count_colour(&rgb, w, column.start, column.end, GRID) < 60);
+        assert!(count_colour(&rgb, w, column.start - 30, column.end, COLORS[0]) > 0);
+        // The mark's dashed grey line is drawn.
+        assert!(count_colour(&rgb, w, 0, w, GREY) > 100);
+        // Series 10.. are dashed in the first colours again: series 10 shares series 0's
+        // colour but not its style, so 13 lines stay distinguishable.
+        let styles: std::collections::HashSet<(u8, u8, u8, bool)> = (0..13)
+            .map(|i| {
+                let c = COLORS[i % COLORS.len()];
+                (c.0, c.1, c.2, (i / COLORS.len()) % 2 == 1)
+            })
+            .collect();
+        assert_eq!(styles.len(), 13);
+    }
+
+    #[test]
+    fn bars_are_filled_and_stand_on_zero() {
+        let dir = TempDir::new("bars");
+        let path = dir.0.join("bars.png");
+        let panel = Panel {
+            title: "ms per step".into(),
+            x_label: "arm".into(),
+            y_label: "ms".into(),
+            series: vec![Series::new(
+                "median",
+                vec![(1.0, 10.0), (2.0, 20.0), (3.0, 5.0)],
+            )],
+            bars: Some(Bars {
+                width: 0.5,
+                x_names: vec!["dense".into(), "galore".into(), "comera".into()],
+            }),
+            ..Default::default()
+        };
+        plot_panels(&path, &[panel], 600, 400).unwrap();
+        let (w, _, rgb) = decode(&path);
+        // Three bars of half a unit on a 3-unit axis, filled: thousands of pixels, where an
+        // outline would give a few hundred.
+        assert!(count_colour(&rgb, w, 0, w, COLORS[0]) > 10_000);
     }
 
     #[test]

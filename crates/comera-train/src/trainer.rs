@@ -509,6 +509,8 @@ struct Curves {
     model_ratio: Vec<(f64, f64)>,
     /// Per layer: mean active rank over its bonds, over steps.
     ranks: Vec<(String, Vec<(f64, f64)>)>,
+    /// The step at which the rank schedule switched to its late stage.
+    late_from: Option<f64>,
 }
 
 impl Curves {
@@ -535,6 +537,7 @@ impl Curves {
                     }
                 }
             }
+            Some("stage") => self.late_from = Some(step),
             Some("eval") => {
                 if let (Some(l), Some(a)) = (num("valid_loss"), num("valid_accuracy")) {
                     self.valid_loss.push((step, l));
@@ -554,6 +557,11 @@ impl Curves {
             name: name.into(),
             points: pts.clone(),
         };
+        let marks: Vec<(f64, String)> = self
+            .late_from
+            .map(|x| (x, "late stage".to_string()))
+            .into_iter()
+            .collect();
         let panels = [
             Panel {
                 title: "mean active rank per layer".into(),
@@ -561,6 +569,8 @@ impl Curves {
                 y_label: "rank".into(),
                 series: self.ranks.iter().map(|(n, p)| s(n, p)).collect(),
                 log_y: false,
+                marks: marks.clone(),
+                ..Default::default()
             },
             Panel {
                 title: "compression of the whole model".into(),
@@ -568,6 +578,8 @@ impl Curves {
                 y_label: "dense / trainable parameters".into(),
                 series: vec![s("whole model", &self.model_ratio)],
                 log_y: true,
+                marks: marks.clone(),
+                ..Default::default()
             },
             Panel {
                 title: "loss".into(),
@@ -575,6 +587,8 @@ impl Curves {
                 y_label: loss_name.into(),
                 series: vec![s("train", &self.train_loss), s("valid", &self.valid_loss)],
                 log_y: false,
+                marks: marks.clone(),
+                ..Default::default()
             },
         ];
         plot_panels(path, &panels, 1300, 380)?;
@@ -594,6 +608,7 @@ impl Curves {
                 y_label: loss_name.into(),
                 series: vec![s("train", &self.train_loss), s("valid", &self.valid_loss)],
                 log_y: false,
+                ..Default::default()
             },
             Panel {
                 title: "accuracy".into(),
@@ -601,6 +616,7 @@ impl Curves {
                 y_label: "accuracy".into(),
                 series: vec![s("train", &self.train_acc), s("valid", &self.valid_acc)],
                 log_y: false,
+                ..Default::default()
             },
         ];
         if !self.valid_auc.is_empty() {
@@ -610,6 +626,7 @@ impl Curves {
                 y_label: "AUC".into(),
                 series: vec![s("valid", &self.valid_auc)],
                 log_y: false,
+                ..Default::default()
             });
         }
         let width = 450 * panels.len() as u32;
@@ -1384,7 +1401,7 @@ fn write_rank_report(
     let table = rank::rank_table(&points);
     let dense = rep.dense_params;
     let text = format!(
-        "# Ranks of the TT/TTM layers\n\nStage at the end: {stage}. Whole model: {initial_params} → {} parameters ({:.1}× → {:.1}× compression vs {dense} dense).\n\n{table}",
+        "# Ranks of the TT/TTM layers\n\nStage at the end: {stage}.\n\n{table}Whole model (with the dense embeddings, norms, biases, pooler and head): {initial_params} → {} parameters; compression vs its dense equivalent ({dense}) {:.1}× → {:.1}×.\n",
         model.num_params(),
         dense as f64 / initial_params as f64,
         rep.ratio(model)

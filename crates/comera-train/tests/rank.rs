@@ -262,3 +262,84 @@ fn plateau_switch_and_config_errors() {
     };
     assert!(bad.validate().unwrap_err().contains("rank.target_ratio"));
 }
+
+/// With the rank schedule off the model is a plain TT/TTM model: the gates stay at their
+/// initial 1 whatever `lr_gates` is, their gradient is dropped before clipping (so it is not
+/// part of the gradient norm), and the cores still train.
+#[test]
+fn without_the_rank_schedule_gates_are_constants() {
+    use comera_layers::ParamKind;
+    use comera_optim::{Decay, Optimizer, Schedule, Stepper};
+    let mut m = Encoder::new(&config(), 8).unwrap();
+    let off = RankConfig {
+        enabled: false,
+        ..RankConfig::default()
+    };
+    let rank = RankController::new(&off, &m);
+    assert!(!rank.active());
+    // A gate rate that would move every gate by about 0.5 per step if gates trained.
+    let cfg = AdamWConfig {
+        lr_gates: 0.5,
+        lr_cores: 1e-2,
+        ..AdamWConfig::default()
+    };
+    let optimizer = Optimizer::new(cfg, None, &mut m);
+    let schedule = Schedule {
+        warmup: 0,
+        total: 100,
+        decay: Decay::Constant,
+    };
+    let cores_before: Vec<Vec<f32>> = m
+        .params()
+        .iter()
+        .filter(|p| p.kind == ParamKind::TtCore)
+        .map(|p| p.value.clone())
+        .collect();
+    let mut stepper = Stepper::new(optimizer, rank, schedule, 1.0, 0.01);
+    let mut st = loaded_state(&m);
+    for step in 0..5 {
+        let report = stepper.step(&mut m, &mut st, step).unwrap();
+        // The norm clipping saw: every gradient but the gates'.
+        let mut sq = 0.0f64;
+        for p in m.params() {
+            if p.kind == ParamKind::RankGate {
+                assert!(
+                    p.grad.iter().all(|&g| g == 0.0),
+                    "{} has a gradient",
+                    p.name
+                );
+            }
+            sq += p.grad.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>();
+        }
+        let rel = (report.grad_norm - sq.sqrt()).abs() / sq.sqrt();
+        assert!(
+            rel < 1e-6,
+            "grad norm {} vs {}",
+            report.grad_norm,
+            sq.sqrt()
+        );
+    }
+    let gates: Vec<&comera_layers::Param> = m
+        .params()
+        .into_iter()
+        .filter(|p| p.kind == ParamKind::RankGate)
+        .collect();
+    assert!(!gates.is_empty());
+    for g in gates {
+        assert!(
+            g.value.iter().all(|&v| v == 1.0),
+            "{} moved: {:?}",
+            g.name,
+            g.value
+        );
+    }
+    let cores_after: Vec<&comera_layers::Param> = m
+        .params()
+        .into_iter()
+        .filter(|p| p.kind == ParamKind::TtCore)
+        .collect();
+    assert!(cores_before
+        .iter()
+        .zip(cores_after)
+        .any(|(b, a)| b != &a.value));
+}
