@@ -58,6 +58,11 @@ pub struct RankConfig {
     /// Every bond keeps at least this many active entries (0 lets a layer die: a dead TT
     /// linear layer outputs its bias, a dead TTM table zeros).
     pub min_rank: usize,
+    /// Hold the gates (constants, as without the schedule) for this many steps: the cores
+    /// first learn the task as a plain TT/TTM model, then the gates and the size terms act.
+    /// Gates trained from the first step can push a fresh small model to the majority class
+    /// before it has learnt anything (0: from the first step).
+    pub gates_after_steps: u64,
 }
 
 impl Default for RankConfig {
@@ -78,6 +83,7 @@ impl Default for RankConfig {
             min_rank: 1,
             size_weight: 1.0,
             normalise_gates: true,
+            gates_after_steps: 0,
         }
     }
 }
@@ -243,7 +249,7 @@ impl RankController {
 
     /// Turns the data-loss gradient left by the backward pass into the gradient of the
     /// current stage's objective (module docs). `loss` is the batch's mean data loss.
-    pub fn apply(&mut self, model: &mut dyn Model, loss: f64) -> Objective {
+    pub fn apply(&mut self, model: &mut dyn Model, loss: f64, step: u64) -> Objective {
         let (s, s1, _) = sizes(model);
         let mut obj = Objective {
             loss,
@@ -253,12 +259,13 @@ impl RankController {
             w_loss: 1.0,
             w_size: 0.0,
         };
-        if !self.active() {
-            // Without the rank schedule the model is a plain TT/TTM model (as in the authors'
-            // code): the gates are constants (1 from initialisation), so ∂/∂gate is dropped
-            // here, before clipping. They take no part in the gradient norm and, with a zero
-            // gradient and zero moments, AdamW (or GaLore's Adam) moves them by exactly 0, so
-            // no entry can drift to τ and silently kill its slice.
+        if !self.active() || step < self.cfg.gates_after_steps {
+            // Without the rank schedule (or while `gates_after_steps` holds them) the model is
+            // a plain TT/TTM model (as in the authors' code): the gates are constants (1 from
+            // initialisation), so ∂/∂gate is dropped here, before clipping. They take no part
+            // in the gradient norm and, with a zero gradient and zero moments, AdamW (or
+            // GaLore's Adam) moves them by exactly 0, so no entry can drift to τ and silently
+            // kill its slice.
             model.visit_params_mut(&mut |p| {
                 if p.kind == ParamKind::RankGate {
                     p.grad.fill(0.0);

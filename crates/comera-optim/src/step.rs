@@ -228,7 +228,7 @@ impl Stepper {
         if let Some(dp) = &mut self.data_parallel {
             dp.reduce_grads(model, share);
         }
-        let objective = self.rank.apply(model, stats.loss);
+        let objective = self.rank.apply(model, stats.loss, step);
         let t2 = std::time::Instant::now();
         let (grad_scale, grad_norm) =
             crate::clip_scale(self.clip_norm, |f| model.visit_params_mut(f));

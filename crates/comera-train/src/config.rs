@@ -254,6 +254,7 @@ impl RunConfig {
                 target_ratio: Some(0.3),
                 rho_loss: 1.0,
                 size_weight: 0.3,
+                gates_after_steps: 320,
                 ..RankConfig::default()
             },
             galore: None,

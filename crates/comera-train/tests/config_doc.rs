@@ -3,7 +3,7 @@
 //! must mention every field a run config has (so no field goes undocumented).
 
 use comera_optim::galore::GaLoreConfig;
-use comera_train::config::{Phase, RunConfig};
+use comera_train::config::{EarlyStopping, Phase, RunConfig, StopMetric, StopMode};
 use std::path::{Path, PathBuf};
 
 fn documented() -> (PathBuf, String) {
@@ -85,6 +85,13 @@ fn the_documented_config_mentions_every_field() {
     let mut full = RunConfig::builtin();
     full.galore = Some(GaLoreConfig::default());
     full.train.init_from = Some("runs/x".into());
+    full.train.accumulate_steps = 2;
+    full.train.early_stopping = Some(EarlyStopping {
+        patience: 3,
+        metric: StopMetric::ValidLoss,
+        mode: Some(StopMode::Min),
+        min_delta: 0.0,
+    });
     full.train.phases = vec![Phase {
         seq_len: 32,
         batch_size: 8,

@@ -66,7 +66,7 @@ fn train_step(
     m.zero_grad();
     let s = m.forward(st, true, 0).unwrap();
     m.backward(st);
-    ctl.apply(m, s.loss);
+    ctl.apply(m, s.loss, 0);
     opt.step(1.0, 1.0, |f| m.visit_params_mut(f));
     s.loss
 }
@@ -178,7 +178,7 @@ fn early_stage_adds_gamma_times_the_normalised_size_gradient() {
     let s_ref = ctl.s_ref;
     assert_eq!(s_ref, rank::sizes(&m).0);
     m.zero_grad();
-    let obj = ctl.apply(&mut m, 0.7);
+    let obj = ctl.apply(&mut m, 0.7, 0);
     assert_eq!(obj.branch, Branch::Early);
     // Expected: γ/S_ref · ∂Ŝ/∂d, from each layer's own size gradient.
     let mut expect = m.clone();
@@ -224,11 +224,11 @@ fn late_stage_switches_by_epochs_and_picks_the_active_branch() {
     let s = rank::sizes(&m).0;
     assert_eq!(ctl.target_size, Some(0.5 * s));
     // (S − S0)/S = 0.5 > (L − L0)/L for L = 0.6: the size branch.
-    let obj = ctl.apply(&mut m, 0.6);
+    let obj = ctl.apply(&mut m, 0.6, 0);
     assert_eq!(obj.branch, Branch::Size);
     assert!((obj.w_size - (1.0 + 0.01)).abs() < 1e-12);
     // For L = 5: (5 − 0.5)/5 = 0.9 > 0.5: the loss branch, ω1 = 1/L.
-    let obj = ctl.apply(&mut m, 5.0);
+    let obj = ctl.apply(&mut m, 5.0, 0);
     assert_eq!(obj.branch, Branch::Loss);
     assert!((obj.w_loss - (0.2 + 0.1)).abs() < 1e-12);
 }
