@@ -228,8 +228,9 @@ impl RunConfig {
                 ..EncoderConfig::default()
             },
             // The gates' rate bounds how fast the late stage can prune (Adam moves a gate by
-            // about lr_gates per step); 2e-2 shrinks the ranks within 5 epochs, but it is
-            // fragile early on: seeds 44-46 of 42-46 stay at the majority class (README).
+            // about lr_gates per step); 2e-2 shrinks the ranks within 5 epochs. From the first
+            // step it left seeds 44-46 of 42-46 at the majority class, hence the gates' hold
+            // below; the late stage at this rate is still uneven across seeds (README).
             optim: AdamWConfig {
                 lr_cores: 1e-3,
                 lr_gates: 2e-2,
