@@ -350,7 +350,7 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
     use comera_layers::norm::LayerNorm;
     use comera_layers::tt_linear::{FusedFfn, SharedInput};
     use comera_layers::{EmbeddingLayer, Layer, RankGates, TtLinear, TtmEmbedding};
-    use comera_tensor::{matmul, MatMut, MatRef, TtShape, TtmShape};
+    use comera_tensor::{matmul, MatMut, MatRef, TtShape};
     let b = a.batch[0];
     let cfg = config(a, "tt")?;
     let (t, d, f, nl) = (cfg.seq_len, cfg.d_model, cfg.ffn, cfg.layers);
@@ -360,14 +360,14 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
     // (operation, ms per call, calls per step, counted FLOPs per call; 0: not counted).
     let mut rows: Vec<(String, f64, usize, f64)> = Vec::new();
     let rule = RankGates::new(cfg.threshold);
-    let tt =
-        |c: &comera_model::config::LayerTt| TtShape::uniform(&c.in_modes, &c.out_modes, c.rank);
+    let lay = cfg.validate()?;
+    let tt = |s: &Option<TtShape>| s.clone().ok_or_else(|| anyhow::anyhow!("the tt arm has TT layers"));
     let new_tt = |rng: &mut init::Rng, name: &str, shape: &TtShape| {
         TtLinear::new(name, shape.clone(), rule, rng)
     };
     // q, k, v: one fused product when the planner puts all three on the merged path (as the
     // encoder does); the FFN likewise (Up → bias+GELU → Down in row blocks).
-    let attn_shape = tt(&cfg.attn_tt)?;
+    let attn_shape = tt(&lay.attn)?;
     let mut qkv_layers = [
         new_tt(&mut rng, "q", &attn_shape)?,
         new_tt(&mut rng, "k", &attn_shape)?,
@@ -396,7 +396,7 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         }
         None => singles.push(("tt q/k/v", attn_shape.clone(), 3 * nl)),
     }
-    let (up_shape, down_shape) = (tt(&cfg.ffn_up_tt)?, tt(&cfg.ffn_down_tt)?);
+    let (up_shape, down_shape) = (tt(&lay.ffn_up)?, tt(&lay.ffn_down)?);
     let mut up = new_tt(&mut rng, "up", &up_shape)?;
     let mut down = new_tt(&mut rng, "down", &down_shape)?;
     let ffn_fused = match FusedFfn::new(&up, &down, n) {
@@ -495,8 +495,7 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
             0.0,
         ));
     }
-    let w = &cfg.word_ttm;
-    let shape = TtmShape::uniform(&w.vocab_modes, &w.dim_modes, w.rank, cfg.vocab_size)?;
+    let shape = lay.word.clone().ok_or_else(|| anyhow::anyhow!("the tt arm has a TTM table"))?;
     let mut emb = TtmEmbedding::new("word", shape, rule, 1.0, &mut rng)?;
     let mut ews = emb.workspace(n);
     let ids: Vec<u32> = (0..n as u32)

@@ -122,12 +122,10 @@ fn describe_encoder(model: &comera_model::Encoder, meta: &ModelMeta) {
         },
         if c.pre_ln { "pre-LN" } else { "post-LN" }
     );
-    println!(
-        "layers     {} linear, {} word embedding, gate threshold {}",
-        if c.tt_linear { "TT" } else { "dense" },
-        if c.ttm_embedding { "TTM" } else { "dense" },
-        c.threshold
-    );
+    let layers = c
+        .validate()
+        .map_or_else(|e| format!("invalid config: {e}"), |l| l.describe());
+    println!("layers     {layers}; gate threshold {}", c.threshold);
     println!(
         "trained    epoch {}, step {}; vocabulary {}{}",
         meta.epoch,

@@ -28,7 +28,7 @@
 //! what comera computes) and absolute position embeddings are accepted.
 
 use crate::{ImportError, Result};
-use comera_model::{Encoder, EncoderConfig, LayerTt, TtmConfig};
+use comera_model::{Encoder, EncoderConfig, LayerTt, Rank, TtmConfig};
 use comera_tensor::factor::balanced_factorisations;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
@@ -189,21 +189,9 @@ pub fn set_default_layouts(cfg: &mut EncoderConfig, rank: usize) {
         m
     };
     let (d, f) = (cfg.d_model, cfg.ffn);
-    cfg.attn_tt = LayerTt {
-        in_modes: fwd(d),
-        out_modes: rev(d),
-        rank,
-    };
-    cfg.ffn_up_tt = LayerTt {
-        in_modes: fwd(d),
-        out_modes: rev(f),
-        rank,
-    };
-    cfg.ffn_down_tt = LayerTt {
-        in_modes: fwd(f),
-        out_modes: rev(d),
-        rank,
-    };
+    cfg.attn_tt = LayerTt::uniform(&fwd(d), &rev(d), rank);
+    cfg.ffn_up_tt = LayerTt::uniform(&fwd(d), &rev(f), rank);
+    cfg.ffn_down_tt = LayerTt::uniform(&fwd(f), &rev(d), rank);
     let paper = [16usize, 20, 10, 10];
     let v = cfg.vocab_size;
     let vocab_modes = if v <= paper.iter().product() {
@@ -218,7 +206,7 @@ pub fn set_default_layouts(cfg: &mut EncoderConfig, rank: usize) {
             m.reverse();
             m
         },
-        rank,
+        rank: Rank::Uniform(rank),
     };
 }
 

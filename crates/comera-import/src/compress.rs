@@ -13,6 +13,7 @@
 //! `Encoder::new` (model files, checkpoints). The padded slices are zero and stay so: they
 //! change nothing, and rank-adaptive training prunes their gates.
 
+use comera_model::Rank;
 use crate::{ImportError, Result};
 use comera_layers::{RankGates, TtLinear, TtmEmbedding};
 use comera_model::{AnyEmbedding, AnyLinear, Encoder};
@@ -166,9 +167,9 @@ pub fn compress(enc: &Encoder, opts: &CompressOptions) -> Result<(Encoder, Vec<L
             reports.push(report);
         }
         cfg.tt_linear = true;
-        cfg.attn_tt.rank = uni[0];
-        cfg.ffn_up_tt.rank = uni[1];
-        cfg.ffn_down_tt.rank = uni[2];
+        cfg.attn_tt.rank = Rank::Uniform(uni[0]);
+        cfg.ffn_up_tt.rank = Rank::Uniform(uni[1]);
+        cfg.ffn_down_tt.rank = Rank::Uniform(uni[2]);
     }
     if let Some(topts) = &opts.word {
         let name = "embeddings.word";
@@ -215,7 +216,7 @@ pub fn compress(enc: &Encoder, opts: &CompressOptions) -> Result<(Encoder, Vec<L
         });
         out.word = AnyEmbedding::Ttm(layer);
         cfg.ttm_embedding = true;
-        cfg.word_ttm.rank = target.iter().copied().max().unwrap_or(1);
+        cfg.word_ttm.rank = Rank::Uniform(target.iter().copied().max().unwrap_or(1));
     }
     out.cfg = cfg;
     Ok((out, reports))

@@ -34,33 +34,38 @@ pub const EXPORT_VERSION: &str = "1";
 /// reconstructions (same names: `….weight` (in, out), `….bias`; `embeddings.word.weight`).
 pub fn densify(enc: &Encoder) -> Encoder {
     let mut out = enc.clone();
-    for blk in &mut out.blocks {
-        for lin in [
+    let heads = match &mut out.head {
+        Head::Classifier(h) => vec![&mut h.pool, &mut h.classifier],
+        Head::Mlm(_) => Vec::new(), // the TT output projection is cut to V columns below
+    };
+    let blocks = out.blocks.iter_mut().flat_map(|blk| {
+        [
             &mut blk.q,
             &mut blk.k,
             &mut blk.v,
             &mut blk.o,
             &mut blk.up,
             &mut blk.down,
-        ] {
-            if let AnyLinear::Tt(t) = lin {
-                let prefix = t
-                    .bias
-                    .name
-                    .strip_suffix(".bias")
-                    .unwrap_or(&t.bias.name)
-                    .to_string();
-                let (n, m) = (t.shape().in_features(), t.shape().out_features());
-                let weight = Param::new(
-                    format!("{prefix}.weight"),
-                    &[n, m],
-                    ParamKind::Other,
-                    t.dense_weight(),
-                );
-                let mut bias = t.bias.clone();
-                bias.grad.fill(0.0);
-                *lin = AnyLinear::Dense(Linear { weight, bias });
-            }
+        ]
+    });
+    for lin in blocks.chain(heads) {
+        if let AnyLinear::Tt(t) = lin {
+            let prefix = t
+                .bias
+                .name
+                .strip_suffix(".bias")
+                .unwrap_or(&t.bias.name)
+                .to_string();
+            let (n, m) = (t.shape().in_features(), t.shape().out_features());
+            let weight = Param::new(
+                format!("{prefix}.weight"),
+                &[n, m],
+                ParamKind::Other,
+                t.dense_weight(),
+            );
+            let mut bias = t.bias.clone();
+            bias.grad.fill(0.0);
+            *lin = AnyLinear::Dense(Linear { weight, bias });
         }
     }
     if let AnyEmbedding::Ttm(e) = &out.word {
@@ -112,8 +117,7 @@ pub fn densify(enc: &Encoder) -> Encoder {
             _ => MlmDecoderKind::Dense,
         };
     }
-    out.cfg.tt_linear = false;
-    out.cfg.ttm_embedding = false;
+    out.cfg.make_dense();
     out
 }
 

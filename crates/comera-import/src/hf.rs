@@ -104,7 +104,9 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
             ));
         }
     }
-    if cfg.tt_linear || cfg.ttm_embedding {
+    let mut tensorised = 0;
+    enc.visit_compressible(&mut |_| tensorised += 1);
+    if tensorised > 0 {
         notes.push(format!(
             "TT/TTM layers reconstructed to dense: {} parameters as {} dense ones",
             enc.num_params(),

@@ -2,6 +2,7 @@
 //! fields, the import of an export reproducing the model's logits (classifier and masked-LM,
 //! TT/TTM layers reconstructed), and refusals that name the field or tensor at fault.
 
+use comera_model::Rank;
 use comera_import::hf::{export_hf, mlm_logits, read_hf, ModelInfo, ReadOptions};
 use comera_model::{Encoder, EncoderConfig, HeadKind, LayerTt, MlmDecoderKind, TtmConfig};
 use safetensors::SafeTensors;
@@ -50,33 +51,17 @@ fn tiny(tt: bool, head: HeadKind, decoder: MlmDecoderKind) -> Encoder {
         dropout: 0.0,
         tt_linear: tt,
         ttm_embedding: tt,
-        attn_tt: LayerTt {
-            in_modes: vec![4, 4],
-            out_modes: vec![4, 4],
-            rank: 3,
-        },
-        ffn_up_tt: LayerTt {
-            in_modes: vec![4, 4],
-            out_modes: vec![4, 8],
-            rank: 3,
-        },
-        ffn_down_tt: LayerTt {
-            in_modes: vec![4, 8],
-            out_modes: vec![4, 4],
-            rank: 3,
-        },
+        attn_tt: LayerTt::uniform(&[4, 4], &[4, 4], 3),
+        ffn_up_tt: LayerTt::uniform(&[4, 4], &[4, 8], 3),
+        ffn_down_tt: LayerTt::uniform(&[4, 8], &[4, 4], 3),
         word_ttm: TtmConfig {
             vocab_modes: vec![4, 8],
             dim_modes: vec![4, 4],
-            rank: 3,
+            rank: Rank::Uniform(3),
         },
         head,
         mlm_decoder: decoder,
-        mlm_decoder_tt: LayerTt {
-            in_modes: vec![4, 4],
-            out_modes: vec![4, 8],
-            rank: 3,
-        },
+        mlm_decoder_tt: LayerTt::uniform(&[4, 4], &[4, 8], 3),
         ..EncoderConfig::default()
     };
     let mut enc = Encoder::new(&cfg, 7).unwrap();

@@ -1,5 +1,6 @@
 //! Export → import round trips and TT-SVD compression of small random models (no downloads).
 
+use comera_model::Rank;
 use comera_import::bert::BertWeights;
 use comera_import::{
     compress, export_compressed, export_dense, import_dense, load_compressed, CompressOptions,
@@ -18,25 +19,13 @@ fn small(tt: bool) -> EncoderConfig {
         num_labels: 3,
         tt_linear: tt,
         ttm_embedding: tt,
-        attn_tt: LayerTt {
-            in_modes: vec![4, 4],
-            out_modes: vec![4, 4],
-            rank: 3,
-        },
-        ffn_up_tt: LayerTt {
-            in_modes: vec![4, 4],
-            out_modes: vec![4, 8],
-            rank: 3,
-        },
-        ffn_down_tt: LayerTt {
-            in_modes: vec![8, 4],
-            out_modes: vec![4, 4],
-            rank: 3,
-        },
+        attn_tt: LayerTt::uniform(&[4, 4], &[4, 4], 3),
+        ffn_up_tt: LayerTt::uniform(&[4, 4], &[4, 8], 3),
+        ffn_down_tt: LayerTt::uniform(&[8, 4], &[4, 4], 3),
         word_ttm: TtmConfig {
             vocab_modes: vec![5, 10],
             dim_modes: vec![4, 4],
-            rank: 3,
+            rank: Rank::Uniform(3),
         },
         ..EncoderConfig::default()
     }

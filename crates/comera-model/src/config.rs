@@ -18,22 +18,194 @@ fn err(field: &str, msg: impl Into<String>) -> ConfigError {
     }
 }
 
-/// Modes and rank of one kind of TT linear layer.
+/// The rank of a TT/TTM layer: one number for every bond between cores, or a list with one
+/// rank per bond (K − 1 entries for K cores: TT linear layers have one core per input and per
+/// output mode, TTM tables one per mode pair).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rank {
+    Uniform(usize),
+    PerBond(Vec<usize>),
+}
+
+impl From<usize> for Rank {
+    fn from(r: usize) -> Rank {
+        Rank::Uniform(r)
+    }
+}
+
+impl std::fmt::Display for Rank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Rank::Uniform(r) => write!(f, "{r}"),
+            Rank::PerBond(v) => write!(f, "{v:?}"),
+        }
+    }
+}
+
+impl Serialize for Rank {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Rank::Uniform(r) => s.serialize_u64(*r as u64),
+            Rank::PerBond(v) => v.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Rank {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Rank, D::Error> {
+        use serde::de::{Error, SeqAccess, Unexpected, Visitor};
+        struct RankVisitor;
+        impl<'de> Visitor<'de> for RankVisitor {
+            type Value = Rank;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(
+                    "a rank (a positive integer such as 16) or one rank per bond between cores (such as [8, 4, 2, 4, 8])",
+                )
+            }
+            fn visit_u64<E: Error>(self, v: u64) -> Result<Rank, E> {
+                usize::try_from(v)
+                    .map(Rank::Uniform)
+                    .map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
+            }
+            fn visit_i64<E: Error>(self, v: i64) -> Result<Rank, E> {
+                match u64::try_from(v) {
+                    Ok(u) => self.visit_u64(u),
+                    Err(_) => Err(E::invalid_value(Unexpected::Signed(v), &self)),
+                }
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Rank, A::Error> {
+                let mut ranks = Vec::new();
+                while let Some(r) = seq.next_element::<usize>()? {
+                    ranks.push(r);
+                }
+                Ok(Rank::PerBond(ranks))
+            }
+        }
+        d.deserialize_any(RankVisitor)
+    }
+}
+
+/// The largest rank each bond of a tensor train with cores of `sizes` (each core's mode
+/// product) can use: bond k (between cores k and k+1) joins a (Π_{j≤k} s_j) × (Π_{j>k} s_j)
+/// unfolding, whose rank is at most the smaller side. Computed in f64 (sizes can be huge).
+pub fn bond_limits(sizes: &[usize]) -> Vec<usize> {
+    let total: f64 = sizes.iter().map(|&s| s as f64).product();
+    let mut left = 1.0f64;
+    sizes[..sizes.len().saturating_sub(1)]
+        .iter()
+        .map(|&s| {
+            left *= s as f64;
+            left.min(total / left).min(usize::MAX as f64) as usize
+        })
+        .collect()
+}
+
+/// The largest rank any bond of a tensor train with cores of `sizes` can use (the maximum of
+/// [`bond_limits`]; 1 for a single core): a uniform rank above it is waste at every bond.
+pub fn useful_rank(sizes: &[usize]) -> usize {
+    bond_limits(sizes).into_iter().max().unwrap_or(1).max(1)
+}
+
+impl Rank {
+    /// The full rank list `[1, r_1, …, r_{K−1}, 1]` for cores of `sizes`, capping what the
+    /// shape cannot use (with a warning in `warnings`):
+    /// - a list is capped bond by bond at [`bond_limits`];
+    /// - one number is capped at [`useful_rank`] only, so that a uniform rank keeps the
+    ///   authors' layout (the paper's rank 30 on a bond of a 12-wide end core is kept: those
+    ///   slices are redundant, and the rank schedule can prune them).
+    pub fn resolve(
+        &self,
+        field: &str,
+        sizes: &[usize],
+        warnings: &mut Vec<String>,
+    ) -> Result<Vec<usize>, ConfigError> {
+        let limits = bond_limits(sizes);
+        let inner: Vec<usize> = match self {
+            Rank::Uniform(0) => return Err(err(field, "must be at least 1")),
+            Rank::Uniform(r) => {
+                let max = useful_rank(sizes);
+                if *r > max {
+                    warnings.push(format!(
+                        "{field} = {r} exceeds the largest useful rank {max} for cores of sizes {sizes:?}: capped to {max} (ranks above it add parameters, not expressiveness)"
+                    ));
+                }
+                vec![(*r).min(max); limits.len()]
+            }
+            Rank::PerBond(v) => {
+                if v.len() != limits.len() {
+                    return Err(err(
+                        field,
+                        format!(
+                            "{} ranks given, but {} cores of sizes {sizes:?} have {} bonds: give one rank per bond, or one number",
+                            v.len(),
+                            sizes.len(),
+                            limits.len()
+                        ),
+                    ));
+                }
+                if let Some(b) = v.iter().position(|&r| r == 0) {
+                    return Err(err(
+                        field,
+                        format!("bond {} has rank 0 in {v:?}; every rank must be at least 1", b + 1),
+                    ));
+                }
+                let capped: Vec<usize> = v.iter().zip(&limits).map(|(&r, &l)| r.min(l)).collect();
+                if capped != *v {
+                    warnings.push(format!(
+                        "{field} = {v:?} exceeds what cores of sizes {sizes:?} can use at some bonds (at most {limits:?}): capped to {capped:?}"
+                    ));
+                }
+                capped
+            }
+        };
+        let mut ranks = Vec::with_capacity(inner.len() + 2);
+        ranks.push(1);
+        ranks.extend(inner);
+        ranks.push(1);
+        Ok(ranks)
+    }
+}
+
+/// Modes and rank of one kind of TT linear layer, and whether that kind is TT at all.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LayerTt {
     pub in_modes: Vec<usize>,
     pub out_modes: Vec<usize>,
-    pub rank: usize,
+    pub rank: Rank,
+    /// This kind as TT (true) or dense (false). Absent: the attention and FFN kinds follow
+    /// `model.tt_linear`; a pooler or classifier whose table is given is TT.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tt: Option<bool>,
 }
 
 impl LayerTt {
-    fn shape(&self, field: &str, n: usize, m: usize) -> Result<TtShape, ConfigError> {
-        let s = TtShape::uniform(&self.in_modes, &self.out_modes, self.rank)
+    /// A TT layout with one rank on every bond (`tt` left to the model's default).
+    pub fn uniform(in_modes: &[usize], out_modes: &[usize], rank: usize) -> LayerTt {
+        LayerTt {
+            in_modes: in_modes.to_vec(),
+            out_modes: out_modes.to_vec(),
+            rank: Rank::Uniform(rank),
+            tt: None,
+        }
+    }
+
+    /// The validated layout of an `n → m` layer, ranks capped to what the modes support.
+    fn shape(
+        &self,
+        field: &str,
+        n: usize,
+        m: usize,
+        warnings: &mut Vec<String>,
+    ) -> Result<TtShape, ConfigError> {
+        let probe = TtShape::uniform(&self.in_modes, &self.out_modes, 1)
             .map_err(|e| err(field, e.to_string()))?;
-        s.check_features(n, m)
+        probe
+            .check_features(n, m)
             .map_err(|e| err(field, format!("{e} (layer is {n} → {m})")))?;
-        Ok(s)
+        let sizes: Vec<usize> = self.in_modes.iter().chain(&self.out_modes).copied().collect();
+        let ranks = self.rank.resolve(&format!("{field}.rank"), &sizes, warnings)?;
+        TtShape::new(&self.in_modes, &self.out_modes, &ranks).map_err(|e| err(field, e.to_string()))
     }
 }
 
@@ -43,7 +215,7 @@ impl LayerTt {
 pub struct TtmConfig {
     pub vocab_modes: Vec<usize>,
     pub dim_modes: Vec<usize>,
-    pub rank: usize,
+    pub rank: Rank,
 }
 
 /// What sits on top of the encoder.
@@ -103,7 +275,8 @@ pub struct EncoderConfig {
     /// Rank-gate threshold τ.
     #[serde(serialize_with = "comera_layers::config_float::shortest_f32")]
     pub threshold: f32,
-    /// Encoder linear layers as TT (true) or dense.
+    /// The attention and FFN layers as TT (true) or dense: the default of each kind, which
+    /// its own table's `tt` overrides (e.g. TT attention with a dense FFN).
     pub tt_linear: bool,
     /// Word embedding as TTM (true) or dense.
     pub ttm_embedding: bool,
@@ -112,6 +285,12 @@ pub struct EncoderConfig {
     pub ffn_up_tt: LayerTt,
     pub ffn_down_tt: LayerTt,
     pub word_ttm: TtmConfig,
+    /// The classifier head's pooler (D → D) and classifier (D → labels) as TT layers; absent:
+    /// dense, as in the paper.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pooler_tt: Option<LayerTt>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub classifier_tt: Option<LayerTt>,
     /// Classifier or masked-LM head.
     pub head: HeadKind,
     /// The MLM head's output projection. `auto` resolves to `tied` with a dense word embedding
@@ -146,50 +325,97 @@ impl Default for EncoderConfig {
             threshold: 0.01,
             tt_linear: true,
             ttm_embedding: true,
-            attn_tt: LayerTt {
-                in_modes: vec![12, 8, 8],
-                out_modes: vec![8, 8, 12],
-                rank: 30,
-            },
-            ffn_up_tt: LayerTt {
-                in_modes: vec![12, 8, 8],
-                out_modes: vec![16, 16, 12],
-                rank: 30,
-            },
-            ffn_down_tt: LayerTt {
-                in_modes: vec![12, 16, 16],
-                out_modes: vec![8, 8, 12],
-                rank: 30,
-            },
+            attn_tt: LayerTt::uniform(&[12, 8, 8], &[8, 8, 12], 30),
+            ffn_up_tt: LayerTt::uniform(&[12, 8, 8], &[16, 16, 12], 30),
+            ffn_down_tt: LayerTt::uniform(&[12, 16, 16], &[8, 8, 12], 30),
             word_ttm: TtmConfig {
                 vocab_modes: vec![16, 20, 10, 10],
                 dim_modes: vec![4, 4, 8, 6],
-                rank: 32,
+                rank: Rank::Uniform(32),
             },
+            pooler_tt: None,
+            classifier_tt: None,
             head: HeadKind::Classifier,
             mlm_decoder: MlmDecoderKind::Auto,
-            mlm_decoder_tt: LayerTt {
-                in_modes: vec![12, 8, 8],
-                out_modes: vec![20, 40, 40],
-                rank: 30,
-            },
+            mlm_decoder_tt: LayerTt::uniform(&[12, 8, 8], &[20, 40, 40], 30),
             recompute_blocks: false,
         }
     }
 }
 
-/// The validated layouts a model is built from.
+/// The validated layouts a model is built from: a TT/TTM shape per layer kind, `None` for a
+/// dense one.
 #[derive(Clone, Debug)]
 pub struct Layouts {
     pub attn: Option<TtShape>,
     pub ffn_up: Option<TtShape>,
     pub ffn_down: Option<TtShape>,
     pub word: Option<TtmShape>,
+    /// The classifier head's pooler and classifier (classifier head only).
+    pub pooler: Option<TtShape>,
+    pub classifier: Option<TtShape>,
     /// The MLM head's TT output projection (when the head is MLM and its decoder is TT).
     pub mlm_decoder: Option<TtShape>,
+    /// Ranks capped to what their shapes support, one message each.
+    pub warnings: Vec<String>,
+}
+
+impl Layouts {
+    /// `TT attention, FFN up, FFN down; TTM word embedding; dense pooler, classifier`.
+    pub fn describe(&self) -> String {
+        let kinds = [
+            ("attention", self.attn.is_some()),
+            ("FFN up", self.ffn_up.is_some()),
+            ("FFN down", self.ffn_down.is_some()),
+            ("pooler", self.pooler.is_some()),
+            ("classifier", self.classifier.is_some()),
+            ("MLM projection", self.mlm_decoder.is_some()),
+        ];
+        let list = |tt: bool| -> String {
+            kinds
+                .iter()
+                .filter(|(_, t)| *t == tt)
+                .map(|(k, _)| *k)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let (tt, dense) = (list(true), list(false));
+        let mut parts = Vec::new();
+        if !tt.is_empty() {
+            parts.push(format!("TT {tt}"));
+        }
+        parts.push(format!(
+            "{} word embedding",
+            if self.word.is_some() { "TTM" } else { "dense" }
+        ));
+        if !dense.is_empty() {
+            parts.push(format!("dense {dense}"));
+        }
+        parts.join("; ")
+    }
 }
 
 impl EncoderConfig {
+    /// Whether a TT-capable layer kind is TT: its table's `tt`, else `model.tt_linear`.
+    pub fn is_tt(&self, kind: &LayerTt) -> bool {
+        kind.tt.unwrap_or(self.tt_linear)
+    }
+
+    /// Every layer dense: no TT kind, no TTM table, a dense MLM projection where it was TT
+    /// (the `--dense` twin of a run and the config of a densified export).
+    pub fn make_dense(&mut self) {
+        self.tt_linear = false;
+        self.ttm_embedding = false;
+        for kind in [&mut self.attn_tt, &mut self.ffn_up_tt, &mut self.ffn_down_tt] {
+            kind.tt = None;
+        }
+        self.pooler_tt = None;
+        self.classifier_tt = None;
+        if self.mlm_decoder == MlmDecoderKind::Tt {
+            self.mlm_decoder = MlmDecoderKind::Dense;
+        }
+    }
+
     /// The MLM decoder kind with `auto` resolved.
     pub fn mlm_decoder(&self) -> MlmDecoderKind {
         match (self.mlm_decoder, self.ttm_embedding) {
@@ -261,26 +487,56 @@ impl EncoderConfig {
             ));
         }
         let (d, f) = (self.d_model, self.ffn);
-        let tt = self.tt_linear;
+        let mut warnings = Vec::new();
+        let mut tt_kind = |field: &str, kind: &LayerTt, is_tt: bool, n: usize, m: usize| {
+            is_tt
+                .then(|| kind.shape(field, n, m, &mut warnings))
+                .transpose()
+        };
+        let attn = tt_kind("model.attn_tt", &self.attn_tt, self.is_tt(&self.attn_tt), d, d)?;
+        let ffn_up = tt_kind("model.ffn_up_tt", &self.ffn_up_tt, self.is_tt(&self.ffn_up_tt), d, f)?;
+        let ffn_down = tt_kind(
+            "model.ffn_down_tt",
+            &self.ffn_down_tt,
+            self.is_tt(&self.ffn_down_tt),
+            f,
+            d,
+        )?;
+        let classifier_head = self.head == HeadKind::Classifier;
+        let mut head_kind = |field: &str, kind: &Option<LayerTt>, m: usize| match kind {
+            Some(k) if classifier_head && k.tt != Some(false) => {
+                tt_kind(field, k, true, d, m)
+            }
+            _ => Ok(None),
+        };
+        let pooler = head_kind("model.pooler_tt", &self.pooler_tt, d)?;
+        let classifier = head_kind("model.classifier_tt", &self.classifier_tt, self.num_labels)?;
+        if self.mlm_decoder_tt.tt.is_some() {
+            return Err(err(
+                "model.mlm_decoder_tt.tt",
+                "the MLM projection's kind is model.mlm_decoder (\"tt\", \"dense\", \"tied\" or \"auto\")",
+            ));
+        }
         let mlm_decoder = match (self.head, self.mlm_decoder()) {
             (HeadKind::Mlm, MlmDecoderKind::Tt) => {
                 let t = &self.mlm_decoder_tt;
-                let s = TtShape::uniform(&t.in_modes, &t.out_modes, t.rank)
-                    .map_err(|e| err("model.mlm_decoder_tt", e.to_string()))?;
-                if s.in_features() != d || s.out_features() < self.vocab_size {
+                let field = "model.mlm_decoder_tt";
+                let probe = TtShape::uniform(&t.in_modes, &t.out_modes, 1)
+                    .map_err(|e| err(field, e.to_string()))?;
+                if probe.in_features() != d || probe.out_features() < self.vocab_size {
                     return Err(err(
-                        "model.mlm_decoder_tt",
+                        field,
                         format!(
                             "in_modes {:?} multiply to {} (expected d_model = {d}) and out_modes {:?} to {} (expected at least vocab_size = {})",
                             t.in_modes,
-                            s.in_features(),
+                            probe.in_features(),
                             t.out_modes,
-                            s.out_features(),
+                            probe.out_features(),
                             self.vocab_size
                         ),
                     ));
                 }
-                Some(s)
+                Some(t.shape(field, d, probe.out_features(), &mut warnings)?)
             }
             (HeadKind::Mlm, MlmDecoderKind::Tied) if self.ttm_embedding => return Err(err(
                 "model.mlm_decoder",
@@ -288,41 +544,39 @@ impl EncoderConfig {
             )),
             _ => None,
         };
+        let word = if self.ttm_embedding {
+            let t = &self.word_ttm;
+            let probe = TtmShape::uniform(&t.vocab_modes, &t.dim_modes, 1, self.vocab_size)
+                .map_err(|e| err("model.word_ttm", e.to_string()))?;
+            if probe.dim() != d {
+                return Err(err(
+                    "model.word_ttm.dim_modes",
+                    format!(
+                        "{:?} multiply to {}, expected d_model = {d}",
+                        t.dim_modes,
+                        probe.dim()
+                    ),
+                ));
+            }
+            let ranks = t
+                .rank
+                .resolve("model.word_ttm.rank", &probe.size_modes(), &mut warnings)?;
+            Some(
+                TtmShape::new(&t.vocab_modes, &t.dim_modes, &ranks, self.vocab_size)
+                    .map_err(|e| err("model.word_ttm", e.to_string()))?,
+            )
+        } else {
+            None
+        };
         Ok(Layouts {
+            attn,
+            ffn_up,
+            ffn_down,
+            word,
+            pooler,
+            classifier,
             mlm_decoder,
-            attn: if tt {
-                Some(self.attn_tt.shape("model.attn_tt", d, d)?)
-            } else {
-                None
-            },
-            ffn_up: if tt {
-                Some(self.ffn_up_tt.shape("model.ffn_up_tt", d, f)?)
-            } else {
-                None
-            },
-            ffn_down: if tt {
-                Some(self.ffn_down_tt.shape("model.ffn_down_tt", f, d)?)
-            } else {
-                None
-            },
-            word: if self.ttm_embedding {
-                let t = &self.word_ttm;
-                let s = TtmShape::uniform(&t.vocab_modes, &t.dim_modes, t.rank, self.vocab_size)
-                    .map_err(|e| err("model.word_ttm", e.to_string()))?;
-                if s.dim() != d {
-                    return Err(err(
-                        "model.word_ttm.dim_modes",
-                        format!(
-                            "{:?} multiply to {}, expected d_model = {d}",
-                            t.dim_modes,
-                            s.dim()
-                        ),
-                    ));
-                }
-                Some(s)
-            } else {
-                None
-            },
+            warnings,
         })
     }
 }

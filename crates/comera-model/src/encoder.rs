@@ -13,14 +13,13 @@
 //! [`EncoderState`] holds every activation, gradient scratch and layer workspace for one fixed
 //! (batch, seq_len), allocated once; a steady-state training step allocates nothing.
 
-use crate::config::{ConfigError, EncoderConfig, HeadKind, MlmDecoderKind};
+use crate::config::{ConfigError, EncoderConfig, HeadKind, LayerTt, Layouts, MlmDecoderKind};
 use crate::mlm_head::{MlmDecoder, MlmHead, MlmHeadState};
 use comera_layers::activation::{Gelu, Tanh};
 use comera_layers::any::{AnyEmbedding, AnyEmbeddingWorkspace, AnyLinear, AnyLinearWorkspace};
 use comera_layers::attention::{Attention, AttentionWorkspace};
 use comera_layers::dropout::{Dropout, DropoutWorkspace};
 use comera_layers::embedding::EmbeddingWorkspace;
-use comera_layers::linear::LinearWorkspace;
 use comera_layers::loss::CrossEntropy;
 use comera_layers::norm::{LayerNorm, LayerNormWorkspace};
 use comera_layers::tt_linear::{FusedFfn, SharedInput};
@@ -28,7 +27,17 @@ use comera_layers::{
     Compressible, Embedding, EmbeddingError, EmbeddingLayer, Layer, Linear, Param, RankGates,
     StepStats, TtLinear, TtmEmbedding,
 };
-use comera_tensor::init;
+use comera_tensor::{init, TtShape};
+
+/// Whether two configs build a layer kind alike: both dense, or both TT of the same modes
+/// (ranks may differ: the pre-trained ones are taken).
+fn same_kind(a: &EncoderConfig, ka: &LayerTt, b: &EncoderConfig, kb: &LayerTt) -> bool {
+    match (a.is_tt(ka), b.is_tt(kb)) {
+        (false, false) => true,
+        (true, true) => (&ka.in_modes, &ka.out_modes) == (&kb.in_modes, &kb.out_modes),
+        _ => false,
+    }
+}
 
 /// One encoder block's layers.
 #[derive(Clone, Debug)]
@@ -101,25 +110,57 @@ pub enum Head {
     Mlm(MlmHead),
 }
 
-/// Pooler + classifier on the [CLS] position.
+/// Pooler + classifier on the [CLS] position (each dense or TT).
 #[derive(Clone, Debug)]
 pub struct ClassifierHead {
-    pub pool: Linear,
-    pub classifier: Linear,
+    pub pool: AnyLinear,
+    pub classifier: AnyLinear,
     drop: Dropout,
     ce: CrossEntropy,
 }
 
 impl ClassifierHead {
-    fn new(cfg: &EncoderConfig, dseed: u64, rng: &mut init::Rng) -> ClassifierHead {
-        let d = cfg.d_model;
-        ClassifierHead {
-            pool: Linear::new("pooler", d, d, rng),
-            classifier: Linear::new("classifier", d, cfg.num_labels, rng),
+    fn new(
+        cfg: &EncoderConfig,
+        layouts: &Layouts,
+        dseed: u64,
+        rng: &mut init::Rng,
+    ) -> Result<ClassifierHead, ConfigError> {
+        let (d, rule) = (cfg.d_model, RankGates::new(cfg.threshold));
+        Ok(ClassifierHead {
+            pool: any_linear("pooler", &layouts.pooler, d, d, rule, rng)?,
+            classifier: any_linear(
+                "classifier",
+                &layouts.classifier,
+                d,
+                cfg.num_labels,
+                rule,
+                rng,
+            )?,
             drop: Dropout::new(cfg.dropout, dseed.wrapping_add(1 << 32)),
             ce: CrossEntropy::with_ignore_index(cfg.num_labels, None),
-        }
+        })
     }
+}
+
+/// A linear layer `name` (n → m): TT of `shape`, or dense when there is none.
+fn any_linear(
+    name: &str,
+    shape: &Option<TtShape>,
+    n: usize,
+    m: usize,
+    rule: RankGates,
+    rng: &mut init::Rng,
+) -> Result<AnyLinear, ConfigError> {
+    Ok(match shape {
+        Some(s) => AnyLinear::Tt(TtLinear::new(name, s.clone(), rule, rng).map_err(|e| {
+            ConfigError {
+                field: name.to_string(),
+                msg: e.to_string(),
+            }
+        })?),
+        None => AnyLinear::Dense(Linear::new(name, n, m, rng)),
+    })
 }
 
 impl Head {
@@ -144,24 +185,29 @@ impl Head {
         }
     }
 
-    /// The MLM head's TT output projection, if it has one.
-    fn tt_decoder(&self) -> Option<&TtLinear> {
+    /// The head's linear layers: pooler and classifier, or the MLM head's own projection.
+    fn linears(&self) -> Vec<&AnyLinear> {
         match self {
+            Head::Classifier(h) => vec![&h.pool, &h.classifier],
             Head::Mlm(h) => match &h.decoder {
-                MlmDecoder::Own(AnyLinear::Tt(t)) => Some(t),
-                _ => None,
+                MlmDecoder::Own(l) => vec![l],
+                _ => Vec::new(),
             },
-            _ => None,
         }
     }
 
-    fn tt_decoder_mut(&mut self) -> Option<&mut TtLinear> {
+    /// [`Head::linears`] mutably, same order, without allocating.
+    fn visit_linears_mut(&mut self, f: &mut dyn FnMut(&mut AnyLinear)) {
         match self {
-            Head::Mlm(h) => match &mut h.decoder {
-                MlmDecoder::Own(AnyLinear::Tt(t)) => Some(t),
-                _ => None,
-            },
-            _ => None,
+            Head::Classifier(h) => {
+                f(&mut h.pool);
+                f(&mut h.classifier);
+            }
+            Head::Mlm(h) => {
+                if let MlmDecoder::Own(l) = &mut h.decoder {
+                    f(l);
+                }
+            }
         }
     }
 }
@@ -204,20 +250,8 @@ impl Encoder {
             &mut rng,
         );
         let ln_emb = LayerNorm::with_eps("embeddings.ln", d, cfg.ln_eps);
-        let mut linear = |name: String,
-                          shape: &Option<comera_tensor::TtShape>,
-                          n: usize,
-                          m: usize|
-         -> Result<AnyLinear, ConfigError> {
-            Ok(match shape {
-                Some(s) => AnyLinear::Tt(TtLinear::new(&name, s.clone(), rule, &mut rng).map_err(
-                    |e| ConfigError {
-                        field: name.clone(),
-                        msg: e.to_string(),
-                    },
-                )?),
-                None => AnyLinear::Dense(Linear::new(&name, n, m, &mut rng)),
-            })
+        let mut linear = |name: String, shape: &Option<TtShape>, n: usize, m: usize| {
+            any_linear(&name, shape, n, m, rule, &mut rng)
         };
         let mut blocks = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
@@ -238,27 +272,21 @@ impl Encoder {
             .then(|| LayerNorm::with_eps("encoder.ln_final", d, cfg.ln_eps));
         let dseed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let head = match cfg.head {
-            HeadKind::Classifier => Head::Classifier(ClassifierHead::new(cfg, dseed, &mut rng)),
+            HeadKind::Classifier => {
+                Head::Classifier(ClassifierHead::new(cfg, &layouts, dseed, &mut rng)?)
+            }
             HeadKind::Mlm => {
                 let decoder = match cfg.mlm_decoder() {
                     MlmDecoderKind::Tied => None,
-                    MlmDecoderKind::Tt => {
-                        let s = layouts.mlm_decoder.clone().expect("validated TT layout");
-                        Some(AnyLinear::Tt(
-                            TtLinear::new("mlm.decoder", s, rule, &mut rng).map_err(|e| {
-                                ConfigError {
-                                    field: "model.mlm_decoder_tt".into(),
-                                    msg: e.to_string(),
-                                }
-                            })?,
-                        ))
-                    }
-                    _ => Some(AnyLinear::Dense(Linear::new(
+                    // A TT projection's width is its out_modes' product (≥ the vocabulary).
+                    _ => Some(any_linear(
                         "mlm.decoder",
+                        &layouts.mlm_decoder,
                         d,
                         cfg.vocab_size,
+                        rule,
                         &mut rng,
-                    ))),
+                    )?),
                 };
                 Head::Mlm(MlmHead::new(
                     d,
@@ -323,26 +351,10 @@ impl Encoder {
             ("layers", a.layers == b.layers),
             ("type_vocab", a.type_vocab == b.type_vocab),
             ("pre_ln", a.pre_ln == b.pre_ln),
-            ("tt_linear", a.tt_linear == b.tt_linear),
             ("ttm_embedding", a.ttm_embedding == b.ttm_embedding),
-            (
-                "attn_tt",
-                !a.tt_linear
-                    || (&a.attn_tt.in_modes, &a.attn_tt.out_modes)
-                        == (&b.attn_tt.in_modes, &b.attn_tt.out_modes),
-            ),
-            (
-                "ffn_up_tt",
-                !a.tt_linear
-                    || (&a.ffn_up_tt.in_modes, &a.ffn_up_tt.out_modes)
-                        == (&b.ffn_up_tt.in_modes, &b.ffn_up_tt.out_modes),
-            ),
-            (
-                "ffn_down_tt",
-                !a.tt_linear
-                    || (&a.ffn_down_tt.in_modes, &a.ffn_down_tt.out_modes)
-                        == (&b.ffn_down_tt.in_modes, &b.ffn_down_tt.out_modes),
-            ),
+            ("attn_tt", same_kind(a, &a.attn_tt, b, &b.attn_tt)),
+            ("ffn_up_tt", same_kind(a, &a.ffn_up_tt, b, &b.ffn_up_tt)),
+            ("ffn_down_tt", same_kind(a, &a.ffn_down_tt, b, &b.ffn_down_tt)),
             (
                 "word_ttm",
                 !a.ttm_embedding
@@ -426,20 +438,17 @@ impl Encoder {
     }
 
     /// Calls `f` on every TT/TTM layer: the word embedding (if TTM), then each block's
-    /// q, k, v, o, up, down (if TT), then the MLM head's output projection (if TT).
+    /// q, k, v, o, up, down (if TT), then the head's pooler, classifier or MLM output
+    /// projection (if TT).
     pub fn visit_compressible(&self, f: &mut dyn FnMut(&dyn Compressible)) {
         if let AnyEmbedding::Ttm(t) = &self.word {
             f(t);
         }
-        for b in &self.blocks {
-            for l in b.linears() {
-                if let AnyLinear::Tt(t) = l {
-                    f(t);
-                }
+        let blocks = self.blocks.iter().flat_map(|b| b.linears());
+        for l in blocks.chain(self.head.linears()) {
+            if let AnyLinear::Tt(t) = l {
+                f(t);
             }
-        }
-        if let Some(t) = self.head.tt_decoder() {
-            f(t);
         }
     }
 
@@ -462,9 +471,11 @@ impl Encoder {
                 }
             }
         }
-        if let Some(t) = self.head.tt_decoder_mut() {
-            f(t);
-        }
+        self.head.visit_linears_mut(&mut |l| {
+            if let AnyLinear::Tt(t) = l {
+                f(t);
+            }
+        });
     }
 
     /// Every parameter, in the order of [`Encoder::visit_params_mut`].
@@ -494,28 +505,21 @@ impl Encoder {
 
     /// Scalars of the same model with every layer dense.
     pub fn dense_equivalent_params(&self) -> usize {
-        let tensorised: usize = self.word.params().iter().map(|p| p.len()).sum::<usize>()
-            + self
-                .blocks
-                .iter()
-                .flat_map(|b| b.linears())
-                .map(|l| l.params().iter().map(|p| p.len()).sum::<usize>())
-                .sum::<usize>();
-        let dense: usize = self.word.dense_equivalent()
-            + self
-                .blocks
-                .iter()
-                .flat_map(|b| b.linears())
-                .map(|l| l.dense_equivalent())
-                .sum::<usize>();
-        // A TT output projection stands for a dense D × V matrix + bias.
-        let (tensorised, dense) = match self.head.tt_decoder() {
-            Some(t) => (
-                tensorised + t.params().iter().map(|p| p.len()).sum::<usize>(),
-                dense + (t.in_features() + 1) * self.cfg.vocab_size,
-            ),
-            None => (tensorised, dense),
-        };
+        let count = |l: &AnyLinear| l.params().iter().map(|p| p.len()).sum::<usize>();
+        let mut tensorised = self.word.num_params();
+        let mut dense = self.word.dense_equivalent();
+        for l in self.blocks.iter().flat_map(|b| b.linears()) {
+            tensorised += count(l);
+            dense += l.dense_equivalent();
+        }
+        for l in self.head.linears() {
+            tensorised += count(l);
+            dense += match (l, &self.head) {
+                // A TT output projection D → V' stands for a dense D × V matrix + bias.
+                (AnyLinear::Tt(t), Head::Mlm(_)) => (t.in_features() + 1) * self.cfg.vocab_size,
+                _ => l.dense_equivalent(),
+            };
+        }
         self.num_params() - tensorised + dense
     }
 
@@ -948,8 +952,8 @@ struct BlockActs {
 /// The classifier head's activations and scratch (B rows).
 #[derive(Debug)]
 pub struct ClassifierState {
-    ws_pool: LinearWorkspace,
-    ws_cls: LinearWorkspace,
+    ws_pool: AnyLinearWorkspace,
+    ws_cls: AnyLinearWorkspace,
     ws_drop: DropoutWorkspace,
     labels: Vec<i32>,     // B
     cls: Vec<f32>,        // B × D
@@ -988,7 +992,7 @@ impl ClassifierState {
         train: bool,
         step: u64,
     ) -> comera_layers::loss::CrossEntropyStats {
-        let d = h.pool.in_features();
+        let d = self.cls.len() / self.labels.len();
         for (b, row) in self.cls.chunks_exact_mut(d).enumerate() {
             row.copy_from_slice(&hidden[b * t * d..b * t * d + d]);
         }

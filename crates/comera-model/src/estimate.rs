@@ -1,6 +1,5 @@
-//! What an encoder will need before it is built: its memory at a batch shape (so a config that
-//! cannot fit is refused before anything is allocated) and the ranks that exceed what a layer's
-//! shape can use.
+//! What an encoder will need before it is built: its memory at a batch shape, so that a config
+//! that cannot fit is refused before anything is allocated.
 //!
 //! Memory, in f32 values (× 4 bytes), computed in f64 so that absurd sizes cannot overflow:
 //!
@@ -79,7 +78,9 @@ impl EncoderConfig {
             + f;
         let word = lay.word.as_ref().map_or(v * d, ttm_params);
         let head = match self.head {
-            HeadKind::Classifier => d * d + d * self.num_labels as f64,
+            HeadKind::Classifier => {
+                linear(&lay.pooler, d, d) + linear(&lay.classifier, d, self.num_labels as f64)
+            }
             HeadKind::Mlm => {
                 d * d
                     + match self.mlm_decoder() {
@@ -105,56 +106,12 @@ impl EncoderConfig {
                 "train.batch_size, model.seq_len (or the phase's), model.layers or model.d_model",
         }
     }
-
-    /// Warnings for TT/TTM ranks above what a layer's shape can use: a bond's rank beyond
-    /// min(Π of the modes on its left, Π on its right) adds parameters that no weight needs.
-    pub fn rank_warnings(&self, lay: &Layouts) -> Vec<String> {
-        let mut out = Vec::new();
-        let mut check = |field: &str, sizes: Vec<usize>, rank: usize| {
-            let max = useful_rank(&sizes);
-            if rank > max {
-                out.push(format!(
-                    "{field}.rank = {rank} exceeds the largest useful rank {max} for modes {sizes:?} (ranks above it add parameters, not expressiveness)"
-                ));
-            }
-        };
-        let tt = |s: &TtShape| (0..s.n_cores()).map(|k| s.mode(k)).collect::<Vec<_>>();
-        if let Some(s) = &lay.attn {
-            check("model.attn_tt", tt(s), self.attn_tt.rank);
-        }
-        if let Some(s) = &lay.ffn_up {
-            check("model.ffn_up_tt", tt(s), self.ffn_up_tt.rank);
-        }
-        if let Some(s) = &lay.ffn_down {
-            check("model.ffn_down_tt", tt(s), self.ffn_down_tt.rank);
-        }
-        if let Some(s) = &lay.mlm_decoder {
-            check("model.mlm_decoder_tt", tt(s), self.mlm_decoder_tt.rank);
-        }
-        if let Some(s) = &lay.word {
-            check("model.word_ttm", s.size_modes(), self.word_ttm.rank);
-        }
-        out
-    }
-}
-
-/// The largest rank any bond of a TT with cores of `sizes` (each core's mode product) can use:
-/// max over bonds of min(Π sizes left of it, Π right of it); a uniform rank above it is waste
-/// at every bond.
-pub fn useful_rank(sizes: &[usize]) -> usize {
-    let total: f64 = sizes.iter().map(|&s| s as f64).product();
-    let mut left = 1.0f64;
-    let mut best = 1.0f64;
-    for &s in &sizes[..sizes.len().saturating_sub(1)] {
-        left *= s as f64;
-        best = best.max(left.min(total / left));
-    }
-    best.min(usize::MAX as f64) as usize
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{bond_limits, useful_rank};
     use crate::{Encoder, MlmDecoderKind};
     use comera_layers::Trainable;
 
@@ -237,6 +194,7 @@ mod tests {
 
     #[test]
     fn useful_rank_is_the_largest_bond_limit() {
+        assert_eq!(bond_limits(&[12, 8, 8, 8, 8, 12]), [12, 96, 768, 96, 12]);
         // A 32 → 32 layer with modes [4, 8 | 8, 4]: the middle bond can use 32.
         assert_eq!(useful_rank(&[4, 8, 8, 4]), 32);
         assert_eq!(useful_rank(&[2, 2]), 2);

@@ -1,9 +1,8 @@
 //! Models built from comera layers.
 //!
-//! - [`config`]: the model's shape (sizes, dense or TT/TTM per layer kind, modes and ranks),
-//!   checked with errors that name the offending field;
-//! - [`estimate`]: memory at a batch shape before anything is built, ranks above what a
-//!   shape can use;
+//! - [`config`]: the model's shape (sizes, dense or TT/TTM per layer kind, modes and ranks
+//!   per bond, capped to what a shape can use), checked with errors that name the field;
+//! - [`estimate`]: memory at a batch shape before anything is built;
 //! - [`Encoder`] implements [`comera_layers::Trainable`] (the one step and loop drive it);
 //! - [`encoder`]: the six-encoder BERT-style classifier of the paper, planned once for a fixed
 //!   batch and sequence length, with explicit forward and backward.
@@ -16,6 +15,9 @@ mod trainable;
 
 pub use comera_layers::any::{AnyEmbedding, AnyLinear};
 pub use comera_layers::StepStats;
-pub use config::{ConfigError, EncoderConfig, HeadKind, LayerTt, MlmDecoderKind, TtmConfig};
+pub use config::{
+    bond_limits, useful_rank, ConfigError, EncoderConfig, HeadKind, LayerTt, MlmDecoderKind, Rank,
+    TtmConfig,
+};
 pub use encoder::{Encoder, EncoderState, Head};
 pub use mlm_head::{MlmDecoder, MlmHead};

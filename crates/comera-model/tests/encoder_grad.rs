@@ -3,6 +3,7 @@
 //! head and the masked-LM head with each output projection (dense, tied, TT with padded
 //! vocabulary).
 
+use comera_model::Rank;
 use comera_model::{
     Encoder, EncoderConfig, EncoderState, HeadKind, LayerTt, MlmDecoderKind, TtmConfig,
 };
@@ -26,34 +27,20 @@ fn tiny(tt: bool, pre_ln: bool) -> EncoderConfig {
         threshold: 0.01,
         tt_linear: tt,
         ttm_embedding: tt,
-        attn_tt: LayerTt {
-            in_modes: vec![4, 4],
-            out_modes: vec![4, 4],
-            rank: 3,
-        },
-        ffn_up_tt: LayerTt {
-            in_modes: vec![4, 4],
-            out_modes: vec![4, 8],
-            rank: 3,
-        },
-        ffn_down_tt: LayerTt {
-            in_modes: vec![4, 8],
-            out_modes: vec![4, 4],
-            rank: 3,
-        },
+        attn_tt: LayerTt::uniform(&[4, 4], &[4, 4], 3),
+        ffn_up_tt: LayerTt::uniform(&[4, 4], &[4, 8], 3),
+        ffn_down_tt: LayerTt::uniform(&[4, 8], &[4, 4], 3),
         word_ttm: TtmConfig {
             vocab_modes: vec![5, 4, 3],
             dim_modes: vec![2, 2, 4],
-            rank: 3,
+            rank: Rank::Uniform(3),
         },
+        pooler_tt: None,
+        classifier_tt: None,
         head: HeadKind::Classifier,
         mlm_decoder: MlmDecoderKind::Auto,
         // 16 → 64 ≥ 60: four padding logits.
-        mlm_decoder_tt: LayerTt {
-            in_modes: vec![4, 4],
-            out_modes: vec![8, 8],
-            rank: 3,
-        },
+        mlm_decoder_tt: LayerTt::uniform(&[4, 4], &[8, 8], 3),
         recompute_blocks: false,
     }
 }
@@ -257,6 +244,79 @@ fn tied_decoder_needs_a_dense_embedding() {
     cfg.mlm_decoder_tt.out_modes = vec![7, 8];
     let e = Encoder::new(&cfg, 1).unwrap_err();
     assert_eq!(e.field, "model.mlm_decoder_tt");
+}
+
+/// Per-layer choices: TT attention, a dense FFN up and a TT FFN down, a TT pooler and a TT
+/// classifier, with per-bond ranks (one of them above what its bond supports, so capped) and a
+/// dense word embedding.
+fn mixed() -> EncoderConfig {
+    let mut cfg = tiny(false, false);
+    cfg.attn_tt.tt = Some(true);
+    cfg.attn_tt.rank = Rank::PerBond(vec![2, 3, 2]);
+    cfg.ffn_down_tt.tt = Some(true);
+    cfg.ffn_down_tt.rank = Rank::PerBond(vec![3, 2, 9]); // the last bond supports 4
+    let mut pooler = LayerTt::uniform(&[4, 4], &[4, 4], 2);
+    pooler.rank = Rank::PerBond(vec![2, 4, 3]);
+    cfg.pooler_tt = Some(pooler);
+    cfg.classifier_tt = Some(LayerTt::uniform(&[4, 4], &[1, 3], 2));
+    cfg
+}
+
+#[test]
+fn mixed_dense_and_tt_layers_with_per_bond_ranks_match_finite_differences() {
+    let cfg = mixed();
+    let lay = cfg.validate().unwrap();
+    assert_eq!(lay.ffn_down.as_ref().unwrap().ranks(), [1, 3, 2, 4, 1]);
+    assert_eq!(lay.warnings.len(), 1, "{:?}", lay.warnings);
+    assert!(lay.warnings[0].contains("model.ffn_down_tt.rank"), "{:?}", lay.warnings);
+    let m = Encoder::new(&cfg, 5).unwrap();
+    let shape = |name: &str| {
+        m.params()
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no parameter {name}"))
+            .shape
+            .clone()
+    };
+    // Each kind as configured: cores (r_{k-1}, s_k, r_k) with the per-bond ranks, or a matrix.
+    assert_eq!(shape("encoder.1.attn.q.core.2"), [2, 4, 3]);
+    assert_eq!(shape("encoder.1.attn.o.core.4"), [2, 4, 1]);
+    assert_eq!(shape("encoder.0.ffn.up.weight"), [16, 32]);
+    assert_eq!(shape("encoder.0.ffn.down.core.4"), [4, 4, 1]);
+    assert_eq!(shape("pooler.core.3"), [4, 4, 3]);
+    assert_eq!(shape("classifier.core.3"), [2, 1, 2]);
+    assert_eq!(shape("embeddings.word.weight"), [60, 16]);
+    let mut tt_layers = 0;
+    m.visit_compressible(&mut |_| tt_layers += 1);
+    assert_eq!(tt_layers, 2 * (4 + 1) + 2, "q, k, v, o, down per block; pooler, classifier");
+    check(&cfg, &|st, b| {
+        st.load(&b.ids, &b.types, &b.mask, &b.labels).unwrap()
+    });
+}
+
+#[test]
+fn per_bond_ranks_are_checked_by_field() {
+    let mut cfg = tiny(true, false);
+    cfg.attn_tt.rank = Rank::PerBond(vec![2, 3]);
+    let e = cfg.validate().unwrap_err();
+    assert_eq!(e.field, "model.attn_tt.rank");
+    assert!(e.msg.contains("2 ranks given") && e.msg.contains("3 bonds"), "{e}");
+    cfg.attn_tt.rank = Rank::PerBond(vec![2, 0, 3]);
+    let e = cfg.validate().unwrap_err();
+    assert!(e.msg.contains("bond 2 has rank 0"), "{e}");
+    // One number above every bond's limit is capped to the largest useful rank, with a warning.
+    let mut cfg = tiny(true, false);
+    cfg.word_ttm.rank = Rank::Uniform(1000);
+    let lay = cfg.validate().unwrap();
+    // TTM cores of sizes 5·2, 4·2, 3·4: bonds support min(10, 96) and min(80, 12).
+    assert_eq!(lay.word.unwrap().ranks(), [1, 12, 12, 1]);
+    assert!(lay.warnings[0].contains("model.word_ttm.rank = 1000"), "{:?}", lay.warnings);
+    // `tt = false` makes a kind dense even when model.tt_linear is on.
+    let mut cfg = tiny(true, false);
+    cfg.ffn_up_tt.tt = Some(false);
+    let m = Encoder::new(&cfg, 1).unwrap();
+    assert!(m.params().iter().any(|p| p.name == "encoder.0.ffn.up.weight"));
+    assert!(m.params().iter().any(|p| p.name == "encoder.0.ffn.down.core.1"));
 }
 
 #[test]

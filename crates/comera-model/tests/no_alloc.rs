@@ -2,6 +2,7 @@
 //! the CPU counterpart of the paper's whole-step CUDA Graph. A counting global allocator
 //! watches step 3.
 
+use comera_model::Rank;
 use comera_model::{Encoder, EncoderConfig, HeadKind, LayerTt, TtmConfig};
 use comera_optim::{clip_scale, AdamW, AdamWConfig};
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -53,25 +54,13 @@ fn config(tt: bool, pre_ln: bool) -> EncoderConfig {
         pre_ln,
         tt_linear: tt,
         ttm_embedding: tt,
-        attn_tt: LayerTt {
-            in_modes: vec![4, 8],
-            out_modes: vec![8, 4],
-            rank: 4,
-        },
-        ffn_up_tt: LayerTt {
-            in_modes: vec![4, 8],
-            out_modes: vec![8, 8],
-            rank: 4,
-        },
-        ffn_down_tt: LayerTt {
-            in_modes: vec![8, 8],
-            out_modes: vec![8, 4],
-            rank: 4,
-        },
+        attn_tt: LayerTt::uniform(&[4, 8], &[8, 4], 4),
+        ffn_up_tt: LayerTt::uniform(&[4, 8], &[8, 8], 4),
+        ffn_down_tt: LayerTt::uniform(&[8, 8], &[8, 4], 4),
         word_ttm: TtmConfig {
             vocab_modes: vec![14, 15, 10],
             dim_modes: vec![2, 4, 4],
-            rank: 4,
+            rank: Rank::Uniform(4),
         },
         ..EncoderConfig::default()
     }
@@ -105,11 +94,7 @@ fn steps_allocate_nothing(threads: usize) {
         let mut cfg = config(tt, pre_ln);
         if mlm {
             cfg.head = HeadKind::Mlm;
-            cfg.mlm_decoder_tt = LayerTt {
-                in_modes: vec![4, 8],
-                out_modes: vec![42, 50],
-                rank: 4,
-            };
+            cfg.mlm_decoder_tt = LayerTt::uniform(&[4, 8], &[42, 50], 4);
         }
         let mut model = Encoder::new(&cfg, 1).unwrap();
         let (b, t) = (16usize, cfg.seq_len);

@@ -1,6 +1,7 @@
 //! The run configuration: one TOML file with `[data]`, `[model]`, `[optim]` and `[train]`
 //! tables. Every field is documented in `configs/reviews-small.toml`; unknown fields are errors.
 
+use comera_model::Rank;
 use comera_model::{EncoderConfig, LayerTt, TtmConfig};
 use comera_optim::galore::GaLoreConfig;
 use comera_optim::rank::RankConfig;
@@ -205,25 +206,13 @@ impl RunConfig {
                 layers: 2,
                 num_labels: 2,
                 dropout: 0.1,
-                attn_tt: LayerTt {
-                    in_modes: vec![8, 4, 4],
-                    out_modes: vec![4, 4, 8],
-                    rank: 16,
-                },
-                ffn_up_tt: LayerTt {
-                    in_modes: vec![8, 4, 4],
-                    out_modes: vec![8, 8, 4],
-                    rank: 16,
-                },
-                ffn_down_tt: LayerTt {
-                    in_modes: vec![8, 8, 4],
-                    out_modes: vec![4, 4, 8],
-                    rank: 16,
-                },
+                attn_tt: LayerTt::uniform(&[8, 4, 4], &[4, 4, 8], 16),
+                ffn_up_tt: LayerTt::uniform(&[8, 4, 4], &[8, 8, 4], 16),
+                ffn_down_tt: LayerTt::uniform(&[8, 8, 4], &[4, 4, 8], 16),
                 word_ttm: TtmConfig {
                     vocab_modes: vec![16, 20, 10, 10],
                     dim_modes: vec![4, 4, 4, 2],
-                    rank: 16,
+                    rank: Rank::Uniform(16),
                 },
                 ..EncoderConfig::default()
             },
@@ -782,8 +771,7 @@ impl AnyRunConfig {
                     t.init_from = Some(v.clone());
                 }
                 if o.dense {
-                    cfg.model.tt_linear = false;
-                    cfg.model.ttm_embedding = false;
+                    cfg.model.make_dense();
                 }
                 cfg.validate().map_err(anyhow::Error::msg)
             }

@@ -117,7 +117,7 @@ fn check_encoder_fits(cfg: &RunConfig, phases: &[Phase]) -> anyhow::Result<()> {
             )
             .map_err(|m| anyhow::anyhow!("{m}"))?;
     }
-    for w in cfg.model.rank_warnings(&lay) {
+    for w in &lay.warnings {
         eprintln!("warning: {w}");
     }
     Ok(())
@@ -338,19 +338,10 @@ fn setup_encoder(
         );
     }
     eprintln!(
-        "model {} layers, d_model {}, {}{}",
+        "model {} layers, d_model {}: {}",
         mcfg.layers,
         mcfg.d_model,
-        if mcfg.tt_linear {
-            "TT linear"
-        } else {
-            "dense linear"
-        },
-        if mcfg.ttm_embedding {
-            " + TTM embedding"
-        } else {
-            " + dense embedding"
-        },
+        mcfg.validate()?.describe()
     );
     if cfg.galore.is_some() && cfg.rank.enabled {
         eprintln!("note  GaLore run: rank gates are trained, but pruned slices are not truncated");

@@ -85,6 +85,15 @@ fn the_documented_config_mentions_every_field() {
     let mut full = RunConfig::builtin();
     full.galore = Some(GaLoreConfig::default());
     full.train.init_from = Some("runs/x".into());
+    full.model.attn_tt.tt = Some(true);
+    full.model.ffn_up_tt.tt = Some(false);
+    full.model.ffn_down_tt.tt = Some(true);
+    let pooler = comera_model::LayerTt {
+        tt: Some(true),
+        ..comera_model::LayerTt::uniform(&[8, 4, 4], &[4, 4, 8], 8)
+    };
+    full.model.pooler_tt = Some(pooler.clone());
+    full.model.classifier_tt = Some(pooler);
     full.train.accumulate_steps = 2;
     full.train.early_stopping = Some(EarlyStopping {
         patience: 3,
@@ -187,5 +196,51 @@ fn the_documented_config_names_the_defaults_that_differ() {
             named,
             "`{d}` differs from its table's default but the header does not say so"
         );
+    }
+}
+
+/// Per-layer choices read from TOML: a kind's `tt`, per-bond rank lists, TT pooler and
+/// classifier tables; bad ranks are refused naming the field and what was expected.
+#[test]
+fn per_layer_choices_parse_and_bad_ranks_name_the_field() {
+    let (path, text) = documented();
+    let with = |extra: &str, table: &str| {
+        // Appended keys land in the last table of the file; put them under their own header.
+        format!("{text}\n[{table}]\n{extra}\n")
+    };
+    let mixed = text.replace(
+        "[model.attn_tt]      # Q, K, V and output projections: d_model -> d_model\nin_modes = [8, 4, 4]\nout_modes = [4, 4, 8]\nrank = 16\n",
+        "[model.attn_tt]\nin_modes = [8, 4, 4]\nout_modes = [4, 4, 8]\nrank = [8, 16, 16, 16, 8]\ntt = false\n",
+    );
+    assert_ne!(mixed, text, "the documented attention table moved");
+    let cfg = RunConfig::from_toml(&path, &mixed).unwrap();
+    assert_eq!(
+        cfg.model.attn_tt.rank,
+        comera_model::Rank::PerBond(vec![8, 16, 16, 16, 8])
+    );
+    let lay = cfg.model.validate().unwrap();
+    assert!(lay.attn.is_none() && lay.ffn_up.is_some());
+    // Saved and read back alike.
+    let back = RunConfig::from_toml(Path::new("<saved>"), &cfg.to_toml()).unwrap();
+    assert_eq!(back, cfg);
+    let pooler = with(
+        "in_modes = [8, 4, 4]\nout_modes = [4, 4, 8]\nrank = 4",
+        "model.pooler_tt",
+    );
+    let cfg = RunConfig::from_toml(&path, &pooler).unwrap();
+    assert!(cfg.model.validate().unwrap().pooler.is_some());
+    for (rank, expected) in [
+        ("-3", "a rank (a positive integer"),
+        ("\"big\"", "a rank (a positive integer"),
+        ("[8, 16]", "2 ranks given, but 6 cores"),
+        ("0", "model.pooler_tt.rank: must be at least 1"),
+    ] {
+        let bad = with(
+            &format!("in_modes = [8, 4, 4]\nout_modes = [4, 4, 8]\nrank = {rank}"),
+            "model.pooler_tt",
+        );
+        let e = format!("{:#}", RunConfig::from_toml(&path, &bad).unwrap_err());
+        assert!(e.contains(expected), "rank = {rank}: {e}");
+        assert!(e.contains("rank"), "rank = {rank}: {e}");
     }
 }

@@ -1,17 +1,14 @@
 //! The rank schedule on a tiny TT/TTM encoder: the objective's gradient, stage switching,
 //! and truncation that leaves the model's function and the next training step unchanged.
 
+use comera_model::Rank;
 use comera_layers::RankGates;
 use comera_model::{Encoder, EncoderConfig, EncoderState, LayerTt, TtmConfig};
 use comera_optim::{AdamW, AdamWConfig};
 use comera_train::rank::{self, Branch, RankConfig, RankController, Stage};
 
 fn config() -> EncoderConfig {
-    let tt = |i: Vec<usize>, o: Vec<usize>| LayerTt {
-        in_modes: i,
-        out_modes: o,
-        rank: 4,
-    };
+    let tt = |i: Vec<usize>, o: Vec<usize>| LayerTt::uniform(&i, &o, 4);
     EncoderConfig {
         vocab_size: 50,
         seq_len: 5,
@@ -27,7 +24,7 @@ fn config() -> EncoderConfig {
         word_ttm: TtmConfig {
             vocab_modes: vec![5, 10],
             dim_modes: vec![4, 4],
-            rank: 4,
+            rank: Rank::Uniform(4),
         },
         ..EncoderConfig::default()
     }
