@@ -35,6 +35,8 @@ pub enum Labels {
     Names(Vec<String>),
     /// The field is a number: label 1 if it is greater than the threshold, else 0.
     Above(f64),
+    /// [`Labels::Above`] with names for the two sides (e.g. `negative`, `positive`).
+    AboveNamed(f64, [String; 2]),
     /// The field (trimmed) must be one of `values` (codes such as `0`, `1`); its position is
     /// the label, and `names` (same length) are what the labels mean.
     Coded {
@@ -62,6 +64,7 @@ impl Labels {
         match self {
             Labels::Names(names) => names.clone(),
             Labels::Above(t) => vec![format!("<= {t}"), format!("> {t}")],
+            Labels::AboveNamed(_, names) => names.to_vec(),
             Labels::Coded { names, .. } => names.clone(),
         }
     }
@@ -74,7 +77,7 @@ impl Labels {
                 .iter()
                 .position(|n| n == value)
                 .ok_or_else(|| format!("one of {names:?}")),
-            Labels::Above(t) => match value.parse::<f64>() {
+            Labels::Above(t) | Labels::AboveNamed(t, _) => match value.parse::<f64>() {
                 Ok(v) if !v.is_nan() => Ok(usize::from(v > *t)),
                 _ => Err("a number".to_string()),
             },
@@ -132,9 +135,16 @@ impl TableSpec {
         )
     }
 
-    /// The `movie-snippets` TSV (`id`, `sentiment`, `text`), sentiment binarised at 0.
+    /// The `movie-snippets` TSV (`id`, `sentiment`, `text`), sentiment binarised at 0:
+    /// `negative` (≤ 0) and `positive`.
     pub fn movie_snippets() -> Self {
-        TableSpec::single(Delimited::Tsv, "text", "sentiment", Labels::Above(0.0))
+        let names = ["negative".to_string(), "positive".to_string()];
+        TableSpec::single(
+            Delimited::Tsv,
+            "text",
+            "sentiment",
+            Labels::AboveNamed(0.0, names),
+        )
     }
 
     /// The `trec` CSV with its six coarse classes (`label-coarse` 0-5: abbreviation, entity,

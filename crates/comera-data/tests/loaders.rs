@@ -181,7 +181,7 @@ fn numeric_labels_binarised_at_a_threshold() {
     let labels: Vec<usize> = set.examples.iter().map(|e| e.label).collect();
     assert_eq!(labels, vec![1, 0, 0]);
     assert_eq!(set.examples[2].text_a, "flat");
-    assert_eq!(set.label_names, ["<= 0", "> 0"]);
+    assert_eq!(set.label_names, ["negative", "positive"]);
 
     let path = write(
         dir.path(),
