@@ -361,7 +361,10 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
     let mut rows: Vec<(String, f64, usize, f64)> = Vec::new();
     let rule = RankGates::new(cfg.threshold);
     let lay = cfg.validate()?;
-    let tt = |s: &Option<TtShape>| s.clone().ok_or_else(|| anyhow::anyhow!("the tt arm has TT layers"));
+    let tt = |s: &Option<TtShape>| {
+        s.clone()
+            .ok_or_else(|| anyhow::anyhow!("the tt arm has TT layers"))
+    };
     let new_tt = |rng: &mut init::Rng, name: &str, shape: &TtShape| {
         TtLinear::new(name, shape.clone(), rule, rng)
     };
@@ -495,7 +498,10 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
             0.0,
         ));
     }
-    let shape = lay.word.clone().ok_or_else(|| anyhow::anyhow!("the tt arm has a TTM table"))?;
+    let shape = lay
+        .word
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("the tt arm has a TTM table"))?;
     let mut emb = TtmEmbedding::new("word", shape, rule, 1.0, &mut rng)?;
     let mut ews = emb.workspace(n);
     let ids: Vec<u32> = (0..n as u32)

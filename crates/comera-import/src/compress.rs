@@ -13,9 +13,9 @@
 //! `Encoder::new` (model files, checkpoints). The padded slices are zero and stay so: they
 //! change nothing, and rank-adaptive training prunes their gates.
 
-use comera_model::Rank;
 use crate::{ImportError, Result};
 use comera_layers::{RankGates, TtLinear, TtmEmbedding};
+use comera_model::Rank;
 use comera_model::{AnyEmbedding, AnyLinear, Encoder};
 use comera_tensor::ttsvd::{self, TtDecomposition, TtSvdOptions};
 use comera_tensor::{TtShape, TtmShape};

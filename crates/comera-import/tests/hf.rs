@@ -2,8 +2,8 @@
 //! fields, the import of an export reproducing the model's logits (classifier and masked-LM,
 //! TT/TTM layers reconstructed), and refusals that name the field or tensor at fault.
 
-use comera_model::Rank;
 use comera_import::hf::{export_hf, mlm_logits, read_hf, ModelInfo, ReadOptions};
+use comera_model::Rank;
 use comera_model::{Encoder, EncoderConfig, HeadKind, LayerTt, MlmDecoderKind, TtmConfig};
 use safetensors::SafeTensors;
 use serde_json::Value;

@@ -1,10 +1,10 @@
 //! Export → import round trips and TT-SVD compression of small random models (no downloads).
 
-use comera_model::Rank;
 use comera_import::bert::BertWeights;
 use comera_import::{
     compress, export_compressed, export_dense, import_dense, load_compressed, CompressOptions,
 };
+use comera_model::Rank;
 use comera_model::{Encoder, EncoderConfig, LayerTt, TtmConfig};
 use comera_tensor::ttsvd::TtSvdOptions;
 
@@ -194,4 +194,38 @@ fn exact_ranks_survive_the_compressed_round_trip() {
     }
     let back = load_compressed(&export_compressed(&tt).unwrap(), "x").unwrap();
     assert_eq!(run(&back), run(&tt));
+}
+
+/// Per-layer choices survive both exports: TT attention with a dense FFN up, a TT pooler and
+/// classifier, per-bond ranks; the dense export reconstructs every TT layer (head included).
+#[test]
+fn exports_of_a_model_with_per_layer_choices_match_it() {
+    let mut cfg = small(false);
+    cfg.attn_tt.tt = Some(true);
+    cfg.attn_tt.rank = Rank::PerBond(vec![2, 4, 3]);
+    cfg.ffn_down_tt.tt = Some(true);
+    cfg.pooler_tt = Some(LayerTt::uniform(&[4, 4], &[4, 4], 2));
+    cfg.classifier_tt = Some(LayerTt::uniform(&[4, 4], &[3, 1], 2));
+    let mut enc = Encoder::new(&cfg, 11).unwrap();
+    randomise(&mut enc, 12);
+    let names: Vec<String> = enc.params().iter().map(|p| p.name.clone()).collect();
+    for name in [
+        "pooler.core.1",
+        "classifier.core.4",
+        "encoder.0.ffn.up.weight",
+    ] {
+        assert!(names.iter().any(|n| n == name), "no {name} in {names:?}");
+    }
+    let back = load_compressed(&export_compressed(&enc).unwrap(), "c.safetensors").unwrap();
+    assert_eq!(back.cfg, enc.cfg);
+    assert_eq!(run(&back), run(&enc));
+    let bytes = export_dense(&enc).unwrap();
+    let w = BertWeights::from_bytes(&bytes, "dense.safetensors").unwrap();
+    let dense_cfg = w.encoder_config(None, None).unwrap();
+    assert!(dense_cfg.pooler_tt.is_none() && dense_cfg.attn_tt.tt.is_none());
+    let (dense, _) = import_dense(&w, &dense_cfg, 1).unwrap();
+    assert_eq!(dense.num_params(), enc.dense_equivalent_params());
+    let ((h1, l1), (h2, l2)) = (run(&enc), run(&dense));
+    assert!(max_rel(&h2, &h1) < 1e-5, "{}", max_rel(&h2, &h1));
+    assert!(max_rel(&l2, &l1) < 1e-5, "{}", max_rel(&l2, &l1));
 }

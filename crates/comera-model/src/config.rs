@@ -146,7 +146,10 @@ impl Rank {
                 if let Some(b) = v.iter().position(|&r| r == 0) {
                     return Err(err(
                         field,
-                        format!("bond {} has rank 0 in {v:?}; every rank must be at least 1", b + 1),
+                        format!(
+                            "bond {} has rank 0 in {v:?}; every rank must be at least 1",
+                            b + 1
+                        ),
                     ));
                 }
                 let capped: Vec<usize> = v.iter().zip(&limits).map(|(&r, &l)| r.min(l)).collect();
@@ -203,8 +206,15 @@ impl LayerTt {
         probe
             .check_features(n, m)
             .map_err(|e| err(field, format!("{e} (layer is {n} → {m})")))?;
-        let sizes: Vec<usize> = self.in_modes.iter().chain(&self.out_modes).copied().collect();
-        let ranks = self.rank.resolve(&format!("{field}.rank"), &sizes, warnings)?;
+        let sizes: Vec<usize> = self
+            .in_modes
+            .iter()
+            .chain(&self.out_modes)
+            .copied()
+            .collect();
+        let ranks = self
+            .rank
+            .resolve(&format!("{field}.rank"), &sizes, warnings)?;
         TtShape::new(&self.in_modes, &self.out_modes, &ranks).map_err(|e| err(field, e.to_string()))
     }
 }
@@ -358,19 +368,25 @@ pub struct Layouts {
     pub mlm_decoder: Option<TtShape>,
     /// Ranks capped to what their shapes support, one message each.
     pub warnings: Vec<String>,
+    /// The head the layouts are for (which head layers exist).
+    pub head: HeadKind,
 }
 
 impl Layouts {
     /// `TT attention, FFN up, FFN down; TTM word embedding; dense pooler, classifier`.
     pub fn describe(&self) -> String {
-        let kinds = [
+        let mut kinds = vec![
             ("attention", self.attn.is_some()),
             ("FFN up", self.ffn_up.is_some()),
             ("FFN down", self.ffn_down.is_some()),
-            ("pooler", self.pooler.is_some()),
-            ("classifier", self.classifier.is_some()),
-            ("MLM projection", self.mlm_decoder.is_some()),
         ];
+        match self.head {
+            HeadKind::Classifier => kinds.extend([
+                ("pooler", self.pooler.is_some()),
+                ("classifier", self.classifier.is_some()),
+            ]),
+            HeadKind::Mlm => kinds.push(("MLM projection", self.mlm_decoder.is_some())),
+        }
         let list = |tt: bool| -> String {
             kinds
                 .iter()
@@ -406,7 +422,11 @@ impl EncoderConfig {
     pub fn make_dense(&mut self) {
         self.tt_linear = false;
         self.ttm_embedding = false;
-        for kind in [&mut self.attn_tt, &mut self.ffn_up_tt, &mut self.ffn_down_tt] {
+        for kind in [
+            &mut self.attn_tt,
+            &mut self.ffn_up_tt,
+            &mut self.ffn_down_tt,
+        ] {
             kind.tt = None;
         }
         self.pooler_tt = None;
@@ -493,8 +513,20 @@ impl EncoderConfig {
                 .then(|| kind.shape(field, n, m, &mut warnings))
                 .transpose()
         };
-        let attn = tt_kind("model.attn_tt", &self.attn_tt, self.is_tt(&self.attn_tt), d, d)?;
-        let ffn_up = tt_kind("model.ffn_up_tt", &self.ffn_up_tt, self.is_tt(&self.ffn_up_tt), d, f)?;
+        let attn = tt_kind(
+            "model.attn_tt",
+            &self.attn_tt,
+            self.is_tt(&self.attn_tt),
+            d,
+            d,
+        )?;
+        let ffn_up = tt_kind(
+            "model.ffn_up_tt",
+            &self.ffn_up_tt,
+            self.is_tt(&self.ffn_up_tt),
+            d,
+            f,
+        )?;
         let ffn_down = tt_kind(
             "model.ffn_down_tt",
             &self.ffn_down_tt,
@@ -504,9 +536,7 @@ impl EncoderConfig {
         )?;
         let classifier_head = self.head == HeadKind::Classifier;
         let mut head_kind = |field: &str, kind: &Option<LayerTt>, m: usize| match kind {
-            Some(k) if classifier_head && k.tt != Some(false) => {
-                tt_kind(field, k, true, d, m)
-            }
+            Some(k) if classifier_head && k.tt != Some(false) => tt_kind(field, k, true, d, m),
             _ => Ok(None),
         };
         let pooler = head_kind("model.pooler_tt", &self.pooler_tt, d)?;
@@ -558,9 +588,9 @@ impl EncoderConfig {
                     ),
                 ));
             }
-            let ranks = t
-                .rank
-                .resolve("model.word_ttm.rank", &probe.size_modes(), &mut warnings)?;
+            let ranks =
+                t.rank
+                    .resolve("model.word_ttm.rank", &probe.size_modes(), &mut warnings)?;
             Some(
                 TtmShape::new(&t.vocab_modes, &t.dim_modes, &ranks, self.vocab_size)
                     .map_err(|e| err("model.word_ttm", e.to_string()))?,
@@ -577,6 +607,7 @@ impl EncoderConfig {
             classifier,
             mlm_decoder,
             warnings,
+            head: self.head,
         })
     }
 }

@@ -153,12 +153,14 @@ fn any_linear(
     rng: &mut init::Rng,
 ) -> Result<AnyLinear, ConfigError> {
     Ok(match shape {
-        Some(s) => AnyLinear::Tt(TtLinear::new(name, s.clone(), rule, rng).map_err(|e| {
-            ConfigError {
-                field: name.to_string(),
-                msg: e.to_string(),
-            }
-        })?),
+        Some(s) => {
+            AnyLinear::Tt(
+                TtLinear::new(name, s.clone(), rule, rng).map_err(|e| ConfigError {
+                    field: name.to_string(),
+                    msg: e.to_string(),
+                })?,
+            )
+        }
         None => AnyLinear::Dense(Linear::new(name, n, m, rng)),
     })
 }
@@ -354,7 +356,10 @@ impl Encoder {
             ("ttm_embedding", a.ttm_embedding == b.ttm_embedding),
             ("attn_tt", same_kind(a, &a.attn_tt, b, &b.attn_tt)),
             ("ffn_up_tt", same_kind(a, &a.ffn_up_tt, b, &b.ffn_up_tt)),
-            ("ffn_down_tt", same_kind(a, &a.ffn_down_tt, b, &b.ffn_down_tt)),
+            (
+                "ffn_down_tt",
+                same_kind(a, &a.ffn_down_tt, b, &b.ffn_down_tt),
+            ),
             (
                 "word_ttm",
                 !a.ttm_embedding

@@ -268,7 +268,11 @@ fn mixed_dense_and_tt_layers_with_per_bond_ranks_match_finite_differences() {
     let lay = cfg.validate().unwrap();
     assert_eq!(lay.ffn_down.as_ref().unwrap().ranks(), [1, 3, 2, 4, 1]);
     assert_eq!(lay.warnings.len(), 1, "{:?}", lay.warnings);
-    assert!(lay.warnings[0].contains("model.ffn_down_tt.rank"), "{:?}", lay.warnings);
+    assert!(
+        lay.warnings[0].contains("model.ffn_down_tt.rank"),
+        "{:?}",
+        lay.warnings
+    );
     let m = Encoder::new(&cfg, 5).unwrap();
     let shape = |name: &str| {
         m.params()
@@ -288,7 +292,11 @@ fn mixed_dense_and_tt_layers_with_per_bond_ranks_match_finite_differences() {
     assert_eq!(shape("embeddings.word.weight"), [60, 16]);
     let mut tt_layers = 0;
     m.visit_compressible(&mut |_| tt_layers += 1);
-    assert_eq!(tt_layers, 2 * (4 + 1) + 2, "q, k, v, o, down per block; pooler, classifier");
+    assert_eq!(
+        tt_layers,
+        2 * (4 + 1) + 2,
+        "q, k, v, o, down per block; pooler, classifier"
+    );
     check(&cfg, &|st, b| {
         st.load(&b.ids, &b.types, &b.mask, &b.labels).unwrap()
     });
@@ -300,7 +308,10 @@ fn per_bond_ranks_are_checked_by_field() {
     cfg.attn_tt.rank = Rank::PerBond(vec![2, 3]);
     let e = cfg.validate().unwrap_err();
     assert_eq!(e.field, "model.attn_tt.rank");
-    assert!(e.msg.contains("2 ranks given") && e.msg.contains("3 bonds"), "{e}");
+    assert!(
+        e.msg.contains("2 ranks given") && e.msg.contains("3 bonds"),
+        "{e}"
+    );
     cfg.attn_tt.rank = Rank::PerBond(vec![2, 0, 3]);
     let e = cfg.validate().unwrap_err();
     assert!(e.msg.contains("bond 2 has rank 0"), "{e}");
@@ -310,13 +321,23 @@ fn per_bond_ranks_are_checked_by_field() {
     let lay = cfg.validate().unwrap();
     // TTM cores of sizes 5·2, 4·2, 3·4: bonds support min(10, 96) and min(80, 12).
     assert_eq!(lay.word.unwrap().ranks(), [1, 12, 12, 1]);
-    assert!(lay.warnings[0].contains("model.word_ttm.rank = 1000"), "{:?}", lay.warnings);
+    assert!(
+        lay.warnings[0].contains("model.word_ttm.rank = 1000"),
+        "{:?}",
+        lay.warnings
+    );
     // `tt = false` makes a kind dense even when model.tt_linear is on.
     let mut cfg = tiny(true, false);
     cfg.ffn_up_tt.tt = Some(false);
     let m = Encoder::new(&cfg, 1).unwrap();
-    assert!(m.params().iter().any(|p| p.name == "encoder.0.ffn.up.weight"));
-    assert!(m.params().iter().any(|p| p.name == "encoder.0.ffn.down.core.1"));
+    assert!(m
+        .params()
+        .iter()
+        .any(|p| p.name == "encoder.0.ffn.up.weight"));
+    assert!(m
+        .params()
+        .iter()
+        .any(|p| p.name == "encoder.0.ffn.down.core.1"));
 }
 
 #[test]

@@ -1392,7 +1392,7 @@ fn write_rank_report(
     let table = rank::rank_table(&points);
     let dense = rep.dense_params;
     let text = format!(
-        "# Ranks of the TT/TTM layers\n\nStage at the end: {stage}.\n\n{table}Whole model (with the dense embeddings, norms, biases, pooler and head): {initial_params} → {} parameters; compression vs its dense equivalent ({dense}) {:.1}× → {:.1}×.\n",
+        "# Ranks of the TT/TTM layers\n\nStage at the end: {stage}.\n\n{table}Whole model (the TT/TTM layers with every dense layer, embedding, norm and bias): {initial_params} → {} parameters; compression vs its dense equivalent ({dense}) {:.1}× → {:.1}×.\n",
         model.num_params(),
         dense as f64 / initial_params as f64,
         rep.ratio(model)

@@ -1,8 +1,8 @@
 //! The rank schedule on a tiny TT/TTM encoder: the objective's gradient, stage switching,
 //! and truncation that leaves the model's function and the next training step unchanged.
 
-use comera_model::Rank;
 use comera_layers::RankGates;
+use comera_model::Rank;
 use comera_model::{Encoder, EncoderConfig, EncoderState, LayerTt, TtmConfig};
 use comera_optim::{AdamW, AdamWConfig};
 use comera_train::rank::{self, Branch, RankConfig, RankController, Stage};
