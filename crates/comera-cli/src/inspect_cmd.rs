@@ -22,6 +22,18 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     if !a.path.exists() {
         anyhow::bail!("{}: no such file or directory", a.path.display());
     }
+    // A run stopped before its first evaluation has checkpoints but no model files yet:
+    // show its newest checkpoint (by the step inside the file, as resume ranks them).
+    let mut a = a;
+    if a.path.is_dir() && !a.path.join(comera_train::files::MODEL_META).exists() {
+        if let Some(newest) = checkpoint::list(&a.path)?.pop() {
+            println!(
+                "run        {} (no model files yet: showing its newest checkpoint)",
+                a.path.display()
+            );
+            a.path = newest;
+        }
+    }
     let is_checkpoint = a.path.is_file()
         && a.path.extension().is_some_and(|e| e == "safetensors")
         && a.path

@@ -391,6 +391,24 @@ fn stale_temporaries_are_removed_when_the_directory_is_opened() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `inspect RUN` on a run stopped before it wrote model files shows its newest checkpoint.
+#[test]
+fn inspecting_a_run_without_model_files_shows_its_newest_checkpoint() {
+    let dir = tempdir("inspect-stopped");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, true, "checkpoint_every = 2");
+    let run = dir.join("run");
+    let (code, text) = train(&cfg, "2", &["--stop-after-steps", "5"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(!run.join("model.toml").exists());
+    let (code, text) = comera(&["inspect", run.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("no model files yet"), "{text}");
+    assert!(text.contains("step-0000000005.safetensors"), "{text}");
+    assert!(text.contains("progress   step 5,"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Checkpoints every 4 steps, the newest 3 kept; 15 steps an epoch.
 const EVERY_4: &str = "checkpoint_every = 4\nkeep_checkpoints = 3";
 
