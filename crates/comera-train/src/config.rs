@@ -276,22 +276,14 @@ impl RunConfig {
             g.validate()?;
         }
         let t = &self.train;
-        if t.epochs == 0 {
-            return Err("train.epochs: must be at least 1".into());
-        }
-        if t.batch_size == 0 {
-            return Err("train.batch_size: must be at least 1".into());
-        }
-        if t.log_every == 0 {
-            return Err("train.log_every: must be at least 1".into());
-        }
-        if let Some(es) = &t.early_stopping {
-            es.validate()?;
-        }
-        if t.out_dir.as_os_str().is_empty() {
-            return Err("train.out_dir: empty; name the run directory".into());
-        }
-        check_accumulation(t.accumulate_steps, t.batch_size, "train.batch_size")?;
+        check_loop(
+            t.epochs,
+            t.batch_size,
+            t.log_every,
+            t.early_stopping.as_ref(),
+            &t.out_dir,
+            t.accumulate_steps,
+        )?;
         let d = &self.data;
         if !(0.0..1.0).contains(&d.valid_fraction) {
             return Err(format!(
@@ -474,6 +466,33 @@ fn is_one(v: &usize) -> bool {
     *v == 1
 }
 
+/// The `[train]` fields every run has (encoder and DLRM alike), each named when wrong.
+fn check_loop(
+    epochs: usize,
+    batch_size: usize,
+    log_every: usize,
+    early_stopping: Option<&EarlyStopping>,
+    out_dir: &Path,
+    accumulate_steps: usize,
+) -> Result<(), String> {
+    if epochs == 0 {
+        return Err("train.epochs: must be at least 1".into());
+    }
+    if batch_size == 0 {
+        return Err("train.batch_size: must be at least 1".into());
+    }
+    if log_every == 0 {
+        return Err("train.log_every: must be at least 1".into());
+    }
+    if let Some(es) = early_stopping {
+        es.validate()?;
+    }
+    if out_dir.as_os_str().is_empty() {
+        return Err("train.out_dir: empty; name the run directory".into());
+    }
+    check_accumulation(accumulate_steps, batch_size, "train.batch_size")
+}
+
 /// `train.accumulate_steps` must be at least 1 and divide the batch size `batch` (`field`).
 fn check_accumulation(steps: usize, batch: usize, field: &str) -> Result<(), String> {
     if steps == 0 {
@@ -631,22 +650,14 @@ impl DlrmRunConfig {
             r.validate()?;
         }
         let t = &self.train;
-        if t.epochs == 0 {
-            return Err("train.epochs: must be at least 1".into());
-        }
-        if t.batch_size == 0 {
-            return Err("train.batch_size: must be at least 1".into());
-        }
-        if t.log_every == 0 {
-            return Err("train.log_every: must be at least 1".into());
-        }
-        if let Some(es) = &t.early_stopping {
-            es.validate()?;
-        }
-        if t.out_dir.as_os_str().is_empty() {
-            return Err("train.out_dir: empty; name the run directory".into());
-        }
-        check_accumulation(t.accumulate_steps, t.batch_size, "train.batch_size")?;
+        check_loop(
+            t.epochs,
+            t.batch_size,
+            t.log_every,
+            t.early_stopping.as_ref(),
+            &t.out_dir,
+            t.accumulate_steps,
+        )?;
         let d = &self.data;
         let known = ["movielens", "adult", "criteo", "synthetic"];
         if !known.contains(&d.source.as_str()) {
