@@ -206,7 +206,7 @@ fn export_hf_then_import_hf_reproduces_the_run() {
     }
     let (code, text) = comera(&["inspect", s(&tt)]);
     assert_eq!(code, 0, "{text}");
-    assert!(text.contains("TT linear"), "{text}");
+    assert!(text.contains("TT attention, FFN up, FFN down"), "{text}");
     let (model, _) = comera_train::load_model(&tt).unwrap();
     let c = &model.cfg;
     let layouts = format!(
