@@ -36,6 +36,10 @@ pub struct StepArgs {
     /// Attention heads (default 12, or a divisor of d_model near d_model/64 when it is given).
     #[arg(long)]
     heads: Option<usize>,
+    /// TT rank of every TT linear layer and TTM rank of the word embedding (default: the
+    /// paper's 30 and 32).
+    #[arg(long)]
+    rank: Option<usize>,
     /// Timed steps per child (after 2 warm-up steps).
     #[arg(long, default_value_t = 10)]
     steps: usize,
@@ -117,6 +121,12 @@ fn config(a: &StepArgs, model: &str) -> anyhow::Result<EncoderConfig> {
     }
     if let Some(h) = a.heads {
         c.heads = h;
+    }
+    if let Some(r) = a.rank {
+        c.attn_tt.rank = r;
+        c.ffn_up_tt.rank = r;
+        c.ffn_down_tt.rank = r;
+        c.word_ttm.rank = r;
     }
     if resized {
         let (d, f) = (c.d_model, c.ffn);
@@ -248,6 +258,7 @@ fn spawn(a: &StepArgs, model: &str, batch: usize, threads: usize) -> anyhow::Res
         ("--d-model", a.d_model),
         ("--ffn", a.ffn),
         ("--heads", a.heads),
+        ("--rank", a.rank),
     ] {
         if let Some(v) = v {
             args.extend([flag.to_string(), v.to_string()]);
