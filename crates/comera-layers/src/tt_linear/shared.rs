@@ -13,8 +13,9 @@
 //! single-threaded tasks, as on the merged path: (dR_i ∥ U_i) and (dX ∥ dL).
 //!
 //! It applies while every layer plans the merged path at this batch (the planner still decides
-//! per layer; see [`SharedInput::applies`]) and none is dead; otherwise callers run the layers
-//! one by one.
+//! per layer; see [`SharedInput::applies`]) and none is dead, and is chosen only up to
+//! [`MAX_ROWS`] rows, where it was measured not to lose; otherwise callers run the layers one
+//! by one.
 
 use super::chain::Chains;
 use super::merged::paired;
@@ -23,6 +24,12 @@ use super::TtLinear;
 use crate::{check_len, Layer};
 use comera_plan::TtPath;
 use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
+
+/// Rows above which the fusion is not used (the layers run one by one): measured with
+/// `comera bench step --ops` on the paper's q/k/v (2 threads), fused vs one by one: a tie at
+/// 128 rows, the fused backward 1.2× slower at 1,024 rows and the fused step 1.15-1.4× slower
+/// at 4,096 rows (its products read and write strided column blocks of T1, U and dY).
+pub const MAX_ROWS: usize = 128;
 
 /// The fused workspace of n layers sharing an input, for one batch size.
 #[derive(Debug)]
@@ -44,8 +51,12 @@ pub struct SharedInput {
 
 impl SharedInput {
     /// The fused workspace for `layers` at `batch` rows, or `None` when the fusion does not
-    /// apply (a layer planned off the merged path, a dead layer, or different input widths).
+    /// apply (a layer planned off the merged path, a dead layer, or different input widths)
+    /// or does not pay (more than [`MAX_ROWS`] rows).
     pub fn new(layers: &[&TtLinear], batch: usize) -> Option<SharedInput> {
+        if batch > MAX_ROWS {
+            return None;
+        }
         if layers
             .iter()
             .any(|l| l.workspace(batch).path() != TtPath::Merged)
