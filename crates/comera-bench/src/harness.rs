@@ -90,6 +90,30 @@ pub fn median_ms(reps: usize, mut f: impl FnMut()) -> f64 {
     median(interleave(&mut one, reps, 1, &[1]).remove(0))
 }
 
+/// The machine's GEMM rate in this process (GFLOP/s): the median of `reps` products
+/// C (n × n) = A·B through the engine's one GEMM (faer), after a warm-up product. The
+/// benchmarks print it next to achieved rates so one sees the distance to the limit.
+pub fn gemm_calibration_gflops(n: usize, reps: usize) -> f64 {
+    use comera_tensor::{matmul, MatMut, MatRef};
+    let mut rng = init::rng(99);
+    let (a, b) = (normal_vec(&mut rng, n * n), normal_vec(&mut rng, n * n));
+    let mut c = vec![0.0; n * n];
+    let ms = median_ms(reps, || {
+        matmul(
+            MatMut::new(&mut c, n, n),
+            MatRef::new(&a, n, n),
+            MatRef::new(&b, n, n),
+            false,
+        )
+    });
+    gflops(2.0 * (n * n * n) as f64, ms)
+}
+
+/// GFLOP/s of `flops` done in `ms` milliseconds.
+pub fn gflops(flops: f64, ms: f64) -> f64 {
+    flops / (ms * 1e6)
+}
+
 /// Per-step times of a child's training steps, split at the phase boundaries.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct StepTimes {

@@ -1,9 +1,16 @@
 //! `comera bench rank RUN_DIR`: training-step time of a rank-adaptive run's model as it was
 //! at the start (initial ranks) and as it ended (truncated ranks), side by side in one run.
+//! `comera bench rank --paper-model --truncate-to 15`: the same for the paper's encoder
+//! (6 layers, 768/12/3072, TT rank 30, TTM rank 32) and a copy truncated to rank 15 (every
+//! gate past the first 15 of a bond pruned, then the slices removed as training does), with
+//! each model's counted FLOPs per step, so one sees whether the step shrinks with its work.
 
-use crate::harness::{interleaved_medians, md_header, md_row, plain_stepper, ClassBatch};
+use crate::harness::{gflops, interleaved_medians, md_header, md_row, plain_stepper, ClassBatch};
+use crate::step::step_flops;
 use anyhow::Context;
+use comera_layers::ParamKind;
 use comera_model::Encoder;
+use comera_model::EncoderConfig;
 use comera_optim::AdamWConfig;
 use comera_train::rank;
 use std::path::PathBuf;
@@ -12,7 +19,18 @@ use std::process::ExitCode;
 #[derive(clap::Args)]
 pub struct RankArgs {
     /// A run directory with `model.safetensors` + `model.toml` (from `comera train`).
-    run: PathBuf,
+    #[arg(
+        required_unless_present = "paper_model",
+        conflicts_with = "paper_model"
+    )]
+    run: Option<PathBuf>,
+    /// Instead of a run: the paper's encoder at its initial ranks vs truncated to
+    /// --truncate-to.
+    #[arg(long)]
+    paper_model: bool,
+    /// The rank every TT/TTM bond of the paper model is truncated to.
+    #[arg(long, default_value_t = 15, requires = "paper_model")]
+    truncate_to: usize,
     /// Sequences per step (default: 32).
     #[arg(long, default_value_t = 32)]
     batch: usize,
@@ -33,12 +51,47 @@ fn train_step(model: &mut Encoder, batch: usize) -> anyhow::Result<Box<dyn FnMut
     }))
 }
 
-pub fn run(a: RankArgs) -> anyhow::Result<ExitCode> {
-    let (mut trained, meta) = comera_train::load_model(&a.run)
-        .with_context(|| format!("{}: not a model directory", a.run.display()))?;
-    // Removes slices still pruned at the save and marks dead layers (as training would next).
+/// The paper's encoder, and a copy whose bonds keep only their first `to` rank slices: the
+/// gates past them pruned (set to 0, at or below any threshold), then truncated as training
+/// truncates.
+fn paper_models(to: usize) -> anyhow::Result<(Encoder, Encoder)> {
+    anyhow::ensure!(to >= 1, "--truncate-to must be at least 1");
+    let cfg = EncoderConfig::default();
+    let initial = Encoder::new(&cfg, 0).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut trained = initial.clone();
+    trained.visit_params_mut(&mut |p| {
+        if p.kind == ParamKind::RankGate {
+            for g in p.value.iter_mut().skip(to) {
+                *g = 0.0;
+            }
+        }
+    });
     rank::truncate(&mut trained);
-    let mut initial = Encoder::new(&meta.model, 0).map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok((initial, trained))
+}
+
+pub fn run(a: RankArgs) -> anyhow::Result<ExitCode> {
+    let (mut initial, mut trained, source) = match &a.run {
+        Some(dir) => {
+            let (mut trained, meta) = comera_train::load_model(dir)
+                .with_context(|| format!("{}: not a model directory", dir.display()))?;
+            // Removes slices still pruned at the save and marks dead layers (as training
+            // would next).
+            rank::truncate(&mut trained);
+            let initial = Encoder::new(&meta.model, 0).map_err(|e| anyhow::anyhow!("{e}"))?;
+            (initial, trained, dir.display().to_string())
+        }
+        None => {
+            let (initial, trained) = paper_models(a.truncate_to)?;
+            (
+                initial,
+                trained,
+                format!("the paper's encoder, truncated to rank {}", a.truncate_to),
+            )
+        }
+    };
+    let seq_len = initial.cfg.seq_len;
+    let flops = [step_flops(&initial, a.batch), step_flops(&trained, a.batch)];
     let dense = initial.dense_equivalent_params() as f64;
     let rows = [
         (
@@ -46,11 +99,7 @@ pub fn run(a: RankArgs) -> anyhow::Result<ExitCode> {
             initial.num_params(),
             rank::sizes(&initial).0,
         ),
-        (
-            "truncated (end of run)",
-            trained.num_params(),
-            rank::sizes(&trained).0,
-        ),
+        ("truncated", trained.num_params(), rank::sizes(&trained).0),
     ];
     let ms = {
         let mut variants = vec![
@@ -59,13 +108,13 @@ pub fn run(a: RankArgs) -> anyhow::Result<ExitCode> {
         ];
         interleaved_medians(&mut variants, a.seconds)
     };
-    let tokens = (a.batch * meta.model.seq_len) as f64;
+    let tokens = (a.batch * seq_len) as f64;
     println!(
         "training step (forward+loss, backward, AdamW), batch {} × seq {}, {} threads; model from {}",
         a.batch,
-        meta.model.seq_len,
+        seq_len,
         rayon::current_num_threads(),
-        a.run.display()
+        source
     );
     let columns = [
         "model",
@@ -74,9 +123,11 @@ pub fn run(a: RankArgs) -> anyhow::Result<ExitCode> {
         "TT/TTM size S",
         "median ms/step",
         "tokens/s",
+        "GFLOP/step",
+        "GFLOP/s",
     ];
     println!("{}", md_header(&columns, false));
-    for ((name, params, size), ms) in rows.iter().zip(&ms) {
+    for (((name, params, size), ms), fl) in rows.iter().zip(&ms).zip(&flops) {
         let row = [
             name.to_string(),
             params.to_string(),
@@ -84,12 +135,15 @@ pub fn run(a: RankArgs) -> anyhow::Result<ExitCode> {
             size.to_string(),
             format!("{ms:.2}"),
             format!("{:.0}", tokens / ms * 1e3),
+            format!("{:.2}", fl / 1e9),
+            format!("{:.1}", gflops(*fl, *ms)),
         ];
         println!("{}", md_row(&row));
     }
     println!(
-        "\nstep-time ratio initial / truncated: {:.2}×",
-        ms[0] / ms[1]
+        "\nstep-time ratio initial / truncated: {:.2}× (counted FLOPs ratio {:.2}×)",
+        ms[0] / ms[1],
+        flops[0] / flops[1]
     );
     let table = rank::rank_table(&[
         ("initial", &rank::layer_ranks(&initial)),

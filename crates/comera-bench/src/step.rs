@@ -7,8 +7,8 @@
 //! `--rounds`, and the reported median is over every timed step of every round.
 
 use crate::harness::{
-    median_ms, normal_vec, peak_rss_bytes, report_to_parent, run_child, ClassBatch, StepTimes,
-    TextTable, MB,
+    gemm_calibration_gflops, gflops, median_ms, normal_vec, peak_rss_bytes, report_to_parent,
+    run_child, ClassBatch, StepTimes, TextTable, MB,
 };
 use comera_model::{Encoder, EncoderConfig};
 use comera_optim::{clip_scale, AdamW, AdamWConfig, Optimizer, Stepper};
@@ -36,6 +36,10 @@ pub struct StepArgs {
     /// Attention heads (default 12, or a divisor of d_model near d_model/64 when it is given).
     #[arg(long)]
     heads: Option<usize>,
+    /// TT rank of every TT linear layer and TTM rank of the word embedding (default: the
+    /// paper's 30 and 32).
+    #[arg(long)]
+    rank: Option<usize>,
     /// Timed steps per child (after 2 warm-up steps).
     #[arg(long, default_value_t = 10)]
     steps: usize,
@@ -74,9 +78,13 @@ struct ChildReport {
     optimizer_bytes: usize,
     loss: f64,
     threads: usize,
+    /// Counted FLOPs of one step ([`step_flops`]).
+    step_flops: f64,
 }
 
 const WARMUP: usize = 2;
+/// Side of the square GEMM that calibrates the machine's rate.
+const CAL_N: usize = 1024;
 const SEED: u64 = 1234;
 
 /// Balanced modes of `n` in `parts` factors (largest first).
@@ -114,6 +122,12 @@ fn config(a: &StepArgs, model: &str) -> anyhow::Result<EncoderConfig> {
     if let Some(h) = a.heads {
         c.heads = h;
     }
+    if let Some(r) = a.rank {
+        c.attn_tt.rank = r.into();
+        c.ffn_up_tt.rank = r.into();
+        c.ffn_down_tt.rank = r.into();
+        c.word_ttm.rank = r.into();
+    }
     if resized {
         let (d, f) = (c.d_model, c.ffn);
         let md = modes(d, 3);
@@ -138,6 +152,54 @@ fn config(a: &StepArgs, model: &str) -> anyhow::Result<EncoderConfig> {
     c.validate()
         .map_err(|e| anyhow::anyhow!("model configuration: {e}"))?;
     Ok(c)
+}
+
+/// Counted FLOPs (2 per multiply-add) of one training step of `enc` at `b` sequences: every
+/// linear layer's forward and backward as the encoder runs it (a TT layer on its planned path,
+/// chain products included; q/k/v and the FFN fused where the encoder fuses them; a dense
+/// layer 2·N·in·out forward and twice that backward) and attention's products. Element-wise
+/// work, embeddings, the loss and the optimiser are not counted.
+pub fn step_flops(enc: &Encoder, b: usize) -> f64 {
+    use comera_layers::attention::Attention;
+    use comera_layers::tt_linear::{FusedFfn, SharedInput};
+    use comera_layers::Layer;
+    use comera_model::AnyLinear;
+    let cfg = &enc.cfg;
+    let n = b * cfg.seq_len;
+    // One linear layer on `rows` rows, forward and backward.
+    let on_rows = |l: &AnyLinear, rows: usize| match l {
+        AnyLinear::Tt(t) => {
+            let (f, g) = t.workspace(rows).flops();
+            f + g
+        }
+        AnyLinear::Dense(d) => 6.0 * (rows * d.in_features() * d.out_features()) as f64,
+    };
+    let one = |l: &AnyLinear| on_rows(l, n);
+    let mut total = 0.0;
+    for blk in &enc.blocks {
+        total += match (&blk.q, &blk.k, &blk.v) {
+            (AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v)) => {
+                SharedInput::new(&[q, k, v], n).map(|w| w.flops().0 + w.flops().1)
+            }
+            _ => None,
+        }
+        .unwrap_or_else(|| one(&blk.q) + one(&blk.k) + one(&blk.v));
+        total += one(&blk.o);
+        total += match (&blk.up, &blk.down) {
+            (AnyLinear::Tt(up), AnyLinear::Tt(down)) => {
+                FusedFfn::new(up, down, n).map(|w| w.flops().0 + w.flops().1)
+            }
+            _ => None,
+        }
+        .unwrap_or_else(|| one(&blk.up) + one(&blk.down));
+    }
+    let attn = Attention::new(cfg.d_model, cfg.heads);
+    let ws = attn.workspace_recompute(b, cfg.seq_len);
+    total += cfg.layers as f64 * (attn.forward_flops(b, cfg.seq_len) + attn.backward_flops(&ws));
+    if let comera_model::Head::Classifier(h) = &enc.head {
+        total += on_rows(&h.pool, b) + on_rows(&h.classifier, b);
+    }
+    total
 }
 
 /// Runs one model at one batch size in this process.
@@ -167,6 +229,7 @@ fn child(a: &StepArgs, model: &str) -> anyhow::Result<ChildReport> {
     }
     let params = enc.num_params();
     Ok(ChildReport {
+        step_flops: step_flops(&enc, b),
         model: model.to_string(),
         batch: b,
         seq_len: cfg.seq_len,
@@ -195,6 +258,7 @@ fn spawn(a: &StepArgs, model: &str, batch: usize, threads: usize) -> anyhow::Res
         ("--d-model", a.d_model),
         ("--ffn", a.ffn),
         ("--heads", a.heads),
+        ("--rank", a.rank),
     ] {
         if let Some(v) = v {
             args.extend([flag.to_string(), v.to_string()]);
@@ -228,7 +292,7 @@ fn merge(reports: Vec<ChildReport>) -> Merged {
 }
 
 /// Column widths of the text table.
-const TABLE: TextTable = TextTable(&[6, 5, 10, 9, 9, 9, 10, 11, 9, 10, 10, 10, 10]);
+const TABLE: TextTable = TextTable(&[6, 5, 10, 9, 9, 9, 10, 11, 9, 10, 10, 10, 10, 11, 8, 6]);
 
 pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
     if a.ops {
@@ -246,6 +310,8 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
         config(&a, m)?; // fail early, in the parent, on a bad configuration
     }
     let threads = rayon::current_num_threads();
+    // The machine's GEMM rate in this run, next to each step's achieved rate.
+    let cal_gflops = gemm_calibration_gflops(CAL_N, 7);
     if !a.json {
         let c = config(&a, &a.models[0])?;
         println!(
@@ -270,6 +336,9 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
                 "adam_MB",
                 "state_MB",
                 "engine_MB",
+                "GFLOP/step",
+                "GFLOP/s",
+                "%cal",
             ])
         );
     }
@@ -288,6 +357,7 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
             let r = &m.r;
             let tokens_per_s = (r.batch * r.seq_len) as f64 / (m.median_ms / 1e3);
             let engine = r.param_bytes + r.optimizer_bytes + r.state_bytes;
+            let rate = gflops(r.step_flops, m.median_ms);
             if a.json {
                 let mut rec = serde_json::json!({
                     "model": r.model, "batch": r.batch, "seq_len": r.seq_len,
@@ -297,6 +367,8 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
                     "param_bytes": r.param_bytes, "state_bytes": r.state_bytes,
                     "optimizer_bytes": r.optimizer_bytes, "engine_bytes": engine,
                     "steps": a.steps * a.rounds, "loss": r.loss, "threads": r.threads,
+                    "step_flops": r.step_flops, "gflops": rate,
+                    "calibration_gflops": cal_gflops,
                 });
                 if let (Some(d), "tt") = (dense, r.model.as_str()) {
                     rec["speedup_vs_dense"] = (d.median_ms / m.median_ms).into();
@@ -318,6 +390,9 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
                     format!("{:.1}", r.optimizer_bytes as f64 / MB),
                     format!("{:.1}", r.state_bytes as f64 / MB),
                     format!("{:.1}", engine as f64 / MB),
+                    format!("{:.2}", r.step_flops / 1e9),
+                    format!("{rate:.1}"),
+                    format!("{:.0}", 100.0 * rate / cal_gflops),
                 ];
                 println!("{}", TABLE.line(&row));
             }
@@ -350,7 +425,7 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
     use comera_layers::norm::LayerNorm;
     use comera_layers::tt_linear::{FusedFfn, SharedInput};
     use comera_layers::{EmbeddingLayer, Layer, RankGates, TtLinear, TtmEmbedding};
-    use comera_tensor::{matmul, MatMut, MatRef, TtShape};
+    use comera_tensor::TtShape;
     let b = a.batch[0];
     let cfg = config(a, "tt")?;
     let (t, d, f, nl) = (cfg.seq_len, cfg.d_model, cfg.ffn, cfg.layers);
@@ -547,45 +622,39 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         0.0,
     ));
     // The machine's GEMM rate in this run: a 1024³ product through the engine's one GEMM.
-    let cal = 1024;
-    let (ca, cb) = (
-        normal_vec(&mut rng, cal * cal),
-        normal_vec(&mut rng, cal * cal),
-    );
-    let mut cc = vec![0.0; cal * cal];
-    let cal_ms = median_ms(reps, || {
-        matmul(
-            MatMut::new(&mut cc, cal, cal),
-            MatRef::new(&ca, cal, cal),
-            MatRef::new(&cb, cal, cal),
-            false,
-        )
-    });
-    let gflops = |flops: f64, ms: f64| flops / (ms * 1e6);
+    let cal = gemm_calibration_gflops(CAL_N, reps);
     println!(
         "per-operation medians, batch {b} ({n} tokens), {} threads; GEMM calibration \
-         (1024³ product): {:.1} GFLOP/s",
+         ({CAL_N}³ product): {cal:.1} GFLOP/s",
         rayon::current_num_threads(),
-        gflops(2.0 * (cal * cal * cal) as f64, cal_ms)
     );
-    let table = TextTable(&[44, 10, 6, 10, 10, 9]);
+    let table = TextTable(&[44, 10, 6, 10, 10, 9, 6]);
     println!(
         "{}",
-        table.line(&["op", "ms/call", "calls", "ms/step", "GFLOP/step", "GFLOP/s"])
+        table.line(&[
+            "op",
+            "ms/call",
+            "calls",
+            "ms/step",
+            "GFLOP/step",
+            "GFLOP/s",
+            "%cal"
+        ])
     );
     let (mut total, mut total_flops, mut counted_ms) = (0.0, 0.0, 0.0);
     for (name, ms, count, flops) in &rows {
         let per_step = ms * *count as f64;
         total += per_step;
-        let (fl, rate) = if *flops > 0.0 {
+        let (fl, rate, pct) = if *flops > 0.0 {
             total_flops += flops * *count as f64;
             counted_ms += per_step;
             (
                 format!("{:.2}", flops * *count as f64 / 1e9),
                 format!("{:.1}", gflops(*flops, *ms)),
+                format!("{:.0}", 100.0 * gflops(*flops, *ms) / cal),
             )
         } else {
-            (String::new(), String::new())
+            (String::new(), String::new(), String::new())
         };
         let row = [
             name.clone(),
@@ -594,6 +663,7 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
             format!("{per_step:.2}"),
             fl,
             rate,
+            pct,
         ];
         println!("{}", table.line(&row));
     }
@@ -606,13 +676,15 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
             &format!("{total:.2}"),
             &format!("{:.2}", total_flops / 1e9),
             &format!("{:.1}", gflops(total_flops, counted_ms)),
+            &format!("{:.0}", 100.0 * gflops(total_flops, counted_ms) / cal),
         ])
     );
     println!(
-        "counted work over the whole step: {:.1} GFLOP/s; at the calibration rate it would take \
-         {:.1} ms",
+        "counted work over the whole step: {:.1} GFLOP/s ({:.0}% of the calibration); at the \
+         calibration rate it would take {:.1} ms",
         gflops(total_flops, total),
-        total_flops / (2.0 * (cal * cal * cal) as f64) * cal_ms
+        100.0 * gflops(total_flops, total) / cal,
+        total_flops / cal / 1e6
     );
     Ok(())
 }

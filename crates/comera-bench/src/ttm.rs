@@ -1,4 +1,5 @@
-//! `comera bench ttm`: TTM lookups (optimised, naive) vs a dense gather, forward+backward.
+//! `comera bench ttm`: TTM lookups (optimised, naive, and the per-batch choice between them
+//! that layers use by default) vs a dense gather, forward+backward.
 
 use crate::harness::{interleaved_medians, normal_vec, TextTable};
 use comera_layers::{Embedding, EmbeddingLayer, Lookup, RankGates, TtmEmbedding};
@@ -63,7 +64,7 @@ struct Case {
 }
 
 /// Column widths of the text table.
-const TABLE: TextTable = TextTable(&[17, 6, 8, 7, 11, 11, 11, 9, 11, 11]);
+const TABLE: TextTable = TextTable(&[17, 6, 8, 7, 11, 11, 11, 10, 10, 11, 9, 11, 11, 11]);
 
 pub fn run(a: TtmArgs) -> anyhow::Result<ExitCode> {
     let mut cases = Vec::new();
@@ -106,10 +107,14 @@ pub fn run(a: TtmArgs) -> anyhow::Result<ExitCode> {
                 "unique",
                 "optimized",
                 "naive",
+                "auto",
+                "picked",
+                "auto/best",
                 "dense",
                 "naive/opt",
                 "opt MB",
                 "naive MB",
+                "auto MB",
             ])
         );
     }
@@ -129,11 +134,18 @@ pub fn run(a: TtmArgs) -> anyhow::Result<ExitCode> {
         uniq.dedup();
         let d = c.shape.dim();
         let dy = normal_vec(&mut rng, c.tokens * d);
-        let (mut t_opt, mut t_naive) = (ttm.clone(), ttm.clone());
+        let (mut t_opt, mut t_naive, mut t_auto) = (ttm.clone(), ttm.clone(), ttm.clone());
         let mut ws_opt = t_opt.workspace_with(c.tokens, Lookup::Optimized);
         let mut ws_naive = t_naive.workspace_with(c.tokens, Lookup::Naive);
-        let (opt_bytes, naive_bytes, split) = (ws_opt.bytes(), ws_naive.bytes(), ws_opt.split());
-        let (mut y1, mut y2, mut y3) = (
+        let mut ws_auto = t_auto.workspace_with(c.tokens, Lookup::Auto);
+        let (opt_bytes, naive_bytes, auto_bytes, split) = (
+            ws_opt.bytes(),
+            ws_naive.bytes(),
+            ws_auto.bytes(),
+            ws_opt.split(),
+        );
+        let (mut y1, mut y2, mut y3, mut y4) = (
+            vec![0.0; c.tokens * d],
             vec![0.0; c.tokens * d],
             vec![0.0; c.tokens * d],
             vec![0.0; c.tokens * d],
@@ -160,6 +172,12 @@ pub fn run(a: TtmArgs) -> anyhow::Result<ExitCode> {
                     .expect("valid ids");
                 t_naive.backward(&mut ws_naive, &ids, &dy);
             }),
+            Box::new(|| {
+                t_auto
+                    .forward(&mut ws_auto, &ids, &mut y4)
+                    .expect("valid ids");
+                t_auto.backward(&mut ws_auto, &ids, &dy);
+            }),
         ];
         if a.dense {
             let dense = &mut dense_cache.as_mut().expect("made above").2;
@@ -172,6 +190,8 @@ pub fn run(a: TtmArgs) -> anyhow::Result<ExitCode> {
         }
         let med = interleaved_medians(&mut variants, a.seconds);
         drop(variants);
+        let picked = ws_auto.chosen().name();
+        let auto_vs_best = med[2] / med[0].min(med[1]);
         let per_id = |ms: f64| ms * 1e3 / c.tokens as f64;
         let dist = c
             .dist
@@ -181,16 +201,17 @@ pub fn run(a: TtmArgs) -> anyhow::Result<ExitCode> {
             let mut rows = vec![
                 serde_json::json!({"table": c.table, "tokens": c.tokens, "dist": dist, "unique": uniq.len(), "lookup": "optimized", "split": split, "median_ms": med[0], "us_per_id": per_id(med[0]), "extra_bytes": opt_bytes}),
                 serde_json::json!({"table": c.table, "tokens": c.tokens, "dist": dist, "unique": uniq.len(), "lookup": "naive", "median_ms": med[1], "us_per_id": per_id(med[1]), "extra_bytes": naive_bytes}),
+                serde_json::json!({"table": c.table, "tokens": c.tokens, "dist": dist, "unique": uniq.len(), "lookup": "auto", "picked": picked, "vs_best": auto_vs_best, "median_ms": med[2], "us_per_id": per_id(med[2]), "extra_bytes": auto_bytes}),
             ];
             if a.dense {
-                rows.push(serde_json::json!({"table": c.table, "tokens": c.tokens, "dist": dist, "unique": uniq.len(), "lookup": "dense", "median_ms": med[2], "us_per_id": per_id(med[2]), "extra_bytes": 0}));
+                rows.push(serde_json::json!({"table": c.table, "tokens": c.tokens, "dist": dist, "unique": uniq.len(), "lookup": "dense", "median_ms": med[3], "us_per_id": per_id(med[3]), "extra_bytes": 0}));
             }
             for r in rows {
                 println!("{r}");
             }
         } else {
             let dense = if a.dense {
-                format!("{:.3}", per_id(med[2]))
+                format!("{:.3}", per_id(med[3]))
             } else {
                 "-".into()
             };
@@ -201,10 +222,14 @@ pub fn run(a: TtmArgs) -> anyhow::Result<ExitCode> {
                 uniq.len().to_string(),
                 format!("{:.3}", per_id(med[0])),
                 format!("{:.3}", per_id(med[1])),
+                format!("{:.3}", per_id(med[2])),
+                picked.to_string(),
+                format!("{auto_vs_best:.2}"),
                 dense,
                 format!("{:.2}", med[1] / med[0]),
                 format!("{:.1}", opt_bytes as f64 / 1e6),
                 format!("{:.1}", naive_bytes as f64 / 1e6),
+                format!("{:.1}", auto_bytes as f64 / 1e6),
             ];
             println!("{}", TABLE.line(&row));
         }

@@ -17,6 +17,11 @@
 //! - `Optimized` (SPEC §2): deduplicate the batch's ids; split the cores at s (chosen by cost);
 //!   compute each distinct left half (i_0..i_{s-1}) and right half (i_s..) chain once per step;
 //!   one small GEMM per unique id; scatter rows back to tokens.
+//! - `Auto` (the default) deduplicates the batch's ids and runs whichever of the two its cost
+//!   estimate says is cheaper for this batch ([`Layout::step_cost`]): the optimised lookup pays
+//!   off when ids repeat (Zipf-like text and click logs), the naive one when nearly every id is
+//!   distinct (its chains cost the same and it has no per-id bookkeeping). The choice depends
+//!   on the ids only, so a step's bits do not depend on timing.
 //!
 //! Backward accumulates dY per unique id in token order, then into the half products, then
 //! through the chains into the slabs, always in sorted-id order: bit-identical for any thread
@@ -33,6 +38,8 @@ use comera_tensor::{init, matmul, MatMut, MatRef, TtmShape};
 pub enum Lookup {
     Naive,
     Optimized,
+    /// Naive or optimised, chosen per batch by estimated cost.
+    Auto,
 }
 
 impl Lookup {
@@ -40,9 +47,17 @@ impl Lookup {
         match self {
             Lookup::Naive => "naive",
             Lookup::Optimized => "optimized",
+            Lookup::Auto => "auto",
         }
     }
 }
+
+/// Cost of one small GEMM call (dispatch, packing) in multiply-add FLOP equivalents, and the
+/// optimised lookup's bookkeeping per distinct id (sorted order, slots, the scattered rows and
+/// their gradient sums): fitted to `comera bench ttm` (on the 11M×64 table with uniform ids the
+/// two lookups do the same chain FLOPs and the optimised one was ~25% slower per id).
+const CALL_FLOPS: f64 = 5e3;
+const UNIQUE_FLOPS: f64 = 4e4;
 
 /// A TTM embedding table.
 #[derive(Clone, Debug)]
@@ -502,6 +517,32 @@ impl Layout {
         }
     }
 
+    /// Estimated cost (FLOP equivalents) of one forward + backward with this split for a batch
+    /// of `tokens` ids, `unique` of them distinct, with `n_left` and `n_right` distinct halves:
+    /// every chain step is one GEMM forward and two backward (of the same size), the optimised
+    /// lookup adds one row GEMM per distinct id (two more backward) and its bookkeeping; the
+    /// naive lookup (split = p) runs one full chain per token.
+    fn step_cost(&self, tokens: usize, unique: usize, n_left: usize, n_right: usize) -> f64 {
+        let (p, s, r, e) = (self.p, self.split, &self.r, &self.e);
+        let (lf, rf): (f64, f64) = (
+            (1..s)
+                .map(|k| 2.0 * (self.eprefix[k] * r[k] * e[k] * r[k + 1]) as f64)
+                .sum(),
+            (s..p.saturating_sub(1))
+                .map(|k| 2.0 * (r[k] * e[k] * r[k + 1] * self.esuffix[k + 1]) as f64)
+                .sum(),
+        );
+        let (lcalls, rcalls) = ((s - 1) as f64, (p - 1).saturating_sub(s) as f64);
+        if s == p {
+            // Naive: one left chain per token, no deduplication.
+            return tokens as f64 * 3.0 * (lf + CALL_FLOPS * lcalls);
+        }
+        let row = 2.0 * (self.eprefix[s] * r[s] * self.esuffix[s]) as f64;
+        let chains = n_left as f64 * (lf + CALL_FLOPS * lcalls)
+            + n_right as f64 * (rf + CALL_FLOPS * rcalls);
+        3.0 * chains + unique as f64 * (3.0 * (row + CALL_FLOPS) + UNIQUE_FLOPS)
+    }
+
     /// Estimated FLOPs of one optimised step with this split (forward; backward is ~2×).
     fn cost(&self, unique: usize) -> f64 {
         let (p, s, r, e) = (self.p, self.split, &self.r, &self.e);
@@ -522,29 +563,28 @@ impl Layout {
     }
 }
 
-/// Scratch of the optimised lookup, sized for the worst case (every id distinct).
+/// Scratch of the optimised lookup, sized for the worst case (every id distinct). Its chain
+/// records live in the workspace's `rec`: left slots at 0, right slots from `rrec_at`.
 #[derive(Debug)]
 struct Optimized {
-    order: Vec<(u32, u32)>,  // (id, token), sorted
-    uniq: Vec<u32>,          // distinct ids, ascending
-    seg: Vec<u32>,           // uniq[u] occupies order[seg[u]..seg[u+1]]
-    uleft: Vec<u32>,         // left slot of each unique id
-    uright: Vec<u32>,        // right slot of each unique id
-    left_ids: Vec<u32>,      // a representative id per left slot
-    right_ids: Vec<u32>,     // a representative id per right slot
-    rorder: Vec<(u32, u32)>, // (right key, unique index), sorted
-    lrec: Vec<f32>,          // left slots × lper
-    rrec: Vec<f32>,          // right slots × rper
-    rows: Vec<f32>,          // unique × D
-    drows: Vec<f32>,         // unique × D
-    dlp: Vec<f32>,           // left slots × E_L·r_s
-    drp: Vec<f32>,           // right slots × r_s·E_R
+    order: Vec<u64>,     // id << 32 | token, sorted
+    uniq: Vec<u32>,      // distinct ids, ascending
+    seg: Vec<u32>,       // uniq[u] occupies order[seg[u]..seg[u+1]]
+    uleft: Vec<u32>,     // left slot of each unique id
+    uright: Vec<u32>,    // right slot of each unique id
+    left_ids: Vec<u32>,  // a representative id per left slot
+    right_ids: Vec<u32>, // a representative id per right slot
+    rorder: Vec<u64>,    // right key << 32 | unique index, sorted
+    rrec_at: usize,      // offset of the right records in `rec` (left slots × lper)
+    rows: Vec<f32>,      // unique × D
+    drows: Vec<f32>,     // unique × D
+    dlp: Vec<f32>,       // left slots × E_L·r_s
+    drp: Vec<f32>,       // right slots × r_s·E_R
 }
 
-/// Saved per-token chains of the naive lookup.
-#[derive(Debug)]
-struct Naive {
-    rec: Vec<f32>, // tokens × lper (split = p)
+/// The token of an `order` entry.
+fn token_of(entry: u64) -> usize {
+    (entry & 0xffff_ffff) as usize
 }
 
 /// Everything a TTM lookup of a fixed number of ids needs.
@@ -554,12 +594,21 @@ pub struct TtmWorkspace {
     ranks: Vec<usize>,
     tokens: usize,
     lookup: Lookup,
+    /// The lookup the last forward ran (naive or optimised), which its backward runs too.
+    chosen: Lookup,
+    /// The optimised lookup's split (unused by a naive-only workspace).
     layout: Layout,
+    /// The naive lookup's layout (split = p).
+    naive_layout: Layout,
+    /// Whether `rec` has room for the naive lookup (`Auto`: only if it can be the cheaper).
+    can_naive: bool,
     h: Vec<Vec<f32>>,
     dh: Vec<Vec<f32>>,
     scratch_core: Vec<f32>,
     d: [Vec<f32>; 2],
-    naive: Option<Naive>,
+    /// Chain records, saved for the backward: naive: tokens × lper (split = p); optimised:
+    /// left slots × lper, then right slots × rper. One buffer, sized for the larger.
+    rec: Vec<f32>,
     opt: Option<Optimized>,
 }
 
@@ -567,66 +616,93 @@ impl TtmWorkspace {
     fn new(shape: &TtmShape, tokens: usize, lookup: Lookup) -> TtmWorkspace {
         let p = shape.n_cores();
         let unique = tokens.min(shape.num_embeddings()).max(1);
-        let layout = match lookup {
-            Lookup::Naive => Layout::new(shape, p),
-            Lookup::Optimized => (1..=p)
-                .map(|s| Layout::new(shape, s))
-                .min_by(|a, b| a.cost(unique).total_cmp(&b.cost(unique)))
-                .expect("p ≥ 1"),
-        };
+        let naive_layout = Layout::new(shape, p);
+        let layout = (1..=p)
+            .map(|s| Layout::new(shape, s))
+            .min_by(|a, b| a.cost(unique).total_cmp(&b.cost(unique)))
+            .expect("p ≥ 1");
         let h: Vec<Vec<f32>> = (0..p).map(|k| vec![0.0; shape.core_len(k)]).collect();
         let maxcore = h.iter().map(Vec::len).max().unwrap_or(0);
-        let dmax = layout.lper.max(layout.rper).max(shape.dim());
-        let (naive, opt) = match lookup {
-            Lookup::Naive => (
-                Some(Naive {
-                    rec: vec![0.0; tokens * layout.lper],
+        let dmax = layout
+            .lper
+            .max(layout.rper)
+            .max(naive_layout.lper)
+            .max(shape.dim());
+        // `Auto` keeps the naive records only if the naive lookup can win: its cost does not
+        // depend on the ids, the optimised one's is largest when every id is distinct.
+        let worst = |s: usize| unique.min(shape.vocab_modes()[s..].iter().product());
+        let opt_worst = layout.step_cost(
+            tokens,
+            unique,
+            unique.min(shape.vocab_modes()[..layout.split].iter().product()),
+            worst(layout.split),
+        );
+        let can_naive = match lookup {
+            Lookup::Naive => true,
+            Lookup::Optimized => false,
+            Lookup::Auto => naive_layout.step_cost(tokens, 0, 0, 0) < opt_worst,
+        };
+        let naive_rec = if can_naive {
+            tokens * naive_layout.lper
+        } else {
+            0
+        };
+        let (opt_rec, opt) = if lookup == Lookup::Naive {
+            (0, None)
+        } else {
+            let s = layout.split;
+            let n_left = unique.min(shape.vocab_modes()[..s].iter().product());
+            let n_right = unique.min(shape.vocab_modes()[s..].iter().product());
+            let (el, er, rs) = (layout.eprefix[s], layout.esuffix[s], layout.r[s]);
+            let d = shape.dim();
+            (
+                n_left * layout.lper + n_right * layout.rper,
+                Some(Optimized {
+                    order: Vec::with_capacity(tokens),
+                    uniq: Vec::with_capacity(unique),
+                    seg: Vec::with_capacity(unique + 1),
+                    uleft: Vec::with_capacity(unique),
+                    uright: Vec::with_capacity(unique),
+                    left_ids: Vec::with_capacity(n_left),
+                    right_ids: Vec::with_capacity(n_right),
+                    rorder: Vec::with_capacity(unique),
+                    rrec_at: n_left * layout.lper,
+                    rows: vec![0.0; unique * d],
+                    drows: vec![0.0; unique * d],
+                    dlp: vec![0.0; n_left * el * rs],
+                    drp: vec![0.0; n_right * rs * er],
                 }),
-                None,
-            ),
-            Lookup::Optimized => {
-                let s = layout.split;
-                let n_left = unique.min(shape.vocab_modes()[..s].iter().product());
-                let n_right = unique.min(shape.vocab_modes()[s..].iter().product());
-                let (el, er, rs) = (layout.eprefix[s], layout.esuffix[s], layout.r[s]);
-                let d = shape.dim();
-                (
-                    None,
-                    Some(Optimized {
-                        order: Vec::with_capacity(tokens),
-                        uniq: Vec::with_capacity(unique),
-                        seg: Vec::with_capacity(unique + 1),
-                        uleft: Vec::with_capacity(unique),
-                        uright: Vec::with_capacity(unique),
-                        left_ids: Vec::with_capacity(n_left),
-                        right_ids: Vec::with_capacity(n_right),
-                        rorder: Vec::with_capacity(unique),
-                        lrec: vec![0.0; n_left * layout.lper],
-                        rrec: vec![0.0; n_right * layout.rper],
-                        rows: vec![0.0; unique * d],
-                        drows: vec![0.0; unique * d],
-                        dlp: vec![0.0; n_left * el * rs],
-                        drp: vec![0.0; n_right * rs * er],
-                    }),
-                )
-            }
+            )
         };
         TtmWorkspace {
             ranks: shape.ranks().to_vec(),
             tokens,
             lookup,
+            chosen: if lookup == Lookup::Naive {
+                Lookup::Naive
+            } else {
+                Lookup::Optimized
+            },
             layout,
+            naive_layout,
+            can_naive,
             dh: h.clone(),
             h,
             scratch_core: vec![0.0; maxcore],
             d: [vec![0.0; dmax], vec![0.0; dmax]],
-            naive,
+            rec: vec![0.0; naive_rec.max(opt_rec)],
             opt,
         }
     }
 
+    /// The lookup this workspace was made for (`Auto`: chosen per batch).
     pub fn lookup(&self) -> Lookup {
         self.lookup
+    }
+
+    /// The lookup the last forward ran: naive or optimised.
+    pub fn chosen(&self) -> Lookup {
+        self.chosen
     }
 
     /// Re-makes the workspace if the table's ranks changed since it was made.
@@ -644,18 +720,14 @@ impl TtmWorkspace {
     /// Bytes held by this workspace (its buffers' capacity).
     pub fn bytes(&self) -> usize {
         let v = |b: &[Vec<f32>]| b.iter().map(Vec::capacity).sum::<usize>();
-        let mut f = v(&self.h) + v(&self.dh) + self.scratch_core.capacity() + v(&self.d);
+        let mut f = v(&self.h)
+            + v(&self.dh)
+            + self.scratch_core.capacity()
+            + v(&self.d)
+            + self.rec.capacity();
         let mut pairs = 0;
-        if let Some(n) = &self.naive {
-            f += n.rec.capacity();
-        }
         if let Some(o) = &self.opt {
-            f += o.lrec.capacity()
-                + o.rrec.capacity()
-                + o.rows.capacity()
-                + o.drows.capacity()
-                + o.dlp.capacity()
-                + o.drp.capacity();
+            f += o.rows.capacity() + o.drows.capacity() + o.dlp.capacity() + o.drp.capacity();
             f += o.uniq.capacity() + o.seg.capacity() + o.uleft.capacity() + o.uright.capacity();
             f += o.left_ids.capacity() + o.right_ids.capacity();
             pairs += o.order.capacity() + o.rorder.capacity();
@@ -669,12 +741,16 @@ impl Optimized {
     /// reserved for the worst case).
     fn index(&mut self, layout: &Layout, ids: &[u32]) {
         self.order.clear();
-        self.order
-            .extend(ids.iter().enumerate().map(|(t, &id)| (id, t as u32)));
+        self.order.extend(
+            ids.iter()
+                .enumerate()
+                .map(|(t, &id)| ((id as u64) << 32) | t as u64),
+        );
         self.order.sort_unstable();
         self.uniq.clear();
         self.seg.clear();
-        for (pos, &(id, _)) in self.order.iter().enumerate() {
+        for (pos, &entry) in self.order.iter().enumerate() {
+            let id = (entry >> 32) as u32;
             if self.uniq.last() != Some(&id) {
                 self.uniq.push(id);
                 self.seg.push(pos as u32);
@@ -699,14 +775,15 @@ impl Optimized {
             self.uniq
                 .iter()
                 .enumerate()
-                .map(|(u, &id)| (layout.keys(id as usize).1 as u32, u as u32)),
+                .map(|(u, &id)| ((layout.keys(id as usize).1 as u64) << 32) | u as u64),
         );
         self.rorder.sort_unstable();
         self.uright.clear();
         self.uright.resize(self.uniq.len(), 0);
         self.right_ids.clear();
-        let mut last_key = u32::MAX;
-        for &(rk, u) in &self.rorder {
+        let mut last_key = u64::MAX;
+        for &entry in &self.rorder {
+            let (rk, u) = (entry >> 32, entry & 0xffff_ffff);
             if rk != last_key {
                 self.right_ids.push(self.uniq[u as usize]);
                 last_key = rk;
@@ -727,7 +804,7 @@ impl EmbeddingLayer for TtmEmbedding {
     }
 
     fn workspace(&self, tokens: usize) -> TtmWorkspace {
-        TtmWorkspace::new(&self.shape, tokens, Lookup::Optimized)
+        TtmWorkspace::new(&self.shape, tokens, Lookup::Auto)
     }
 
     fn forward(
@@ -745,9 +822,28 @@ impl EmbeddingLayer for TtmEmbedding {
             return Ok(());
         }
         self.gate_cores(ws);
-        let l = &ws.layout;
-        if let Some(n) = &mut ws.naive {
-            for ((rec, row), &id) in n
+        // Deduplicate (all but a naive-only workspace), then choose for this batch.
+        ws.chosen = match (&mut ws.opt, ws.lookup) {
+            (None, _) => Lookup::Naive,
+            (Some(o), lookup) => {
+                o.index(&ws.layout, ids);
+                let naive = ws.naive_layout.step_cost(ids.len(), 0, 0, 0);
+                let opt = ws.layout.step_cost(
+                    ids.len(),
+                    o.uniq.len(),
+                    o.left_ids.len(),
+                    o.right_ids.len(),
+                );
+                if lookup == Lookup::Auto && ws.can_naive && naive < opt {
+                    Lookup::Naive
+                } else {
+                    Lookup::Optimized
+                }
+            }
+        };
+        if ws.chosen == Lookup::Naive {
+            let l = &ws.naive_layout;
+            for ((rec, row), &id) in ws
                 .rec
                 .chunks_exact_mut(l.lper)
                 .zip(y.chunks_exact_mut(d))
@@ -756,30 +852,31 @@ impl EmbeddingLayer for TtmEmbedding {
                 l.left_chain(&ws.h, id as usize, rec);
                 row.copy_from_slice(l.lp(rec));
             }
+            return Ok(());
         }
-        if let Some(o) = &mut ws.opt {
-            o.index(l, ids);
-            for (rec, &id) in o.lrec.chunks_exact_mut(l.lper).zip(&o.left_ids) {
-                l.left_chain(&ws.h, id as usize, rec);
-            }
-            for (rec, &id) in o.rrec.chunks_exact_mut(l.rper).zip(&o.right_ids) {
-                l.right_chain(&ws.h, id as usize, rec);
-            }
-            let s = l.split;
-            let (el, er, rs) = (l.eprefix[s], l.esuffix[s], l.r[s]);
-            for u in 0..o.uniq.len() {
-                let lrec = &o.lrec[o.uleft[u] as usize * l.lper..][..l.lper];
-                let rrec = &o.rrec[o.uright[u] as usize * l.rper..][..l.rper];
-                let row = &mut o.rows[u * d..(u + 1) * d];
-                matmul(
-                    MatMut::new(row, el, er),
-                    MatRef::new(l.lp(lrec), el, rs),
-                    MatRef::new(l.rp(rrec), rs, er),
-                    false,
-                );
-                for &(_, t) in &o.order[o.seg[u] as usize..o.seg[u + 1] as usize] {
-                    y[t as usize * d..(t as usize + 1) * d].copy_from_slice(row);
-                }
+        let (l, o) = (&ws.layout, ws.opt.as_mut().expect("an optimised workspace"));
+        let (lrec, rrec) = ws.rec.split_at_mut(o.rrec_at);
+        for (rec, &id) in lrec.chunks_exact_mut(l.lper).zip(&o.left_ids) {
+            l.left_chain(&ws.h, id as usize, rec);
+        }
+        for (rec, &id) in rrec.chunks_exact_mut(l.rper).zip(&o.right_ids) {
+            l.right_chain(&ws.h, id as usize, rec);
+        }
+        let s = l.split;
+        let (el, er, rs) = (l.eprefix[s], l.esuffix[s], l.r[s]);
+        for u in 0..o.uniq.len() {
+            let lrec = &lrec[o.uleft[u] as usize * l.lper..][..l.lper];
+            let rrec = &rrec[o.uright[u] as usize * l.rper..][..l.rper];
+            let row = &mut o.rows[u * d..(u + 1) * d];
+            matmul(
+                MatMut::new(row, el, er),
+                MatRef::new(l.lp(lrec), el, rs),
+                MatRef::new(l.rp(rrec), rs, er),
+                false,
+            );
+            for &entry in &o.order[o.seg[u] as usize..o.seg[u + 1] as usize] {
+                let t = token_of(entry);
+                y[t * d..(t + 1) * d].copy_from_slice(row);
             }
         }
         Ok(())
@@ -804,14 +901,16 @@ impl EmbeddingLayer for TtmEmbedding {
         for dh in &mut ws.dh {
             dh.fill(0.0);
         }
-        let l = &ws.layout;
-        if let Some(n) = &mut ws.naive {
-            for ((rec, g), &id) in n.rec.chunks_exact(l.lper).zip(dy.chunks_exact(d)).zip(ids) {
+        if ws.chosen == Lookup::Naive {
+            let l = &ws.naive_layout;
+            for ((rec, g), &id) in ws.rec.chunks_exact(l.lper).zip(dy.chunks_exact(d)).zip(ids) {
                 ws.d[0][..d].copy_from_slice(g);
                 l.left_chain_back(&ws.h, &mut ws.dh, id as usize, rec, &mut ws.d);
             }
-        }
-        if let Some(o) = &mut ws.opt {
+        } else {
+            let l = &ws.layout;
+            let o = ws.opt.as_mut().expect("an optimised workspace");
+            let (lrec, rrec) = ws.rec.split_at(o.rrec_at);
             let s = l.split;
             let (el, er, rs) = (l.eprefix[s], l.esuffix[s], l.r[s]);
             let nu = o.uniq.len();
@@ -819,11 +918,9 @@ impl EmbeddingLayer for TtmEmbedding {
             for u in 0..nu {
                 let acc = &mut o.drows[u * d..(u + 1) * d];
                 acc.fill(0.0);
-                for &(_, t) in &o.order[o.seg[u] as usize..o.seg[u + 1] as usize] {
-                    for (a, g) in acc
-                        .iter_mut()
-                        .zip(&dy[t as usize * d..(t as usize + 1) * d])
-                    {
+                for &entry in &o.order[o.seg[u] as usize..o.seg[u + 1] as usize] {
+                    let t = token_of(entry);
+                    for (a, g) in acc.iter_mut().zip(&dy[t * d..(t + 1) * d]) {
                         *a += g;
                     }
                 }
@@ -835,8 +932,8 @@ impl EmbeddingLayer for TtmEmbedding {
             for u in 0..nu {
                 let (ls, rsl) = (o.uleft[u] as usize, o.uright[u] as usize);
                 let drow = MatRef::new(&o.drows[u * d..(u + 1) * d], el, er);
-                let lp = MatRef::new(l.lp(&o.lrec[ls * l.lper..][..l.lper]), el, rs);
-                let rp = MatRef::new(l.rp(&o.rrec[rsl * l.rper..][..l.rper]), rs, er);
+                let lp = MatRef::new(l.lp(&lrec[ls * l.lper..][..l.lper]), el, rs);
+                let rp = MatRef::new(l.rp(&rrec[rsl * l.rper..][..l.rper]), rs, er);
                 matmul(
                     MatMut::new(&mut o.dlp[ls * el * rs..(ls + 1) * el * rs], el, rs),
                     drow,
@@ -858,7 +955,7 @@ impl EmbeddingLayer for TtmEmbedding {
                     &ws.h,
                     &mut ws.dh,
                     id as usize,
-                    &o.lrec[slot * l.lper..][..l.lper],
+                    &lrec[slot * l.lper..][..l.lper],
                     &mut ws.d,
                 );
             }
@@ -870,7 +967,7 @@ impl EmbeddingLayer for TtmEmbedding {
                         &ws.h,
                         &mut ws.dh,
                         id as usize,
-                        &o.rrec[slot * l.rper..][..l.rper],
+                        &rrec[slot * l.rper..][..l.rper],
                         &mut ws.d,
                     );
                 }

@@ -318,3 +318,38 @@ fn size_surrogate_gradient_matches_finite_differences() {
         }
     }
 }
+
+#[test]
+fn merged_path_at_small_batches_gives_the_same_bits_on_any_thread_count() {
+    // The paper's attention shape at 128 rows: the chains, their peels and the backward's
+    // independent products run as two single-threaded tasks, whatever the pool size.
+    let mut rng = init::rng(31);
+    let layer = random_tt(
+        &mut rng,
+        &[12, 8, 8],
+        &[8, 8, 12],
+        &[1, 6, 5, 7, 5, 6, 1],
+        true,
+    );
+    let batch = 128;
+    let x = random_vec(&mut rng, batch * 768);
+    let dy = random_vec(&mut rng, batch * 768);
+    let runs: Vec<Grads> = [1usize, 2, 3]
+        .iter()
+        .map(|&n| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap();
+            pool.install(|| run(&layer, TtPath::Merged, batch, &x, &dy))
+        })
+        .collect();
+    for r in &runs[1..] {
+        assert!(r.y == runs[0].y, "forward differs across thread counts");
+        assert!(r.dx == runs[0].dx, "dX differs across thread counts");
+        assert!(
+            r.params == runs[0].params,
+            "parameter gradients differ across thread counts"
+        );
+    }
+}

@@ -221,6 +221,59 @@ fn gradients_are_bit_identical_for_any_thread_count() {
     }
 }
 
+/// The lookup an `Auto` workspace ran for `ids`, with its output and gradients.
+fn run_auto(t: &TtmEmbedding, ids: &[u32], dy: &[f32]) -> (Lookup, Vec<f32>, Vec<Vec<f32>>) {
+    let mut t = t.clone();
+    for p in t.params_mut() {
+        p.grad.fill(0.0);
+    }
+    let mut ws = t.workspace(ids.len());
+    assert_eq!(ws.lookup(), Lookup::Auto);
+    let mut y = vec![0.0; ids.len() * t.dim()];
+    t.forward(&mut ws, ids, &mut y).unwrap();
+    t.backward(&mut ws, ids, dy);
+    let grads = t.params().iter().map(|p| p.grad.clone()).collect();
+    (ws.chosen(), y, grads)
+}
+
+#[test]
+fn auto_lookup_picks_per_batch_and_matches_the_pick_bit_for_bit() {
+    let mut rng = init::rng(26);
+    // A DLRM-like table: distinct ids give the optimised lookup nothing to share, while few
+    // ids repeated many times share nearly all of its chains.
+    let shape = TtmShape::uniform(&[20, 22, 25], &[4, 4, 4], 8, 11_000).unwrap();
+    let t = TtmEmbedding::new("e", shape, RankGates::default(), 1.0, &mut rng).unwrap();
+    let n = 600;
+    let distinct: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % 11_000).collect();
+    let repeated: Vec<u32> = (0..n as u32).map(|i| (i % 5) * 2003).collect();
+    let mut dy = vec![0.0; n * t.dim()];
+    init::fill_normal(&mut rng, &mut dy, 1.0);
+    for (ids, want) in [(&distinct, Lookup::Naive), (&repeated, Lookup::Optimized)] {
+        let (chosen, y, g) = run_auto(&t, ids, &dy);
+        assert_eq!(chosen, want);
+        let (y_want, g_want) = run(&t, want, ids, &dy);
+        assert!(y == y_want && g == g_want, "auto differs from {want:?}");
+    }
+    // One workspace, alternating batches: each batch runs its own pick.
+    let mut t2 = t.clone();
+    let mut ws = t2.workspace(n);
+    let mut y = vec![0.0; n * t.dim()];
+    for (ids, want) in [
+        (&distinct, Lookup::Naive),
+        (&repeated, Lookup::Optimized),
+        (&distinct, Lookup::Naive),
+    ] {
+        t2.forward(&mut ws, ids, &mut y).unwrap();
+        assert_eq!(ws.chosen(), want);
+        t2.backward(&mut ws, ids, &dy);
+        let (y_want, _) = run(&t, want, ids, &dy);
+        assert!(
+            y == y_want,
+            "auto workspace reused: output differs from {want:?}"
+        );
+    }
+}
+
 #[test]
 fn bad_ids_and_shapes_are_clear_errors() {
     let mut rng = init::rng(24);

@@ -61,6 +61,7 @@ pub fn verify_ttm_embedding(case: &RefCase, lookup: Lookup) -> Result<Report, Re
     let label = match lookup {
         Lookup::Naive => "naive".to_string(),
         Lookup::Optimized => format!("optimized (split {})", ws.split()),
+        Lookup::Auto => format!("auto (picked {})", ws.chosen().name()),
     };
     let mut checks = vec![case.check("y", &[tokens, d], &y, tol)?];
     for k in 0..p {

@@ -9,9 +9,13 @@
 //! Backward peels dH_c off dL and dR through the saved chain entries:
 //!   dH_c = left[c-1]ᵀ·dL_c,  dL_{c-1} = dL_c·H_cᵀ   (dL_c viewed as P_c × n_c·r_{c+1})
 //!   dH_c = dR_c·right[c+1]ᵀ, dR_{c+1} = H_cᵀ·dR_c   (dR_c viewed as r_c·s_c × Q_{c+1})
+//! The two chains (and the two peels) are independent: they run as two rayon tasks, each
+//! product on its task's thread (`matmul_serial`). Their products are small (at most
+//! N·r² multiply-adds), too small to thread one by one, so side by side is how they use two
+//! cores; the bits do not depend on the thread count.
 
 use super::pool::Lease;
-use comera_tensor::{matmul, MatMut, MatRef, TtShape};
+use comera_tensor::{matmul_serial, MatMut, MatRef, TtShape};
 
 /// Chain products and their gradient scratch (ping-pong pairs), all borrowed from the thread's
 /// scratch pool: [`Chains::acquire_forward`] / [`Chains::acquire_backward`] before use,
@@ -104,86 +108,123 @@ impl Chains {
         self.left.bytes() + self.right.bytes() + self.dl.bytes() + self.dr.bytes()
     }
 
-    /// Builds every chain entry from the gated cores `h`.
+    /// Builds every chain entry from the gated cores `h` (left and right chains side by side).
     pub fn build(&mut self, shape: &TtShape, h: &[Vec<f32>]) {
-        let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
-        let pre = &self.pre;
-        self.left[0].copy_from_slice(&h[0]);
-        for c in 1..p {
-            let (done, rest) = self.left.split_at_mut(c);
-            let w = shape.mode(c) * r[c + 1];
-            matmul(
-                MatMut::new(&mut rest[0], pre[c], w),
-                MatRef::new(&done[c - 1], pre[c], r[c]),
-                MatRef::new(&h[c], r[c], w),
-                false,
-            );
-        }
-        self.right[k - 1 - p].copy_from_slice(&h[k - 1]);
-        for c in (p..k - 1).rev() {
-            let (head, tail) = self.right.split_at_mut(c + 1 - p);
-            let qn = q_of(shape, c + 1);
-            matmul(
-                MatMut::new(&mut head[c - p], r[c] * shape.mode(c), qn),
-                MatRef::new(&h[c], r[c] * shape.mode(c), r[c + 1]),
-                MatRef::new(&tail[0], r[c + 1], qn),
-                false,
-            );
-        }
+        let (pre, left, right) = (&self.pre, &mut self.left, &mut self.right);
+        rayon::join(
+            || build_left(shape, h, pre, left),
+            || build_right(shape, h, right),
+        );
     }
 
-    /// From dL in `dl[0]`, writes dH_c for the input cores c = 0..p-1.
-    pub fn peel_left(&mut self, shape: &TtShape, h: &[Vec<f32>], dh: &mut [Vec<f32>]) {
-        let (p, r) = (shape.p(), shape.ranks());
-        let pre = &self.pre;
-        let (a, b) = self.dl.split_at_mut(1);
-        let (mut cur, mut next) = (&mut a[0], &mut b[0]);
-        for c in (1..p).rev() {
-            let w = shape.mode(c) * r[c + 1];
-            let dlc = MatRef::new(&cur[..pre[c] * w], pre[c], w);
-            matmul(
-                MatMut::new(&mut dh[c], r[c], w),
-                MatRef::new(&self.left[c - 1], pre[c], r[c]).t(),
-                dlc,
-                false,
-            );
-            matmul(
-                MatMut::new(&mut next[..pre[c] * r[c]], pre[c], r[c]),
-                dlc,
-                MatRef::new(&h[c], r[c], w).t(),
-                false,
-            );
-            std::mem::swap(&mut cur, &mut next);
-        }
-        let n0 = dh[0].len();
-        dh[0].copy_from_slice(&cur[..n0]);
+    /// From dL in `dl[0]` and dR in `dr[0]`, writes dH_c for every core (the two peels side
+    /// by side).
+    pub fn peel(&mut self, shape: &TtShape, h: &[Vec<f32>], dh: &mut [Vec<f32>]) {
+        let (dh_in, dh_out) = dh.split_at_mut(shape.p());
+        let (pre, left, right) = (&self.pre, &self.left, &self.right);
+        let (dl, dr) = (&mut self.dl, &mut self.dr);
+        rayon::join(
+            || peel_left(shape, h, pre, left, dl, dh_in),
+            || peel_right(shape, h, right, dr, dh_out),
+        );
     }
+}
 
-    /// From dR in `dr[0]`, writes dH_c for the output cores c = p..K-1.
-    pub fn peel_right(&mut self, shape: &TtShape, h: &[Vec<f32>], dh: &mut [Vec<f32>]) {
-        let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
-        let (a, b) = self.dr.split_at_mut(1);
-        let (mut cur, mut next) = (&mut a[0], &mut b[0]);
-        for c in p..k - 1 {
-            let rows = r[c] * shape.mode(c);
-            let qn = q_of(shape, c + 1);
-            let drc = MatRef::new(&cur[..rows * qn], rows, qn);
-            let right_next = MatRef::new(&self.right[c + 1 - p], r[c + 1], qn);
-            matmul(
-                MatMut::new(&mut dh[c], rows, r[c + 1]),
-                drc,
-                right_next.t(),
-                false,
-            );
-            matmul(
-                MatMut::new(&mut next[..r[c + 1] * qn], r[c + 1], qn),
-                MatRef::new(&h[c], rows, r[c + 1]).t(),
-                drc,
-                false,
-            );
-            std::mem::swap(&mut cur, &mut next);
-        }
-        let nl = dh[k - 1].len();
-        dh[k - 1].copy_from_slice(&cur[..nl]);
+/// left[0] = H_0;  left[c] = left[c-1] · H_c.
+fn build_left(shape: &TtShape, h: &[Vec<f32>], pre: &[usize], left: &mut [Vec<f32>]) {
+    let (p, r) = (shape.p(), shape.ranks());
+    left[0].copy_from_slice(&h[0]);
+    for c in 1..p {
+        let (done, rest) = left.split_at_mut(c);
+        let w = shape.mode(c) * r[c + 1];
+        matmul_serial(
+            MatMut::new(&mut rest[0], pre[c], w),
+            MatRef::new(&done[c - 1], pre[c], r[c]),
+            MatRef::new(&h[c], r[c], w),
+            false,
+        );
     }
+}
+
+/// right[K-1] = H_{K-1};  right[c] = H_c · right[c+1]  (index c - p).
+fn build_right(shape: &TtShape, h: &[Vec<f32>], right: &mut [Vec<f32>]) {
+    let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
+    right[k - 1 - p].copy_from_slice(&h[k - 1]);
+    for c in (p..k - 1).rev() {
+        let (head, tail) = right.split_at_mut(c + 1 - p);
+        let qn = q_of(shape, c + 1);
+        matmul_serial(
+            MatMut::new(&mut head[c - p], r[c] * shape.mode(c), qn),
+            MatRef::new(&h[c], r[c] * shape.mode(c), r[c + 1]),
+            MatRef::new(&tail[0], r[c + 1], qn),
+            false,
+        );
+    }
+}
+
+/// From dL in `dl[0]`, writes dH_c for the input cores c = 0..p-1 (`dh_in`).
+fn peel_left(
+    shape: &TtShape,
+    h: &[Vec<f32>],
+    pre: &[usize],
+    left: &[Vec<f32>],
+    dl: &mut [Vec<f32>],
+    dh_in: &mut [Vec<f32>],
+) {
+    let (p, r) = (shape.p(), shape.ranks());
+    let (a, b) = dl.split_at_mut(1);
+    let (mut cur, mut next) = (&mut a[0], &mut b[0]);
+    for c in (1..p).rev() {
+        let w = shape.mode(c) * r[c + 1];
+        let dlc = MatRef::new(&cur[..pre[c] * w], pre[c], w);
+        matmul_serial(
+            MatMut::new(&mut dh_in[c], r[c], w),
+            MatRef::new(&left[c - 1], pre[c], r[c]).t(),
+            dlc,
+            false,
+        );
+        matmul_serial(
+            MatMut::new(&mut next[..pre[c] * r[c]], pre[c], r[c]),
+            dlc,
+            MatRef::new(&h[c], r[c], w).t(),
+            false,
+        );
+        std::mem::swap(&mut cur, &mut next);
+    }
+    let n0 = dh_in[0].len();
+    dh_in[0].copy_from_slice(&cur[..n0]);
+}
+
+/// From dR in `dr[0]`, writes dH_c for the output cores c = p..K-1 (`dh_out[c - p]`).
+fn peel_right(
+    shape: &TtShape,
+    h: &[Vec<f32>],
+    right: &[Vec<f32>],
+    dr: &mut [Vec<f32>],
+    dh_out: &mut [Vec<f32>],
+) {
+    let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
+    let (a, b) = dr.split_at_mut(1);
+    let (mut cur, mut next) = (&mut a[0], &mut b[0]);
+    for c in p..k - 1 {
+        let rows = r[c] * shape.mode(c);
+        let qn = q_of(shape, c + 1);
+        let drc = MatRef::new(&cur[..rows * qn], rows, qn);
+        let right_next = MatRef::new(&right[c + 1 - p], r[c + 1], qn);
+        matmul_serial(
+            MatMut::new(&mut dh_out[c - p], rows, r[c + 1]),
+            drc,
+            right_next.t(),
+            false,
+        );
+        matmul_serial(
+            MatMut::new(&mut next[..r[c + 1] * qn], r[c + 1], qn),
+            MatRef::new(&h[c], rows, r[c + 1]).t(),
+            drc,
+            false,
+        );
+        std::mem::swap(&mut cur, &mut next);
+    }
+    let nl = dh_out[k - 1 - p].len();
+    dh_out[k - 1 - p].copy_from_slice(&cur[..nl]);
 }

@@ -110,8 +110,7 @@ impl Dense {
         let (l, r, dl, dr) = self.chains.seed_grads();
         matmul(MatMut::new(dl, n, rp), dw, MatRef::new(r, rp, m).t(), false);
         matmul(MatMut::new(dr, rp, m), MatRef::new(l, n, rp).t(), dw, false);
-        self.chains.peel_left(shape, h, dh);
-        self.chains.peel_right(shape, h, dh);
+        self.chains.peel(shape, h, dh);
         self.w.release();
         self.chains.release();
     }

@@ -268,8 +268,7 @@ impl FusedFfn {
         matmul(MatMut::new(dx, b, n), uu, MatRef::new(lu, n, ru).t(), false);
         matmul(MatMut::new(dlu, n, ru), MatRef::new(x, b, n).t(), uu, false);
         for (i, l) in [up, down].into_iter().enumerate() {
-            self.chains[i].peel_left(&l.shape, &self.h[i], &mut self.dh[i]);
-            self.chains[i].peel_right(&l.shape, &self.h[i], &mut self.dh[i]);
+            self.chains[i].peel(&l.shape, &self.h[i], &mut self.dh[i]);
             l.accumulate_core_grads(&self.dh[i]);
         }
         accumulate_bias_grad(dy, &mut down.bias.grad);

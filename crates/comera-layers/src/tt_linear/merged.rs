@@ -1,9 +1,27 @@
 //! Merged path: T1 = X·L (B × r_p), Y = T1·R. Batch cost 2·B·r_p·(N + M) per product.
 //! Backward: dR = T1ᵀ·dY, U1 = dY·Rᵀ, dX = U1·Lᵀ, dL = Xᵀ·U1, then peel both chains.
+//!
+//! Two tasks. Below `PAIR_MAX_MACS` the products are thin (r_p = 30 columns or inner length)
+//! and a threaded GEMM keeps the second core partly idle, so the backward's independent pairs
+//! (dR ∥ U1), (dX ∥ dL) run as two rayon tasks of single-threaded products instead (the chains
+//! and their peels always do, see `chain`). The split does not depend on the thread count, so
+//! neither do the bits. (Splitting the forward's products into row halves the same way was
+//! measured and gained nothing.)
 
 use super::chain::Chains;
 use super::pool::Lease;
-use comera_tensor::{matmul, MatMut, MatRef, TtShape};
+use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
+
+/// Largest product (multiply-adds, B·r_p·max(N, M)) run as two single-threaded tasks rather
+/// than threaded: measured with `comera bench tt-linear` (768×768 at 128 and 256 tokens:
+/// 1.2× faster forward+backward; at 1024 tokens and above the threaded products are as fast).
+pub(crate) const PAIR_MAX_MACS: usize = 1 << 24;
+
+/// Whether `batch` rows of `shape` run as two tasks (see the module doc).
+pub(crate) fn paired(shape: &TtShape, batch: usize) -> bool {
+    let wide = shape.in_features().max(shape.out_features());
+    batch * shape.middle_rank() * wide <= PAIR_MAX_MACS
+}
 
 /// Saved between forward and backward: T1 only (B × r_p). The chains and U1 are scratch
 /// borrowed for each call; the backward rebuilds the chains.
@@ -86,25 +104,35 @@ impl Merged {
         self.u1.acquire();
         let (l, r, dl, dr) = self.chains.seed_grads();
         let (l, r) = (MatRef::new(l, n, rp), MatRef::new(r, rp, m));
-        matmul(
-            MatMut::new(dr, rp, m),
-            MatRef::new(&self.t1, batch, rp).t(),
-            dy,
-            false,
-        );
-        matmul(MatMut::new(&mut self.u1[0], batch, rp), dy, r.t(), false);
-        let u1 = MatRef::new(&self.u1[0], batch, rp);
-        if let Some(dx) = dx {
-            matmul(MatMut::new(dx, batch, n), u1, l.t(), false);
+        let t1 = MatRef::new(&self.t1, batch, rp);
+        let x = MatRef::new(x, batch, n);
+        let u1 = &mut self.u1[0];
+        if paired(shape, batch) {
+            // (dR = T1ᵀ·dY ∥ U1 = dY·Rᵀ), then (dX = U1·Lᵀ ∥ dL = Xᵀ·U1).
+            rayon::join(
+                || matmul_serial(MatMut::new(dr, rp, m), t1.t(), dy, false),
+                || matmul_serial(MatMut::new(u1, batch, rp), dy, r.t(), false),
+            );
+            let u1 = MatRef::new(u1, batch, rp);
+            match dx {
+                Some(dx) => {
+                    rayon::join(
+                        || matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false),
+                        || matmul_serial(MatMut::new(dl, n, rp), x.t(), u1, false),
+                    );
+                }
+                None => matmul(MatMut::new(dl, n, rp), x.t(), u1, false),
+            }
+        } else {
+            matmul(MatMut::new(dr, rp, m), t1.t(), dy, false);
+            matmul(MatMut::new(u1, batch, rp), dy, r.t(), false);
+            let u1 = MatRef::new(u1, batch, rp);
+            if let Some(dx) = dx {
+                matmul(MatMut::new(dx, batch, n), u1, l.t(), false);
+            }
+            matmul(MatMut::new(dl, n, rp), x.t(), u1, false);
         }
-        matmul(
-            MatMut::new(dl, n, rp),
-            MatRef::new(x, batch, n).t(),
-            u1,
-            false,
-        );
-        self.chains.peel_left(shape, h, dh);
-        self.chains.peel_right(shape, h, dh);
+        self.chains.peel(shape, h, dh);
         self.u1.release();
         self.chains.release();
     }

@@ -9,16 +9,27 @@
 //! then each layer peels its chains as on its own. The result is each layer's own merged-path
 //! result up to float rounding (the same sums, grouped in larger products).
 //!
+//! At small batches (see `merged::paired`) the backward's independent products run as two
+//! single-threaded tasks, as on the merged path: (dR_i ∥ U_i) and (dX ∥ dL).
+//!
 //! It applies while every layer plans the merged path at this batch (the planner still decides
-//! per layer; see [`SharedInput::applies`]) and none is dead; otherwise callers run the layers
-//! one by one.
+//! per layer; see [`SharedInput::applies`]) and none is dead, and is chosen only up to
+//! [`MAX_ROWS`] rows, where it was measured not to lose; otherwise callers run the layers one
+//! by one.
 
 use super::chain::Chains;
+use super::merged::paired;
 use super::pool::Lease;
 use super::TtLinear;
 use crate::{check_len, Layer};
 use comera_plan::TtPath;
-use comera_tensor::{matmul, MatMut, MatRef, TtShape};
+use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
+
+/// Rows above which the fusion is not used (the layers run one by one): measured with
+/// `comera bench step --ops` on the paper's q/k/v (2 threads), fused vs one by one: a tie at
+/// 128 rows, the fused backward 1.2× slower at 1,024 rows and the fused step 1.15-1.4× slower
+/// at 4,096 rows (its products read and write strided column blocks of T1, U and dY).
+pub const MAX_ROWS: usize = 128;
 
 /// The fused workspace of n layers sharing an input, for one batch size.
 #[derive(Debug)]
@@ -40,8 +51,12 @@ pub struct SharedInput {
 
 impl SharedInput {
     /// The fused workspace for `layers` at `batch` rows, or `None` when the fusion does not
-    /// apply (a layer planned off the merged path, a dead layer, or different input widths).
+    /// apply (a layer planned off the merged path, a dead layer, or different input widths)
+    /// or does not pay (more than [`MAX_ROWS`] rows).
     pub fn new(layers: &[&TtLinear], batch: usize) -> Option<SharedInput> {
+        if batch > MAX_ROWS {
+            return None;
+        }
         if layers
             .iter()
             .any(|l| l.workspace(batch).path() != TtPath::Merged)
@@ -96,6 +111,11 @@ impl SharedInput {
                 .iter()
                 .zip(&self.shapes)
                 .all(|(l, s)| !l.dead && l.shape == *s)
+    }
+
+    /// Whether the products run as two tasks (every layer small enough at this batch).
+    fn paired(&self) -> bool {
+        self.shapes.iter().all(|s| paired(s, self.batch))
     }
 
     /// Bytes kept between calls (T1).
@@ -218,6 +238,7 @@ impl SharedInput {
             "SharedInput backward: layers changed since forward"
         );
         // Gates, chains and Lcat, as in the forward.
+        let pair = self.paired();
         self.cat.acquire();
         for i in 0..k {
             self.build(i, &*layers[i], true);
@@ -232,33 +253,33 @@ impl SharedInput {
             let dyi = MatRef::strided(&dy[m0..], b, m, w, 1);
             let (_, r, _, dr) = self.chains[i].seed_grads();
             let r = MatRef::new(r, rp, m);
-            matmul(
-                MatMut::new(dr, rp, m),
-                MatRef::strided(&self.t1[r0..], b, rp, s, 1).t(),
-                dyi,
-                false,
-            );
-            matmul(
-                MatMut::strided(&mut u[r0..], b, rp, s, 1),
-                dyi,
-                r.t(),
-                false,
-            );
+            let t1i = MatRef::strided(&self.t1[r0..], b, rp, s, 1);
+            let dr = MatMut::new(dr, rp, m);
+            let ui = MatMut::strided(&mut u[r0..], b, rp, s, 1);
+            if pair {
+                rayon::join(
+                    || matmul_serial(dr, t1i.t(), dyi, false),
+                    || matmul_serial(ui, dyi, r.t(), false),
+                );
+            } else {
+                matmul(dr, t1i.t(), dyi, false);
+                matmul(ui, dyi, r.t(), false);
+            }
         }
         let um = MatRef::new(u, b, s);
         // dX = U·Lcatᵀ,  dLcat = Xᵀ·U.
-        matmul(
-            MatMut::new(dx, b, n),
-            um,
-            MatRef::new(lcat, n, s).t(),
-            false,
-        );
-        matmul(
-            MatMut::new(dlcat, n, s),
-            MatRef::new(x, b, n).t(),
-            um,
-            false,
-        );
+        let dxm = MatMut::new(dx, b, n);
+        let dlm = MatMut::new(dlcat, n, s);
+        let (lt, xt) = (MatRef::new(lcat, n, s).t(), MatRef::new(x, b, n).t());
+        if pair {
+            rayon::join(
+                || matmul_serial(dxm, um, lt, false),
+                || matmul_serial(dlm, xt, um, false),
+            );
+        } else {
+            matmul(dxm, um, lt, false);
+            matmul(dlm, xt, um, false);
+        }
         for i in 0..k {
             let (r0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
             let (m0, m) = (self.mcol[i], self.mcol[i + 1] - self.mcol[i]);
@@ -269,8 +290,7 @@ impl SharedInput {
                 }
             }
             let l = &mut *layers[i];
-            self.chains[i].peel_left(&l.shape, &self.h[i], &mut self.dh[i]);
-            self.chains[i].peel_right(&l.shape, &self.h[i], &mut self.dh[i]);
+            self.chains[i].peel(&l.shape, &self.h[i], &mut self.dh[i]);
             l.accumulate_core_grads(&self.dh[i]);
             for row in dy.chunks_exact(w) {
                 for (g, v) in l.bias.grad.iter_mut().zip(&row[m0..m0 + m]) {
