@@ -653,17 +653,17 @@ impl Encoder {
             x
         };
         // q, k, v: TT layers on the merged path as one fused product straight into the
-        // saved interleaved qkv; otherwise one by one through the backward's dq/dk/dv (free
-        // during the forward). The attention output and the FFN output only live until their
+        // saved interleaved qkv; otherwise one by one through tmp[0..3] (free until the
+        // attention output). The attention output and the FFN output only live until their
         // residual sums, in tmp[0].
         if let Some((w, layers)) = shared_qkv(blk, s, x.len() / d) {
             w.forward(&layers, attn_in, &mut a.qkv);
         } else {
-            sc.ensure_qkv_split(a.qkv.len() / 3);
-            blk.q.forward(&mut s.ws_q, attn_in, &mut sc.dq);
-            blk.k.forward(&mut s.ws_k, attn_in, &mut sc.dk);
-            blk.v.forward(&mut s.ws_v, attn_in, &mut sc.dv);
-            interleave(&sc.dq, &sc.dk, &sc.dv, d, &mut a.qkv);
+            let [q, k, v] = &mut sc.tmp;
+            blk.q.forward(&mut s.ws_q, attn_in, q);
+            blk.k.forward(&mut s.ws_k, attn_in, k);
+            blk.v.forward(&mut s.ws_v, attn_in, v);
+            interleave(q, k, v, d, &mut a.qkv);
         }
         self.attn
             .forward(&mut s.ws_attn, &a.qkv, Some(mask), &mut a.att);
@@ -794,11 +794,16 @@ impl Encoder {
                 _ => false,
             };
             if !fused {
-                split(&sc.dqkv, d, &mut sc.dq, &mut sc.dk, &mut sc.dv);
-                blk.q.backward(&mut s.ws_q, attn_in, &sc.dq, Some(t2));
-                blk.k.backward(&mut s.ws_k, attn_in, &sc.dk, Some(t3));
+                // One of ∂L/∂q, ∂L/∂k, ∂L/∂v at a time in sc.d: free from the block's start
+                // until its ∂L/∂x is written below.
+                let dy = &mut sc.d;
+                column_block(&sc.dqkv, d, 0, dy);
+                blk.q.backward(&mut s.ws_q, attn_in, dy, Some(t2));
+                column_block(&sc.dqkv, d, 1, dy);
+                blk.k.backward(&mut s.ws_k, attn_in, dy, Some(t3));
                 add_into(t2, t3);
-                blk.v.backward(&mut s.ws_v, attn_in, &sc.dv, Some(t3));
+                column_block(&sc.dqkv, d, 2, dy);
+                blk.v.backward(&mut s.ws_v, attn_in, dy, Some(t3));
                 add_into(t2, t3);
             } // t2 = ∂L/∂(attention input)
             if pre {
@@ -905,17 +910,10 @@ fn interleave(q: &[f32], k: &[f32], v: &[f32], d: usize, qkv: &mut [f32]) {
     }
 }
 
-/// The inverse of [`interleave`].
-fn split(qkv: &[f32], d: usize, q: &mut [f32], k: &mut [f32], v: &mut [f32]) {
-    for (((row, q), k), v) in qkv
-        .chunks_exact(3 * d)
-        .zip(q.chunks_exact_mut(d))
-        .zip(k.chunks_exact_mut(d))
-        .zip(v.chunks_exact_mut(d))
-    {
-        q.copy_from_slice(&row[..d]);
-        k.copy_from_slice(&row[d..2 * d]);
-        v.copy_from_slice(&row[2 * d..]);
+/// out[n] = qkv[n][j·D..(j+1)·D]: one of q, k, v (j = 0, 1, 2) out of [`interleave`]'s rows.
+fn column_block(qkv: &[f32], d: usize, j: usize, out: &mut [f32]) {
+    for (row, o) in qkv.chunks_exact(3 * d).zip(out.chunks_exact_mut(d)) {
+        o.copy_from_slice(&row[j * d..(j + 1) * d]);
     }
 }
 
@@ -1127,23 +1125,10 @@ pub struct EncoderState {
 #[derive(Debug)]
 struct Scratch {
     d: Vec<f32>,        // N × D: the flowing gradient
-    tmp: [Vec<f32>; 3], // N × D
+    tmp: [Vec<f32>; 3], // N × D (q, k, v of unfused blocks in the forward)
     dqkv: Vec<f32>,     // N × 3D
-    dq: Vec<f32>,       // N × D (q in the forward)
-    dk: Vec<f32>,       // N × D (k in the forward)
-    dv: Vec<f32>,       // N × D (v in the forward)
     dg: Vec<f32>,       // N × F (only for blocks whose FFN does not run fused)
     g: Vec<f32>,        // N × F: GELU(h) of the block being run (recomputed in the backward; same)
-}
-
-impl Scratch {
-    /// Sizes dq/dk/dv (N × D each) for a block whose q/k/v run one by one (allocates only
-    /// the first time, or after a rank change ended a fusion).
-    fn ensure_qkv_split(&mut self, nd: usize) {
-        for v in [&mut self.dq, &mut self.dk, &mut self.dv] {
-            v.resize(nd, 0.0);
-        }
-    }
 }
 
 impl EncoderState {
@@ -1200,10 +1185,6 @@ impl EncoderState {
             d: z(n * d),
             tmp: [z(n * d), z(n * d), z(n * d)],
             dqkv: z(3 * n * d),
-            // Only for blocks whose q/k/v do not run fused.
-            dq: Vec::new(),
-            dk: Vec::new(),
-            dv: Vec::new(),
             dg: Vec::new(),
             g: Vec::new(),
         };
@@ -1211,9 +1192,6 @@ impl EncoderState {
         if unfused_ffn {
             sc.dg = z(n * f);
             sc.g = z(n * f);
-        }
-        if blocks.iter().any(|b: &BlockState| b.ws_qkv.is_none()) {
-            sc.ensure_qkv_split(n * d);
         }
         let rec = c.recompute_blocks;
         let acts = (0..if rec { 1 } else { c.layers })
@@ -1430,7 +1408,7 @@ impl EncoderState {
             HeadState::Mlm(h) => h.bytes(),
         };
         let sc = &self.sc;
-        total += [&sc.d, &sc.dqkv, &sc.dq, &sc.dk, &sc.dv, &sc.dg, &sc.g]
+        total += [&sc.d, &sc.dqkv, &sc.dg, &sc.g]
             .iter()
             .map(|v| f(v))
             .sum::<usize>();
