@@ -751,8 +751,7 @@ impl Encoder {
             } else {
                 blk.ln2.backward(&mut s.ws_ln2, &a.r2, &sc.d, Some(t1)); // ∂L/∂r2
             }
-            t2.copy_from_slice(t1);
-            self.drop_ffn[l].backward_in_place(&s.ws_drop_ffn, t2);
+            self.drop_ffn[l].backward(&s.ws_drop_ffn, t1, t2);
             let ffn_in: &[f32] = if pre { &a.ln2_out } else { &a.ln1_out };
             let fused = match (&mut blk.up, &mut blk.down, &mut s.ws_ffn) {
                 (AnyLinear::Tt(up), AnyLinear::Tt(down), Some(w)) if w.applies(up, down) => {
@@ -778,8 +777,7 @@ impl Encoder {
                 std::mem::swap(t1, t2); // t1 = ∂L/∂r1
             }
             // Attention branch: ∂L/∂a = ∂L/∂r1.
-            t2.copy_from_slice(t1);
-            self.drop_attn[l].backward_in_place(&s.ws_drop_attn, t2);
+            self.drop_attn[l].backward(&s.ws_drop_attn, t1, t2);
             blk.o.backward(&mut s.ws_o, &a.att, t2, Some(t3));
             self.attn.backward(&mut s.ws_attn, &a.qkv, t3, &mut sc.dqkv);
             let attn_in: &[f32] = if pre { &a.ln1_out } else { x };
