@@ -11,9 +11,9 @@
 use crate::check_len;
 use rayon::prelude::*;
 
-/// Buffers longer than two of these are processed in parallel chunks (element-wise, so the
-/// result does not depend on the thread count).
-const CHUNK: usize = 1 << 14;
+// Buffers of at least two chunks are processed in parallel chunks (element-wise, so the
+// result does not depend on the thread count).
+use crate::elementwise::CHUNK;
 
 /// 1/√2.
 const INV_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;

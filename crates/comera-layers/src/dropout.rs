@@ -11,6 +11,7 @@
 //! kept as a bitmask (1 = kept) in the workspace for backward.
 
 use crate::check_len;
+use crate::elementwise::CHUNK;
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -190,28 +191,49 @@ impl Dropout {
     }
 }
 
-/// `out_i = m_i·scale·inp_i`.
+/// `out_i = m_i·scale·inp_i`, in parallel chunks of [`CHUNK`] elements (element-wise).
 fn apply_mask(bits: &[u64], scale: f32, inp: &[f32], out: &mut [f32]) {
-    for ((o, i), &word) in out.chunks_mut(64).zip(inp.chunks(64)).zip(bits) {
-        for (b, (ov, &iv)) in o.iter_mut().zip(i).enumerate() {
-            *ov = if (word >> b) & 1 == 1 {
-                iv * scale
-            } else {
-                0.0
-            };
+    use rayon::prelude::*;
+    let f = |((out, inp), bits): ((&mut [f32], &[f32]), &[u64])| {
+        for ((o, i), &word) in out.chunks_mut(64).zip(inp.chunks(64)).zip(bits) {
+            for (b, (ov, &iv)) in o.iter_mut().zip(i).enumerate() {
+                *ov = if (word >> b) & 1 == 1 {
+                    iv * scale
+                } else {
+                    0.0
+                };
+            }
         }
+    };
+    if out.len() >= 2 * CHUNK {
+        out.par_chunks_mut(CHUNK)
+            .zip(inp.par_chunks(CHUNK))
+            .zip(bits.par_chunks(CHUNK / 64))
+            .for_each(f);
+    } else {
+        f(((out, inp), bits));
     }
 }
 
-/// `v_i ← m_i·scale·v_i`.
+/// `v_i ← m_i·scale·v_i`, in parallel chunks of [`CHUNK`] elements (element-wise).
 fn apply_mask_in_place(bits: &[u64], scale: f32, v: &mut [f32]) {
-    for (chunk, &word) in v.chunks_mut(64).zip(bits) {
-        for (b, x) in chunk.iter_mut().enumerate() {
-            *x = if (word >> b) & 1 == 1 {
-                *x * scale
-            } else {
-                0.0
-            };
+    use rayon::prelude::*;
+    let f = |(v, bits): (&mut [f32], &[u64])| {
+        for (chunk, &word) in v.chunks_mut(64).zip(bits) {
+            for (b, x) in chunk.iter_mut().enumerate() {
+                *x = if (word >> b) & 1 == 1 {
+                    *x * scale
+                } else {
+                    0.0
+                };
+            }
         }
+    };
+    if v.len() >= 2 * CHUNK {
+        v.par_chunks_mut(CHUNK)
+            .zip(bits.par_chunks(CHUNK / 64))
+            .for_each(f);
+    } else {
+        f((v, bits));
     }
 }

@@ -19,6 +19,7 @@ pub mod attention;
 pub mod compress;
 pub mod config_float;
 pub mod dropout;
+pub mod elementwise;
 pub mod embedding;
 pub mod gates;
 pub mod linear;
@@ -95,6 +96,7 @@ pub trait Layer {
 
 /// Panics with a clear message when a buffer does not have the length the layer expects.
 /// (Buffer lengths inside the engine are its own invariants; user input is checked earlier.)
+#[track_caller]
 pub(crate) fn check_len(what: &str, buf: usize, expected: usize) {
     assert_eq!(
         buf, expected,

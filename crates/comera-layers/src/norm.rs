@@ -6,10 +6,12 @@
 //! Forward saves μ and r per row. Backward, with g_i = γ_i·dy_i (the gradient w.r.t. n):
 //!   dβ_i += Σ_rows dy_i,   dγ_i += Σ_rows dy_i·n_i,
 //!   dx_i  = r·(g_i − mean_j(g_j) − n_i·mean_j(g_j·n_j)).
-//! Parameter gradients are summed in row order, so results do not depend on anything but the
-//! inputs.
+//! Rows run in parallel in fixed blocks of [`block_rows`] rows. Parameter gradients are summed
+//! in row order within a block, then block by block in order, so results depend on the inputs
+//! and the row count only, never on the thread count.
 
 use crate::{check_len, Layer, Param, ParamKind};
+use rayon::prelude::*;
 
 /// BERT's LayerNorm epsilon.
 pub const BERT_LAYER_NORM_EPS: f32 = 1e-12;
@@ -28,6 +30,14 @@ pub struct LayerNormWorkspace {
     rows: usize,
     mean: Vec<f32>, // (rows)
     rstd: Vec<f32>, // (rows)
+    /// Per row block, its partial [dγ | dβ]: (blocks, 2·D).
+    partial: Vec<f32>,
+}
+
+/// Rows per parallel block: about 16 blocks per call, at least 8 rows each (a block of 8 rows
+/// of width 768 is already ~25 KB of work per pass).
+pub fn block_rows(rows: usize) -> usize {
+    rows.div_ceil(16).max(8)
 }
 
 impl LayerNormWorkspace {
@@ -87,6 +97,7 @@ impl Layer for LayerNorm {
             rows: batch,
             mean: vec![0.0; batch],
             rstd: vec![0.0; batch],
+            partial: vec![0.0; batch.div_ceil(block_rows(batch)) * 2 * self.dim()],
         }
     }
 
@@ -94,14 +105,17 @@ impl Layer for LayerNorm {
         let (rows, d) = (ws.rows, self.dim());
         check_len("LayerNorm x", x.len(), rows * d);
         check_len("LayerNorm y", y.len(), rows * d);
-        let (gamma, beta) = (&self.gamma.value, &self.beta.value);
-        for r in 0..rows {
-            let xr = &x[r * d..(r + 1) * d]; // (D)
-            let yr = &mut y[r * d..(r + 1) * d]; // (D)
-            let (mean, rstd) = kernels::forward_row(xr, gamma, beta, self.eps, yr);
-            ws.mean[r] = mean;
-            ws.rstd[r] = rstd;
-        }
+        let (gamma, beta, eps) = (&self.gamma.value, &self.beta.value, self.eps);
+        let br = block_rows(rows);
+        y.par_chunks_mut(br * d)
+            .zip(x.par_chunks(br * d))
+            .zip(ws.mean.par_chunks_mut(br))
+            .zip(ws.rstd.par_chunks_mut(br))
+            .for_each(|(((y, x), mean), rstd)| {
+                for (r, (yr, xr)) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
+                    (mean[r], rstd[r]) = kernels::forward_row(xr, gamma, beta, eps, yr);
+                }
+            });
     }
 
     fn backward(
@@ -114,26 +128,51 @@ impl Layer for LayerNorm {
         let (rows, d) = (ws.rows, self.dim());
         check_len("LayerNorm x", x.len(), rows * d);
         check_len("LayerNorm dy", dy.len(), rows * d);
-        let mut dx = dx;
         if let Some(dx) = dx.as_deref() {
             check_len("LayerNorm dx", dx.len(), rows * d);
         }
         let gamma = &self.gamma.value;
-        for r in 0..rows {
-            let (mean, rstd) = (ws.mean[r], ws.rstd[r]);
-            let xr = &x[r * d..(r + 1) * d]; // (D)
-            let dyr = &dy[r * d..(r + 1) * d]; // (D)
-            let dxr = dx.as_deref_mut().map(|dx| &mut dx[r * d..(r + 1) * d]);
-            kernels::backward_row(
-                xr,
-                dyr,
-                mean,
-                rstd,
-                gamma,
-                &mut self.gamma.grad,
-                &mut self.beta.grad,
-                dxr,
-            );
+        let br = block_rows(rows);
+        let (mean, rstd) = (&ws.mean, &ws.rstd);
+        // One row block: its rows in order into the block's zeroed [dγ | dβ], dx if wanted.
+        let block = |b: usize, partial: &mut [f32], dx: Option<&mut [f32]>| {
+            partial.fill(0.0);
+            let (dgamma, dbeta) = partial.split_at_mut(d);
+            let r0 = b * br;
+            let n = br.min(rows - r0);
+            let mut dx = dx;
+            for r in r0..r0 + n {
+                let dxr = dx
+                    .as_deref_mut()
+                    .map(|dx| &mut dx[(r - r0) * d..(r - r0 + 1) * d]);
+                kernels::backward_row(
+                    &x[r * d..(r + 1) * d],
+                    &dy[r * d..(r + 1) * d],
+                    mean[r],
+                    rstd[r],
+                    gamma,
+                    dgamma,
+                    dbeta,
+                    dxr,
+                );
+            }
+        };
+        let partials = ws.partial.par_chunks_mut(2 * d).enumerate();
+        match dx {
+            Some(dx) => partials
+                .zip(dx.par_chunks_mut(br * d))
+                .for_each(|((b, p), dx)| block(b, p, Some(dx))),
+            None => partials.for_each(|(b, p)| block(b, p, None)),
+        }
+        // Blocks in order: dγ += Σ_b dγ_b, dβ += Σ_b dβ_b.
+        for p in ws.partial.chunks_exact(2 * d) {
+            let (pg, pb) = p.split_at(d);
+            for (g, v) in self.gamma.grad.iter_mut().zip(pg) {
+                *g += v;
+            }
+            for (g, v) in self.beta.grad.iter_mut().zip(pb) {
+                *g += v;
+            }
         }
     }
 

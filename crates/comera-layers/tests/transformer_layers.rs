@@ -139,6 +139,65 @@ fn layer_norm_matches_finite_differences() {
     }
 }
 
+/// Many rows (blocks of `block_rows`, the last one short): dγ, dβ and dx match an f64 naive
+/// backward, and forward and backward are bit-identical on 1, 2 and 3 threads.
+#[test]
+fn layer_norm_row_blocks_match_naive_on_any_thread_count() {
+    let mut rng = init::rng(23);
+    let (rows, d) = (203, 24);
+    assert!(rows % comera_layers::norm::block_rows(rows) != 0);
+    let ln = random_layer_norm(&mut rng, d, 1e-5);
+    let x = random_vec(&mut rng, rows * d, 1.5);
+    let dy = random_vec(&mut rng, rows * d, 1.0);
+    let run = || {
+        let mut l = ln.clone();
+        let mut ws = l.workspace(rows);
+        let mut y = vec![0.0; rows * d];
+        l.forward(&mut ws, &x, &mut y);
+        let mut dx = vec![f32::NAN; rows * d];
+        l.backward(&mut ws, &x, &dy, Some(&mut dx));
+        (y, dx, l.gamma.grad.clone(), l.beta.grad.clone())
+    };
+    let runs: Vec<_> = [1usize, 2, 3]
+        .iter()
+        .map(|&n| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap();
+            pool.install(run)
+        })
+        .collect();
+    for r in &runs[1..] {
+        assert!(*r == runs[0], "layer norm differs across thread counts");
+    }
+    // f64: n = (x − μ)·r, g = γ ⊙ dy, dx = r·(g − mean(g) − n·mean(g·n)).
+    let (mut dgamma, mut dbeta) = (vec![0.0f64; d], vec![0.0f64; d]);
+    let mut dx = vec![0.0f32; rows * d];
+    for r in 0..rows {
+        let xr: Vec<f64> = x[r * d..(r + 1) * d].iter().map(|&v| v as f64).collect();
+        let mean = xr.iter().sum::<f64>() / d as f64;
+        let var = xr.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / d as f64;
+        let rstd = 1.0 / (var + 1e-5).sqrt();
+        let n: Vec<f64> = xr.iter().map(|v| (v - mean) * rstd).collect();
+        let g: Vec<f64> = (0..d)
+            .map(|i| ln.gamma.value[i] as f64 * dy[r * d + i] as f64)
+            .collect();
+        let mean_g = g.iter().sum::<f64>() / d as f64;
+        let mean_gn = g.iter().zip(&n).map(|(g, n)| g * n).sum::<f64>() / d as f64;
+        for i in 0..d {
+            dgamma[i] += dy[r * d + i] as f64 * n[i];
+            dbeta[i] += dy[r * d + i] as f64;
+            dx[r * d + i] = (rstd * (g[i] - mean_g - n[i] * mean_gn)) as f32;
+        }
+    }
+    let f = |v: Vec<f64>| v.into_iter().map(|v| v as f32).collect::<Vec<f32>>();
+    let (_, got_dx, got_dgamma, got_dbeta) = &runs[0];
+    assert_close("layer norm dx (blocks)", got_dx, &dx, 1e-5);
+    assert_close("layer norm dγ (blocks)", got_dgamma, &f(dgamma), 1e-5);
+    assert_close("layer norm dβ (blocks)", got_dbeta, &f(dbeta), 1e-5);
+}
+
 // ---------------------------------------------------------------- activations
 
 #[test]

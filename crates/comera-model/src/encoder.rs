@@ -19,6 +19,7 @@ use comera_layers::activation::{Gelu, Tanh};
 use comera_layers::any::{AnyEmbedding, AnyEmbeddingWorkspace, AnyLinear, AnyLinearWorkspace};
 use comera_layers::attention::{Attention, AttentionWorkspace};
 use comera_layers::dropout::{Dropout, DropoutWorkspace};
+use comera_layers::elementwise::{add_into, sum_into};
 use comera_layers::embedding::EmbeddingWorkspace;
 use comera_layers::loss::CrossEntropy;
 use comera_layers::norm::{LayerNorm, LayerNormWorkspace};
@@ -879,18 +880,6 @@ fn fused_ffn<'a>(
 fn ensure_len(v: &mut Vec<f32>, len: usize) {
     if v.len() != len {
         v.resize(len, 0.0);
-    }
-}
-
-fn add_into(acc: &mut [f32], x: &[f32]) {
-    for (a, v) in acc.iter_mut().zip(x) {
-        *a += v;
-    }
-}
-
-fn sum_into(a: &[f32], b: &[f32], out: &mut [f32]) {
-    for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
-        *o = x + y;
     }
 }
 

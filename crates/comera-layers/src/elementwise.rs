@@ -1,0 +1,49 @@
+//! Element-wise sums over flat buffers: the residual connections and gradient sums between
+//! layers.
+//!
+//! Buffers of at least two [`CHUNK`]s run in parallel chunks of [`CHUNK`] elements; every
+//! element is computed on its own, so results do not depend on the thread count.
+
+use crate::check_len;
+use rayon::prelude::*;
+
+/// Elements per parallel chunk (64 KiB of f32): large enough that a chunk outweighs the task.
+pub const CHUNK: usize = 1 << 14;
+
+/// `acc_i += x_i`.
+#[track_caller]
+pub fn add_into(acc: &mut [f32], x: &[f32]) {
+    check_len("add_into x", x.len(), acc.len());
+    let f = |(acc, x): (&mut [f32], &[f32])| {
+        for (a, v) in acc.iter_mut().zip(x) {
+            *a += v;
+        }
+    };
+    if acc.len() >= 2 * CHUNK {
+        acc.par_chunks_mut(CHUNK)
+            .zip(x.par_chunks(CHUNK))
+            .for_each(f);
+    } else {
+        f((acc, x));
+    }
+}
+
+/// `out_i = a_i + b_i`.
+#[track_caller]
+pub fn sum_into(a: &[f32], b: &[f32], out: &mut [f32]) {
+    check_len("sum_into a", a.len(), out.len());
+    check_len("sum_into b", b.len(), out.len());
+    let f = |((out, a), b): ((&mut [f32], &[f32]), &[f32])| {
+        for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
+            *o = x + y;
+        }
+    };
+    if out.len() >= 2 * CHUNK {
+        out.par_chunks_mut(CHUNK)
+            .zip(a.par_chunks(CHUNK))
+            .zip(b.par_chunks(CHUNK))
+            .for_each(f);
+    } else {
+        f(((out, a), b));
+    }
+}
