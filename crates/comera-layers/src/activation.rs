@@ -92,7 +92,7 @@ pub fn gelu_grad(x: f32) -> f32 {
 /// The GELU loops, compiled twice: for the baseline target and with AVX2+FMA (chosen at run
 /// time), because the baseline build vectorises the erf/exp arithmetic only 4 lanes wide.
 mod simd {
-    use super::{gelu, gelu_grad};
+    use super::{cdf_pdf, gelu, gelu_grad};
 
     #[inline(always)]
     fn forward_body(y: &mut [f32], x: &[f32]) {
@@ -154,6 +154,35 @@ mod simd {
         forward_bias_body(y, bias)
     }
 
+    #[inline(always)]
+    fn bias_value_grad_body(h: &mut [f32], bias: &[f32], g: &mut [f32]) {
+        let w = bias.len();
+        for (hrow, grow) in h.chunks_exact_mut(w).zip(g.chunks_exact_mut(w)) {
+            for ((hi, gi), &bi) in hrow.iter_mut().zip(grow.iter_mut()).zip(bias) {
+                let x = *hi + bi;
+                let (cdf, pdf) = cdf_pdf(x);
+                *gi = x * cdf; // = gelu(x)
+                *hi = cdf + x * pdf; // = gelu_grad(x)
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn bias_value_grad_avx2(h: &mut [f32], bias: &[f32], g: &mut [f32]) {
+        bias_value_grad_body(h, bias, g)
+    }
+
+    /// `g ← GELU(h + bias)`, `h ← GELU'(h + bias)` row by row, from one Φ/φ evaluation.
+    pub fn gelu_bias_value_grad(h: &mut [f32], bias: &[f32], g: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports the features the function was compiled for.
+            return unsafe { bias_value_grad_avx2(h, bias, g) };
+        }
+        bias_value_grad_body(h, bias, g)
+    }
+
     pub fn gelu_backward_in_place(d: &mut [f32], x: &[f32]) {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
@@ -192,6 +221,29 @@ impl Gelu {
             y.par_chunks_mut(chunk).for_each(f);
         } else {
             f(y);
+        }
+    }
+
+    /// For a backward that recomputes the forward: `g[r, :] = GELU(h[r, :] + bias)` and
+    /// `h[r, :] ← GELU'(h[r, :] + bias)` (h's pre-activation is not needed again, its
+    /// derivative is), sharing one Φ/φ per value; the same bits as `add_bias`, then
+    /// [`Gelu::forward`] into `g` and the factor [`Gelu::backward_in_place`] applies.
+    pub fn forward_bias_and_grad_in_place(&self, h: &mut [f32], bias: &[f32], g: &mut [f32]) {
+        let w = bias.len();
+        assert!(
+            w > 0 && h.len().is_multiple_of(w),
+            "Gelu: {} values in rows of {w}",
+            h.len()
+        );
+        check_len("Gelu g", g.len(), h.len());
+        let f = |(h, g): (&mut [f32], &mut [f32])| simd::gelu_bias_value_grad(h, bias, g);
+        let chunk = CHUNK.div_ceil(w) * w; // whole rows
+        if h.len() >= 2 * chunk {
+            h.par_chunks_mut(chunk)
+                .zip(g.par_chunks_mut(chunk))
+                .for_each(f);
+        } else {
+            f((h, g));
         }
     }
 

@@ -1,5 +1,5 @@
-//! Element-wise sums over flat buffers: the residual connections and gradient sums between
-//! layers.
+//! Element-wise sums and products over flat buffers: the residual connections and gradient
+//! sums between layers, a saved derivative applied to a gradient.
 //!
 //! Buffers of at least two [`CHUNK`]s run in parallel chunks of [`CHUNK`] elements; every
 //! element is computed on its own, so results do not depend on the thread count.
@@ -45,5 +45,23 @@ pub fn sum_into(a: &[f32], b: &[f32], out: &mut [f32]) {
             .for_each(f);
     } else {
         f(((out, a), b));
+    }
+}
+
+/// `acc_i *= x_i`.
+#[track_caller]
+pub fn mul_into(acc: &mut [f32], x: &[f32]) {
+    check_len("mul_into x", x.len(), acc.len());
+    let f = |(acc, x): (&mut [f32], &[f32])| {
+        for (a, v) in acc.iter_mut().zip(x) {
+            *a *= v;
+        }
+    };
+    if acc.len() >= 2 * CHUNK {
+        acc.par_chunks_mut(CHUNK)
+            .zip(x.par_chunks(CHUNK))
+            .for_each(f);
+    } else {
+        f((acc, x));
     }
 }

@@ -105,6 +105,30 @@ fn bias_and_gelu_in_one_pass_give_the_same_bits() {
 }
 
 #[test]
+fn gelu_value_and_derivative_in_one_pass_give_the_same_bits() {
+    let mut rng = init::rng(52);
+    let (rows, w) = (700, 96); // parallel chunks of whole rows
+    let x = random_vec(&mut rng, rows * w, 2.0);
+    let bias = random_vec(&mut rng, w, 1.0);
+    let dy = random_vec(&mut rng, rows * w, 1.0);
+    // One pass: g = GELU(x + b), and x + b replaced by GELU'(x + b), applied to dy.
+    let (mut h, mut g) = (x.clone(), vec![0.0; x.len()]);
+    Gelu.forward_bias_and_grad_in_place(&mut h, &bias, &mut g);
+    let mut dx = dy.clone();
+    comera_layers::elementwise::mul_into(&mut dx, &h);
+    // Separately: add_bias, forward, backward.
+    let mut pre = x.clone();
+    add_bias(&mut pre, &bias);
+    let mut want_g = vec![0.0; x.len()];
+    Gelu.forward(&pre, &mut want_g);
+    let mut want_dx = dy.clone();
+    Gelu.backward_in_place(&pre, &mut want_dx);
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same(&g, &want_g), "GELU values differ");
+    assert!(same(&dx, &want_dx), "GELU gradients differ");
+}
+
+#[test]
 fn fused_equals_the_layers_one_by_one() {
     let mut rng = init::rng(51);
     let (up, down) = pair(&mut rng);

@@ -8,7 +8,8 @@
 //!   Y = T1d·R_d + b_d                                (T1d: B × r_d, saved)
 //! Backward from dY:
 //!   dR_d = T1dᵀ·dY,  U_d = dY·R_dᵀ                   (B × r_d)
-//!   per block β:  h_β = T1u_β·R_u + b_u,  g_β = GELU(h_β)   (the forward's bits again)
+//!   per block β:  h_β = T1u_β·R_u + b_u,  g_β = GELU(h_β)   (the forward's bits again),
+//!                 with GELU'(h_β) from the same Φ/φ, kept in h_β's place
 //!                 dL_d += g_βᵀ·U_d,β;   dg_β = U_d,β·L_dᵀ;   dh_β = dg_β ⊙ GELU'(h_β)
 //!                 dR_u += T1u_βᵀ·dh_β;  db_u += Σ_rows dh_β;  U_u,β = dh_β·R_uᵀ
 //!   dX = U_u·L_uᵀ,  dL_u = Xᵀ·U_u,  db_d = Σ_rows dY; then each layer peels its chains.
@@ -20,6 +21,7 @@ use super::chain::Chains;
 use super::pool::Lease;
 use super::TtLinear;
 use crate::activation::Gelu;
+use crate::elementwise::mul_into;
 use crate::{accumulate_bias_grad, add_bias, check_len, Layer};
 use comera_plan::TtPath;
 use comera_tensor::{matmul, MatMut, MatRef, TtShape};
@@ -237,10 +239,9 @@ impl FusedFfn {
                 let (h, g) = (&mut hb[..rows * f], &mut gb[..rows * f]);
                 let t1u = MatRef::new(&self.t1u[r0 * ru..], rows, ru);
                 let udb = MatRef::new(&ud[r0 * rd..], rows, rd);
-                // h, g as in the forward.
+                // g as in the forward; h ← GELU'(h) (one Φ/φ for both).
                 matmul(MatMut::new(h, rows, f), t1u, rum, false);
-                add_bias(h, &up.bias.value);
-                Gelu.forward(h, g);
+                Gelu.forward_bias_and_grad_in_place(h, &up.bias.value, g);
                 // dL_d += gᵀ·U_d;  dg = U_d·L_dᵀ (over g);  dh = dg ⊙ GELU'(h).
                 matmul(
                     MatMut::new(dld, f, rd),
@@ -249,7 +250,7 @@ impl FusedFfn {
                     r0 > 0,
                 );
                 matmul(MatMut::new(g, rows, f), udb, ld.t(), false);
-                Gelu.backward_in_place(h, g);
+                mul_into(g, h);
                 let dh = MatRef::new(g, rows, f);
                 // dR_u += T1uᵀ·dh;  db_u += Σ_rows dh;  U_u = dh·R_uᵀ.
                 matmul(MatMut::new(dru, ru, f), t1u.t(), dh, r0 > 0);
