@@ -155,6 +155,32 @@ mod simd {
     }
 
     #[inline(always)]
+    fn value_grad_body(h: &mut [f32], g: &mut [f32]) {
+        for (hi, gi) in h.iter_mut().zip(g.iter_mut()) {
+            let x = *hi;
+            let (cdf, pdf) = cdf_pdf(x);
+            *gi = x * cdf; // = gelu(x)
+            *hi = cdf + x * pdf; // = gelu_grad(x)
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn value_grad_avx2(h: &mut [f32], g: &mut [f32]) {
+        value_grad_body(h, g)
+    }
+
+    /// `g ← GELU(h)`, `h ← GELU'(h)`, from one Φ/φ evaluation.
+    pub fn gelu_value_grad(h: &mut [f32], g: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports the features the function was compiled for.
+            return unsafe { value_grad_avx2(h, g) };
+        }
+        value_grad_body(h, g)
+    }
+
+    #[inline(always)]
     fn bias_value_grad_body(h: &mut [f32], bias: &[f32], g: &mut [f32]) {
         let w = bias.len();
         for (hrow, grow) in h.chunks_exact_mut(w).zip(g.chunks_exact_mut(w)) {
@@ -247,6 +273,21 @@ impl Gelu {
         }
     }
 
+    /// For a backward that recomputes the forward: `g = GELU(h)` and `h ← GELU'(h)` (h is not
+    /// needed again, its derivative is), sharing one Φ/φ per value; the same bits as
+    /// [`Gelu::forward`] into `g` and the factor [`Gelu::backward_in_place`] applies.
+    pub fn forward_and_grad_in_place(&self, h: &mut [f32], g: &mut [f32]) {
+        check_len("Gelu g", g.len(), h.len());
+        let f = |(h, g): (&mut [f32], &mut [f32])| simd::gelu_value_grad(h, g);
+        if h.len() >= 2 * CHUNK {
+            h.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks_mut(CHUNK))
+                .for_each(f);
+        } else {
+            f((h, g));
+        }
+    }
+
     /// `dx = dy ⊙ GELU'(x)`, x the forward's input.
     pub fn backward(&self, x: &[f32], dy: &[f32], dx: &mut [f32]) {
         check_len("Gelu dy", dy.len(), x.len());
@@ -318,6 +359,22 @@ mod tests {
                 "x = {x}"
             );
         }
+    }
+
+    #[test]
+    fn value_and_derivative_in_one_pass_give_the_same_bits_as_two() {
+        // Long enough for the parallel chunks; values around every branch of erf's sign.
+        let n = 3 * CHUNK + 17;
+        let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 6.0).collect();
+        let dy: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+        let (mut g, mut dx) = (vec![0.0; n], dy.clone());
+        Gelu.forward(&x, &mut g);
+        Gelu.backward_in_place(&x, &mut dx);
+        let (mut h, mut g1, mut dx1) = (x.clone(), vec![0.0; n], dy.clone());
+        Gelu.forward_and_grad_in_place(&mut h, &mut g1);
+        crate::elementwise::mul_into(&mut dx1, &h);
+        assert!(g.iter().zip(&g1).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(dx.iter().zip(&dx1).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 
     #[test]

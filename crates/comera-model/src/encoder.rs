@@ -19,7 +19,7 @@ use comera_layers::activation::{Gelu, Tanh};
 use comera_layers::any::{AnyEmbedding, AnyEmbeddingWorkspace, AnyLinear, AnyLinearWorkspace};
 use comera_layers::attention::{Attention, AttentionWorkspace};
 use comera_layers::dropout::{Dropout, DropoutWorkspace};
-use comera_layers::elementwise::{add_into, sum_into};
+use comera_layers::elementwise::{add_into, mul_into, sum_into};
 use comera_layers::embedding::EmbeddingWorkspace;
 use comera_layers::loss::CrossEntropy;
 use comera_layers::norm::{LayerNorm, LayerNormWorkspace};
@@ -763,10 +763,12 @@ impl Encoder {
                 _ => false,
             };
             if !fused {
-                Gelu.forward(&a.h, &mut sc.g);
+                // g = GELU(h) again for Down's backward, and GELU'(h) in h's place (h is not
+                // needed again), from one Φ/φ per value; then dh = dg ⊙ GELU'(h).
+                Gelu.forward_and_grad_in_place(&mut a.h, &mut sc.g);
                 blk.down
                     .backward(&mut s.ws_down, &sc.g, t2, Some(&mut sc.dg));
-                Gelu.backward_in_place(&a.h, &mut sc.dg);
+                mul_into(&mut sc.dg, &a.h);
                 blk.up.backward(&mut s.ws_up, ffn_in, &sc.dg, Some(t3));
             }
             if pre {
