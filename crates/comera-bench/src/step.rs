@@ -422,6 +422,7 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
 fn ops(a: &StepArgs) -> anyhow::Result<()> {
     use comera_layers::activation::Gelu;
     use comera_layers::attention::Attention;
+    use comera_layers::elementwise::mul_into;
     use comera_layers::norm::LayerNorm;
     use comera_layers::tt_linear::{FusedFfn, SharedInput};
     use comera_layers::{EmbeddingLayer, Layer, RankGates, TtLinear, TtmEmbedding};
@@ -558,20 +559,46 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         0.0,
     ));
     if !ffn_fused {
-        let h = normal_vec(&mut rng, n * f);
-        let mut g = vec![0.0; n * f];
-        rows.push((
-            "gelu fwd".into(),
-            median_ms(reps, || Gelu.forward(&h, &mut g)),
-            nl,
-            0.0,
-        ));
-        rows.push((
-            "gelu bwd".into(),
-            median_ms(reps, || Gelu.backward_in_place(&h, &mut g)),
-            nl,
-            0.0,
-        ));
+        // As the encoder runs an unfused FFN: up to KEEP_GELU_MAX_ROWS rows the forward keeps
+        // g and GELU'(h) from one pass and the backward multiplies; above, the forward gives g
+        // alone and the backward evaluates both again, then multiplies.
+        let mut h = normal_vec(&mut rng, n * f);
+        let (mut g, mut dg) = (vec![0.0; n * f], normal_vec(&mut rng, n * f));
+        let ones = vec![1.0; n * f]; // a derivative that keeps dg's values (no underflow)
+        let kept = n <= comera_model::KEEP_GELU_MAX_ROWS;
+        rows.push(if kept {
+            (
+                "gelu fwd (g and GELU' kept)".into(),
+                median_ms(reps, || Gelu.forward_and_grad_in_place(&mut h, &mut g)),
+                nl,
+                0.0,
+            )
+        } else {
+            (
+                "gelu fwd".into(),
+                median_ms(reps, || Gelu.forward(&h, &mut g)),
+                nl,
+                0.0,
+            )
+        });
+        rows.push(if kept {
+            (
+                "gelu bwd (dg ⊙ GELU')".into(),
+                median_ms(reps, || mul_into(&mut dg, &ones)),
+                nl,
+                0.0,
+            )
+        } else {
+            (
+                "gelu bwd (recomputed)".into(),
+                median_ms(reps, || {
+                    Gelu.forward_and_grad_in_place(&mut h, &mut g);
+                    mul_into(&mut dg, &ones);
+                }),
+                nl,
+                0.0,
+            )
+        });
     }
     let shape = lay
         .word

@@ -19,5 +19,5 @@ pub use config::{
     bond_limits, useful_rank, ConfigError, EncoderConfig, HeadKind, LayerTt, MlmDecoderKind, Rank,
     TtmConfig,
 };
-pub use encoder::{Encoder, EncoderState, Head};
+pub use encoder::{Encoder, EncoderState, Head, KEEP_GELU_MAX_ROWS};
 pub use mlm_head::{MlmDecoder, MlmHead};

@@ -555,3 +555,56 @@ fn fused_qkv_and_ffn_give_the_gradients_of_separate_layers() {
         }
     }
 }
+
+#[test]
+fn ffn_gelu_kept_at_few_rows_and_recomputed_at_many_gives_the_same_gradients() {
+    // 3 sequences (18 rows: g = GELU(h) kept from the forward) against the same 3 repeated 8
+    // times (144 rows: recomputed in the backward); without dropout, the mean loss and its
+    // gradients are the same up to summation order.
+    for tt in [false, true] {
+        let cfg = EncoderConfig {
+            dropout: 0.0,
+            ..tiny(tt, false)
+        };
+        let m0 = Encoder::new(&cfg, 5).unwrap();
+        let b = batch(&mut init::rng(9));
+        let run = |copies: usize| {
+            let mut m = m0.clone();
+            let mut st = m.state_for(3 * copies, 6, 2).unwrap();
+            let rep = |v: &[u32]| v.repeat(copies);
+            st.load(
+                &rep(&b.ids),
+                &rep(&b.types),
+                &rep(&b.mask),
+                &b.labels.repeat(copies),
+            )
+            .unwrap();
+            m.zero_grad();
+            let loss = m.forward(&mut st, true, 7).unwrap().loss;
+            m.backward(&mut st);
+            let grads: Vec<(String, Vec<f32>)> = m
+                .params()
+                .iter()
+                .map(|p| (p.name.clone(), p.grad.clone()))
+                .collect();
+            (loss, grads)
+        };
+        let ((loss_few, few), (loss_many, many)) = (run(1), run(8));
+        assert!(
+            (loss_few - loss_many).abs() <= 1e-5 * loss_few.abs(),
+            "tt={tt}"
+        );
+        let mut ffn_checked = false;
+        for ((name, a), (_, b)) in few.iter().zip(&many) {
+            let scale = a.iter().fold(0.0f32, |m, g| m.max(g.abs()));
+            for (x, y) in a.iter().zip(b) {
+                assert!(
+                    (x - y).abs() <= 1e-4 * scale + 1e-7,
+                    "tt={tt} {name}: {x} (18 rows) vs {y} (144 rows)"
+                );
+            }
+            ffn_checked |= name.contains("ffn") && scale > 0.0;
+        }
+        assert!(ffn_checked, "tt={tt}: no FFN gradient compared");
+    }
+}
