@@ -14,18 +14,7 @@ pub const CHUNK: usize = 1 << 14;
 #[track_caller]
 pub fn add_into(acc: &mut [f32], x: &[f32]) {
     check_len("add_into x", x.len(), acc.len());
-    let f = |(acc, x): (&mut [f32], &[f32])| {
-        for (a, v) in acc.iter_mut().zip(x) {
-            *a += v;
-        }
-    };
-    if acc.len() >= 2 * CHUNK {
-        acc.par_chunks_mut(CHUNK)
-            .zip(x.par_chunks(CHUNK))
-            .for_each(f);
-    } else {
-        f((acc, x));
-    }
+    zip_in_place(acc, x, |a, v| a + v);
 }
 
 /// `out_i = a_i + b_i`.
@@ -52,9 +41,16 @@ pub fn sum_into(a: &[f32], b: &[f32], out: &mut [f32]) {
 #[track_caller]
 pub fn mul_into(acc: &mut [f32], x: &[f32]) {
     check_len("mul_into x", x.len(), acc.len());
+    zip_in_place(acc, x, |a, v| a * v);
+}
+
+/// `acc_i ← op(acc_i, x_i)`, in parallel chunks from two chunks on (lengths checked by the
+/// caller).
+#[inline(always)]
+fn zip_in_place(acc: &mut [f32], x: &[f32], op: impl Fn(f32, f32) -> f32 + Sync) {
     let f = |(acc, x): (&mut [f32], &[f32])| {
-        for (a, v) in acc.iter_mut().zip(x) {
-            *a *= v;
+        for (a, &v) in acc.iter_mut().zip(x) {
+            *a = op(*a, v);
         }
     };
     if acc.len() >= 2 * CHUNK {

@@ -104,6 +104,14 @@ fn check_model(tt: bool, pre_ln: bool) {
     });
 }
 
+/// Every parameter's name and gradient.
+fn named_grads(m: &Encoder) -> Vec<(String, Vec<f32>)> {
+    m.params()
+        .iter()
+        .map(|p| (p.name.clone(), p.grad.clone()))
+        .collect()
+}
+
 fn check(cfg: &EncoderConfig, load: &dyn Fn(&mut EncoderState, &Batch)) {
     let (tt, pre_ln) = (cfg.tt_linear, cfg.pre_ln);
     let mut m = Encoder::new(cfg, 5).unwrap();
@@ -123,11 +131,7 @@ fn check(cfg: &EncoderConfig, load: &dyn Fn(&mut EncoderState, &Batch)) {
     m.zero_grad();
     loss(&m, &mut st);
     m.backward(&mut st);
-    let grads: Vec<(String, Vec<f32>)> = m
-        .params()
-        .iter()
-        .map(|p| (p.name.clone(), p.grad.clone()))
-        .collect();
+    let grads = named_grads(&m);
     let eps = 1e-2f32;
     let mut kinds_checked = std::collections::BTreeSet::new();
     for (pi, (name, grad)) in grads.iter().enumerate() {
@@ -582,12 +586,7 @@ fn ffn_gelu_kept_at_few_rows_and_recomputed_at_many_gives_the_same_gradients() {
             m.zero_grad();
             let loss = m.forward(&mut st, true, 7).unwrap().loss;
             m.backward(&mut st);
-            let grads: Vec<(String, Vec<f32>)> = m
-                .params()
-                .iter()
-                .map(|p| (p.name.clone(), p.grad.clone()))
-                .collect();
-            (loss, grads)
+            (loss, named_grads(&m))
         };
         let ((loss_few, few), (loss_many, many)) = (run(1), run(8));
         assert!(
