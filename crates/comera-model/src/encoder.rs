@@ -891,8 +891,6 @@ fn fused_ffn<'a>(
     }
 }
 
-/// Gives `v` length `len` (zeros), allocating only the first time (buffers of the unfused
-/// paths exist only once a block needs them).
 /// Rows up to which a block off the fused FFN path keeps g = GELU(h) (N × F) from its forward
 /// beside GELU'(h), so that its backward evaluates no GELU: at most one row block of the fused
 /// path (whose own g never exceeds that). Measured with `comera bench step --batch 1` on the
@@ -905,6 +903,8 @@ fn keeps_gelu(rows: usize) -> bool {
     rows <= KEEP_GELU_MAX_ROWS
 }
 
+/// Gives `v` length `len` (zeros), allocating only the first time (buffers of the unfused
+/// paths exist only once a block needs them).
 fn ensure_len(v: &mut Vec<f32>, len: usize) {
     if v.len() != len {
         v.resize(len, 0.0);
