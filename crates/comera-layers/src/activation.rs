@@ -89,103 +89,37 @@ pub fn gelu_grad(x: f32) -> f32 {
     cdf + x * pdf
 }
 
-/// The GELU loops, compiled twice: for the baseline target and with AVX2+FMA (chosen at run
-/// time), because the baseline build vectorises the erf/exp arithmetic only 4 lanes wide.
+/// The GELU loops, compiled for each instruction-set level (`comera_tensor::multiversion!`):
+/// the baseline build vectorises the erf/exp arithmetic only 4 lanes wide.
 mod simd {
     use super::{cdf_pdf, gelu, gelu_grad};
 
-    #[inline(always)]
-    fn forward_body(y: &mut [f32], x: &[f32]) {
-        for (yi, &xi) in y.iter_mut().zip(x) {
-            *yi = gelu(xi);
-        }
-    }
-
-    #[inline(always)]
-    fn backward_body(d: &mut [f32], x: &[f32]) {
-        for (g, &xi) in d.iter_mut().zip(x) {
-            *g *= gelu_grad(xi);
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn forward_avx2(y: &mut [f32], x: &[f32]) {
-        forward_body(y, x)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn backward_avx2(d: &mut [f32], x: &[f32]) {
-        backward_body(d, x)
-    }
-
-    pub fn gelu_forward(y: &mut [f32], x: &[f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports the features the function was compiled for.
-            return unsafe { forward_avx2(y, x) };
-        }
-        forward_body(y, x)
-    }
-
-    #[inline(always)]
-    fn forward_bias_body(y: &mut [f32], bias: &[f32]) {
-        for row in y.chunks_exact_mut(bias.len()) {
-            for (yi, &bi) in row.iter_mut().zip(bias) {
-                *yi = gelu(*yi + bi);
+    comera_tensor::multiversion! {
+        /// `y = GELU(x)`.
+        pub fn gelu_forward(y: &mut [f32], x: &[f32]) {
+            for (yi, &xi) in y.iter_mut().zip(x) {
+                *yi = gelu(xi);
             }
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn forward_bias_avx2(y: &mut [f32], bias: &[f32]) {
-        forward_bias_body(y, bias)
-    }
-
-    /// `y[r, :] ← GELU(y[r, :] + bias)`: the same bits as adding the bias, then `gelu_forward`.
-    pub fn gelu_bias_in_place(y: &mut [f32], bias: &[f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports the features the function was compiled for.
-            return unsafe { forward_bias_avx2(y, bias) };
-        }
-        forward_bias_body(y, bias)
-    }
-
-    #[inline(always)]
-    fn value_grad_body(h: &mut [f32], g: &mut [f32]) {
-        for (hi, gi) in h.iter_mut().zip(g.iter_mut()) {
-            let x = *hi;
-            let (cdf, pdf) = cdf_pdf(x);
-            *gi = x * cdf; // = gelu(x)
-            *hi = cdf + x * pdf; // = gelu_grad(x)
+    comera_tensor::multiversion! {
+        /// `y[r, :] ← GELU(y[r, :] + bias)`: the same bits as adding the bias, then
+        /// `gelu_forward`.
+        pub fn gelu_bias_in_place(y: &mut [f32], bias: &[f32]) {
+            for row in y.chunks_exact_mut(bias.len()) {
+                for (yi, &bi) in row.iter_mut().zip(bias) {
+                    *yi = gelu(*yi + bi);
+                }
+            }
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn value_grad_avx2(h: &mut [f32], g: &mut [f32]) {
-        value_grad_body(h, g)
-    }
-
-    /// `g ← GELU(h)`, `h ← GELU'(h)`, from one Φ/φ evaluation.
-    pub fn gelu_value_grad(h: &mut [f32], g: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports the features the function was compiled for.
-            return unsafe { value_grad_avx2(h, g) };
-        }
-        value_grad_body(h, g)
-    }
-
-    #[inline(always)]
-    fn bias_value_grad_body(h: &mut [f32], bias: &[f32], g: &mut [f32]) {
-        let w = bias.len();
-        for (hrow, grow) in h.chunks_exact_mut(w).zip(g.chunks_exact_mut(w)) {
-            for ((hi, gi), &bi) in hrow.iter_mut().zip(grow.iter_mut()).zip(bias) {
-                let x = *hi + bi;
+    comera_tensor::multiversion! {
+        /// `g ← GELU(h)`, `h ← GELU'(h)`, from one Φ/φ evaluation.
+        pub fn gelu_value_grad(h: &mut [f32], g: &mut [f32]) {
+            for (hi, gi) in h.iter_mut().zip(g.iter_mut()) {
+                let x = *hi;
                 let (cdf, pdf) = cdf_pdf(x);
                 *gi = x * cdf; // = gelu(x)
                 *hi = cdf + x * pdf; // = gelu_grad(x)
@@ -193,29 +127,28 @@ mod simd {
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn bias_value_grad_avx2(h: &mut [f32], bias: &[f32], g: &mut [f32]) {
-        bias_value_grad_body(h, bias, g)
+    comera_tensor::multiversion! {
+        /// `g ← GELU(h + bias)`, `h ← GELU'(h + bias)` row by row, from one Φ/φ evaluation.
+        pub fn gelu_bias_value_grad(h: &mut [f32], bias: &[f32], g: &mut [f32]) {
+            let w = bias.len();
+            for (hrow, grow) in h.chunks_exact_mut(w).zip(g.chunks_exact_mut(w)) {
+                for ((hi, gi), &bi) in hrow.iter_mut().zip(grow.iter_mut()).zip(bias) {
+                    let x = *hi + bi;
+                    let (cdf, pdf) = cdf_pdf(x);
+                    *gi = x * cdf; // = gelu(x)
+                    *hi = cdf + x * pdf; // = gelu_grad(x)
+                }
+            }
+        }
     }
 
-    /// `g ← GELU(h + bias)`, `h ← GELU'(h + bias)` row by row, from one Φ/φ evaluation.
-    pub fn gelu_bias_value_grad(h: &mut [f32], bias: &[f32], g: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports the features the function was compiled for.
-            return unsafe { bias_value_grad_avx2(h, bias, g) };
+    comera_tensor::multiversion! {
+        /// `d ← d ⊙ GELU'(x)`.
+        pub fn gelu_backward_in_place(d: &mut [f32], x: &[f32]) {
+            for (g, &xi) in d.iter_mut().zip(x) {
+                *g *= gelu_grad(xi);
+            }
         }
-        bias_value_grad_body(h, bias, g)
-    }
-
-    pub fn gelu_backward_in_place(d: &mut [f32], x: &[f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports the features the function was compiled for.
-            return unsafe { backward_avx2(d, x) };
-        }
-        backward_body(d, x)
     }
 }
 

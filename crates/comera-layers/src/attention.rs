@@ -397,9 +397,9 @@ impl Attention {
     }
 }
 
-/// Row kernels of the softmax and its backward, vectorised over 8 lanes (fixed lane order, so
-/// results depend only on the inputs) and compiled a second time with AVX2 + FMA, picked at
-/// run time.
+/// Row kernels of the softmax and its backward, summing over 8 lanes in a fixed order (results
+/// depend only on the inputs), compiled for each instruction-set level
+/// (`comera_tensor::multiversion!`).
 mod softmax {
     const L: usize = 8;
 
@@ -493,67 +493,30 @@ mod softmax {
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn row_avx2(row: &mut [f32], allow: &[f32], scale: f32) -> (f32, f32) {
-        row_body(row, allow, scale)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn apply_avx2(row: &mut [f32], allow: &[f32], scale: f32, max: f32, inv: f32) {
-        apply_body(row, allow, scale, max, inv)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn grad_avx2(p: &[f32], dp: &mut [f32], scale: f32) {
-        grad_body(p, dp, scale)
-    }
-
-    fn has_avx2() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
+    comera_tensor::multiversion! {
+        /// Softmax of `scale·row` over the entries with `allow` ≠ 0 (the others get 0); a row
+        /// with no allowed entry becomes all zeros. Returns the row's (max, 1/sum) for
+        /// [`apply`].
+        pub(super) fn row(row: &mut [f32], allow: &[f32], scale: f32) -> (f32, f32) {
+            assert_eq!(row.len(), allow.len());
+            row_body(row, allow, scale)
         }
     }
 
-    /// Softmax of `scale·row` over the entries with `allow` ≠ 0 (the others get 0); a row with
-    /// no allowed entry becomes all zeros. Returns the row's (max, 1/sum) for [`apply`].
-    pub(super) fn row(row: &mut [f32], allow: &[f32], scale: f32) -> (f32, f32) {
-        assert_eq!(row.len(), allow.len());
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: the CPU supports the features the function was compiled for.
-            return unsafe { row_avx2(row, allow, scale) };
+    comera_tensor::multiversion! {
+        /// The softmax of [`row`] again from the same scores and its returned statistics.
+        pub(super) fn apply(row: &mut [f32], allow: &[f32], scale: f32, max: f32, inv: f32) {
+            assert_eq!(row.len(), allow.len());
+            apply_body(row, allow, scale, max, inv)
         }
-        row_body(row, allow, scale)
     }
 
-    /// The softmax of [`row`] again from the same scores and its returned statistics.
-    pub(super) fn apply(row: &mut [f32], allow: &[f32], scale: f32, max: f32, inv: f32) {
-        assert_eq!(row.len(), allow.len());
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: the CPU supports the features the function was compiled for.
-            return unsafe { apply_avx2(row, allow, scale, max, inv) };
+    comera_tensor::multiversion! {
+        /// The softmax backward of one row: `dp` ← scale·p ⊙ (dp − ⟨p, dp⟩).
+        pub(super) fn grad(p: &[f32], dp: &mut [f32], scale: f32) {
+            assert_eq!(p.len(), dp.len());
+            grad_body(p, dp, scale)
         }
-        apply_body(row, allow, scale, max, inv)
-    }
-
-    /// The softmax backward of one row: `dp` ← scale·p ⊙ (dp − ⟨p, dp⟩).
-    pub(super) fn grad(p: &[f32], dp: &mut [f32], scale: f32) {
-        assert_eq!(p.len(), dp.len());
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: the CPU supports the features the function was compiled for.
-            return unsafe { grad_avx2(p, dp, scale) };
-        }
-        grad_body(p, dp, scale)
     }
 }
 

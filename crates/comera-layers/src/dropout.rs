@@ -16,7 +16,7 @@ use crate::elementwise::CHUNK;
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// SplitMix64's output function (a bijection on u64 with good avalanche).
-#[inline]
+#[inline(always)]
 fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -121,20 +121,11 @@ impl Dropout {
             let len = ws.len;
             // Each bit depends only on (key, index): words are drawn in parallel, in chunks of
             // 256 words (16k elements), with the same result on any thread count.
+            let threshold = self.threshold();
             ws.bits
                 .par_chunks_mut(256)
                 .enumerate()
-                .for_each(|(c, words)| {
-                    for (j, word) in words.iter_mut().enumerate() {
-                        let w = c * 256 + j;
-                        let mut bits = 0u64;
-                        let n = (len - w * 64).min(64);
-                        for b in 0..n {
-                            bits |= (self.keep_with_key(key, w * 64 + b) as u64) << b;
-                        }
-                        *word = bits;
-                    }
-                });
+                .for_each(|(c, words)| kernels::draw_words(words, c * 256, len, key, threshold));
         }
         ws.active
     }
@@ -191,19 +182,68 @@ impl Dropout {
     }
 }
 
+/// The mask loops, compiled for each instruction-set level (`comera_tensor::multiversion!`):
+/// the hash's 64-bit multiplies vectorise only with AVX-512 (`vpmullq`).
+mod kernels {
+    use super::{mix64, GOLDEN};
+
+    comera_tensor::multiversion! {
+        /// Mask words `first_word..` (bit b of word w is element 64·w + b, of `len` in all) for
+        /// the step's `key`: element i is kept iff ⌊u_i / 2³²⌋ ≥ `threshold`.
+        pub(super) fn draw_words(
+            words: &mut [u64],
+            first_word: usize,
+            len: usize,
+            key: u64,
+            threshold: u64,
+        ) {
+            for (j, word) in words.iter_mut().enumerate() {
+                let w = first_word + j;
+                let n = (len - w * 64).min(64);
+                // The hashes of the word's elements first (a loop that vectorises), then
+                // their bits.
+                let mut hi = [0u64; 64];
+                for (b, h) in hi.iter_mut().enumerate() {
+                    let i = (w * 64 + b) as u64;
+                    *h = mix64(key.wrapping_add(i.wrapping_add(1).wrapping_mul(GOLDEN))) >> 32;
+                }
+                let mut bits = 0u64;
+                for (b, &h) in hi[..n].iter().enumerate() {
+                    bits |= ((h >= threshold) as u64) << b;
+                }
+                *word = bits;
+            }
+        }
+    }
+
+    comera_tensor::multiversion! {
+        /// `out_i = m_i·scale·inp_i` for the elements of `bits`' words.
+        pub(super) fn apply_mask(bits: &[u64], scale: f32, inp: &[f32], out: &mut [f32]) {
+            for ((o, i), &word) in out.chunks_mut(64).zip(inp.chunks(64)).zip(bits) {
+                for (b, (ov, &iv)) in o.iter_mut().zip(i).enumerate() {
+                    *ov = if (word >> b) & 1 == 1 { iv * scale } else { 0.0 };
+                }
+            }
+        }
+    }
+
+    comera_tensor::multiversion! {
+        /// `v_i ← m_i·scale·v_i` for the elements of `bits`' words.
+        pub(super) fn apply_mask_in_place(bits: &[u64], scale: f32, v: &mut [f32]) {
+            for (chunk, &word) in v.chunks_mut(64).zip(bits) {
+                for (b, x) in chunk.iter_mut().enumerate() {
+                    *x = if (word >> b) & 1 == 1 { *x * scale } else { 0.0 };
+                }
+            }
+        }
+    }
+}
+
 /// `out_i = m_i·scale·inp_i`, in parallel chunks of [`CHUNK`] elements (element-wise).
 fn apply_mask(bits: &[u64], scale: f32, inp: &[f32], out: &mut [f32]) {
     use rayon::prelude::*;
     let f = |((out, inp), bits): ((&mut [f32], &[f32]), &[u64])| {
-        for ((o, i), &word) in out.chunks_mut(64).zip(inp.chunks(64)).zip(bits) {
-            for (b, (ov, &iv)) in o.iter_mut().zip(i).enumerate() {
-                *ov = if (word >> b) & 1 == 1 {
-                    iv * scale
-                } else {
-                    0.0
-                };
-            }
-        }
+        kernels::apply_mask(bits, scale, inp, out)
     };
     if out.len() >= 2 * CHUNK {
         out.par_chunks_mut(CHUNK)
@@ -218,17 +258,7 @@ fn apply_mask(bits: &[u64], scale: f32, inp: &[f32], out: &mut [f32]) {
 /// `v_i ← m_i·scale·v_i`, in parallel chunks of [`CHUNK`] elements (element-wise).
 fn apply_mask_in_place(bits: &[u64], scale: f32, v: &mut [f32]) {
     use rayon::prelude::*;
-    let f = |(v, bits): (&mut [f32], &[u64])| {
-        for (chunk, &word) in v.chunks_mut(64).zip(bits) {
-            for (b, x) in chunk.iter_mut().enumerate() {
-                *x = if (word >> b) & 1 == 1 {
-                    *x * scale
-                } else {
-                    0.0
-                };
-            }
-        }
-    };
+    let f = |(v, bits): (&mut [f32], &[u64])| kernels::apply_mask_in_place(bits, scale, v);
     if v.len() >= 2 * CHUNK {
         v.par_chunks_mut(CHUNK)
             .zip(bits.par_chunks(CHUNK / 64))

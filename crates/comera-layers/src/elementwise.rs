@@ -14,7 +14,7 @@ pub const CHUNK: usize = 1 << 14;
 #[track_caller]
 pub fn add_into(acc: &mut [f32], x: &[f32]) {
     check_len("add_into x", x.len(), acc.len());
-    zip_in_place(acc, x, |a, v| a + v);
+    zip_in_place(acc, x, kernels::add);
 }
 
 /// `out_i = a_i + b_i`.
@@ -22,11 +22,7 @@ pub fn add_into(acc: &mut [f32], x: &[f32]) {
 pub fn sum_into(a: &[f32], b: &[f32], out: &mut [f32]) {
     check_len("sum_into a", a.len(), out.len());
     check_len("sum_into b", b.len(), out.len());
-    let f = |((out, a), b): ((&mut [f32], &[f32]), &[f32])| {
-        for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
-            *o = x + y;
-        }
-    };
+    let f = |((out, a), b): ((&mut [f32], &[f32]), &[f32])| kernels::sum(a, b, out);
     if out.len() >= 2 * CHUNK {
         out.par_chunks_mut(CHUNK)
             .zip(a.par_chunks(CHUNK))
@@ -41,23 +37,49 @@ pub fn sum_into(a: &[f32], b: &[f32], out: &mut [f32]) {
 #[track_caller]
 pub fn mul_into(acc: &mut [f32], x: &[f32]) {
     check_len("mul_into x", x.len(), acc.len());
-    zip_in_place(acc, x, |a, v| a * v);
+    zip_in_place(acc, x, kernels::mul);
 }
 
-/// `acc_i ← op(acc_i, x_i)`, in parallel chunks from two chunks on (lengths checked by the
-/// caller).
+/// `kernel(acc, x)` over the whole buffers, in parallel chunks from two chunks on (lengths
+/// checked by the caller).
 #[inline(always)]
-fn zip_in_place(acc: &mut [f32], x: &[f32], op: impl Fn(f32, f32) -> f32 + Sync) {
-    let f = |(acc, x): (&mut [f32], &[f32])| {
-        for (a, &v) in acc.iter_mut().zip(x) {
-            *a = op(*a, v);
-        }
-    };
+fn zip_in_place(acc: &mut [f32], x: &[f32], kernel: fn(&mut [f32], &[f32])) {
+    let f = |(acc, x): (&mut [f32], &[f32])| kernel(acc, x);
     if acc.len() >= 2 * CHUNK {
         acc.par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK))
             .for_each(f);
     } else {
         f((acc, x));
+    }
+}
+
+/// The loops, compiled for each instruction-set level (`comera_tensor::multiversion!`).
+mod kernels {
+    comera_tensor::multiversion! {
+        /// `acc_i += x_i`.
+        pub(super) fn add(acc: &mut [f32], x: &[f32]) {
+            for (a, &v) in acc.iter_mut().zip(x) {
+                *a += v;
+            }
+        }
+    }
+
+    comera_tensor::multiversion! {
+        /// `acc_i *= x_i`.
+        pub(super) fn mul(acc: &mut [f32], x: &[f32]) {
+            for (a, &v) in acc.iter_mut().zip(x) {
+                *a *= v;
+            }
+        }
+    }
+
+    comera_tensor::multiversion! {
+        /// `out_i = a_i + b_i`.
+        pub(super) fn sum(a: &[f32], b: &[f32], out: &mut [f32]) {
+            for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
+                *o = x + y;
+            }
+        }
     }
 }

@@ -189,7 +189,7 @@ impl Layer for LayerNorm {
 }
 
 /// Row kernels: sums over 8 lanes in a fixed order (the result depends only on the inputs),
-/// compiled a second time with AVX2 + FMA and picked at run time.
+/// compiled for each instruction-set level (`comera_tensor::multiversion!`).
 mod kernels {
     const L: usize = 8;
 
@@ -259,78 +259,33 @@ mod kernels {
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn forward_avx2(
-        x: &[f32],
-        gamma: &[f32],
-        beta: &[f32],
-        eps: f32,
-        y: &mut [f32],
-    ) -> (f32, f32) {
-        forward_body(x, gamma, beta, eps, y)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn backward_avx2(
-        x: &[f32],
-        dy: &[f32],
-        mean: f32,
-        rstd: f32,
-        gamma: &[f32],
-        dgamma: &mut [f32],
-        dbeta: &mut [f32],
-        dx: Option<&mut [f32]>,
-    ) {
-        backward_body(x, dy, mean, rstd, gamma, dgamma, dbeta, dx)
-    }
-
-    fn has_avx2() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
+    comera_tensor::multiversion! {
+        /// Normalises one row into `y`; returns (μ, 1/√(σ² + ε)).
+        pub(super) fn forward_row(
+            x: &[f32],
+            gamma: &[f32],
+            beta: &[f32],
+            eps: f32,
+            y: &mut [f32],
+        ) -> (f32, f32) {
+            forward_body(x, gamma, beta, eps, y)
         }
     }
 
-    /// Normalises one row into `y`; returns (μ, 1/√(σ² + ε)).
-    pub(super) fn forward_row(
-        x: &[f32],
-        gamma: &[f32],
-        beta: &[f32],
-        eps: f32,
-        y: &mut [f32],
-    ) -> (f32, f32) {
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: the CPU supports the features the function was compiled for.
-            return unsafe { forward_avx2(x, gamma, beta, eps, y) };
+    comera_tensor::multiversion! {
+        /// Backward of one row: accumulates dγ, dβ and writes dx (if given).
+        #[allow(clippy::too_many_arguments)]
+        pub(super) fn backward_row(
+            x: &[f32],
+            dy: &[f32],
+            mean: f32,
+            rstd: f32,
+            gamma: &[f32],
+            dgamma: &mut [f32],
+            dbeta: &mut [f32],
+            dx: Option<&mut [f32]>,
+        ) {
+            backward_body(x, dy, mean, rstd, gamma, dgamma, dbeta, dx)
         }
-        forward_body(x, gamma, beta, eps, y)
-    }
-
-    /// Backward of one row: accumulates dγ, dβ and writes dx (if given).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn backward_row(
-        x: &[f32],
-        dy: &[f32],
-        mean: f32,
-        rstd: f32,
-        gamma: &[f32],
-        dgamma: &mut [f32],
-        dbeta: &mut [f32],
-        dx: Option<&mut [f32]>,
-    ) {
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: the CPU supports the features the function was compiled for.
-            return unsafe { backward_avx2(x, dy, mean, rstd, gamma, dgamma, dbeta, dx) };
-        }
-        backward_body(x, dy, mean, rstd, gamma, dgamma, dbeta, dx)
     }
 }

@@ -424,9 +424,10 @@ mod tests {
     }
 }
 
-/// The element-wise loops of the optimiser, compiled a second time with AVX2 + FMA and picked
-/// at run time (the baseline x86-64 build runs them 4 lanes wide). The AdamW arithmetic is the
-/// same expression in both builds (no contraction into FMAs), so the two agree bit for bit.
+/// The element-wise loops of the optimiser, compiled for each instruction-set level
+/// (`comera_tensor::multiversion!`; the baseline x86-64 build runs them 4 lanes wide). The AdamW
+/// arithmetic is the same expression in every build (no contraction into FMAs), so they agree
+/// bit for bit.
 mod kernels {
     /// One AdamW update's constants.
     pub(crate) struct Adam {
@@ -470,47 +471,18 @@ mod kernels {
         acc.iter().sum::<f64>() + tail
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn adam_avx2(k: &Adam, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
-        adam_body(k, w, g, m, v)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn sum_sq_avx2(g: &[f32]) -> f64 {
-        sum_sq_body(g)
-    }
-
-    fn has_avx2() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
+    comera_tensor::multiversion! {
+        /// w, m, v ← one AdamW step with gradient g (all the same length).
+        pub(crate) fn adam(k: &Adam, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+            assert!(g.len() == w.len() && m.len() == w.len() && v.len() == w.len());
+            adam_body(k, w, g, m, v)
         }
     }
 
-    /// w, m, v ← one AdamW step with gradient g (all the same length).
-    pub(crate) fn adam(k: &Adam, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
-        assert!(g.len() == w.len() && m.len() == w.len() && v.len() == w.len());
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: the CPU supports the features the function was compiled for.
-            return unsafe { adam_avx2(k, w, g, m, v) };
+    comera_tensor::multiversion! {
+        /// Σ g² in f64.
+        pub(crate) fn sum_sq(g: &[f32]) -> f64 {
+            sum_sq_body(g)
         }
-        adam_body(k, w, g, m, v)
-    }
-
-    /// Σ g² in f64.
-    pub(crate) fn sum_sq(g: &[f32]) -> f64 {
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: the CPU supports the features the function was compiled for.
-            return unsafe { sum_sq_avx2(g) };
-        }
-        sum_sq_body(g)
     }
 }

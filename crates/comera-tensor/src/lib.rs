@@ -6,6 +6,7 @@
 //! - [`factor`]: proposing factorisations and ranks for a layer of a given size;
 //! - [`math`]: element-wise functions that vectorise (`exp`);
 //! - [`permute`]: axis permutations of dense tensors (strided copies);
+//! - [`simd`]: the run-time instruction-set choice of element-wise kernels ([`multiversion!`]);
 //! - [`init`]: seeded, reproducible random initialisation.
 
 pub mod factor;
@@ -14,6 +15,7 @@ pub mod init;
 pub mod layout;
 pub mod math;
 pub mod permute;
+pub mod simd;
 pub mod ttsvd;
 
 pub use gemm::{matmul, matmul_serial, DisjointMut, MatMut, MatRef};
