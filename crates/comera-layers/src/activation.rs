@@ -91,7 +91,7 @@ pub fn gelu_grad(x: f32) -> f32 {
 
 /// The GELU loops, compiled for each instruction-set level (`comera_tensor::multiversion!`):
 /// the baseline build vectorises the erf/exp arithmetic only 4 lanes wide.
-mod simd {
+pub(crate) mod simd {
     use super::{cdf_pdf, gelu, gelu_grad};
 
     comera_tensor::multiversion! {

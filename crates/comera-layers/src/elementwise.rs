@@ -55,10 +55,10 @@ fn zip_in_place(acc: &mut [f32], x: &[f32], kernel: fn(&mut [f32], &[f32])) {
 }
 
 /// The loops, compiled for each instruction-set level (`comera_tensor::multiversion!`).
-mod kernels {
+pub(crate) mod kernels {
     comera_tensor::multiversion! {
         /// `acc_i += x_i`.
-        pub(super) fn add(acc: &mut [f32], x: &[f32]) {
+        pub(crate) fn add(acc: &mut [f32], x: &[f32]) {
             for (a, &v) in acc.iter_mut().zip(x) {
                 *a += v;
             }
@@ -67,7 +67,7 @@ mod kernels {
 
     comera_tensor::multiversion! {
         /// `acc_i *= x_i`.
-        pub(super) fn mul(acc: &mut [f32], x: &[f32]) {
+        pub(crate) fn mul(acc: &mut [f32], x: &[f32]) {
             for (a, &v) in acc.iter_mut().zip(x) {
                 *a *= v;
             }
@@ -76,7 +76,7 @@ mod kernels {
 
     comera_tensor::multiversion! {
         /// `out_i = a_i + b_i`.
-        pub(super) fn sum(a: &[f32], b: &[f32], out: &mut [f32]) {
+        pub(crate) fn sum(a: &[f32], b: &[f32], out: &mut [f32]) {
             for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
                 *o = x + y;
             }

@@ -357,12 +357,13 @@ thread_local! {
 
 /// Block sizes for a problem. Narrow outputs (n ≤ NR, one column strip): the B panel is only
 /// k×NR, so take the whole k (≤ 4096) in one block and shrink MC so the A block stays ≈ 384 KB
-/// (A is then read in whole contiguous rows, and C is written once).
+/// (A is then read in whole contiguous rows, and C is written once). Only when packing on the fly:
+/// with pre-packed operands the kc-blocked B micro-panel in L1 is faster.
 pub static NARROW_A_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(192 * 1024);
-fn round_cfg(cfg: &Cfg, mr: usize, nr: usize, n: usize, k: usize) -> (usize, usize, usize) {
+fn round_cfg(cfg: &Cfg, mr: usize, nr: usize, n: usize, k: usize, prepacked: bool) -> (usize, usize, usize) {
     let mut kc = (cfg.kc.max(32) / 32) * 32;
     let mut mc = ceil_div(cfg.mc.max(mr), mr) * mr;
-    if cfg.narrow_full_k && n <= nr && k > kc {
+    if cfg.narrow_full_k && !prepacked && n <= nr && k > kc {
         kc = ceil_div(k, 32).min(128) * 32;
         mc = mc.min(((NARROW_A_BYTES.load(std::sync::atomic::Ordering::Relaxed) / (kc * 2)) / mr).max(1) * mr);
     }
@@ -384,7 +385,7 @@ unsafe fn run_range<const MR: usize, const NV: usize>(
     cfg: &Cfg,
 ) {
     let nr = 16 * NV;
-    let (kc_blk, mc_blk, nc_blk) = round_cfg(cfg, MR, nr, n, k);
+    let (kc_blk, mc_blk, nc_blk) = round_cfg(cfg, MR, nr, n, k, matches!(a, Src::Packed(_)));
     let strips_m_all = ceil_div(m, MR);
     let strips_n_all = ceil_div(n, nr);
     let full_chunks = kc_blk / 32;
@@ -570,7 +571,7 @@ pub fn prepack(m: usize, n: usize, k: usize, a: View, b: View, c: ViewMut, cfg: 
     let (av, bv) = if p.swap { (b.t(), a.t()) } else { (a, b) };
     let (mr, nv) = p.kern.mr_nv();
     let nr = 16 * nv;
-    let (kc_blk, _, _) = round_cfg(cfg, mr, nr, p.n, k);
+    let (kc_blk, _, _) = round_cfg(cfg, mr, nr, p.n, k, true);
     let full_chunks = kc_blk / 32;
     let strips_m = ceil_div(p.m, mr);
     let strips_n = ceil_div(p.n, nr);

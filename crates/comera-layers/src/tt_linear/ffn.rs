@@ -1,6 +1,6 @@
 //! The feed-forward block Y = Down(GELU(Up(X))) of two TT layers on the merged path, run in
 //! row blocks so that the F-wide activations (h = X·W_u + b_u, g = GELU(h) and their
-//! gradients) only exist for `ROWS` rows at a time, in cache: no B × F buffer at all.
+//! gradients) only exist for `ROWS` rows at a time, in a core's cache: no B × F buffer at all.
 //! Forward (W_u = L_u·R_u: N × F, W_d = L_d·R_d: F × M):
 //!   T1u = X·L_u                                      (B × r_u, saved)
 //!   per block β of rows:  g_β = GELU(T1u_β·R_u + b_u)  (bias and GELU in one pass);
@@ -13,21 +13,35 @@
 //!                 dL_d += g_βᵀ·U_d,β;   dg_β = U_d,β·L_dᵀ;   dh_β = dg_β ⊙ GELU'(h_β)
 //!                 dR_u += T1u_βᵀ·dh_β;  db_u += Σ_rows dh_β;  U_u,β = dh_β·R_uᵀ
 //!   dX = U_u·L_uᵀ,  dL_u = Xᵀ·U_u,  db_d = Σ_rows dY; then each layer peels its chains.
-//! Blocks run in order (the products inside are threaded as everywhere), so the sums over
-//! blocks have a fixed order: the same bits for a given thread count, and the result equals
-//! the unfused Up → GELU → Down up to float rounding.
+//!
+//! The blocks run in *lanes*, one per worker thread (fixed when the workspace is made): lane t
+//! takes a contiguous run of blocks and runs their products single-threaded with its own h and
+//! g blocks, so a block's work stays on one core and the step does not fork and join around
+//! every small product. The block products are thin (an inner length or a width of r, the TT
+//! rank), so they are bound by writing and reading the F-wide blocks, not by arithmetic: this
+//! is where keeping them in the core's own cache pays. Each lane sums its blocks' dL_d, dR_u
+//! and db_u into its own partial sums, which are then added in lane order; the forward has
+//! nothing to sum. So the result depends on the lane count (the thread count), not on
+//! scheduling, and equals the unfused Up → GELU → Down up to float rounding.
 
 use super::chain::Chains;
 use super::pool::Lease;
 use super::TtLinear;
-use crate::activation::Gelu;
-use crate::elementwise::mul_into;
+use crate::activation::simd::{gelu_bias_in_place, gelu_bias_value_grad};
+use crate::elementwise::kernels::{add, mul};
 use crate::{accumulate_bias_grad, add_bias, check_len, Layer};
 use comera_plan::TtPath;
-use comera_tensor::{matmul, MatMut, MatRef, TtShape};
+use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
+use rayon::prelude::*;
 
-/// Rows per block: two ROWS × F buffers (1.5 MB each at F = 3072) stay in cache.
-const ROWS: usize = 128;
+/// Rows per block: a lane's two ROWS × F blocks (h and g, 384 KB each at F = 3072) stay in its
+/// core's L2 cache.
+const ROWS: usize = 32;
+
+/// Batches of at most this many rows run unfused: at 128 rows (batch 1 × 128 tokens) the
+/// fused path's recomputation of h costs more than its memory saves (10% slower, measured with
+/// `comera bench step --ops`).
+const MIN_FUSED_ROWS: usize = 128;
 
 /// Counted FLOPs (forward, backward) of one layer on the merged path for `rows` rows, as the
 /// planner counts them (2 per multiply-add, chain products included).
@@ -49,8 +63,41 @@ pub struct FusedFfn {
     chains: [Chains; 2],
     h: [Lease; 2],  // gated cores of up, down (scratch)
     dh: [Lease; 2], // their gradients (scratch)
-    /// [h block (ROWS × F), g block (ROWS × F), U_u (B × r_u), U_d (B × r_d)], scratch.
+    /// Rows per lane: a whole number of blocks; the last lane may have fewer.
+    lane_rows: usize,
+    /// [lanes × lane scratch (`Lane`), U_u (B × r_u), U_d (B × r_d)], scratch.
     buf: Lease,
+}
+
+/// One lane's scratch, split from its part of the flat buffer: the h and g blocks
+/// (ROWS × F each) and its partial sums of dL_d (F × r_d), dR_u (r_u × F) and db_u (F).
+struct Lane<'a> {
+    h: &'a mut [f32],
+    g: &'a mut [f32],
+    dld: &'a mut [f32],
+    dru: &'a mut [f32],
+    dbu: &'a mut [f32],
+}
+
+impl<'a> Lane<'a> {
+    /// Floats of one lane's scratch.
+    fn len(f: usize, ru: usize, rd: usize) -> usize {
+        2 * ROWS * f + f * rd + ru * f + f
+    }
+
+    fn split(buf: &'a mut [f32], f: usize, ru: usize, rd: usize) -> Lane<'a> {
+        let (h, rest) = buf.split_at_mut(ROWS * f);
+        let (g, rest) = rest.split_at_mut(ROWS * f);
+        let (dld, rest) = rest.split_at_mut(f * rd);
+        let (dru, rest) = rest.split_at_mut(ru * f);
+        Lane {
+            h,
+            g,
+            dld,
+            dru,
+            dbu: &mut rest[..f],
+        }
+    }
 }
 
 impl FusedFfn {
@@ -58,9 +105,7 @@ impl FusedFfn {
     /// it does not apply (either planned off the merged path at this batch, dead, or widths
     /// that do not chain) or does not pay (a single block of rows).
     pub fn new(up: &TtLinear, down: &TtLinear, batch: usize) -> Option<FusedFfn> {
-        // One block only: nothing to save in memory, and recomputing h costs a product (10%
-        // slower at batch 1 × 128 tokens, measured with `comera bench step --ops`).
-        if batch <= ROWS {
+        if batch <= MIN_FUSED_ROWS {
             return None;
         }
         if [up, down]
@@ -87,7 +132,10 @@ impl FusedFfn {
                 .map(|c| l.shape.core_len(c))
                 .collect()
         };
-        let rows = ROWS.min(batch).max(1);
+        let batch = batch.max(1);
+        let lanes = rayon::current_num_threads().max(1);
+        let lane_rows = batch.div_ceil(ROWS).div_ceil(lanes) * ROWS;
+        let used_lanes = batch.div_ceil(lane_rows);
         Some(FusedFfn {
             batch,
             shapes: [up.shape.clone(), down.shape.clone()],
@@ -96,7 +144,12 @@ impl FusedFfn {
             chains: [Chains::new(&up.shape), Chains::new(&down.shape)],
             h: [Lease::new(lens(up)), Lease::new(lens(down))],
             dh: [Lease::new(lens(up)), Lease::new(lens(down))],
-            buf: Lease::new(vec![rows * f, rows * f, batch * ru, batch * rd]),
+            lane_rows,
+            buf: Lease::new(vec![
+                used_lanes * Lane::len(f, ru, rd),
+                batch * ru,
+                batch * rd,
+            ]),
         })
     }
 
@@ -164,24 +217,31 @@ impl FusedFfn {
             MatRef::new(lu, n, ru),
             false,
         );
-        let g = &mut self.buf[0];
-        for r0 in (0..b).step_by(ROWS) {
-            let rows = ROWS.min(b - r0);
-            let g = &mut g[..rows * f];
-            matmul(
-                MatMut::new(g, rows, f),
-                MatRef::new(&self.t1u[r0 * ru..], rows, ru),
-                MatRef::new(ru_m, ru, f),
-                false,
-            );
-            Gelu.forward_bias_in_place(g, &up.bias.value);
-            matmul(
-                MatMut::new(&mut self.t1d[r0 * rd..(r0 + rows) * rd], rows, rd),
-                MatRef::new(g, rows, f),
-                MatRef::new(ld, f, rd),
-                false,
-            );
-        }
+        let (lr, lane_len, bias) = (self.lane_rows, Lane::len(f, ru, rd), &up.bias.value);
+        self.t1d
+            .par_chunks_mut(lr * rd)
+            .zip(self.t1u.par_chunks(lr * ru))
+            .zip(self.buf[0].par_chunks_mut(lane_len))
+            .for_each(|((t1d, t1u), scratch)| {
+                let g = Lane::split(scratch, f, ru, rd).g;
+                for (t1d, t1u) in t1d.chunks_mut(ROWS * rd).zip(t1u.chunks(ROWS * ru)) {
+                    let rows = t1u.len() / ru;
+                    let g = &mut g[..rows * f];
+                    matmul_serial(
+                        MatMut::new(g, rows, f),
+                        MatRef::new(t1u, rows, ru),
+                        MatRef::new(ru_m, ru, f),
+                        false,
+                    );
+                    gelu_bias_in_place(g, bias);
+                    matmul_serial(
+                        MatMut::new(t1d, rows, rd),
+                        MatRef::new(g, rows, f),
+                        MatRef::new(ld, f, rd),
+                        false,
+                    );
+                }
+            });
         matmul(
             MatMut::new(y, b, m),
             MatRef::new(&self.t1d, b, rd),
@@ -213,8 +273,8 @@ impl FusedFfn {
         check_len("FusedFfn dx", dx.len(), b * n);
         self.acquire([up, down], true);
         let [cu, cd] = &mut self.chains;
-        let [hb, gb, uu, ud] = &mut self.buf[..] else {
-            unreachable!("four buffers")
+        let [lanes, uu, ud] = &mut self.buf[..] else {
+            unreachable!("three buffers")
         };
         let dym = MatRef::new(dy, b, m);
         {
@@ -229,38 +289,56 @@ impl FusedFfn {
             );
             matmul(MatMut::new(ud, b, rd), dym, r.t(), false);
         }
+        let (lr, lane_len) = (self.lane_rows, Lane::len(f, ru, rd));
         {
-            let (ld, _, dld, _) = cd.seed_grads();
-            let ld = MatRef::new(ld, f, rd);
-            let (_, rum, _, dru) = cu.seed_grads();
-            let rum = MatRef::new(rum, ru, f);
-            for r0 in (0..b).step_by(ROWS) {
-                let rows = ROWS.min(b - r0);
-                let (h, g) = (&mut hb[..rows * f], &mut gb[..rows * f]);
-                let t1u = MatRef::new(&self.t1u[r0 * ru..], rows, ru);
-                let udb = MatRef::new(&ud[r0 * rd..], rows, rd);
-                // g as in the forward; h ← GELU'(h) (one Φ/φ for both).
-                matmul(MatMut::new(h, rows, f), t1u, rum, false);
-                Gelu.forward_bias_and_grad_in_place(h, &up.bias.value, g);
-                // dL_d += gᵀ·U_d;  dg = U_d·L_dᵀ (over g);  dh = dg ⊙ GELU'(h).
-                matmul(
-                    MatMut::new(dld, f, rd),
-                    MatRef::new(g, rows, f).t(),
-                    udb,
-                    r0 > 0,
-                );
-                matmul(MatMut::new(g, rows, f), udb, ld.t(), false);
-                mul_into(g, h);
-                let dh = MatRef::new(g, rows, f);
-                // dR_u += T1uᵀ·dh;  db_u += Σ_rows dh;  U_u = dh·R_uᵀ.
-                matmul(MatMut::new(dru, ru, f), t1u.t(), dh, r0 > 0);
-                accumulate_bias_grad(g, &mut up.bias.grad);
-                matmul(
-                    MatMut::new(&mut uu[r0 * ru..(r0 + rows) * ru], rows, ru),
-                    dh,
-                    rum.t(),
-                    false,
-                );
+            let ld = MatRef::new(cd.seed_grads().0, f, rd);
+            let rum = MatRef::new(cu.seed_grads().1, ru, f);
+            let bias = &up.bias.value;
+            uu.par_chunks_mut(lr * ru)
+                .zip(ud.par_chunks(lr * rd))
+                .zip(self.t1u.par_chunks(lr * ru))
+                .zip(lanes.par_chunks_mut(lane_len))
+                .for_each(|(((uu, ud), t1u), scratch)| {
+                    let lane = Lane::split(scratch, f, ru, rd);
+                    lane.dbu.fill(0.0);
+                    let blocks = uu
+                        .chunks_mut(ROWS * ru)
+                        .zip(ud.chunks(ROWS * rd))
+                        .zip(t1u.chunks(ROWS * ru));
+                    for (i, ((uu, ud), t1u)) in blocks.enumerate() {
+                        let rows = t1u.len() / ru;
+                        let (h, g) = (&mut lane.h[..rows * f], &mut lane.g[..rows * f]);
+                        let (t1u, ud) = (MatRef::new(t1u, rows, ru), MatRef::new(ud, rows, rd));
+                        // g as in the forward; h ← GELU'(h) (one Φ/φ for both).
+                        matmul_serial(MatMut::new(h, rows, f), t1u, rum, false);
+                        gelu_bias_value_grad(h, bias, g);
+                        // dL_d += gᵀ·U_d;  dg = U_d·L_dᵀ (over g);  dh = dg ⊙ GELU'(h).
+                        let gm = MatRef::new(g, rows, f);
+                        matmul_serial(MatMut::new(lane.dld, f, rd), gm.t(), ud, i > 0);
+                        matmul_serial(MatMut::new(g, rows, f), ud, ld.t(), false);
+                        mul(g, h);
+                        let dh = MatRef::new(g, rows, f);
+                        // dR_u += T1uᵀ·dh;  db_u += Σ_rows dh;  U_u = dh·R_uᵀ.
+                        matmul_serial(MatMut::new(lane.dru, ru, f), t1u.t(), dh, i > 0);
+                        accumulate_bias_grad(g, lane.dbu);
+                        matmul_serial(MatMut::new(uu, rows, ru), dh, rum.t(), false);
+                    }
+                });
+        }
+        // The lanes' partial sums, in lane order.
+        {
+            let (_, _, dld, _) = cd.seed_grads();
+            let (_, _, _, dru) = cu.seed_grads();
+            for (t, scratch) in lanes.chunks_mut(lane_len).enumerate() {
+                let lane = Lane::split(scratch, f, ru, rd);
+                if t == 0 {
+                    dld.copy_from_slice(lane.dld);
+                    dru.copy_from_slice(lane.dru);
+                } else {
+                    add(dld, lane.dld);
+                    add(dru, lane.dru);
+                }
+                add(&mut up.bias.grad, lane.dbu);
             }
         }
         // Up's input side: dX = U_u·L_uᵀ,  dL_u = Xᵀ·U_u.
