@@ -194,7 +194,7 @@ pub fn step_flops(enc: &Encoder, b: usize) -> f64 {
         .unwrap_or_else(|| one(&blk.up) + one(&blk.down));
     }
     let attn = Attention::new(cfg.d_model, cfg.heads);
-    let ws = attn.workspace_recompute(b, cfg.seq_len);
+    let ws = attn.workspace_for(b, cfg.seq_len);
     total += cfg.layers as f64 * (attn.forward_flops(b, cfg.seq_len) + attn.backward_flops(&ws));
     if let comera_model::Head::Classifier(h) = &enc.head {
         total += on_rows(&h.pool, b) + on_rows(&h.classifier, b);
@@ -523,8 +523,8 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         ));
     }
     let attn = Attention::new(d, cfg.heads);
-    // As the encoder runs it: P recomputed in the backward.
-    let mut aws = attn.workspace_recompute(b, t);
+    // As the encoder runs it: P kept, or recomputed in the backward at larger batches.
+    let mut aws = attn.workspace_for(b, t);
     let qkv = normal_vec(&mut rng, 3 * n * d);
     let dout = normal_vec(&mut rng, n * d);
     let mut out = vec![0.0; n * d];
@@ -537,7 +537,12 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         attn.forward_flops(b, t),
     ));
     rows.push((
-        "attention bwd (P recomputed)".into(),
+        if aws.recomputes() {
+            "attention bwd (P recomputed)"
+        } else {
+            "attention bwd (P kept)"
+        }
+        .into(),
         median_ms(reps, || attn.backward(&mut aws, &qkv, &dout, &mut dqkv)),
         nl,
         attn.backward_flops(&aws),

@@ -22,6 +22,11 @@ use crate::check_len;
 use comera_tensor::{matmul_serial, DisjointMut, MatMut, MatRef};
 
 /// Multi-head scaled dot-product self-attention over a packed QKV buffer.
+
+/// Largest P (B·H·T² floats, 4 MiB) that [`Attention::workspace_for`] keeps for the backward
+/// instead of recomputing it: measured with `comera bench step` at batch 1, where keeping it
+/// makes the backward skip one S = Q·Kᵀ product and one softmax pass per head.
+pub const KEEP_P_MAX_FLOATS: usize = 1 << 20;
 #[derive(Clone, Copy, Debug)]
 pub struct Attention {
     d_model: usize,
@@ -65,6 +70,11 @@ impl AttentionWorkspace {
 
     pub fn batch(&self) -> usize {
         self.batch
+    }
+
+    /// Whether the backward rebuilds P from Q and K (see [`Attention::workspace_recompute`]).
+    pub fn recomputes(&self) -> bool {
+        self.recompute
     }
 
     pub fn seq_len(&self) -> usize {
@@ -196,6 +206,15 @@ impl Attention {
     /// those of [`Attention::workspace`]).
     pub fn workspace_recompute(&self, batch: usize, seq_len: usize) -> AttentionWorkspace {
         self.new_workspace(batch, seq_len, true)
+    }
+
+    /// The workspace a model plans with: P kept when it is small (at most
+    /// [`KEEP_P_MAX_FLOATS`] floats, e.g. batch 1 × 12 heads × 128² tokens: 0.75 MiB), where
+    /// recomputing it would cost a product and a softmax pass per head to save nothing that
+    /// matters; recomputed above (at the paper's batch 32, P is 24 MiB per block).
+    pub fn workspace_for(&self, batch: usize, seq_len: usize) -> AttentionWorkspace {
+        let p_floats = batch * self.n_heads * seq_len * seq_len;
+        self.new_workspace(batch, seq_len, p_floats > KEEP_P_MAX_FLOATS)
     }
 
     /// Bytes held by a workspace (P or the row statistics, scratch, mask).

@@ -104,20 +104,24 @@ pub(crate) fn check_len(what: &str, buf: usize, expected: usize) {
     );
 }
 
-/// `db[j] += Σ_b dy[b, j]` (bias gradient), summed in row order for determinism.
-pub fn accumulate_bias_grad(dy: &[f32], db: &mut [f32]) {
-    for row in dy.chunks_exact(db.len()) {
-        for (g, v) in db.iter_mut().zip(row) {
-            *g += v;
+comera_tensor::multiversion! {
+    /// `db[j] += Σ_b dy[b, j]` (bias gradient), summed in row order for determinism.
+    pub fn accumulate_bias_grad(dy: &[f32], db: &mut [f32]) {
+        for row in dy.chunks_exact(db.len()) {
+            for (g, v) in db.iter_mut().zip(row) {
+                *g += v;
+            }
         }
     }
 }
 
-/// `y[b, :] += bias` for every row.
-pub fn add_bias(y: &mut [f32], bias: &[f32]) {
-    for row in y.chunks_exact_mut(bias.len()) {
-        for (v, b) in row.iter_mut().zip(bias) {
-            *v += b;
+comera_tensor::multiversion! {
+    /// `y[b, :] += bias` for every row.
+    pub fn add_bias(y: &mut [f32], bias: &[f32]) {
+        for row in y.chunks_exact_mut(bias.len()) {
+            for (v, b) in row.iter_mut().zip(bias) {
+                *v += b;
+            }
         }
     }
 }

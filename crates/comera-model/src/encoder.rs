@@ -1188,9 +1188,9 @@ impl EncoderState {
                 ws_o: blk.o.workspace(n),
                 ws_up: blk.up.workspace(n),
                 ws_down: blk.down.workspace(n),
-                // P is rebuilt in the backward from q, k (one extra q·kᵀ per head) rather
-                // than kept: B·H·T² floats per block.
-                ws_attn: m.attn.workspace_recompute(b, t),
+                // Above a few MiB, P is rebuilt in the backward from q, k (one extra q·kᵀ
+                // per head) rather than kept: B·H·T² floats per block.
+                ws_attn: m.attn.workspace_for(b, t),
                 ws_ln1: blk.ln1.workspace(n),
                 ws_ln2: blk.ln2.workspace(n),
                 ws_drop_attn: m.drop_attn[l].workspace(n * d),

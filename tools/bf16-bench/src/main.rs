@@ -145,6 +145,21 @@ fn foreign_cores(a: (u64, u64), b: (u64, u64), secs: f64) -> f64 {
     ((busy - mine).max(0.0) / 100.0) / secs.max(1e-3)
 }
 
+/// Wait (up to `max_wait`) until other processes use < `thresh` cores over a 300 ms window.
+fn wait_quiet(thresh: f64, max_wait: Duration) -> bool {
+    let start = Instant::now();
+    loop {
+        let a = cpu_jiffies();
+        std::thread::sleep(Duration::from_millis(300));
+        if foreign_cores(a, cpu_jiffies(), 0.3) < thresh {
+            return true;
+        }
+        if start.elapsed() > max_wait {
+            return false;
+        }
+    }
+}
+
 // ---------------------------------------------------------------- timing
 type ArmFn<'a> = Box<dyn FnMut() + 'a>;
 
@@ -298,9 +313,10 @@ fn self_check(cfg: &Cfg) {
                 let pp = bf16::prepack(m, n, k, al.view(&a), bl.view(&b), ViewMut::new(&mut c, n, 1), cfg);
                 let mut c2 = vec![f32::NAN; m * n];
                 bf16::gemm_prepacked(&pp, ViewMut::new(&mut c2, n, 1), threads, cfg);
-                let same = c.iter().zip(&c2).all(|(x, y)| x.to_bits() == y.to_bits());
-                if !(e1 < 1e-5) || !same {
-                    panic!("self-check failed m={m} k={k} n={n} at={at} bt={bt} thr={threads}: err={e1:e} prepacked_identical={same}");
+                // (not bit-identical in general: with packing, narrow outputs use one full-k block)
+                let e2 = rel_err(&c2, &r);
+                if !(e1 < 1e-5) || !(e2 < 1e-5) {
+                    panic!("self-check failed m={m} k={k} n={n} at={at} bt={bt} thr={threads}: err={e1:e} prepacked err={e2:e}");
                 }
             }
         }
@@ -452,10 +468,22 @@ fn main() {
                 })
             })
             .collect();
-        let j0 = cpu_jiffies();
-        let t0 = Instant::now();
-        let t = time_arms(&mut arms, rounds, Duration::from_millis(3));
-        let load = foreign_cores(j0, cpu_jiffies(), t0.elapsed().as_secs_f64());
+        // contention gating: wait for quiet, redo the shape if other processes used > 0.1 cores
+        let (mut t, mut load) = (Vec::new(), f64::INFINITY);
+        for attempt in 0..4 {
+            wait_quiet(0.1, Duration::from_secs(60));
+            let j0 = cpu_jiffies();
+            let t0 = Instant::now();
+            let tt = time_arms(&mut arms, rounds, Duration::from_millis(3));
+            let l = foreign_cores(j0, cpu_jiffies(), t0.elapsed().as_secs_f64());
+            if l < load {
+                (t, load) = (tt, l);
+            }
+            if load <= 0.1 {
+                break;
+            }
+            eprintln!("{}: foreign load {:.2} cores, redo (attempt {})", s.name, l, attempt + 1);
+        }
         let fl = 2.0 * (s.m * s.n * s.k * s.batch) as f64;
         let cell = |x: f64| format!("{} ({:.0})", fmt_t(x), fl / x / 1e9);
         println!(
