@@ -21,12 +21,12 @@
 use crate::check_len;
 use comera_tensor::{matmul_serial, DisjointMut, MatMut, MatRef};
 
-/// Multi-head scaled dot-product self-attention over a packed QKV buffer.
-
 /// Largest P (B·H·T² floats, 4 MiB) that [`Attention::workspace_for`] keeps for the backward
 /// instead of recomputing it: measured with `comera bench step` at batch 1, where keeping it
 /// makes the backward skip one S = Q·Kᵀ product and one softmax pass per head.
 pub const KEEP_P_MAX_FLOATS: usize = 1 << 20;
+
+/// Multi-head scaled dot-product self-attention over a packed QKV buffer.
 #[derive(Clone, Copy, Debug)]
 pub struct Attention {
     d_model: usize,
