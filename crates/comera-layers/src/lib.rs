@@ -104,20 +104,48 @@ pub(crate) fn check_len(what: &str, buf: usize, expected: usize) {
     );
 }
 
+/// `db[j] += Σ_b dy[b, j]` (bias gradient), summed in row order for determinism. Large
+/// buffers run in parallel over column ranges, each summing its columns over every row in
+/// order: the same bits on any thread count.
+pub fn accumulate_bias_grad(dy: &[f32], db: &mut [f32]) {
+    use rayon::prelude::*;
+    /// Columns per parallel range (a multiple of 16 lanes; 512 bytes of each row).
+    const COLS: usize = 128;
+    let w = db.len();
+    if dy.len() >= 2 * elementwise::CHUNK && w >= 2 * COLS {
+        db.par_chunks_mut(COLS)
+            .enumerate()
+            .for_each(|(i, db)| bias_grad_columns(dy, w, i * COLS, db));
+    } else {
+        bias_grad_columns(dy, w, 0, db);
+    }
+}
+
 comera_tensor::multiversion! {
-    /// `db[j] += Σ_b dy[b, j]` (bias gradient), summed in row order for determinism.
-    pub fn accumulate_bias_grad(dy: &[f32], db: &mut [f32]) {
-        for row in dy.chunks_exact(db.len()) {
-            for (g, v) in db.iter_mut().zip(row) {
+    /// `db[j] += Σ_b dy[b, c0 + j]` for rows of `w` values, in row order.
+    pub(crate) fn bias_grad_columns(dy: &[f32], w: usize, c0: usize, db: &mut [f32]) {
+        for row in dy.chunks_exact(w) {
+            for (g, v) in db.iter_mut().zip(&row[c0..]) {
                 *g += v;
             }
         }
     }
 }
 
+/// `y[b, :] += bias` for every row; large buffers in parallel chunks of whole rows.
+pub fn add_bias(y: &mut [f32], bias: &[f32]) {
+    use rayon::prelude::*;
+    let chunk = elementwise::CHUNK.div_ceil(bias.len()) * bias.len();
+    if y.len() >= 2 * chunk {
+        y.par_chunks_mut(chunk).for_each(|y| add_bias_rows(y, bias));
+    } else {
+        add_bias_rows(y, bias);
+    }
+}
+
 comera_tensor::multiversion! {
     /// `y[b, :] += bias` for every row.
-    pub fn add_bias(y: &mut [f32], bias: &[f32]) {
+    fn add_bias_rows(y: &mut [f32], bias: &[f32]) {
         for row in y.chunks_exact_mut(bias.len()) {
             for (v, b) in row.iter_mut().zip(bias) {
                 *v += b;

@@ -29,7 +29,7 @@ use super::pool::Lease;
 use super::TtLinear;
 use crate::activation::simd::{gelu_bias_in_place, gelu_bias_value_grad};
 use crate::elementwise::kernels::{add, mul};
-use crate::{accumulate_bias_grad, add_bias, check_len, Layer};
+use crate::{accumulate_bias_grad, add_bias, bias_grad_columns, check_len, Layer};
 use comera_plan::TtPath;
 use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
 use rayon::prelude::*;
@@ -320,7 +320,7 @@ impl FusedFfn {
                         let dh = MatRef::new(g, rows, f);
                         // dR_u += T1uᵀ·dh;  db_u += Σ_rows dh;  U_u = dh·R_uᵀ.
                         matmul_serial(MatMut::new(lane.dru, ru, f), t1u.t(), dh, i > 0);
-                        accumulate_bias_grad(g, lane.dbu);
+                        bias_grad_columns(g, f, 0, lane.dbu); // on this lane only
                         matmul_serial(MatMut::new(uu, rows, ru), dh, rum.t(), false);
                     }
                 });
