@@ -212,53 +212,6 @@ mod kernels {
         acc.iter().sum::<f32>() + tail
     }
 
-    #[inline(always)]
-    fn forward_body(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, y: &mut [f32]) -> (f32, f32) {
-        let d = x.len();
-        let (gamma, beta, y) = (&gamma[..d], &beta[..d], &mut y[..d]);
-        // Two passes (mean, then centred variance) for accuracy when |μ| ≫ σ.
-        let mean = lane_sum(d, |i| x[i]) / d as f32;
-        let var = lane_sum(d, |i| (x[i] - mean) * (x[i] - mean)) / d as f32;
-        let rstd = 1.0 / (var + eps).sqrt();
-        for i in 0..d {
-            y[i] = gamma[i] * ((x[i] - mean) * rstd) + beta[i];
-        }
-        (mean, rstd)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
-    fn backward_body(
-        x: &[f32],
-        dy: &[f32],
-        mean: f32,
-        rstd: f32,
-        gamma: &[f32],
-        dgamma: &mut [f32],
-        dbeta: &mut [f32],
-        dx: Option<&mut [f32]>,
-    ) {
-        let d = x.len();
-        let (dy, gamma, dgamma, dbeta) = (&dy[..d], &gamma[..d], &mut dgamma[..d], &mut dbeta[..d]);
-        // Parameter gradients: dγ_i += dy_i·n_i, dβ_i += dy_i.
-        for i in 0..d {
-            let n = (x[i] - mean) * rstd;
-            dgamma[i] += dy[i] * n;
-            dbeta[i] += dy[i];
-        }
-        if let Some(dx) = dx {
-            // Row reductions for dx: mean(g), mean(g·n) with g = γ ⊙ dy.
-            let sum_g = lane_sum(d, |i| gamma[i] * dy[i]);
-            let sum_gn = lane_sum(d, |i| gamma[i] * dy[i] * ((x[i] - mean) * rstd));
-            let (mean_g, mean_gn) = (sum_g / d as f32, sum_gn / d as f32);
-            let dx = &mut dx[..d];
-            for i in 0..d {
-                let n = (x[i] - mean) * rstd;
-                dx[i] = rstd * (gamma[i] * dy[i] - mean_g - n * mean_gn);
-            }
-        }
-    }
-
     comera_tensor::multiversion! {
         /// Normalises one row into `y`; returns (μ, 1/√(σ² + ε)).
         pub(super) fn forward_row(
@@ -268,7 +221,16 @@ mod kernels {
             eps: f32,
             y: &mut [f32],
         ) -> (f32, f32) {
-            forward_body(x, gamma, beta, eps, y)
+            let d = x.len();
+            let (gamma, beta, y) = (&gamma[..d], &beta[..d], &mut y[..d]);
+            // Two passes (mean, then centred variance) for accuracy when |μ| ≫ σ.
+            let mean = lane_sum(d, |i| x[i]) / d as f32;
+            let var = lane_sum(d, |i| (x[i] - mean) * (x[i] - mean)) / d as f32;
+            let rstd = 1.0 / (var + eps).sqrt();
+            for i in 0..d {
+                y[i] = gamma[i] * ((x[i] - mean) * rstd) + beta[i];
+            }
+            (mean, rstd)
         }
     }
 
@@ -285,7 +247,26 @@ mod kernels {
             dbeta: &mut [f32],
             dx: Option<&mut [f32]>,
         ) {
-            backward_body(x, dy, mean, rstd, gamma, dgamma, dbeta, dx)
+            let d = x.len();
+            let (dy, gamma) = (&dy[..d], &gamma[..d]);
+            let (dgamma, dbeta) = (&mut dgamma[..d], &mut dbeta[..d]);
+            // Parameter gradients: dγ_i += dy_i·n_i, dβ_i += dy_i.
+            for i in 0..d {
+                let n = (x[i] - mean) * rstd;
+                dgamma[i] += dy[i] * n;
+                dbeta[i] += dy[i];
+            }
+            if let Some(dx) = dx {
+                // Row reductions for dx: mean(g), mean(g·n) with g = γ ⊙ dy.
+                let sum_g = lane_sum(d, |i| gamma[i] * dy[i]);
+                let sum_gn = lane_sum(d, |i| gamma[i] * dy[i] * ((x[i] - mean) * rstd));
+                let (mean_g, mean_gn) = (sum_g / d as f32, sum_gn / d as f32);
+                let dx = &mut dx[..d];
+                for i in 0..d {
+                    let n = (x[i] - mean) * rstd;
+                    dx[i] = rstd * (gamma[i] * dy[i] - mean_g - n * mean_gn);
+                }
+            }
         }
     }
 }

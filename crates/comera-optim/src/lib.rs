@@ -441,48 +441,38 @@ mod kernels {
         pub grad_scale: f32,
     }
 
-    #[inline(always)]
-    fn adam_body(k: &Adam, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
-        let n = w.len();
-        let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
-        for i in 0..n {
-            let g = g[i] * k.grad_scale;
-            m[i] = k.beta1 * m[i] + (1.0 - k.beta1) * g;
-            v[i] = k.beta2 * v[i] + (1.0 - k.beta2) * g * g;
-            w[i] -= k.lr * ((m[i] / k.bc1) / ((v[i] / k.bc2).sqrt() + k.eps) + k.decay * w[i]);
-        }
-    }
-
-    #[inline(always)]
-    fn sum_sq_body(g: &[f32]) -> f64 {
-        const L: usize = 8;
-        let mut acc = [0.0f64; L];
-        let chunks = g.chunks_exact(L);
-        let tail: f64 = chunks
-            .remainder()
-            .iter()
-            .map(|&x| (x as f64) * (x as f64))
-            .sum();
-        for c in chunks {
-            for l in 0..L {
-                acc[l] += (c[l] as f64) * (c[l] as f64);
-            }
-        }
-        acc.iter().sum::<f64>() + tail
-    }
-
     comera_tensor::multiversion! {
         /// w, m, v ← one AdamW step with gradient g (all the same length).
         pub(crate) fn adam(k: &Adam, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
             assert!(g.len() == w.len() && m.len() == w.len() && v.len() == w.len());
-            adam_body(k, w, g, m, v)
+            let n = w.len();
+            let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+            for i in 0..n {
+                let g = g[i] * k.grad_scale;
+                m[i] = k.beta1 * m[i] + (1.0 - k.beta1) * g;
+                v[i] = k.beta2 * v[i] + (1.0 - k.beta2) * g * g;
+                w[i] -= k.lr * ((m[i] / k.bc1) / ((v[i] / k.bc2).sqrt() + k.eps) + k.decay * w[i]);
+            }
         }
     }
 
     comera_tensor::multiversion! {
         /// Σ g² in f64.
         pub(crate) fn sum_sq(g: &[f32]) -> f64 {
-            sum_sq_body(g)
+            const L: usize = 8;
+            let mut acc = [0.0f64; L];
+            let chunks = g.chunks_exact(L);
+            let tail: f64 = chunks
+                .remainder()
+                .iter()
+                .map(|&x| (x as f64) * (x as f64))
+                .sum();
+            for c in chunks {
+                for l in 0..L {
+                    acc[l] += (c[l] as f64) * (c[l] as f64);
+                }
+            }
+            acc.iter().sum::<f64>() + tail
         }
     }
 }
