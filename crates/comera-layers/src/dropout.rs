@@ -23,6 +23,12 @@ fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// ⌊u_i / 2³²⌋ of element `i` under the step's `key`: u_i = mix(k + (i + 1)·φ) (module doc).
+#[inline(always)]
+fn hash_hi(key: u64, i: u64) -> u64 {
+    mix64(key.wrapping_add(i.wrapping_add(1).wrapping_mul(GOLDEN))) >> 32
+}
+
 /// Seeded inverted dropout with drop probability `p`.
 #[derive(Clone, Copy, Debug)]
 pub struct Dropout {
@@ -108,8 +114,7 @@ impl Dropout {
 
     #[inline]
     fn keep_with_key(&self, key: u64, i: usize) -> bool {
-        let u = mix64(key.wrapping_add((i as u64).wrapping_add(1).wrapping_mul(GOLDEN)));
-        (u >> 32) >= self.threshold()
+        hash_hi(key, i as u64) >= self.threshold()
     }
 
     /// Draws the mask for `step` into `ws` (or marks it inactive); returns whether active.
@@ -185,7 +190,7 @@ impl Dropout {
 /// The mask loops, compiled for each instruction-set level (`comera_tensor::multiversion!`):
 /// the hash's 64-bit multiplies vectorise only with AVX-512 (`vpmullq`).
 mod kernels {
-    use super::{mix64, GOLDEN};
+    use super::hash_hi;
 
     comera_tensor::multiversion! {
         /// Mask words `first_word..` (bit b of word w is element 64·w + b, of `len` in all) for
@@ -204,8 +209,7 @@ mod kernels {
                 // their bits.
                 let mut hi = [0u64; 64];
                 for (b, h) in hi.iter_mut().enumerate() {
-                    let i = (w * 64 + b) as u64;
-                    *h = mix64(key.wrapping_add(i.wrapping_add(1).wrapping_mul(GOLDEN))) >> 32;
+                    *h = hash_hi(key, (w * 64 + b) as u64);
                 }
                 let mut bits = 0u64;
                 for (b, &h) in hi[..n].iter().enumerate() {
