@@ -35,6 +35,16 @@ impl Level {
         }
     }
 
+    /// The level a `COMERA_SIMD` value names (case and surrounding spaces ignored).
+    pub fn parse(name: &str) -> Option<Level> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "avx512" => Some(Level::Avx512),
+            "avx2" => Some(Level::Avx2),
+            "baseline" => Some(Level::Baseline),
+            _ => None,
+        }
+    }
+
     fn from_u8(v: u8) -> Level {
         match v {
             3 => Level::Avx512,
@@ -69,15 +79,17 @@ pub fn detected() -> Level {
 pub fn level() -> Level {
     match LEVEL.load(Ordering::Relaxed) {
         0 => {
-            let cap = std::env::var("COMERA_SIMD").ok().and_then(|v| {
-                match v.trim().to_ascii_lowercase().as_str() {
-                    "avx512" => Some(Level::Avx512),
-                    "avx2" => Some(Level::Avx2),
-                    "baseline" => Some(Level::Baseline),
-                    _ => None,
-                }
-            });
-            set_level(cap.unwrap_or(Level::Avx512))
+            let cap = match std::env::var("COMERA_SIMD") {
+                Ok(v) => Level::parse(&v).unwrap_or_else(|| {
+                    eprintln!(
+                        "warning: COMERA_SIMD={v:?} is not one of avx512, avx2, baseline; \
+                         using the widest level this CPU has"
+                    );
+                    Level::Avx512
+                }),
+                Err(_) => Level::Avx512,
+            };
+            set_level(cap)
         }
         v => Level::from_u8(v),
     }
@@ -146,6 +158,16 @@ mod tests {
             }
             acc.iter().sum()
         }
+    }
+
+    #[test]
+    fn level_names_parse_and_others_do_not() {
+        for l in [Level::Baseline, Level::Avx2, Level::Avx512] {
+            assert_eq!(Level::parse(l.name()), Some(l));
+        }
+        assert_eq!(Level::parse(" AVX2\n"), Some(Level::Avx2));
+        assert_eq!(Level::parse("avx-512"), None);
+        assert_eq!(Level::parse(""), None);
     }
 
     #[test]
