@@ -77,29 +77,21 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let mut pool = rayon::ThreadPoolBuilder::new().stack_size(WORKER_STACK_BYTES);
     if let Some(t) = cli.threads {
-        if let Err(e) = rayon::ThreadPoolBuilder::new()
-            .num_threads(t.max(1))
-            .build_global()
-        {
-            eprintln!("error: --threads: {e}");
-            return ExitCode::from(2);
-        }
+        pool = pool.num_threads(t.max(1));
     }
-    let result = match cli.command {
-        Command::Verify(a) => verify::run(a),
-        Command::Bench(b) => comera_bench::run(b),
-        Command::Train(a) => run::train(a),
-        Command::Eval(a) => run::eval(a),
-        Command::Predict(a) => run::predict(a),
-        Command::Plot(a) => plot_cmd::run(a),
-        Command::Data(d) => data_cmd::run(d),
-        Command::SynthCriteo(a) => dlrm_cmd::synth(a),
-        Command::Factor(a) => factor::run(a),
-        Command::Inspect(a) => inspect_cmd::run(a),
-        Command::Import(i) => import_cmd::run(i),
-        Command::Export(a) => export_cmd::run(a),
-    };
+    if let Err(e) = pool.build_global() {
+        eprintln!("error: --threads: {e}");
+        return ExitCode::from(2);
+    }
+    // The command runs on a worker of the pool, not on this thread: a `rayon::join` made
+    // outside the pool is injected into it and this thread sleeps until a worker has run it,
+    // two thread wake-ups per parallel operation. A batch-1 step makes hundreds of them (every
+    // product, LayerNorm and head loop), and they cost as much as the second core gained
+    // (`bench step --batch 1`: 1 thread and 2 threads both 29.6-29.9 ms/step before this).
+    // From a worker a join is a push to its own deque that the other worker steals.
+    let result = rayon::scope(|_| run_command(cli.command));
     // Exit status: 0 success, 1 an error of the run (bad input, refused files, failures),
     // 2 a usage error (clap's).
     match result {
@@ -115,5 +107,26 @@ fn main() -> ExitCode {
             }
             ExitCode::from(1)
         }
+    }
+}
+
+/// Stack of each pool worker, which runs the whole command: the main thread's usual 8 MiB
+/// rather than rayon's 2 MiB default.
+const WORKER_STACK_BYTES: usize = 8 << 20;
+
+fn run_command(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Verify(a) => verify::run(a),
+        Command::Bench(b) => comera_bench::run(b),
+        Command::Train(a) => run::train(a),
+        Command::Eval(a) => run::eval(a),
+        Command::Predict(a) => run::predict(a),
+        Command::Plot(a) => plot_cmd::run(a),
+        Command::Data(d) => data_cmd::run(d),
+        Command::SynthCriteo(a) => dlrm_cmd::synth(a),
+        Command::Factor(a) => factor::run(a),
+        Command::Inspect(a) => inspect_cmd::run(a),
+        Command::Import(i) => import_cmd::run(i),
+        Command::Export(a) => export_cmd::run(a),
     }
 }
