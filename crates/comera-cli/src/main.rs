@@ -86,11 +86,11 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     // The command runs on a worker of the pool, not on this thread: a `rayon::join` made
-    // outside the pool is injected into it and this thread sleeps until a worker has run it,
-    // two thread wake-ups per parallel operation. A batch-1 step makes hundreds of them (every
-    // product, LayerNorm and head loop), and they cost as much as the second core gained
-    // (`bench step --batch 1`: 1 thread and 2 threads both 29.6-29.9 ms/step before this).
-    // From a worker a join is a push to its own deque that the other worker steals.
+    // outside the pool is injected into it while this thread sleeps until a worker has run it
+    // (two thread wake-ups per parallel operation, and a third thread on the cores). From a
+    // worker a join is a push to its own deque that the other worker steals. This is also how
+    // the allocation test (`comera-model/tests/no_alloc.rs`) runs the step. On a quiet machine
+    // the batch-1 step measured the same either way (22.4 ms, rank 30, 2 threads).
     let result = rayon::scope(|_| run_command(cli.command));
     // Exit status: 0 success, 1 an error of the run (bad input, refused files, failures),
     // 2 a usage error (clap's).
