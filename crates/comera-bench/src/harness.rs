@@ -39,9 +39,9 @@ pub fn pooled_median<'a>(rounds: impl IntoIterator<Item = &'a [f64]>) -> Option<
     (!v.is_empty()).then(|| median(v))
 }
 
-/// Runs the variants in `rounds` interleaved rounds: in each round every variant in turn gives
-/// `samples_per_round` samples, each the mean ms per call over `inner[i]` back-to-back calls.
-/// Returns the samples of each variant.
+/// Runs the variants in `rounds` interleaved rounds: in each round every variant in turn makes
+/// `warm` untimed calls, then gives `samples_per_round` samples, each the mean ms per call over
+/// `inner[i]` back-to-back calls. Returns the samples of each variant.
 ///
 /// Round r starts at variant r mod n, so over n rounds every variant runs after every other
 /// equally often: a variant that leaves the caches cold (a large table, a large workspace)
@@ -51,6 +51,7 @@ pub fn pooled_median<'a>(rounds: impl IntoIterator<Item = &'a [f64]>) -> Option<
 pub fn interleave(
     variants: &mut [Box<dyn FnMut() + '_>],
     rounds: usize,
+    warm: usize,
     samples_per_round: usize,
     inner: &[usize],
 ) -> Vec<Vec<f64>> {
@@ -59,6 +60,9 @@ pub fn interleave(
     for r in 0..rounds {
         for i in (0..n).map(|j| (r + j) % n) {
             let v = &mut variants[i];
+            for _ in 0..warm {
+                v();
+            }
             for _ in 0..samples_per_round {
                 let t = Instant::now();
                 for _ in 0..inner[i] {
@@ -87,7 +91,31 @@ pub fn interleaved_medians(variants: &mut [Box<dyn FnMut() + '_>], seconds: f64)
         round_s += dt * k as f64;
     }
     let rounds = ((seconds / round_s) as usize).clamp(7, 201);
-    let samples = interleave(variants, rounds, 1, &inner);
+    let samples = interleave(variants, rounds, 0, 1, &inner);
+    samples.into_iter().map(median).collect()
+}
+
+/// Median ms per call of each variant, for whole training steps of models that would otherwise
+/// time each other's cache misses: in about `seconds`, interleaved rounds in which each
+/// variant makes one untimed step (refilling its caches after the other variants' steps) and
+/// then `per_visit` timed steps, as consecutive steps of one training run. (Alternating single
+/// steps, `bench rank --batch 1` timed the paper model at 36.3 ms/step where it steps at 22.8
+/// alone.)
+pub fn interleaved_warm_medians(
+    variants: &mut [Box<dyn FnMut() + '_>],
+    seconds: f64,
+    per_visit: usize,
+) -> Vec<f64> {
+    let mut visit_s = 0.0;
+    for v in variants.iter_mut() {
+        v(); // warm-up (first-touch of buffers, thread pool start)
+        let t = Instant::now();
+        v();
+        visit_s += t.elapsed().as_secs_f64().max(1e-7) * (1 + per_visit) as f64;
+    }
+    let rounds = ((seconds / visit_s) as usize).clamp(5, 201);
+    let ones = vec![1; variants.len()];
+    let samples = interleave(variants, rounds, 1, per_visit, &ones);
     samples.into_iter().map(median).collect()
 }
 
@@ -95,7 +123,7 @@ pub fn interleaved_medians(variants: &mut [Box<dyn FnMut() + '_>], seconds: f64)
 pub fn median_ms(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
     let mut one: [Box<dyn FnMut() + '_>; 1] = [Box::new(f)];
-    median(interleave(&mut one, reps, 1, &[1]).remove(0))
+    median(interleave(&mut one, reps, 0, 1, &[1]).remove(0))
 }
 
 /// The machine's GEMM rate in this process (GFLOP/s): the median of `reps` products
@@ -418,10 +446,10 @@ mod tests {
         let (mut a, mut b) = (0, 0);
         let samples = {
             let mut v: Vec<Box<dyn FnMut() + '_>> = vec![Box::new(|| a += 1), Box::new(|| b += 1)];
-            interleave(&mut v, 3, 2, &[1, 4])
+            interleave(&mut v, 3, 1, 2, &[1, 4])
         };
         assert_eq!(samples.iter().map(Vec::len).collect::<Vec<_>>(), [6, 6]);
-        assert_eq!((a, b), (6, 24));
+        assert_eq!((a, b), (6 + 3, 24 + 3), "one untimed call per visit");
     }
 
     #[test]
@@ -432,7 +460,7 @@ mod tests {
             let mut v: Vec<Box<dyn FnMut() + '_>> = (0..3)
                 .map(|i| Box::new(move || log.borrow_mut().push(i)) as Box<dyn FnMut()>)
                 .collect();
-            interleave(&mut v, 4, 1, &[1, 1, 1]);
+            interleave(&mut v, 4, 0, 1, &[1, 1, 1]);
         }
         assert_eq!(order.into_inner(), [0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2]);
     }

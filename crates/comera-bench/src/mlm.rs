@@ -93,7 +93,7 @@ pub fn run(a: MlmArgs) -> anyhow::Result<ExitCode> {
                 }) as Box<dyn FnMut()>
             })
             .collect();
-        interleave(&mut steps, a.rounds, a.steps, &one_call_per_sample)
+        interleave(&mut steps, a.rounds, 0, a.steps, &one_call_per_sample)
     };
     println!(
         "MLM training steps: batch {b} × seq {t}, {rows} predicted positions per sequence, vocab {vocab}; {} threads; {} rounds × {} steps per arm, interleaved",
