@@ -21,7 +21,7 @@ use super::chain::Chains;
 use super::merged::paired;
 use super::pool::Lease;
 use super::TtLinear;
-use crate::{check_len, Layer};
+use crate::{accumulate_bias_grad, add_bias, check_len, Layer};
 use comera_plan::TtPath;
 use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
 
@@ -47,6 +47,9 @@ pub struct SharedInput {
     dh: Vec<Lease>, // per layer: dH_c, scratch
     /// [Lcat (N × S), U (B × S), dLcat (N × S)], scratch.
     cat: Lease,
+    /// [b_1 | … | b_n] (Σ M_i): the forward adds it to the packed Y in one pass, the backward
+    /// accumulates the bias gradients into it (from each layer's, and back) in one pass.
+    bias: Vec<f32>,
 }
 
 impl SharedInput {
@@ -94,6 +97,7 @@ impl SharedInput {
             batch,
             n_in,
             shapes: layers.iter().map(|l| l.shape.clone()).collect(),
+            bias: vec![0.0; *mcol.last().expect("n ≥ 1")],
             rcol,
             mcol,
             t1: vec![0.0; batch * s],
@@ -201,12 +205,9 @@ impl SharedInput {
                 MatRef::new(self.chains[i].r(), rp, m),
                 false,
             );
-            for row in y.chunks_exact_mut(w) {
-                for (v, bias) in row[m0..m0 + m].iter_mut().zip(&l.bias.value) {
-                    *v += bias;
-                }
-            }
+            self.bias[m0..m0 + m].copy_from_slice(&l.bias.value);
         }
+        add_bias(y, &self.bias);
         self.release();
     }
 
@@ -280,9 +281,14 @@ impl SharedInput {
             matmul(dxm, um, lt, false);
             matmul(dlm, xt, um, false);
         }
+        // db_i += Σ_rows dY_i: every layer's gradient packed, accumulated in one pass (the
+        // same additions in the same order as layer by layer), and unpacked.
+        for (i, l) in layers.iter().enumerate() {
+            self.bias[self.mcol[i]..self.mcol[i + 1]].copy_from_slice(&l.bias.grad);
+        }
+        accumulate_bias_grad(dy, &mut self.bias);
         for i in 0..k {
             let (r0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
-            let (m0, m) = (self.mcol[i], self.mcol[i + 1] - self.mcol[i]);
             {
                 let (_, _, dl, _) = self.chains[i].seed_grads();
                 for (dst, src) in dl.chunks_exact_mut(rp).zip(dlcat.chunks_exact(s)) {
@@ -292,11 +298,9 @@ impl SharedInput {
             let l = &mut *layers[i];
             self.chains[i].peel(&l.shape, &self.h[i], &mut self.dh[i]);
             l.accumulate_core_grads(&self.dh[i]);
-            for row in dy.chunks_exact(w) {
-                for (g, v) in l.bias.grad.iter_mut().zip(&row[m0..m0 + m]) {
-                    *g += v;
-                }
-            }
+            l.bias
+                .grad
+                .copy_from_slice(&self.bias[self.mcol[i]..self.mcol[i + 1]]);
         }
         self.release();
     }
