@@ -8,6 +8,7 @@
 //! module talks to it. Views are bounds-checked when they are made, so the `unsafe` call below
 //! only ever sees in-bounds pointers.
 
+use crate::narrow;
 use faer::{Accum, Par};
 
 /// Products with at most this many multiply-adds skip the backend (its dispatch and packing
@@ -387,6 +388,30 @@ fn faer_serial(
     rhs: faer::MatRef<'_, f32>,
 ) {
     let (m, n) = (dst.nrows(), dst.ncols());
+    if dst.col_stride() == 1 && lhs.col_stride() == 1 {
+        let mut dst = dst;
+        let product = narrow::Product {
+            m,
+            n,
+            k: lhs.ncols(),
+            a: lhs.as_ptr(),
+            a_rs: lhs.row_stride(),
+            b: rhs.as_ptr(),
+            b_rs: rhs.row_stride(),
+            b_cs: rhs.col_stride(),
+            c: dst.as_mut().as_ptr_mut(),
+            c_rs: dst.row_stride(),
+            accumulate: matches!(accum, Accum::Add),
+        };
+        // SAFETY: the three views come from bounds-checked `MatRef`/`MatMut`s (see `backend`),
+        // so every element their strides address for these shapes is in bounds, and C is a
+        // unique borrow that does not alias A or B.
+        if unsafe { narrow::try_compute(&product) } {
+            return;
+        }
+        faer::linalg::matmul::matmul(dst, accum, lhs, rhs, 1.0f32, Par::Seq);
+        return;
+    }
     let row_major = dst.col_stride() == 1 && dst.row_stride() != 1;
     let transposed_a = lhs.row_stride() == 1 && lhs.col_stride() != 1;
     let k = lhs.ncols();
@@ -1097,6 +1122,14 @@ mod tests {
             (200, 15, 1024),
             (200, 15, 1025),
             (768, 15, 128),
+            // `narrow` kernels: row tiles 12/4/1 and column tiles 4/1 with remainders, a
+            // masked last chunk of the inner length, widths 2 and 16, and just outside them.
+            (37, 15, 768),
+            (13, 2, 33),
+            (12, 16, 47),
+            (5, 3, 32),
+            (29, 7, 31),
+            (17, 1, 64),
         ];
         assert_eq!(16 * 32 * 32, SMALL_MACS);
         assert_eq!(32 * 64 * 64, AXPY_WIDE_MACS);

@@ -5,6 +5,7 @@
 //! - [`layout`]: tensor-train shapes (modes, ranks) with the checks every layer relies on;
 //! - [`factor`]: proposing factorisations and ranks for a layer of a given size;
 //! - [`math`]: element-wise functions that vectorise (`exp`);
+//! - `narrow`: AVX-512 kernels for tall products at most 16 columns wide (behind [`gemm`]);
 //! - [`permute`]: axis permutations of dense tensors (strided copies);
 //! - [`simd`]: the run-time instruction-set choice of element-wise kernels ([`multiversion!`]);
 //! - [`init`]: seeded, reproducible random initialisation.
@@ -14,6 +15,7 @@ pub mod gemm;
 pub mod init;
 pub mod layout;
 pub mod math;
+mod narrow;
 pub mod permute;
 pub mod simd;
 pub mod ttsvd;
