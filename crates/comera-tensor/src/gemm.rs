@@ -349,53 +349,22 @@ fn split_matmul(
     }
 }
 
-/// A row-major C at most this many columns wide is computed column-major (see
-/// [`faer_serial`]).
-const NARROW_C_N: usize = 16;
-
-/// … and only over an inner length in this range: the copy back (m·n floats) has to be small
-/// against the m·n·k multiply-adds, and at 4,096 rows (batch 32) `faer` is as fast without it.
-const NARROW_C_MIN_K: usize = 64;
-const NARROW_C_MAX_K: usize = 1024;
-
-/// Largest such C (floats) computed through the column-major scratch; larger ones go to
-/// `faer` as they are.
-const COLUMN_C_MAX: usize = 1 << 18;
-
-thread_local! {
-    /// Column-major scratch for a narrow C (at most `COLUMN_C_MAX` floats; it grows to the
-    /// largest narrow C this thread has computed, so steady-state steps allocate nothing).
-    static COLUMN_C: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// One single-threaded `faer` product, C = A·B or C += A·B.
-///
-/// `faer` computes a row-major C as Cᵀ = Bᵀ·Aᵀ, column-major, and its microkernel tiles are
-/// 16·j rows of that Cᵀ by 4 columns. For a narrow C (n ≤ 16 columns) that is one 16 × 4 tile
-/// high: four accumulators, bound by FMA latency. When A is also a transposed view (the TT
-/// merged path's dL = Xᵀ·U1 at rank ≤ 16) this is at its worst, and computing C column-major
-/// into scratch (tall tiles) and copying it back (m·n floats against m·n·k multiply-adds) is
-/// faster. Measured single-threaded at 128 rows of X (`faer` alone → through scratch):
-/// 768×15 25.8 → 19.0 µs, 3072×15 176.6 → 86 µs; in `bench step --ops --batch 1 --rank 15`
-/// the FFN-down backward went 0.28 → 0.19 ms. Where it did not pay, it is not used: A not
-/// transposed (X·L at 30 columns 27.7 → 30.0 µs, dY·Rᵀ over 3,072 even), 30 columns (3072×30
-/// slower in the step), inner lengths of 32 (the fused FFN's 32-row blocks, where the copy
-/// dominates) and 4,096 (batch 32).
+/// One single-threaded product, C = A·B or C += A·B: the `narrow` kernels for a row-major C at
+/// most 16 columns wide (where `faer`'s tile is FMA-latency bound), `faer` otherwise.
 fn faer_serial(
-    dst: faer::MatMut<'_, f32>,
+    mut dst: faer::MatMut<'_, f32>,
     accum: Accum,
     lhs: faer::MatRef<'_, f32>,
     rhs: faer::MatRef<'_, f32>,
 ) {
-    let (m, n) = (dst.nrows(), dst.ncols());
-    if dst.col_stride() == 1 && lhs.col_stride() == 1 {
-        let mut dst = dst;
+    if dst.col_stride() == 1 {
         let product = narrow::Product {
-            m,
-            n,
+            m: dst.nrows(),
+            n: dst.ncols(),
             k: lhs.ncols(),
             a: lhs.as_ptr(),
             a_rs: lhs.row_stride(),
+            a_cs: lhs.col_stride(),
             b: rhs.as_ptr(),
             b_rs: rhs.row_stride(),
             b_cs: rhs.col_stride(),
@@ -409,49 +378,8 @@ fn faer_serial(
         if unsafe { narrow::try_compute(&product) } {
             return;
         }
-        faer::linalg::matmul::matmul(dst, accum, lhs, rhs, 1.0f32, Par::Seq);
-        return;
     }
-    let row_major = dst.col_stride() == 1 && dst.row_stride() != 1;
-    let transposed_a = lhs.row_stride() == 1 && lhs.col_stride() != 1;
-    let k = lhs.ncols();
-    let narrow = n <= NARROW_C_N && m >= 4 * n && (NARROW_C_MIN_K..=NARROW_C_MAX_K).contains(&k);
-    if !(row_major && transposed_a && narrow && m * n <= COLUMN_C_MAX) {
-        faer::linalg::matmul::matmul(dst, accum, lhs, rhs, 1.0f32, Par::Seq);
-        return;
-    }
-    COLUMN_C.with(|scratch| {
-        let mut scratch = scratch.borrow_mut();
-        if scratch.len() < m * n {
-            scratch.resize(m * n, 0.0);
-        }
-        let cols = &mut scratch[..m * n];
-        faer::linalg::matmul::matmul(
-            faer::MatMut::from_column_major_slice_mut(cols, m, n),
-            Accum::Replace,
-            lhs,
-            rhs,
-            1.0f32,
-            Par::Seq,
-        );
-        // Back to rows in blocks of 16: each column's 16 values are read contiguously and
-        // written into 16 rows that stay in L1.
-        let rs = dst.row_stride();
-        let base = dst.as_ptr_mut();
-        let add = matches!(accum, Accum::Add);
-        for i0 in (0..m).step_by(16) {
-            let rows = 16.min(m - i0);
-            for j in 0..n {
-                let from = &cols[j * m + i0..j * m + i0 + rows];
-                for (ii, &v) in from.iter().enumerate() {
-                    // SAFETY: (i0 + ii, j) is inside `dst` (i0 + ii < m, j < n), a valid
-                    // unique view whose element (i, j) is at `base + i·rs + j`.
-                    let c = unsafe { &mut *base.offset((i0 + ii) as isize * rs + j as isize) };
-                    *c = if add { *c + v } else { v };
-                }
-            }
-        }
-    });
+    faer::linalg::matmul::matmul(dst, accum, lhs, rhs, 1.0f32, Par::Seq);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1113,18 +1041,12 @@ mod tests {
             (32, 64, 65), // just above
             (64, 64, 64), // = PARALLEL_MIN_MACS
             (63, 64, 64), // just below
-            // Narrow C computed column-major (`faer_serial`): at the row/width/inner-length
-            // edges, and the engine's dL = Xᵀ·U at rank 15.
-            (64, 16, 64),
-            (63, 16, 64),
-            (64, 17, 64),
-            (64, 16, 63),
-            (200, 15, 1024),
-            (200, 15, 1025),
+            // `narrow` kernels: the engine's dL = Xᵀ·U at rank 15, row tiles 12/4/1 and
+            // column tiles 5..1 with remainders, inner lengths across `DOT_KB` = 768 with a
+            // masked last chunk, widths 2 and 16, and just outside them.
             (768, 15, 128),
-            // `narrow` kernels: row tiles 12/4/1 and column tiles 4/1 with remainders, a
-            // masked last chunk of the inner length, widths 2 and 16, and just outside them.
             (37, 15, 768),
+            (9, 16, 1601),
             (13, 2, 33),
             (12, 16, 47),
             (5, 3, 32),

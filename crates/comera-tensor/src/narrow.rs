@@ -1,15 +1,15 @@
 //! Tall, narrow products on AVX-512: C (m × n, 2 ≤ n ≤ 16, rows contiguous) = A·B or
-//! C += A·B, with A's rows contiguous, one row of C in one 16-lane register.
+//! C += A·B, one row of C in one 16-lane register.
 //!
 //! `faer` computes a row-major C as Cᵀ, column-major, and tiles that 16·j rows by 4 columns;
 //! for n ≤ 16 the tile is one 16 × 4 block high: four accumulators, bound by FMA latency
 //! (the TT merged path's T1 = X·L and U1 = dY·Rᵀ at rank 15 ran at about 125 GFLOP/s
 //! single-threaded where the same products at rank 30 ran at 200-210). Two forms:
 //!
-//! - axpy, B's rows contiguous (T1 = X·L, L row-major N × r): C[i, :] = Σ_l A[i, l] · B[l, :],
-//!   in tiles of 12 rows: 12 accumulators, and per l one (masked) load of B's row and 12
-//!   broadcasts of A;
-//! - dot, B's columns contiguous (U1 = dY·Rᵀ, B = Rᵀ a transposed view of R, r × M):
+//! - axpy, B's rows contiguous (T1 = X·L with L row-major N × r, and dL = Xᵀ·U1 with A a
+//!   transposed view): C[i, :] = Σ_l A[i, l] · B[l, :], in tiles of 12 rows: 12
+//!   accumulators, and per l one (masked) load of B's row and 12 broadcasts of A (any layout);
+//! - dot, B's columns and A's rows contiguous (U1 = dY·Rᵀ, B = Rᵀ a view of R, r × M):
 //!   C[i, j] = Σ_l A[i, l] · B[l, j] as 16-lane partial sums over l in tiles of 4 rows × 5
 //!   columns (20 accumulators, 9 loads per 20 FMAs), each reduced to one value at the end.
 //!
@@ -18,7 +18,8 @@
 //! `bench step --ops --rank 15` at batch 32 the fused FFN went 6.1 / 14.4 → 5.4 / 13.4 ms
 //! (forward / backward per layer).
 //!
-//! Every element is summed in one fixed order (l ascending: in the axpy form one FMA per l; in
+//! Every element is summed in one fixed order (l ascending: in the axpy form one FMA per l
+//! onto C's value when accumulating, 0 otherwise; in
 //! the dot form lane l mod 16 per lane, then `_mm512_reduce_add_ps`), the same in every tile
 //! size, so a row's result does not depend on how rows are split between threads. Used only
 //! where the CPU has AVX-512 F (detected once); elsewhere `faer` computes these products.
@@ -40,9 +41,10 @@ pub(crate) struct Product {
     pub m: usize,
     pub n: usize,
     pub k: usize,
-    /// A (m × k): element (i, l) at `a[i·a_rs + l]`.
+    /// A (m × k): element (i, l) at `a[i·a_rs + l·a_cs]`, with a_cs = 1 in the dot form.
     pub a: *const f32,
     pub a_rs: isize,
+    pub a_cs: isize,
     /// B (k × n): element (l, j) at `b[l·b_rs + j·b_cs]`, with b_cs = 1 (axpy form) or
     /// b_rs = 1 (dot form).
     pub b: *const f32,
@@ -85,7 +87,7 @@ pub(crate) unsafe fn try_compute(p: &Product) -> bool {
             unsafe { axpy(p) };
             return true;
         }
-        if p.b_rs == 1 {
+        if p.b_rs == 1 && p.a_cs == 1 {
             // SAFETY: as above.
             unsafe { dot(p) };
             return true;
@@ -100,51 +102,68 @@ fn lanes(n: usize) -> __mmask16 {
     ((1u32 << n) - 1) as __mmask16
 }
 
-/// Axpy form (see the module doc), tiles of 12, then 4, then 1 rows.
+/// Inner-length block of the axpy form: the B rows of a block (16 KiB) and, for a transposed A,
+/// the cache lines of A's columns that a row tile reads stay in L1 across the block, and a
+/// block's rows of A in L2 across the row tiles (unblocked, dL = Xᵀ·U over 4,096 rows ran at
+/// 45 GFLOP/s, re-reading X from memory for every row tile).
+#[cfg(target_arch = "x86_64")]
+const AXPY_KB: usize = 256;
+
+/// Axpy form (see the module doc): the inner length in blocks of `AXPY_KB`, in each block tiles
+/// of 12, then 4, then 1 rows, each row's sum carried from block to block in C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn axpy(p: &Product) {
-    let mut i = 0;
-    while p.m - i >= 12 {
-        unsafe { axpy_tile::<12>(p, i) };
-        i += 12;
-    }
-    while p.m - i >= 4 {
-        unsafe { axpy_tile::<4>(p, i) };
-        i += 4;
-    }
-    while i < p.m {
-        unsafe { axpy_tile::<1>(p, i) };
-        i += 1;
+    for k0 in (0..p.k).step_by(AXPY_KB) {
+        let k1 = (k0 + AXPY_KB).min(p.k);
+        // The first block starts from 0 unless C is accumulated into; later ones from C.
+        let from_c = p.accumulate || k0 > 0;
+        let mut i = 0;
+        // SAFETY (the tiles): rows i.., inner indices k0..k1 are inside the views.
+        while p.m - i >= 12 {
+            unsafe { axpy_tile::<12>(p, i, k0, k1, from_c) };
+            i += 12;
+        }
+        while p.m - i >= 4 {
+            unsafe { axpy_tile::<4>(p, i, k0, k1, from_c) };
+            i += 4;
+        }
+        while i < p.m {
+            unsafe { axpy_tile::<1>(p, i, k0, k1, from_c) };
+            i += 1;
+        }
     }
 }
 
-/// Rows i0..i0+R of C: acc_r = Σ_l A[i0 + r, l] · B[l, :], then stored (or added) masked.
+/// Rows i0..i0+R of C: acc_r (C's row, or 0) += A[i0 + r, l] · B[l, :] for l in k0..k1, one
+/// FMA per l, then stored masked.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn axpy_tile<const R: usize>(p: &Product, i0: usize) {
+unsafe fn axpy_tile<const R: usize>(p: &Product, i0: usize, k0: usize, k1: usize, from_c: bool) {
     let mask = lanes(p.n);
-    let mut acc = [_mm512_setzero_ps(); R];
+    // SAFETY: C rows i0..i0+R, lanes 0..n, are inside C.
+    let c_rows: [*mut f32; R] =
+        std::array::from_fn(|r| unsafe { p.c.offset((i0 + r) as isize * p.c_rs) });
+    let mut acc: [__m512; R] = std::array::from_fn(|r| {
+        if from_c {
+            unsafe { _mm512_maskz_loadu_ps(mask, c_rows[r]) }
+        } else {
+            _mm512_setzero_ps()
+        }
+    });
     let a_rows: [*const f32; R] =
         std::array::from_fn(|r| unsafe { p.a.offset((i0 + r) as isize * p.a_rs) });
-    for l in 0..p.k {
+    for l in k0..k1 {
         // SAFETY (all loads here): B row l lanes 0..n and A[i0 + r, l] are inside the views.
         let b_row = unsafe { _mm512_maskz_loadu_ps(mask, p.b.offset(l as isize * p.b_rs)) };
         for r in 0..R {
-            let a_il = unsafe { _mm512_set1_ps(*a_rows[r].add(l)) };
+            let a_il = unsafe { _mm512_set1_ps(*a_rows[r].offset(l as isize * p.a_cs)) };
             acc[r] = _mm512_fmadd_ps(a_il, b_row, acc[r]);
         }
     }
-    for (r, acc) in acc.iter().enumerate() {
-        // SAFETY: C row i0 + r, lanes 0..n, is inside C.
-        let c_row = unsafe { p.c.offset((i0 + r) as isize * p.c_rs) };
-        let v = if p.accumulate {
-            _mm512_add_ps(unsafe { _mm512_maskz_loadu_ps(mask, c_row) }, *acc)
-        } else {
-            *acc
-        };
-        unsafe { _mm512_mask_storeu_ps(c_row, mask, v) };
+    for r in 0..R {
+        unsafe { _mm512_mask_storeu_ps(c_rows[r], mask, acc[r]) };
     }
 }
 
