@@ -13,6 +13,7 @@
 //! Models expose `visit_params_mut(&mut dyn FnMut(&mut Param))`; the optimiser keeps its
 //! moments in the same order.
 
+mod awake;
 pub mod collective;
 pub mod galore;
 pub mod optimizer;

@@ -159,7 +159,23 @@ impl Stepper {
     /// adds into the gradient buffers, so the running mean G_i = (N_{i−1}·G_{i−1} + n_i·g_i)/N_i
     /// (N_i = n_1 + … + n_i) is kept by scaling the buffers by N_{i−1}/n_i before that backward
     /// and by n_i/N_i after it.
+    ///
+    /// The pool's other workers are kept polling for the step's parallel work for its whole
+    /// length (see [`crate::awake`]).
     pub fn step_accumulated<M: Trainable>(
+        &mut self,
+        model: &mut M,
+        st: &mut M::State,
+        step: u64,
+        micro: usize,
+        load_next: &mut dyn FnMut(&mut M::State) -> Result<bool, BoxError>,
+    ) -> Result<StepReport, StepError> {
+        crate::awake::with_workers_awake(|| {
+            self.step_accumulated_here(model, st, step, micro, load_next)
+        })
+    }
+
+    fn step_accumulated_here<M: Trainable>(
         &mut self,
         model: &mut M,
         st: &mut M::State,
