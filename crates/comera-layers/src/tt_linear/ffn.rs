@@ -38,10 +38,16 @@ use rayon::prelude::*;
 /// Rows per block: a lane's two ROWS × F blocks (h and g) take 384 KB each at F = 3072.
 const ROWS: usize = 32;
 
-/// Batches of at most this many rows run unfused: at 128 rows (batch 1 × 128 tokens) the
-/// fused path's recomputation of h costs more than its memory saves (10% slower, measured with
-/// `comera bench step --ops`).
+/// Batches of at most this many rows run unfused unless Up is thin (see `THIN_UP_RANK`): at
+/// 128 rows (batch 1 × 128 tokens) and rank 30 the fused path's recomputation of h costs more
+/// than reading back the N × F buffers it saves (whole step 20.04 → 20.64 ms,
+/// `comera --threads 2 bench step --batch 1`, 3 interleaved runs).
 const MIN_FUSED_ROWS: usize = 128;
+
+/// Up's middle rank at or below which the fused path is used at any batch: recomputing
+/// h = T1·R_u is then cheap next to the 3 × N × F floats the unfused backward reads back from
+/// memory (rank 15, batch 1: whole step 13.22 → 12.85 ms, as above; 18 MB less peak RSS).
+const THIN_UP_RANK: usize = 16;
 
 /// Counted FLOPs (forward, backward) of one layer on the merged path for `rows` rows, as the
 /// planner counts them (2 per multiply-add, chain products included).
@@ -103,9 +109,10 @@ impl<'a> Lane<'a> {
 impl FusedFfn {
     /// The fused workspace for `up` (N → F) and `down` (F → M) at `batch` rows, or `None` when
     /// it does not apply (either planned off the merged path at this batch, dead, or widths
-    /// that do not chain) or does not pay (at most `MIN_FUSED_ROWS` rows).
+    /// that do not chain) or does not pay (at most `MIN_FUSED_ROWS` rows and Up's rank above
+    /// `THIN_UP_RANK`).
     pub fn new(up: &TtLinear, down: &TtLinear, batch: usize) -> Option<FusedFfn> {
-        if batch <= MIN_FUSED_ROWS {
+        if batch <= MIN_FUSED_ROWS && up.shape.middle_rank() > THIN_UP_RANK {
             return None;
         }
         if [up, down]
