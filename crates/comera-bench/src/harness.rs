@@ -43,11 +43,14 @@ pub fn pooled_median<'a>(rounds: impl IntoIterator<Item = &'a [f64]>) -> Option<
 /// `warm` untimed calls, then gives `samples_per_round` samples, each the mean ms per call over
 /// `inner[i]` back-to-back calls. Returns the samples of each variant.
 ///
-/// Round r starts at variant r mod n, so over n rounds every variant runs after every other
-/// equally often: a variant that leaves the caches cold (a large table, a large workspace)
-/// does not always slow the same successor. (With a fixed order, `bench ttm`'s automatic
-/// lookup on the BERT table, the same code as the optimised one there, measured 7-13% slower
-/// than it, always run right after the naive lookup's 92 MB of records; rotated, 2-6%.)
+/// Round r starts at variant r mod n, so no variant always runs first. That alone does not
+/// stop a variant that leaves the caches cold (a large table, a large workspace) from slowing
+/// its successors unevenly: with three variants, the one after it in the first round follows
+/// it in two rounds of three. A warm-up call at the start of each visit (`warm`) does. (With a
+/// fixed order, `bench ttm`'s automatic lookup on the BERT table, the same code as the
+/// optimised one there, measured 7-13% slower than it, always run right after the naive
+/// lookup's 92 MB of records; rotated, 4-16%; rotated with one warm-up call per visit, see
+/// `interleaved_medians`.)
 pub fn interleave(
     variants: &mut [Box<dyn FnMut() + '_>],
     rounds: usize,
@@ -75,8 +78,8 @@ pub fn interleave(
     samples
 }
 
-/// Times each variant in interleaved rounds for about `seconds` in all; returns the median ms
-/// per call of each.
+/// Times each variant in interleaved rounds for about `seconds` in all, each visit starting
+/// with one untimed call; returns the median ms per call of each.
 pub fn interleaved_medians(variants: &mut [Box<dyn FnMut() + '_>], seconds: f64) -> Vec<f64> {
     // Calibrate: enough inner calls for a ≥ 2 ms sample, and a round count for the budget.
     let mut inner = Vec::with_capacity(variants.len());
@@ -88,10 +91,10 @@ pub fn interleaved_medians(variants: &mut [Box<dyn FnMut() + '_>], seconds: f64)
         let dt = t.elapsed().as_secs_f64().max(1e-7);
         let k = (2e-3 / dt).ceil().max(1.0) as usize;
         inner.push(k);
-        round_s += dt * k as f64;
+        round_s += dt * (k + 1) as f64; // with the visit's warm-up call
     }
     let rounds = ((seconds / round_s) as usize).clamp(7, 201);
-    let samples = interleave(variants, rounds, 0, 1, &inner);
+    let samples = interleave(variants, rounds, 1, 1, &inner);
     samples.into_iter().map(median).collect()
 }
 
