@@ -15,16 +15,21 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Runs `f` on this worker while the pool's other workers poll for its parallel work instead
-/// of going to sleep between its parallel sections. Off a pool worker, or with one thread,
-/// just runs `f`. Allocates nothing (the pollers are `rayon::join` jobs on this stack).
-pub(crate) fn with_workers_awake<R>(f: impl FnOnce() -> R) -> R {
+/// of going to sleep between its parallel sections. Just runs `f` when `wanted` is false, off a
+/// pool worker, with one thread, or with more threads than this process may run on at once
+/// (`available_parallelism`: the CPU affinity, e.g. `mpirun`'s binding), where a spinning
+/// poller would take a core from the step itself. Allocates nothing (the pollers are
+/// `rayon::join` jobs on this stack).
+pub(crate) fn with_workers_awake<R>(wanted: bool, f: impl FnOnce() -> R) -> R {
     let Some(me) = rayon::current_thread_index() else {
         return f();
     };
-    let others = rayon::current_num_threads().saturating_sub(1);
-    if others == 0 {
+    let threads = rayon::current_num_threads();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if !wanted || threads < 2 || threads > cores {
         return f();
     }
+    let others = threads - 1;
     let stop = AtomicBool::new(false);
     let stop_ref = &stop;
     let run = OnThisThread(move || {
@@ -97,10 +102,14 @@ mod tests {
                 .num_threads(threads)
                 .build()
                 .unwrap();
-            let got = pool.install(|| (0..20).map(|_| with_workers_awake(|| sum(&v))).sum::<u64>());
+            let got = pool.install(|| {
+                (0..20)
+                    .map(|_| with_workers_awake(true, || sum(&v)))
+                    .sum::<u64>()
+            });
             assert_eq!(got, 20 * (100_000 * 99_999 / 2), "{threads} threads");
         }
         // Off the pool it just runs.
-        assert_eq!(with_workers_awake(|| 7), 7);
+        assert_eq!(with_workers_awake(true, || 7), 7);
     }
 }
