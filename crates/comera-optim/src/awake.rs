@@ -25,8 +25,7 @@ pub(crate) fn with_workers_awake<R>(wanted: bool, f: impl FnOnce() -> R) -> R {
         return f();
     };
     let threads = rayon::current_num_threads();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if !wanted || threads < 2 || threads > cores {
+    if !wanted || threads < 2 || threads > usable_cores() {
         return f();
     }
     let others = threads - 1;
@@ -40,6 +39,13 @@ pub(crate) fn with_workers_awake<R>(wanted: bool, f: impl FnOnce() -> R) -> R {
         r
     });
     with_pollers(others, me, &stop, run).0
+}
+
+/// CPUs this process may run on (`available_parallelism`), read once: on Linux it reads the
+/// affinity mask and cgroup files, which is no work for every training step.
+fn usable_cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// `f` as the first half of `k` nested joins whose second halves are pollers.
