@@ -326,7 +326,7 @@ fn split_matmul(
 ) {
     let (m, n) = (dst.nrows(), dst.ncols());
     if parts <= 1 || (m < 2 && n < 2) {
-        faer_serial(dst, accum, lhs, rhs);
+        serial_product(dst, accum, lhs, rhs);
         return;
     }
     let left = parts / 2;
@@ -351,7 +351,7 @@ fn split_matmul(
 
 /// One single-threaded product, C = A·B or C += A·B: the `narrow` kernels for a row-major C at
 /// most 16 columns wide (where `faer`'s tile is FMA-latency bound), `faer` otherwise.
-fn faer_serial(
+fn serial_product(
     mut dst: faer::MatMut<'_, f32>,
     accum: Accum,
     lhs: faer::MatRef<'_, f32>,

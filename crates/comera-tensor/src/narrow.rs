@@ -29,11 +29,11 @@ use std::arch::x86_64::*;
 
 /// Narrowest and widest C handled here (one 16-lane register per row; a single column is a
 /// dot product `faer` does well).
-pub(crate) const MIN_N: usize = 2;
-pub(crate) const MAX_N: usize = 16;
+const MIN_N: usize = 2;
+const MAX_N: usize = 16;
 
 /// Shortest inner length handled here (below it the dot form's reductions dominate).
-pub(crate) const MIN_K: usize = 32;
+const MIN_K: usize = 32;
 
 /// A product for these kernels: raw views whose extents were checked by their owners
 /// (`faer` views built from bounds-checked `MatRef`/`MatMut`).
