@@ -78,10 +78,17 @@ pub fn interleave(
     samples
 }
 
-/// Times each variant in interleaved rounds for about `seconds` in all, each visit starting
-/// with one untimed call; returns the median ms per call of each.
-pub fn interleaved_medians(variants: &mut [Box<dyn FnMut() + '_>], seconds: f64) -> Vec<f64> {
-    // Calibrate: enough inner calls for a ≥ 2 ms sample, and a round count for the budget.
+/// Times each variant in interleaved rounds for about `seconds` in all (at least 7 rounds);
+/// returns the median ms per call of each. Each visit of a variant starts with one untimed call
+/// (its caches refilled after the other variants ran) and then takes `per_visit` samples, each
+/// over enough back-to-back calls for at least 2 ms. Whole training steps take `per_visit` > 1:
+/// consecutive steps, as in one training run (alternating single steps, `bench rank --batch 1`
+/// timed the paper model at 36.3 ms/step where it steps at 22.8 alone).
+pub fn interleaved_medians(
+    variants: &mut [Box<dyn FnMut() + '_>],
+    seconds: f64,
+    per_visit: usize,
+) -> Vec<f64> {
     let mut inner = Vec::with_capacity(variants.len());
     let mut round_s = 0.0;
     for v in variants.iter_mut() {
@@ -91,34 +98,10 @@ pub fn interleaved_medians(variants: &mut [Box<dyn FnMut() + '_>], seconds: f64)
         let dt = t.elapsed().as_secs_f64().max(1e-7);
         let k = (2e-3 / dt).ceil().max(1.0) as usize;
         inner.push(k);
-        round_s += dt * (k + 1) as f64; // with the visit's warm-up call
+        round_s += dt * (k * per_visit + 1) as f64; // with the visit's warm-up call
     }
     let rounds = ((seconds / round_s) as usize).clamp(7, 201);
-    let samples = interleave(variants, rounds, 1, 1, &inner);
-    samples.into_iter().map(median).collect()
-}
-
-/// Median ms per call of each variant, for whole training steps of models that would otherwise
-/// time each other's cache misses: in about `seconds`, interleaved rounds in which each
-/// variant makes one untimed step (refilling its caches after the other variants' steps) and
-/// then `per_visit` timed steps, as consecutive steps of one training run. (Alternating single
-/// steps, `bench rank --batch 1` timed the paper model at 36.3 ms/step where it steps at 22.8
-/// alone.)
-pub fn interleaved_warm_medians(
-    variants: &mut [Box<dyn FnMut() + '_>],
-    seconds: f64,
-    per_visit: usize,
-) -> Vec<f64> {
-    let mut visit_s = 0.0;
-    for v in variants.iter_mut() {
-        v(); // warm-up (first-touch of buffers, thread pool start)
-        let t = Instant::now();
-        v();
-        visit_s += t.elapsed().as_secs_f64().max(1e-7) * (1 + per_visit) as f64;
-    }
-    let rounds = ((seconds / visit_s) as usize).clamp(5, 201);
-    let ones = vec![1; variants.len()];
-    let samples = interleave(variants, rounds, 1, per_visit, &ones);
+    let samples = interleave(variants, rounds, 1, per_visit, &inner);
     samples.into_iter().map(median).collect()
 }
 

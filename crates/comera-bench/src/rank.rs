@@ -5,9 +5,7 @@
 //! gate past the first 15 of a bond pruned, then the slices removed as training does), with
 //! each model's counted FLOPs per step, so one sees whether the step shrinks with its work.
 
-use crate::harness::{
-    gflops, interleaved_warm_medians, md_header, md_row, plain_stepper, ClassBatch,
-};
+use crate::harness::{gflops, interleaved_medians, md_header, md_row, plain_stepper, ClassBatch};
 use crate::step::step_flops;
 use anyhow::Context;
 use comera_layers::ParamKind;
@@ -36,13 +34,13 @@ pub struct RankArgs {
     /// Sequences per step (default: 32).
     #[arg(long, default_value_t = 32)]
     batch: usize,
-    /// Seconds to spend measuring: interleaved rounds (at least 5), in each of which every
+    /// Seconds to spend measuring: interleaved rounds (at least 7), in each of which every
     /// model makes one untimed step and then `STEPS_PER_VISIT` timed ones.
     #[arg(long, default_value_t = 10.0)]
     seconds: f64,
 }
 
-/// Timed steps of a model in a row, after one untimed step (see `interleaved_warm_medians`).
+/// Timed steps of a model in a row, after one untimed step (see `interleaved_medians`).
 const STEPS_PER_VISIT: usize = 4;
 
 /// The one training step (forward, loss, backward, AdamW) of `model` on a fixed batch.
@@ -112,7 +110,7 @@ pub fn run(a: RankArgs) -> anyhow::Result<ExitCode> {
             train_step(&mut initial, a.batch)?,
             train_step(&mut trained, a.batch)?,
         ];
-        interleaved_warm_medians(&mut variants, a.seconds, STEPS_PER_VISIT)
+        interleaved_medians(&mut variants, a.seconds, STEPS_PER_VISIT)
     };
     let tokens = (a.batch * seq_len) as f64;
     println!(

@@ -111,7 +111,7 @@ pub fn run(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
                 variants.push(fwd_bwd(l, ws, tokens, 1));
             }
             variants.push(fwd_bwd(&mut dense, dense_ws, tokens, 2));
-            let med = interleaved_medians(&mut variants, a.seconds);
+            let med = interleaved_medians(&mut variants, a.seconds, 1);
             drop(variants);
             let (paths, planner, linear) = (&med[..3], med[3], med[4]);
             let best = paths.iter().copied().fold(f64::INFINITY, f64::min);

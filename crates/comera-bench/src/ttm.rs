@@ -188,7 +188,7 @@ pub fn run(a: TtmArgs) -> anyhow::Result<ExitCode> {
                 dense.backward(&mut ws, ids, dy);
             }));
         }
-        let med = interleaved_medians(&mut variants, a.seconds);
+        let med = interleaved_medians(&mut variants, a.seconds, 1);
         drop(variants);
         let picked = ws_auto.chosen().name();
         let auto_vs_best = med[2] / med[0].min(med[1]);
