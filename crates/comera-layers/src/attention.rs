@@ -455,14 +455,14 @@ mod softmax {
         let (ab, ar) = allow.split_at(n);
         for (r, a) in rb.chunks_exact_mut(L).zip(ab.chunks_exact(L)) {
             for l in 0..L {
-                let e = crate::activation::exp(scale * r[l] - shift);
+                let e = comera_tensor::math::exp(scale * r[l] - shift);
                 let e = if a[l] != 0.0 { e } else { 0.0 };
                 r[l] = e;
                 acc[l] += e;
             }
         }
         for (r, &a) in rr.iter_mut().zip(ar) {
-            let e = crate::activation::exp(scale * *r - shift);
+            let e = comera_tensor::math::exp(scale * *r - shift);
             *r = if a != 0.0 { e } else { 0.0 };
             tail += *r;
         }

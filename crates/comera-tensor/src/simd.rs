@@ -6,6 +6,9 @@
 //! the widest one this CPU has ([`level`]). The three copies compute the same bits: Rust never
 //! fuses a multiply and an add on its own, and a kernel that sums does so in the fixed lane order
 //! written in its source, so the width changes only how many lanes run at once, not the result.
+//! A kernel that wants FMA asks for it with `mul_add` (as [`math::exp`](crate::math::exp) does):
+//! one rounding on every level, an FMA instruction on AVX2 and AVX-512, libm's `fmaf` on the
+//! baseline (slow there, but the same bits).
 //! (The one exception in the engine, the small-GEMM kernels in [`gemm`](crate::gemm), use FMA
 //! explicitly and keep their own dispatch.)
 //!
