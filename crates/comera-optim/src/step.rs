@@ -174,91 +174,105 @@ impl Stepper {
         // spin on a core another process computes on.
         let keep_awake = self.data_parallel.is_none();
         crate::awake::with_workers_awake(keep_awake, || {
-            let t0 = std::time::Instant::now();
-            let comm0 = self.comm_time();
-            let mut forward = std::time::Duration::ZERO;
-            model.zero_grad();
-            let (mut loss_sum, mut correct, mut count) = (0.0f64, 0usize, 0usize);
-            for i in 0..micro.max(1) {
-                if i > 0 && !load_next(st).map_err(StepError::Input)? {
-                    return Err(StepError::EndOfData);
-                }
-                let tf = std::time::Instant::now();
-                let local = model
-                    .forward(st, true, step * micro.max(1) as u64 + i as u64)
-                    .map_err(|e| StepError::Input(Box::new(e)))?;
-                forward += tf.elapsed();
-                let n = local.count;
-                if n == 0 {
-                    // Nothing to predict in this micro-batch (an MLM batch without labels).
-                    continue;
-                }
-                if !local.loss.is_finite() && self.data_parallel.is_none() {
-                    return Err(StepError::Diverged {
-                        what: "loss",
-                        value: local.loss,
-                        step,
-                        hint: diverged_hint(step),
-                    });
-                }
-                if count > 0 {
-                    scale_grads(model, count as f32 / n as f32);
-                }
-                model.backward(st);
-                if count > 0 {
-                    scale_grads(model, n as f32 / (count + n) as f32);
-                }
-                loss_sum += local.loss * n as f64;
-                correct += local.correct;
-                count += n;
+            self.step_body(model, st, step, micro, load_next)
+        })
+    }
+
+    /// [`Stepper::step_accumulated`]'s work: forward and backward of each micro-batch, the
+    /// reductions across processes, the rank objective, clipping, the optimiser and the rank
+    /// projection.
+    fn step_body<M: Trainable>(
+        &mut self,
+        model: &mut M,
+        st: &mut M::State,
+        step: u64,
+        micro: usize,
+        load_next: &mut dyn FnMut(&mut M::State) -> Result<bool, BoxError>,
+    ) -> Result<StepReport, StepError> {
+        let t0 = std::time::Instant::now();
+        let comm0 = self.comm_time();
+        let mut forward = std::time::Duration::ZERO;
+        model.zero_grad();
+        let (mut loss_sum, mut correct, mut count) = (0.0f64, 0usize, 0usize);
+        for i in 0..micro.max(1) {
+            if i > 0 && !load_next(st).map_err(StepError::Input)? {
+                return Err(StepError::EndOfData);
             }
-            let local = StepStats {
-                loss: loss_sum / count.max(1) as f64,
-                correct,
-                count,
-            };
-            // Data-parallel: the global batch's loss (every process takes the same decisions from
-            // it), then the gradients reduced with this process's share of it; both before the
-            // rank objective, whose gradient is added once, on the reduced gradient.
-            let (stats, share) = match &mut self.data_parallel {
-                Some(dp) => dp.reduce_stats(local),
-                None => (local, 1.0),
-            };
-            if !stats.loss.is_finite() {
+            let tf = std::time::Instant::now();
+            let local = model
+                .forward(st, true, step * micro.max(1) as u64 + i as u64)
+                .map_err(|e| StepError::Input(Box::new(e)))?;
+            forward += tf.elapsed();
+            let n = local.count;
+            if n == 0 {
+                // Nothing to predict in this micro-batch (an MLM batch without labels).
+                continue;
+            }
+            if !local.loss.is_finite() && self.data_parallel.is_none() {
                 return Err(StepError::Diverged {
                     what: "loss",
-                    value: stats.loss,
+                    value: local.loss,
                     step,
                     hint: diverged_hint(step),
                 });
             }
-            if let Some(dp) = &mut self.data_parallel {
-                dp.reduce_grads(model, share);
+            if count > 0 {
+                scale_grads(model, count as f32 / n as f32);
             }
-            let objective = self.rank.apply(model, stats.loss, step);
-            let t2 = std::time::Instant::now();
-            let (grad_scale, grad_norm) =
-                crate::clip_scale(self.clip_norm, |f| model.visit_params_mut(f));
-            if !grad_norm.is_finite() {
-                return Err(StepError::Diverged {
-                    what: "gradient norm",
-                    value: grad_norm,
-                    step,
-                    hint: diverged_hint(step),
-                });
+            model.backward(st);
+            if count > 0 {
+                scale_grads(model, n as f32 / (count + n) as f32);
             }
-            let lr_scale = self.schedule.scale(step);
-            self.optimizer.step(lr_scale, grad_scale, model);
-            self.rank.project(model);
-            let t3 = std::time::Instant::now();
-            Ok(StepReport {
-                stats,
-                objective,
-                grad_norm,
-                lr_scale,
-                phases: [forward, (t2 - t0).saturating_sub(forward), t3 - t2],
-                comm: self.comm_time() - comm0,
-            })
+            loss_sum += local.loss * n as f64;
+            correct += local.correct;
+            count += n;
+        }
+        let local = StepStats {
+            loss: loss_sum / count.max(1) as f64,
+            correct,
+            count,
+        };
+        // Data-parallel: the global batch's loss (every process takes the same decisions from
+        // it), then the gradients reduced with this process's share of it; both before the
+        // rank objective, whose gradient is added once, on the reduced gradient.
+        let (stats, share) = match &mut self.data_parallel {
+            Some(dp) => dp.reduce_stats(local),
+            None => (local, 1.0),
+        };
+        if !stats.loss.is_finite() {
+            return Err(StepError::Diverged {
+                what: "loss",
+                value: stats.loss,
+                step,
+                hint: diverged_hint(step),
+            });
+        }
+        if let Some(dp) = &mut self.data_parallel {
+            dp.reduce_grads(model, share);
+        }
+        let objective = self.rank.apply(model, stats.loss, step);
+        let t2 = std::time::Instant::now();
+        let (grad_scale, grad_norm) =
+            crate::clip_scale(self.clip_norm, |f| model.visit_params_mut(f));
+        if !grad_norm.is_finite() {
+            return Err(StepError::Diverged {
+                what: "gradient norm",
+                value: grad_norm,
+                step,
+                hint: diverged_hint(step),
+            });
+        }
+        let lr_scale = self.schedule.scale(step);
+        self.optimizer.step(lr_scale, grad_scale, model);
+        self.rank.project(model);
+        let t3 = std::time::Instant::now();
+        Ok(StepReport {
+            stats,
+            objective,
+            grad_norm,
+            lr_scale,
+            phases: [forward, (t2 - t0).saturating_sub(forward), t3 - t2],
+            comm: self.comm_time() - comm0,
         })
     }
 

@@ -21,8 +21,9 @@ pub fn exp(x: f32) -> f32 {
     let x = x.clamp(-87.3, 88.3); // keeps 2^n a normal number: -126 ≤ n ≤ 127
     let t = x.mul_add(LOG2E, ROUND); // bits: those of 1.5·2^23 plus n in the low mantissa bits
     let n = t - ROUND;
-    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x)); // x − n·ln2, in two exact parts
-                                                           // e^r ≈ Σ_{k≤7} r^k/k!, highest coefficient first.
+    // r = x − n·ln2, in two exact parts.
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    // e^r ≈ Σ_{k≤7} r^k/k!, highest coefficient first.
     let mut p: f32 = 1.0 / 5040.0;
     for c in [
         1.0 / 720.0,

@@ -9,8 +9,8 @@
 //! A kernel that wants FMA asks for it with `mul_add` (as [`math::exp`](crate::math::exp) does):
 //! one rounding on every level, an FMA instruction on AVX2 and AVX-512, libm's `fmaf` on the
 //! baseline (slow there, but the same bits).
-//! (The one exception in the engine, the small-GEMM kernels in [`gemm`](crate::gemm), use FMA
-//! explicitly and keep their own dispatch.)
+//! (The exceptions in the engine, the small-GEMM kernels in [`gemm`](crate::gemm) and the
+//! AVX-512 `narrow` kernels behind it, use FMA intrinsics and keep their own dispatch.)
 //!
 //! `COMERA_SIMD=avx2` or `COMERA_SIMD=baseline` in the environment caps the level (to compare,
 //! or to rule the wider code out); [`set_level`] does the same from code.
