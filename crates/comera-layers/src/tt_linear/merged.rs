@@ -7,6 +7,13 @@
 //! and their peels always do, see `chain`). The split does not depend on the thread count, so
 //! neither do the bits. (Splitting the forward's products into row halves the same way was
 //! measured and gained nothing.)
+//!
+//! At r_p ≤ `SPLIT_DL_MAX_RANK` the second pair is split differently: dL = Xᵀ·U1 reads the
+//! layer input X, saved by the forward and cold by now, down its columns (the narrow kernel's
+//! transposed-A form), one thread pulling the whole of X from memory while the other finishes
+//! its dX from cache and waits. Instead the dX task also takes the first third of dL's rows and
+//! the other task the rest, so both cores pull X. Each row of dL is the same sum either way
+//! (the narrow kernel's rows do not depend on how they are split), so the bits do not change.
 
 use super::chain::Chains;
 use super::pool::Lease;
@@ -16,6 +23,17 @@ use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
 /// than threaded: measured with `comera bench tt-linear` (768×768 at 128 and 256 tokens:
 /// 1.2× faster forward+backward; at 1024 tokens and above the threaded products are as fast).
 pub(crate) const PAIR_MAX_MACS: usize = 1 << 24;
+
+/// Largest r_p at which the paired dL is split between both tasks (see the module doc): the
+/// narrow kernels' width. Measured inside the step (`comera --threads 2 bench step --batch 1`,
+/// the o projection, timer around the pair, not committed): rank 15 108 → 62-64 µs per call;
+/// at rank 30 (`faer`, which packs X) the same split was slower (160-177 → 198-201 µs).
+const SPLIT_DL_MAX_RANK: usize = 16;
+
+/// Rows of dL that the dX task also computes when the pair is split: dX (from cache) is about
+/// a fifth of the cold dL's time at rank 15; a third balanced best of the halves and thirds
+/// measured.
+const SPLIT_DL_FIRST: usize = 3;
 
 /// Whether `batch` rows of `shape` run as two tasks (see the module doc).
 pub(crate) fn paired(shape: &TtShape, batch: usize) -> bool {
@@ -105,6 +123,7 @@ impl Merged {
         let (l, r, dl, dr) = self.chains.seed_grads();
         let (l, r) = (MatRef::new(l, n, rp), MatRef::new(r, rp, m));
         let t1 = MatRef::new(&self.t1, batch, rp);
+        let x_rows = x;
         let x = MatRef::new(x, batch, n);
         let u1 = &mut self.u1[0];
         if paired(shape, batch) {
@@ -115,6 +134,28 @@ impl Merged {
             );
             let u1 = MatRef::new(u1, batch, rp);
             match dx {
+                Some(dx) if rp <= SPLIT_DL_MAX_RANK => {
+                    // dX ∥ dL, dL's rows [0, at) with dX and [at, N) on their own.
+                    let at = n / SPLIT_DL_FIRST;
+                    let (dl_first, dl_rest) = dl.split_at_mut(at * rp);
+                    // Rows [a, b) of Xᵀ (N × B): columns a..b of X (B × N).
+                    let xt_rows =
+                        |a: usize, b: usize| MatRef::strided(&x_rows[a..], b - a, batch, 1, n);
+                    rayon::join(
+                        || {
+                            matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false);
+                            matmul_serial(MatMut::new(dl_first, at, rp), xt_rows(0, at), u1, false);
+                        },
+                        || {
+                            matmul_serial(
+                                MatMut::new(dl_rest, n - at, rp),
+                                xt_rows(at, n),
+                                u1,
+                                false,
+                            )
+                        },
+                    );
+                }
                 Some(dx) => {
                     rayon::join(
                         || matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false),
