@@ -17,6 +17,12 @@
 //!
 //! Each (b, h) is independent and writes disjoint columns: groups of them run in parallel, each
 //! product on one thread, so results do not depend on the thread count.
+//!
+//! [`Attention::forward_first`] / [`Attention::backward_first`] compute the same for the first
+//! query row of each sequence only (what a classifier on the [CLS] position reads from the
+//! last block): per (b, h) the T scores s·q_0·k_j, their masked softmax p (kept, (B, H, T)) and
+//! o_0 = Σ_j p_j·v_j; backward dp_j = dO_0·v_j, ds'_j = s·p_j·(dp_j − Σ_k p_k·dp_k),
+//! dq_0 = Σ_j ds'_j·k_j, dk_j = ds'_j·q_0, dv_j = p_j·dO_0, and dq of every other row 0.
 
 use crate::check_len;
 use comera_tensor::{matmul_serial, DisjointMut, MatMut, MatRef};
@@ -338,6 +344,123 @@ impl Attention {
         );
     }
 
+    /// Floats of the kept probabilities of [`Attention::forward_first`]: (B, H, T).
+    pub fn first_probs_len(&self, batch: usize, seq_len: usize) -> usize {
+        batch * self.n_heads * seq_len
+    }
+
+    /// Attention output of the first query row of each sequence only: `out_first` (B, D) =
+    /// row 0 of [`Attention::forward`]'s output for `qkv` (B, T, 3D) and the padding mask
+    /// `allow` (B, T; 1 = real token, 0 = padding). Keeps those rows' probabilities in `probs`
+    /// ((B, H, T), see [`Attention::first_probs_len`]). Sequences run in parallel, each on one
+    /// thread, so the bits do not depend on the thread count.
+    pub fn forward_first(
+        &self,
+        qkv: &[f32],
+        allow: &[f32],
+        seq_len: usize,
+        probs: &mut [f32],
+        out_first: &mut [f32],
+    ) {
+        use rayon::prelude::*;
+        let (t, d, nh, hd) = (seq_len, self.d_model, self.n_heads, self.head_dim());
+        let bsz = out_first.len() / d;
+        check_len("Attention qkv", qkv.len(), bsz * t * 3 * d);
+        check_len("Attention out_first", out_first.len(), bsz * d);
+        check_len("Attention allow", allow.len(), bsz * t);
+        check_len("Attention probs", probs.len(), self.first_probs_len(bsz, t));
+        let scale = 1.0 / (hd as f32).sqrt();
+        // Under a causal mask the first query sees only the first key.
+        let len = if self.causal { 1 } else { t };
+        out_first
+            .par_chunks_mut(d)
+            .zip(probs.par_chunks_mut(nh * t))
+            .enumerate()
+            .for_each(|(b, (out, probs))| {
+                let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
+                let allow = &allow[b * t..b * t + len];
+                for h in 0..nh {
+                    let p = &mut probs[h * t..(h + 1) * t];
+                    let q = &qkv_b[h * hd..(h + 1) * hd];
+                    for (j, pj) in p.iter_mut().enumerate() {
+                        *pj = dot(q, &qkv_b[j * 3 * d + d + h * hd..][..hd]);
+                    }
+                    let (head, tail) = p.split_at_mut(len);
+                    softmax::row(head, allow, scale);
+                    tail.fill(0.0);
+                    // o_0 = Σ_j p_j·v_j, j ascending.
+                    let o = &mut out[h * hd..(h + 1) * hd];
+                    o.fill(0.0);
+                    for (j, &pj) in p.iter().enumerate() {
+                        let v = &qkv_b[j * 3 * d + 2 * d + h * hd..][..hd];
+                        for (ov, &vv) in o.iter_mut().zip(v) {
+                            *ov += pj * vv;
+                        }
+                    }
+                }
+            });
+    }
+
+    /// Given the `qkv` and `probs` of the matching [`Attention::forward_first`] and
+    /// `dout_first` (B, D), *writes* `dqkv` (B, T, 3D): dq of the first rows, dk and dv of
+    /// every row, 0 elsewhere. `scratch` holds (B, T) floats.
+    pub fn backward_first(
+        &self,
+        qkv: &[f32],
+        probs: &[f32],
+        dout_first: &[f32],
+        seq_len: usize,
+        scratch: &mut [f32],
+        dqkv: &mut [f32],
+    ) {
+        use rayon::prelude::*;
+        let (t, d, nh, hd) = (seq_len, self.d_model, self.n_heads, self.head_dim());
+        let bsz = dout_first.len() / d;
+        check_len("Attention qkv", qkv.len(), bsz * t * 3 * d);
+        check_len("Attention dout_first", dout_first.len(), bsz * d);
+        check_len("Attention probs", probs.len(), self.first_probs_len(bsz, t));
+        check_len("Attention scratch", scratch.len(), bsz * t);
+        check_len("Attention dqkv", dqkv.len(), bsz * t * 3 * d);
+        let scale = 1.0 / (hd as f32).sqrt();
+        dqkv.par_chunks_mut(t * 3 * d)
+            .zip(dout_first.par_chunks(d))
+            .zip(probs.par_chunks(nh * t))
+            .zip(scratch.par_chunks_mut(t))
+            .enumerate()
+            .for_each(|(b, (((dqkv_b, dout), probs), ds))| {
+                let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
+                dqkv_b.fill(0.0);
+                for h in 0..nh {
+                    let p = &probs[h * t..(h + 1) * t];
+                    let d_o = &dout[h * hd..(h + 1) * hd];
+                    let q = &qkv_b[h * hd..(h + 1) * hd];
+                    // dp_j = dO_0·v_j, then ds'_j = s·p_j·(dp_j − ⟨p, dp⟩) in place.
+                    for (j, dsj) in ds.iter_mut().enumerate() {
+                        *dsj = dot(d_o, &qkv_b[j * 3 * d + 2 * d + h * hd..][..hd]);
+                    }
+                    softmax::grad(p, ds, scale);
+                    // dk_j = ds'_j·q_0,  dv_j = p_j·dO_0.
+                    for (j, row) in dqkv_b.chunks_exact_mut(3 * d).enumerate() {
+                        for (dk, &qv) in row[d + h * hd..][..hd].iter_mut().zip(q) {
+                            *dk = ds[j] * qv;
+                        }
+                        for (dv, &g) in row[2 * d + h * hd..][..hd].iter_mut().zip(d_o) {
+                            *dv = p[j] * g;
+                        }
+                    }
+                    // dq_0 = Σ_j ds'_j·k_j, j ascending.
+                    let (row0, _) = dqkv_b.split_at_mut(d);
+                    let dq = &mut row0[h * hd..(h + 1) * hd];
+                    for (j, &dsj) in ds.iter().enumerate() {
+                        let k = &qkv_b[j * 3 * d + d + h * hd..][..hd];
+                        for (g, &kv) in dq.iter_mut().zip(k) {
+                            *g += dsj * kv;
+                        }
+                    }
+                }
+            });
+    }
+
     /// Given the `qkv` of the matching forward and `dout` (B, T, D), *writes* `dqkv`
     /// (B, T, 3D).
     pub fn backward(
@@ -415,6 +538,11 @@ impl Attention {
             },
         );
     }
+}
+
+/// ⟨a, b⟩ summed in index order.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 /// Row kernels of the softmax and its backward, summing over 32 lanes in a fixed order (results
@@ -616,6 +744,49 @@ mod tests {
                 one == run(threads, recompute),
                 "{threads} threads, recompute {recompute}"
             );
+        }
+    }
+    /// The first-row attention is row 0 of the full one, forward and backward (the full
+    /// backward given a dO that is zero but for the first rows), with padding, with a
+    /// sequence that is all padding, and causal.
+    #[test]
+    fn first_rows_match_the_full_attention() {
+        let (b, t, d, nh) = (3, 11, 12, 3);
+        let mut rng = comera_tensor::init::rng(7);
+        let mut qkv = vec![0.0; b * t * 3 * d];
+        let mut dfirst = vec![0.0; b * d];
+        comera_tensor::init::fill_normal(&mut rng, &mut qkv, 1.0);
+        comera_tensor::init::fill_normal(&mut rng, &mut dfirst, 1.0);
+        // Sequence 1: last 3 positions padded; sequence 2: all padding.
+        let mask: Vec<u8> = (0..b * t)
+            .map(|i| (i < t || (i < 2 * t && i % t < t - 3)) as u8)
+            .collect();
+        let allow: Vec<f32> = mask.iter().map(|&m| m as f32).collect();
+        let mut dout = vec![0.0; b * t * d];
+        for (s, row) in dfirst.chunks_exact(d).enumerate() {
+            dout[s * t * d..s * t * d + d].copy_from_slice(row);
+        }
+        for attn in [Attention::new(d, nh), Attention::causal(d, nh)] {
+            let mut ws = attn.workspace(b, t);
+            let (mut out, mut dqkv) = (vec![0.0; b * t * d], vec![0.0; b * t * 3 * d]);
+            attn.forward(&mut ws, &qkv, Some(&mask), &mut out);
+            attn.backward(&mut ws, &qkv, &dout, &mut dqkv);
+            let mut probs = vec![0.0; attn.first_probs_len(b, t)];
+            let (mut out1, mut dqkv1) = (vec![0.0; b * d], vec![1.0; b * t * 3 * d]);
+            let mut scratch = vec![0.0; b * t];
+            attn.forward_first(&qkv, &allow, t, &mut probs, &mut out1);
+            attn.backward_first(&qkv, &probs, &dfirst, t, &mut scratch, &mut dqkv1);
+            let close = |x: f32, y: f32| (x - y).abs() <= 1e-5 * (1.0 + y.abs());
+            for s in 0..b {
+                for j in 0..d {
+                    let (x, y) = (out1[s * d + j], out[s * t * d + j]);
+                    assert!(close(x, y), "out seq {s} col {j}: {x} vs {y}");
+                }
+            }
+            for (i, (&x, &y)) in dqkv1.iter().zip(&dqkv).enumerate() {
+                assert!(close(x, y), "dqkv {i}: {x} vs {y}");
+            }
+            assert!(dqkv1.iter().any(|&x| x != 0.0));
         }
     }
 }
