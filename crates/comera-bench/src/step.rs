@@ -175,8 +175,13 @@ pub fn step_flops(enc: &Encoder, b: usize) -> f64 {
         AnyLinear::Dense(d) => 6.0 * (rows * d.in_features() * d.out_features()) as f64,
     };
     let one = |l: &AnyLinear| on_rows(l, n);
+    let attn = Attention::new(cfg.d_model, cfg.heads);
+    let ws = attn.workspace_for(b, cfg.seq_len);
     let mut total = 0.0;
-    for blk in &enc.blocks {
+    // A classifier's last block runs past its q, k, v on the [CLS] rows only (as training does).
+    let cls = matches!(enc.head, comera_model::Head::Classifier(_));
+    for (l, blk) in enc.blocks.iter().enumerate() {
+        let cls_block = cls && l + 1 == enc.blocks.len();
         total += match (&blk.q, &blk.k, &blk.v) {
             (AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v)) => {
                 SharedInput::new(&[q, k, v], n).map(|w| w.flops().0 + w.flops().1)
@@ -184,6 +189,12 @@ pub fn step_flops(enc: &Encoder, b: usize) -> f64 {
             _ => None,
         }
         .unwrap_or_else(|| one(&blk.q) + one(&blk.k) + one(&blk.v));
+        if cls_block {
+            total += on_rows(&blk.o, b) + on_rows(&blk.up, b) + on_rows(&blk.down, b);
+            total += attn.first_flops(b, cfg.seq_len);
+            continue;
+        }
+        total += attn.forward_flops(b, cfg.seq_len) + attn.backward_flops(&ws);
         total += one(&blk.o);
         total += match (&blk.up, &blk.down) {
             (AnyLinear::Tt(up), AnyLinear::Tt(down)) => {
@@ -193,9 +204,6 @@ pub fn step_flops(enc: &Encoder, b: usize) -> f64 {
         }
         .unwrap_or_else(|| one(&blk.up) + one(&blk.down));
     }
-    let attn = Attention::new(cfg.d_model, cfg.heads);
-    let ws = attn.workspace_for(b, cfg.seq_len);
-    total += cfg.layers as f64 * (attn.forward_flops(b, cfg.seq_len) + attn.backward_flops(&ws));
     if let comera_model::Head::Classifier(h) = &enc.head {
         total += on_rows(&h.pool, b) + on_rows(&h.classifier, b);
     }

@@ -344,6 +344,13 @@ impl Attention {
         );
     }
 
+    /// Counted FLOPs of [`Attention::forward_first`] plus [`Attention::backward_first`]: per
+    /// sequence, head and key 2 multiply-adds per head dimension forward (score, o_0) and 4
+    /// backward (dp, dk, dv, dq).
+    pub fn first_flops(&self, batch: usize, seq_len: usize) -> f64 {
+        2.0 * 6.0 * (batch * seq_len * self.d_model) as f64
+    }
+
     /// Floats of the kept probabilities of [`Attention::forward_first`]: (B, H, T).
     pub fn first_probs_len(&self, batch: usize, seq_len: usize) -> usize {
         batch * self.n_heads * seq_len

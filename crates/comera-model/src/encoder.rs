@@ -606,30 +606,180 @@ impl Encoder {
         self.ln_emb.forward(&mut st.ws_ln_emb, &st.emb, &mut st.x0);
         self.drop_emb
             .forward_in_place(&mut st.ws_drop_emb, step, train, &mut st.x0);
-        // Blocks.
+        // Blocks (a classifier's last one on the [CLS] rows when training).
         let rec = self.cfg.recompute_blocks;
+        let last = self.blocks.len() - 1;
+        st.last_cls = train && st.cls.is_some();
         for l in 0..self.blocks.len() {
             let (x, a) = block_io(&st.x0, &st.outs, &mut st.acts, l, rec);
-            self.block_forward(
-                l,
-                x,
-                &mut st.blocks[l],
-                a,
-                &mut st.sc,
-                &st.mask,
-                train,
-                step,
-            );
+            match &mut st.cls {
+                Some(c) if st.last_cls && l == last => {
+                    self.cls_block_forward(
+                        l,
+                        x,
+                        &mut st.blocks[l],
+                        a,
+                        c,
+                        &mut st.sc,
+                        &st.mask,
+                        step,
+                    );
+                    continue;
+                }
+                _ => self.block_forward(
+                    l,
+                    x,
+                    &mut st.blocks[l],
+                    a,
+                    &mut st.sc,
+                    &st.mask,
+                    train,
+                    step,
+                ),
+            }
             if rec {
                 // Keep only the block's output (the next block's input).
                 std::mem::swap(&mut st.acts[0].out, &mut st.outs[l]);
             }
         }
-        if let Some(ln) = &self.ln_final {
+        if let (true, Some(c)) = (st.last_cls, &st.cls) {
+            // The [CLS] rows into the last hidden states, where the head reads them.
+            let (d, t) = (self.cfg.d_model, st.t);
+            let rows = if self.ln_final.is_some() {
+                &c.hidden
+            } else {
+                &c.out
+            };
+            let full: &mut [f32] = if self.ln_final.is_some() {
+                &mut st.x_final
+            } else if rec {
+                &mut st.outs[last]
+            } else {
+                &mut st.acts[last].out
+            };
+            for (b, row) in rows.chunks_exact(d).enumerate() {
+                full[b * t * d..b * t * d + d].copy_from_slice(row);
+            }
+        } else if let Some(ln) = &self.ln_final {
             let last = last_out(&st.acts, &st.outs);
             ln.forward(&mut st.ws_ln_final, last, &mut st.x_final);
         }
         Ok(())
+    }
+
+    /// The last block's forward on the [CLS] rows (see [`ClsBlock`]): q, k and v of every row
+    /// into `a.qkv` (and LN1 of every row into `a.ln1_out`, pre-LN), the rest on B rows in `c`.
+    #[allow(clippy::too_many_arguments)]
+    fn cls_block_forward(
+        &self,
+        l: usize,
+        x: &[f32],
+        s: &mut BlockState,
+        a: &mut BlockActs,
+        c: &mut ClsBlock,
+        sc: &mut Scratch,
+        mask: &[u8],
+        step: u64,
+    ) {
+        let d = self.cfg.d_model;
+        let t = c.allow.len() / (c.x.len() / d);
+        let blk = &self.blocks[l];
+        let pre = self.cfg.pre_ln;
+        let attn_in: &[f32] = if pre {
+            blk.ln1.forward(&mut s.ws_ln1, x, &mut a.ln1_out);
+            &a.ln1_out
+        } else {
+            x
+        };
+        qkv_forward(blk, s, d, attn_in, &mut sc.tmp, &mut a.qkv);
+        for (al, &m) in c.allow.iter_mut().zip(mask) {
+            *al = (m != 0) as u8 as f32;
+        }
+        self.attn
+            .forward_first(&a.qkv, &c.allow, t, &mut c.probs, &mut c.att);
+        blk.o.forward(&mut c.ws_o, &c.att, &mut c.o);
+        self.drop_attn[l].forward_in_place(&mut c.ws_drop_attn, step, true, &mut c.o);
+        for (b, row) in c.x.chunks_exact_mut(d).enumerate() {
+            row.copy_from_slice(&x[b * t * d..b * t * d + d]);
+        }
+        sum_into(&c.x, &c.o, &mut c.r1);
+        if pre {
+            blk.ln2.forward(&mut c.ws_ln2, &c.r1, &mut c.x1);
+        } else {
+            blk.ln1.forward(&mut c.ws_ln1, &c.r1, &mut c.x1);
+        }
+        // g = GELU(h) and GELU'(h) in h's place (B rows: both kept).
+        blk.up.forward(&mut c.ws_up, &c.x1, &mut c.h);
+        Gelu.forward_and_grad_in_place(&mut c.h, &mut c.g);
+        blk.down.forward(&mut c.ws_down, &c.g, &mut c.f);
+        self.drop_ffn[l].forward_in_place(&mut c.ws_drop_ffn, step, true, &mut c.f);
+        if pre {
+            sum_into(&c.r1, &c.f, &mut c.out);
+            if let Some(ln) = &self.ln_final {
+                ln.forward(&mut c.ws_ln_final, &c.out, &mut c.hidden);
+            }
+        } else {
+            sum_into(&c.x1, &c.f, &mut c.r2);
+            blk.ln2.forward(&mut c.ws_ln2, &c.r2, &mut c.out);
+        }
+    }
+
+    /// Backward of [`Encoder::cls_block_forward`] from `c.dout` (∂L/∂ the last hidden rows,
+    /// before the final LN for pre-LN): every gradient of the block, and *writes* `sc.d`
+    /// (∂L/∂x, N × D).
+    fn cls_block_backward(
+        &mut self,
+        l: usize,
+        x: &[f32],
+        s: &mut BlockState,
+        a: &mut BlockActs,
+        c: &mut ClsBlock,
+        sc: &mut Scratch,
+    ) {
+        let d = self.cfg.d_model;
+        let t = c.allow.len() / (c.x.len() / d);
+        let pre = self.cfg.pre_ln;
+        let blk = &mut self.blocks[l];
+        let [d1, d2, d3] = &mut c.d;
+        if let Some(ln) = &mut self.ln_final {
+            ln.backward(&mut c.ws_ln_final, &c.out, &c.dout, Some(d2));
+            std::mem::swap(&mut c.dout, d2);
+        }
+        // d1: ∂L/∂r2 (post-LN), or ∂L/∂out, the residual part of ∂L/∂r1 (pre-LN).
+        if pre {
+            d1.copy_from_slice(&c.dout);
+        } else {
+            blk.ln2.backward(&mut c.ws_ln2, &c.r2, &c.dout, Some(d1));
+        }
+        self.drop_ffn[l].backward(&c.ws_drop_ffn, d1, d2);
+        blk.down.backward(&mut c.ws_down, &c.g, d2, Some(&mut c.dg));
+        mul_into(&mut c.dg, &c.h); // dh = dg ⊙ GELU'(h)
+        blk.up.backward(&mut c.ws_up, &c.x1, &c.dg, Some(d3)); // ∂L/∂x1
+        if pre {
+            blk.ln2.backward(&mut c.ws_ln2, &c.r1, d3, Some(d2));
+            add_into(d1, d2);
+        } else {
+            add_into(d1, d3);
+            blk.ln1.backward(&mut c.ws_ln1, &c.r1, d1, Some(d2));
+            std::mem::swap(d1, d2);
+        } // d1 = ∂L/∂r1
+        self.drop_attn[l].backward(&c.ws_drop_attn, d1, d2);
+        blk.o.backward(&mut c.ws_o, &c.att, d2, Some(d3)); // ∂L/∂att (first rows)
+        self.attn
+            .backward_first(&a.qkv, &c.probs, d3, t, &mut c.dattn, &mut sc.dqkv);
+        let attn_in: &[f32] = if pre { &a.ln1_out } else { x };
+        let [_, t2, t3] = &mut sc.tmp;
+        qkv_backward(blk, s, d, attn_in, &sc.dqkv, &mut sc.d, t2, t3);
+        if pre {
+            blk.ln1.backward(&mut s.ws_ln1, x, t2, Some(t3));
+            sc.d.copy_from_slice(t3);
+        } else {
+            sc.d.copy_from_slice(t2);
+        }
+        // The residual x → r1 on the first rows.
+        for (b, row) in d1.chunks_exact(d).enumerate() {
+            add_into(&mut sc.d[b * t * d..b * t * d + d], row);
+        }
     }
 
     /// One block's forward from its input `x` into `a`; `sc`'s q/k/v, tmp[0] and g are scratch.
@@ -657,15 +807,7 @@ impl Encoder {
         // saved interleaved qkv; otherwise one by one through tmp[0..3] (free until the
         // attention output). The attention output and the FFN output only live until their
         // residual sums, in tmp[0].
-        if let Some((w, layers)) = shared_qkv(blk, s, x.len() / d) {
-            w.forward(&layers, attn_in, &mut a.qkv);
-        } else {
-            let [q, k, v] = &mut sc.tmp;
-            blk.q.forward(&mut s.ws_q, attn_in, q);
-            blk.k.forward(&mut s.ws_k, attn_in, k);
-            blk.v.forward(&mut s.ws_v, attn_in, v);
-            interleave(q, k, v, d, &mut a.qkv);
-        }
+        qkv_forward(blk, s, d, attn_in, &mut sc.tmp, &mut a.qkv);
         self.attn
             .forward(&mut s.ws_attn, &a.qkv, Some(mask), &mut a.att);
         let o = &mut sc.tmp[0];
@@ -736,17 +878,38 @@ impl Encoder {
             }
             _ => unreachable!("state made for another head"),
         }
-        if let Some(ln) = &mut self.ln_final {
-            let last = last_out(&st.acts, &st.outs);
-            ln.backward(&mut st.ws_ln_final, last, &st.sc.d, Some(&mut st.sc.tmp[0]));
-            std::mem::swap(&mut st.sc.d, &mut st.sc.tmp[0]);
-        }
+        let cls = match &mut st.cls {
+            Some(c) if st.last_cls => {
+                // ∂L/∂ the [CLS] rows; the final LN's backward is the block's (B rows).
+                for (b, row) in c.dout.chunks_exact_mut(d).enumerate() {
+                    row.copy_from_slice(&st.sc.d[b * t * d..b * t * d + d]);
+                }
+                Some(c)
+            }
+            _ => {
+                if let Some(ln) = &mut self.ln_final {
+                    let last = last_out(&st.acts, &st.outs);
+                    ln.backward(&mut st.ws_ln_final, last, &st.sc.d, Some(&mut st.sc.tmp[0]));
+                    std::mem::swap(&mut st.sc.d, &mut st.sc.tmp[0]);
+                }
+                None
+            }
+        };
         // Blocks, last to first: `sc.d` holds ∂L/∂out on entry and ∂L/∂x on exit.
         let rec = self.cfg.recompute_blocks;
+        let mut cls = cls;
         for l in (0..self.blocks.len()).rev() {
             let (x, a) = block_io(&st.x0, &st.outs, &mut st.acts, l, rec);
             let sc = &mut st.sc;
             let s = &mut st.blocks[l];
+            if let Some(c) = cls.take() {
+                if rec {
+                    // The block's activations again from its input (same masks, same values).
+                    self.cls_block_forward(l, x, s, a, c, sc, &st.mask, st.step);
+                }
+                self.cls_block_backward(l, x, s, a, c, sc);
+                continue;
+            }
             if rec {
                 // Rebuild the block's activations from its input: the same layers, the same
                 // dropout masks (seeded by step), so the same values as the forward's.
@@ -798,29 +961,9 @@ impl Encoder {
             blk.o.backward(&mut s.ws_o, &a.att, t2, Some(t3));
             self.attn.backward(&mut s.ws_attn, &a.qkv, t3, &mut sc.dqkv);
             let attn_in: &[f32] = if pre { &a.ln1_out } else { x };
-            let fused = match (&mut blk.q, &mut blk.k, &mut blk.v, &mut s.ws_qkv) {
-                (AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v), Some(w))
-                    if w.applies(&[q, k, v]) =>
-                {
-                    // The forward ran fused too (same layers, same ranks).
-                    w.backward(&mut [q, k, v], attn_in, &sc.dqkv, t2);
-                    true
-                }
-                _ => false,
-            };
-            if !fused {
-                // One of ∂L/∂q, ∂L/∂k, ∂L/∂v at a time in sc.d: free from the block's start
-                // until its ∂L/∂x is written below.
-                let dy = &mut sc.d;
-                column_block(&sc.dqkv, d, 0, dy);
-                blk.q.backward(&mut s.ws_q, attn_in, dy, Some(t2));
-                column_block(&sc.dqkv, d, 1, dy);
-                blk.k.backward(&mut s.ws_k, attn_in, dy, Some(t3));
-                add_into(t2, t3);
-                column_block(&sc.dqkv, d, 2, dy);
-                blk.v.backward(&mut s.ws_v, attn_in, dy, Some(t3));
-                add_into(t2, t3);
-            } // t2 = ∂L/∂(attention input)
+            // sc.d is free from the block's start until its ∂L/∂x is written below.
+            qkv_backward(blk, s, d, attn_in, &sc.dqkv, &mut sc.d, t2, t3);
+            // t2 = ∂L/∂(attention input)
             if pre {
                 blk.ln1.backward(&mut s.ws_ln1, x, t2, Some(t3));
                 sum_into(t1, t3, &mut sc.d);
@@ -865,6 +1008,60 @@ fn shared_qkv<'a>(
         Some(w) if w.applies(&layers) => Some((w, layers)),
         _ => None,
     }
+}
+
+/// q, k and v of `attn_in` into `qkv` (N × 3D, [`interleave`]'s rows): one fused TT product
+/// where the planner allows (see `shared_qkv`), else one by one through `tmp`.
+fn qkv_forward(
+    blk: &Block,
+    s: &mut BlockState,
+    d: usize,
+    attn_in: &[f32],
+    tmp: &mut [Vec<f32>; 3],
+    qkv: &mut [f32],
+) {
+    if let Some((w, layers)) = shared_qkv(blk, s, attn_in.len() / d) {
+        w.forward(&layers, attn_in, qkv);
+    } else {
+        let [q, k, v] = tmp;
+        blk.q.forward(&mut s.ws_q, attn_in, q);
+        blk.k.forward(&mut s.ws_k, attn_in, k);
+        blk.v.forward(&mut s.ws_v, attn_in, v);
+        interleave(q, k, v, d, qkv);
+    }
+}
+
+/// The q, k, v layers' backward from `dqkv` (N × 3D): their gradients, and *writes* `dx`
+/// (∂L/∂`attn_in`). `dy` and `tmp` (N × D each) are scratch.
+#[allow(clippy::too_many_arguments)]
+fn qkv_backward(
+    blk: &mut Block,
+    s: &mut BlockState,
+    d: usize,
+    attn_in: &[f32],
+    dqkv: &[f32],
+    dy: &mut [f32],
+    dx: &mut [f32],
+    tmp: &mut [f32],
+) {
+    if let (AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v), Some(w)) =
+        (&mut blk.q, &mut blk.k, &mut blk.v, &mut s.ws_qkv)
+    {
+        if w.applies(&[q, k, v]) {
+            // The forward ran fused too (same layers, same ranks).
+            w.backward(&mut [q, k, v], attn_in, dqkv, dx);
+            return;
+        }
+    }
+    // One of ∂L/∂q, ∂L/∂k, ∂L/∂v at a time in dy.
+    column_block(dqkv, d, 0, dy);
+    blk.q.backward(&mut s.ws_q, attn_in, dy, Some(dx));
+    column_block(dqkv, d, 1, dy);
+    blk.k.backward(&mut s.ws_k, attn_in, dy, Some(tmp));
+    add_into(dx, tmp);
+    column_block(dqkv, d, 2, dy);
+    blk.v.backward(&mut s.ws_v, attn_in, dy, Some(tmp));
+    add_into(dx, tmp);
 }
 
 /// The fused FFN workspace and layers of a block whose up and down are TT layers planned on
@@ -966,6 +1163,111 @@ struct BlockActs {
     g: Vec<f32>,       // N × F: GELU(h), kept only at N ≤ KEEP_GELU_MAX_ROWS (unfused FFN)
     r2: Vec<f32>,      // N × D (post-LN only)
     out: Vec<f32>,     // N × D
+}
+
+/// A classifier's last block on the [CLS] rows only, in training. The head reads only the first
+/// position of each sequence, so past the K and V of every row (which that position attends
+/// to) the last block's attention query, output projection, residuals, LayerNorms and FFN
+/// only matter on those B rows: the same formulas on them, with the gradients of the whole
+/// block (every other row of the block's output has no path to the loss). The dropout masks
+/// of those two sites are drawn over the B rows. (B·T → B rows: at the paper's batch 1 the
+/// step skips about 2.5 ms of 23-34, one block's attention, FFN and row-wise passes.)
+#[derive(Debug)]
+struct ClsBlock {
+    ws_o: AnyLinearWorkspace,
+    ws_up: AnyLinearWorkspace,
+    ws_down: AnyLinearWorkspace,
+    ws_ln1: LayerNormWorkspace,
+    ws_ln2: LayerNormWorkspace,
+    ws_ln_final: LayerNormWorkspace,
+    ws_drop_attn: DropoutWorkspace,
+    ws_drop_ffn: DropoutWorkspace,
+    allow: Vec<f32>,  // B × T: 1 for a real token, 0 for padding
+    probs: Vec<f32>,  // B × H × T: the first rows' attention probabilities
+    x: Vec<f32>,      // B × D: the block input's first rows (the residual)
+    att: Vec<f32>,    // B × D
+    o: Vec<f32>,      // B × D: Dropout(O(att))
+    r1: Vec<f32>,     // B × D
+    x1: Vec<f32>,     // B × D: the FFN input, LN1(r1) (post-LN) or LN2(r1) (pre-LN)
+    h: Vec<f32>,      // B × F: GELU'(h) after the forward
+    g: Vec<f32>,      // B × F: GELU(h)
+    f: Vec<f32>,      // B × D: Dropout(Down(g))
+    r2: Vec<f32>,     // B × D (post-LN)
+    out: Vec<f32>,    // B × D: the block's output rows
+    hidden: Vec<f32>, // B × D: LN_final(out) (pre-LN)
+    dout: Vec<f32>,   // B × D: ∂L/∂(the last hidden rows)
+    d: [Vec<f32>; 3], // B × D gradient scratch
+    dg: Vec<f32>,     // B × F
+    dattn: Vec<f32>,  // B × T: the attention backward's scratch
+}
+
+impl ClsBlock {
+    fn new(m: &Encoder, b: usize, t: usize) -> ClsBlock {
+        let (d, f, l) = (m.cfg.d_model, m.cfg.ffn, m.blocks.len() - 1);
+        let blk = &m.blocks[l];
+        let z = |len: usize| vec![0.0f32; len];
+        ClsBlock {
+            ws_o: blk.o.workspace(b),
+            ws_up: blk.up.workspace(b),
+            ws_down: blk.down.workspace(b),
+            ws_ln1: blk.ln1.workspace(b),
+            ws_ln2: blk.ln2.workspace(b),
+            ws_ln_final: match &m.ln_final {
+                Some(ln) => ln.workspace(b),
+                None => blk.ln2.workspace(0),
+            },
+            ws_drop_attn: m.drop_attn[l].workspace(b * d),
+            ws_drop_ffn: m.drop_ffn[l].workspace(b * d),
+            allow: z(b * t),
+            probs: z(m.attn.first_probs_len(b, t)),
+            x: z(b * d),
+            att: z(b * d),
+            o: z(b * d),
+            r1: z(b * d),
+            x1: z(b * d),
+            h: z(b * f),
+            g: z(b * f),
+            f: z(b * d),
+            r2: z(b * d),
+            out: z(b * d),
+            hidden: z(b * d),
+            dout: z(b * d),
+            d: [z(b * d), z(b * d), z(b * d)],
+            dg: z(b * f),
+            dattn: z(b * t),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        let mut total = 0;
+        for v in [
+            &self.allow,
+            &self.probs,
+            &self.x,
+            &self.att,
+            &self.o,
+            &self.r1,
+            &self.x1,
+            &self.h,
+            &self.g,
+            &self.f,
+            &self.r2,
+            &self.out,
+            &self.hidden,
+            &self.dout,
+            &self.dg,
+            &self.dattn,
+        ]
+        .into_iter()
+        .chain(&self.d)
+        {
+            total += 4 * v.capacity();
+        }
+        for w in [&self.ws_o, &self.ws_up, &self.ws_down] {
+            total += AnyLinear::workspace_bytes(w);
+        }
+        total
+    }
 }
 
 /// The classifier head's activations and scratch (B rows).
@@ -1135,6 +1437,10 @@ pub struct EncoderState {
     sc: Scratch,
     /// The step of the last forward (its dropout masks, for recomputation).
     step: u64,
+    /// Classifier heads: the last block on the [CLS] rows, used by training forwards.
+    cls: Option<ClsBlock>,
+    /// Whether the last forward ran the last block on the [CLS] rows only.
+    last_cls: bool,
 }
 
 /// Scratch shared by all blocks.
@@ -1264,6 +1570,11 @@ impl EncoderState {
             acts,
             outs,
             x_final: if c.pre_ln { z(n * d) } else { Vec::new() },
+            cls: match &m.head {
+                Head::Classifier(_) => Some(ClsBlock::new(m, b, t)),
+                Head::Mlm(_) => None,
+            },
+            last_cls: false,
             head,
             sc,
             step: 0,
@@ -1297,6 +1608,13 @@ impl EncoderState {
             }
         }
         fused
+    }
+
+    /// Runs a classifier's last block on every row in training too (tests: the [CLS]-rows
+    /// block against the full one).
+    #[doc(hidden)]
+    pub fn full_last_block(&mut self) {
+        self.cls = None;
     }
 
     /// Number of sequences per step.
@@ -1405,7 +1723,8 @@ impl EncoderState {
 
     /// The encoder's last hidden states of the last forward, `(batch·seq_len, d_model)`
     /// row-major (after the final LayerNorm for pre-LN models): what BERT calls
-    /// `last_hidden_state`.
+    /// `last_hidden_state`. After a training forward of a classifier only the [CLS] rows
+    /// (b·seq_len) are computed (see `ClsBlock`); the other rows are stale.
     pub fn hidden(&self) -> &[f32] {
         hidden_of(&self.acts, &self.outs, &self.x_final)
     }
@@ -1446,6 +1765,7 @@ impl EncoderState {
             .sum::<usize>();
         }
         total += self.outs.iter().map(f).sum::<usize>();
+        total += self.cls.as_ref().map_or(0, ClsBlock::bytes);
         for s in &self.blocks {
             for w in [&s.ws_q, &s.ws_k, &s.ws_v, &s.ws_o, &s.ws_up, &s.ws_down] {
                 total += AnyLinear::workspace_bytes(w);

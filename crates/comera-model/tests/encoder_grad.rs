@@ -607,3 +607,55 @@ fn ffn_gelu_kept_at_few_rows_and_recomputed_at_many_gives_the_same_gradients() {
         assert!(ffn_checked, "tt={tt}: no FFN gradient compared");
     }
 }
+
+/// A classifier's last block on the [CLS] rows only (training) gives the loss and gradients of
+/// the full block, post-LN and pre-LN, dense and TT, with and without block recomputation
+/// (without dropout: the [CLS]-rows block draws its two masks over the B rows).
+#[test]
+fn cls_rows_last_block_gives_the_full_blocks_gradients() {
+    let mut rng = init::rng(21);
+    let b = batch(&mut rng);
+    for (tt, pre_ln, recompute) in [
+        (false, false, false),
+        (true, false, false),
+        (true, true, false),
+        (true, false, true),
+    ] {
+        let cfg = EncoderConfig {
+            dropout: 0.0,
+            recompute_blocks: recompute,
+            ..tiny(tt, pre_ln)
+        };
+        let run = |full: bool| {
+            let mut m = Encoder::new(&cfg, 5).unwrap();
+            let mut st = m.state_for(3, 6, 2).unwrap();
+            if full {
+                st.full_last_block();
+            }
+            st.load(&b.ids, &b.types, &b.mask, &b.labels).unwrap();
+            m.zero_grad();
+            let loss = m.forward(&mut st, true, 3).unwrap().loss;
+            m.backward(&mut st);
+            (loss, named_grads(&m))
+        };
+        let (l_cls, g_cls) = run(false);
+        let (l_full, g_full) = run(true);
+        let what = format!("tt {tt}, pre-LN {pre_ln}, recompute {recompute}");
+        assert!(
+            (l_cls - l_full).abs() <= 1e-6 * l_full.abs().max(1.0),
+            "{what}: loss {l_cls} vs {l_full}"
+        );
+        for ((name, a), (_, e)) in g_cls.iter().zip(&g_full) {
+            let scale = e.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+            let worst = a
+                .iter()
+                .zip(e)
+                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                worst <= 1e-4 * scale,
+                "{what}: {name} differs by {worst} (scale {scale})"
+            );
+        }
+        assert!(g_cls.iter().any(|(_, g)| g.iter().any(|&v| v != 0.0)));
+    }
+}
