@@ -1170,8 +1170,10 @@ struct BlockActs {
 /// to) the last block's attention query, output projection, residuals, LayerNorms and FFN
 /// only matter on those B rows: the same formulas on them, with the gradients of the whole
 /// block (every other row of the block's output has no path to the loss). The dropout masks
-/// of those two sites are drawn over the B rows. (B·T → B rows: at the paper's batch 1 the
-/// step skips about 2.5 ms of 23-34, one block's attention, FFN and row-wise passes.)
+/// of those two sites are drawn over the B rows. Measured on the paper's model (2 threads,
+/// Zen 4, runs alternating with the full block): `comera bench rank --paper-model --batch 1`
+/// rank 30 33.7-33.9 → 31.0-31.5 ms, rank 15 22.1-22.3 → 20.0-20.7 ms; `comera bench step
+/// --batch 32` 944-963 → 755-844 ms, peak RSS 790 → 731 MiB.
 #[derive(Debug)]
 struct ClsBlock {
     ws_o: AnyLinearWorkspace,
