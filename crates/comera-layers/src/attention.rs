@@ -288,15 +288,7 @@ impl Attention {
         if let Some(m) = mask {
             check_len("Attention mask", m.len(), bsz * t);
         }
-        // 1 for an allowed key, 0 for a padding one.
-        match mask {
-            Some(m) => {
-                for (a, &v) in ws.allow.iter_mut().zip(m) {
-                    *a = (v != 0) as u8 as f32;
-                }
-            }
-            None => ws.allow.fill(1.0),
-        }
+        allowed_keys(mask, &mut ws.allow);
         let (tt, recompute) = (t * t, ws.recompute);
         let allow_all = &ws.allow;
         let out = DisjointMut::new(out);
@@ -358,7 +350,7 @@ impl Attention {
 
     /// Attention output of the first query row of each sequence only: `out_first` (B, D) =
     /// row 0 of [`Attention::forward`]'s output for `qkv` (B, T, 3D) and the padding mask
-    /// `allow` (B, T; 1 = real token, 0 = padding). Keeps those rows' probabilities in `probs`
+    /// `allow` (B, T; see [`allowed_keys`]). Keeps those rows' probabilities in `probs`
     /// ((B, H, T), see [`Attention::first_probs_len`]). Sequences run in parallel, each on one
     /// thread, so the bits do not depend on the thread count.
     pub fn forward_first(
@@ -544,6 +536,19 @@ impl Attention {
                 }
             },
         );
+    }
+}
+
+/// `allow` (B, T) from a padding mask (1 = real token): 1 for an allowed key, 0 for a padding
+/// one; every key allowed without a mask.
+pub fn allowed_keys(mask: Option<&[u8]>, allow: &mut [f32]) {
+    match mask {
+        Some(m) => {
+            for (a, &v) in allow.iter_mut().zip(m) {
+                *a = (v != 0) as u8 as f32;
+            }
+        }
+        None => allow.fill(1.0),
     }
 }
 

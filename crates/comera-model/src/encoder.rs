@@ -17,7 +17,7 @@ use crate::config::{ConfigError, EncoderConfig, HeadKind, LayerTt, Layouts, MlmD
 use crate::mlm_head::{MlmDecoder, MlmHead, MlmHeadState};
 use comera_layers::activation::{Gelu, Tanh};
 use comera_layers::any::{AnyEmbedding, AnyEmbeddingWorkspace, AnyLinear, AnyLinearWorkspace};
-use comera_layers::attention::{Attention, AttentionWorkspace};
+use comera_layers::attention::{allowed_keys, Attention, AttentionWorkspace};
 use comera_layers::dropout::{Dropout, DropoutWorkspace};
 use comera_layers::elementwise::{add_into, mul_into, sum_into};
 use comera_layers::embedding::EmbeddingWorkspace;
@@ -681,8 +681,7 @@ impl Encoder {
         mask: &[u8],
         step: u64,
     ) {
-        let d = self.cfg.d_model;
-        let t = c.allow.len() / (c.x.len() / d);
+        let (d, t) = (self.cfg.d_model, c.seq_len);
         let blk = &self.blocks[l];
         let pre = self.cfg.pre_ln;
         let attn_in: &[f32] = if pre {
@@ -692,9 +691,7 @@ impl Encoder {
             x
         };
         qkv_forward(blk, s, d, attn_in, &mut sc.tmp, &mut a.qkv);
-        for (al, &m) in c.allow.iter_mut().zip(mask) {
-            *al = (m != 0) as u8 as f32;
-        }
+        allowed_keys(Some(mask), &mut c.allow);
         self.attn
             .forward_first(&a.qkv, &c.allow, t, &mut c.probs, &mut c.att);
         blk.o.forward(&mut c.ws_o, &c.att, &mut c.o);
@@ -736,8 +733,7 @@ impl Encoder {
         c: &mut ClsBlock,
         sc: &mut Scratch,
     ) {
-        let d = self.cfg.d_model;
-        let t = c.allow.len() / (c.x.len() / d);
+        let (d, t) = (self.cfg.d_model, c.seq_len);
         let pre = self.cfg.pre_ln;
         let blk = &mut self.blocks[l];
         let [d1, d2, d3] = &mut c.d;
@@ -878,7 +874,7 @@ impl Encoder {
             }
             _ => unreachable!("state made for another head"),
         }
-        let cls = match &mut st.cls {
+        let mut cls = match &mut st.cls {
             Some(c) if st.last_cls => {
                 // ∂L/∂ the [CLS] rows; the final LN's backward is the block's (B rows).
                 for (b, row) in c.dout.chunks_exact_mut(d).enumerate() {
@@ -897,7 +893,6 @@ impl Encoder {
         };
         // Blocks, last to first: `sc.d` holds ∂L/∂out on entry and ∂L/∂x on exit.
         let rec = self.cfg.recompute_blocks;
-        let mut cls = cls;
         for l in (0..self.blocks.len()).rev() {
             let (x, a) = block_io(&st.x0, &st.outs, &mut st.acts, l, rec);
             let sc = &mut st.sc;
@@ -1176,6 +1171,7 @@ struct BlockActs {
 /// --batch 32` 944-963 → 755-844 ms, peak RSS 790 → 731 MiB.
 #[derive(Debug)]
 struct ClsBlock {
+    seq_len: usize,
     ws_o: AnyLinearWorkspace,
     ws_up: AnyLinearWorkspace,
     ws_down: AnyLinearWorkspace,
@@ -1209,6 +1205,7 @@ impl ClsBlock {
         let blk = &m.blocks[l];
         let z = |len: usize| vec![0.0f32; len];
         ClsBlock {
+            seq_len: t,
             ws_o: blk.o.workspace(b),
             ws_up: blk.up.workspace(b),
             ws_down: blk.down.workspace(b),
