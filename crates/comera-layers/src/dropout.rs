@@ -46,6 +46,58 @@ pub struct DropoutWorkspace {
     bits: Vec<u64>, // (⌈len/64⌉), bit i%64 of word i/64 = m_i
 }
 
+/// A drawn mask for kernels that apply it inside their own pass (the residual + LayerNorm of
+/// [`crate::norm::LayerNorm::forward_residual`]): element i is kept iff bit i % 64 of word
+/// i / 64 is set, and a kept element is scaled by `scale` = 1/(1 − p).
+#[derive(Clone, Copy, Debug)]
+pub struct Mask<'a> {
+    bits: &'a [u64],
+    scale: f32,
+}
+
+impl Mask<'_> {
+    /// `out_j = x_j + m_{e0+j}·scale·branch_j` over one run of elements starting at element
+    /// `e0` of the mask: the same value as dropping `branch` out and adding it to `x`.
+    #[track_caller]
+    pub fn add_dropped(&self, e0: usize, x: &[f32], branch: &[f32], out: &mut [f32]) {
+        check_len("Mask::add_dropped x", x.len(), out.len());
+        check_len("Mask::add_dropped branch", branch.len(), out.len());
+        self.runs(e0, out.len(), |bits, lo, hi| {
+            kernels::add_masked(
+                bits,
+                self.scale,
+                &x[lo..hi],
+                &branch[lo..hi],
+                &mut out[lo..hi],
+            )
+        });
+    }
+
+    /// `out_j = m_{e0+j}·scale·v_j` over one run of elements starting at element `e0`.
+    #[track_caller]
+    pub fn apply(&self, e0: usize, v: &[f32], out: &mut [f32]) {
+        check_len("Mask::apply v", v.len(), out.len());
+        self.runs(e0, out.len(), |bits, lo, hi| {
+            kernels::apply_mask(bits, self.scale, &v[lo..hi], &mut out[lo..hi])
+        });
+    }
+
+    /// Splits elements e0..e0+len into runs that start on a mask word (the vector kernels
+    /// take whole words from bit 0): `f(words, lo, hi)` for local indices lo..hi, with the
+    /// words of a run that starts inside a word shifted down to its first element (at most 63
+    /// elements, the row's head, when a row is not a whole number of words long).
+    fn runs(&self, e0: usize, len: usize, mut f: impl FnMut(&[u64], usize, usize)) {
+        let head = ((64 - e0 % 64) % 64).min(len);
+        if head > 0 {
+            let word = [self.bits[e0 / 64] >> (e0 % 64)];
+            f(&word, 0, head);
+        }
+        if head < len {
+            f(&self.bits[(e0 + head) / 64..], head, len);
+        }
+    }
+}
+
 impl DropoutWorkspace {
     /// Whether element `i` was kept by the last forward (always true when it was the identity).
     pub fn kept(&self, i: usize) -> bool {
@@ -60,6 +112,14 @@ impl DropoutWorkspace {
     /// Whether the last forward applied a mask (training with p > 0).
     pub fn is_active(&self) -> bool {
         self.active
+    }
+
+    /// The last forward's mask with the layer's scale, or `None` if it was the identity.
+    pub fn mask(&self, dropout: &Dropout) -> Option<Mask<'_>> {
+        self.active.then_some(Mask {
+            bits: &self.bits,
+            scale: dropout.scale(),
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -133,6 +193,19 @@ impl Dropout {
                 .for_each(|(c, words)| kernels::draw_words(words, c * 256, len, key, threshold));
         }
         ws.active
+    }
+
+    /// Draws the mask of `step` into `ws` for a kernel that applies it in its own pass (`None`
+    /// when not training or p = 0: the identity). The backward reads it with
+    /// [`DropoutWorkspace::mask`].
+    pub fn draw_mask<'a>(
+        &self,
+        ws: &'a mut DropoutWorkspace,
+        step: u64,
+        train: bool,
+    ) -> Option<Mask<'a>> {
+        self.draw(ws, step, train);
+        ws.mask(self)
     }
 
     /// `y = m ⊙ x / (1 − p)` with the mask of `step` when `train`, else `y = x`.
@@ -226,6 +299,18 @@ mod kernels {
             for ((o, i), &word) in out.chunks_mut(64).zip(inp.chunks(64)).zip(bits) {
                 for (b, (ov, &iv)) in o.iter_mut().zip(i).enumerate() {
                     *ov = if (word >> b) & 1 == 1 { iv * scale } else { 0.0 };
+                }
+            }
+        }
+    }
+
+    comera_tensor::multiversion! {
+        /// `out_i = x_i + m_i·scale·branch_i` for the elements of `bits`' words.
+        pub(super) fn add_masked(bits: &[u64], scale: f32, x: &[f32], branch: &[f32], out: &mut [f32]) {
+            let runs = out.chunks_mut(64).zip(x.chunks(64)).zip(branch.chunks(64)).zip(bits);
+            for (((o, x), br), &word) in runs {
+                for (b, ((ov, &xv), &bv)) in o.iter_mut().zip(x).zip(br).enumerate() {
+                    *ov = xv + if (word >> b) & 1 == 1 { bv * scale } else { 0.0 };
                 }
             }
         }

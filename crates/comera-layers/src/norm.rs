@@ -9,7 +9,15 @@
 //! Rows run in parallel in fixed blocks of [`block_rows`] rows. Parameter gradients are summed
 //! in row order within a block, then block by block in order, so results depend on the inputs
 //! and the row count only, never on the thread count.
+//!
+//! A post-LN transformer block normalises residual sums, y = LN(x + dropout(b)), and its
+//! backward needs ∂L/∂r of r = x + dropout(b) twice over (the residual and the dropped branch).
+//! [`LayerNorm::forward_residual`] and [`LayerNorm::backward_residual`] do the dropout, the
+//! sum and the normalisation in one pass over each row while it is in cache (three passes over
+//! the whole buffer before, each reading and writing B·T·D floats from further away); each
+//! element is the same expression as in the separate passes, so the bits are the same.
 
+use crate::dropout::Mask;
 use crate::{check_len, Layer, Param, ParamKind};
 use rayon::prelude::*;
 
@@ -30,7 +38,8 @@ pub struct LayerNormWorkspace {
     rows: usize,
     mean: Vec<f32>, // (rows)
     rstd: Vec<f32>, // (rows)
-    /// Per row block, its partial [dγ | dβ]: (blocks, 2·D).
+    /// Per row block, its partial [dγ | dβ] and a row of scratch (for dy + extra in
+    /// [`LayerNorm::backward_residual`]): (blocks, 3·D).
     partial: Vec<f32>,
 }
 
@@ -79,6 +88,161 @@ impl LayerNorm {
     pub fn dim(&self) -> usize {
         self.gamma.value.len()
     }
+
+    /// A residual sum and its normalisation in one pass over the rows: `r = x + branch` (the
+    /// branch dropped out by `mask` when given) and `y = LN(r)`; `r` is what the backward
+    /// reads. The same bits as the dropout, `sum_into` and [`Layer::forward`] one after
+    /// another.
+    pub fn forward_residual(
+        &self,
+        ws: &mut LayerNormWorkspace,
+        x: &[f32],
+        branch: &[f32],
+        mask: Option<Mask<'_>>,
+        r: &mut [f32],
+        y: &mut [f32],
+    ) {
+        let (rows, d) = (ws.rows, self.dim());
+        check_len("LayerNorm residual x", x.len(), rows * d);
+        check_len("LayerNorm residual branch", branch.len(), rows * d);
+        check_len("LayerNorm residual r", r.len(), rows * d);
+        check_len("LayerNorm residual y", y.len(), rows * d);
+        let (gamma, beta, eps) = (&self.gamma.value, &self.beta.value, self.eps);
+        let br = block_rows(rows);
+        y.par_chunks_mut(br * d)
+            .zip(r.par_chunks_mut(br * d))
+            .zip(ws.mean.par_chunks_mut(br))
+            .zip(ws.rstd.par_chunks_mut(br))
+            .enumerate()
+            .for_each(|(b, (((y, r), mean), rstd))| {
+                for (i, (yr, rr)) in y.chunks_exact_mut(d).zip(r.chunks_exact_mut(d)).enumerate() {
+                    let at = (b * br + i) * d..(b * br + i + 1) * d;
+                    match &mask {
+                        Some(m) => m.add_dropped(at.start, &x[at.clone()], &branch[at], rr),
+                        None => crate::elementwise::kernels::sum(&x[at.clone()], &branch[at], rr),
+                    }
+                    (mean[i], rstd[i]) = kernels::forward_row(rr, gamma, beta, eps, yr);
+                }
+            });
+    }
+
+    /// The backward of [`LayerNorm::forward_residual`] from ∂L/∂y = `dy` plus `extra` (when y
+    /// also feeds something else: a post-LN block's LN1 output feeds both its FFN and its
+    /// second residual): accumulates dγ, dβ and writes `dr` = ∂L/∂r (the gradient of the
+    /// residual input x) and `dbranch` = ∂L/∂branch (`dr` through the mask). The same bits as
+    /// `add_into`, [`Layer::backward`] and the dropout's backward one after another.
+    #[allow(clippy::too_many_arguments)] // the residual's whole data flow
+    pub fn backward_residual(
+        &mut self,
+        ws: &mut LayerNormWorkspace,
+        r: &[f32],
+        dy: &[f32],
+        extra: Option<&[f32]>,
+        dr: &mut [f32],
+        mask: Option<Mask<'_>>,
+        dbranch: &mut [f32],
+    ) {
+        let n = ws.rows * self.dim();
+        check_len("LayerNorm residual dr", dr.len(), n);
+        check_len("LayerNorm residual dbranch", dbranch.len(), n);
+        if let Some(e) = extra {
+            check_len("LayerNorm residual extra", e.len(), n);
+        }
+        self.backward_rows(ws, r, dy, extra, Some(dr), Some((mask, dbranch)));
+    }
+
+    /// The backward over parallel row blocks (see the module doc): ∂L/∂y is `dy` (+ `extra`,
+    /// summed into the block's scratch row), dx is written when given, and ∂L/∂branch from dx
+    /// through the mask (or a copy of dx) when `branch` is given (it needs dx).
+    fn backward_rows(
+        &mut self,
+        ws: &mut LayerNormWorkspace,
+        x: &[f32],
+        dy: &[f32],
+        extra: Option<&[f32]>,
+        dx: Option<&mut [f32]>,
+        branch: Option<(Option<Mask<'_>>, &mut [f32])>,
+    ) {
+        let (rows, d) = (ws.rows, self.dim());
+        check_len("LayerNorm x", x.len(), rows * d);
+        check_len("LayerNorm dy", dy.len(), rows * d);
+        if let Some(dx) = dx.as_deref() {
+            check_len("LayerNorm dx", dx.len(), rows * d);
+        }
+        assert!(
+            branch.is_none() || dx.is_some(),
+            "LayerNorm: the branch gradient needs dx"
+        );
+        let gamma = &self.gamma.value;
+        let br = block_rows(rows);
+        let (mean, rstd) = (&ws.mean, &ws.rstd);
+        let (branch_mask, db) = match branch {
+            Some((m, db)) => (m, Some(db)),
+            None => (None, None),
+        };
+        // One row block: its rows in order into the block's zeroed [dγ | dβ], dx (and the
+        // branch's gradient) if wanted.
+        let block = |b: usize,
+                     partial: &mut [f32],
+                     dx: Option<&mut [f32]>,
+                     db: Option<&mut [f32]>| {
+            let (dgamma, rest) = partial.split_at_mut(d);
+            let (dbeta, sum) = rest.split_at_mut(d);
+            dgamma.fill(0.0);
+            dbeta.fill(0.0);
+            let r0 = b * br;
+            let (mut dx, mut db) = (dx, db);
+            for r in r0..(r0 + br).min(rows) {
+                let at = r * d..(r + 1) * d;
+                let dy_r: &[f32] = match extra {
+                    Some(e) => {
+                        crate::elementwise::kernels::sum(&dy[at.clone()], &e[at.clone()], sum);
+                        sum
+                    }
+                    None => &dy[at.clone()],
+                };
+                let local = (r - r0) * d..(r - r0 + 1) * d;
+                let dxr = dx.as_deref_mut().map(|dx| &mut dx[local.clone()]);
+                kernels::backward_row(
+                    &x[at.clone()],
+                    dy_r,
+                    mean[r],
+                    rstd[r],
+                    gamma,
+                    dgamma,
+                    dbeta,
+                    dxr,
+                );
+                if let (Some(db), Some(dx)) = (db.as_deref_mut(), dx.as_deref()) {
+                    match &branch_mask {
+                        Some(m) => m.apply(at.start, &dx[local.clone()], &mut db[local.clone()]),
+                        None => db[local.clone()].copy_from_slice(&dx[local.clone()]),
+                    }
+                }
+            }
+        };
+        let partials = ws.partial.par_chunks_mut(3 * d).enumerate();
+        match (dx, db) {
+            (Some(dx), Some(db)) => partials
+                .zip(dx.par_chunks_mut(br * d))
+                .zip(db.par_chunks_mut(br * d))
+                .for_each(|(((b, p), dx), db)| block(b, p, Some(dx), Some(db))),
+            (Some(dx), None) => partials
+                .zip(dx.par_chunks_mut(br * d))
+                .for_each(|((b, p), dx)| block(b, p, Some(dx), None)),
+            (None, _) => partials.for_each(|(b, p)| block(b, p, None, None)),
+        }
+        // Blocks in order: dγ += Σ_b dγ_b, dβ += Σ_b dβ_b.
+        for p in ws.partial.chunks_exact(3 * d) {
+            let (pg, pb) = p[..2 * d].split_at(d);
+            for (g, v) in self.gamma.grad.iter_mut().zip(pg) {
+                *g += v;
+            }
+            for (g, v) in self.beta.grad.iter_mut().zip(pb) {
+                *g += v;
+            }
+        }
+    }
 }
 
 impl Layer for LayerNorm {
@@ -97,7 +261,7 @@ impl Layer for LayerNorm {
             rows: batch,
             mean: vec![0.0; batch],
             rstd: vec![0.0; batch],
-            partial: vec![0.0; batch.div_ceil(block_rows(batch)) * 2 * self.dim()],
+            partial: vec![0.0; batch.div_ceil(block_rows(batch)) * 3 * self.dim()],
         }
     }
 
@@ -125,55 +289,7 @@ impl Layer for LayerNorm {
         dy: &[f32],
         dx: Option<&mut [f32]>,
     ) {
-        let (rows, d) = (ws.rows, self.dim());
-        check_len("LayerNorm x", x.len(), rows * d);
-        check_len("LayerNorm dy", dy.len(), rows * d);
-        if let Some(dx) = dx.as_deref() {
-            check_len("LayerNorm dx", dx.len(), rows * d);
-        }
-        let gamma = &self.gamma.value;
-        let br = block_rows(rows);
-        let (mean, rstd) = (&ws.mean, &ws.rstd);
-        // One row block: its rows in order into the block's zeroed [dγ | dβ], dx if wanted.
-        let block = |b: usize, partial: &mut [f32], dx: Option<&mut [f32]>| {
-            partial.fill(0.0);
-            let (dgamma, dbeta) = partial.split_at_mut(d);
-            let r0 = b * br;
-            let n = br.min(rows - r0);
-            let mut dx = dx;
-            for r in r0..r0 + n {
-                let dxr = dx
-                    .as_deref_mut()
-                    .map(|dx| &mut dx[(r - r0) * d..(r - r0 + 1) * d]);
-                kernels::backward_row(
-                    &x[r * d..(r + 1) * d],
-                    &dy[r * d..(r + 1) * d],
-                    mean[r],
-                    rstd[r],
-                    gamma,
-                    dgamma,
-                    dbeta,
-                    dxr,
-                );
-            }
-        };
-        let partials = ws.partial.par_chunks_mut(2 * d).enumerate();
-        match dx {
-            Some(dx) => partials
-                .zip(dx.par_chunks_mut(br * d))
-                .for_each(|((b, p), dx)| block(b, p, Some(dx))),
-            None => partials.for_each(|(b, p)| block(b, p, None)),
-        }
-        // Blocks in order: dγ += Σ_b dγ_b, dβ += Σ_b dβ_b.
-        for p in ws.partial.chunks_exact(2 * d) {
-            let (pg, pb) = p.split_at(d);
-            for (g, v) in self.gamma.grad.iter_mut().zip(pg) {
-                *g += v;
-            }
-            for (g, v) in self.beta.grad.iter_mut().zip(pb) {
-                *g += v;
-            }
-        }
+        self.backward_rows(ws, x, dy, None, dx, None);
     }
 
     fn params(&self) -> Vec<&Param> {

@@ -71,8 +71,19 @@ fn fused_run(
     x: &[f32],
     dy: &[f32],
 ) -> (Vec<f32>, Vec<f32>, Vec<Vec<f32>>) {
+    let w = FusedFfn::new_unplanned(up, down, batch).unwrap();
+    fused_run_with(w, up, down, x, dy)
+}
+
+fn fused_run_with(
+    mut w: FusedFfn,
+    up: &TtLinear,
+    down: &TtLinear,
+    x: &[f32],
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<Vec<f32>>) {
+    let batch = x.len() / up.in_features();
     let (mut up, mut down) = (up.clone(), down.clone());
-    let mut w = FusedFfn::new_unplanned(&up, &down, batch).unwrap();
     let mut y = vec![f32::NAN; batch * down.out_features()];
     w.forward(&up, &down, x, &mut y);
     let mut dx = vec![f32::NAN; x.len()]; // written
@@ -162,6 +173,35 @@ fn fused_equals_the_layers_one_by_one() {
         for (i, (a, b)) in grads.iter().zip(&want).enumerate() {
             assert_close(&format!("param {i} batch {batch}"), a, b, 1e-4);
         }
+    }
+}
+
+#[test]
+fn kept_gelu_gives_the_recomputing_backwards_bits() {
+    let mut rng = init::rng(53);
+    let (up, down) = pair(&mut rng);
+    // 100 rows: blocks of 32, 32, 32 and 4 (split between the lanes).
+    for batch in [1usize, 7, 100] {
+        let x = random_vec(&mut rng, batch * up.in_features(), 1.0);
+        let dy = random_vec(&mut rng, batch * down.out_features(), 1.0);
+        let keeping = FusedFfn::new_unplanned(&up, &down, batch).unwrap();
+        assert!(
+            keeping.keeps_gelu(),
+            "batch {batch}: at most KEEP_MAX_ROWS rows"
+        );
+        let recomputing = FusedFfn::new_unplanned(&up, &down, batch)
+            .unwrap()
+            .recomputing();
+        assert!(!recomputing.keeps_gelu());
+        let (y, dx, grads) = fused_run_with(keeping, &up, &down, &x, &dy);
+        let (want_y, want_dx, want_grads) = fused_run_with(recomputing, &up, &down, &x, &dy);
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same(&y, &want_y), "batch {batch}: y");
+        assert!(same(&dx, &want_dx), "batch {batch}: dx");
+        for (i, (a, b)) in grads.iter().zip(&want_grads).enumerate() {
+            assert!(same(a, b), "batch {batch}: gradient of parameter {i}");
+        }
+        assert!(grads.iter().all(|g| g.iter().any(|&v| v != 0.0)));
     }
 }
 

@@ -99,6 +99,67 @@ fn layer_norm_forward_matches_naive() {
     assert_eq!(LayerNorm::new("ln", 4).eps, 1e-12);
 }
 
+/// `forward_residual` / `backward_residual` against the separate passes they replace (dropout,
+/// sum, LayerNorm; add, LayerNorm backward, dropout backward): the same bits, with and without
+/// a mask, with and without the extra gradient, on rows that are whole mask words (d = 128)
+/// and rows that start inside one (d = 100), over several parallel row blocks.
+#[test]
+fn residual_layer_norm_gives_the_separate_passes_bits() {
+    use comera_layers::elementwise::{add_into, sum_into};
+    let mut rng = init::rng(29);
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
+    for (rows, d) in [(40usize, 128usize), (37, 100), (1, 100)] {
+        let n = rows * d;
+        for (p, extra) in [(0.3f32, true), (0.3, false), (0.0, true)] {
+            let drop = Dropout::new(p, 7);
+            let ln = random_layer_norm(&mut rng, d, 1e-12);
+            let x = random_vec(&mut rng, n, 1.0);
+            let branch = random_vec(&mut rng, n, 1.0);
+            let dy = random_vec(&mut rng, n, 1.0);
+            let dy2 = random_vec(&mut rng, n, 1.0);
+            // Separate passes.
+            let (mut l1, mut ws1, mut dws1) = (ln.clone(), ln.workspace(rows), drop.workspace(n));
+            let mut o = branch.clone();
+            drop.forward_in_place(&mut dws1, 3, true, &mut o);
+            let mut r1 = vec![0.0; n];
+            sum_into(&x, &o, &mut r1);
+            let mut y1 = vec![0.0; n];
+            l1.forward(&mut ws1, &r1, &mut y1);
+            let mut g1 = dy.clone();
+            if extra {
+                add_into(&mut g1, &dy2);
+            }
+            let (mut dr1, mut db1) = (vec![0.0; n], vec![0.0; n]);
+            l1.backward(&mut ws1, &r1, &g1, Some(&mut dr1));
+            drop.backward(&dws1, &dr1, &mut db1);
+            // One pass each way.
+            let (mut l2, mut ws2, mut dws2) = (ln.clone(), ln.workspace(rows), drop.workspace(n));
+            let (mut r2, mut y2) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+            let mask = drop.draw_mask(&mut dws2, 3, true);
+            assert_eq!(mask.is_some(), p > 0.0);
+            l2.forward_residual(&mut ws2, &x, &branch, mask, &mut r2, &mut y2);
+            let (mut dr2, mut db2) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+            let extra_dy = extra.then_some(&dy2[..]);
+            let mask = dws2.mask(&drop);
+            l2.backward_residual(&mut ws2, &r2, &dy, extra_dy, &mut dr2, mask, &mut db2);
+            let case = format!("rows {rows}, d {d}, p {p}, extra {extra}");
+            assert!(same(&r2, &r1), "{case}: r");
+            assert!(same(&y2, &y1), "{case}: y");
+            assert!(same(&dr2, &dr1), "{case}: dr");
+            assert!(same(&db2, &db1), "{case}: dbranch");
+            for k in 0..2 {
+                assert!(
+                    same(&l2.params()[k].grad, &l1.params()[k].grad),
+                    "{case}: param {k}"
+                );
+            }
+            if p > 0.0 {
+                assert!(db2.contains(&0.0) && db2.iter().any(|&v| v != 0.0));
+            }
+        }
+    }
+}
+
 #[test]
 fn layer_norm_matches_finite_differences() {
     let mut rng = init::rng(22);

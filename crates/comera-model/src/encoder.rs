@@ -695,29 +695,30 @@ impl Encoder {
         self.attn
             .forward_first(&a.qkv, &c.allow, t, &mut c.probs, &mut c.att);
         blk.o.forward(&mut c.ws_o, &c.att, &mut c.o);
-        self.drop_attn[l].forward_in_place(&mut c.ws_drop_attn, step, true, &mut c.o);
         for (b, row) in c.x.chunks_exact_mut(d).enumerate() {
             row.copy_from_slice(&x[b * t * d..b * t * d + d]);
         }
-        sum_into(&c.x, &c.o, &mut c.r1);
-        if pre {
-            blk.ln2.forward(&mut c.ws_ln2, &c.r1, &mut c.x1);
+        let mask = self.drop_attn[l].draw_mask(&mut c.ws_drop_attn, step, true);
+        let (ln, ws_ln) = if pre {
+            (&blk.ln2, &mut c.ws_ln2)
         } else {
-            blk.ln1.forward(&mut c.ws_ln1, &c.r1, &mut c.x1);
-        }
+            (&blk.ln1, &mut c.ws_ln1)
+        };
+        ln.forward_residual(ws_ln, &c.x, &c.o, mask, &mut c.r1, &mut c.x1);
         // g = GELU(h) and GELU'(h) in h's place (B rows: both kept).
         blk.up.forward(&mut c.ws_up, &c.x1, &mut c.h);
         Gelu.forward_and_grad_in_place(&mut c.h, &mut c.g);
         blk.down.forward(&mut c.ws_down, &c.g, &mut c.f);
-        self.drop_ffn[l].forward_in_place(&mut c.ws_drop_ffn, step, true, &mut c.f);
         if pre {
+            self.drop_ffn[l].forward_in_place(&mut c.ws_drop_ffn, step, true, &mut c.f);
             sum_into(&c.r1, &c.f, &mut c.out);
             if let Some(ln) = &self.ln_final {
                 ln.forward(&mut c.ws_ln_final, &c.out, &mut c.hidden);
             }
         } else {
-            sum_into(&c.x1, &c.f, &mut c.r2);
-            blk.ln2.forward(&mut c.ws_ln2, &c.r2, &mut c.out);
+            let mask = self.drop_ffn[l].draw_mask(&mut c.ws_drop_ffn, step, true);
+            blk.ln2
+                .forward_residual(&mut c.ws_ln2, &c.x1, &c.f, mask, &mut c.r2, &mut c.out);
         }
     }
 
@@ -741,26 +742,31 @@ impl Encoder {
             ln.backward(&mut c.ws_ln_final, &c.out, &c.dout, Some(d2));
             std::mem::swap(&mut c.dout, d2);
         }
-        // d1: ∂L/∂r2 (post-LN), or ∂L/∂out, the residual part of ∂L/∂r1 (pre-LN).
+        // d1: ∂L/∂r2 (post-LN), or ∂L/∂out, the residual part of ∂L/∂r1 (pre-LN); d2: the
+        // FFN output's gradient, through the dropout.
         if pre {
             d1.copy_from_slice(&c.dout);
+            self.drop_ffn[l].backward(&c.ws_drop_ffn, d1, d2);
         } else {
-            blk.ln2.backward(&mut c.ws_ln2, &c.r2, &c.dout, Some(d1));
+            let mask = c.ws_drop_ffn.mask(&self.drop_ffn[l]);
+            blk.ln2
+                .backward_residual(&mut c.ws_ln2, &c.r2, &c.dout, None, d1, mask, d2);
         }
-        self.drop_ffn[l].backward(&c.ws_drop_ffn, d1, d2);
         blk.down.backward(&mut c.ws_down, &c.g, d2, Some(&mut c.dg));
         mul_into(&mut c.dg, &c.h); // dh = dg ⊙ GELU'(h)
         blk.up.backward(&mut c.ws_up, &c.x1, &c.dg, Some(d3)); // ∂L/∂x1
+                                                               // d1 = ∂L/∂r1; c.dout (read above) = ∂L/∂o, through the dropout.
         if pre {
             blk.ln2.backward(&mut c.ws_ln2, &c.r1, d3, Some(d2));
             add_into(d1, d2);
+            self.drop_attn[l].backward(&c.ws_drop_attn, d1, &mut c.dout);
         } else {
-            add_into(d1, d3);
-            blk.ln1.backward(&mut c.ws_ln1, &c.r1, d1, Some(d2));
+            let mask = c.ws_drop_attn.mask(&self.drop_attn[l]);
+            blk.ln1
+                .backward_residual(&mut c.ws_ln1, &c.r1, d1, Some(d3), d2, mask, &mut c.dout);
             std::mem::swap(d1, d2);
-        } // d1 = ∂L/∂r1
-        self.drop_attn[l].backward(&c.ws_drop_attn, d1, d2);
-        blk.o.backward(&mut c.ws_o, &c.att, d2, Some(d3)); // ∂L/∂att (first rows)
+        }
+        blk.o.backward(&mut c.ws_o, &c.att, &c.dout, Some(d3)); // ∂L/∂att (first rows)
         self.attn
             .backward_first(&a.qkv, &c.probs, d3, t, &mut c.dattn, &mut sc.dqkv);
         let attn_in: &[f32] = if pre { &a.ln1_out } else { x };
@@ -808,15 +814,15 @@ impl Encoder {
             .forward(&mut s.ws_attn, &a.qkv, Some(mask), &mut a.att);
         let o = &mut sc.tmp[0];
         blk.o.forward(&mut s.ws_o, &a.att, o);
-        self.drop_attn[l].forward_in_place(&mut s.ws_drop_attn, step, train, o);
-        sum_into(x, o, &mut a.r1);
-        let ffn_in: &[f32] = if self.cfg.pre_ln {
-            blk.ln2.forward(&mut s.ws_ln2, &a.r1, &mut a.ln2_out);
-            &a.ln2_out
+        // r1 = x + dropout(o) and its LayerNorm (LN2 pre-LN, LN1 post-LN) in one pass.
+        let mask = self.drop_attn[l].draw_mask(&mut s.ws_drop_attn, step, train);
+        let (ln, ws_ln, ffn_in) = if self.cfg.pre_ln {
+            (&blk.ln2, &mut s.ws_ln2, &mut a.ln2_out)
         } else {
-            blk.ln1.forward(&mut s.ws_ln1, &a.r1, &mut a.ln1_out);
-            &a.ln1_out
+            (&blk.ln1, &mut s.ws_ln1, &mut a.ln1_out)
         };
+        ln.forward_residual(ws_ln, x, o, mask, &mut a.r1, ffn_in);
+        let ffn_in: &[f32] = ffn_in;
         let f = &mut sc.tmp[0];
         if let Some((w, up, down)) = fused_ffn(blk, s, x.len() / d) {
             // Up → bias + GELU → Down in row blocks: no N × F buffer.
@@ -840,12 +846,14 @@ impl Encoder {
                 blk.down.forward(&mut s.ws_down, &sc.g, f);
             }
         }
-        self.drop_ffn[l].forward_in_place(&mut s.ws_drop_ffn, step, train, f);
         if self.cfg.pre_ln {
+            self.drop_ffn[l].forward_in_place(&mut s.ws_drop_ffn, step, train, f);
             sum_into(&a.r1, f, &mut a.out);
         } else {
-            sum_into(&a.ln1_out, f, &mut a.r2);
-            blk.ln2.forward(&mut s.ws_ln2, &a.r2, &mut a.out);
+            // r2 = x1 + dropout(f) and LN2 in one pass.
+            let mask = self.drop_ffn[l].draw_mask(&mut s.ws_drop_ffn, step, train);
+            blk.ln2
+                .forward_residual(&mut s.ws_ln2, &a.ln1_out, f, mask, &mut a.r2, &mut a.out);
         }
     }
 
@@ -913,13 +921,16 @@ impl Encoder {
             let blk = &mut self.blocks[l];
             let [t1, t2, t3] = &mut sc.tmp;
             let pre = self.cfg.pre_ln;
-            // ∂L/∂r2 (post-LN) or ∂L/∂out (pre-LN) is the FFN output's gradient.
+            // t1: ∂L/∂r2 (post-LN) or ∂L/∂out (pre-LN), the residual part of the FFN input's
+            // gradient; t2: the FFN output's, through the dropout.
             if pre {
-                t1.copy_from_slice(&sc.d); // residual part of ∂L/∂r1
+                t1.copy_from_slice(&sc.d);
+                self.drop_ffn[l].backward(&s.ws_drop_ffn, t1, t2);
             } else {
-                blk.ln2.backward(&mut s.ws_ln2, &a.r2, &sc.d, Some(t1)); // ∂L/∂r2
+                let mask = s.ws_drop_ffn.mask(&self.drop_ffn[l]);
+                blk.ln2
+                    .backward_residual(&mut s.ws_ln2, &a.r2, &sc.d, None, t1, mask, t2);
             }
-            self.drop_ffn[l].backward(&s.ws_drop_ffn, t1, t2);
             let ffn_in: &[f32] = if pre { &a.ln2_out } else { &a.ln1_out };
             let fused = match (&mut blk.up, &mut blk.down, &mut s.ws_ffn) {
                 (AnyLinear::Tt(up), AnyLinear::Tt(down), Some(w)) if w.applies(up, down) => {
@@ -943,17 +954,19 @@ impl Encoder {
                 mul_into(&mut sc.dg, &a.h);
                 blk.up.backward(&mut s.ws_up, ffn_in, &sc.dg, Some(t3));
             }
+            // t1 = ∂L/∂r1; sc.d (free until qkv_backward) = ∂L/∂o, through the dropout.
             if pre {
                 blk.ln2.backward(&mut s.ws_ln2, &a.r1, t3, Some(t2));
-                add_into(t1, t2); // t1 = ∂L/∂r1
+                add_into(t1, t2);
+                self.drop_attn[l].backward(&s.ws_drop_attn, t1, &mut sc.d);
             } else {
-                add_into(t1, t3); // ∂L/∂x1
-                blk.ln1.backward(&mut s.ws_ln1, &a.r1, t1, Some(t2));
-                std::mem::swap(t1, t2); // t1 = ∂L/∂r1
+                // ∂L/∂x1 = t1 + t3 (residual and FFN), through LN1.
+                let mask = s.ws_drop_attn.mask(&self.drop_attn[l]);
+                blk.ln1
+                    .backward_residual(&mut s.ws_ln1, &a.r1, t1, Some(t3), t2, mask, &mut sc.d);
+                std::mem::swap(t1, t2);
             }
-            // Attention branch: ∂L/∂a = ∂L/∂r1.
-            self.drop_attn[l].backward(&s.ws_drop_attn, t1, t2);
-            blk.o.backward(&mut s.ws_o, &a.att, t2, Some(t3));
+            blk.o.backward(&mut s.ws_o, &a.att, &sc.d, Some(t3));
             self.attn.backward(&mut s.ws_attn, &a.qkv, t3, &mut sc.dqkv);
             let attn_in: &[f32] = if pre { &a.ln1_out } else { x };
             // sc.d is free from the block's start until its ∂L/∂x is written below.

@@ -13,6 +13,9 @@
 //!                 dL_d += g_βᵀ·U_d,β;   dg_β = U_d,β·L_dᵀ;   dh_β = dg_β ⊙ GELU'(h_β)
 //!                 dR_u += T1u_βᵀ·dh_β;  db_u += Σ_rows dh_β;  U_u,β = dh_β·R_uᵀ
 //!   dX = U_u·L_uᵀ,  dL_u = Xᵀ·U_u,  db_d = Σ_rows dY; then each layer peels its chains.
+//! Up to [`KEEP_MAX_ROWS`] rows the forward instead keeps g and GELU'(h) for all B rows
+//! (2 × B × F floats, computed from one Φ/φ per value as above) and the backward reads them
+//! rather than forming h and its GELU again; the same values either way, so the same bits.
 //!
 //! The blocks run in *lanes*, one per worker thread (fixed when the workspace is made): lane t
 //! takes a contiguous run of blocks and runs their products single-threaded with its own h and
@@ -44,6 +47,14 @@ const ROWS: usize = 32;
 /// `comera --threads 2 bench step --batch 1`, 3 interleaved runs).
 const MIN_FUSED_ROWS: usize = 128;
 
+/// Rows up to which the forward keeps g and GELU'(h) (2 × B × F floats: 3 MiB per layer at
+/// 128 rows and F = 3,072) for the backward instead of the backward recomputing them; above
+/// it they would cost more memory than the recomputation costs time. Measured on the paper's
+/// model at rank 15, batch 1 (`comera --threads 2 bench rank --paper-model`, recompute and
+/// keep side by side in one process, three runs): 20.15 / 20.02 / 19.84 → 19.81 / 19.87 /
+/// 19.47 ms per step.
+pub const KEEP_MAX_ROWS: usize = MIN_FUSED_ROWS;
+
 /// Up's middle rank at or below which the fused path is used at any batch: recomputing
 /// h = T1·R_u is then cheap next to the 3 × N × F floats the unfused backward reads back from
 /// memory (rank 15, batch 1: whole step 13.22 → 12.85 ms, as above; 18 MB less peak RSS).
@@ -73,6 +84,9 @@ pub struct FusedFfn {
     lane_rows: usize,
     /// [lanes × lane scratch (`Lane`), U_u (B × r_u), U_d (B × r_d)], scratch.
     buf: Lease,
+    /// [GELU'(h) | g] (B × F each), kept from the forward for the backward at most
+    /// [`KEEP_MAX_ROWS`] rows; empty otherwise (the backward recomputes them).
+    kept: Vec<f32>,
 }
 
 /// One lane's scratch, split from its part of the flat buffer: the h and g blocks
@@ -156,7 +170,25 @@ impl FusedFfn {
                 batch * ru,
                 batch * rd,
             ]),
+            kept: if batch <= KEEP_MAX_ROWS {
+                vec![0.0; 2 * batch * f]
+            } else {
+                Vec::new()
+            },
         })
+    }
+
+    /// The same workspace recomputing g and GELU'(h) in the backward at any batch (tests:
+    /// both modes give the same bits).
+    #[doc(hidden)]
+    pub fn recomputing(mut self) -> FusedFfn {
+        self.kept = Vec::new();
+        self
+    }
+
+    /// Whether the forward keeps g and GELU'(h) for the backward (see [`KEEP_MAX_ROWS`]).
+    pub fn keeps_gelu(&self) -> bool {
+        !self.kept.is_empty()
     }
 
     /// Whether this workspace still fits the layers (same ranks, neither dead).
@@ -164,18 +196,22 @@ impl FusedFfn {
         !up.dead && !down.dead && up.shape == self.shapes[0] && down.shape == self.shapes[1]
     }
 
-    /// Bytes kept between calls (T1u, T1d).
+    /// Bytes kept between calls (T1u, T1d, and g with GELU'(h) when kept).
     pub fn bytes(&self) -> usize {
-        4 * (self.t1u.len() + self.t1d.len())
+        4 * (self.t1u.len() + self.t1d.len() + self.kept.len())
     }
 
     /// Counted FLOPs of one forward and one backward: both layers' merged paths, plus
-    /// h = T1u·R_u again in the backward.
+    /// h = T1u·R_u again in the backward unless the forward kept g and GELU'(h).
     pub fn flops(&self) -> (f64, f64) {
         let (uf, ub) = merged_flops(&self.shapes[0], self.batch);
         let (df, db) = merged_flops(&self.shapes[1], self.batch);
         let s = &self.shapes[0];
-        let again = 2.0 * (self.batch * s.middle_rank() * s.out_features()) as f64;
+        let again = if self.keeps_gelu() {
+            0.0
+        } else {
+            2.0 * (self.batch * s.middle_rank() * s.out_features()) as f64
+        };
         (uf + df, ub + db + again)
     }
 
@@ -224,30 +260,54 @@ impl FusedFfn {
             false,
         );
         let (lr, lane_len, bias) = (self.lane_rows, Lane::len(f, ru, rd), &up.bias.value);
-        self.t1d
+        let (rum, ldm) = (MatRef::new(ru_m, ru, f), MatRef::new(ld, f, rd));
+        // One block: g = GELU(T1u·R_u + b_u) (and GELU'(h) into `h` when kept), T1d = g·L_d.
+        let block = |t1u: &[f32], t1d: &mut [f32], h: &mut [f32], g: &mut [f32], keep: bool| {
+            let rows = t1u.len() / ru;
+            let (h, g) = (&mut h[..rows * f], &mut g[..rows * f]);
+            let t1u = MatRef::new(t1u, rows, ru);
+            if keep {
+                matmul_serial(MatMut::new(h, rows, f), t1u, rum, false);
+                gelu_bias_value_grad(h, bias, g);
+            } else {
+                matmul_serial(MatMut::new(g, rows, f), t1u, rum, false);
+                gelu_bias_in_place(g, bias);
+            }
+            matmul_serial(
+                MatMut::new(t1d, rows, rd),
+                MatRef::new(g, rows, f),
+                ldm,
+                false,
+            );
+        };
+        let lanes = self
+            .t1d
             .par_chunks_mut(lr * rd)
-            .zip(self.t1u.par_chunks(lr * ru))
-            .zip(self.buf[0].par_chunks_mut(lane_len))
-            .for_each(|((t1d, t1u), scratch)| {
-                let g = Lane::split(scratch, f, ru, rd).g;
-                for (t1d, t1u) in t1d.chunks_mut(ROWS * rd).zip(t1u.chunks(ROWS * ru)) {
-                    let rows = t1u.len() / ru;
-                    let g = &mut g[..rows * f];
-                    matmul_serial(
-                        MatMut::new(g, rows, f),
-                        MatRef::new(t1u, rows, ru),
-                        MatRef::new(ru_m, ru, f),
-                        false,
-                    );
-                    gelu_bias_in_place(g, bias);
-                    matmul_serial(
-                        MatMut::new(t1d, rows, rd),
-                        MatRef::new(g, rows, f),
-                        MatRef::new(ld, f, rd),
-                        false,
-                    );
-                }
-            });
+            .zip(self.t1u.par_chunks(lr * ru));
+        if self.kept.is_empty() {
+            lanes
+                .zip(self.buf[0].par_chunks_mut(lane_len))
+                .for_each(|((t1d, t1u), scratch)| {
+                    let lane = Lane::split(scratch, f, ru, rd);
+                    for (t1d, t1u) in t1d.chunks_mut(ROWS * rd).zip(t1u.chunks(ROWS * ru)) {
+                        block(t1u, t1d, lane.h, lane.g, false);
+                    }
+                });
+        } else {
+            let (gp, g) = self.kept.split_at_mut(b * f);
+            lanes
+                .zip(gp.par_chunks_mut(lr * f))
+                .zip(g.par_chunks_mut(lr * f))
+                .for_each(|(((t1d, t1u), gp), g)| {
+                    let blocks = t1d
+                        .chunks_mut(ROWS * rd)
+                        .zip(t1u.chunks(ROWS * ru))
+                        .zip(gp.chunks_mut(ROWS * f).zip(g.chunks_mut(ROWS * f)));
+                    for ((t1d, t1u), (gp, g)) in blocks {
+                        block(t1u, t1d, gp, g, true);
+                    }
+                });
+        }
         matmul(
             MatMut::new(y, b, m),
             MatRef::new(&self.t1d, b, rd),
@@ -300,36 +360,62 @@ impl FusedFfn {
             let ld = MatRef::new(cd.seed_grads().0, f, rd);
             let rum = MatRef::new(cu.seed_grads().1, ru, f);
             let bias = &up.bias.value;
-            uu.par_chunks_mut(lr * ru)
+            // A lane's blocks; `kept`: the lane's rows of the forward's [GELU'(h) | g].
+            let lane_blocks = |uu: &mut [f32],
+                               ud: &[f32],
+                               t1u: &[f32],
+                               scratch: &mut [f32],
+                               kept: Option<(&[f32], &[f32])>| {
+                let lane = Lane::split(scratch, f, ru, rd);
+                lane.dbu.fill(0.0);
+                let blocks = uu
+                    .chunks_mut(ROWS * ru)
+                    .zip(ud.chunks(ROWS * rd))
+                    .zip(t1u.chunks(ROWS * ru));
+                for (i, ((uu, ud), t1u)) in blocks.enumerate() {
+                    let rows = t1u.len() / ru;
+                    let (h, g) = (&mut lane.h[..rows * f], &mut lane.g[..rows * f]);
+                    let (t1u, ud) = (MatRef::new(t1u, rows, ru), MatRef::new(ud, rows, rd));
+                    let (gp, gm): (&[f32], MatRef<'_>) = match kept {
+                        Some((gp, g)) => {
+                            let at = i * ROWS * f..(i * ROWS + rows) * f;
+                            (&gp[at.clone()], MatRef::new(&g[at], rows, f))
+                        }
+                        None => {
+                            // g as in the forward; h ← GELU'(h) (one Φ/φ for both).
+                            matmul_serial(MatMut::new(h, rows, f), t1u, rum, false);
+                            gelu_bias_value_grad(h, bias, g);
+                            (h, MatRef::new(g, rows, f))
+                        }
+                    };
+                    // dL_d += gᵀ·U_d;  dg = U_d·L_dᵀ (into the lane's g);  dh = dg ⊙ GELU'(h).
+                    matmul_serial(MatMut::new(lane.dld, f, rd), gm.t(), ud, i > 0);
+                    let dg = &mut lane.g[..rows * f];
+                    matmul_serial(MatMut::new(dg, rows, f), ud, ld.t(), false);
+                    mul(dg, gp);
+                    let dh = MatRef::new(dg, rows, f);
+                    // dR_u += T1uᵀ·dh;  db_u += Σ_rows dh;  U_u = dh·R_uᵀ.
+                    matmul_serial(MatMut::new(lane.dru, ru, f), t1u.t(), dh, i > 0);
+                    bias_grad_columns(dg, f, 0, lane.dbu); // on this lane only
+                    matmul_serial(MatMut::new(uu, rows, ru), dh, rum.t(), false);
+                }
+            };
+            let lanes_in = uu
+                .par_chunks_mut(lr * ru)
                 .zip(ud.par_chunks(lr * rd))
                 .zip(self.t1u.par_chunks(lr * ru))
-                .zip(lanes.par_chunks_mut(lane_len))
-                .for_each(|(((uu, ud), t1u), scratch)| {
-                    let lane = Lane::split(scratch, f, ru, rd);
-                    lane.dbu.fill(0.0);
-                    let blocks = uu
-                        .chunks_mut(ROWS * ru)
-                        .zip(ud.chunks(ROWS * rd))
-                        .zip(t1u.chunks(ROWS * ru));
-                    for (i, ((uu, ud), t1u)) in blocks.enumerate() {
-                        let rows = t1u.len() / ru;
-                        let (h, g) = (&mut lane.h[..rows * f], &mut lane.g[..rows * f]);
-                        let (t1u, ud) = (MatRef::new(t1u, rows, ru), MatRef::new(ud, rows, rd));
-                        // g as in the forward; h ← GELU'(h) (one Φ/φ for both).
-                        matmul_serial(MatMut::new(h, rows, f), t1u, rum, false);
-                        gelu_bias_value_grad(h, bias, g);
-                        // dL_d += gᵀ·U_d;  dg = U_d·L_dᵀ (over g);  dh = dg ⊙ GELU'(h).
-                        let gm = MatRef::new(g, rows, f);
-                        matmul_serial(MatMut::new(lane.dld, f, rd), gm.t(), ud, i > 0);
-                        matmul_serial(MatMut::new(g, rows, f), ud, ld.t(), false);
-                        mul(g, h);
-                        let dh = MatRef::new(g, rows, f);
-                        // dR_u += T1uᵀ·dh;  db_u += Σ_rows dh;  U_u = dh·R_uᵀ.
-                        matmul_serial(MatMut::new(lane.dru, ru, f), t1u.t(), dh, i > 0);
-                        bias_grad_columns(g, f, 0, lane.dbu); // on this lane only
-                        matmul_serial(MatMut::new(uu, rows, ru), dh, rum.t(), false);
-                    }
-                });
+                .zip(lanes.par_chunks_mut(lane_len));
+            if self.kept.is_empty() {
+                lanes_in
+                    .for_each(|(((uu, ud), t1u), scratch)| lane_blocks(uu, ud, t1u, scratch, None));
+            } else {
+                let (gp, g) = self.kept.split_at(b * f);
+                lanes_in
+                    .zip(gp.par_chunks(lr * f).zip(g.par_chunks(lr * f)))
+                    .for_each(|((((uu, ud), t1u), scratch), (gp, g))| {
+                        lane_blocks(uu, ud, t1u, scratch, Some((gp, g)))
+                    });
+            }
         }
         // The lanes' partial sums, in lane order.
         {
