@@ -50,9 +50,10 @@ const MIN_FUSED_ROWS: usize = 128;
 /// Rows up to which the forward keeps g and GELU'(h) (2 × B × F floats: 3 MiB per layer at
 /// 128 rows and F = 3,072) for the backward instead of the backward recomputing them; above
 /// it they would cost more memory than the recomputation costs time. Measured on the paper's
-/// model at rank 15, batch 1 (`comera --threads 2 bench rank --paper-model`, recompute and
-/// keep side by side in one process, three runs): 20.15 / 20.02 / 19.84 → 19.81 / 19.87 /
-/// 19.47 ms per step.
+/// model at rank 15, batch 1 (`comera --threads 2 bench rank --paper-model`, with a temporary
+/// switch: both ways side by side in one process, six medians in three runs): recomputing
+/// 20.15, 20.62, 19.84, 20.02, 20.62, 19.69 ms per step; keeping 19.81, 20.38, 19.47, 19.87,
+/// 21.66, 19.27 ms.
 pub const KEEP_MAX_ROWS: usize = MIN_FUSED_ROWS;
 
 /// Up's middle rank at or below which the fused path is used at any batch: recomputing
