@@ -753,9 +753,10 @@ impl Encoder {
                 .backward_residual(&mut c.ws_ln2, &c.r2, &c.dout, None, d1, mask, d2);
         }
         blk.down.backward(&mut c.ws_down, &c.g, d2, Some(&mut c.dg));
-        mul_into(&mut c.dg, &c.h); // dh = dg ⊙ GELU'(h)
-        blk.up.backward(&mut c.ws_up, &c.x1, &c.dg, Some(d3)); // ∂L/∂x1
-                                                               // d1 = ∂L/∂r1; c.dout (read above) = ∂L/∂o, through the dropout.
+        // dh = dg ⊙ GELU'(h), then d3 = ∂L/∂x1 through the FFN.
+        mul_into(&mut c.dg, &c.h);
+        blk.up.backward(&mut c.ws_up, &c.x1, &c.dg, Some(d3));
+        // d1 = ∂L/∂r1; c.dout (read above) = ∂L/∂o, through the dropout.
         if pre {
             blk.ln2.backward(&mut c.ws_ln2, &c.r1, d3, Some(d2));
             add_into(d1, d2);
@@ -969,7 +970,7 @@ impl Encoder {
             blk.o.backward(&mut s.ws_o, &a.att, &sc.d, Some(t3));
             self.attn.backward(&mut s.ws_attn, &a.qkv, t3, &mut sc.dqkv);
             let attn_in: &[f32] = if pre { &a.ln1_out } else { x };
-            // sc.d is free from the block's start until its ∂L/∂x is written below.
+            // sc.d, read by o's backward above, is scratch until its ∂L/∂x is written below.
             qkv_backward(blk, s, d, attn_in, &sc.dqkv, &mut sc.d, t2, t3);
             // t2 = ∂L/∂(attention input)
             if pre {
