@@ -123,58 +123,77 @@ impl Merged {
         let (l, r, dl, dr) = self.chains.seed_grads();
         let (l, r) = (MatRef::new(l, n, rp), MatRef::new(r, rp, m));
         let t1 = MatRef::new(&self.t1, batch, rp);
-        let x_rows = x;
-        let x = MatRef::new(x, batch, n);
-        let u1 = &mut self.u1[0];
-        if paired(shape, batch) {
-            // (dR = T1ᵀ·dY ∥ U1 = dY·Rᵀ), then (dX = U1·Lᵀ ∥ dL = Xᵀ·U1).
-            rayon::join(
-                || matmul_serial(MatMut::new(dr, rp, m), t1.t(), dy, false),
-                || matmul_serial(MatMut::new(u1, batch, rp), dy, r.t(), false),
-            );
-            let u1 = MatRef::new(u1, batch, rp);
-            match dx {
-                Some(dx) if rp <= SPLIT_DL_MAX_RANK => {
-                    // dX ∥ dL, dL's rows [0, at) with dX and [at, N) on their own.
-                    let at = n / SPLIT_DL_FIRST;
-                    let (dl_first, dl_rest) = dl.split_at_mut(at * rp);
-                    // Rows [a, b) of Xᵀ (N × B): columns a..b of X (B × N).
-                    let xt_rows =
-                        |a: usize, b: usize| MatRef::strided(&x_rows[a..], b - a, batch, 1, n);
-                    rayon::join(
-                        || {
-                            matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false);
-                            matmul_serial(MatMut::new(dl_first, at, rp), xt_rows(0, at), u1, false);
-                        },
-                        || {
-                            matmul_serial(
-                                MatMut::new(dl_rest, n - at, rp),
-                                xt_rows(at, n),
-                                u1,
-                                false,
-                            )
-                        },
-                    );
-                }
-                Some(dx) => {
-                    rayon::join(
-                        || matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false),
-                        || matmul_serial(MatMut::new(dl, n, rp), x.t(), u1, false),
-                    );
-                }
-                None => matmul(MatMut::new(dl, n, rp), x.t(), u1, false),
-            }
-        } else {
-            matmul(MatMut::new(dr, rp, m), t1.t(), dy, false);
-            matmul(MatMut::new(u1, batch, rp), dy, r.t(), false);
-            let u1 = MatRef::new(u1, batch, rp);
-            if let Some(dx) = dx {
-                matmul(MatMut::new(dx, batch, n), u1, l.t(), false);
-            }
-            matmul(MatMut::new(dl, n, rp), x.t(), u1, false);
-        }
+        let (pair, u1) = (paired(shape, batch), &mut self.u1[0]);
+        output_side(pair, t1, dy, r, dr, u1);
+        let u1 = MatRef::new(u1, batch, rp);
+        input_side(pair, x, batch, u1, l, dx, dl);
         self.chains.peel(shape, h, dh);
         self.u1.release();
         self.chains.release();
+    }
+}
+
+/// The output side of the backward, dR = T1ᵀ·dY (r_p × M) and U1 = dY·Rᵀ (B × r_p): two
+/// single-threaded tasks when `pair` (see `paired`), else one threaded product after the other.
+pub(crate) fn output_side(
+    pair: bool,
+    t1: MatRef<'_>,
+    dy: MatRef<'_>,
+    r: MatRef<'_>,
+    dr: &mut [f32],
+    u1: &mut [f32],
+) {
+    let (rp, m, batch) = (r.rows(), r.cols(), dy.rows());
+    if pair {
+        rayon::join(
+            || matmul_serial(MatMut::new(dr, rp, m), t1.t(), dy, false),
+            || matmul_serial(MatMut::new(u1, batch, rp), dy, r.t(), false),
+        );
+    } else {
+        matmul(MatMut::new(dr, rp, m), t1.t(), dy, false);
+        matmul(MatMut::new(u1, batch, rp), dy, r.t(), false);
+    }
+}
+
+/// The input side, dX = U1·Lᵀ (B × N, when wanted) and dL = Xᵀ·U1 (N × r_p) for the layer
+/// input `x` (B × N): two single-threaded tasks when `pair`, with dL's first rows on dX's task
+/// at r_p ≤ `SPLIT_DL_MAX_RANK` (module doc), else threaded products.
+pub(crate) fn input_side(
+    pair: bool,
+    x: &[f32],
+    batch: usize,
+    u1: MatRef<'_>,
+    l: MatRef<'_>,
+    dx: Option<&mut [f32]>,
+    dl: &mut [f32],
+) {
+    let (n, rp) = (l.rows(), l.cols());
+    let xm = MatRef::new(x, batch, n);
+    match dx {
+        Some(dx) if pair && rp <= SPLIT_DL_MAX_RANK => {
+            // dX ∥ dL, dL's rows [0, at) with dX and [at, N) on their own.
+            let at = n / SPLIT_DL_FIRST;
+            let (dl_first, dl_rest) = dl.split_at_mut(at * rp);
+            // Rows [a, b) of Xᵀ (N × B): columns a..b of X (B × N).
+            let xt_rows = |a: usize, b: usize| MatRef::strided(&x[a..], b - a, batch, 1, n);
+            rayon::join(
+                || {
+                    matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false);
+                    matmul_serial(MatMut::new(dl_first, at, rp), xt_rows(0, at), u1, false);
+                },
+                || matmul_serial(MatMut::new(dl_rest, n - at, rp), xt_rows(at, n), u1, false),
+            );
+        }
+        Some(dx) if pair => {
+            rayon::join(
+                || matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false),
+                || matmul_serial(MatMut::new(dl, n, rp), xm.t(), u1, false),
+            );
+        }
+        Some(dx) => {
+            matmul(MatMut::new(dx, batch, n), u1, l.t(), false);
+            matmul(MatMut::new(dl, n, rp), xm.t(), u1, false);
+        }
+        None => matmul(MatMut::new(dl, n, rp), xm.t(), u1, false),
     }
 }
