@@ -18,7 +18,7 @@
 //! by one.
 
 use super::chain::Chains;
-use super::merged::paired;
+use super::merged::{input_side, paired};
 use super::pool::Lease;
 use super::TtLinear;
 use crate::{accumulate_bias_grad, add_bias, check_len, Layer};
@@ -268,19 +268,8 @@ impl SharedInput {
             }
         }
         let um = MatRef::new(u, b, s);
-        // dX = U·Lcatᵀ,  dLcat = Xᵀ·U.
-        let dxm = MatMut::new(dx, b, n);
-        let dlm = MatMut::new(dlcat, n, s);
-        let (lt, xt) = (MatRef::new(lcat, n, s).t(), MatRef::new(x, b, n).t());
-        if pair {
-            rayon::join(
-                || matmul_serial(dxm, um, lt, false),
-                || matmul_serial(dlm, xt, um, false),
-            );
-        } else {
-            matmul(dxm, um, lt, false);
-            matmul(dlm, xt, um, false);
-        }
+        // dX = U·Lcatᵀ,  dLcat = Xᵀ·U (as on the merged path).
+        input_side(pair, x, b, um, MatRef::new(lcat, n, s), Some(dx), dlcat);
         // db_i += Σ_rows dY_i: every layer's gradient packed, accumulated in one pass (the
         // same additions in the same order as layer by layer), and unpacked.
         for (i, l) in layers.iter().enumerate() {
