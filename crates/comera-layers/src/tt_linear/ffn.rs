@@ -218,19 +218,30 @@ impl FusedFfn {
         (uf + df, ub + db + again)
     }
 
+    /// Borrows the scratch (on this thread: the pool is per thread), then gates both layers'
+    /// cores and builds their chains, the two layers side by side (each layer's two chains
+    /// are two tasks again, see `chain`): at rank 15 a layer's chains are a few small products
+    /// whose joins, not their arithmetic, set the time.
     fn acquire(&mut self, layers: [&TtLinear; 2], backward: bool) {
         self.buf.acquire();
-        for (i, l) in layers.iter().enumerate() {
+        for i in 0..2 {
             self.h[i].acquire();
-            l.gate_cores(&mut self.h[i]);
             if backward {
                 self.dh[i].acquire();
                 self.chains[i].acquire_backward();
             } else {
                 self.chains[i].acquire_forward();
             }
-            self.chains[i].build(&l.shape, &self.h[i]);
         }
+        let build = |l: &TtLinear, h: &mut Lease, chains: &mut Chains| {
+            l.gate_cores(h);
+            chains.build(&l.shape, h);
+        };
+        let ([h0, h1], [c0, c1]) = (&mut self.h, &mut self.chains);
+        rayon::join(
+            || build(layers[0], h0, c0),
+            || build(layers[1], h1, c1),
+        );
     }
 
     fn release(&mut self) {
@@ -445,10 +456,13 @@ impl FusedFfn {
         let (lu, _, dlu, _) = cu.seed_grads();
         let (uu, lu) = (MatRef::new(uu, b, ru), MatRef::new(lu, n, ru));
         input_side(paired(&self.shapes[0], b), x, b, uu, lu, Some(dx), dlu);
-        for (i, l) in [up, down].into_iter().enumerate() {
-            self.chains[i].peel(&l.shape, &self.h[i], &mut self.dh[i]);
-            l.accumulate_core_grads(&self.dh[i]);
-        }
+        // Both layers' chains peeled side by side (as built).
+        let peel = |l: &mut TtLinear, chains: &mut Chains, h: &Lease, dh: &mut Lease| {
+            chains.peel(&l.shape, h, dh);
+            l.accumulate_core_grads(dh);
+        };
+        let ([c0, c1], [h0, h1], [d0, d1]) = (&mut self.chains, &self.h, &mut self.dh);
+        rayon::join(|| peel(up, c0, h0, d0), || peel(down, c1, h1, d1));
         accumulate_bias_grad(dy, &mut down.bias.grad);
         self.release();
     }
