@@ -238,10 +238,7 @@ impl FusedFfn {
             chains.build(&l.shape, h);
         };
         let ([h0, h1], [c0, c1]) = (&mut self.h, &mut self.chains);
-        rayon::join(
-            || build(layers[0], h0, c0),
-            || build(layers[1], h1, c1),
-        );
+        rayon::join(|| build(layers[0], h0, c0), || build(layers[1], h1, c1));
     }
 
     fn release(&mut self) {
