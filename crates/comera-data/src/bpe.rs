@@ -40,8 +40,10 @@ impl BpeTokenizer {
     /// Reads a GPT-2-style `vocab.json` (token → id, ids `0..n` dense) and `merges.txt` (an
     /// optional `#version` line, then one `a b` merge a line, highest priority first).
     pub fn from_files(vocab_json: &Path, merges_txt: &Path) -> Result<Self, TokenizerError> {
+        // Opened here first so that a missing file, a FIFO or a device is refused with its
+        // path (the BPE builder would block on a FIFO, or read a device without end).
         for p in [vocab_json, merges_txt] {
-            std::fs::metadata(p).map_err(|source| TokenizerError::Io {
+            crate::regular::open_regular(p).map_err(|source| TokenizerError::Io {
                 path: p.to_path_buf(),
                 source,
             })?;

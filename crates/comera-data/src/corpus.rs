@@ -35,6 +35,7 @@
 
 use crate::bpe::BpeTokenizer;
 use crate::fetch::{fetch, FetchError};
+use crate::regular::{open_regular, read_regular};
 use crate::tokenizer::{BertTokenizer, SpecialIds, TokenizerError};
 use rayon::prelude::*;
 use std::fs;
@@ -285,7 +286,7 @@ impl Documents<'_> {
     fn open_source(&mut self, source: &Source) -> Result<State, CorpusError> {
         match source {
             Source::Text { path, docs } => {
-                let file = fs::File::open(path).map_err(|source| CorpusError::Io {
+                let file = open_regular(path).map_err(|source| CorpusError::Io {
                     path: path.clone(),
                     source,
                 })?;
@@ -378,7 +379,7 @@ impl Documents<'_> {
                 .join("/");
             let path = path.to_path_buf();
             self.stats.files += 1;
-            let bytes = match fs::read(&path) {
+            let bytes = match read_regular(&path) {
                 Ok(b) => b,
                 Err(source) => {
                     if policy == OnBadFile::Error {
@@ -785,7 +786,7 @@ impl PackedSequences {
             path: path.to_path_buf(),
             detail,
         };
-        let mut r = BufReader::new(fs::File::open(path).map_err(|source| CorpusError::Io {
+        let mut r = BufReader::new(open_regular(path).map_err(|source| CorpusError::Io {
             path: path.to_path_buf(),
             source,
         })?);

@@ -19,6 +19,7 @@
 //! are kept for the report ([`Malformed`]), and once more than the configured limit are seen
 //! the read stops with an error naming the file, the line and the reason.
 
+use crate::regular::open_regular;
 use rand::{Rng as _, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
@@ -58,7 +59,7 @@ pub enum CtrError {
         reason: String,
         first: Vec<(u64, String)>,
     },
-    #[error("{path}: parquet: {detail}")]
+    #[error("{path}: cannot read it as Parquet: {detail}")]
     Parquet { path: PathBuf, detail: String },
     #[error("invalid CTR setting `{field}`: {detail}")]
     Config { field: String, detail: String },
@@ -466,7 +467,7 @@ impl CriteoReader<BufReader<File>> {
     /// Opens a Criteo TSV file.
     pub fn open(path: &Path, spec: CriteoSpec) -> Result<Self, CtrError> {
         spec.validate()?;
-        let f = File::open(path).map_err(|source| CtrError::Io {
+        let f = open_regular(path).map_err(|source| CtrError::Io {
             path: path.to_path_buf(),
             source,
         })?;
@@ -851,7 +852,7 @@ impl TypedTsv {
             path: path.to_path_buf(),
             source,
         };
-        let f = File::open(path).map_err(io)?;
+        let f = open_regular(path).map_err(io)?;
         let mut lines = BufReader::new(f).lines();
         let header = match lines.next() {
             Some(h) => h.map_err(io)?,
@@ -884,18 +885,26 @@ impl TypedTsv {
         })
     }
 
+    /// The index of the column `name`; a missing or repeated column is an error.
     fn col(&self, name: &str) -> Result<usize, CtrError> {
-        self.columns
-            .iter()
-            .position(|c| c == name)
-            .ok_or_else(|| CtrError::Format {
-                path: self.path.clone(),
-                line: 1,
-                detail: format!(
-                    "header has no column `{name}` (columns: {:?})",
-                    self.columns
-                ),
-            })
+        let header_error = |detail: String| CtrError::Format {
+            path: self.path.clone(),
+            line: 1,
+            detail,
+        };
+        let mut found = self.columns.iter().enumerate().filter(|(_, c)| *c == name);
+        match (found.next(), found.next()) {
+            (Some((i, _)), None) => Ok(i),
+            (Some((first, _)), Some((second, _))) => Err(header_error(format!(
+                "column `{name}` appears twice in the header (columns {} and {}); rename one so that it is clear which to read",
+                first + 1,
+                second + 1
+            ))),
+            (None, _) => Err(header_error(format!(
+                "header has no column `{name}` (columns: {:?})",
+                self.columns
+            ))),
+        }
     }
 }
 
@@ -1069,9 +1078,9 @@ pub fn load_adult(path: &Path, label: &str) -> Result<CtrData, CtrError> {
     use parquet::record::Field;
     let pq = |e: parquet::errors::ParquetError| CtrError::Parquet {
         path: path.to_path_buf(),
-        detail: e.to_string(),
+        detail: crate::loaders::parquet_detail(&e),
     };
-    let file = File::open(path).map_err(|source| CtrError::Io {
+    let file = open_regular(path).map_err(|source| CtrError::Io {
         path: path.to_path_buf(),
         source,
     })?;

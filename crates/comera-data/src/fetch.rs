@@ -429,7 +429,7 @@ fn package_spec(p: &Package) -> String {
 
 /// Hex sha256 of a file, streamed.
 pub fn sha256_file(path: &Path) -> io::Result<String> {
-    let mut file = fs::File::open(path)?;
+    let mut file = crate::regular::open_regular(path)?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 16];
     loop {

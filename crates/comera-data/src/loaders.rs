@@ -5,6 +5,7 @@
 //! quoting. Rows whose text is empty are dropped and counted. Errors name the file, the 1-based
 //! line (the header is line 1; for Parquet, the 1-based row) and the field.
 
+use crate::regular::open_regular;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::record::Field;
 use parquet::schema::types::Type;
@@ -181,6 +182,13 @@ pub enum LoadError {
         column: String,
         header: Vec<String>,
     },
+    #[error("{path}:1: column `{column}` appears twice in the header (columns {first} and {second}); rename one so that it is clear which to read")]
+    DuplicateColumn {
+        path: PathBuf,
+        column: String,
+        first: usize,
+        second: usize,
+    },
     #[error("{path}:{line}: expected {expected} fields as in the header, found {found}")]
     ColumnCount {
         path: PathBuf,
@@ -209,7 +217,7 @@ pub enum LoadError {
         line: u64,
         detail: String,
     },
-    #[error("{path}: parquet: {detail}")]
+    #[error("{path}: cannot read it as Parquet: {detail}")]
     Parquet { path: PathBuf, detail: String },
     #[error("{path}: row {row}: column `{field}`: {detail}")]
     ParquetValue {
@@ -222,7 +230,7 @@ pub enum LoadError {
 
 /// Reads a delimited file with a header row into examples.
 pub fn load_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError> {
-    let file = std::fs::File::open(path).map_err(|source| LoadError::Io {
+    let file = open_regular(path).map_err(|source| LoadError::Io {
         path: path.to_path_buf(),
         source,
     })?;
@@ -269,14 +277,21 @@ pub fn load_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError>
         header.push(name.trim().to_string());
     }
     let column = |name: &str| {
-        header
-            .iter()
-            .position(|h| h == name)
-            .ok_or_else(|| LoadError::MissingColumn {
+        let mut found = header.iter().enumerate().filter(|(_, h)| *h == name);
+        match (found.next(), found.next()) {
+            (Some((i, _)), None) => Ok(i),
+            (Some((first, _)), Some((second, _))) => Err(LoadError::DuplicateColumn {
+                path: p(),
+                column: name.to_string(),
+                first: first + 1,
+                second: second + 1,
+            }),
+            (None, _) => Err(LoadError::MissingColumn {
                 path: p(),
                 column: name.to_string(),
                 header: header.clone(),
-            })
+            }),
+        }
     };
     let col_a = column(&spec.text_a)?;
     let col_b = spec.text_b.as_deref().map(column).transpose()?;
@@ -342,9 +357,9 @@ pub fn load_parquet(
     let p = || path.to_path_buf();
     let pq = |e: parquet::errors::ParquetError| LoadError::Parquet {
         path: p(),
-        detail: e.to_string(),
+        detail: parquet_detail(&e),
     };
-    let file = std::fs::File::open(path).map_err(|source| LoadError::Io { path: p(), source })?;
+    let file = open_regular(path).map_err(|source| LoadError::Io { path: p(), source })?;
     let reader = SerializedFileReader::new(file).map_err(pq)?;
     let root = reader
         .metadata()
@@ -417,6 +432,18 @@ pub fn load_parquet(
     Ok(out)
 }
 
+/// What went wrong reading a Parquet file, for a person: the `parquet` crate's own message
+/// (which for damaged data is as terse as "Unexpected Encoding 7969" or "EOF"), with what that
+/// usually means.
+pub(crate) fn parquet_detail(e: &parquet::errors::ParquetError) -> String {
+    use parquet::errors::ParquetError as E;
+    let hint = match e {
+        E::NYI(_) => "a Parquet feature this reader does not support",
+        _ => "the file is not Parquet, or it is damaged or truncated",
+    };
+    format!("{e} ({hint})")
+}
+
 /// A Parquet value as text; `None` for null.
 fn field_text(field: &Field) -> Result<Option<String>, String> {
     Ok(Some(match field {
@@ -459,4 +486,118 @@ pub fn load_reviews(path: &Path, label: ReviewLabel) -> Result<LoadedSet, LoadEr
         ),
     };
     load_parquet(path, "Review Text", column, &labels)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn spec() -> TableSpec {
+        TableSpec::single(Delimited::Tsv, "text", "label", Labels::names(&["a", "b"]))
+    }
+
+    #[test]
+    fn a_column_named_twice_in_the_header_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dup.tsv");
+        std::fs::write(&path, "text\tlabel\ttext\nhello\ta\tworld\n").unwrap();
+        let err = load_table(&path, &spec()).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, LoadError::DuplicateColumn { .. }), "{msg}");
+        assert!(
+            msg.contains("dup.tsv:1:") && msg.contains("`text`") && msg.contains("1 and 3"),
+            "{msg}"
+        );
+        // A repeated column that is not read is no ambiguity.
+        std::fs::write(&path, "text\tlabel\tx\tx\nhello\ta\t1\t2\n").unwrap();
+        assert_eq!(load_table(&path, &spec()).unwrap().examples.len(), 1);
+    }
+
+    #[test]
+    fn a_device_or_a_fifo_is_refused_as_a_data_file() {
+        let err = load_table(Path::new("/dev/zero"), &spec()).unwrap_err();
+        assert!(matches!(err, LoadError::Io { .. }), "{err}");
+        assert!(err.to_string().contains("character device"), "{err}");
+        let err = load_parquet(Path::new("/dev/zero"), "t", "l", &Labels::Above(0.0)).unwrap_err();
+        assert!(err.to_string().contains("character device"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.tsv");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path made above.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let err = load_table(&fifo, &spec()).unwrap_err();
+        assert!(err.to_string().contains("FIFO"), "{err}");
+    }
+
+    /// A one-column Parquet file of `rows` texts, uncompressed so its pages can be damaged.
+    fn parquet_file(path: &Path, rows: usize) {
+        use parquet::basic::{ConvertedType, Repetition, Type as PhysicalType};
+        use parquet::data_type::{ByteArray, ByteArrayType};
+        use parquet::file::properties::WriterProperties;
+        use parquet::file::writer::SerializedFileWriter;
+        let col = |name: &str| {
+            Arc::new(
+                Type::primitive_type_builder(name, PhysicalType::BYTE_ARRAY)
+                    .with_converted_type(ConvertedType::UTF8)
+                    .with_repetition(Repetition::REQUIRED)
+                    .build()
+                    .unwrap(),
+            )
+        };
+        let schema = Type::group_type_builder("schema")
+            .with_fields(vec![col("text"), col("label")])
+            .build()
+            .unwrap();
+        let props = WriterProperties::builder().build();
+        let file = std::fs::File::create(path).unwrap();
+        let mut writer =
+            SerializedFileWriter::new(file, Arc::new(schema), Arc::new(props)).unwrap();
+        let mut rg = writer.next_row_group().unwrap();
+        for values in [
+            (0..rows).map(|i| format!("text {i}")).collect::<Vec<_>>(),
+            (0..rows).map(|i| format!("{}", i % 2)).collect(),
+        ] {
+            let values: Vec<ByteArray> =
+                values.iter().map(|v| ByteArray::from(v.as_str())).collect();
+            let mut c = rg.next_column().unwrap().unwrap();
+            c.typed::<ByteArrayType>()
+                .write_batch(&values, None, None)
+                .unwrap();
+            c.close().unwrap();
+        }
+        rg.close().unwrap();
+        writer.close().unwrap();
+    }
+
+    #[test]
+    fn a_damaged_parquet_file_is_called_damaged() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.parquet");
+        parquet_file(&path, 50);
+        let labels = Labels::names(&["0", "1"]);
+        assert_eq!(
+            load_parquet(&path, "text", "label", &labels)
+                .unwrap()
+                .examples
+                .len(),
+            50
+        );
+        // Overwrite the first column's page header (just after the 4-byte magic).
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[4..40].fill(b'x');
+        std::fs::write(&path, &bytes).unwrap();
+        let msg = load_parquet(&path, "text", "label", &labels)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("cannot read it as Parquet") && msg.contains("damaged or truncated"),
+            "{msg}"
+        );
+        std::fs::write(&path, "text,label\nnot parquet,1\n").unwrap();
+        let msg = load_parquet(&path, "text", "label", &labels)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("the file is not Parquet"), "{msg}");
+    }
 }

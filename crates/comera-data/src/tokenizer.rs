@@ -79,10 +79,11 @@ impl std::fmt::Debug for BertTokenizer {
 impl BertTokenizer {
     /// Reads `vocab.txt`: one token a line (trailing whitespace trimmed), id = 0-based line.
     pub fn from_vocab_file(path: &Path) -> Result<Self, TokenizerError> {
-        let text = std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text =
+            crate::regular::read_regular_to_string(path).map_err(|source| TokenizerError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
         Self::from_vocab_text(&text, path)
     }
 
@@ -233,4 +234,16 @@ fn longest_first(mut na: usize, mut nb: usize, budget: usize) -> (usize, usize) 
         }
     }
     (na, nb)
+}
+
+#[cfg(test)]
+mod regular_file_tests {
+    use super::*;
+
+    /// `/dev/zero` as a vocabulary once read zeros until memory ran out.
+    #[test]
+    fn a_device_as_a_vocabulary_is_refused() {
+        let err = BertTokenizer::from_vocab_file(Path::new("/dev/zero")).unwrap_err();
+        assert!(err.to_string().contains("character device"), "{err}");
+    }
 }

@@ -47,8 +47,20 @@ pub fn propose_ttm_shape(
         .pop()
         .ok_or_else(|| format!("cannot factor dim {dim} into {cores} modes"))?;
     let p = cores;
+    // Whether p modes of m rows cover the table; a product past usize::MAX covers any table
+    // (so the search below ends for any number of cores).
+    let covers = |m: usize| {
+        u32::try_from(p)
+            .ok()
+            .and_then(|p| m.checked_pow(p))
+            .is_none_or(|c| c >= rows)
+    };
+    // From the f64 root, which may be off by one either way.
     let mut m = (rows as f64).powf(1.0 / p as f64).ceil().max(1.0) as usize;
-    while m.checked_pow(p as u32).is_none_or(|c| c < rows) {
+    while m > 1 && covers(m - 1) {
+        m -= 1;
+    }
+    while !covers(m) {
         m += 1;
     }
     let mut v = vec![m; p];
@@ -56,7 +68,10 @@ pub fn propose_ttm_shape(
         let mut changed = false;
         for k in (0..p).rev() {
             if v[k] > 1 {
-                let prod: usize = v.iter().product::<usize>() / v[k] * (v[k] - 1);
+                // The product with v[k] lowered by one, saturating (then it covers any table).
+                let prod = v.iter().enumerate().fold(1usize, |a, (j, &x)| {
+                    a.saturating_mul(if j == k { x - 1 } else { x })
+                });
                 if prod >= rows {
                     v[k] -= 1;
                     changed = true;
@@ -477,5 +492,26 @@ mod tests {
         assert_eq!(pair_index(1, 0), 0);
         assert_eq!(pair_index(2, 1), 2);
         assert_eq!(pair_index(3, 0), 3);
+    }
+
+    /// 64 cores: every m ≥ 2 overflows m^64, which the search once took for "too few rows"
+    /// and looped on forever (issue 35).
+    #[test]
+    fn more_cores_than_a_product_can_count_still_propose_a_shape() {
+        for (rows, cores) in [
+            (943, 64),
+            (2, 64),
+            (1, 200),
+            (u32::MAX as usize, 64),
+            (10_000_000, 40),
+        ] {
+            let s = propose_ttm_shape(rows, 16, cores, 8).unwrap();
+            assert_eq!(s.vocab_modes().len(), cores);
+            let covered = s
+                .vocab_modes()
+                .iter()
+                .try_fold(1usize, |a, &v| a.checked_mul(v));
+            assert!(covered.is_none_or(|c| c >= rows), "{rows} rows: {s:?}");
+        }
     }
 }
