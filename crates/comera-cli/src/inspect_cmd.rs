@@ -72,6 +72,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
                 .unwrap_or_else(|| PathBuf::from("."))
         };
         println!("model      {}", dir.display());
+        comera_train::infer::check_saved_model(&dir)?;
         comera_train::load_saved(&dir)
             .with_context(|| format!("{}: cannot inspect", a.path.display()))?
     };

@@ -11,6 +11,7 @@ mod run;
 mod verify;
 
 use clap::{Parser, Subcommand};
+use std::io::Write;
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -66,7 +67,11 @@ fn main() -> ExitCode {
     // SAFETY: restoring a signal's default disposition before any thread starts.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        // A file growing past `ulimit -f` would kill the process with SIGXFSZ and no word;
+        // ignored, the write fails with EFBIG ("File too large") and the error names the file.
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
+    silence_output_failures();
     let cli = Cli::parse();
     // Under mpirun/srun (feature `mpi`): every process runs the command, data-parallel. Held
     // until the end: MPI is finalised when it drops.
@@ -82,8 +87,15 @@ fn main() -> ExitCode {
         pool = pool.num_threads(t.max(1));
     }
     if let Err(e) = pool.build_global() {
-        eprintln!("error: --threads: {e}");
-        return ExitCode::from(2);
+        let n = cli.threads.map_or_else(
+            || std::thread::available_parallelism().map_or(1, |n| n.get()),
+            |t| t.max(1),
+        );
+        report_error(&format!(
+            "cannot start {n} worker thread(s) ({} MiB of stack each): {e}; is the address-space limit (ulimit -v) or the process limit (ulimit -u) too low?",
+            WORKER_STACK_BYTES >> 20
+        ));
+        return ExitCode::from(1);
     }
     // The command runs on a worker of the pool, not on this thread: a `rayon::join` made
     // outside the pool is injected into it while this thread sleeps until a worker has run it
@@ -91,7 +103,21 @@ fn main() -> ExitCode {
     // worker a join is a push to its own deque that the other worker steals. This is also how
     // the allocation test (`comera-model/tests/no_alloc.rs`) runs the step. On a quiet machine
     // the batch-1 step measured the same either way (22.4 ms, rank 30, 2 threads).
-    let result = rayon::scope(|_| run_command(cli.command));
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        rayon::scope(|_| run_command(cli.command))
+    }));
+    let result = match run {
+        Ok(result) => result,
+        // A full disk, a closed terminal or `ulimit -f` under standard output or error: `println!`
+        // panics (rayon hands the worker's panic on to this thread); end with the reason.
+        Err(payload) => match output_failure(panic_text(&*payload)) {
+            Some(reason) => {
+                report_error(&reason);
+                return ExitCode::from(1);
+            }
+            None => std::panic::resume_unwind(payload),
+        },
+    };
     // Exit status: 0 success, 1 an error of the run (bad input, refused files, failures),
     // 2 a usage error (clap's).
     match result {
@@ -100,14 +126,59 @@ fn main() -> ExitCode {
             let (p, n) = comera_train::distributed::processes();
             if n > 1 {
                 // The other processes may be waiting for this one: end them all.
-                eprintln!("error (process {p} of {n}): {e:#}");
+                let _ = writeln!(std::io::stderr(), "error (process {p} of {n}): {e:#}");
                 comera_train::distributed::abort_job(1);
             } else {
-                eprintln!("error: {e:#}");
+                report_error(&format!("{e:#}"));
             }
             ExitCode::from(1)
         }
     }
+}
+
+/// `error: MESSAGE` on standard error; if standard error itself cannot be written, there is
+/// no one left to tell (the exit status still says it).
+fn report_error(message: &str) {
+    let _ = writeln!(std::io::stderr(), "error: {message}");
+}
+
+/// The text of a panic's payload (`panic!` with a literal gives a `&str`, with arguments a
+/// `String`).
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> Option<&str> {
+    payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+}
+
+/// The error of the panic `print!`/`eprint!` raise when standard output or error cannot be
+/// written (`failed printing to stdout: No space left on device (os error 28)`), as
+/// `standard output: No space left on device`; `None` for any other panic.
+fn output_failure(panic_text: Option<&str>) -> Option<String> {
+    let rest = panic_text?.strip_prefix("failed printing to ")?;
+    let (stream, reason) = rest.split_once(": ")?;
+    let stream = match stream {
+        "stdout" => "standard output",
+        "stderr" => "standard error",
+        _ => return None,
+    };
+    // The OS error number adds nothing to its text for a reader.
+    let reason = match reason.rfind(" (os error ") {
+        Some(i) if reason.ends_with(')') => &reason[..i],
+        _ => reason,
+    };
+    Some(format!("{stream}: {reason}"))
+}
+
+/// Keeps the panic hook quiet for the output failures [`output_failure`] recognises: `main`
+/// reports them as errors (every other panic is printed as usual).
+fn silence_output_failures() {
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if output_failure(panic_text(info.payload())).is_none() {
+            default_hook(info);
+        }
+    }));
 }
 
 /// Stack of each pool worker, which runs the whole command: the main thread's usual 8 MiB
@@ -128,5 +199,30 @@ fn run_command(command: Command) -> anyhow::Result<ExitCode> {
         Command::Inspect(a) => inspect_cmd::run(a),
         Command::Import(i) => import_cmd::run(i),
         Command::Export(a) => export_cmd::run(a),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::output_failure;
+
+    #[test]
+    fn print_panics_become_output_errors() {
+        assert_eq!(
+            output_failure(Some(
+                "failed printing to stdout: No space left on device (os error 28)"
+            ))
+            .as_deref(),
+            Some("standard output: No space left on device")
+        );
+        assert_eq!(
+            output_failure(Some(
+                "failed printing to stderr: File too large (os error 27)"
+            ))
+            .as_deref(),
+            Some("standard error: File too large")
+        );
+        assert_eq!(output_failure(Some("index out of bounds")), None);
+        assert_eq!(output_failure(None), None);
     }
 }

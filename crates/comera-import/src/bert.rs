@@ -27,13 +27,13 @@
 //! `BertForSequenceClassification` files) is accepted. Only `hidden_act = "gelu"` (exact erf,
 //! what comera computes) and absolute position embeddings are accepted.
 
-use crate::{ImportError, Result};
+use crate::{ImportError, Result, SizeLimit};
 use comera_model::{Encoder, EncoderConfig, LayerTt, Rank, TtmConfig};
 use comera_tensor::factor::balanced_factorisations;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
-use std::io::Read;
+use std::io::{Read, Seek};
 use std::path::Path;
 
 /// The fields of a HF `config.json` comera uses (others are ignored).
@@ -120,12 +120,30 @@ impl HfBertConfig {
                 ),
             ));
         }
-        if seq_len == 0 || seq_len > self.max_position_embeddings {
+        // Sizes beyond any real model are refused by name before anything is computed from
+        // them (the TT layouts below factorise the widths), with comera's own limits.
+        use comera_train::config::{LAYERS, ROWS, SEQ_LEN, WIDTH};
+        let u = |v: usize| v as u64;
+        for (field, value, bound) in [
+            ("vocab_size", u(self.vocab_size), ROWS),
+            ("hidden_size", u(self.hidden_size), WIDTH),
+            ("num_hidden_layers", u(self.num_hidden_layers), LAYERS),
+            ("num_attention_heads", u(self.num_attention_heads), WIDTH),
+            ("intermediate_size", u(self.intermediate_size), WIDTH),
+            ("type_vocab_size", u(self.type_vocab_size), ROWS),
+            ("num_labels (id2label)", u(num_labels), ROWS),
+        ] {
+            bound
+                .check(field, value)
+                .map_err(|e| ImportError::new(what, e))?;
+        }
+        let max_positions = SEQ_LEN.limit.min(u(self.max_position_embeddings)) as usize;
+        if seq_len == 0 || seq_len > max_positions {
             return Err(ImportError::new(
                 format!("{what}: max_position_embeddings"),
                 format!(
-                    "seq_len {seq_len} must be between 1 and the model's {} positions",
-                    self.max_position_embeddings
+                    "seq_len {seq_len} must be between 1 and the model's {} positions (at most {})",
+                    self.max_position_embeddings, SEQ_LEN.limit
                 ),
             ));
         }
@@ -146,10 +164,31 @@ impl HfBertConfig {
             ttm_embedding: false,
             ..EncoderConfig::default()
         };
+        // Dense, the config's checks need no TT layouts: check it, and its memory, first.
+        let lay = cfg.validate().map_err(|e| self.refuse(what, e))?;
+        check_import_fits(&cfg, &lay, what)?;
         set_default_layouts(&mut cfg, 8);
-        cfg.validate()
-            .map_err(|e| ImportError::new(what, format!("config gives no valid encoder: {e}")))?;
+        cfg.validate().map_err(|e| self.refuse(what, e))?;
         Ok(cfg)
+    }
+
+    /// A comera config error as one of this `config.json`'s fields (`what` names the file).
+    fn refuse(&self, what: &str, e: comera_model::ConfigError) -> ImportError {
+        let field = match e.field.as_str() {
+            "model.vocab_size" => "vocab_size",
+            "model.seq_len" => "max_position_embeddings",
+            "model.d_model" => "hidden_size",
+            "model.heads" => "num_attention_heads",
+            "model.ffn" => "intermediate_size",
+            "model.layers" => "num_hidden_layers",
+            "model.num_labels" => "id2label",
+            "model.type_vocab" => "type_vocab_size",
+            "model.dropout" => "hidden_dropout_prob",
+            "model.ln_eps" => "layer_norm_eps",
+            "model.init_std" => "initializer_range",
+            _ => return ImportError::new(what, format!("config gives no valid encoder: {e}")),
+        };
+        ImportError::new(format!("{what}: {field}"), e.msg)
     }
 
     /// The HF config describing a comera encoder's shape (for the dense export).
@@ -170,6 +209,25 @@ impl HfBertConfig {
             model_type: default_model_type(),
         }
     }
+}
+
+/// Refuses to import a model of shape `cfg` (validated, dense: `lay`) when the machine lacks
+/// the memory: the import holds the file's bytes, its parsed tensors and the model's values
+/// and gradients (four copies of the weights) and runs a batch on sample sentences.
+pub fn check_import_fits(
+    cfg: &EncoderConfig,
+    lay: &comera_model::config::Layouts,
+    what: &str,
+) -> Result<()> {
+    let mut estimate = cfg.estimate_inference_memory(lay, 8, cfg.seq_len, 4);
+    estimate.params_fields = "hidden_size, intermediate_size, num_hidden_layers or vocab_size";
+    estimate.state_fields = "--seq-len, num_hidden_layers or hidden_size";
+    estimate
+        .check(
+            comera_train::trainer::available_memory_bytes(),
+            "importing this model",
+        )
+        .map_err(|e| ImportError::new(what, e))
 }
 
 /// Balanced 3-factor TT layouts for the encoder's linear layers (inputs largest factor first,
@@ -251,49 +309,39 @@ impl BertWeights {
     /// safetensors file (with `config.json` beside it, if present).
     pub fn open(path: &Path) -> Result<BertWeights> {
         let shown = path.display().to_string();
-        let bytes = std::fs::read(path)
+        let mut file = comera_data::open_regular(path)
             .map_err(|e| ImportError::new(&shown, format!("cannot read: {e}")))?;
-        if bytes.starts_with(b"PK\x03\x04") {
-            let mut zip = zip::ZipArchive::new(std::io::Cursor::new(&bytes))
+        let mut magic = [0u8; 4];
+        let is_zip = file.read_exact(&mut magic).is_ok() && &magic == b"PK\x03\x04";
+        file.rewind()
+            .map_err(|e| ImportError::new(&shown, format!("cannot read: {e}")))?;
+        if is_zip {
+            let mut zip = zip::ZipArchive::new(file)
                 .map_err(|e| ImportError::new(&shown, format!("not a readable zip: {e}")))?;
-            let mut member = |name: &str| -> Result<Option<Vec<u8>>> {
-                match zip.by_name(name) {
-                    Ok(mut f) => {
-                        let mut out = Vec::with_capacity(f.size() as usize);
-                        f.read_to_end(&mut out).map_err(|e| {
-                            ImportError::new(
-                                format!("{shown}: {name}"),
-                                format!("cannot read: {e}"),
-                            )
-                        })?;
-                        Ok(Some(out))
-                    }
-                    Err(zip::result::ZipError::FileNotFound) => Ok(None),
-                    Err(e) => Err(ImportError::new(
-                        format!("{shown}: {name}"),
-                        format!("cannot read: {e}"),
-                    )),
-                }
-            };
-            let st = member("model.safetensors")?.ok_or_else(|| {
-                ImportError::new(&shown, "the zip has no member `model.safetensors`")
-            })?;
-            let config = member("config.json")?
+            let config = crate::zip_member(&mut zip, &shown, "config.json", &SizeLimit::text())?
                 .map(|c| {
                     String::from_utf8(c).map_err(|_| {
                         ImportError::new(format!("{shown}: config.json"), "not UTF-8 text")
                     })
                 })
                 .transpose()?;
+            let st =
+                crate::zip_member(&mut zip, &shown, "model.safetensors", &SizeLimit::weights())?
+                    .ok_or_else(|| {
+                        ImportError::new(&shown, "the zip has no member `model.safetensors`")
+                    })?;
             let mut w = BertWeights::from_bytes(&st, &format!("{shown}: model.safetensors"))?;
             w.config_json = config;
             Ok(w)
         } else {
+            drop(file);
+            let bytes = crate::read_file_limited(path, &SizeLimit::weights())?;
             let mut w = BertWeights::from_bytes(&bytes, &shown)?;
             let sibling = path.with_file_name("config.json");
             if sibling.is_file() {
-                w.config_json = Some(std::fs::read_to_string(&sibling).map_err(|e| {
-                    ImportError::new(sibling.display().to_string(), format!("cannot read: {e}"))
+                let text = crate::read_file_limited(&sibling, &SizeLimit::text())?;
+                w.config_json = Some(String::from_utf8(text).map_err(|_| {
+                    ImportError::new(sibling.display().to_string(), "not UTF-8 text")
                 })?);
             }
             Ok(w)
@@ -378,6 +426,10 @@ impl BertWeights {
             if let Some(n) = num_labels {
                 cfg.num_labels = n;
             }
+            let lay = cfg
+                .validate()
+                .map_err(|e| ImportError::new(&what, format!("config: {e}")))?;
+            check_import_fits(&cfg, &lay, &what)?;
             cfg
         } else {
             let (text, what) = match (self.metadata.get("hf_config"), &self.config_json) {

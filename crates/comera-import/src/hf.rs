@@ -22,15 +22,16 @@
 use crate::bert::{import_dense, BertWeights, HfBertConfig, ImportInfo};
 use crate::export::{densify, hf_tensors, le_bytes, serialize, serialize_typed, NamedTensor};
 use crate::minilm::Reference;
-use crate::{ImportError, Result};
+use crate::{read_file_limited, zip_member, ImportError, Result, SizeLimit};
 use comera_data::BertTokenizer;
 use comera_layers::activation::Gelu;
 use comera_layers::Layer;
-use comera_model::{AnyEmbedding, AnyLinear, Encoder, Head, HeadKind, MlmDecoder, MlmDecoderKind};
+use comera_model::{
+    AnyEmbedding, AnyLinear, Encoder, EncoderConfig, Head, HeadKind, MlmDecoder, MlmDecoderKind,
+};
 use comera_tensor::{matmul, MatMut, MatRef};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// The Hugging Face class of a classifier export.
@@ -275,19 +276,19 @@ pub struct ReadOptions {
     pub seed: u64,
 }
 
-/// Reads member `name` of a model directory or a `.zip` of one (`None` when absent).
-fn member(src: &Path, name: &str) -> Result<Option<Vec<u8>>> {
+/// Reads member `name` of a model directory or a `.zip` of one (`None` when absent), if it
+/// holds at most `limit` bytes (a zip member's declared size and the bytes it inflates to are
+/// both checked).
+fn member(src: &Path, name: &str, limit: &SizeLimit) -> Result<Option<Vec<u8>>> {
     let shown = src.display().to_string();
     if src.is_dir() {
         let p = src.join(name);
         if !p.exists() {
             return Ok(None);
         }
-        return std::fs::read(&p)
-            .map(Some)
-            .map_err(|e| ImportError::new(p.display().to_string(), format!("cannot read: {e}")));
+        return read_file_limited(&p, limit).map(Some);
     }
-    let f = std::fs::File::open(src)
+    let f = comera_data::open_regular(src)
         .map_err(|e| ImportError::new(&shown, format!("cannot read: {e}")))?;
     let mut zip = zip::ZipArchive::new(f).map_err(|e| {
         ImportError::new(
@@ -295,21 +296,31 @@ fn member(src: &Path, name: &str) -> Result<Option<Vec<u8>>> {
             format!("neither a directory nor a readable zip: {e}"),
         )
     })?;
-    let out = match zip.by_name(name) {
-        Ok(mut f) => {
-            let mut out = Vec::with_capacity(f.size() as usize);
-            f.read_to_end(&mut out).map_err(|e| {
-                ImportError::new(format!("{shown}: {name}"), format!("cannot read: {e}"))
-            })?;
-            Ok(Some(out))
-        }
-        Err(zip::result::ZipError::FileNotFound) => Ok(None),
-        Err(e) => Err(ImportError::new(
-            format!("{shown}: {name}"),
-            format!("cannot read: {e}"),
-        )),
-    };
-    out
+    zip_member(&mut zip, &shown, name, limit)
+}
+
+/// The most bytes the `model.safetensors` of a model of shape `cfg` (its file holds
+/// `max_positions` position rows) may hold: twice its weights in F32 with a masked-LM head
+/// besides (a checkpoint may hold a few tensors comera does not use) and room for the header,
+/// and at most what the machine can load.
+fn weights_limit(cfg: &EncoderConfig, max_positions: usize) -> SizeLimit {
+    let expected = cfg
+        .validate()
+        .map(|lay| {
+            let (d, v) = (cfg.d_model as f64, cfg.vocab_size as f64);
+            let own = cfg.estimate_inference_memory(&lay, 1, max_positions, 1);
+            own.params_bytes + 4.0 * (d * v + d * d + v)
+        })
+        .unwrap_or(f64::INFINITY);
+    let bytes = 2.0 * expected + (16u64 << 20) as f64;
+    SizeLimit {
+        bytes: bytes.min(u64::MAX as f64) as u64,
+        why: format!(
+            "config.json describes about {} of F32 weights",
+            comera_model::estimate::bytes_text(expected)
+        ),
+    }
+    .min(SizeLimit::weights())
 }
 
 fn text(bytes: Vec<u8>, what: &str) -> Result<String> {
@@ -320,10 +331,10 @@ fn text(bytes: Vec<u8>, what: &str) -> Result<String> {
 /// `tokenizer.json` (`model.vocab`, token → id) written out in id order.
 fn read_vocab(src: &Path) -> Result<Option<String>> {
     let shown = src.display().to_string();
-    if let Some(b) = member(src, "vocab.txt")? {
+    if let Some(b) = member(src, "vocab.txt", &SizeLimit::text())? {
         return text(b, &format!("{shown}: vocab.txt")).map(Some);
     }
-    let Some(b) = member(src, "tokenizer.json")? else {
+    let Some(b) = member(src, "tokenizer.json", &SizeLimit::text())? else {
         return Ok(None);
     };
     let what = format!("{shown}: tokenizer.json");
@@ -364,6 +375,68 @@ fn read_vocab(src: &Path) -> Result<Option<String>> {
     Ok(Some(out))
 }
 
+/// Whether a model directory (or `.zip`) has member `name`.
+fn has_member(src: &Path, name: &str) -> bool {
+    if src.is_dir() {
+        return src.join(name).exists();
+    }
+    comera_data::open_regular(src)
+        .ok()
+        .and_then(|f| zip::ZipArchive::new(f).ok())
+        .is_some_and(|z| z.index_for_name(name).is_some())
+}
+
+/// The label names of a classifier's `id2label` (`v`): ids 0..n each once, at least two, as
+/// many as `num_labels` says when present; `field` names a config.json field in errors.
+fn id2label(
+    v: &Value,
+    num_labels: Option<&Value>,
+    field: &dyn Fn(&str) -> String,
+) -> Result<Vec<String>> {
+    let m = v
+        .as_object()
+        .ok_or_else(|| ImportError::new(field("id2label"), "is not a map of id to label name"))?;
+    if m.len() < 2 {
+        return Err(ImportError::new(
+            field("id2label"),
+            format!(
+                "has {} label(s); a classifier needs at least 2 (ids \"0\", \"1\", …)",
+                m.len()
+            ),
+        ));
+    }
+    let mut names = vec![None; m.len()];
+    for (k, name) in m {
+        let slot = k
+            .parse::<usize>()
+            .ok()
+            .filter(|i| i.to_string() == *k)
+            .and_then(|i| names.get_mut(i))
+            .ok_or_else(|| {
+                ImportError::new(
+                    field("id2label"),
+                    format!("key {k:?} is not an id in 0..{}", m.len() - 1),
+                )
+            })?;
+        *slot = Some(
+            name.as_str()
+                .map(str::to_string)
+                .unwrap_or(name.to_string()),
+        );
+    }
+    // n distinct keys each in 0..n fill every slot.
+    let names: Vec<String> = names.into_iter().flatten().collect();
+    if let Some(n) = num_labels {
+        if n.as_u64() != Some(names.len() as u64) {
+            return Err(ImportError::new(
+                field("num_labels"),
+                format!("is {n}, but id2label names {} labels", names.len()),
+            ));
+        }
+    }
+    Ok(names)
+}
+
 /// Reads a Hugging Face BERT directory (or a `.zip` of one); see the module docs.
 pub fn read_hf(src: &Path, opts: &ReadOptions) -> Result<HfModel> {
     let shown = src.display().to_string();
@@ -372,7 +445,7 @@ pub fn read_hf(src: &Path, opts: &ReadOptions) -> Result<HfModel> {
     }
     let cfg_what = format!("{shown}: config.json");
     let config_text = text(
-        member(src, "config.json")?.ok_or_else(|| {
+        member(src, "config.json", &SizeLimit::text())?.ok_or_else(|| {
             ImportError::new(
                 &cfg_what,
                 "is missing (a Hugging Face model directory has one)",
@@ -427,33 +500,7 @@ pub fn read_hf(src: &Path, opts: &ReadOptions) -> Result<HfModel> {
     let mlm = matches!(architecture.as_str(), MASKED_LM | "BertForPreTraining");
     // Labels: id2label of a classifier (ids 0..n), else a fresh head of num_labels.
     let labels: Vec<String> = match (&architecture[..], config.get("id2label")) {
-        (SEQUENCE_CLASSIFICATION, Some(v)) => {
-            let m = v.as_object().ok_or_else(|| {
-                ImportError::new(field("id2label"), "is not a map of id to label name")
-            })?;
-            let mut names = vec![None; m.len()];
-            for (k, name) in m {
-                let slot = k
-                    .parse::<usize>()
-                    .ok()
-                    .and_then(|i| names.get_mut(i))
-                    .ok_or_else(|| {
-                        ImportError::new(
-                            field("id2label"),
-                            format!("key {k:?} is not an id in 0..{}", m.len()),
-                        )
-                    })?;
-                *slot = Some(
-                    name.as_str()
-                        .map(str::to_string)
-                        .unwrap_or(name.to_string()),
-                );
-            }
-            names
-                .into_iter()
-                .map(|n| n.expect("every id filled"))
-                .collect()
-        }
+        (SEQUENCE_CLASSIFICATION, Some(v)) => id2label(v, config.get("num_labels"), &field)?,
         _ => (0..opts.num_labels.unwrap_or(2))
             .map(|i| format!("LABEL_{i}"))
             .collect(),
@@ -473,8 +520,9 @@ pub fn read_hf(src: &Path, opts: &ReadOptions) -> Result<HfModel> {
         };
     }
     let st_what = format!("{shown}: model.safetensors");
-    let Some(bytes) = member(src, "model.safetensors")? else {
-        let hint = if member(src, "pytorch_model.bin")?.is_some() {
+    let weights_limit = weights_limit(&cfg, hf.max_position_embeddings);
+    let Some(bytes) = member(src, "model.safetensors", &weights_limit)? else {
+        let hint = if has_member(src, "pytorch_model.bin") {
             " (there is a pytorch_model.bin: comera reads safetensors only; save the model with safe_serialization=True)"
         } else {
             ""
@@ -504,7 +552,7 @@ pub fn read_hf(src: &Path, opts: &ReadOptions) -> Result<HfModel> {
         .unused
         .retain(|n| n != "cls.predictions.decoder.bias" || bias(n) != bias("cls.predictions.bias"));
     let mut notes = Vec::new();
-    if let Some(b) = member(src, "tokenizer_config.json")? {
+    if let Some(b) = member(src, "tokenizer_config.json", &SizeLimit::text())? {
         let tc: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
         if tc.get("do_lower_case").and_then(Value::as_bool) == Some(false) {
             notes.push("tokenizer_config.json: do_lower_case = false, but comera's BERT tokenizer lower-cases: the model will see other ids than it was trained on".into());

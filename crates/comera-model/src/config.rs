@@ -11,6 +11,9 @@ pub struct ConfigError {
     pub msg: String,
 }
 
+/// The largest LayerNorm ε accepted: well below the unit variance of normalised activations.
+pub const MAX_LN_EPS: f32 = 1e-2;
+
 fn err(field: &str, msg: impl Into<String>) -> ConfigError {
     ConfigError {
         field: field.into(),
@@ -485,8 +488,16 @@ impl EncoderConfig {
                 format!("must be in [0, 1), got {}", self.dropout),
             ));
         }
-        if !(self.ln_eps > 0.0 && self.ln_eps.is_finite()) {
-            return Err(err("model.ln_eps", "must be a positive number"));
+        // ε is added to a variance (about 1 for normalised activations): BERT uses 1e-12,
+        // others 1e-5; one near the variance no longer normalises (1e30 zeroes every output).
+        if !(self.ln_eps > 0.0 && self.ln_eps <= MAX_LN_EPS) {
+            return Err(err(
+                "model.ln_eps",
+                format!(
+                    "must be in (0, {MAX_LN_EPS}] (BERT: 1e-12), got {}",
+                    self.ln_eps
+                ),
+            ));
         }
         // BERT uses 0.02; a standard deviation above 1 only saturates the softmax and GELU
         // (and at 1e30 overflows the first step's sums).
@@ -609,5 +620,29 @@ impl EncoderConfig {
             warnings,
             head: self.head,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layer_norm_epsilon_beyond_the_variance_is_refused() {
+        for bad in [0.0, -1e-5, 1e30, f32::INFINITY, f32::NAN, 0.5] {
+            let cfg = EncoderConfig {
+                ln_eps: bad,
+                ..EncoderConfig::default()
+            };
+            let e = cfg.validate().unwrap_err();
+            assert_eq!(e.field, "model.ln_eps", "{bad}: {e}");
+        }
+        for good in [1e-12, 1e-5, MAX_LN_EPS] {
+            let cfg = EncoderConfig {
+                ln_eps: good,
+                ..EncoderConfig::default()
+            };
+            cfg.validate().unwrap();
+        }
     }
 }

@@ -21,10 +21,13 @@ use comera_tensor::{TtShape, TtmShape};
 /// An estimate of a model's training memory at one batch shape, in bytes, with what drives it.
 #[derive(Clone, Debug)]
 pub struct MemoryEstimate {
-    /// Parameters, gradients and optimiser moments.
+    /// Parameters, gradients and optimiser moments (training), or the parameter values as
+    /// many times as they are held (inference).
     pub params_bytes: f64,
     /// The batch state.
     pub state_bytes: f64,
+    /// What the parameter term holds, in words.
+    pub params_what: &'static str,
     /// The config fields that drive each term (for the error naming them).
     pub params_fields: &'static str,
     pub state_fields: &'static str,
@@ -40,20 +43,33 @@ impl MemoryEstimate {
         if self.total() <= available {
             return Ok(());
         }
-        const GIB: f64 = (1u64 << 30) as f64;
         let fields = if self.params_bytes >= self.state_bytes {
             self.params_fields
         } else {
             self.state_fields
         };
         Err(format!(
-            "{what} needs about {:.1} GiB (parameters with gradients and optimiser {:.1} GiB, batch state {:.1} GiB), but {:.1} GiB are available; reduce {fields}",
-            self.total() / GIB,
-            self.params_bytes / GIB,
-            self.state_bytes / GIB,
-            available / GIB
+            "{what} needs about {} ({} {}, batch state {}), but {} are available; reduce {fields}",
+            bytes_text(self.total()),
+            self.params_what,
+            bytes_text(self.params_bytes),
+            bytes_text(self.state_bytes),
+            bytes_text(available)
         ))
     }
+}
+
+/// A byte count in binary units with one decimal: `0.4 GiB` below a TiB (the scale of the
+/// machines comera runs on), `4.1 TiB` and up beyond it.
+pub fn bytes_text(bytes: f64) -> String {
+    const UNITS: [&str; 4] = ["GiB", "TiB", "PiB", "EiB"];
+    let mut value = bytes / (1u64 << 30) as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
 }
 
 fn tt_params(s: &TtShape) -> f64 {
@@ -100,10 +116,31 @@ impl EncoderConfig {
         MemoryEstimate {
             params_bytes: 4.0 * 4.0 * params,
             state_bytes: 4.0 * (b * t * per_token + head_state),
+            params_what: "parameters with gradients and optimiser",
             params_fields:
                 "model.layers, model.d_model, model.ffn, the TT/TTM ranks or model.vocab_size",
             state_fields:
                 "train.batch_size, model.seq_len (or the phase's), model.layers or model.d_model",
+        }
+    }
+
+    /// The memory of running this encoder without training it, at `batch` sequences of
+    /// `seq_len` tokens: its parameter values held `copies` times (loading a model holds the
+    /// file's bytes and its parsed tensors besides the model's own values) and the batch state.
+    pub fn estimate_inference_memory(
+        &self,
+        lay: &Layouts,
+        batch: usize,
+        seq_len: usize,
+        copies: usize,
+    ) -> MemoryEstimate {
+        let training = self.estimate_memory(lay, batch, seq_len);
+        MemoryEstimate {
+            // Training holds four values a parameter (value, gradient, two moments).
+            params_bytes: training.params_bytes / 4.0 * copies as f64,
+            params_what: "parameters",
+            state_fields: "model.seq_len, model.layers or model.d_model",
+            ..training
         }
     }
 }
@@ -190,6 +227,32 @@ mod tests {
         let e = EncoderConfig::default().estimate_memory(&lay, 32, 100_000_000);
         let msg = e.check(24e9, "training").unwrap_err();
         assert!(msg.contains("model.seq_len"), "{msg}");
+    }
+
+    #[test]
+    fn inference_holds_the_values_only_and_sizes_read_in_their_unit() {
+        let cfg = EncoderConfig {
+            d_model: 1 << 20,
+            heads: 1,
+            ffn: 1 << 20,
+            tt_linear: false,
+            ttm_embedding: false,
+            ..EncoderConfig::default()
+        };
+        let lay = cfg.validate().unwrap();
+        let train = cfg.estimate_memory(&lay, 1, 8);
+        let run = cfg.estimate_inference_memory(&lay, 1, 8, 1);
+        assert_eq!(run.params_bytes * 4.0, train.params_bytes);
+        let msg = run
+            .check(21.3 * (1u64 << 30) as f64, "loading")
+            .unwrap_err();
+        assert!(
+            msg.contains("TiB") && msg.contains("21.3 GiB are available"),
+            "{msg}"
+        );
+        assert_eq!(bytes_text(4.1 * (1u64 << 40) as f64), "4.1 TiB");
+        assert_eq!(bytes_text(0.5 * (1u64 << 30) as f64), "0.5 GiB");
+        assert!(bytes_text(1e30).ends_with(" EiB"));
     }
 
     #[test]

@@ -5,13 +5,16 @@
 use crate::checkpoint::Checkpoint;
 use crate::config::AnyRunConfig;
 use crate::data::{prepare, CorpusData};
-use crate::files::{load_saved, ModelMeta, SavedModel};
+use crate::files::{load_saved, DlrmMeta, ModelMeta, SavedModel, MODEL_META};
 use crate::task::{evaluate_classifier, evaluate_ctr, evaluate_mlm, EvalStats};
+use crate::trainer::available_memory_bytes;
 use anyhow::{bail, Context};
 use comera_data::ctr::{CatMapping, CriteoReader, CriteoSpec, CtrData};
 use comera_data::BertTokenizer;
 use comera_dlrm::loss::sigmoid;
 use comera_dlrm::Dlrm;
+use comera_layers::Model;
+use comera_model::estimate::bytes_text;
 use comera_model::{Encoder, HeadKind};
 use std::path::Path;
 
@@ -29,9 +32,105 @@ pub fn load_run(
             let cfg_path = run.join("config.toml");
             let cfg = AnyRunConfig::from_file(&cfg_path)
                 .context("the run's data settings come from its config.toml")?;
+            check_saved_model(run)?;
             Ok((load_saved(run)?, cfg))
         }
     }
+}
+
+/// Refuses the model of a run directory before anything of it is built: a model whose memory
+/// (estimated from its `model.toml`: the model's values and gradients, and the weights file
+/// read beside them) exceeds what the machine has, or a classifier with other than one label
+/// name per class. A `model.toml` that does not parse is left to the loader to report.
+pub fn check_saved_model(run: &Path) -> anyhow::Result<()> {
+    let path = run.join(MODEL_META);
+    let Ok(text) = comera_data::read_regular_to_string(&path) else {
+        return Ok(());
+    };
+    let Ok(table) = text.parse::<toml::Table>() else {
+        return Ok(());
+    };
+    let what = format!("loading the model of {}", path.display());
+    let available = available_memory_bytes();
+    if table.get("kind").and_then(|k| k.as_str()) == Some("dlrm") {
+        let Ok(meta) = toml::from_str::<DlrmMeta>(&text) else {
+            return Ok(());
+        };
+        // Training holds four values a parameter (value, gradient, two moments); loading
+        // holds the value, the gradient and the file's bytes.
+        let need = meta
+            .model
+            .estimate_memory_bytes(meta.n_dense, &meta.table_sizes, 1)
+            * 3.0
+            / 4.0;
+        if need > available {
+            bail!(
+                "{what} needs about {}, but {} are available; the model's table_sizes or model.embedding_dim are too large for this machine",
+                bytes_text(need),
+                bytes_text(available)
+            );
+        }
+        return Ok(());
+    }
+    let Ok(meta) = toml::from_str::<ModelMeta>(&text) else {
+        return Ok(());
+    };
+    let lay = meta
+        .model
+        .validate()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    meta.model
+        .estimate_inference_memory(&lay, 1, meta.model.seq_len, 3)
+        .check(available, &what)
+        .map_err(anyhow::Error::msg)?;
+    check_labels(&meta, &path)
+}
+
+/// A classifier's `labels` must name each of its `num_labels` classes once.
+fn check_labels(meta: &ModelMeta, source: &Path) -> anyhow::Result<()> {
+    if meta.model.head == HeadKind::Classifier && meta.labels.len() != meta.model.num_labels {
+        bail!(
+            "{}: labels: {} names for a {}-label classifier (model.num_labels); each class needs one",
+            source.display(),
+            meta.labels.len(),
+            meta.model.num_labels
+        );
+    }
+    Ok(())
+}
+
+/// Why a model gave non-finite outputs, as far as its weights tell: the largest weight
+/// magnitude and where it is.
+fn non_finite_cause(model: &dyn Model) -> String {
+    let mut largest = (0.0f32, "");
+    for p in model.params() {
+        for v in &p.value {
+            if !(v.abs() <= largest.0) {
+                largest = (v.abs(), &p.name);
+            }
+        }
+    }
+    let (magnitude, name) = largest;
+    if magnitude > 1e6 {
+        format!(
+            "weights up to {magnitude:.1e} (`{name}`) overflow f32 arithmetic; the model file is damaged or was not trained"
+        )
+    } else {
+        format!(
+            "its largest weight is {magnitude:.3} (`{name}`); the arithmetic overflowed on this input"
+        )
+    }
+}
+
+/// An error if `values` (what the model computed for `what`) holds a NaN or an infinity.
+fn check_finite_outputs(values: &[f32], model: &dyn Model, what: &str) -> anyhow::Result<()> {
+    if values.iter().all(|v| v.is_finite()) {
+        return Ok(());
+    }
+    bail!(
+        "the model's {what} are not finite ({})",
+        non_finite_cause(model)
+    )
 }
 
 /// What [`eval_run`] evaluated.
@@ -71,6 +170,7 @@ pub fn eval_run(
                     .state_for(batch, t, rows)
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
                 let s = evaluate_mlm(&model, &mut st, &d, &d.packed_ref(t).valid)?;
+                check_finite_loss(&s, &model)?;
                 return Ok((EvalKind::MaskedLm, s));
             }
             if let Some(f) = data {
@@ -85,10 +185,9 @@ pub fn eval_run(
             let d = prepare(&cfg.data, t, cfg.train.seed)?;
             let batch = clamp_batch(batch, d.valid.len(), "validation examples")?;
             let mut st = model.state(batch);
-            Ok((
-                EvalKind::Classifier,
-                evaluate_classifier(&model, &mut st, &d.valid)?,
-            ))
+            let s = evaluate_classifier(&model, &mut st, &d.valid)?;
+            check_finite_loss(&s, &model)?;
+            Ok((EvalKind::Classifier, s))
         }
         (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
             let valid = match data {
@@ -97,13 +196,27 @@ pub fn eval_run(
             };
             let batch = clamp_batch(batch, valid.len(), "validation examples")?;
             let mut st = model.state(batch);
-            Ok((EvalKind::Ctr, evaluate_ctr(&model, &mut st, &valid)?.0))
+            let s = evaluate_ctr(&model, &mut st, &valid)?.0;
+            check_finite_loss(&s, &model)?;
+            Ok((EvalKind::Ctr, s))
         }
         _ => bail!(
             "{}: the model and the run's config.toml are of different kinds",
             run.display()
         ),
     }
+}
+
+/// An error if an evaluation's loss is not finite (the model's outputs overflowed).
+fn check_finite_loss(s: &EvalStats, model: &dyn Model) -> anyhow::Result<()> {
+    if s.loss.is_finite() {
+        return Ok(());
+    }
+    bail!(
+        "the evaluation loss is {}: the model's outputs are not finite ({})",
+        s.loss,
+        non_finite_cause(model)
+    )
 }
 
 /// The evaluation batch: at most the `n` items there are (a larger batch would only allocate
@@ -130,7 +243,11 @@ fn read_criteo(model: &Dlrm, mapping: &str, path: &Path) -> anyhow::Result<CtrDa
         mapping: mapping.parse::<CatMapping>().map_err(anyhow::Error::msg)?,
         max_malformed: 0,
     };
-    Ok(CriteoReader::open(path, spec)?.read_all(0)?)
+    let data = CriteoReader::open(path, spec)?.read_all(0)?;
+    if data.is_empty() {
+        bail!("{}: the input file is empty (no rows)", path.display());
+    }
+    Ok(data)
 }
 
 /// A classifier's label and its probability for each text (pairs separated by a tab).
@@ -142,6 +259,7 @@ pub fn predict_texts(
     if meta.model.head != HeadKind::Classifier {
         bail!("a masked-LM model has no labels to predict: use it to fill [MASK] tokens, or fine-tune it with train.init_from");
     }
+    check_labels(meta, Path::new(MODEL_META))?;
     let tok = BertTokenizer::from_vocab_file(&meta.vocab)
         .with_context(|| format!("vocabulary {}", meta.vocab.display()))?;
     let t = meta.model.seq_len;
@@ -165,6 +283,7 @@ pub fn predict_texts(
         .map_err(anyhow::Error::msg)?;
         model.forward(&mut st, false, 0)?;
         let logits = st.logits();
+        check_finite_outputs(logits, model, "logits")?;
         let label = comera_layers::loss::argmax(logits);
         let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         let z: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
@@ -223,6 +342,7 @@ pub fn fill_mask(
         .map_err(anyhow::Error::msg)?;
     model.forward(&mut st, false, 0)?;
     let logits = st.logits();
+    check_finite_outputs(logits, model, "logits")?;
     let width = logits.len() / selected.len().max(1);
     let vocab = meta.model.vocab_size.min(width);
     Ok(logits
@@ -251,5 +371,6 @@ pub fn predict_clicks(model: &Dlrm, mapping: &str, path: &Path) -> anyhow::Resul
     let data = read_criteo(model, mapping, path)?;
     let mut st = model.state(1);
     let (_, scores) = evaluate_ctr(model, &mut st, &data)?;
+    check_finite_outputs(&scores, model, "click logits")?;
     Ok(scores.into_iter().map(sigmoid).collect())
 }
