@@ -9,6 +9,101 @@ use comera_optim::{AdamWConfig, Decay};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+/// An upper bound on an integer a user types (a config field or a command-line flag), with
+/// the reason for it. Every such number is checked against one before anything is planned or
+/// allocated from it, so that a typo is an error naming the field rather than a panic, an
+/// abort or gigabytes of memory; each limit is far beyond real use.
+#[derive(Clone, Copy, Debug)]
+pub struct Bound {
+    pub limit: u64,
+    pub why: &'static str,
+}
+
+impl Bound {
+    /// `field: VALUE is more than the limit LIMIT; WHY` when `value` exceeds the limit.
+    pub fn check(&self, field: &str, value: u64) -> Result<(), String> {
+        if value > self.limit {
+            return Err(format!(
+                "{field}: {value} is more than the limit {}; {}",
+                self.limit, self.why
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Any count, step number or seed: a run writes its config back as TOML (`config.toml` in
+/// the run directory, read again by `--resume`, `eval` and `predict`), and TOML integers are
+/// signed 64-bit.
+pub const TOML_INT: Bound = Bound {
+    limit: i64::MAX as u64,
+    why: "a run's config is saved as TOML, whose integers are signed 64-bit",
+};
+
+/// Epochs of a run (summed over its phases): the trainer plans every epoch before the first
+/// step (a few bytes each), and a million epochs of even one step each is days of training.
+pub const EPOCHS: Bound = Bound {
+    limit: 1_000_000,
+    why: "a million epochs is already days of single-step epochs (each epoch is planned before the first step)",
+};
+
+/// Examples per step: buffers are planned for a whole batch, and 2^20 sequences is more than
+/// any CPU's memory holds the activations of (the memory check refuses smaller ones that do
+/// not fit either, with the estimate).
+pub const BATCH: Bound = Bound {
+    limit: 1 << 20,
+    why: "a step's buffers are planned for the whole batch",
+};
+
+/// Tokens per sequence: the position table has a row per position and attention a score per
+/// pair of positions (2^16 tokens: 2^32 scores a head), BERT uses 512.
+pub const SEQ_LEN: Bound = Bound {
+    limit: 1 << 16,
+    why: "attention holds a score for every pair of positions (BERT uses 512)",
+};
+
+/// A layer's width (model.d_model, model.ffn, dlrm.embedding_dim, MLP widths) or a TT/TTM
+/// rank: a dense 2^16 × 2^16 matrix is 16 GiB of weights; the widest published transformer
+/// layers are about 50,000.
+pub const WIDTH: Bound = Bound {
+    limit: 1 << 16,
+    why: "a dense square layer of that width is 16 GiB of weights",
+};
+
+/// Rows of a word embedding, token types or classes: 2^24 (16.7 million) rows is 64 times the
+/// largest tokenizers' vocabularies.
+pub const ROWS: Bound = Bound {
+    limit: 1 << 24,
+    why: "a table of that many rows is 64 times the largest tokenizers' vocabularies",
+};
+
+/// Encoder blocks: 1,024 is ten times the deepest published BERT-style encoders.
+pub const LAYERS: Bound = Bound {
+    limit: 1024,
+    why: "ten times the deepest published encoders",
+};
+
+/// Cores of a DLRM TTM table: TT-Rec and CoMERA use 3-4; a table of 2^32 rows split over 16
+/// cores already has 4 rows a mode, so more cores only add rank bonds.
+pub const TTM_CORES: Bound = Bound {
+    limit: 16,
+    why: "a table of 2^32 rows in 16 cores has 4 rows a mode (TT-Rec and CoMERA use 3-4 cores)",
+};
+
+/// Rows of one DLRM table, and the total of the 26 synthetic/Criteo tables: ids are 32-bit
+/// (the synthetic generator's and the hashed Criteo ids').
+pub const TABLE_ROWS: Bound = Bound {
+    limit: u32::MAX as u64,
+    why: "categorical ids are 32-bit",
+};
+
+/// Examples held in memory (the synthetic validation set): about 200 bytes each, so 10^7 is
+/// 2 GB.
+pub const HELD_EXAMPLES: Bound = Bound {
+    limit: 10_000_000,
+    why: "the set is held in memory (about 200 bytes an example)",
+};
+
 /// Where the examples come from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -83,6 +178,56 @@ impl Default for DataConfig {
             random_prob: 0.1,
         }
     }
+}
+
+impl DataConfig {
+    /// A classification run refuses the masked-LM fields set to anything but their defaults:
+    /// they would be ignored, and a user who set one expects it to do something.
+    fn check_no_corpus_fields(&self) -> Result<(), String> {
+        let default = DataConfig::default();
+        let set = [
+            ("corpus", self.corpus != default.corpus),
+            ("extensions", self.extensions != default.extensions),
+            ("text_docs", self.text_docs != default.text_docs),
+            ("tokenizer", self.tokenizer != default.tokenizer),
+            // `!=` on floats: NaN differs from every default too.
+            ("select_prob", self.select_prob != default.select_prob),
+            ("mask_prob", self.mask_prob != default.mask_prob),
+            ("random_prob", self.random_prob != default.random_prob),
+        ];
+        match set.iter().find(|(_, changed)| *changed) {
+            Some((field, _)) => Err(format!(
+                "data.{field}: only masked-LM runs (data.source = \"corpus\") use it, and this run classifies `{}` data; remove it",
+                self.source
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Labels and label names (`field`) are shown one a line, written into `predict`'s TSV and
+/// exported as Hugging Face's `label2id` keys: each must be non-empty, free of control
+/// characters (a tab or newline breaks the TSV) and different from the others.
+fn check_names(field: &str, names: &[String]) -> Result<(), String> {
+    if names.is_empty() {
+        return Err(format!("{field}: empty; give one name per label"));
+    }
+    for (i, name) in names.iter().enumerate() {
+        if name.trim().is_empty() {
+            return Err(format!("{field}[{i}]: empty name {name:?}"));
+        }
+        if name.chars().any(char::is_control) {
+            return Err(format!(
+                "{field}[{i}]: {name:?} holds a control character (tab, newline, …), which would break predict's TSV output"
+            ));
+        }
+        if let Some(j) = names[..i].iter().position(|n| n == name) {
+            return Err(format!(
+                "{field}[{i}]: {name:?} is also {field}[{j}]; every label needs its own name"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// One pre-training phase (BERT practice: most steps at a short sequence length, then a
@@ -263,6 +408,8 @@ impl RunConfig {
 
     /// Checks every table; the message names the field.
     pub fn validate(&self) -> Result<(), String> {
+        // Bounds first: the layouts below are computed from these numbers.
+        self.check_bounds()?;
         self.model.validate().map_err(|e| e.to_string())?;
         if self.model.seq_len < 2 {
             return Err(format!(
@@ -348,6 +495,14 @@ impl RunConfig {
                     d.text_docs
                 ));
             }
+        } else {
+            d.check_no_corpus_fields()?;
+        }
+        if let Some(labels) = &d.labels {
+            check_names("data.labels", labels)?;
+        }
+        if let Some(names) = &d.label_names {
+            check_names("data.label_names", names)?;
         }
         for (i, ph) in t.phases.iter().enumerate() {
             let f = |k: &str| format!("train.phases[{i}].{k}");
@@ -368,6 +523,56 @@ impl RunConfig {
             check_accumulation(t.accumulate_steps, ph.batch_size, &f("batch_size"))?;
         }
         Ok(())
+    }
+
+    /// Every integer of the config against its [`Bound`].
+    fn check_bounds(&self) -> Result<(), String> {
+        let (m, t, d) = (&self.model, &self.train, &self.data);
+        let u = |v: usize| v as u64;
+        for (field, value, bound) in [
+            ("model.vocab_size", u(m.vocab_size), ROWS),
+            ("model.seq_len", u(m.seq_len), SEQ_LEN),
+            ("model.d_model", u(m.d_model), WIDTH),
+            ("model.heads", u(m.heads), WIDTH),
+            ("model.ffn", u(m.ffn), WIDTH),
+            ("model.layers", u(m.layers), LAYERS),
+            ("model.num_labels", u(m.num_labels), ROWS),
+            ("model.type_vocab", u(m.type_vocab), ROWS),
+            ("data.max_train", u(d.max_train), TOML_INT),
+            ("data.max_valid", u(d.max_valid), TOML_INT),
+            ("train.epochs", u(t.epochs), EPOCHS),
+            ("train.batch_size", u(t.batch_size), BATCH),
+            ("train.seed", t.seed, TOML_INT),
+            ("train.warmup_steps", t.warmup_steps, TOML_INT),
+            ("train.log_every", u(t.log_every), TOML_INT),
+            (
+                "train.max_steps_per_epoch",
+                u(t.max_steps_per_epoch),
+                TOML_INT,
+            ),
+            ("train.checkpoint_every", t.checkpoint_every, TOML_INT),
+            ("train.keep_checkpoints", u(t.keep_checkpoints), TOML_INT),
+            ("train.stop_after_steps", t.stop_after_steps, TOML_INT),
+            ("train.eval_every", t.eval_every, TOML_INT),
+            ("train.accumulate_steps", u(t.accumulate_steps), BATCH),
+        ] {
+            bound.check(field, value)?;
+        }
+        if let Some(es) = &t.early_stopping {
+            TOML_INT.check("train.early_stopping.patience", u(es.patience))?;
+        }
+        let mut epochs = 0u64;
+        for (i, ph) in t.phases.iter().enumerate() {
+            let f = |k: &str| format!("train.phases[{i}].{k}");
+            BATCH.check(&f("batch_size"), u(ph.batch_size))?;
+            EPOCHS.check(&f("epochs"), u(ph.epochs))?;
+            TOML_INT.check(
+                &f("max_steps_per_epoch"),
+                u(ph.max_steps_per_epoch.unwrap_or(0)),
+            )?;
+            epochs = epochs.saturating_add(u(ph.epochs));
+        }
+        EPOCHS.check("train.phases (epochs of all phases)", epochs)
     }
 
     /// The phases to run: `train.phases`, or the one phase `train.epochs`/`batch_size` give.
@@ -644,6 +849,8 @@ impl DlrmRunConfig {
 
     /// Checks every table; the message names the field.
     pub fn validate(&self) -> Result<(), String> {
+        // Bounds first: table layouts are proposed from these numbers.
+        self.check_bounds()?;
         self.dlrm.validate()?;
         self.optim.validate()?;
         if let Some(r) = &self.rank {
@@ -706,6 +913,56 @@ impl DlrmRunConfig {
         Ok(())
     }
 
+    /// Every integer of the config against its [`Bound`].
+    fn check_bounds(&self) -> Result<(), String> {
+        let (m, t, d) = (&self.dlrm, &self.train, &self.data);
+        let u = |v: usize| v as u64;
+        for (field, value, bound) in [
+            ("dlrm.embedding_dim", u(m.embedding_dim), WIDTH),
+            ("dlrm.ttm_threshold", u(m.ttm_threshold), TOML_INT),
+            ("dlrm.ttm_cores", u(m.ttm_cores), TTM_CORES),
+            ("dlrm.ttm_rank", u(m.ttm_rank), WIDTH),
+            ("data.max_train", u(d.max_train), TOML_INT),
+            ("data.max_valid", u(d.max_valid), TOML_INT),
+            ("data.total_rows", u(d.total_rows), TABLE_ROWS),
+            ("data.synthetic_train", u(d.synthetic_train), TOML_INT),
+            ("data.synthetic_valid", u(d.synthetic_valid), HELD_EXAMPLES),
+            ("data.max_malformed", d.max_malformed, TOML_INT),
+            ("train.epochs", u(t.epochs), EPOCHS),
+            ("train.batch_size", u(t.batch_size), BATCH),
+            ("train.seed", t.seed, TOML_INT),
+            ("train.warmup_steps", t.warmup_steps, TOML_INT),
+            ("train.log_every", u(t.log_every), TOML_INT),
+            (
+                "train.max_steps_per_epoch",
+                u(t.max_steps_per_epoch),
+                TOML_INT,
+            ),
+            ("train.checkpoint_every", t.checkpoint_every, TOML_INT),
+            ("train.keep_checkpoints", u(t.keep_checkpoints), TOML_INT),
+            ("train.stop_after_steps", t.stop_after_steps, TOML_INT),
+            ("train.eval_every", t.eval_every, TOML_INT),
+            ("train.accumulate_steps", u(t.accumulate_steps), BATCH),
+        ] {
+            bound.check(field, value)?;
+        }
+        if let Some(es) = &t.early_stopping {
+            TOML_INT.check("train.early_stopping.patience", u(es.patience))?;
+        }
+        for (name, widths) in [
+            ("dlrm.bottom_mlp", &m.bottom_mlp),
+            ("dlrm.top_mlp", &m.top_mlp),
+        ] {
+            for (i, &w) in widths.iter().enumerate() {
+                WIDTH.check(&format!("{name}[{i}]"), u(w))?;
+            }
+        }
+        for (i, &rows) in d.table_sizes.iter().enumerate() {
+            TABLE_ROWS.check(&format!("data.table_sizes[{i}]"), u(rows))?;
+        }
+        Ok(())
+    }
+
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("a run config serialises")
     }
@@ -763,9 +1020,33 @@ pub struct Overrides {
     pub dense: bool,
 }
 
+impl Overrides {
+    /// Each flag against the [`Bound`] of the field it sets; the error names the flag.
+    fn check_bounds(&self) -> Result<(), String> {
+        let u = |v: Option<usize>| v.map(|v| v as u64);
+        for (flag, value, bound) in [
+            ("--epochs", u(self.epochs), EPOCHS),
+            ("--batch-size", u(self.batch_size), BATCH),
+            ("--seed", self.seed, TOML_INT),
+            (
+                "--max-steps-per-epoch",
+                u(self.max_steps_per_epoch),
+                TOML_INT,
+            ),
+            ("--stop-after-steps", self.stop_after_steps, TOML_INT),
+        ] {
+            if let Some(v) = value {
+                bound.check(flag, v)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl AnyRunConfig {
     /// Applies `o` and checks the result; errors name the flag or field.
     pub fn apply(&mut self, o: &Overrides) -> anyhow::Result<()> {
+        o.check_bounds().map_err(anyhow::Error::msg)?;
         match self {
             AnyRunConfig::Encoder(cfg) => {
                 if !cfg.train.phases.is_empty() && (o.epochs.is_some() || o.batch_size.is_some()) {
@@ -823,7 +1104,7 @@ fn set<T>(field: &mut T, v: Option<T>) {
 
 /// The text of a config file; the error names it.
 fn read_config(path: &Path) -> anyhow::Result<String> {
-    std::fs::read_to_string(path)
+    comera_data::regular::read_regular_to_string(path)
         .map_err(|e| anyhow::anyhow!("{}: cannot read config: {e}", path.display()))
 }
 
@@ -834,6 +1115,306 @@ fn parse<T: serde::de::DeserializeOwned>(
     validate: impl Fn(&T) -> Result<(), String>,
 ) -> anyhow::Result<T> {
     let cfg: T = toml::from_str(text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    validate(&cfg).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    validate(&cfg).map_err(|e| {
+        // A message that starts with a field set in the file points at its line and column,
+        // like the TOML parser's own errors.
+        let field = e.split_once(": ").map_or("", |(f, _)| f);
+        match field_position(text, field) {
+            Some((line, column)) => anyhow::anyhow!("{}:{line}:{column}: {e}", path.display()),
+            None => anyhow::anyhow!("{}: {e}", path.display()),
+        }
+    })?;
     Ok(cfg)
+}
+
+/// A TOML value with the byte span of every value inside it. (The `toml` crate cannot span a
+/// table named only by a dotted header such as `[[train.phases]]` without `[train]`: such a
+/// document has no positions, and its errors name the field only.)
+enum SpannedValue {
+    Table(Vec<(String, toml::Spanned<SpannedValue>)>),
+    Array(Vec<toml::Spanned<SpannedValue>>),
+    Leaf,
+}
+
+impl<'de> Deserialize<'de> for SpannedValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{MapAccess, SeqAccess, Visitor};
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = SpannedValue;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a TOML value")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<SpannedValue, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    entries.push((key, map.next_value()?));
+                }
+                Ok(SpannedValue::Table(entries))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<SpannedValue, A::Error> {
+                let mut items = Vec::new();
+                while let Some(v) = seq.next_element()? {
+                    items.push(v);
+                }
+                Ok(SpannedValue::Array(items))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<SpannedValue, E> {
+                Ok(SpannedValue::Leaf)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<SpannedValue, E> {
+                Ok(SpannedValue::Leaf)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<SpannedValue, E> {
+                Ok(SpannedValue::Leaf)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<SpannedValue, E> {
+                Ok(SpannedValue::Leaf)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<SpannedValue, E> {
+                Ok(SpannedValue::Leaf)
+            }
+            fn visit_enum<A: serde::de::EnumAccess<'de>>(
+                self,
+                _: A,
+            ) -> Result<SpannedValue, A::Error> {
+                Ok(SpannedValue::Leaf)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The 1-based line and column of the value of `field` (`train.epochs`,
+/// `train.phases[1].seq_len`, `data.label_names[2]`) in the TOML `text`, if the file sets it.
+fn field_position(text: &str, field: &str) -> Option<(usize, usize)> {
+    let root: toml::Spanned<SpannedValue> = toml::from_str(text).ok()?;
+    let mut node = &root;
+    for part in field.split('.') {
+        let (key, indices) = match part.find('[') {
+            Some(i) => (&part[..i], &part[i..]),
+            None => (part, ""),
+        };
+        let SpannedValue::Table(entries) = node.get_ref() else {
+            return None;
+        };
+        node = &entries.iter().find(|(k, _)| k == key)?.1;
+        for index in indices.split_terminator(']') {
+            let i: usize = index.strip_prefix('[')?.parse().ok()?;
+            let SpannedValue::Array(items) = node.get_ref() else {
+                return None;
+            };
+            node = items.get(i)?;
+        }
+    }
+    let start = node.span().start;
+    let before = text.get(..start)?;
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    Some((line, column))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn encoder(text: &str) -> String {
+        RunConfig::from_toml(Path::new("c.toml"), text)
+            .unwrap_err()
+            .to_string()
+    }
+
+    fn dlrm(text: &str) -> String {
+        DlrmRunConfig::from_toml(Path::new("d.toml"), text)
+            .unwrap_err()
+            .to_string()
+    }
+
+    /// Epochs once planned a vector entry each before the first step: 2^32 aborted on a
+    /// 103 GB allocation, 2^62 panicked, 10^9 filled 24 GB (issue 35).
+    #[test]
+    fn epochs_beyond_the_limit_are_refused_with_the_line() {
+        for n in ["4294967296", "1000000000", "4611686018427387904"] {
+            let msg = encoder(&format!("[train]\nlog_every = 5\nepochs = {n}\n"));
+            assert_eq!(
+                msg,
+                format!(
+                    "c.toml:3:10: train.epochs: {n} is more than the limit 1000000; {}",
+                    EPOCHS.why
+                )
+            );
+        }
+        let msg = encoder(
+            "[model]\nseq_len = 64\n[[train.phases]]\nseq_len = 32\nbatch_size = 8\nepochs = 1\n\n[[train.phases]]\nseq_len = 64\nbatch_size = 8\nepochs = 5000000\n",
+        );
+        assert!(
+            msg.starts_with("c.toml: train.phases[1].epochs: 5000000 is more than the limit"),
+            "{msg}"
+        );
+        let phase = "[[train.phases]]\nseq_len = 32\nbatch_size = 8\nepochs = 600000\n";
+        let msg = encoder(&format!("[model]\nseq_len = 64\n{phase}{phase}"));
+        assert!(
+            msg.contains("train.phases (epochs of all phases): 1200000 is more than"),
+            "{msg}"
+        );
+        let mut ok = RunConfig::builtin();
+        ok.train.epochs = 1_000_000;
+        ok.validate().unwrap();
+    }
+
+    #[test]
+    fn sizes_beyond_their_limits_name_the_field() {
+        for (text, field) in [
+            ("[model]\nd_model = 1099511627776\n", "model.d_model"),
+            (
+                "[model]\nvocab_size = 4611686018427387904\n",
+                "model.vocab_size",
+            ),
+            ("[model]\nseq_len = 1000000\n", "model.seq_len"),
+            ("[model]\nlayers = 100000\n", "model.layers"),
+            ("[train]\nbatch_size = 100000000\n", "train.batch_size"),
+        ] {
+            let msg = encoder(text);
+            assert!(msg.starts_with(&format!("c.toml:2:")), "{msg}");
+            assert!(
+                msg.contains(&format!("{field}: ")) && msg.contains("is more than the limit"),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn command_line_values_beyond_their_limits_name_the_flag() {
+        let big = i64::MAX as u64 + 1;
+        for (o, flag) in [
+            (
+                Overrides {
+                    seed: Some(big),
+                    ..Overrides::default()
+                },
+                "--seed",
+            ),
+            (
+                Overrides {
+                    stop_after_steps: Some(big),
+                    ..Overrides::default()
+                },
+                "--stop-after-steps",
+            ),
+            (
+                Overrides {
+                    max_steps_per_epoch: Some(big as usize),
+                    ..Overrides::default()
+                },
+                "--max-steps-per-epoch",
+            ),
+            (
+                Overrides {
+                    epochs: Some(big as usize),
+                    ..Overrides::default()
+                },
+                "--epochs",
+            ),
+            (
+                Overrides {
+                    batch_size: Some(1 << 30),
+                    ..Overrides::default()
+                },
+                "--batch-size",
+            ),
+        ] {
+            for mut cfg in [
+                AnyRunConfig::Encoder(RunConfig::builtin()),
+                AnyRunConfig::Dlrm(DlrmRunConfig::default()),
+            ] {
+                let msg = cfg.apply(&o).unwrap_err().to_string();
+                assert!(
+                    msg.starts_with(&format!("{flag}: ")) && msg.contains("is more than the limit"),
+                    "{msg}"
+                );
+            }
+        }
+        // The largest seed is kept and written back.
+        let mut cfg = AnyRunConfig::Encoder(RunConfig::builtin());
+        cfg.apply(&Overrides {
+            seed: Some(i64::MAX as u64),
+            ..Overrides::default()
+        })
+        .unwrap();
+        assert!(cfg.to_toml().contains("seed = 9223372036854775807"));
+    }
+
+    #[test]
+    fn dlrm_sizes_and_cores_beyond_their_limits_name_the_field() {
+        let msg = dlrm("[dlrm]\nttm_cores = 64\n");
+        assert!(
+            msg.starts_with("d.toml:2:13: dlrm.ttm_cores: 64 is more than the limit 16;"),
+            "{msg}"
+        );
+        for (text, field) in [
+            ("[dlrm]\nembedding_dim = 1000000000\n", "dlrm.embedding_dim"),
+            ("[dlrm]\ntop_mlp = [64, 1000000000]\n", "dlrm.top_mlp[1]"),
+            (
+                "[dlrm]\n[data]\nsynthetic_valid = 1000000000000\n",
+                "data.synthetic_valid",
+            ),
+            (
+                "[dlrm]\n[data]\ntotal_rows = 1000000000000\n",
+                "data.total_rows",
+            ),
+            ("[dlrm]\n[train]\nepochs = 4294967296\n", "train.epochs"),
+        ] {
+            let msg = dlrm(text);
+            assert!(
+                msg.contains(&format!(" {field}: ")) && msg.contains("is more than the limit"),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn masked_lm_fields_on_a_classification_run_are_refused() {
+        for (field, value) in [
+            ("select_prob", "nan"),
+            ("tokenizer", "\"sentencepiece\""),
+            ("mask_prob", "0.5"),
+            ("corpus", "[\"rust-src\"]"),
+            ("text_docs", "\"lines\""),
+        ] {
+            let msg = encoder(&format!("[data]\n{field} = {value}\n"));
+            assert!(
+                msg.starts_with(&format!("c.toml:2:"))
+                    && msg.contains(&format!("data.{field}: only masked-LM runs")),
+                "{msg}"
+            );
+        }
+        // The defaults (as every saved config.toml spells them out) are fine.
+        let saved = RunConfig::builtin().to_toml();
+        RunConfig::from_toml(Path::new("saved.toml"), &saved).unwrap();
+    }
+
+    #[test]
+    fn label_names_must_be_distinct_non_empty_and_one_line() {
+        for (names, what) in [
+            (
+                "[\"a\", \"a\"]",
+                "data.label_names[1]: \"a\" is also data.label_names[0]",
+            ),
+            ("[\"a\", \"\"]", "data.label_names[1]: empty name"),
+            (
+                "[\"a\", \"b\\tc\"]",
+                "data.label_names[1]: \"b\\tc\" holds a control character",
+            ),
+            (
+                "[\"a\\nb\", \"c\"]",
+                "data.label_names[0]: \"a\\nb\" holds a control character",
+            ),
+            ("[]", "data.label_names: empty"),
+        ] {
+            let msg = encoder(&format!("[data]\nlabel_names = {names}\n"));
+            assert!(msg.contains(what), "{names}: {msg}");
+        }
+        let msg = encoder("[data]\nsource = \"tsv\"\nlabels = [\"pos\", \"neg\", \"pos\"]\n");
+        assert!(msg.starts_with("c.toml:3:25: data.labels[2]:"), "{msg}");
+    }
 }

@@ -349,7 +349,7 @@ impl CorpusData {
 
     /// The cache key: format, tokenizer, vocabulary, corpus fingerprint, split.
     fn cache_key(&self) -> anyhow::Result<String> {
-        let vocab = std::fs::read(&self.vocab)
+        let vocab = comera_data::regular::read_regular(&self.vocab)
             .with_context(|| format!("{}: cannot read the vocabulary", self.vocab.display()))?;
         let kind = match &self.tokenizer {
             CorpusTokenizer::WordPiece(_) => "wordpiece",
@@ -411,7 +411,8 @@ impl CorpusData {
 
 /// A cached packed corpus, or None when any part is missing or damaged.
 fn load_cached(train: &Path, valid: &Path, stats: &Path) -> Option<PackedCorpus> {
-    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(stats).ok()?).ok()?;
+    let s: serde_json::Value =
+        serde_json::from_str(&comera_data::regular::read_regular_to_string(stats).ok()?).ok()?;
     let n = |k: &str| s[k].as_u64();
     let stats = CorpusStats {
         files: n("files")? as usize,
