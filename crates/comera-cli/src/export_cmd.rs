@@ -23,6 +23,10 @@ pub struct Args {
     /// run with comera's logits on them, to compare another implementation against.
     #[arg(long, default_value_t = 0)]
     samples: usize,
+    /// With --hf: replace DIR if it holds an earlier comera export (and nothing else). The new
+    /// export is written beside DIR and swapped in whole.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
@@ -57,6 +61,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         a.compressed.as_deref(),
         a.hf.as_deref(),
         a.samples,
+        a.overwrite,
     )?;
     Ok(ExitCode::SUCCESS)
 }

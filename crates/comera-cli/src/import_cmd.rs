@@ -73,6 +73,10 @@ pub struct Opts {
     /// config.toml takes (default: the built-in run's).
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Replace the comera run in --out (as `train --overwrite`: only a directory holding a
+    /// comera run and nothing else; the old run is restored if the import fails).
+    #[arg(long, requires = "out")]
+    overwrite: bool,
 }
 
 pub fn run(cmd: Import) -> anyhow::Result<ExitCode> {
@@ -98,6 +102,7 @@ pub fn run(cmd: Import) -> anyhow::Result<ExitCode> {
         json: o.json,
         out: o.out,
         config: o.config,
+        overwrite: o.overwrite,
     };
     let passed = comera_import::command::import(src, &opts)?;
     Ok(if passed {

@@ -52,9 +52,15 @@ pub struct TrainArgs {
 }
 
 pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
+    // A graceful stop on the first SIGINT/SIGTERM (checkpoint after the step; a second signal
+    // ends at once). Not under MPI: every process must stop at the same step, and mpirun
+    // delivers a signal to each at its own moment.
+    if comera_train::distributed::processes().1 == 1 {
+        comera_train::interrupt::install()
+            .map_err(|e| anyhow::anyhow!("cannot install the SIGINT/SIGTERM handlers: {e}"))?;
+    }
     if let Some(dir) = &a.resume {
-        report(&comera_train::resume(dir, !a.quiet)?);
-        return Ok(ExitCode::SUCCESS);
+        return Ok(report(&comera_train::resume(dir, !a.quiet)?));
     }
     let mut cfg = match &a.config {
         Some(p) => AnyRunConfig::from_file(p)?,
@@ -82,15 +88,28 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
         AnyRunConfig::Encoder(c) => comera_train::train(c, opts)?,
         AnyRunConfig::Dlrm(c) => comera_train::train_dlrm(c, opts)?,
     };
-    report(&s);
-    Ok(ExitCode::SUCCESS)
+    Ok(report(&s))
 }
 
-/// The last lines of a training run.
-fn report(s: &TrainSummary) {
+/// The last lines of a training run, and the exit status: 0, or 128 + the signal number
+/// (130 for SIGINT, 143 for SIGTERM) for a run stopped by a signal.
+fn report(s: &TrainSummary) -> ExitCode {
+    let status = match s.interrupted {
+        Some(signal) => ExitCode::from((128 + signal).clamp(0, 255) as u8),
+        None => ExitCode::SUCCESS,
+    };
     // Data-parallel: process 0 speaks for the run.
     if !comera_train::distributed::is_writer() {
-        return;
+        return status;
+    }
+    if let Some(signal) = s.interrupted {
+        println!(
+            "stopped by {} after step {} with a checkpoint; resume with: comera train --resume {}",
+            comera_train::interrupt::signal_name(signal),
+            s.steps,
+            s.out_dir.display()
+        );
+        return status;
     }
     if s.stopped {
         println!(
@@ -98,7 +117,7 @@ fn report(s: &TrainSummary) {
             s.steps,
             s.out_dir.display()
         );
-        return;
+        return status;
     }
     if let Ok(table) = std::fs::read_to_string(s.out_dir.join("ranks.md")) {
         println!("{table}");
@@ -170,6 +189,7 @@ fn report(s: &TrainSummary) {
             "data-parallel: {n} processes, {bytes} gradient bytes all-reduced per step, steps spent {comm:.2} s in communication and {compute:.2} s in compute"
         );
     }
+    status
 }
 
 #[derive(clap::Args)]

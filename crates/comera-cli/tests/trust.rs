@@ -109,7 +109,7 @@ fn a_non_empty_run_directory_is_refused_unless_overwritten() {
         &["--overwrite", "--out", precious.to_str().unwrap()],
     );
     assert_eq!(code, 1, "{text}");
-    assert!(text.contains("no comera run"), "{text}");
+    assert!(text.contains("not a comera run"), "{text}");
     assert!(precious.join("thesis.tex").exists());
     std::fs::remove_dir_all(&dir).ok();
 }

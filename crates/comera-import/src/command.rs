@@ -39,6 +39,8 @@ pub struct ImportOptions {
     pub out: Option<PathBuf>,
     /// Run config whose data, optimiser and training settings the run directory gets.
     pub config: Option<PathBuf>,
+    /// Replace the comera run in `out` (the rules of `train --overwrite`).
+    pub overwrite: bool,
 }
 
 /// `comera import`: returns false when `--check` failed.
@@ -53,6 +55,10 @@ pub fn import(src: Source, o: &ImportOptions) -> anyhow::Result<bool> {
     );
     if o.rank.contains(&0) {
         bail!("--rank: 0 is not a rank (must be at least 1)");
+    }
+    if let Some(dir) = &o.out {
+        // Before the import's work: a target that will be refused is refused now.
+        comera_train::run_dir::check_fresh_target(dir, o.overwrite).context("--out")?;
     }
     let run = o
         .config
@@ -210,7 +216,7 @@ pub fn import(src: Source, o: &ImportOptions) -> anyhow::Result<bool> {
                 path.display()
             )
         })?;
-        let abs = hf::write_run(dir, &model, &info, run)?;
+        let abs = write_run_dir(dir, &model, &info, run, o.overwrite)?;
         println!(
             "wrote run directory {} (model.toml, model.safetensors, vocab.txt, config.toml): {} parameters; next: comera inspect {0}, comera train --config FILE --init-from {0}",
             abs.display(),
@@ -352,6 +358,114 @@ fn print_compression(
     }
 }
 
+/// Writes `model` as a comera run directory (`model.toml`, `model.safetensors`, `vocab.txt`,
+/// `config.toml`, `run.toml`) with `run`'s data, optimiser and training settings (default: the
+/// built-in run's, or a masked-LM corpus run for an MLM head). The directory is opened like a
+/// training run's ([`comera_train::run_dir::RunDir::create`]): locked, refused when it holds
+/// anything unless `overwrite` and it holds a comera run; returns its absolute path.
+fn write_run_dir(
+    dir: &Path,
+    model: &Encoder,
+    info: &ModelInfo,
+    run: Option<comera_train::RunConfig>,
+    overwrite: bool,
+) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+    let abs =
+        std::fs::canonicalize(dir).with_context(|| format!("{}: cannot resolve", dir.display()))?;
+    let vocab = abs.join("vocab.txt");
+    let mut run = run.unwrap_or_else(|| {
+        let mut r = comera_train::RunConfig::builtin();
+        if model.cfg.head == HeadKind::Mlm {
+            r.data.source = "corpus".into();
+            r.data.corpus = vec!["wikitext-2-train".into()];
+            r.data.text_docs = "wiki".into();
+        }
+        r
+    });
+    run.model = model.cfg.clone();
+    run.data.vocab = Some(vocab.clone());
+    run.validate()
+        .map_err(|e| anyhow::anyhow!("{}: config.toml: {e}", dir.display()))?;
+    let run_dir = comera_train::run_dir::RunDir::create(&abs, &run.to_toml(), overwrite)?;
+    comera_train::write_atomic(&vocab, info.vocab.as_bytes())?;
+    let meta = comera_train::ModelMeta {
+        run_id: None,
+        weights_sha256: None,
+        meta_sha256: None,
+        model: model.cfg.clone(),
+        labels: info.labels.clone(),
+        vocab,
+        pair: info.pair,
+        epoch: 0,
+        step: 0,
+    };
+    comera_train::save_model(&abs, model, &meta)?;
+    run_dir.keep_new_run()?;
+    Ok(abs)
+}
+
+/// The files `comera export --hf` writes: a directory holding these and nothing else (with a
+/// `config.json` that names `comera_sentence_pair`) is an earlier export that `--overwrite`
+/// may replace.
+const HF_EXPORT_FILES: &[&str] = &[
+    "config.json",
+    "model.safetensors",
+    "vocab.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "comera_check.safetensors",
+];
+
+/// Refuses an `export --hf` target that is not absent, empty, or (with `overwrite`) an earlier
+/// comera export: a run directory is never an export target, and a folder of the user's is
+/// never replaced.
+fn check_hf_target(dir: &Path, src: &Path, overwrite: bool) -> anyhow::Result<()> {
+    let Ok(meta) = std::fs::symlink_metadata(dir) else {
+        return Ok(());
+    };
+    if !meta.is_dir() {
+        bail!(
+            "--hf: {} is {}, not a directory; name a new directory",
+            dir.display(),
+            comera_data::regular::file_kind(&meta)
+        );
+    }
+    let same = |a: &Path, b: &Path| matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b);
+    if same(dir, src) || dir.join(comera_train::run_dir::IDENTITY).exists() {
+        bail!(
+            "--hf: {} is a comera run directory; export into a directory of its own",
+            dir.display()
+        );
+    }
+    let names: Vec<String> = std::fs::read_dir(dir)
+        .with_context(|| format!("{}: cannot list", dir.display()))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    if names.is_empty() {
+        return Ok(());
+    }
+    if !overwrite {
+        bail!(
+            "--hf: {} is not empty ({}); add --overwrite to replace an earlier comera export, or name a new directory",
+            dir.display(),
+            names.join(", ")
+        );
+    }
+    let is_export = names.iter().all(|n| HF_EXPORT_FILES.contains(&n.as_str()))
+        && comera_data::read_regular_to_string(&dir.join("config.json"))
+            .is_ok_and(|t| t.contains("\"comera_sentence_pair\""));
+    if !is_export {
+        bail!(
+            "--hf: --overwrite refused: {} is not an earlier comera export (it holds {}); nothing was removed",
+            dir.display(),
+            names.join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// Loads any model source `export` accepts: a run directory (with its meta), a compressed
 /// export, or a BERT checkpoint.
 pub fn load_any(src: &Path) -> anyhow::Result<(Encoder, Option<comera_train::ModelMeta>)> {
@@ -377,6 +491,7 @@ pub fn export(
     compressed: Option<&Path>,
     hf_dir: Option<&Path>,
     samples: usize,
+    overwrite: bool,
 ) -> anyhow::Result<()> {
     ensure!(
         dense.is_some() || compressed.is_some() || hf_dir.is_some(),
@@ -386,6 +501,9 @@ pub fn export(
         samples == 0 || hf_dir.is_some(),
         "--samples: goes with --hf DIR"
     );
+    if let Some(dir) = hf_dir {
+        check_hf_target(dir, src, overwrite)?;
+    }
     let (m, meta) = load_any(src)?;
     println!(
         "{}: {} parameters (dense equivalent {})",
@@ -411,14 +529,27 @@ pub fn export(
                 src.display()
             )
         })?;
-        let vocab = std::fs::read_to_string(&meta.vocab)
+        let vocab = comera_data::read_regular_to_string(&meta.vocab)
             .with_context(|| format!("vocabulary {}", meta.vocab.display()))?;
         let info = ModelInfo {
             labels: meta.labels.clone(),
             vocab,
             pair: meta.pair,
         };
-        let out = hf::export_hf(&m, &info, dir)?;
+        // The whole directory is written beside the target and swapped in at once.
+        let mut checked = 0;
+        let mut out = None;
+        comera_train::files::replace_dir_atomic(dir, |tmp| {
+            out = Some(hf::export_hf(&m, &info, tmp)?);
+            if samples > 0 {
+                let (ids, types, mask, pos) = hf::validation_inputs(src, &m, samples)?;
+                let bytes = hf::check_file(&m, &ids, &types, &mask, pos.as_deref())?;
+                comera_train::write_atomic(&tmp.join("comera_check.safetensors"), &bytes)?;
+                checked = ids.len() / m.cfg.seq_len;
+            }
+            Ok(())
+        })?;
+        let out = out.expect("written by the closure");
         println!(
             "wrote {} ({}: {}); load it with {}.from_pretrained(\"{0}\") and AutoTokenizer",
             dir.display(),
@@ -430,14 +561,9 @@ pub fn export(
             println!("  note: {n}");
         }
         if samples > 0 {
-            let (ids, types, mask, pos) = hf::validation_inputs(src, &m, samples)?;
-            let bytes = hf::check_file(&m, &ids, &types, &mask, pos.as_deref())?;
-            let p = dir.join("comera_check.safetensors");
-            comera_train::write_atomic(&p, &bytes)?;
             println!(
-                "wrote {} ({} validation inputs and comera's logits on them)",
-                p.display(),
-                ids.len() / m.cfg.seq_len
+                "wrote {} ({checked} validation inputs and comera's logits on them)",
+                dir.join("comera_check.safetensors").display(),
             );
         }
     }

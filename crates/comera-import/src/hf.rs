@@ -10,7 +10,7 @@
 //!
 //! Import ([`read_hf`]): a directory (or a `.zip` of one) with `config.json`,
 //! `model.safetensors` and `vocab.txt` or a WordPiece `tokenizer.json` into a dense
-//! [`Encoder`] with its label names and vocabulary; [`write_run`] saves it as a comera run
+//! [`Encoder`] with its label names and vocabulary; `comera import --out` saves it as a comera run
 //! directory (`model.toml`, `model.safetensors`, `vocab.txt`, `config.toml`) that `inspect`,
 //! `eval`, `predict` and `train --init-from` read. Unsupported configs are refused naming the
 //! `config.json` field; missing or mis-shaped tensors naming the tensor.
@@ -32,7 +32,7 @@ use comera_model::{
 use comera_tensor::{matmul, MatMut, MatRef};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The Hugging Face class of a classifier export.
 pub const SEQUENCE_CLASSIFICATION: &str = "BertForSequenceClassification";
@@ -573,52 +573,6 @@ pub fn read_hf(src: &Path, opts: &ReadOptions) -> Result<HfModel> {
         import,
         notes,
     })
-}
-
-/// Writes `model` as a comera run directory: `vocab.txt`, `model.safetensors` + `model.toml`
-/// (by [`comera_train::files::save_model`], its vocabulary the absolute path of that
-/// `vocab.txt`) and `config.toml`: `run` (its data, optimiser and training settings; default
-/// the built-in run's, with a WikiText-2 corpus for a masked-LM) with the model's config and
-/// `data.vocab` set to the run's vocabulary.
-pub fn write_run(
-    dir: &Path,
-    model: &Encoder,
-    info: &ModelInfo,
-    run: Option<comera_train::RunConfig>,
-) -> Result<PathBuf> {
-    let bad = |e: anyhow::Error| ImportError::new(dir.display().to_string(), format!("{e:#}"));
-    std::fs::create_dir_all(dir)
-        .map_err(|e| ImportError::new(dir.display().to_string(), format!("cannot create: {e}")))?;
-    let abs = std::fs::canonicalize(dir)
-        .map_err(|e| ImportError::new(dir.display().to_string(), format!("cannot resolve: {e}")))?;
-    let vocab = abs.join("vocab.txt");
-    write_file(&vocab, info.vocab.as_bytes())?;
-    let meta = comera_train::ModelMeta {
-        run_id: None,
-        weights_sha256: None,
-        model: model.cfg.clone(),
-        labels: info.labels.clone(),
-        vocab: vocab.clone(),
-        pair: info.pair,
-        epoch: 0,
-        step: 0,
-    };
-    comera_train::save_model(dir, model, &meta).map_err(bad)?;
-    let mut run = run.unwrap_or_else(|| {
-        let mut r = comera_train::RunConfig::builtin();
-        if model.cfg.head == HeadKind::Mlm {
-            r.data.source = "corpus".into();
-            r.data.corpus = vec!["wikitext-2-train".into()];
-            r.data.text_docs = "wiki".into();
-        }
-        r
-    });
-    run.model = model.cfg.clone();
-    run.data.vocab = Some(vocab);
-    run.validate()
-        .map_err(|e| ImportError::new(format!("{}: config.toml", dir.display()), e))?;
-    write_file(&dir.join("config.toml"), run.to_toml().as_bytes())?;
-    Ok(abs)
 }
 
 /// Sample inputs for measuring how far a model moved: the built-in MiniLM reference

@@ -221,8 +221,8 @@ pub fn save(
 impl Checkpoint {
     /// Reads and checks a checkpoint: format, version, hash, and every metadata field.
     pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
-        let bytes =
-            std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
+        let bytes = comera_data::read_regular(path)
+            .with_context(|| format!("{}: cannot read", path.display()))?;
         Self::parse(path, &bytes)
             .with_context(|| format!("{}: not a usable checkpoint", path.display()))
     }

@@ -16,10 +16,76 @@ use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// Why an atomic write failed: the target, the file the failing operation was on (the
+/// temporary file or the target) and the I/O error.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {what}: {source}", .file.display())]
+pub struct WriteError {
+    /// The file that was to be written.
+    pub path: PathBuf,
+    /// The file the failing operation was on.
+    pub file: PathBuf,
+    /// What was being done ("cannot create", "cannot write", …).
+    pub what: &'static str,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Refuses a write target comera may not replace. Only an absent path or a regular file may be
+/// written (by renaming a temporary file over it): a rename over a device, a FIFO, a socket or a
+/// symlink would replace that node itself (as root, `export … /dev/null` replaced the system's
+/// `/dev/null`), and a directory is not a file.
+pub fn check_write_target(path: &Path) -> Result<(), WriteError> {
+    let refuse = |kind: &str| {
+        WriteError {
+        path: path.to_path_buf(),
+        file: path.to_path_buf(),
+        what: "refused",
+        source: std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("it is {kind}; comera writes only regular files and never replaces anything else (name a new file)"),
+        ),
+    }
+    };
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(WriteError {
+            path: path.to_path_buf(),
+            file: path.to_path_buf(),
+            what: "cannot inspect",
+            source,
+        }),
+        Ok(m) if m.file_type().is_file() => Ok(()),
+        Ok(m) => Err(refuse(comera_data::regular::file_kind(&m))),
+    }
+}
+
+/// The temporary file [`write_atomic`] writes `path` through: `.NAME.tmp-PID` beside it (the
+/// name [`remove_stale_temporaries`] recognises).
+fn temporary_for(path: &Path) -> Result<PathBuf, WriteError> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path.file_name().ok_or_else(|| WriteError {
+        path: path.to_path_buf(),
+        file: path.to_path_buf(),
+        what: "not a file path",
+        source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+    })?;
+    Ok(dir.join(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    )))
+}
+
 /// Writes `bytes` to `path` atomically: a temporary file in the same directory, flushed to
-/// disk, then renamed over `path`. A crash leaves either the old file or the new one.
+/// disk, then renamed over `path`. A crash leaves either the old file or the new one; a failed
+/// write leaves no temporary file. `path` must be absent or a regular file
+/// ([`check_write_target`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    write_atomic_then(path, bytes, || {})
+    Ok(write_atomic_then(path, bytes, || {})?)
 }
 
 /// [`write_atomic`] with `before_rename` called between the flushed temporary file and the
@@ -28,31 +94,41 @@ pub fn write_atomic_then(
     path: &Path,
     bytes: &[u8],
     before_rename: impl FnOnce(),
-) -> anyhow::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("{}: cannot create directory", dir.display()))?;
-    let name = path
-        .file_name()
-        .ok_or_else(|| anyhow!("{}: not a file path", path.display()))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let mut f =
-        std::fs::File::create(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
-    f.write_all(bytes)
-        .and_then(|_| f.sync_all())
-        .with_context(|| format!("{}: cannot write", tmp.display()))?;
-    drop(f);
-    before_rename();
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("{}: cannot rename into place", path.display()))?;
-    Ok(())
+) -> Result<(), WriteError> {
+    check_write_target(path)?;
+    let fail = |file: &Path, what: &'static str, source: std::io::Error| WriteError {
+        path: path.to_path_buf(),
+        file: file.to_path_buf(),
+        what,
+        source,
+    };
+    let tmp = temporary_for(path)?;
+    if let Some(dir) = tmp.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| fail(dir, "cannot create directory", e))?;
+    }
+    // A leftover of this pid (or a symlink planted there) is removed, never written through:
+    // the temporary file is created new.
+    let _ = std::fs::remove_file(&tmp);
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .map_err(|e| fail(&tmp, "cannot create", e))
+        .and_then(|mut f| {
+            f.write_all(bytes)
+                .and_then(|_| f.sync_all())
+                .map_err(|e| fail(&tmp, "cannot write", e))
+        })
+        .and_then(|()| {
+            before_rename();
+            // Checked again: the target may have changed while the bytes were written.
+            check_write_target(path)?;
+            std::fs::rename(&tmp, path).map_err(|e| fail(path, "cannot rename into place", e))
+        });
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// What a saved model needs besides its weights.
@@ -64,6 +140,9 @@ pub struct ModelMeta {
     pub run_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights_sha256: Option<String>,
+    /// SHA-256 of the rest of `model.toml` (see [`save_model_files`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meta_sha256: Option<String>,
     pub model: EncoderConfig,
     /// Label names, in label order.
     pub labels: Vec<String>,
@@ -87,6 +166,9 @@ pub struct DlrmMeta {
     pub run_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights_sha256: Option<String>,
+    /// SHA-256 of the rest of `model.toml` (see [`save_model_files`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meta_sha256: Option<String>,
     /// Always `dlrm`: tells a DLRM's `model.toml` from an encoder's.
     pub kind: String,
     pub model: comera_dlrm::DlrmConfig,
@@ -150,9 +232,27 @@ pub fn save_weights(dir: &Path, params: &[&Param]) -> anyhow::Result<String> {
     Ok(sha)
 }
 
-/// Saves `model.safetensors` and `model.toml` (`meta_toml`, stamped with `run_id` and the
-/// weights' digest) into `dir`, each atomically; the weights are written first so a meta file
-/// never points at missing weights.
+/// The stamp keys that head a `model.toml`, in order; the text after them is what
+/// `meta_sha256` covers.
+const STAMP_KEYS: [&str; 3] = ["run_id", "weights_sha256", "meta_sha256"];
+
+/// A `model.toml` text split into its stamp lines and the rest (what `meta_sha256` covers).
+fn split_stamp(text: &str) -> (&str, &str) {
+    let mut at = 0;
+    for line in text.split_inclusive('\n') {
+        let key = line.split_once(" = \"").map(|(k, _)| k);
+        if !key.is_some_and(|k| STAMP_KEYS.contains(&k)) {
+            break;
+        }
+        at += line.len();
+    }
+    text.split_at(at)
+}
+
+/// Saves `model.safetensors` and `model.toml` (`meta_toml`, stamped with `run_id`, the
+/// weights' digest and its own digest `meta_sha256`, so an edited file is refused, not used)
+/// into `dir`, each atomically; the weights are written first so a meta file never points at
+/// missing weights.
 pub fn save_model_files(
     dir: &Path,
     params: &[&Param],
@@ -166,6 +266,10 @@ pub fn save_model_files(
         text.push_str(&format!("run_id = \"{id}\"\n"));
     }
     text.push_str(&format!("weights_sha256 = \"{sha}\"\n"));
+    text.push_str(&format!(
+        "meta_sha256 = \"{}\"\n",
+        crate::run_dir::sha256_hex(meta_toml)
+    ));
     text.push_str(meta_toml);
     write_atomic(&dir.join(MODEL_META), text.as_bytes())
 }
@@ -175,6 +279,7 @@ pub fn save_model(dir: &Path, model: &Encoder, meta: &ModelMeta) -> anyhow::Resu
     let meta = ModelMeta {
         run_id: None,
         weights_sha256: None,
+        meta_sha256: None,
         ..meta.clone()
     };
     let run_id = meta_run_id(dir);
@@ -205,9 +310,21 @@ pub fn load_model(dir: &Path) -> anyhow::Result<(Encoder, ModelMeta)> {
 /// Loads the model saved in a run directory, of whichever kind `model.toml` says.
 pub fn load_saved(dir: &Path) -> anyhow::Result<SavedModel> {
     let meta_path = dir.join(MODEL_META);
-    let text = std::fs::read_to_string(&meta_path)
+    let text = comera_data::read_regular_to_string(&meta_path)
         .with_context(|| format!("{}: cannot read", meta_path.display()))?;
     let mut saved = SavedModel::from_meta(&meta_path, &text)?;
+    let (_, body) = split_stamp(&text);
+    match saved.meta_sha256() {
+        None => bail!(
+            "{}: no `meta_sha256` (written by an older comera?); the file cannot be checked",
+            meta_path.display()
+        ),
+        Some(sha) if sha != crate::run_dir::sha256_hex(body) => bail!(
+            "{}: model.toml does not match its digest (meta_sha256): it was edited after comera wrote it; restore it (a checkpoint holds the model's settings too)",
+            meta_path.display()
+        ),
+        Some(_) => {}
+    }
     let (run_id, sha) = saved.stamp();
     let Some(sha) = sha.map(str::to_string) else {
         bail!(
@@ -264,6 +381,14 @@ impl SavedModel {
         })
     }
 
+    /// The digest of the rest of the `model.toml` it was read from.
+    fn meta_sha256(&self) -> Option<&str> {
+        match self {
+            SavedModel::Encoder(_, m) => m.meta_sha256.as_deref(),
+            SavedModel::Dlrm(_, m) => m.meta_sha256.as_deref(),
+        }
+    }
+
     /// The stamp of the `model.toml` it was read from: (run id, weights digest).
     fn stamp(&self) -> (Option<&str>, Option<&str>) {
         let (id, sha) = match self {
@@ -297,8 +422,8 @@ pub fn load_weights(
     model: &mut dyn Model,
     expected_sha256: Option<&str>,
 ) -> anyhow::Result<()> {
-    let bytes =
-        std::fs::read(wpath).with_context(|| format!("{}: cannot read", wpath.display()))?;
+    let bytes = comera_data::read_regular(wpath)
+        .with_context(|| format!("{}: cannot read", wpath.display()))?;
     let bad = |e: &dyn std::fmt::Display| anyhow!("{}: {e}", wpath.display());
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| {
         bad(&format!(
@@ -430,7 +555,9 @@ pub struct MetricsLog {
 }
 
 impl MetricsLog {
+    /// Starts a new log (a fresh run), replacing a regular file of that name.
     pub fn create(path: &Path) -> anyhow::Result<MetricsLog> {
+        check_write_target(path)?;
         let f = std::fs::File::create(path)
             .with_context(|| format!("{}: cannot create", path.display()))?;
         Ok(MetricsLog {
@@ -439,8 +566,10 @@ impl MetricsLog {
         })
     }
 
-    /// Opens an existing log to append to (a resumed run).
+    /// Opens an existing log to append to (a resumed run). Only a regular file: opening a FIFO
+    /// for writing would wait for a reader.
     pub fn append(path: &Path) -> anyhow::Result<MetricsLog> {
+        check_write_target(path)?;
         let f = std::fs::OpenOptions::new()
             .append(true)
             .create(true)
@@ -493,8 +622,85 @@ pub fn export_dlrm(model: &Dlrm, meta: &DlrmMeta, dense: bool) -> anyhow::Result
     Ok(safetensors::serialize(views, Some(metadata))?)
 }
 
-/// Removes temporary files (`.NAME.tmp-PID`, left by [`write_atomic`]) of processes that no
-/// longer run from `dir`; returns how many. (Where /proc is missing nothing is removed.)
+/// Writes the directory `dir` as one unit: `write` fills a fresh temporary directory beside it
+/// (`.NAME.tmp-PID`), which then takes `dir`'s place in one atomic exchange (Linux
+/// `renameat2(RENAME_EXCHANGE)`; elsewhere two renames), so a reader sees the old directory or
+/// the new one, never a mix, and a failed or killed write leaves `dir` as it was (its temporary
+/// is removed, or by the next write if the process was killed). `dir` must be absent or a
+/// directory; the caller decides whether an existing one may be replaced.
+pub fn replace_dir_atomic(
+    dir: &Path,
+    write: impl FnOnce(&Path) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = dir
+        .file_name()
+        .ok_or_else(|| anyhow!("{}: not a directory name", dir.display()))?;
+    std::fs::create_dir_all(parent)
+        .with_context(|| format!("{}: cannot create directory", parent.display()))?;
+    remove_stale_temporaries(parent);
+    let tmp = parent.join(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
+    let placed = write(&tmp).and_then(|()| {
+        let exists = std::fs::symlink_metadata(dir).is_ok();
+        if !exists {
+            return std::fs::rename(&tmp, dir)
+                .with_context(|| format!("{}: cannot rename into place", dir.display()));
+        }
+        exchange(&tmp, dir)
+            .with_context(|| format!("{}: cannot swap the new directory in", dir.display()))
+    });
+    // Now `tmp` holds the replaced directory (or the failed new one): either way, it goes.
+    let _ = std::fs::remove_dir_all(&tmp);
+    placed
+}
+
+/// Swaps two directory entries atomically (Linux `renameat2` with `RENAME_EXCHANGE`); where the
+/// file system cannot, `b` is renamed aside and `a` into its place (a short window without
+/// `b`, never a mix).
+fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    };
+    let (ca, cb) = (c(a)?, c(b)?);
+    // SAFETY: two NUL-terminated paths that outlive the call.
+    let r = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            ca.as_ptr(),
+            libc::AT_FDCWD,
+            cb.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if r == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    if !matches!(err.raw_os_error(), Some(libc::EINVAL) | Some(libc::ENOSYS)) {
+        return Err(err);
+    }
+    let mut aside = a.as_os_str().to_owned();
+    aside.push(".old");
+    let aside = PathBuf::from(aside);
+    std::fs::rename(b, &aside)?;
+    std::fs::rename(a, b)?;
+    std::fs::rename(&aside, a)
+}
+
+/// Removes temporary files and directories (`.NAME.tmp-PID`, left by [`write_atomic`] and
+/// [`replace_dir_atomic`]) of processes that no longer run from `dir`; returns how many. (Where
+/// /proc is missing nothing is removed.)
 pub fn remove_stale_temporaries(dir: &Path) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
@@ -510,9 +716,16 @@ pub fn remove_stale_temporaries(dir: &Path) -> usize {
             continue;
         };
         let alive = Path::new("/proc").join(pid.to_string()).exists();
-        if !alive && Path::new("/proc/self").exists() && std::fs::remove_file(e.path()).is_ok() {
-            removed += 1;
+        if alive || !Path::new("/proc/self").exists() {
+            continue;
         }
+        let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        let gone = if is_dir {
+            std::fs::remove_dir_all(e.path())
+        } else {
+            std::fs::remove_file(e.path())
+        };
+        removed += usize::from(gone.is_ok());
     }
     removed
 }

@@ -8,6 +8,7 @@
 //! - [`trainer`]: the loop ([`train`], [`train_dlrm`], [`resume`]) and `TrainSummary`;
 //! - [`checkpoint`]: checkpoints with exact resume;
 //! - [`run_dir`]: a run directory's identity, lock, fresh start or resume;
+//! - [`interrupt`]: the graceful stop (first SIGINT/SIGTERM: checkpoint after the step);
 //! - [`infer`]: evaluation and predictions of a saved model of any kind;
 //! - [`files`]: atomic writes, model files of every kind, the metrics log;
 //! - [`data`]: the encoder's data (labelled examples, corpora);
@@ -21,6 +22,7 @@ pub mod data;
 pub mod distributed;
 pub mod files;
 pub mod infer;
+pub mod interrupt;
 pub mod plot;
 pub mod run_dir;
 pub mod task;

@@ -11,9 +11,6 @@
 //! * The picture is rendered into memory, encoded to `<path>.tmp` in the same directory and then
 //!   renamed over `<path>`, so a reader never sees a half-written file.
 
-use std::ffi::OsString;
-use std::fs::{self, File};
-use std::io::BufWriter;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -669,52 +666,33 @@ fn tick_text(v: f64) -> String {
     }
 }
 
-/// `<path>.tmp`, in the same directory as `path`.
-fn tmp_path(path: &Path) -> PathBuf {
-    let mut name = OsString::from(path.as_os_str());
-    name.push(".tmp");
-    PathBuf::from(name)
-}
-
+/// Encodes `rgb` as a PNG and writes it to `path` atomically ([`crate::files::write_atomic`]:
+/// a temporary file renamed into place, only over an absent path or a regular file).
 fn write_png_atomically(path: &Path, rgb: &[u8], width: u32, height: u32) -> Result<(), PlotError> {
-    let tmp = tmp_path(path);
-    let io_err = |file: &Path, source: std::io::Error| PlotError::Io {
+    let enc_err = |e: png::EncodingError| PlotError::Encode {
         path: path.to_path_buf(),
-        file: file.to_path_buf(),
-        source,
+        message: e.to_string(),
     };
-    let enc_err = |e: png::EncodingError| match e {
-        png::EncodingError::IoError(source) => io_err(&tmp, source),
-        other => PlotError::Encode {
-            path: path.to_path_buf(),
-            message: other.to_string(),
-        },
-    };
-    let result = (|| {
-        let file = File::create(&tmp).map_err(|e| io_err(&tmp, e))?;
-        let mut out = BufWriter::new(file);
-        {
-            let mut encoder = png::Encoder::new(&mut out, width, height);
-            encoder.set_color(png::ColorType::Rgb);
-            encoder.set_depth(png::BitDepth::Eight);
-            let mut writer = encoder.write_header().map_err(enc_err)?;
-            writer.write_image_data(rgb).map_err(enc_err)?;
-            writer.finish().map_err(enc_err)?;
-        }
-        let file = out.into_inner().map_err(|e| io_err(&tmp, e.into_error()))?;
-        file.sync_all().map_err(|e| io_err(&tmp, e))?;
-        drop(file);
-        fs::rename(&tmp, path).map_err(|e| io_err(path, e))
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
+    let mut png_bytes = Vec::new();
+    {
+        let mut encoder = png::Encoder::new(&mut png_bytes, width, height);
+        encoder.set_color(png::ColorType::Rgb);
+        encoder.set_depth(png::BitDepth::Eight);
+        let mut writer = encoder.write_header().map_err(enc_err)?;
+        writer.write_image_data(rgb).map_err(enc_err)?;
+        writer.finish().map_err(enc_err)?;
     }
-    result
+    crate::files::write_atomic_then(path, &png_bytes, || {}).map_err(|e| PlotError::Io {
+        path: path.to_path_buf(),
+        file: e.file,
+        source: e.source,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::{self, File};
 
     const PNG_SIGNATURE: [u8; 8] = [0x89, b'P', b'N', b'G', b'\r', b'\n', 0x1a, b'\n'];
 
@@ -807,7 +785,6 @@ mod tests {
         let bytes = fs::read(&path).unwrap();
         assert!(bytes.len() > 1000);
         assert_eq!(&bytes[..8], &PNG_SIGNATURE);
-        assert!(!tmp_path(&path).exists());
         let leftovers: Vec<_> = fs::read_dir(&dir.0)
             .unwrap()
             .map(|e| e.unwrap().file_name())
@@ -823,7 +800,11 @@ mod tests {
         // Overwriting an existing plot works too.
         plot_panels(&path, &training_panels()[1..], 400, 300).unwrap();
         assert_eq!(decode(&path).0, 400);
-        assert!(!tmp_path(&path).exists());
+        assert_eq!(
+            fs::read_dir(&dir.0).unwrap().count(),
+            1,
+            "a temporary file was left"
+        );
 
         // Set COMERA_PLOT_KEEP=DIR to keep a copy for looking at.
         if let Some(keep) = std::env::var_os("COMERA_PLOT_KEEP") {
@@ -1051,7 +1032,23 @@ mod tests {
         fs::write(blocked.join("inside"), b"x").unwrap();
         let err = plot_panels(&blocked, &training_panels(), 400, 200).unwrap_err();
         assert!(err.to_string().contains("blocked.png"), "{err}");
-        assert!(!tmp_path(&blocked).exists());
+        let names: Vec<_> = fs::read_dir(&dir.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(
+            names.iter().all(|n| !n.to_string_lossy().contains(".tmp-")),
+            "a temporary file was left: {names:?}"
+        );
+        // A FIFO (or any other special file) in place of the plot is refused, not replaced.
+        let fifo = dir.0.join("fifo.png");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path made above.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let err = plot_panels(&fifo, &training_panels(), 400, 200).unwrap_err();
+        assert!(err.to_string().contains("FIFO"), "{err}");
+        use std::os::unix::fs::FileTypeExt;
+        assert!(fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
     }
 
     #[test]

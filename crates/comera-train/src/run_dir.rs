@@ -7,9 +7,12 @@
 //! - **One writer.** `.lock` is held with an OS file lock for as long as a process writes the
 //!   directory; the lock dies with the process. A second writer is refused with the holder's
 //!   pid. Readers (eval, predict, inspect) take no lock: every file is replaced atomically.
-//! - **Fresh or continued.** A fresh run needs an empty directory (or `--overwrite`, which
-//!   clears a directory that holds a comera run, and nothing else); a continued run resumes from
-//!   the newest checkpoint that verifies, by the step inside the file (not its name).
+//! - **Fresh or continued.** A fresh run needs an empty directory, or `--overwrite` of a
+//!   directory that holds a comera run (its `run.toml` verifies) and nothing else. The previous
+//!   run is moved aside, not deleted, until the new one has written its first checkpoint: a new
+//!   run that fails (bad data, a missing `init_from`, …) or is killed before that gives the
+//!   directory back to the old one. A continued run resumes from the newest checkpoint that
+//!   verifies, by the step inside the file (not its name).
 //! - **Cleanup.** Temporary files of dead processes are removed when the directory is opened.
 
 use crate::checkpoint::{self, Checkpoint};
@@ -41,7 +44,7 @@ impl RunIdentity {
     /// Reads `dir/run.toml`.
     pub fn read(dir: &Path) -> anyhow::Result<RunIdentity> {
         let path = dir.join(IDENTITY);
-        let text = std::fs::read_to_string(&path)
+        let text = comera_data::read_regular_to_string(&path)
             .with_context(|| format!("{}: cannot read the run's identity", path.display()))?;
         toml::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()))
     }
@@ -68,55 +71,59 @@ fn new_run_id(config_toml: &str) -> String {
     sha256_hex(&salt)[..32].to_string()
 }
 
+/// The folder inside a run directory that `--overwrite` moves the previous run into: it is
+/// deleted once the new run has written its first checkpoint (or ended), and moved back if the
+/// new run fails before that (or was killed: the next open of the directory restores it).
+pub const REPLACED: &str = ".replaced-run";
+
+/// The names a run directory may hold besides the ones listed here: what `train`, `import` and
+/// early stopping write. `--overwrite` replaces a directory only if it holds nothing else.
+pub const RUN_FILES: &[&str] = &[
+    "config.toml",
+    IDENTITY,
+    "metrics.jsonl",
+    checkpoint::DIR,
+    crate::files::MODEL_WEIGHTS,
+    crate::files::MODEL_META,
+    "vocab.txt",
+    "curves.png",
+    "ranks.png",
+    "ranks.md",
+    "report.json",
+    crate::trainer::BEST_DIR,
+];
+
 /// A run directory locked for writing.
 pub struct RunDir {
     pub path: PathBuf,
     /// The run's identity (read from `run.toml`, or made for a fresh run).
     pub identity: RunIdentity,
+    /// Under `--overwrite`: the previous run, moved aside into [`REPLACED`] until the new run
+    /// has a checkpoint ([`RunDir::keep_new_run`]); restored when the `RunDir` is dropped
+    /// before that.
+    replaced: std::cell::Cell<bool>,
     _lock: RunLock,
 }
 
 impl RunDir {
     /// Opens `path` for a fresh run of `config_toml`: creates and locks it, removes stale
-    /// temporaries, refuses a non-empty directory (unless `overwrite`, which first removes the
-    /// previous run's files), then writes `run.toml` and `config.toml`.
+    /// temporaries, refuses a non-empty directory unless `overwrite` and it holds a comera run
+    /// (its `run.toml` verifies and it holds nothing but [`RUN_FILES`]), whose files are then
+    /// moved aside (not deleted: see [`REPLACED`]); then writes `run.toml` and `config.toml`.
     pub fn create(path: &Path, config_toml: &str, overwrite: bool) -> anyhow::Result<RunDir> {
         if path.as_os_str().is_empty() {
             bail!("train.out_dir: empty; name the run directory");
         }
+        resolve_symlink(path)?;
         std::fs::create_dir_all(path)
             .with_context(|| format!("{}: cannot create run directory", path.display()))?;
         let lock = RunLock::acquire(path)?;
         clean_temporaries(path);
-        let entries = contents(path)?;
-        if !entries.is_empty() {
-            if !overwrite {
-                let what = match RunIdentity::read(path) {
-                    Ok(r) => format!("holds run {}", r.id),
-                    Err(_) => format!("is not empty ({} entries)", entries.len()),
-                };
-                bail!(
-                    "{}: {what}; continue it with `comera train --resume {0}`, replace it with --overwrite, or choose another --out",
-                    path.display()
-                );
-            }
-            let is_run = ["config.toml", IDENTITY, checkpoint::DIR, "metrics.jsonl"]
-                .iter()
-                .any(|n| path.join(n).exists());
-            if !is_run {
-                bail!(
-                    "{}: --overwrite refused: the directory holds files but no comera run (no config.toml, run.toml, checkpoints/ or metrics.jsonl); nothing was removed",
-                    path.display()
-                );
-            }
-            for e in &entries {
-                let r = if e.is_dir() {
-                    std::fs::remove_dir_all(e)
-                } else {
-                    std::fs::remove_file(e)
-                };
-                r.with_context(|| format!("{}: cannot remove (--overwrite)", e.display()))?;
-            }
+        recover_replaced(path)?;
+        let entries = check_fresh_target(path, overwrite)?;
+        let replaced = !entries.is_empty();
+        if replaced {
+            move_aside(path, &entries)?;
         }
         let identity = RunIdentity {
             id: new_run_id(config_toml),
@@ -126,30 +133,36 @@ impl RunDir {
                 .map_or(0, |d| d.as_secs()),
             comera_version: env!("CARGO_PKG_VERSION").to_string(),
         };
+        // From here the `RunDir` exists: an error restores the previous run when it drops.
+        let dir = RunDir {
+            path: path.to_path_buf(),
+            identity,
+            replaced: std::cell::Cell::new(replaced),
+            _lock: lock,
+        };
         crate::files::write_atomic(&path.join("config.toml"), config_toml.as_bytes())?;
         crate::files::write_atomic(
             &path.join(IDENTITY),
-            toml::to_string_pretty(&identity)?.as_bytes(),
+            toml::to_string_pretty(&dir.identity)?.as_bytes(),
         )?;
-        Ok(RunDir {
-            path: path.to_path_buf(),
-            identity,
-            _lock: lock,
-        })
+        Ok(dir)
     }
 
-    /// Opens an existing run directory to continue it: locks it, removes stale temporaries and
-    /// reads its identity.
+    /// Opens an existing run directory to continue it: locks it, removes stale temporaries,
+    /// finishes an interrupted `--overwrite` and reads its identity.
     pub fn open(path: &Path) -> anyhow::Result<RunDir> {
+        resolve_symlink(path)?;
         if !path.is_dir() {
             bail!("{}: no such run directory", path.display());
         }
         let lock = RunLock::acquire(path)?;
         clean_temporaries(path);
+        recover_replaced(path)?;
         let identity = RunIdentity::read(path)?;
         Ok(RunDir {
             path: path.to_path_buf(),
             identity,
+            replaced: std::cell::Cell::new(false),
             _lock: lock,
         })
     }
@@ -157,6 +170,199 @@ impl RunDir {
     /// The checkpoint to resume from ([`newest_checkpoint`]).
     pub fn newest_checkpoint(&self) -> anyhow::Result<Checkpoint> {
         newest_checkpoint(&self.path, &self.identity)
+    }
+
+    /// The new run has written a checkpoint (or ended): the run it replaced (`--overwrite`) is
+    /// deleted now. Does nothing otherwise.
+    pub fn keep_new_run(&self) -> anyhow::Result<()> {
+        if self.replaced.get() {
+            let old = self.path.join(REPLACED);
+            std::fs::remove_dir_all(&old)
+                .with_context(|| format!("{}: cannot remove the replaced run", old.display()))?;
+            self.replaced.set(false);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RunDir {
+    /// A new run that failed before its first checkpoint gives the directory back to the run it
+    /// replaced.
+    fn drop(&mut self) {
+        if self.replaced.get() {
+            match restore_replaced(&self.path) {
+                Ok(()) => eprintln!(
+                    "note  the new run stopped before its first checkpoint: the previous run in {} was restored",
+                    self.path.display()
+                ),
+                Err(e) => eprintln!(
+                    "error: {}: the previous run could not be restored from {}: {e:#}",
+                    self.path.display(),
+                    REPLACED
+                ),
+            }
+        }
+    }
+}
+
+/// Checks that a fresh run (or an import) may be written into `path`: absent or empty, or,
+/// with `overwrite`, holding a comera run and nothing else ([`check_replaceable`]). Returns the
+/// entries the new run would replace. Nothing is changed: commands call it before long work
+/// to fail early, and [`RunDir::create`] calls it again under the lock.
+pub fn check_fresh_target(path: &Path, overwrite: bool) -> anyhow::Result<Vec<PathBuf>> {
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let entries = contents(path)?;
+    if entries.is_empty() {
+        return Ok(entries);
+    }
+    if !overwrite {
+        let what = match RunIdentity::read(path) {
+            Ok(r) => format!("holds run {}", r.id),
+            Err(_) => format!("is not empty ({} entries)", entries.len()),
+        };
+        bail!(
+            "{}: {what}; continue it with `comera train --resume {0}`, replace it with --overwrite, or choose another --out",
+            path.display()
+        );
+    }
+    check_replaceable(path, &entries)?;
+    Ok(entries)
+}
+
+/// A run directory given as a symlink is followed once and said so; a dangling or looping one
+/// is an error naming it (not "File exists").
+fn resolve_symlink(path: &Path) -> anyhow::Result<()> {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if meta.file_type().is_symlink() {
+        let target = std::fs::read_link(path).unwrap_or_default();
+        match std::fs::canonicalize(path) {
+            Ok(real) if real.is_dir() => eprintln!(
+                "note  {} is a symbolic link: the run directory is {}",
+                path.display(),
+                real.display()
+            ),
+            Ok(real) => bail!(
+                "{}: a symbolic link to {}, which is not a directory",
+                path.display(),
+                real.display()
+            ),
+            Err(e) => bail!(
+                "{}: a symbolic link to {} that cannot be followed ({e}: dangling or looping); remove it or name another directory",
+                path.display(),
+                target.display()
+            ),
+        }
+    } else if !meta.is_dir() {
+        bail!(
+            "{}: is {}, not a directory; a run directory is a directory",
+            path.display(),
+            comera_data::regular::file_kind(&meta)
+        );
+    }
+    Ok(())
+}
+
+/// Refuses `--overwrite` of a directory that is not a comera run: its `run.toml` must verify
+/// (parse, and name the sha256 of its `config.toml`) and every entry must be one a run writes.
+/// The error lists what would have been deleted.
+fn check_replaceable(path: &Path, entries: &[PathBuf]) -> anyhow::Result<()> {
+    let names = |list: &[&PathBuf]| {
+        list.iter()
+            .map(|e| {
+                e.file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let all: Vec<&PathBuf> = entries.iter().collect();
+    let verified = RunIdentity::read(path).and_then(|id| {
+        let config = path.join("config.toml");
+        let text = comera_data::read_regular_to_string(&config)
+            .with_context(|| format!("{}: cannot read", config.display()))?;
+        if sha256_hex(&text) != id.config_sha256 {
+            bail!("config.toml does not match the sha256 in run.toml");
+        }
+        Ok(id)
+    });
+    if let Err(e) = verified {
+        bail!(
+            "{}: --overwrite refused: not a comera run ({e:#}); it would have deleted: {}; nothing was removed",
+            path.display(),
+            names(&all)
+        );
+    }
+    let foreign: Vec<&PathBuf> = entries
+        .iter()
+        .filter(|e| {
+            let name = e.file_name().unwrap_or_default().to_string_lossy();
+            !RUN_FILES.contains(&name.as_ref())
+        })
+        .collect();
+    if !foreign.is_empty() {
+        bail!(
+            "{}: --overwrite refused: besides its run, the directory holds files comera did not write ({}); move them away first; nothing was removed",
+            path.display(),
+            names(&foreign)
+        );
+    }
+    Ok(())
+}
+
+/// Moves `entries` of the run directory into its [`REPLACED`] folder.
+fn move_aside(path: &Path, entries: &[PathBuf]) -> anyhow::Result<()> {
+    let old = path.join(REPLACED);
+    std::fs::create_dir(&old).with_context(|| format!("{}: cannot create", old.display()))?;
+    for e in entries {
+        let to = old.join(e.file_name().unwrap_or_default());
+        std::fs::rename(e, &to)
+            .with_context(|| format!("{}: cannot move aside (--overwrite)", e.display()))?;
+    }
+    Ok(())
+}
+
+/// Removes what the new run wrote and moves the previous run back from [`REPLACED`].
+fn restore_replaced(path: &Path) -> anyhow::Result<()> {
+    let old = path.join(REPLACED);
+    for e in contents(path)? {
+        let r = if e.is_dir() && !e.is_symlink() {
+            std::fs::remove_dir_all(&e)
+        } else {
+            std::fs::remove_file(&e)
+        };
+        r.with_context(|| format!("{}: cannot remove", e.display()))?;
+    }
+    for e in std::fs::read_dir(&old).with_context(|| format!("{}: cannot list", old.display()))? {
+        let e = e?;
+        std::fs::rename(e.path(), path.join(e.file_name()))
+            .with_context(|| format!("{}: cannot move back", e.path().display()))?;
+    }
+    std::fs::remove_dir(&old).with_context(|| format!("{}: cannot remove", old.display()))
+}
+
+/// An `--overwrite` whose process died: if the new run wrote a checkpoint it stands (the old
+/// one is deleted); otherwise the old run is restored.
+fn recover_replaced(path: &Path) -> anyhow::Result<()> {
+    let old = path.join(REPLACED);
+    if !old.is_dir() {
+        return Ok(());
+    }
+    if checkpoint::list(path).is_ok_and(|c| !c.is_empty()) {
+        std::fs::remove_dir_all(&old)
+            .with_context(|| format!("{}: cannot remove the replaced run", old.display()))
+    } else {
+        restore_replaced(path)?;
+        eprintln!(
+            "note  {}: an --overwrite was interrupted before the new run's first checkpoint; the previous run was restored",
+            path.display()
+        );
+        Ok(())
     }
 }
 
@@ -205,7 +411,7 @@ fn check_owner(dir: &Path, own: &RunIdentity, ck: &Checkpoint) -> anyhow::Result
         );
     }
     let config = dir.join("config.toml");
-    let text = std::fs::read_to_string(&config)
+    let text = comera_data::read_regular_to_string(&config)
         .with_context(|| format!("{}: cannot read the run's config", config.display()))?;
     if sha256_hex(&text) != own.config_sha256 {
         bail!(
@@ -224,12 +430,12 @@ fn check_owner(dir: &Path, own: &RunIdentity, ck: &Checkpoint) -> anyhow::Result
     Ok(())
 }
 
-/// The entries of `dir` other than its lock.
+/// The entries of `dir` other than its lock and the run an `--overwrite` moved aside.
 fn contents(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     Ok(std::fs::read_dir(dir)
         .with_context(|| format!("{}: cannot list", dir.display()))?
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name() != LOCK)
+        .filter(|e| e.file_name() != LOCK && e.file_name() != REPLACED)
         .map(|e| e.path())
         .collect())
 }
@@ -261,7 +467,7 @@ impl RunLock {
         match file.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
-                let holder = std::fs::read_to_string(&path).unwrap_or_default();
+                let holder = comera_data::read_regular_to_string(&path).unwrap_or_default();
                 bail!(
                     "{}: the run directory is in use by another comera process (pid {}); one writer at a time",
                     dir.display(),

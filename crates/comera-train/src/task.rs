@@ -496,6 +496,7 @@ impl Task for EncoderTask {
         let meta = ModelMeta {
             run_id: None,
             weights_sha256: None,
+            meta_sha256: None,
             model: self.model_cfg.clone(),
             labels,
             vocab: self.vocab.clone(),

@@ -63,8 +63,11 @@ pub struct TrainSummary {
     /// Whether the rank schedule was active, and its stage at the end.
     pub rank_active: bool,
     pub rank_stage: String,
-    /// Whether the run stopped early at `train.stop_after_steps` (resumable).
+    /// Whether the run stopped early at `train.stop_after_steps` or on a signal (resumable).
     pub stopped: bool,
+    /// The signal (SIGINT, SIGTERM) that stopped the run after a step, with a checkpoint
+    /// ([`crate::interrupt`]).
+    pub interrupted: Option<i32>,
     /// Whether early stopping ended the run (the best model is in `best/`).
     #[serde(default)]
     pub early_stopped: bool,
@@ -323,9 +326,10 @@ fn setup_encoder(
         }
     }
     let out = cfg.train.out_dir.clone();
-    let (run_dir, resume) = start.open(&out, &config_toml)?;
+    // Everything that can fail is done before the run directory is opened (which, under
+    // --overwrite, moves the previous run aside).
     let mut model = Encoder::new(&mcfg, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?;
-    if let (None, Some(dir)) = (&resume, &cfg.train.init_from) {
+    if let (None, Some(dir)) = (start.checkpoint(), &cfg.train.init_from) {
         let (pre, _) = crate::files::load_model(dir)
             .with_context(|| format!("train.init_from: {}", dir.display()))?;
         model
@@ -346,6 +350,7 @@ fn setup_encoder(
     if cfg.galore.is_some() && cfg.rank.enabled {
         eprintln!("note  GaLore run: rank gates are trained, but pruned slices are not truncated");
     }
+    let (run_dir, resume) = start.open(&out, &config_toml)?;
     let t = &cfg.train;
     Ok(Setup {
         task: EncoderTask {
@@ -434,6 +439,7 @@ fn setup_dlrm(cfg: &DlrmRunConfig, start: Start, progress: bool) -> anyhow::Resu
     let meta = DlrmMeta {
         run_id: None,
         weights_sha256: None,
+        meta_sha256: None,
         kind: "dlrm".into(),
         model: cfg.dlrm.clone(),
         n_dense: prepared.n_dense,
@@ -630,7 +636,11 @@ impl Curves {
 /// resumes from), and without the final `ranks` record (written again when the run ends), and
 /// returns the kept records.
 fn metrics_up_to(path: &Path, step: u64) -> anyhow::Result<Vec<serde_json::Value>> {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let text = match comera_data::read_regular_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(anyhow::anyhow!("{}: cannot read: {e}", path.display())),
+    };
     let mut kept = Vec::new();
     let mut out = String::new();
     for line in text.lines() {
@@ -918,9 +928,16 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             progress: prog,
             rank: &stepper.rank,
         };
-        checkpoint::save(&out, &run, model, &state, cfg.keep_checkpoints).map(|_| ())
+        checkpoint::save(&out, &run, model, &state, cfg.keep_checkpoints)?;
+        // The run it replaced (--overwrite) is deleted once this one can be resumed.
+        run_dir.as_ref().map_or(Ok(()), RunDir::keep_new_run)
     };
-    let stop_due = |step: u64| cfg.stop_after_steps > 0 && step >= cfg.stop_after_steps;
+    // A stop asked for (train.stop_after_steps, or a first SIGINT/SIGTERM) ends the run after
+    // the step with a checkpoint at it.
+    let stop_due = |step: u64| {
+        (cfg.stop_after_steps > 0 && step >= cfg.stop_after_steps)
+            || crate::interrupt::requested().is_some()
+    };
     let n_epochs = epochs.len();
     'epochs: for (epoch, &(ph, per_epoch)) in epochs.iter().enumerate().skip(prog.epoch) {
         let phase = &phases[ph];
@@ -1228,6 +1245,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         rank_active,
         rank_stage: stage.into(),
         stopped,
+        interrupted: crate::interrupt::requested().filter(|_| stopped),
         early_stopped,
         extra: task.report_extra(&model),
     };
@@ -1240,6 +1258,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             serde_json::to_string_pretty(&summary)?.as_bytes(),
         )?;
     }
+    run_dir.as_ref().map_or(Ok(()), RunDir::keep_new_run)?;
     Ok(summary)
 }
 
