@@ -240,10 +240,16 @@ fn longest_first(mut na: usize, mut nb: usize, budget: usize) -> (usize, usize) 
 mod regular_file_tests {
     use super::*;
 
-    /// `/dev/zero` as a vocabulary once read zeros until memory ran out.
+    /// A FIFO as a vocabulary once waited for a writer forever (and `/dev/zero` read zeros
+    /// until memory ran out); both are refused, saying what the path is.
     #[test]
-    fn a_device_as_a_vocabulary_is_refused() {
-        let err = BertTokenizer::from_vocab_file(Path::new("/dev/zero")).unwrap_err();
-        assert!(err.to_string().contains("character device"), "{err}");
+    fn a_fifo_as_a_vocabulary_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("vocab.txt");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path made above.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let err = BertTokenizer::from_vocab_file(&fifo).unwrap_err();
+        assert!(err.to_string().contains("FIFO"), "{err}");
     }
 }
