@@ -99,7 +99,7 @@ pub fn path_for(run_dir: &Path, step: u64) -> PathBuf {
 /// hash is checked when it is loaded); None when the header cannot be read.
 pub fn header_step(path: &Path) -> Option<u64> {
     use std::io::Read;
-    let mut f = std::fs::File::open(path).ok()?;
+    let mut f = comera_data::open_regular(path).ok()?;
     let mut n = [0u8; 8];
     f.read_exact(&mut n).ok()?;
     let n = u64::from_le_bytes(n);
