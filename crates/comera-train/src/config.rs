@@ -1275,7 +1275,7 @@ mod tests {
             ("[train]\nbatch_size = 100000000\n", "train.batch_size"),
         ] {
             let msg = encoder(text);
-            assert!(msg.starts_with(&format!("c.toml:2:")), "{msg}");
+            assert!(msg.starts_with("c.toml:2:"), "{msg}");
             assert!(
                 msg.contains(&format!("{field}: ")) && msg.contains("is more than the limit"),
                 "{msg}"
@@ -1383,7 +1383,7 @@ mod tests {
         ] {
             let msg = encoder(&format!("[data]\n{field} = {value}\n"));
             assert!(
-                msg.starts_with(&format!("c.toml:2:"))
+                msg.starts_with("c.toml:2:")
                     && msg.contains(&format!("data.{field}: only masked-LM runs")),
                 "{msg}"
             );
