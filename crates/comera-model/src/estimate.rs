@@ -59,11 +59,11 @@ impl MemoryEstimate {
     }
 }
 
-/// A byte count in binary units with one decimal: `0.4 GiB` below a TiB (the scale of the
-/// machines comera runs on), `4.1 TiB` and up beyond it.
+/// A byte count in the largest binary unit it reaches, with one decimal (`12.0 KiB`,
+/// `0.9 GiB` is shown as `921.6 MiB`, `4.1 TiB`).
 pub fn bytes_text(bytes: f64) -> String {
-    const UNITS: [&str; 4] = ["GiB", "TiB", "PiB", "EiB"];
-    let mut value = bytes / (1u64 << 30) as f64;
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut value = bytes;
     let mut unit = 0;
     while value >= 1024.0 && unit + 1 < UNITS.len() {
         value /= 1024.0;
@@ -251,7 +251,8 @@ mod tests {
             "{msg}"
         );
         assert_eq!(bytes_text(4.1 * (1u64 << 40) as f64), "4.1 TiB");
-        assert_eq!(bytes_text(0.5 * (1u64 << 30) as f64), "0.5 GiB");
+        assert_eq!(bytes_text(0.5 * (1u64 << 30) as f64), "512.0 MiB");
+        assert_eq!(bytes_text(100.0), "100.0 B");
         assert!(bytes_text(1e30).ends_with(" EiB"));
     }
 

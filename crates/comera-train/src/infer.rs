@@ -105,7 +105,7 @@ fn non_finite_cause(model: &dyn Model) -> String {
     let mut largest = (0.0f32, "");
     for p in model.params() {
         for v in &p.value {
-            if !(v.abs() <= largest.0) {
+            if v.abs() > largest.0 {
                 largest = (v.abs(), &p.name);
             }
         }
