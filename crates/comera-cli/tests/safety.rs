@@ -655,7 +655,7 @@ fn sigint_at_random_steps_stops_with_a_checkpoint_and_resumes_bit_identically() 
             format!("step-{step:010}.safetensors"),
             "the checkpoint is at the step the run stopped after"
         );
-        inside_epochs += usize::from(step % steps_per_epoch as u64 != 0);
+        inside_epochs += usize::from(!step.is_multiple_of(steps_per_epoch as u64));
         let (code, text) = comera(&["--threads", "2", "train", "--resume", s(&run), "--quiet"]);
         assert_eq!(code, 0, "{text}");
         assert_same_run(&whole, &run, &["train", "eval", "truncate", "stage"]);

@@ -25,6 +25,6 @@ pub use loaders::{
     load_parquet, load_reviews, load_table, Delimited, Example, Labels, LoadError, LoadedSet,
     ReviewLabel, TableSpec,
 };
-pub use regular::{open_regular, read_regular, read_regular_to_string};
 pub use mlm::{MlmBatch, MlmBatches, MlmConfig, MlmMasker, IGNORE_LABEL};
+pub use regular::{open_regular, read_regular, read_regular_to_string};
 pub use tokenizer::{BertTokenizer, Encoding, TokenizerError};
