@@ -313,12 +313,15 @@ fn time_child(cfg: &RunConfig, arm: &str, a: &CompareArgs) -> anyhow::Result<Tim
 
 /// The last training-window loss of a run's metrics log.
 fn last_train_loss(metrics: &Path) -> Option<f64> {
+    use comera_train::observe::Record;
     let text = std::fs::read_to_string(metrics).ok()?;
     text.lines()
         .rev()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find(|v| v["kind"] == "train")
-        .and_then(|v| v["loss"].as_f64())
+        .filter_map(|l| serde_json::from_str::<Record>(l).ok())
+        .find_map(|r| match r {
+            Record::Train(t) => Some(t.loss),
+            _ => None,
+        })
 }
 
 fn train_child(cfg: &RunConfig, arm: &str) -> anyhow::Result<TrainReport> {
@@ -326,6 +329,7 @@ fn train_child(cfg: &RunConfig, arm: &str) -> anyhow::Result<TrainReport> {
     let opts = comera_train::RunOptions {
         progress: false,
         overwrite: true,
+        ..Default::default()
     };
     let s = comera_train::train(cfg, opts)?;
     Ok(TrainReport {

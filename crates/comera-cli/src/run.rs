@@ -83,6 +83,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
     let opts = comera_train::RunOptions {
         progress: !a.quiet,
         overwrite: a.overwrite,
+        ..Default::default()
     };
     let s = match &cfg {
         AnyRunConfig::Encoder(c) => comera_train::train(c, opts)?,

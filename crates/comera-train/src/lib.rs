@@ -8,6 +8,8 @@
 //! - [`trainer`]: the loop ([`train`], [`train_dlrm`], [`resume`]) and `TrainSummary`;
 //! - [`checkpoint`]: checkpoints with exact resume;
 //! - [`run_dir`]: a run directory's identity, lock, fresh start or resume;
+//! - [`observe`]: typed metrics records, the loop's events and observers (a library user's
+//!   window on a run, and a way to stop it);
 //! - [`interrupt`]: the graceful stop (first SIGINT/SIGTERM: checkpoint after the step);
 //! - [`infer`]: evaluation and predictions of a saved model of any kind;
 //! - [`files`]: atomic writes, model files of every kind, the metrics log;
@@ -23,6 +25,7 @@ pub mod distributed;
 pub mod files;
 pub mod infer;
 pub mod interrupt;
+pub mod observe;
 pub mod plot;
 pub mod run_dir;
 pub mod task;
@@ -33,4 +36,6 @@ pub use config::{AnyRunConfig, DataConfig, DlrmRunConfig, Overrides, RunConfig, 
 pub use files::{load_model, load_saved, save_model, write_atomic, ModelMeta, SavedModel};
 pub use rank::{RankConfig, RankController};
 pub use task::EvalStats;
-pub use trainer::{peak_rss_bytes, resume, train, train_dlrm, RunOptions, TrainSummary};
+pub use trainer::{
+    peak_rss_bytes, resume, resume_with, train, train_dlrm, RunOptions, TrainSummary,
+};

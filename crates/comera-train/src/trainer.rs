@@ -10,6 +10,10 @@ use crate::checkpoint::{self, Checkpoint, Progress};
 use crate::config::{AnyRunConfig, DlrmRunConfig, EarlyStopping, Phase, RunConfig};
 use crate::data::{prepare, CorpusData, PreparedData};
 use crate::files::{DlrmMeta, MetricsLog};
+use crate::observe::{
+    Control, EarlyStopRecord, EvalRecord, Event, Observer, RanksRecord, Record, StageRecord,
+    TrainRecord, TruncateRecord,
+};
 use crate::plot::{plot_panels, Panel, Series};
 use crate::run_dir::RunDir;
 use crate::task::{CtrTask, EncoderData, EncoderTask, EpochBatches, EvalStats, Task};
@@ -20,7 +24,6 @@ use comera_model::Encoder;
 use comera_optim::rank::{self, Branch, LayerRanks, RankConfig, RankController, Stage};
 use comera_optim::{AdamWConfig, Decay, GaLoreConfig, Optimizer, Schedule, Stepper};
 use serde::Serialize;
-use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -177,13 +180,15 @@ struct Setup<T: Task> {
     run_dir: Option<RunDir>,
 }
 
-/// How a fresh run starts.
-#[derive(Clone, Copy, Debug, Default)]
+/// How a run starts.
+#[derive(Default)]
 pub struct RunOptions {
     /// Show a progress bar (on a terminal).
     pub progress: bool,
     /// Clear a run directory that holds a previous run instead of refusing it.
     pub overwrite: bool,
+    /// Receive the run's events ([`crate::observe`]); any may stop the run.
+    pub observers: Vec<Box<dyn Observer>>,
 }
 
 /// Runs a whole encoder training job as configured; writes into `cfg.train.out_dir`.
@@ -192,28 +197,34 @@ pub struct RunOptions {
 /// through the workers' own queues (no per-call injection, no allocation in the step).
 pub fn train(cfg: &RunConfig, opts: RunOptions) -> anyhow::Result<TrainSummary> {
     rayon::scope(|_| {
-        run(setup_encoder(
-            cfg,
-            Start::Fresh(opts.overwrite),
-            opts.progress,
-        )?)
+        let setup = setup_encoder(cfg, Start::Fresh(opts.overwrite), opts.progress)?;
+        run(setup, opts.observers)
     })
 }
 
 /// Runs a whole DLRM training job as configured; writes into `cfg.train.out_dir`.
 pub fn train_dlrm(cfg: &DlrmRunConfig, opts: RunOptions) -> anyhow::Result<TrainSummary> {
     rayon::scope(|_| {
-        run(setup_dlrm(
-            cfg,
-            Start::Fresh(opts.overwrite),
-            opts.progress,
-        )?)
+        let setup = setup_dlrm(cfg, Start::Fresh(opts.overwrite), opts.progress)?;
+        run(setup, opts.observers)
     })
 }
 
 /// Continues the run in `run_dir` from its newest checkpoint that verifies. With the same
 /// thread count, the losses are bit for bit those of a run that was never stopped.
 pub fn resume(run_dir: &Path, progress: bool) -> anyhow::Result<TrainSummary> {
+    resume_with(
+        run_dir,
+        RunOptions {
+            progress,
+            ..RunOptions::default()
+        },
+    )
+}
+
+/// [`resume`] with observers (`opts.overwrite` does not apply to a resumed run).
+pub fn resume_with(run_dir: &Path, opts: RunOptions) -> anyhow::Result<TrainSummary> {
+    let progress = opts.progress;
     // Process 0 locks the directory; the others of a data-parallel run only read it.
     let (dir, ck) = if crate::distributed::is_writer() {
         let dir = RunDir::open(run_dir)?;
@@ -230,8 +241,8 @@ pub fn resume(run_dir: &Path, progress: bool) -> anyhow::Result<TrainSummary> {
     eprintln!("resume {} (step {})", ck.path.display(), ck.progress.step);
     let start = Start::Resume(Box::new(ck), dir);
     rayon::scope(|_| match &cfg {
-        AnyRunConfig::Encoder(c) => run(setup_encoder(c, start, progress)?),
-        AnyRunConfig::Dlrm(c) => run(setup_dlrm(c, start, progress)?),
+        AnyRunConfig::Encoder(c) => run(setup_encoder(c, start, progress)?, opts.observers),
+        AnyRunConfig::Dlrm(c) => run(setup_dlrm(c, start, progress)?, opts.observers),
     })
 }
 
@@ -512,35 +523,26 @@ struct Curves {
 
 impl Curves {
     /// Takes in one metrics record.
-    fn add(&mut self, r: &serde_json::Value) {
-        let num = |k: &str| r.get(k).and_then(serde_json::Value::as_f64);
-        let Some(step) = num("step") else { return };
-        match r.get("kind").and_then(serde_json::Value::as_str) {
-            Some("train") => {
-                if let (Some(l), Some(a)) = (num("loss"), num("accuracy")) {
-                    self.train_loss.push((step, l));
-                    self.train_acc.push((step, a));
-                }
-                if let Some(c) = num("compression") {
-                    self.model_ratio.push((step, c));
-                }
-                if let Some(layers) = r.get("mean_ranks").and_then(|v| v.as_object()) {
-                    for (name, v) in layers {
-                        let Some(v) = v.as_f64() else { continue };
-                        match self.ranks.iter_mut().find(|(n, _)| n == name) {
-                            Some((_, pts)) => pts.push((step, v)),
-                            None => self.ranks.push((name.clone(), vec![(step, v)])),
-                        }
+    fn add(&mut self, r: &Record) {
+        match r {
+            Record::Train(t) => {
+                let step = t.step as f64;
+                self.train_loss.push((step, t.loss));
+                self.train_acc.push((step, t.accuracy));
+                self.model_ratio.push((step, t.compression));
+                for (name, &v) in t.mean_ranks.iter().flatten() {
+                    match self.ranks.iter_mut().find(|(n, _)| n == name) {
+                        Some((_, pts)) => pts.push((step, v)),
+                        None => self.ranks.push((name.clone(), vec![(step, v)])),
                     }
                 }
             }
-            Some("stage") => self.late_from = Some(step),
-            Some("eval") => {
-                if let (Some(l), Some(a)) = (num("valid_loss"), num("valid_accuracy")) {
-                    self.valid_loss.push((step, l));
-                    self.valid_acc.push((step, a));
-                }
-                if let Some(a) = num("valid_auc") {
+            Record::Stage(st) => self.late_from = Some(st.step as f64),
+            Record::Eval(e) => {
+                let step = e.step as f64;
+                self.valid_loss.push((step, e.valid_loss));
+                self.valid_acc.push((step, e.valid_accuracy));
+                if let Some(a) = e.valid_auc {
                     self.valid_auc.push((step, a));
                 }
             }
@@ -635,7 +637,7 @@ impl Curves {
 /// Rewrites the metrics log without records after `step` (written after the checkpoint a run
 /// resumes from), and without the final `ranks` record (written again when the run ends), and
 /// returns the kept records.
-fn metrics_up_to(path: &Path, step: u64) -> anyhow::Result<Vec<serde_json::Value>> {
+fn metrics_up_to(path: &Path, step: u64) -> anyhow::Result<Vec<Record>> {
     let text = match comera_data::read_regular_to_string(path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
@@ -645,15 +647,10 @@ fn metrics_up_to(path: &Path, step: u64) -> anyhow::Result<Vec<serde_json::Value
     let mut out = String::new();
     for line in text.lines() {
         // A line cut short by a kill is dropped like a later one.
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+        let Ok(v) = serde_json::from_str::<Record>(line) else {
             continue;
         };
-        let before = v
-            .get("step")
-            .and_then(serde_json::Value::as_u64)
-            .unwrap_or(0)
-            <= step;
-        if before && v["kind"] != "ranks" {
+        if v.step() <= step && !matches!(v, Record::Ranks(_)) {
             out.push_str(line);
             out.push('\n');
             kept.push(v);
@@ -663,14 +660,15 @@ fn metrics_up_to(path: &Path, step: u64) -> anyhow::Result<Vec<serde_json::Value
     Ok(kept)
 }
 
-/// Mean active rank per layer, as a JSON object (for the metrics log and the rank plot).
-fn mean_ranks(layers: &[LayerRanks]) -> serde_json::Value {
-    let mut m = serde_json::Map::new();
-    for l in layers {
-        let mean = l.ranks.iter().sum::<usize>() as f64 / l.ranks.len().max(1) as f64;
-        m.insert(l.name.clone(), json!(mean));
-    }
-    serde_json::Value::Object(m)
+/// Mean active rank per layer (for the metrics log and the rank plot).
+fn mean_ranks(layers: &[LayerRanks]) -> std::collections::BTreeMap<String, f64> {
+    layers
+        .iter()
+        .map(|l| {
+            let mean = l.ranks.iter().sum::<usize>() as f64 / l.ranks.len().max(1) as f64;
+            (l.name.clone(), mean)
+        })
+        .collect()
 }
 
 /// Each epoch's phase index and step count (None: a streamed epoch of unknown length), with
@@ -711,20 +709,35 @@ struct Reporter {
     curves: Curves,
     bar: indicatif::ProgressBar,
     dense_params: usize,
+    /// The library user's observers ([`RunOptions::observers`]), and whether one asked to stop.
+    observers: Vec<Box<dyn Observer>>,
+    stop_asked: bool,
 }
 
 impl Reporter {
-    /// Writes a record to the metrics log and the curves.
-    fn record(&mut self, r: serde_json::Value) -> anyhow::Result<()> {
+    /// Writes a record to the metrics log and the curves, and tells the observers.
+    fn record(&mut self, r: Record) -> anyhow::Result<()> {
         self.curves.add(&r);
-        match &mut self.log {
-            Some(log) => log.write(&r),
-            None => Ok(()),
+        if let Some(log) = &mut self.log {
+            log.write(&serde_json::to_value(&r)?)?;
+        }
+        self.event(&Event::Record(&r));
+        Ok(())
+    }
+
+    /// Tells every observer; a `Stop` from any is kept for the loop's next stop check.
+    fn event(&mut self, e: &Event<'_>) {
+        for o in &mut self.observers {
+            if o.on_event(e) == Control::Stop {
+                self.stop_asked = true;
+            }
         }
     }
 
-    /// A line above the progress bar, or on stderr when the bar is hidden (off a terminal).
-    fn say(&self, msg: String) {
+    /// A line above the progress bar, or on stderr when the bar is hidden (off a terminal);
+    /// also an [`Event::Message`].
+    fn say(&mut self, msg: String) {
+        self.event(&Event::Message(&msg));
         if !self.writer {
             return;
         }
@@ -739,7 +752,7 @@ impl Reporter {
         self.dense_params as f64 / model.num_params() as f64
     }
 
-    fn plots(&self, out: &Path, rank_active: bool, loss_name: &str) {
+    fn plots(&mut self, out: &Path, rank_active: bool, loss_name: &str) {
         if let Err(e) = self.curves.plot(&out.join("curves.png"), loss_name) {
             self.say(format!("warning: plot not written: {e:#}"));
         }
@@ -752,7 +765,10 @@ impl Reporter {
 }
 
 /// The one training loop (module docs).
-fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
+fn run<T: Task>(
+    setup: Setup<T>,
+    observers: Vec<Box<dyn Observer>>,
+) -> anyhow::Result<TrainSummary> {
     let t0 = Instant::now();
     let Setup {
         mut task,
@@ -863,12 +879,9 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         _ if !writer => None,
         Some(_) => {
             for r in metrics_up_to(&metrics_path, prog.step)? {
-                if r["kind"] == "eval" {
-                    let score = r["valid_auc"].as_f64().or(r["valid_accuracy"].as_f64());
-                    if let (Some(score), Some(epoch)) = (score, r["epoch"].as_u64()) {
-                        if score > best_valid {
-                            (best_valid, best_epoch) = (score, epoch as usize);
-                        }
+                if let Record::Eval(e) = &r {
+                    if e.score() > best_valid {
+                        (best_valid, best_epoch) = (e.score(), e.epoch);
                     }
                 }
                 curves.add(&r);
@@ -895,6 +908,8 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         curves,
         bar,
         dense_params,
+        observers,
+        stop_asked: false,
     };
     let base_seconds = prog.seconds;
     let resumed_at = prog.step;
@@ -915,7 +930,8 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
     let save_checkpoint = |meta: &str,
                            prog: &Progress,
                            stepper: &Stepper,
-                           model: &mut T::Model|
+                           model: &mut T::Model,
+                           rep: &mut Reporter|
      -> anyhow::Result<()> {
         if !writer {
             return Ok(());
@@ -928,9 +944,14 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             progress: prog,
             rank: &stepper.rank,
         };
-        checkpoint::save(&out, &run, model, &state, cfg.keep_checkpoints)?;
+        let path = checkpoint::save(&out, &run, model, &state, cfg.keep_checkpoints)?;
         // The run it replaced (--overwrite) is deleted once this one can be resumed.
-        run_dir.as_ref().map_or(Ok(()), RunDir::keep_new_run)
+        run_dir.as_ref().map_or(Ok(()), RunDir::keep_new_run)?;
+        rep.event(&Event::Checkpoint {
+            step: prog.step,
+            path: &path,
+        });
+        Ok(())
     };
     // A stop asked for (train.stop_after_steps, or a first SIGINT/SIGTERM) ends the run after
     // the step with a checkpoint at it.
@@ -1017,11 +1038,30 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                     prog.win_correct as f64 / prog.win_count as f64,
                 );
                 let tps = tokens_per_step[ph] as f64 * steps_in_window / secs;
-                let mut rec = json!({"kind": "train", "epoch": epoch + 1, "step": step, "tokens": tokens_at(step), "loss": l, "accuracy": a, "lr_scale": r.lr_scale, "grad_norm": r.grad_norm, "tokens_per_s": tps, "ms_per_step": secs * 1e3 / steps_in_window, "params": model.num_params(), "compression": rep.ratio(&model)});
+                let mut rec = TrainRecord {
+                    epoch: epoch + 1,
+                    step,
+                    tokens: tokens_at(step),
+                    loss: l,
+                    accuracy: a,
+                    lr_scale: r.lr_scale,
+                    grad_norm: r.grad_norm,
+                    tokens_per_s: tps,
+                    ms_per_step: secs * 1e3 / steps_in_window,
+                    params: model.num_params(),
+                    compression: rep.ratio(&model),
+                    processes: None,
+                    allreduce_bytes_per_step: None,
+                    comm_ms_per_step: None,
+                    size: None,
+                    size_l1: None,
+                    branch: None,
+                    mean_ranks: None,
+                };
                 if let Some(dp) = &stepper.data_parallel {
-                    rec["processes"] = json!(processes);
-                    rec["allreduce_bytes_per_step"] = json!(dp.bytes_per_step);
-                    rec["comm_ms_per_step"] = json!(win_comm * 1e3 / steps_in_window);
+                    rec.processes = Some(processes);
+                    rec.allreduce_bytes_per_step = Some(dp.bytes_per_step);
+                    rec.comm_ms_per_step = Some(win_comm * 1e3 / steps_in_window);
                 }
                 if rank_active {
                     let branch = match r.objective.branch {
@@ -1029,12 +1069,12 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                         Branch::Loss => "late-loss",
                         Branch::Size => "late-size",
                     };
-                    rec["size"] = json!(r.objective.size);
-                    rec["size_l1"] = json!(r.objective.size_l1);
-                    rec["branch"] = json!(branch);
-                    rec["mean_ranks"] = mean_ranks(&rank::layer_ranks(&model));
+                    rec.size = Some(r.objective.size);
+                    rec.size_l1 = Some(r.objective.size_l1);
+                    rec.branch = Some(branch.into());
+                    rec.mean_ranks = Some(mean_ranks(&rank::layer_ranks(&model)));
                 }
-                rep.record(rec)?;
+                rep.record(Record::Train(rec))?;
                 let size = if rank_active {
                     format!(" {:.1}x", rep.ratio(&model))
                 } else {
@@ -1113,7 +1153,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                     // The run is over: its checkpoint says so (resume reports it finished).
                     (prog.epoch, prog.batch_in_epoch) = (n_epochs, 0);
                     prog.seconds = at.seconds;
-                    save_checkpoint(&meta, &prog, &stepper, &mut model)?;
+                    save_checkpoint(&meta, &prog, &stepper, &mut model, &mut rep)?;
                     if writer {
                         rep.plots(&out, rank_active, task.loss_name());
                     }
@@ -1121,10 +1161,10 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
                     break 'epochs;
                 }
             }
-            let stop_now = stop_due(step);
+            let stop_now = stop_due(step) || rep.stop_asked;
             if stop_now || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)) {
                 prog.seconds = base_seconds + t0.elapsed().as_secs_f64();
-                save_checkpoint(&meta, &prog, &stepper, &mut model)?;
+                save_checkpoint(&meta, &prog, &stepper, &mut model, &mut rep)?;
             }
             if stop_now {
                 stopped = true;
@@ -1182,7 +1222,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         (prog.epoch, prog.batch_in_epoch) = (next, 0);
         (prog.ep_loss, prog.ep_correct, prog.ep_count) = (0.0, 0, 0);
         prog.seconds = secs;
-        save_checkpoint(&meta, &prog, &stepper, &mut model)?;
+        save_checkpoint(&meta, &prog, &stepper, &mut model, &mut rep)?;
         if writer {
             rep.plots(&out, rank_active, task.loss_name());
         }
@@ -1190,7 +1230,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
             early_stopped = true;
             break;
         }
-        if stop_due(prog.step) && epoch + 1 < n_epochs {
+        if (stop_due(prog.step) || rep.stop_asked) && epoch + 1 < n_epochs {
             stopped = true;
             break;
         }
@@ -1259,6 +1299,7 @@ fn run<T: Task>(setup: Setup<T>) -> anyhow::Result<TrainSummary> {
         )?;
     }
     run_dir.as_ref().map_or(Ok(()), RunDir::keep_new_run)?;
+    rep.event(&Event::Finished(&summary));
     Ok(summary)
 }
 
@@ -1307,15 +1348,19 @@ fn evaluation<T: Task>(
     // Training figures over the epoch so far.
     let n = prog.ep_count.max(1) as f64;
     let (tl, ta) = (prog.ep_loss / n, prog.ep_correct as f64 / n);
-    let mut rec = json!({"kind": "eval", "epoch": at.epoch, "step": prog.step, "tokens": at.tokens, "train_loss": tl, "train_accuracy": ta, "valid_loss": valid.loss, "valid_accuracy": valid.accuracy, "valid_perplexity": valid.loss.exp(), "seconds": at.seconds});
-    let auc = match valid.auc {
-        Some(a) => {
-            rec["valid_auc"] = json!(a);
-            format!(" AUC {a:.4}")
-        }
-        None => String::new(),
-    };
-    rep.record(rec)?;
+    rep.record(Record::Eval(EvalRecord {
+        epoch: at.epoch,
+        step: prog.step,
+        tokens: at.tokens,
+        train_loss: tl,
+        train_accuracy: ta,
+        valid_loss: valid.loss,
+        valid_accuracy: valid.accuracy,
+        valid_perplexity: valid.loss.exp(),
+        valid_auc: valid.auc,
+        seconds: at.seconds,
+    }))?;
+    let auc = valid.auc.map_or(String::new(), |a| format!(" AUC {a:.4}"));
     let (vl, va) = (valid.loss, valid.accuracy);
     rep.say(if at.epoch_end {
         format!(
@@ -1352,7 +1397,13 @@ fn evaluation<T: Task>(
     let stop = prog.evals_since_best >= es.patience;
     if stop {
         let best = prog.best_metric.unwrap_or(f64::NAN);
-        rep.record(json!({"kind": "early_stop", "epoch": at.epoch, "step": prog.step, "metric": es.metric, "best": best, "patience": es.patience}))?;
+        rep.record(Record::EarlyStop(EarlyStopRecord {
+            epoch: at.epoch,
+            step: prog.step,
+            metric: es.metric,
+            best,
+            patience: es.patience,
+        }))?;
         rep.say(format!(
             "early stop at step {}: {} has not improved on {best:.4} in {} evaluations; the best model is in {}",
             prog.step,
@@ -1378,7 +1429,14 @@ fn rank_events(
     if let Some(now) = switched {
         let (size, _, _) = rank::sizes(model);
         let target = stepper.rank.target_size;
-        rep.record(json!({"kind": "stage", "stage": "late", "epoch": epoch, "step": step, "size": size, "target_size": target, "ranks": now}))?;
+        rep.record(Record::Stage(StageRecord {
+            stage: "late".into(),
+            epoch,
+            step,
+            size,
+            target_size: target,
+            ranks: now.clone(),
+        }))?;
         rep.say(format!(
             "step {step}: late stage, size {size:.0} → target {:.0}",
             target.unwrap_or(0.0)
@@ -1387,8 +1445,13 @@ fn rank_events(
     }
     if truncated {
         let now = rank::layer_ranks(model);
-        let rec = json!({"kind": "truncate", "epoch": epoch, "step": step, "params": model.num_params(), "compression": rep.ratio(model), "ranks": now});
-        rep.record(rec)?;
+        rep.record(Record::Truncate(TruncateRecord {
+            epoch,
+            step,
+            params: model.num_params(),
+            compression: rep.ratio(model),
+            ranks: now,
+        }))?;
     }
     Ok(())
 }
@@ -1417,5 +1480,10 @@ fn write_rank_report(
         rep.ratio(model)
     );
     crate::files::write_atomic(&out.join("ranks.md"), text.as_bytes())?;
-    rep.record(json!({"kind": "ranks", "step": prog.step, "start": prog.ranks_start, "switch": prog.ranks_switch, "end": ranks_end}))
+    rep.record(Record::Ranks(RanksRecord {
+        step: prog.step,
+        start: prog.ranks_start.clone(),
+        switch: prog.ranks_switch.clone(),
+        end: ranks_end.to_vec(),
+    }))
 }
