@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 /// Why an atomic write failed: the target, the file the failing operation was on (the
 /// temporary file or the target) and the I/O error.
 #[derive(Debug, thiserror::Error)]
-#[error("{}: {what}: {source}", .file.display())]
+#[error("{}: {what}", .file.display())]
 pub struct WriteError {
     /// The file that was to be written.
     pub path: PathBuf,

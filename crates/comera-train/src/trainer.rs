@@ -99,14 +99,28 @@ pub fn peak_rss_bytes() -> u64 {
 /// Memory this machine can still give (`MemAvailable` in /proc/meminfo), bytes; unbounded
 /// where it cannot be read.
 pub fn available_memory_bytes() -> f64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
+    let kib = |file: &str, key: &str| {
+        std::fs::read_to_string(file).ok().and_then(|s| {
             s.lines()
-                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .find_map(|l| l.strip_prefix(key))
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
         })
-        .map_or(f64::INFINITY, |kb| kb * 1024.0)
+    };
+    let free = kib("/proc/meminfo", "MemAvailable:").map_or(f64::INFINITY, |k| k * 1024.0);
+    // Under an address-space limit (`ulimit -v`), what is left of it bounds the allocation
+    // too: past it an allocation fails (an abort) however much memory the machine has.
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limit into the struct it is given.
+    let limited = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } == 0
+        && lim.rlim_cur != libc::RLIM_INFINITY;
+    if !limited {
+        return free;
+    }
+    let used = kib("/proc/self/status", "VmSize:").map_or(0.0, |k| k * 1024.0);
+    free.min((lim.rlim_cur as f64 - used).max(0.0))
 }
 
 /// Refuses an encoder config whose training memory in some phase (estimated before anything
