@@ -14,22 +14,31 @@
 //! N·r² multiply-adds), too small to thread one by one, so side by side is how they use two
 //! cores; the bits do not depend on the thread count.
 
-use super::pool::Lease;
+use super::pool::Scratch;
 use comera_tensor::{matmul_serial, MatMut, MatRef, TtShape};
 
-/// Chain products and their gradient scratch (ping-pong pairs), all borrowed from the thread's
-/// scratch pool: [`Chains::acquire_forward`] / [`Chains::acquire_backward`] before use,
-/// [`Chains::release`] after. Nothing here outlives a layer call: the backward rebuilds the
-/// chains from the cores (the same GEMMs, so the same bits as in the forward).
+/// The chain layout of one layer: the lengths of its chain products and of their gradient
+/// scratch (ping-pong pairs), which its owner lends from the thread's scratch pool for a call
+/// (a lease of [`Chains::product_lens`], and for a backward one of [`Chains::grad_lens`]), and
+/// how to read them ([`Chains::lent`]). Nothing here outlives a layer call: the backward
+/// rebuilds the chains from the cores (the same GEMMs, so the same bits as in the forward).
 #[derive(Debug)]
 pub(crate) struct Chains {
     pre: Vec<usize>, // P_c = n_0⋯n_{c-1}, c = 0..=p
-    left: Lease,     // left[c]: P_{c+1} × r_{c+1}
-    right: Lease,    // right[c - p]: r_c × Q_c
-    /// dL scratch; dL (N × r_p) goes into `dl[0]` (see `seed_grads`) before `peel_left`.
-    dl: Lease,
-    /// dR scratch; dR (r_p × M) goes into `dr[0]` (see `seed_grads`) before `peel_right`.
-    dr: Lease,
+    /// left[c] (P_{c+1} × r_{c+1}) for c < p, then right[c - p] (r_c × Q_c) for c ≥ p.
+    products: Vec<usize>,
+    /// [dL, dL scratch, dR, dR scratch]: dL (N × r_p) goes into the first (see `seed_grads`)
+    /// before `peel`, dR (r_p × M) into the third.
+    grads: Vec<usize>,
+}
+
+/// One layer's chains in lent buffers (see [`Chains::lent`]).
+pub(crate) struct LentChains<'a> {
+    pre: &'a [usize],
+    left: &'a mut [Scratch],
+    right: &'a mut [Scratch],
+    dl: &'a mut [Scratch],
+    dr: &'a mut [Scratch],
 }
 
 /// P_c = n_0⋯n_{c-1} for c = 0..=p.
@@ -48,39 +57,47 @@ impl Chains {
     pub fn new(shape: &TtShape) -> Chains {
         let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
         let pre: Vec<usize> = in_prefix(shape).collect();
-        let left: Vec<usize> = (0..p).map(|c| pre[c + 1] * r[c + 1]).collect();
-        let right: Vec<usize> = (p..k).map(|c| r[c] * q_of(shape, c)).collect();
-        let lmax = left.iter().copied().max().unwrap_or(0);
-        let rmax = right.iter().copied().max().unwrap_or(0);
+        let left = (0..p).map(|c| pre[c + 1] * r[c + 1]);
+        let right = (p..k).map(|c| r[c] * q_of(shape, c));
+        let lmax = left.clone().max().unwrap_or(0);
+        let rmax = right.clone().max().unwrap_or(0);
         Chains {
+            products: left.chain(right).collect(),
+            grads: vec![lmax, lmax, rmax, rmax],
             pre,
-            left: Lease::new(left),
-            right: Lease::new(right),
-            dl: Lease::new(vec![lmax; 2]),
-            dr: Lease::new(vec![rmax; 2]),
         }
     }
 
-    /// Borrows the chain buffers (for `build`).
-    pub fn acquire_forward(&mut self) {
-        self.left.acquire();
-        self.right.acquire();
+    /// Lengths of the chain products (for `build`).
+    pub fn product_lens(&self) -> &[usize] {
+        &self.products
     }
 
-    /// Borrows the chain and gradient buffers (for `build`, `seed_grads` and the peels).
-    pub fn acquire_backward(&mut self) {
-        self.acquire_forward();
-        self.dl.acquire();
-        self.dr.acquire();
+    /// Lengths of the gradient scratch (for `seed_grads` and `peel`).
+    pub fn grad_lens(&self) -> &[usize] {
+        &self.grads
     }
 
-    /// Hands back whatever is borrowed.
-    pub fn release(&mut self) {
-        for l in [&mut self.left, &mut self.right, &mut self.dl, &mut self.dr] {
-            l.release();
+    /// The chains in lent buffers: `products` as long as [`Chains::product_lens`] and `grads`
+    /// as [`Chains::grad_lens`] (in a forward, which has no gradients, empty).
+    pub fn lent<'a>(
+        &'a self,
+        products: &'a mut [Scratch],
+        grads: &'a mut [Scratch],
+    ) -> LentChains<'a> {
+        let (left, right) = products.split_at_mut(self.pre.len() - 1);
+        let (dl, dr) = grads.split_at_mut(grads.len() / 2);
+        LentChains {
+            pre: &self.pre,
+            left,
+            right,
+            dl,
+            dr,
         }
     }
+}
 
+impl LentChains<'_> {
     /// L (N × r_p).
     pub fn l(&self) -> &[f32] {
         self.left.last().expect("p ≥ 1")
@@ -103,14 +120,9 @@ impl Chains {
         )
     }
 
-    /// Bytes borrowed from the pool during a backward call.
-    pub fn scratch_bytes(&self) -> usize {
-        self.left.bytes() + self.right.bytes() + self.dl.bytes() + self.dr.bytes()
-    }
-
     /// Builds every chain entry from the gated cores `h` (left and right chains side by side).
-    pub fn build(&mut self, shape: &TtShape, h: &[Vec<f32>]) {
-        let (pre, left, right) = (&self.pre, &mut self.left, &mut self.right);
+    pub fn build(&mut self, shape: &TtShape, h: &[Scratch]) {
+        let (pre, left, right) = (self.pre, &mut *self.left, &mut *self.right);
         rayon::join(
             || build_left(shape, h, pre, left),
             || build_right(shape, h, right),
@@ -119,10 +131,10 @@ impl Chains {
 
     /// From dL in `dl[0]` and dR in `dr[0]`, writes dH_c for every core (the two peels side
     /// by side).
-    pub fn peel(&mut self, shape: &TtShape, h: &[Vec<f32>], dh: &mut [Vec<f32>]) {
+    pub fn peel(&mut self, shape: &TtShape, h: &[Scratch], dh: &mut [Scratch]) {
         let (dh_in, dh_out) = dh.split_at_mut(shape.p());
-        let (pre, left, right) = (&self.pre, &self.left, &self.right);
-        let (dl, dr) = (&mut self.dl, &mut self.dr);
+        let (pre, left, right) = (self.pre, &*self.left, &*self.right);
+        let (dl, dr) = (&mut *self.dl, &mut *self.dr);
         rayon::join(
             || peel_left(shape, h, pre, left, dl, dh_in),
             || peel_right(shape, h, right, dr, dh_out),
@@ -131,7 +143,7 @@ impl Chains {
 }
 
 /// left[0] = H_0;  left[c] = left[c-1] · H_c.
-fn build_left(shape: &TtShape, h: &[Vec<f32>], pre: &[usize], left: &mut [Vec<f32>]) {
+fn build_left(shape: &TtShape, h: &[Scratch], pre: &[usize], left: &mut [Scratch]) {
     let (p, r) = (shape.p(), shape.ranks());
     left[0].copy_from_slice(&h[0]);
     for c in 1..p {
@@ -147,7 +159,7 @@ fn build_left(shape: &TtShape, h: &[Vec<f32>], pre: &[usize], left: &mut [Vec<f3
 }
 
 /// right[K-1] = H_{K-1};  right[c] = H_c · right[c+1]  (index c - p).
-fn build_right(shape: &TtShape, h: &[Vec<f32>], right: &mut [Vec<f32>]) {
+fn build_right(shape: &TtShape, h: &[Scratch], right: &mut [Scratch]) {
     let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
     right[k - 1 - p].copy_from_slice(&h[k - 1]);
     for c in (p..k - 1).rev() {
@@ -165,11 +177,11 @@ fn build_right(shape: &TtShape, h: &[Vec<f32>], right: &mut [Vec<f32>]) {
 /// From dL in `dl[0]`, writes dH_c for the input cores c = 0..p-1 (`dh_in`).
 fn peel_left(
     shape: &TtShape,
-    h: &[Vec<f32>],
+    h: &[Scratch],
     pre: &[usize],
-    left: &[Vec<f32>],
-    dl: &mut [Vec<f32>],
-    dh_in: &mut [Vec<f32>],
+    left: &[Scratch],
+    dl: &mut [Scratch],
+    dh_in: &mut [Scratch],
 ) {
     let (p, r) = (shape.p(), shape.ranks());
     let (a, b) = dl.split_at_mut(1);
@@ -198,10 +210,10 @@ fn peel_left(
 /// From dR in `dr[0]`, writes dH_c for the output cores c = p..K-1 (`dh_out[c - p]`).
 fn peel_right(
     shape: &TtShape,
-    h: &[Vec<f32>],
-    right: &[Vec<f32>],
-    dr: &mut [Vec<f32>],
-    dh_out: &mut [Vec<f32>],
+    h: &[Scratch],
+    right: &[Scratch],
+    dr: &mut [Scratch],
+    dh_out: &mut [Scratch],
 ) {
     let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
     let (a, b) = dr.split_at_mut(1);

@@ -28,9 +28,9 @@
 //! backward 6% faster at rank 30 and 16% at rank 15, the forward unchanged; blocks of 16, 32
 //! and 64 rows within a few percent of each other.
 
-use super::chain::Chains;
+use super::chain::{Chains, LentChains};
 use super::merged::{input_side, output_side, paired};
-use super::pool::Lease;
+use super::pool::{Lease, Lent, Scratch};
 use super::TtLinear;
 use crate::activation::simd::{gelu_bias_in_place, gelu_bias_value_grad};
 use crate::elementwise::kernels::{add, mul};
@@ -81,8 +81,10 @@ pub struct FusedFfn {
     t1u: Vec<f32>, // B × r_u, saved
     t1d: Vec<f32>, // B × r_d, saved
     chains: [Chains; 2],
-    h: [Lease; 2],  // gated cores of up, down (scratch)
-    dh: [Lease; 2], // their gradients (scratch)
+    products: [Lease; 2], // chain products of up, down (scratch)
+    grads: [Lease; 2],    // their gradient scratch
+    h: [Lease; 2],        // gated cores of up, down (scratch)
+    dh: [Lease; 2],       // their gradients (scratch)
     /// Rows per lane: a whole number of blocks; the last lane may have fewer.
     lane_rows: usize,
     /// [lanes × lane scratch (`Lane`), U_u (B × r_u), U_d (B × r_d)], scratch.
@@ -151,11 +153,8 @@ impl FusedFfn {
             down.shape.middle_rank(),
             up.out_features(),
         );
-        let lens = |l: &TtLinear| {
-            (0..l.shape.n_cores())
-                .map(|c| l.shape.core_len(c))
-                .collect()
-        };
+        let lens = |l: &TtLinear| super::core_lens(&l.shape);
+        let chains = [Chains::new(&up.shape), Chains::new(&down.shape)];
         let lanes = rayon::current_num_threads().max(1);
         let lane_rows = batch.max(1).div_ceil(ROWS).div_ceil(lanes) * ROWS;
         let used_lanes = batch.div_ceil(lane_rows);
@@ -164,7 +163,13 @@ impl FusedFfn {
             shapes: [up.shape.clone(), down.shape.clone()],
             t1u: vec![0.0; batch * ru],
             t1d: vec![0.0; batch * rd],
-            chains: [Chains::new(&up.shape), Chains::new(&down.shape)],
+            products: chains
+                .each_ref()
+                .map(|c| Lease::new(c.product_lens().to_vec())),
+            grads: chains
+                .each_ref()
+                .map(|c| Lease::new(c.grad_lens().to_vec())),
+            chains,
             h: [Lease::new(lens(up)), Lease::new(lens(down))],
             dh: [Lease::new(lens(up)), Lease::new(lens(down))],
             lane_rows,
@@ -218,38 +223,6 @@ impl FusedFfn {
         (uf + df, ub + db + again)
     }
 
-    /// Borrows the scratch (on this thread: the pool is per thread), then gates both layers'
-    /// cores and builds their chains, the two layers side by side (each layer's two chains
-    /// are two tasks again, see `chain`): at rank 15 a layer's chains are a few small products
-    /// whose joins, not their arithmetic, set the time.
-    fn acquire(&mut self, layers: [&TtLinear; 2], backward: bool) {
-        self.buf.acquire();
-        for i in 0..2 {
-            self.h[i].acquire();
-            if backward {
-                self.dh[i].acquire();
-                self.chains[i].acquire_backward();
-            } else {
-                self.chains[i].acquire_forward();
-            }
-        }
-        let build = |l: &TtLinear, h: &mut Lease, chains: &mut Chains| {
-            l.gate_cores(h);
-            chains.build(&l.shape, h);
-        };
-        let ([h0, h1], [c0, c1]) = (&mut self.h, &mut self.chains);
-        rayon::join(|| build(layers[0], h0, c0), || build(layers[1], h1, c1));
-    }
-
-    fn release(&mut self) {
-        self.buf.release();
-        for i in 0..2 {
-            self.h[i].release();
-            self.dh[i].release();
-            self.chains[i].release();
-        }
-    }
-
     /// `y` (B × M) = Down(GELU(Up(`x`))) for `x` (B × N).
     pub fn forward(&mut self, up: &TtLinear, down: &TtLinear, x: &[f32], y: &mut [f32]) {
         assert!(
@@ -261,9 +234,18 @@ impl FusedFfn {
         let (ru, rd) = (up.shape.middle_rank(), down.shape.middle_rank());
         check_len("FusedFfn x", x.len(), b * n);
         check_len("FusedFfn y", y.len(), b * m);
-        self.acquire([up, down], false);
-        let (lu, ru_m) = (self.chains[0].l(), self.chains[0].r());
-        let (ld, rd_m) = (self.chains[1].l(), self.chains[1].r());
+        // Scratch from this thread's pool (the pool is per thread), back when dropped.
+        let mut buf = self.buf.acquire();
+        let mut h = self.h.each_mut().map(Lease::acquire);
+        let mut products = self.products.each_mut().map(Lease::acquire);
+        let [pu, pd] = &mut products;
+        let mut chains = [
+            self.chains[0].lent(pu, &mut []),
+            self.chains[1].lent(pd, &mut []),
+        ];
+        build_both([up, down], &mut h, &mut chains);
+        let (lu, ru_m) = (chains[0].l(), chains[0].r());
+        let (ld, rd_m) = (chains[1].l(), chains[1].r());
         matmul(
             MatMut::new(&mut self.t1u, b, ru),
             MatRef::new(x, b, n),
@@ -297,7 +279,7 @@ impl FusedFfn {
             .zip(self.t1u.par_chunks(lr * ru));
         if self.kept.is_empty() {
             lanes
-                .zip(self.buf[0].par_chunks_mut(lane_len))
+                .zip(buf[0].par_chunks_mut(lane_len))
                 .for_each(|((t1d, t1u), scratch)| {
                     let lane = Lane::split(scratch, f, ru, rd);
                     for (t1d, t1u) in t1d.chunks_mut(ROWS * rd).zip(t1u.chunks(ROWS * ru)) {
@@ -326,7 +308,6 @@ impl FusedFfn {
             false,
         );
         add_bias(y, &down.bias.value);
-        self.release();
     }
 
     /// Accumulates both layers' gradients from `dy` (B × M) and *writes* `dx` (B × N).
@@ -348,9 +329,17 @@ impl FusedFfn {
         check_len("FusedFfn x", x.len(), b * n);
         check_len("FusedFfn dy", dy.len(), b * m);
         check_len("FusedFfn dx", dx.len(), b * n);
-        self.acquire([up, down], true);
-        let [cu, cd] = &mut self.chains;
-        let [lanes, uu, ud] = &mut self.buf[..] else {
+        // Scratch from this thread's pool (the pool is per thread), back when dropped.
+        let mut buf = self.buf.acquire();
+        let mut h = self.h.each_mut().map(Lease::acquire);
+        let mut dh = self.dh.each_mut().map(Lease::acquire);
+        let mut products = self.products.each_mut().map(Lease::acquire);
+        let mut grads = self.grads.each_mut().map(Lease::acquire);
+        let ([pu, pd], [gu, gd]) = (&mut products, &mut grads);
+        let mut chains = [self.chains[0].lent(pu, gu), self.chains[1].lent(pd, gd)];
+        build_both([&*up, &*down], &mut h, &mut chains);
+        let [cu, cd] = &mut chains;
+        let [lanes, uu, ud] = &mut buf[..] else {
             unreachable!("three buffers")
         };
         let dym = MatRef::new(dy, b, m);
@@ -454,13 +443,25 @@ impl FusedFfn {
         let (uu, lu) = (MatRef::new(uu, b, ru), MatRef::new(lu, n, ru));
         input_side(paired(&self.shapes[0], b), x, b, uu, lu, Some(dx), dlu);
         // Both layers' chains peeled side by side (as built).
-        let peel = |l: &mut TtLinear, chains: &mut Chains, h: &Lease, dh: &mut Lease| {
-            chains.peel(&l.shape, h, dh);
-            l.accumulate_core_grads(dh);
-        };
-        let ([c0, c1], [h0, h1], [d0, d1]) = (&mut self.chains, &self.h, &mut self.dh);
-        rayon::join(|| peel(up, c0, h0, d0), || peel(down, c1, h1, d1));
+        let peel =
+            |l: &mut TtLinear, chains: &mut LentChains<'_>, h: &[Scratch], dh: &mut [Scratch]| {
+                chains.peel(&l.shape, h, dh);
+                l.accumulate_core_grads(dh);
+            };
+        let ([h0, h1], [d0, d1]) = (&h, &mut dh);
+        rayon::join(|| peel(up, cu, h0, d0), || peel(down, cd, h1, d1));
         accumulate_bias_grad(dy, &mut down.bias.grad);
-        self.release();
     }
+}
+
+/// Gates both layers' cores into `h` and builds their chains, the two layers side by side
+/// (each layer's two chains are two tasks again, see `chain`): at rank 15 a layer's chains are
+/// a few small products whose joins, not their arithmetic, set the time.
+fn build_both(layers: [&TtLinear; 2], h: &mut [Lent<'_>; 2], chains: &mut [LentChains<'_>; 2]) {
+    let build = |l: &TtLinear, h: &mut [Scratch], chains: &mut LentChains<'_>| {
+        l.gate_cores(h);
+        chains.build(&l.shape, h);
+    };
+    let ([h0, h1], [c0, c1]) = (h, chains);
+    rayon::join(|| build(layers[0], h0, c0), || build(layers[1], h1, c1));
 }

@@ -16,7 +16,7 @@
 //! (the narrow kernel's rows do not depend on how they are split), so the bits do not change.
 
 use super::chain::Chains;
-use super::pool::Lease;
+use super::pool::{Lease, Scratch};
 use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
 
 /// Largest product (multiply-adds, B·r_p·max(N, M)) run as two single-threaded tasks rather
@@ -45,16 +45,21 @@ pub(crate) fn paired(shape: &TtShape, batch: usize) -> bool {
 /// borrowed for each call; the backward rebuilds the chains.
 #[derive(Debug)]
 pub(crate) struct Merged {
-    pub chains: Chains,
-    t1: Vec<f32>, // B × r_p
-    u1: Lease,    // [B × r_p]
+    chains: Chains,
+    products: Lease, // the chain products
+    grads: Lease,    // their gradient scratch
+    t1: Vec<f32>,    // B × r_p
+    u1: Lease,       // [B × r_p]
 }
 
 impl Merged {
     pub fn new(shape: &TtShape, batch: usize) -> Merged {
         let rp = shape.middle_rank();
+        let chains = Chains::new(shape);
         Merged {
-            chains: Chains::new(shape),
+            products: Lease::new(chains.product_lens().to_vec()),
+            grads: Lease::new(chains.grad_lens().to_vec()),
+            chains,
             t1: vec![0.0; batch * rp],
             u1: Lease::new(vec![batch * rp]),
         }
@@ -67,13 +72,13 @@ impl Merged {
 
     /// Bytes borrowed from the thread's pool during a backward call.
     pub fn scratch_bytes(&self) -> usize {
-        self.chains.scratch_bytes() + self.u1.bytes()
+        self.products.bytes() + self.grads.bytes() + self.u1.bytes()
     }
 
     pub fn forward(
         &mut self,
         shape: &TtShape,
-        h: &[Vec<f32>],
+        h: &[Scratch],
         batch: usize,
         x: &[f32],
         y: &mut [f32],
@@ -83,29 +88,29 @@ impl Merged {
             shape.out_features(),
             shape.middle_rank(),
         );
-        self.chains.acquire_forward();
-        self.chains.build(shape, h);
+        let mut products = self.products.acquire();
+        let mut chains = self.chains.lent(&mut products, &mut []);
+        chains.build(shape, h);
         matmul(
             MatMut::new(&mut self.t1, batch, rp),
             MatRef::new(x, batch, n),
-            MatRef::new(self.chains.l(), n, rp),
+            MatRef::new(chains.l(), n, rp),
             false,
         );
         matmul(
             MatMut::new(y, batch, m),
             MatRef::new(&self.t1, batch, rp),
-            MatRef::new(self.chains.r(), rp, m),
+            MatRef::new(chains.r(), rp, m),
             false,
         );
-        self.chains.release();
     }
 
     #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
     pub fn backward(
         &mut self,
         shape: &TtShape,
-        h: &[Vec<f32>],
-        dh: &mut [Vec<f32>],
+        h: &[Scratch],
+        dh: &mut [Scratch],
         batch: usize,
         x: &[f32],
         dy: &[f32],
@@ -117,19 +122,18 @@ impl Merged {
             shape.middle_rank(),
         );
         let dy = MatRef::new(dy, batch, m);
-        self.chains.acquire_backward();
-        self.chains.build(shape, h);
-        self.u1.acquire();
-        let (l, r, dl, dr) = self.chains.seed_grads();
+        let (mut products, mut grads) = (self.products.acquire(), self.grads.acquire());
+        let mut chains = self.chains.lent(&mut products, &mut grads);
+        chains.build(shape, h);
+        let mut u1 = self.u1.acquire();
+        let (l, r, dl, dr) = chains.seed_grads();
         let (l, r) = (MatRef::new(l, n, rp), MatRef::new(r, rp, m));
         let t1 = MatRef::new(&self.t1, batch, rp);
-        let (pair, u1) = (paired(shape, batch), &mut self.u1[0]);
+        let (pair, u1) = (paired(shape, batch), &mut u1[0]);
         output_side(pair, t1, dy, r, dr, u1);
         let u1 = MatRef::new(u1, batch, rp);
         input_side(pair, x, batch, u1, l, dx, dl);
-        self.chains.peel(shape, h, dh);
-        self.u1.release();
-        self.chains.release();
+        chains.peel(shape, h, dh);
     }
 }
 

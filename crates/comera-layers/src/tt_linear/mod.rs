@@ -16,8 +16,8 @@ mod sequential;
 mod shared;
 
 pub use ffn::FusedFfn;
-use pool::Lease;
 pub use pool::{clear_pool as clear_scratch_pool, pooled_bytes as scratch_pool_bytes};
+use pool::{Lease, Scratch};
 pub use shared::SharedInput;
 
 use crate::compress::{self, Compressible, Retained};
@@ -178,10 +178,13 @@ impl TtLinear {
     pub fn dense_weight(&self) -> Vec<f32> {
         let s = &self.shape;
         let (n, m, rp) = (s.in_features(), s.out_features(), s.middle_rank());
-        let mut h: Vec<Vec<f32>> = (0..s.n_cores()).map(|c| vec![0.0; s.core_len(c)]).collect();
+        let mut h_lease = Lease::new(core_lens(s));
+        let mut h = h_lease.acquire();
         self.gate_cores(&mut h);
-        let mut chains = chain::Chains::new(s);
-        chains.acquire_forward();
+        let layout = chain::Chains::new(s);
+        let mut product_lease = Lease::new(layout.product_lens().to_vec());
+        let mut products = product_lease.acquire();
+        let mut chains = layout.lent(&mut products, &mut []);
         chains.build(s, &h);
         let mut w = vec![0.0; n * m];
         matmul(
@@ -190,12 +193,11 @@ impl TtLinear {
             MatRef::new(chains.r(), rp, m),
             false,
         );
-        chains.release();
         w
     }
 
     /// H_c = G_c·diag(g(d_{c+1})) for every core.
-    fn gate_cores(&self, h: &mut [Vec<f32>]) {
+    fn gate_cores(&self, h: &mut [Scratch]) {
         let k = self.shape.n_cores();
         h[k - 1].copy_from_slice(&self.cores[k - 1].value);
         for c in 0..k - 1 {
@@ -205,9 +207,9 @@ impl TtLinear {
     }
 
     /// dG_c += dH_c·diag(g), dd[j] += Σ dH_c[.., j]·G_c[.., j] (active entries only).
-    fn accumulate_core_grads(&mut self, dh: &[Vec<f32>]) {
+    fn accumulate_core_grads(&mut self, dh: &[Scratch]) {
         let k = self.shape.n_cores();
-        for (g, d) in self.cores[k - 1].grad.iter_mut().zip(&dh[k - 1]) {
+        for (g, d) in self.cores[k - 1].grad.iter_mut().zip(dh[k - 1].iter()) {
             *g += d;
         }
         for c in 0..k - 1 {
@@ -271,6 +273,11 @@ impl Compressible for TtLinear {
     }
 }
 
+/// Lengths of the cores of `shape`, in order (the gated cores H_c and their gradients dH_c).
+fn core_lens(shape: &TtShape) -> Vec<usize> {
+    (0..shape.n_cores()).map(|c| shape.core_len(c)).collect()
+}
+
 pub(crate) fn check_threshold(t: f32) -> Result<(), LayerError> {
     if t.is_finite() && t >= 0.0 {
         Ok(())
@@ -317,7 +324,6 @@ impl TtLinearWorkspace {
             Some(p) => ContractionPlan::fixed(shape, batch, pass, &model, p),
             None => ContractionPlan::for_tt_linear(shape, batch, pass, &model),
         };
-        let core_lens: Vec<usize> = (0..shape.n_cores()).map(|c| shape.core_len(c)).collect();
         let bufs = match plan.path {
             TtPath::Merged => PathBuffers::Merged(merged::Merged::new(shape, batch)),
             TtPath::Sequential => {
@@ -332,8 +338,8 @@ impl TtLinearWorkspace {
             model,
             plan,
             shape: shape.clone(),
-            h: Lease::new(core_lens.clone()),
-            dh: Lease::new(core_lens),
+            h: Lease::new(core_lens(shape)),
+            dh: Lease::new(core_lens(shape)),
             bufs,
         }
     }
@@ -452,15 +458,14 @@ impl Layer for TtLinear {
             add_bias(y, &self.bias.value);
             return;
         }
-        ws.h.acquire();
-        self.gate_cores(&mut ws.h);
+        let mut h = ws.h.acquire();
+        self.gate_cores(&mut h);
         let s = &self.shape;
         match &mut ws.bufs {
-            PathBuffers::Merged(p) => p.forward(s, &ws.h, b, x, y),
-            PathBuffers::Sequential(p) => p.forward(s, &ws.h, b, x, y),
-            PathBuffers::Dense(p) => p.forward(s, &ws.h, b, x, y),
+            PathBuffers::Merged(p) => p.forward(s, &h, b, x, y),
+            PathBuffers::Sequential(p) => p.forward(s, &h, b, x, y),
+            PathBuffers::Dense(p) => p.forward(s, &h, b, x, y),
         }
-        ws.h.release();
         add_bias(y, &self.bias.value);
     }
 
@@ -489,18 +494,15 @@ impl Layer for TtLinear {
             return;
         }
         // The gated cores again (cheaper to redo than to keep per layer), then the path.
-        ws.h.acquire();
-        ws.dh.acquire();
-        self.gate_cores(&mut ws.h);
+        let (mut h, mut dh) = (ws.h.acquire(), ws.dh.acquire());
+        self.gate_cores(&mut h);
         let s = &self.shape;
         match &mut ws.bufs {
-            PathBuffers::Merged(p) => p.backward(s, &ws.h, &mut ws.dh, b, x, dy, dx),
-            PathBuffers::Sequential(p) => p.backward(s, &ws.h, &mut ws.dh, b, dy, dx),
-            PathBuffers::Dense(p) => p.backward(s, &ws.h, &mut ws.dh, b, x, dy, dx),
+            PathBuffers::Merged(p) => p.backward(s, &h, &mut dh, b, x, dy, dx),
+            PathBuffers::Sequential(p) => p.backward(s, &h, &mut dh, b, dy, dx),
+            PathBuffers::Dense(p) => p.backward(s, &h, &mut dh, b, x, dy, dx),
         }
-        ws.h.release();
-        self.accumulate_core_grads(&ws.dh);
-        ws.dh.release();
+        self.accumulate_core_grads(&dh);
         accumulate_bias_grad(dy, &mut self.bias.grad);
     }
 

@@ -2,12 +2,17 @@
 //!
 //! A layer's transient buffers (gated cores, chain products, gradient ping-pongs) are only
 //! needed during one forward or backward call, so instead of each of a model's dozens of
-//! layers owning its own set, a [`Lease`] borrows them from a per-thread pool for the call and
-//! hands them back at its end. After the first step the pool holds enough buffers for the
-//! largest layer and no call allocates.
+//! layers owning its own set, a [`Lease`] lends them from a per-thread pool for the call: its
+//! [`Lease::acquire`] returns a guard, [`Lent`], that holds the buffers and hands them back
+//! when it is dropped, on every path out of the call (early returns and panics included). After
+//! the first step the pool holds enough buffers for the largest layer and no call allocates.
 //!
 //! Lent buffers hold whatever the previous borrower left in them: every user writes an element
 //! before it reads it (results therefore do not depend on the pool's history).
+//!
+//! No `unsafe`: a lent buffer ([`Scratch`]) keeps its vector at its full initialised length
+//! and shows only its first `len` elements, so handing it back needs no `set_len`, and its
+//! vector is never exposed (nothing can swap, shrink or de-initialise it while lent).
 
 use std::cell::RefCell;
 
@@ -27,26 +32,40 @@ pub fn clear_pool() {
     POOL.with(|p| p.borrow_mut().clear());
 }
 
-/// A fixed list of buffer lengths, borrowed from the thread's pool between [`Lease::acquire`]
-/// and [`Lease::release`]; derefs to the buffers (empty while not acquired).
+/// One lent buffer: derefs to its first `len` elements (the length its lease asked for).
+#[derive(Debug, Default)]
+pub(crate) struct Scratch {
+    /// The pool's buffer at its full initialised length (≥ `len`), as it goes back.
+    buf: Vec<f32>,
+    len: usize,
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.buf[..self.len]
+    }
+}
+
+impl std::ops::DerefMut for Scratch {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.buf[..self.len]
+    }
+}
+
+/// A fixed list of buffer lengths, lent from the thread's pool while a [`Lent`] from
+/// [`Lease::acquire`] lives. The lease owns the slots the lent buffers sit in (made once, with
+/// the lease), so lending allocates nothing once the pool is warm.
 #[derive(Debug, Default)]
 pub(crate) struct Lease {
     lens: Vec<usize>,
-    bufs: Vec<Vec<f32>>,
-    /// Initialised length of each lent buffer (≥ its `lens` entry), restored on release.
-    full: Vec<usize>,
-    held: bool,
+    slots: Vec<Scratch>,
 }
 
 impl Lease {
     pub fn new(lens: Vec<usize>) -> Lease {
-        let n = lens.len();
-        Lease {
-            lens,
-            bufs: (0..n).map(|_| Vec::new()).collect(),
-            full: vec![0; n],
-            held: false,
-        }
+        let slots = lens.iter().map(|_| Scratch::default()).collect();
+        Lease { lens, slots }
     }
 
     /// Bytes this lease borrows while acquired.
@@ -55,13 +74,13 @@ impl Lease {
     }
 
     /// Borrows one buffer per length (exactly that long) from the pool: for each, the smallest
-    /// idle buffer that is long enough, else the longest one grown (new elements zeroed).
-    pub fn acquire(&mut self) {
-        assert!(!self.held, "scratch lease acquired twice");
-        self.held = true;
+    /// idle buffer that is long enough, else the longest one grown (new elements zeroed). The
+    /// buffers go back to the pool when the returned guard is dropped. The guard borrows the
+    /// lease mutably, so a lease is lent at most once at a time.
+    pub fn acquire(&mut self) -> Lent<'_> {
         POOL.with(|p| {
             let mut pool = p.borrow_mut();
-            for (i, &len) in self.lens.iter().enumerate() {
+            for (slot, &len) in self.slots.iter_mut().zip(&self.lens) {
                 let fit = pool
                     .iter()
                     .enumerate()
@@ -74,50 +93,52 @@ impl Lease {
                             .max_by_key(|(_, b)| b.len())
                             .map(|(j, _)| j)
                     });
-                let mut v = match fit {
+                let mut buf = match fit {
                     Some(j) => pool.swap_remove(j),
                     None => Vec::new(),
                 };
-                if v.len() < len {
-                    v.resize(len, 0.0);
+                if buf.len() < len {
+                    buf.resize(len, 0.0);
                 }
-                self.full[i] = v.len();
-                v.truncate(len);
-                self.bufs[i] = v;
+                *slot = Scratch { buf, len };
             }
         });
-    }
-
-    /// Hands every buffer back to the pool (nothing if not acquired).
-    pub fn release(&mut self) {
-        if !std::mem::replace(&mut self.held, false) {
-            return;
+        Lent {
+            slots: &mut self.slots,
         }
-        POOL.with(|p| {
-            let mut pool = p.borrow_mut();
-            for (v, &full) in self.bufs.iter_mut().zip(&self.full) {
-                let mut v = std::mem::take(v);
-                assert!(full <= v.capacity() && v.len() <= full);
-                // SAFETY: the first `full` elements were initialised before the buffer was
-                // lent (it was that long then), truncating an f32 buffer leaves them in place,
-                // and `full` is within the capacity (checked above).
-                unsafe { v.set_len(full) };
-                pool.push(v);
-            }
+    }
+}
+
+/// A lease's buffers while lent: derefs to them (one [`Scratch`] per length, in order) and
+/// hands every one back to the thread's pool when dropped. One pointer wide; lending and
+/// returning move vectors between the pool and the lease's slots, nothing more.
+#[derive(Debug)]
+pub(crate) struct Lent<'a> {
+    slots: &'a mut [Scratch],
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        let bufs = self.slots.iter_mut().map(|s| {
+            s.len = 0;
+            std::mem::take(&mut s.buf)
         });
+        // A guard dropped while its thread's locals are being destroyed finds no pool: its
+        // buffers then stay in the lease's slots and are freed with it.
+        let _ = POOL.try_with(|p| p.borrow_mut().extend(bufs));
     }
 }
 
-impl std::ops::Deref for Lease {
-    type Target = [Vec<f32>];
-    fn deref(&self) -> &[Vec<f32>] {
-        &self.bufs
+impl std::ops::Deref for Lent<'_> {
+    type Target = [Scratch];
+    fn deref(&self) -> &[Scratch] {
+        self.slots
     }
 }
 
-impl std::ops::DerefMut for Lease {
-    fn deref_mut(&mut self) -> &mut [Vec<f32>] {
-        &mut self.bufs
+impl std::ops::DerefMut for Lent<'_> {
+    fn deref_mut(&mut self) -> &mut [Scratch] {
+        self.slots
     }
 }
 
@@ -129,25 +150,43 @@ mod tests {
     fn leases_reuse_buffers_and_keep_exact_lengths() {
         clear_pool();
         let mut a = Lease::new(vec![10, 3]);
-        a.acquire();
-        assert_eq!((a[0].len(), a[1].len()), (10, 3));
-        a[0].fill(1.0);
-        a.release();
-        assert!(a[0].is_empty());
+        {
+            let mut lent = a.acquire();
+            assert_eq!((lent[0].len(), lent[1].len()), (10, 3));
+            lent[0].fill(1.0);
+        }
         let before = pooled_bytes();
+        assert!(before >= 4 * 13, "both buffers are back in the pool");
         let mut b = Lease::new(vec![4]);
-        b.acquire();
         assert_eq!(
-            b[0].len(),
+            b.acquire()[0].len(),
             4,
             "the 3-long buffer grows or the 10-long one is cut"
         );
-        b.release();
         let mut c = Lease::new(vec![10, 3]);
-        c.acquire();
-        c.release();
+        drop(c.acquire());
         assert_eq!(pooled_bytes(), before.max(pooled_bytes()));
         clear_pool();
         assert_eq!(pooled_bytes(), 0);
+    }
+
+    #[test]
+    fn an_early_return_or_a_panic_hands_the_buffers_back() {
+        clear_pool();
+        let mut a = Lease::new(vec![8, 8]);
+        let early = |a: &mut Lease| -> Option<()> {
+            let lent = a.acquire();
+            lent.first().filter(|s| s.is_empty())?; // returns here
+            unreachable!("the buffers are 8 long")
+        };
+        assert!(early(&mut a).is_none());
+        assert_eq!(pooled_bytes(), 4 * 16);
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _lent = a.acquire();
+            panic!("a failed check inside a layer call");
+        }));
+        assert!(panicked.is_err());
+        assert_eq!(pooled_bytes(), 4 * 16, "nothing stays lent");
+        clear_pool();
     }
 }

@@ -10,7 +10,7 @@
 //!   dH_c = Z_cᵀ·dZ_{c+1}, dZ_c = dZ_{c+1}·H_cᵀ;  dH'_c = S_cᵀ·dS_{c+1}, dS_c = dS_{c+1}·H'_cᵀ,
 //! and dX is dS_0 with its digits put back in order.
 
-use super::pool::Lease;
+use super::pool::{Lease, Scratch};
 use comera_tensor::permute::permute;
 use comera_tensor::{matmul, MatMut, MatRef, TtShape};
 
@@ -81,25 +81,18 @@ impl Sequential {
         self.hp.bytes() + self.dhp.bytes() + self.d.bytes()
     }
 
-    /// H'_c = H_c with its first two axes swapped, c < p (`hp` acquired).
-    fn permute_cores(&mut self, shape: &TtShape, h: &[Vec<f32>]) {
-        for c in 0..shape.p() {
-            permute(&h[c], &shape.core_shape(c), &[1, 0, 2], &mut self.hp[c]);
-        }
-    }
-
     pub fn forward(
         &mut self,
         shape: &TtShape,
-        h: &[Vec<f32>],
+        h: &[Scratch],
         batch: usize,
         x: &[f32],
         y: &mut [f32],
     ) {
         let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
         permute(x, &self.x_dims, &self.digit_perm, &mut self.s[0]);
-        self.hp.acquire();
-        self.permute_cores(shape, h);
+        let mut hp = self.hp.acquire();
+        permute_cores(shape, h, &mut hp);
         let mut rows = batch * shape.in_features();
         for c in 0..p {
             rows /= shape.mode(c);
@@ -108,7 +101,7 @@ impl Sequential {
             matmul(
                 MatMut::new(&mut rest[0], rows, r[c + 1]),
                 MatRef::new(&done[c], rows, w),
-                MatRef::new(&self.hp[c], w, r[c + 1]),
+                MatRef::new(&hp[c], w, r[c + 1]),
                 false,
             );
         }
@@ -132,24 +125,21 @@ impl Sequential {
             );
             rows *= shape.mode(c);
         }
-        self.hp.release();
     }
 
     pub fn backward(
         &mut self,
         shape: &TtShape,
-        h: &[Vec<f32>],
-        dh: &mut [Vec<f32>],
+        h: &[Scratch],
+        dh: &mut [Scratch],
         batch: usize,
         dy: &[f32],
         dx: Option<&mut [f32]>,
     ) {
         let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
-        self.hp.acquire();
-        self.dhp.acquire();
-        self.d.acquire();
-        self.permute_cores(shape, h);
-        let (d0, d1) = self.d.split_at_mut(1);
+        let (mut hp, mut dhp, mut d) = (self.hp.acquire(), self.dhp.acquire(), self.d.acquire());
+        permute_cores(shape, h, &mut hp);
+        let (d0, d1) = d.split_at_mut(1);
         let (mut cur, mut next) = (&mut d0[0], &mut d1[0]);
         // Output side, from dZ_K = dY down to dZ_p = dS_p (left in `cur`).
         let mut rows = batch * shape.out_features();
@@ -186,7 +176,7 @@ impl Sequential {
             let w = shape.mode(c) * r[c];
             let ds_next = MatRef::new(&cur[..rows * r[c + 1]], rows, r[c + 1]);
             matmul(
-                MatMut::new(&mut self.dhp[c], w, r[c + 1]),
+                MatMut::new(&mut dhp[c], w, r[c + 1]),
                 MatRef::new(&self.s[c], rows, w).t(),
                 ds_next,
                 false,
@@ -195,20 +185,24 @@ impl Sequential {
                 matmul(
                     MatMut::new(&mut next[..rows * w], rows, w),
                     ds_next,
-                    MatRef::new(&self.hp[c], w, r[c + 1]).t(),
+                    MatRef::new(&hp[c], w, r[c + 1]).t(),
                     false,
                 );
                 std::mem::swap(&mut cur, &mut next);
             }
             let hp_dims = [shape.mode(c), r[c], r[c + 1]];
-            permute(&self.dhp[c], &hp_dims, &[1, 0, 2], &mut dh[c]);
+            permute(&dhp[c], &hp_dims, &[1, 0, 2], &mut dh[c]);
         }
         if let Some(dx) = dx {
             let n = batch * shape.in_features();
             permute(&cur[..n], &self.xr_dims, &self.digit_perm, dx);
         }
-        self.hp.release();
-        self.dhp.release();
-        self.d.release();
+    }
+}
+
+/// H'_c = H_c with its first two axes swapped, c < p.
+fn permute_cores(shape: &TtShape, h: &[Scratch], hp: &mut [Scratch]) {
+    for c in 0..shape.p() {
+        permute(&h[c], &shape.core_shape(c), &[1, 0, 2], &mut hp[c]);
     }
 }

@@ -17,13 +17,14 @@
 //! [`MAX_ROWS`] rows, where it was measured not to lose; otherwise callers run the layers one
 //! by one.
 
-use super::chain::Chains;
+use super::chain::{Chains, LentChains};
 use super::merged::{input_side, paired};
-use super::pool::Lease;
+use super::pool::{Lease, Scratch};
 use super::TtLinear;
 use crate::{accumulate_bias_grad, add_bias, check_len, Layer};
 use comera_plan::TtPath;
 use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
+use std::ops::Range;
 
 /// Rows above which the fusion is not used (the layers run one by one): measured with
 /// `comera bench step --ops` on the paper's q/k/v (2 threads), fused vs one by one: a tie at
@@ -42,9 +43,14 @@ pub struct SharedInput {
     rcol: Vec<usize>,
     mcol: Vec<usize>,
     t1: Vec<f32>, // B × S, saved for the backward
-    chains: Vec<Chains>,
-    h: Vec<Lease>,  // per layer: H_c (gated cores), scratch
-    dh: Vec<Lease>, // per layer: dH_c, scratch
+    /// Per layer: its chain layout and its places in the leases below.
+    members: Vec<Member>,
+    // Every layer's scratch, layer after layer in one lease of each kind (one guard a kind
+    // holds all n layers' buffers at once, without a list of guards to allocate).
+    h: Lease,        // H_c (gated cores)
+    dh: Lease,       // dH_c
+    products: Lease, // chain products
+    grads: Lease,    // their gradient scratch
     /// [Lcat (N × S), U (B × S), dLcat (N × S)], scratch.
     cat: Lease,
     /// [b_1 | … | b_n] (Σ M_i): the forward adds it to the packed Y in one pass, the backward
@@ -88,11 +94,23 @@ impl SharedInput {
         let rcol = prefix(layers.iter().map(|l| l.shape.middle_rank()).collect());
         let mcol = prefix(layers.iter().map(|l| l.out_features()).collect());
         let s = *rcol.last().expect("n ≥ 1");
-        let lens = |l: &TtLinear| {
-            (0..l.shape.n_cores())
-                .map(|c| l.shape.core_len(c))
-                .collect()
-        };
+        let (mut core_lens, mut product_lens, mut grad_lens) = (vec![], vec![], vec![]);
+        let members = layers
+            .iter()
+            .map(|l| {
+                let chains = Chains::new(&l.shape);
+                let append = |lens: &mut Vec<usize>, more: &[usize]| {
+                    lens.extend_from_slice(more);
+                    lens.len() - more.len()..lens.len()
+                };
+                Member {
+                    cores: append(&mut core_lens, &super::core_lens(&l.shape)),
+                    products: append(&mut product_lens, chains.product_lens()),
+                    grads: append(&mut grad_lens, chains.grad_lens()),
+                    chains,
+                }
+            })
+            .collect();
         Some(SharedInput {
             batch,
             n_in,
@@ -101,9 +119,11 @@ impl SharedInput {
             rcol,
             mcol,
             t1: vec![0.0; batch * s],
-            chains: layers.iter().map(|l| Chains::new(&l.shape)).collect(),
-            h: layers.iter().map(|l| Lease::new(lens(l))).collect(),
-            dh: layers.iter().map(|l| Lease::new(lens(l))).collect(),
+            members,
+            h: Lease::new(core_lens.clone()),
+            dh: Lease::new(core_lens),
+            products: Lease::new(product_lens),
+            grads: Lease::new(grad_lens),
             cat: Lease::new(vec![n_in * s, batch * s, n_in * s]),
         })
     }
@@ -141,37 +161,6 @@ impl SharedInput {
             .fold((0.0, 0.0), |(f, b), (x, y)| (f + x, b + y))
     }
 
-    /// Layer `i`'s gated cores and chains (leases acquired; `backward`: also the gradient
-    /// scratch), and its L into its columns of Lcat = [L_1 | … | L_n] (`cat[0]`, acquired).
-    fn build(&mut self, i: usize, l: &TtLinear, backward: bool) {
-        let s = *self.rcol.last().expect("n ≥ 1");
-        self.h[i].acquire();
-        l.gate_cores(&mut self.h[i]);
-        if backward {
-            self.dh[i].acquire();
-            self.chains[i].acquire_backward();
-        } else {
-            self.chains[i].acquire_forward();
-        }
-        self.chains[i].build(&l.shape, &self.h[i]);
-        let (c0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
-        for (dst, src) in self.cat[0]
-            .chunks_exact_mut(s)
-            .zip(self.chains[i].l().chunks_exact(rp))
-        {
-            dst[c0..c0 + rp].copy_from_slice(src);
-        }
-    }
-
-    fn release(&mut self) {
-        self.cat.release();
-        for i in 0..self.shapes.len() {
-            self.h[i].release();
-            self.dh[i].release();
-            self.chains[i].release();
-        }
-    }
-
     /// `y` (B × Σ M_i, packed) = [X·W_1 + b_1 | … | X·W_n + b_n] for `x` (B × N).
     pub fn forward(&mut self, layers: &[&TtLinear], x: &[f32], y: &mut [f32]) {
         assert!(
@@ -186,14 +175,16 @@ impl SharedInput {
         );
         check_len("SharedInput x", x.len(), b * n);
         check_len("SharedInput y", y.len(), b * w);
-        self.cat.acquire();
+        let (mut cat, mut h) = (self.cat.acquire(), self.h.acquire());
+        let mut products = self.products.acquire();
         for (i, l) in layers.iter().enumerate() {
-            self.build(i, l, false);
+            let cols = self.rcol[i]..self.rcol[i + 1];
+            self.members[i].build(l, &mut h, &mut products, &mut cat[0], cols);
         }
         matmul(
             MatMut::new(&mut self.t1, b, s),
             MatRef::new(x, b, n),
-            MatRef::new(&self.cat[0], n, s),
+            MatRef::new(&cat[0], n, s),
             false,
         );
         for (i, l) in layers.iter().enumerate() {
@@ -202,13 +193,12 @@ impl SharedInput {
             matmul(
                 MatMut::strided(&mut y[m0..], b, m, w, 1),
                 MatRef::strided(&self.t1[r0..], b, rp, s, 1),
-                MatRef::new(self.chains[i].r(), rp, m),
+                MatRef::new(self.members[i].chains(&mut products, &mut []).r(), rp, m),
                 false,
             );
             self.bias[m0..m0 + m].copy_from_slice(&l.bias.value);
         }
         add_bias(y, &self.bias);
-        self.release();
     }
 
     /// Accumulates every layer's gradients from the packed `dy` (B × Σ M_i) and *writes*
@@ -240,19 +230,22 @@ impl SharedInput {
         );
         // Gates, chains and Lcat, as in the forward.
         let pair = self.paired();
-        self.cat.acquire();
+        let (mut cat, mut h, mut dh) = (self.cat.acquire(), self.h.acquire(), self.dh.acquire());
+        let (mut products, mut grads) = (self.products.acquire(), self.grads.acquire());
         for i in 0..k {
-            self.build(i, &*layers[i], true);
+            let cols = self.rcol[i]..self.rcol[i + 1];
+            self.members[i].build(layers[i], &mut h, &mut products, &mut cat[0], cols);
         }
-        let (lcat, rest) = self.cat.split_at_mut(1);
-        let (u, dlcat) = rest.split_at_mut(1);
-        let (lcat, u, dlcat) = (&lcat[0], &mut u[0], &mut dlcat[0]);
+        let [lcat, u, dlcat] = &mut cat[..] else {
+            unreachable!("three buffers")
+        };
         // dR_i = T1_iᵀ·dY_i,  U_i = dY_i·R_iᵀ.
         for i in 0..k {
             let (r0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
             let (m0, m) = (self.mcol[i], self.mcol[i + 1] - self.mcol[i]);
             let dyi = MatRef::strided(&dy[m0..], b, m, w, 1);
-            let (_, r, _, dr) = self.chains[i].seed_grads();
+            let mut chains = self.members[i].chains(&mut products, &mut grads);
+            let (_, r, _, dr) = chains.seed_grads();
             let r = MatRef::new(r, rp, m);
             let t1i = MatRef::strided(&self.t1[r0..], b, rp, s, 1);
             let dr = MatMut::new(dr, rp, m);
@@ -278,19 +271,68 @@ impl SharedInput {
         accumulate_bias_grad(dy, &mut self.bias);
         for i in 0..k {
             let (r0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
+            let member = &self.members[i];
+            let mut chains = member.chains(&mut products, &mut grads);
             {
-                let (_, _, dl, _) = self.chains[i].seed_grads();
+                let (_, _, dl, _) = chains.seed_grads();
                 for (dst, src) in dl.chunks_exact_mut(rp).zip(dlcat.chunks_exact(s)) {
                     dst.copy_from_slice(&src[r0..r0 + rp]);
                 }
             }
             let l = &mut *layers[i];
-            self.chains[i].peel(&l.shape, &self.h[i], &mut self.dh[i]);
-            l.accumulate_core_grads(&self.dh[i]);
+            let (h, dh) = (&h[member.cores.clone()], &mut dh[member.cores.clone()]);
+            chains.peel(&l.shape, h, dh);
+            l.accumulate_core_grads(dh);
             l.bias
                 .grad
                 .copy_from_slice(&self.bias[self.mcol[i]..self.mcol[i + 1]]);
         }
-        self.release();
+    }
+}
+
+/// One layer of a [`SharedInput`]: its chain layout and the places of its buffers in the
+/// workspace's leases.
+#[derive(Debug)]
+struct Member {
+    chains: Chains,
+    cores: Range<usize>,    // its H_c in `h`, its dH_c in `dh`
+    products: Range<usize>, // its chain products in `products`
+    grads: Range<usize>,    // their gradient scratch in `grads`
+}
+
+impl Member {
+    /// Its chains in the lent `products` and `grads` (every layer's; `grads` empty in a
+    /// forward, which has no gradients).
+    fn chains<'a>(
+        &'a self,
+        products: &'a mut [Scratch],
+        grads: &'a mut [Scratch],
+    ) -> LentChains<'a> {
+        let grads = grads.get_mut(self.grads.clone()).unwrap_or(&mut []);
+        self.chains
+            .lent(&mut products[self.products.clone()], grads)
+    }
+
+    /// Its gated cores (into its part of the lent `h`) and chains, and its L into its columns
+    /// `cols` of Lcat = [L_1 | … | L_n] (`lcat`, N × S).
+    fn build(
+        &self,
+        l: &TtLinear,
+        h: &mut [Scratch],
+        products: &mut [Scratch],
+        lcat: &mut [f32],
+        cols: Range<usize>,
+    ) {
+        let h = &mut h[self.cores.clone()];
+        l.gate_cores(h);
+        let mut chains = self.chains(products, &mut []);
+        chains.build(&l.shape, h);
+        let s = lcat.len() / l.in_features();
+        for (dst, src) in lcat
+            .chunks_exact_mut(s)
+            .zip(chains.l().chunks_exact(cols.len()))
+        {
+            dst[cols.clone()].copy_from_slice(src);
+        }
     }
 }
