@@ -53,6 +53,13 @@ pub trait Compressible {
     fn normalise_gates(&mut self);
 }
 
+/// The name of the layer whose chain `cores` is: the prefix its cores are named by
+/// (`{layer}.core.1`, `{layer}.core.2`, …), read off the first core.
+pub(crate) fn layer_name(cores: &[Param]) -> &str {
+    let first = &cores.first().expect("a chain has cores").name;
+    first.strip_suffix(".core.1").unwrap_or(first)
+}
+
 /// Moves each bond's scale from its gates into the core on its left: with m the largest gate
 /// of bond k, the active entries d_j → d_j/m and core k−1's slices G[…, j] → m·G[…, j], which
 /// leaves every product G·diag(g) — the layer's function — unchanged. The size penalty then

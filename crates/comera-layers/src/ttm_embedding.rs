@@ -244,7 +244,7 @@ impl TtmEmbedding {
 
 impl Compressible for TtmEmbedding {
     fn layer_name(&self) -> &str {
-        self.cores[0].name.trim_end_matches(".core.1")
+        compress::layer_name(&self.cores)
     }
     fn ranks(&self) -> Vec<usize> {
         self.shape.ranks().to_vec()

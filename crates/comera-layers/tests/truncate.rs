@@ -167,3 +167,26 @@ fn ttm_truncation_preserves_rows_and_gradients() {
     let y2 = run(&mut table, &mut ws);
     assert!(y2.iter().all(|&v| v == 0.0));
 }
+
+#[test]
+fn a_layer_is_named_by_its_parameters_prefix_before_and_after_truncation() {
+    let mut rng = init::rng(17);
+    let shape = TtShape::new(&[4, 3], &[3, 4], &[1, 3, 4, 2, 1]).unwrap();
+    let mut linear =
+        TtLinear::new("encoder.0.attn.q", shape, RankGates::default(), &mut rng).unwrap();
+    let shape = TtmShape::new(&[5, 4, 3], &[2, 3, 2], &[1, 6, 5, 1], 57).unwrap();
+    let mut table = TtmEmbedding::new(
+        "embeddings.word",
+        shape,
+        RankGates::default(),
+        1.0,
+        &mut rng,
+    )
+    .unwrap();
+    linear.gates[0].value[1] = 0.0;
+    table.gates[0].value[2] = 0.0;
+    linear.truncate();
+    table.truncate();
+    assert_eq!(linear.layer_name(), "encoder.0.attn.q");
+    assert_eq!(table.layer_name(), "embeddings.word");
+}

@@ -69,11 +69,7 @@ impl Dense {
         dy: &[f32],
         dx: Option<&mut [f32]>,
     ) {
-        let (n, m, rp) = (
-            shape.in_features(),
-            shape.out_features(),
-            shape.middle_rank(),
-        );
+        let (n, m, rp) = super::sizes(shape);
         let dy = MatRef::new(dy, batch, m);
         let (mut products, mut grads) = (self.products.acquire(), self.grads.acquire());
         let mut chains = self.chains.lent(&mut products, &mut grads);
@@ -106,11 +102,7 @@ impl Dense {
 
 /// Builds the chains from the gated cores `h`, then W = L·R into `w`.
 fn build_w(shape: &TtShape, h: &[Scratch], chains: &mut LentChains<'_>, w: &mut [f32]) {
-    let (n, m, rp) = (
-        shape.in_features(),
-        shape.out_features(),
-        shape.middle_rank(),
-    );
+    let (n, m, rp) = super::sizes(shape);
     chains.build(shape, h);
     matmul(
         MatMut::new(w, n, m),

@@ -83,11 +83,7 @@ impl Merged {
         x: &[f32],
         y: &mut [f32],
     ) {
-        let (n, m, rp) = (
-            shape.in_features(),
-            shape.out_features(),
-            shape.middle_rank(),
-        );
+        let (n, m, rp) = super::sizes(shape);
         let mut products = self.products.acquire();
         let mut chains = self.chains.lent(&mut products, &mut []);
         chains.build(shape, h);
@@ -116,11 +112,7 @@ impl Merged {
         dy: &[f32],
         dx: Option<&mut [f32]>,
     ) {
-        let (n, m, rp) = (
-            shape.in_features(),
-            shape.out_features(),
-            shape.middle_rank(),
-        );
+        let (n, m, rp) = super::sizes(shape);
         let dy = MatRef::new(dy, batch, m);
         let (mut products, mut grads) = (self.products.acquire(), self.grads.acquire());
         let mut chains = self.chains.lent(&mut products, &mut grads);

@@ -177,7 +177,7 @@ impl TtLinear {
     /// The dense weight W = L·R (N × M) the cores represent, for tests and export.
     pub fn dense_weight(&self) -> Vec<f32> {
         let s = &self.shape;
-        let (n, m, rp) = (s.in_features(), s.out_features(), s.middle_rank());
+        let (n, m, rp) = sizes(s);
         let mut h_lease = Lease::new(core_lens(s));
         let mut h = h_lease.acquire();
         self.gate_cores(&mut h);
@@ -227,7 +227,7 @@ impl TtLinear {
 
 impl Compressible for TtLinear {
     fn layer_name(&self) -> &str {
-        self.bias.name.trim_end_matches(".bias")
+        compress::layer_name(&self.cores)
     }
     fn ranks(&self) -> Vec<usize> {
         self.shape.ranks().to_vec()
@@ -271,6 +271,16 @@ impl Compressible for TtLinear {
         self.shape = shape;
         Ok(())
     }
+}
+
+/// (N, M, r_p) of `shape`: the input and output widths and the middle rank, the sizes of
+/// L (N × r_p) and R (r_p × M).
+fn sizes(shape: &TtShape) -> (usize, usize, usize) {
+    (
+        shape.in_features(),
+        shape.out_features(),
+        shape.middle_rank(),
+    )
 }
 
 /// Lengths of the cores of `shape`, in order (the gated cores H_c and their gradients dH_c).
