@@ -48,6 +48,21 @@ impl RunIdentity {
             .with_context(|| format!("{}: cannot read the run's identity", path.display()))?;
         toml::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()))
     }
+
+    /// The text of `dir/config.toml`, checked against the sha256 this identity names.
+    pub fn verified_config(&self, dir: &Path) -> anyhow::Result<String> {
+        let config = dir.join("config.toml");
+        let text = comera_data::read_regular_to_string(&config)
+            .with_context(|| format!("{}: cannot read the run's config", config.display()))?;
+        if sha256_hex(&text) != self.config_sha256 {
+            bail!(
+                "{}: changed since the run started (its sha256 does not match the one in {}); restore it, or start a new run",
+                config.display(),
+                IDENTITY
+            );
+        }
+        Ok(text)
+    }
 }
 
 /// SHA-256 of a text, hex.
@@ -282,15 +297,7 @@ fn check_replaceable(path: &Path, entries: &[PathBuf]) -> anyhow::Result<()> {
             .join(", ")
     };
     let all: Vec<&PathBuf> = entries.iter().collect();
-    let verified = RunIdentity::read(path).and_then(|id| {
-        let config = path.join("config.toml");
-        let text = comera_data::read_regular_to_string(&config)
-            .with_context(|| format!("{}: cannot read", config.display()))?;
-        if sha256_hex(&text) != id.config_sha256 {
-            bail!("config.toml does not match the sha256 in run.toml");
-        }
-        Ok(id)
-    });
+    let verified = RunIdentity::read(path).and_then(|id| id.verified_config(path));
     if let Err(e) = verified {
         bail!(
             "{}: --overwrite refused: not a comera run ({e:#}); it would have deleted: {}; nothing was removed",
@@ -410,21 +417,12 @@ fn check_owner(dir: &Path, own: &RunIdentity, ck: &Checkpoint) -> anyhow::Result
             dir.join(IDENTITY).display()
         );
     }
-    let config = dir.join("config.toml");
-    let text = comera_data::read_regular_to_string(&config)
-        .with_context(|| format!("{}: cannot read the run's config", config.display()))?;
-    if sha256_hex(&text) != own.config_sha256 {
-        bail!(
-            "{}: changed since the run started (its sha256 is not the one in {}); restore it, or start a new run",
-            config.display(),
-            IDENTITY
-        );
-    }
+    let text = own.verified_config(dir)?;
     if ck.config_toml != text {
         bail!(
             "{}: written with another config than {} (a checkpoint of another run?); refusing to resume from it",
             ck.path.display(),
-            config.display()
+            dir.join("config.toml").display()
         );
     }
     Ok(())
