@@ -327,7 +327,6 @@ fn last_train_loss(metrics: &Path) -> Option<f64> {
 fn train_child(cfg: &RunConfig, arm: &str) -> anyhow::Result<TrainReport> {
     // Each arm's scratch run directory is replaced by the next benchmark run.
     let opts = comera_train::RunOptions {
-        progress: false,
         overwrite: true,
         ..Default::default()
     };

@@ -60,7 +60,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
             .map_err(|e| anyhow::anyhow!("cannot install the SIGINT/SIGTERM handlers: {e}"))?;
     }
     if let Some(dir) = &a.resume {
-        return Ok(report(&comera_train::resume(dir, !a.quiet)?));
+        return Ok(report(&comera_train::resume_with(dir, console(a.quiet))?));
     }
     let mut cfg = match &a.config {
         Some(p) => AnyRunConfig::from_file(p)?,
@@ -81,15 +81,25 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let opts = comera_train::RunOptions {
-        progress: !a.quiet,
         overwrite: a.overwrite,
-        ..Default::default()
+        ..console(a.quiet)
     };
     let s = match &cfg {
         AnyRunConfig::Encoder(c) => comera_train::train(c, opts)?,
         AnyRunConfig::Dlrm(c) => comera_train::train_dlrm(c, opts)?,
     };
     Ok(report(&s))
+}
+
+/// Run options that show the run on the terminal: messages, and unless `quiet` the progress
+/// (only process 0 of a data-parallel run speaks).
+fn console(quiet: bool) -> comera_train::RunOptions {
+    let mut opts = comera_train::RunOptions::default();
+    if comera_train::distributed::is_writer() {
+        let console = comera_train::console::Console::new(!quiet);
+        opts.observers.push(Box::new(console));
+    }
+    opts
 }
 
 /// The last lines of a training run, and the exit status: 0, or 128 + the signal number

@@ -15,7 +15,21 @@
 //!   (∂S is taken through its surrogate Ŝ).
 //!
 //! The gradient becomes w_L·∂L + w_S·∂Ŝn + 2β·G (G: every TT/TTM core).
+//!
+//! ## Where the schedule acts
+//!
+//! Everything the schedule does is a method of [`RankController`], in the order a step meets it:
+//!
+//! 1. [`RankController::attach`], once, when the stepper is built: freezes pruned gate entries
+//!    in the optimiser (momentum cannot revive a pruned slice).
+//! 2. [`RankController::apply`], in each step after the backward pass: the stage's objective.
+//! 3. [`RankController::project`], in each step after the optimiser's update: `min_rank` and
+//!    gate normalisation.
+//! 4. [`RankController::after_step`], between steps: the switch to the late stage and the
+//!    physical truncation of pruned slices (with the optimiser's moments cut to match),
+//!    returned as [`RankEvent`]s that the training loop only records and reports.
 
+use crate::optimizer::Optimizer;
 use comera_layers::{Model, ParamKind, Retained};
 use serde::{Deserialize, Serialize};
 
@@ -331,10 +345,65 @@ impl RankController {
         });
     }
 
+    /// Once, when the stepper is built: with an active schedule, gate entries at or below the
+    /// model's gate threshold τ are frozen by the optimiser (pruned slices are not updated and
+    /// their moments are zeroed, so momentum cannot revive them).
+    pub fn attach(&self, optimizer: &mut Optimizer, gate_threshold: f32) {
+        if self.active() {
+            optimizer.freeze_gates_at(gate_threshold);
+        }
+    }
+
+    /// Between steps, after step `step` (1-based count of steps done) of epoch `epoch`
+    /// (1-based; `epoch_end` when it was the epoch's last): the switch to the late stage when
+    /// due, then the truncation of pruned slices when due (with `optimizer`'s moments cut to
+    /// match; GaLore's projected state cannot be cut, so a GaLore run never truncates).
+    pub fn after_step(
+        &mut self,
+        model: &mut dyn Model,
+        optimizer: &mut Optimizer,
+        step: u64,
+        epoch: usize,
+        epoch_end: bool,
+    ) -> Vec<RankEvent> {
+        let mut events = Vec::new();
+        if self.switch_if_due(model, step, epoch, epoch_end) {
+            let (size, _, _) = sizes(model);
+            events.push(RankEvent::LateStage {
+                size,
+                target_size: self.target_size.unwrap_or(0.0),
+                ranks: layer_ranks(model),
+            });
+        }
+        if optimizer.supports_truncation() && self.truncation_due(step, epoch_end) {
+            let before = stored_ranks(model);
+            let changed = truncate(model);
+            if !changed.is_empty() {
+                optimizer.retain(&changed, model);
+                let after = stored_ranks(model);
+                let layers = before
+                    .into_iter()
+                    .zip(after)
+                    .filter(|(b, a)| b.1 != a.1)
+                    .map(|((name, before), (_, after))| TruncatedLayer {
+                        name,
+                        before,
+                        after,
+                    })
+                    .collect();
+                events.push(RankEvent::Truncated {
+                    layers,
+                    ranks: layer_ranks(model),
+                });
+            }
+        }
+        events
+    }
+
     /// After step `step` (1-based count of steps done) of epoch `epoch` (1-based; `epoch_end`
     /// when it was the epoch's last): switches to the late stage when due. Returns whether it
     /// switched now.
-    pub fn after_step(
+    pub fn switch_if_due(
         &mut self,
         model: &dyn Model,
         step: u64,
@@ -378,6 +447,41 @@ impl RankController {
             && (epoch_end
                 || (self.cfg.truncate_every > 0 && step.is_multiple_of(self.cfg.truncate_every)))
     }
+}
+
+/// What the rank schedule did between two steps ([`RankController::after_step`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RankEvent {
+    /// The switch to the late stage: S at the switch, the target S0 it set, and the ranks.
+    LateStage {
+        size: f64,
+        target_size: f64,
+        ranks: Vec<LayerRanks>,
+    },
+    /// Pruned slices removed: the layers whose stored ranks changed, and every layer's ranks
+    /// after the cut.
+    Truncated {
+        layers: Vec<TruncatedLayer>,
+        ranks: Vec<LayerRanks>,
+    },
+}
+
+/// One layer's stored inner ranks before and after a truncation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TruncatedLayer {
+    pub name: String,
+    pub before: Vec<usize>,
+    pub after: Vec<usize>,
+}
+
+/// Each TT/TTM layer's name and stored (physical) inner ranks.
+fn stored_ranks(model: &dyn Model) -> Vec<(String, Vec<usize>)> {
+    let mut out = Vec::new();
+    model.visit_compressible(&mut |l| {
+        let r = l.ranks();
+        out.push((l.layer_name().to_string(), r[1..r.len() - 1].to_vec()));
+    });
+    out
 }
 
 /// Removes pruned rank slices from every TT/TTM layer; returns the changed parameters (for the

@@ -12,7 +12,7 @@
 
 use crate::collective::DataParallel;
 use crate::optimizer::Optimizer;
-use crate::rank::{self, LayerRanks, Objective, RankController};
+use crate::rank::{self, Objective, RankController, RankEvent};
 use crate::Schedule;
 use comera_layers::{Model, Retained, StepStats, Trainable};
 
@@ -103,9 +103,8 @@ impl Stepper {
         }
     }
 
-    /// A stepper driving `rank` (a fresh [`RankController`], or a resumed one). With an active
-    /// rank schedule, gate entries at or below the model's gate threshold τ are frozen by the
-    /// optimiser.
+    /// A stepper driving `rank` (a fresh [`RankController`], or a resumed one), attached to the
+    /// optimiser ([`RankController::attach`]: pruned gates frozen).
     pub fn new(
         mut optimizer: Optimizer,
         rank: RankController,
@@ -113,9 +112,7 @@ impl Stepper {
         clip_norm: f32,
         gate_threshold: f32,
     ) -> Stepper {
-        if rank.active() {
-            optimizer.freeze_gates_at(gate_threshold);
-        }
+        rank.attach(&mut optimizer, gate_threshold);
         Stepper {
             optimizer,
             rank,
@@ -276,24 +273,17 @@ impl Stepper {
         })
     }
 
-    /// After step `step` (1-based count of steps done) of epoch `epoch` (1-based): switches
-    /// the rank schedule to its late stage when due (returns the ranks at the switch), then
-    /// truncates pruned slices when due (returns whether anything changed).
+    /// Between steps: the rank schedule's stage switch and truncation
+    /// ([`RankController::after_step`]).
     pub fn after_step(
         &mut self,
         model: &mut dyn Model,
         step: u64,
         epoch: usize,
         epoch_end: bool,
-    ) -> (Option<Vec<LayerRanks>>, bool) {
-        let switched = self
-            .rank
-            .after_step(model, step, epoch, epoch_end)
-            .then(|| rank::layer_ranks(model));
-        let truncated = self.truncating()
-            && self.rank.truncation_due(step, epoch_end)
-            && !self.truncate(model).is_empty();
-        (switched, truncated)
+    ) -> Vec<RankEvent> {
+        self.rank
+            .after_step(model, &mut self.optimizer, step, epoch, epoch_end)
     }
 
     /// Removes pruned rank slices from every TT/TTM layer and cuts the optimiser's moments to

@@ -422,15 +422,6 @@ impl RunConfig {
         if let Some(g) = &self.galore {
             g.validate()?;
         }
-        let t = &self.train;
-        check_loop(
-            t.epochs,
-            t.batch_size,
-            t.log_every,
-            t.early_stopping.as_ref(),
-            &t.out_dir,
-            t.accumulate_steps,
-        )?;
         let d = &self.data;
         if !(0.0..1.0).contains(&d.valid_fraction) {
             return Err(format!(
@@ -504,6 +495,7 @@ impl RunConfig {
         if let Some(names) = &d.label_names {
             check_names("data.label_names", names)?;
         }
+        let t = &self.train;
         for (i, ph) in t.phases.iter().enumerate() {
             let f = |k: &str| format!("train.phases[{i}].{k}");
             if ph.seq_len < 3 || ph.seq_len > self.model.seq_len {
@@ -540,27 +532,10 @@ impl RunConfig {
             ("model.type_vocab", u(m.type_vocab), ROWS),
             ("data.max_train", u(d.max_train), TOML_INT),
             ("data.max_valid", u(d.max_valid), TOML_INT),
-            ("train.epochs", u(t.epochs), EPOCHS),
-            ("train.batch_size", u(t.batch_size), BATCH),
-            ("train.seed", t.seed, TOML_INT),
-            ("train.warmup_steps", t.warmup_steps, TOML_INT),
-            ("train.log_every", u(t.log_every), TOML_INT),
-            (
-                "train.max_steps_per_epoch",
-                u(t.max_steps_per_epoch),
-                TOML_INT,
-            ),
-            ("train.checkpoint_every", t.checkpoint_every, TOML_INT),
-            ("train.keep_checkpoints", u(t.keep_checkpoints), TOML_INT),
-            ("train.stop_after_steps", t.stop_after_steps, TOML_INT),
-            ("train.eval_every", t.eval_every, TOML_INT),
-            ("train.accumulate_steps", u(t.accumulate_steps), BATCH),
         ] {
             bound.check(field, value)?;
         }
-        if let Some(es) = &t.early_stopping {
-            TOML_INT.check("train.early_stopping.patience", u(es.patience))?;
-        }
+        t.loop_fields().validate()?;
         let mut epochs = 0u64;
         for (i, ph) in t.phases.iter().enumerate() {
             let f = |k: &str| format!("train.phases[{i}].{k}");
@@ -671,31 +646,107 @@ fn is_one(v: &usize) -> bool {
     *v == 1
 }
 
-/// The `[train]` fields every run has (encoder and DLRM alike), each named when wrong.
-fn check_loop(
-    epochs: usize,
-    batch_size: usize,
-    log_every: usize,
-    early_stopping: Option<&EarlyStopping>,
-    out_dir: &Path,
-    accumulate_steps: usize,
-) -> Result<(), String> {
-    if epochs == 0 {
-        return Err("train.epochs: must be at least 1".into());
+/// The `[train]` fields every kind of run has (encoder and DLRM alike): what the loop reads
+/// ([`crate::trainer::LoopSettings::new`]) and what [`LoopFields::validate`] checks, once for
+/// both kinds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoopFields {
+    pub epochs: usize,
+    pub batch_size: usize,
+    pub seed: u64,
+    pub warmup_steps: u64,
+    pub decay: Decay,
+    pub log_every: usize,
+    pub max_steps_per_epoch: usize,
+    pub out_dir: PathBuf,
+    pub checkpoint_every: u64,
+    pub keep_checkpoints: usize,
+    pub stop_after_steps: u64,
+    pub eval_every: u64,
+    pub accumulate_steps: usize,
+    pub early_stopping: Option<EarlyStopping>,
+}
+
+/// [`LoopFields`] from a `[train]` table of either kind (their shared fields have one name).
+macro_rules! loop_fields {
+    ($t:expr) => {{
+        let t = $t;
+        LoopFields {
+            epochs: t.epochs,
+            batch_size: t.batch_size,
+            seed: t.seed,
+            warmup_steps: t.warmup_steps,
+            decay: t.decay,
+            log_every: t.log_every,
+            max_steps_per_epoch: t.max_steps_per_epoch,
+            out_dir: t.out_dir.clone(),
+            checkpoint_every: t.checkpoint_every,
+            keep_checkpoints: t.keep_checkpoints,
+            stop_after_steps: t.stop_after_steps,
+            eval_every: t.eval_every,
+            accumulate_steps: t.accumulate_steps,
+            early_stopping: t.early_stopping.clone(),
+        }
+    }};
+}
+
+impl TrainConfig {
+    /// The fields the loop reads.
+    pub fn loop_fields(&self) -> LoopFields {
+        loop_fields!(self)
     }
-    if batch_size == 0 {
-        return Err("train.batch_size: must be at least 1".into());
+}
+
+impl DlrmTrainConfig {
+    /// The fields the loop reads.
+    pub fn loop_fields(&self) -> LoopFields {
+        loop_fields!(self)
     }
-    if log_every == 0 {
-        return Err("train.log_every: must be at least 1".into());
+}
+
+impl LoopFields {
+    /// Each value, named when wrong: bounds first, then what the loop needs.
+    fn validate(&self) -> Result<(), String> {
+        let u = |v: usize| v as u64;
+        for (field, value, bound) in [
+            ("train.epochs", u(self.epochs), EPOCHS),
+            ("train.batch_size", u(self.batch_size), BATCH),
+            ("train.seed", self.seed, TOML_INT),
+            ("train.warmup_steps", self.warmup_steps, TOML_INT),
+            ("train.log_every", u(self.log_every), TOML_INT),
+            (
+                "train.max_steps_per_epoch",
+                u(self.max_steps_per_epoch),
+                TOML_INT,
+            ),
+            ("train.checkpoint_every", self.checkpoint_every, TOML_INT),
+            ("train.keep_checkpoints", u(self.keep_checkpoints), TOML_INT),
+            ("train.stop_after_steps", self.stop_after_steps, TOML_INT),
+            ("train.eval_every", self.eval_every, TOML_INT),
+            ("train.accumulate_steps", u(self.accumulate_steps), BATCH),
+        ] {
+            bound.check(field, value)?;
+        }
+        if let Some(es) = &self.early_stopping {
+            TOML_INT.check("train.early_stopping.patience", u(es.patience))?;
+        }
+        if self.epochs == 0 {
+            return Err("train.epochs: must be at least 1".into());
+        }
+        if self.batch_size == 0 {
+            return Err("train.batch_size: must be at least 1".into());
+        }
+        if self.log_every == 0 {
+            return Err("train.log_every: must be at least 1".into());
+        }
+        if let Some(es) = &self.early_stopping {
+            es.validate()?;
+        }
+        if self.out_dir.as_os_str().is_empty() {
+            return Err("train.out_dir: empty; name the run directory".into());
+        }
+        check_accumulation(self.accumulate_steps, self.batch_size, "train.batch_size")
     }
-    if let Some(es) = early_stopping {
-        es.validate()?;
-    }
-    if out_dir.as_os_str().is_empty() {
-        return Err("train.out_dir: empty; name the run directory".into());
-    }
-    check_accumulation(accumulate_steps, batch_size, "train.batch_size")
 }
 
 /// `train.accumulate_steps` must be at least 1 and divide the batch size `batch` (`field`).
@@ -856,15 +907,6 @@ impl DlrmRunConfig {
         if let Some(r) = &self.rank {
             r.validate()?;
         }
-        let t = &self.train;
-        check_loop(
-            t.epochs,
-            t.batch_size,
-            t.log_every,
-            t.early_stopping.as_ref(),
-            &t.out_dir,
-            t.accumulate_steps,
-        )?;
         let d = &self.data;
         let known = ["movielens", "adult", "criteo", "synthetic"];
         if !known.contains(&d.source.as_str()) {
@@ -928,27 +970,10 @@ impl DlrmRunConfig {
             ("data.synthetic_train", u(d.synthetic_train), TOML_INT),
             ("data.synthetic_valid", u(d.synthetic_valid), HELD_EXAMPLES),
             ("data.max_malformed", d.max_malformed, TOML_INT),
-            ("train.epochs", u(t.epochs), EPOCHS),
-            ("train.batch_size", u(t.batch_size), BATCH),
-            ("train.seed", t.seed, TOML_INT),
-            ("train.warmup_steps", t.warmup_steps, TOML_INT),
-            ("train.log_every", u(t.log_every), TOML_INT),
-            (
-                "train.max_steps_per_epoch",
-                u(t.max_steps_per_epoch),
-                TOML_INT,
-            ),
-            ("train.checkpoint_every", t.checkpoint_every, TOML_INT),
-            ("train.keep_checkpoints", u(t.keep_checkpoints), TOML_INT),
-            ("train.stop_after_steps", t.stop_after_steps, TOML_INT),
-            ("train.eval_every", t.eval_every, TOML_INT),
-            ("train.accumulate_steps", u(t.accumulate_steps), BATCH),
         ] {
             bound.check(field, value)?;
         }
-        if let Some(es) = &t.early_stopping {
-            TOML_INT.check("train.early_stopping.patience", u(es.patience))?;
-        }
+        t.loop_fields().validate()?;
         for (name, widths) in [
             ("dlrm.bottom_mlp", &m.bottom_mlp),
             ("dlrm.top_mlp", &m.top_mlp),

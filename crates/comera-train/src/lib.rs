@@ -10,6 +10,7 @@
 //! - [`run_dir`]: a run directory's identity, lock, fresh start or resume;
 //! - [`observe`]: typed metrics records, the loop's events and observers (a library user's
 //!   window on a run, and a way to stop it);
+//! - [`console`]: the terminal's view of a run (progress bar and messages), an observer;
 //! - [`interrupt`]: the graceful stop (first SIGINT/SIGTERM: checkpoint after the step);
 //! - [`infer`]: evaluation and predictions of a saved model of any kind;
 //! - [`files`]: atomic writes, model files of every kind, the metrics log;
@@ -20,6 +21,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod console;
 pub mod data;
 pub mod distributed;
 pub mod files;

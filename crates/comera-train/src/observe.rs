@@ -86,14 +86,14 @@
 //! assert!(summary.stopped && summary.steps == 3);
 //! assert!(counter.lock().unwrap().events >= 4); // three train records and a checkpoint
 //! // A valid, resumable run: `resume` continues it to its end.
-//! let done = comera_train::resume(&dir.join("run"), false)?;
+//! let done = comera_train::resume(&dir.join("run"))?;
 //! assert!(!done.stopped && done.steps > 3);
 //! # std::fs::remove_dir_all(&dir).ok();
 //! # Ok(())
 //! # }
 //! ```
 
-use comera_optim::rank::LayerRanks;
+use comera_optim::rank::{LayerRanks, TruncatedLayer};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -220,7 +220,11 @@ pub struct TruncateRecord {
     pub step: u64,
     pub params: usize,
     pub compression: f64,
+    /// Every layer's active ranks after the cut.
     pub ranks: Vec<LayerRanks>,
+    /// The layers whose stored ranks changed: before and after (absent in older logs).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<TruncatedLayer>,
 }
 
 /// The ranks of every TT/TTM layer at the start, at the switch and at the end of the run.
@@ -241,6 +245,21 @@ fn f64_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Event<'a> {
+    /// Training starts (or resumes) at `step`, of `total` steps (None: a streamed run of
+    /// unknown length); `lr` is the TT cores' base learning rate (records carry its scale).
+    Started {
+        total: Option<u64>,
+        step: u64,
+        lr: f32,
+    },
+    /// An epoch (1-based) starts, in phase `phase` (1-based) of `phases`.
+    EpochStarted {
+        epoch: usize,
+        phase: usize,
+        phases: usize,
+    },
+    /// A step was taken (`step`: steps done so far).
+    Step { step: u64 },
     /// A record, as written to `metrics.jsonl`.
     Record(&'a Record),
     /// A checkpoint was written after `step` (the run can be resumed from there).
@@ -248,6 +267,8 @@ pub enum Event<'a> {
     /// A line meant for people (a phase change, the late stage, an early stop), as the CLI
     /// shows it above its progress bar.
     Message(&'a str),
+    /// No more steps: what follows is the run's final report.
+    TrainingEnded,
     /// The run ended (finished, stopped or stopped early); the summary is also what the call
     /// returns.
     Finished(&'a crate::TrainSummary),

@@ -214,9 +214,9 @@ fn late_stage_switches_by_epochs_and_picks_the_active_branch() {
     };
     cfg.validate().unwrap();
     let mut ctl = RankController::new(&cfg, &m);
-    assert!(!ctl.after_step(&m, 10, 1, true));
-    assert!(!ctl.after_step(&m, 15, 2, false));
-    assert!(ctl.after_step(&m, 20, 2, true));
+    assert!(!ctl.switch_if_due(&m, 10, 1, true));
+    assert!(!ctl.switch_if_due(&m, 15, 2, false));
+    assert!(ctl.switch_if_due(&m, 20, 2, true));
     assert_eq!(ctl.stage, Stage::Late);
     let s = rank::sizes(&m).0;
     assert_eq!(ctl.target_size, Some(0.5 * s));
@@ -240,10 +240,10 @@ fn plateau_switch_and_config_errors() {
         ..RankConfig::default()
     };
     let mut ctl = RankController::new(&cfg, &m);
-    assert!(!ctl.after_step(&m, 1, 1, false));
-    assert!(!ctl.after_step(&m, 3, 1, false));
+    assert!(!ctl.switch_if_due(&m, 1, 1, false));
+    assert!(!ctl.switch_if_due(&m, 3, 1, false));
     assert!(
-        ctl.after_step(&m, 6, 1, false),
+        ctl.switch_if_due(&m, 6, 1, false),
         "S did not move over 5 steps"
     );
     assert_eq!(ctl.target_size, Some(ctl.dense_ref / 100.0));

@@ -1,0 +1,306 @@
+//! The one training loop over any [`Task`], and its entry points: [`train`] (an encoder run:
+//! classification or masked LM), [`train_dlrm`] (a DLRM run) and [`resume`] (either, from the
+//! newest checkpoint of a run directory).
+//!
+//! A run goes through three files, in order:
+//!
+//! - [`setup`](self::setup): from a config to a [`Setup`]: the data prepared, the model built
+//!   (or initialised from another run), memory checked, and only then the run directory opened
+//!   (so a failing setup never touches a previous run under `--overwrite`);
+//! - [`run`](self::run): the loop itself, read top to bottom: phases of fixed-shape steps, each
+//!   step [`Stepper::step`](comera_optim::Stepper), the rank schedule's events, logging
+//!   windows, evaluations (early stopping), checkpoints, stops;
+//! - [`report`](self::report): what the loop tells the world: records to `metrics.jsonl` and
+//!   to the observers ([`crate::observe`]), plots, `ranks.md`.
+//!
+//! The loop never prints: lines meant for people are [`Event::Message`]s, shown by an observer
+//! such as [`crate::console::Console`].
+
+mod report;
+mod run;
+mod setup;
+
+use crate::checkpoint::Checkpoint;
+use crate::config::{AnyRunConfig, DlrmRunConfig, EarlyStopping, LoopFields, RunConfig};
+use crate::observe::Observer;
+use crate::run_dir::RunDir;
+use crate::task::{EvalStats, Task};
+use comera_optim::rank::{LayerRanks, RankConfig};
+use comera_optim::{AdamWConfig, Decay, GaLoreConfig};
+use report::Reporter;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// What a finished (or stopped) run reports; also written to `report.json`.
+#[derive(Clone, Debug, Serialize)]
+pub struct TrainSummary {
+    pub out_dir: PathBuf,
+    pub epochs: usize,
+    pub steps: u64,
+    /// Examples per step in the last phase.
+    pub batch_size: usize,
+    /// Sequence positions (or examples, for tabular data) trained on.
+    pub tokens: u64,
+    /// The last evaluation (for a masked-LM run: held-out MLM loss and masked-token accuracy).
+    pub final_valid: EvalStats,
+    /// The best validation AUC (binary tasks) or accuracy over the epochs, and its epoch.
+    pub best_valid: f64,
+    pub best_epoch: usize,
+    /// Share of the most frequent label (classification runs).
+    pub majority_accuracy: Option<f64>,
+    /// Trainable parameters at the end (after truncations) and at the start.
+    pub params: usize,
+    pub initial_params: usize,
+    pub dense_params: usize,
+    pub seconds: f64,
+    /// Median wall time of the steps of this process (ms) and the examples/s it gives.
+    pub median_step_ms: f64,
+    pub examples_per_s: f64,
+    /// Peak resident set of the process (VmHWM), bytes; 0 where /proc is unavailable.
+    pub peak_rss_bytes: u64,
+    /// The engine's own accounting: parameters + gradients, optimiser state, batch state.
+    pub param_bytes: usize,
+    pub optimizer_bytes: usize,
+    pub state_bytes: usize,
+    /// Per-layer ranks of the TT/TTM layers at the start, at the switch to the late stage (if
+    /// any) and at the end.
+    pub ranks_start: Vec<LayerRanks>,
+    pub ranks_switch: Option<Vec<LayerRanks>>,
+    pub ranks_end: Vec<LayerRanks>,
+    /// Whether the rank schedule was active, and its stage at the end.
+    pub rank_active: bool,
+    pub rank_stage: String,
+    /// Whether the run stopped early at `train.stop_after_steps` or on a signal (resumable).
+    pub stopped: bool,
+    /// The signal (SIGINT, SIGTERM) that stopped the run after a step, with a checkpoint
+    /// ([`crate::interrupt`]).
+    pub interrupted: Option<i32>,
+    /// Whether early stopping ended the run (the best model is in `best/`).
+    #[serde(default)]
+    pub early_stopped: bool,
+    /// Task-specific figures (a DLRM's table sizes).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl TrainSummary {
+    pub fn compression(&self) -> f64 {
+        self.dense_params as f64 / self.params as f64
+    }
+}
+
+/// Peak resident set size of this process (`VmHWM` in /proc/self/status), bytes.
+pub fn peak_rss_bytes() -> u64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
+        return 0;
+    };
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Memory this machine can still give (`MemAvailable` in /proc/meminfo), bytes; unbounded
+/// where it cannot be read.
+pub fn available_memory_bytes() -> f64 {
+    let kib = |file: &str, key: &str| {
+        std::fs::read_to_string(file).ok().and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+    };
+    let free = kib("/proc/meminfo", "MemAvailable:").map_or(f64::INFINITY, |k| k * 1024.0);
+    // Under an address-space limit (`ulimit -v`), what is left of it bounds the allocation
+    // too: past it an allocation fails (an abort) however much memory the machine has.
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limit into the struct it is given.
+    let limited = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } == 0
+        && lim.rlim_cur != libc::RLIM_INFINITY;
+    if !limited {
+        return free;
+    }
+    let used = kib("/proc/self/status", "VmSize:").map_or(0.0, |k| k * 1024.0);
+    free.min((lim.rlim_cur as f64 - used).max(0.0))
+}
+
+/// Refuses an encoder config whose training memory in some phase (estimated before anything
+
+/// The median of `v` (0 when empty).
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+/// The loop's settings, the same for every kind of run ([`LoopSettings::from_train`]).
+pub struct LoopSettings {
+    pub out: PathBuf,
+    /// The resolved run config (TOML), saved in every checkpoint.
+    pub config_toml: String,
+    pub warmup_steps: u64,
+    pub decay: Decay,
+    pub log_every: usize,
+    pub checkpoint_every: u64,
+    pub keep_checkpoints: usize,
+    pub stop_after_steps: u64,
+    /// Evaluate every this many steps too (0: epoch ends only).
+    pub eval_every: u64,
+    /// Micro-batches per step (gradient accumulation; 1: none).
+    pub accumulate_steps: usize,
+    pub early_stopping: Option<EarlyStopping>,
+}
+
+impl LoopSettings {
+    /// The one way to make them: from a `[train]` table of either kind of run.
+    pub fn new(t: &LoopFields, config_toml: String) -> LoopSettings {
+        LoopSettings {
+            out: t.out_dir.clone(),
+            config_toml,
+            warmup_steps: t.warmup_steps,
+            decay: t.decay,
+            log_every: t.log_every,
+            checkpoint_every: t.checkpoint_every,
+            keep_checkpoints: t.keep_checkpoints,
+            stop_after_steps: t.stop_after_steps,
+            eval_every: t.eval_every,
+            accumulate_steps: t.accumulate_steps.max(1),
+            early_stopping: t.early_stopping.clone(),
+        }
+    }
+}
+
+/// A run ready to start (or to continue from a checkpoint): its task, and the rest.
+struct Setup<T: Task> {
+    task: T,
+    run: RunSetup<T::Model>,
+}
+
+/// A run's model and settings, ready for the loop.
+struct RunSetup<M> {
+    model: M,
+    /// The optimiser's settings (it is made once the model has its final shape: a resumed
+    /// model takes the checkpoint's truncated ranks first).
+    optim: AdamWConfig,
+    galore: Option<GaLoreConfig>,
+    rank_cfg: RankConfig,
+    clip_norm: f32,
+    gate_threshold: f32,
+    settings: LoopSettings,
+    resume: Option<Checkpoint>,
+    /// The run directory, locked until the run ends (None on the processes of a data-parallel
+    /// run other than process 0, which do not write).
+    run_dir: Option<RunDir>,
+}
+
+/// How a run starts.
+#[derive(Default)]
+pub struct RunOptions {
+    /// Clear a run directory that holds a previous run instead of refusing it.
+    pub overwrite: bool,
+    /// Receive the run's events ([`crate::observe`]); any may stop the run. Nothing is
+    /// printed unless one of them prints (the CLI adds [`crate::console::Console`]).
+    pub observers: Vec<Box<dyn Observer>>,
+}
+
+/// Runs a whole encoder training job as configured; writes into `cfg.train.out_dir`.
+///
+/// The job runs on a worker of the rayon pool, so parallel work inside a step is scheduled
+/// through the workers' own queues (no per-call injection, no allocation in the step).
+pub fn train(cfg: &RunConfig, opts: RunOptions) -> anyhow::Result<TrainSummary> {
+    let mut rep = Reporter::new(opts.observers);
+    rayon::scope(|_| {
+        let setup = setup::encoder(cfg, Start::Fresh(opts.overwrite), &mut rep)?;
+        run::run(setup, rep)
+    })
+}
+
+/// Runs a whole DLRM training job as configured; writes into `cfg.train.out_dir`.
+pub fn train_dlrm(cfg: &DlrmRunConfig, opts: RunOptions) -> anyhow::Result<TrainSummary> {
+    let mut rep = Reporter::new(opts.observers);
+    rayon::scope(|_| {
+        let setup = setup::dlrm(cfg, Start::Fresh(opts.overwrite), &mut rep)?;
+        run::run(setup, rep)
+    })
+}
+
+/// Continues the run in `run_dir` from its newest checkpoint that verifies. With the same
+/// thread count, the losses are bit for bit those of a run that was never stopped.
+pub fn resume(run_dir: &Path) -> anyhow::Result<TrainSummary> {
+    resume_with(run_dir, RunOptions::default())
+}
+
+/// [`resume`] with observers (`opts.overwrite` does not apply to a resumed run).
+pub fn resume_with(run_dir: &Path, opts: RunOptions) -> anyhow::Result<TrainSummary> {
+    let mut rep = Reporter::new(opts.observers);
+    // Process 0 locks the directory; the others of a data-parallel run only read it.
+    let (dir, ck) = if crate::distributed::is_writer() {
+        let dir = RunDir::open(run_dir)?;
+        let ck = dir.newest_checkpoint()?;
+        (Some(dir), ck)
+    } else {
+        let identity = crate::run_dir::RunIdentity::read(run_dir)?;
+        (None, crate::run_dir::newest_checkpoint(run_dir, &identity)?)
+    };
+    let mut cfg = ck.config()?;
+    *cfg.out_dir_mut() = run_dir.to_path_buf();
+    // A resumed run runs to the configured end (the stop is what interrupted it).
+    *cfg.stop_after_steps_mut() = 0;
+    rep.say(format!(
+        "resume {} (step {})",
+        ck.path.display(),
+        ck.progress.step
+    ));
+    let start = Start::Resume(Box::new(ck), dir);
+    rayon::scope(|_| match &cfg {
+        AnyRunConfig::Encoder(c) => run::run(setup::encoder(c, start, &mut rep)?, rep),
+        AnyRunConfig::Dlrm(c) => run::run(setup::dlrm(c, start, &mut rep)?, rep),
+    })
+}
+
+/// How a run starts: fresh (with `--overwrite` or not), or from a checkpoint of its (locked)
+/// directory.
+enum Start {
+    Fresh(bool),
+    Resume(Box<Checkpoint>, Option<RunDir>),
+}
+
+impl Start {
+    /// The run directory, locked, and the checkpoint to resume from: a fresh run creates the
+    /// directory with `config_toml`; a resumed one keeps its own.
+    fn open(
+        self,
+        out: &Path,
+        config_toml: &str,
+    ) -> anyhow::Result<(Option<RunDir>, Option<Checkpoint>)> {
+        match self {
+            Start::Fresh(overwrite) => {
+                let dir = crate::distributed::is_writer()
+                    .then(|| RunDir::create(out, config_toml, overwrite))
+                    .transpose()?;
+                Ok((dir, None))
+            }
+            Start::Resume(ck, dir) => Ok((dir, Some(*ck))),
+        }
+    }
+
+    fn checkpoint(&self) -> Option<&Checkpoint> {
+        match self {
+            Start::Fresh(_) => None,
+            Start::Resume(ck, _) => Some(ck),
+        }
+    }
+}
+
+/// The directory of the best model under early stopping.
+pub const BEST_DIR: &str = "best";

@@ -1,0 +1,800 @@
+//! The one training loop, read top to bottom in [`run`] and [`Loop::epoch`]: for each epoch of
+//! each phase, for each batch: load it, take the step ([`comera_optim::Stepper`]), let the rank
+//! schedule act (stage switch, truncation: [`comera_optim::rank::RankController::after_step`]),
+//! log the window when due, evaluate when due (early stopping), checkpoint when due, stop when
+//! asked. Each concern is one method of [`Loop`] below, in that order.
+//!
+//! Exact resume: everything the loop carries from step to step is either in the checkpoint's
+//! [`Progress`] or rebuilt from the metrics log, and a resumed epoch replays its data order up
+//! to the checkpoint, so a resumed run takes bit for bit the steps of one never stopped.
+
+use super::report::{mean_ranks, write_rank_report, Reporter};
+use super::{median, peak_rss_bytes, LoopSettings, RunSetup, Setup, TrainSummary};
+use crate::checkpoint::{self, Progress};
+use crate::config::Phase;
+use crate::observe::{
+    EarlyStopRecord, EvalRecord, Event, Record, StageRecord, TrainRecord, TruncateRecord,
+};
+use crate::run_dir::RunDir;
+use crate::task::{EpochBatches, EvalStats, Task};
+use anyhow::{bail, Context};
+use comera_layers::{Model, StepStats, Trainable};
+use comera_optim::rank::{self, Branch, RankController, RankEvent, Stage};
+use comera_optim::{Optimizer, Schedule, StepReport, Stepper};
+use std::time::Instant;
+
+/// The batch state of a task's model.
+type State<T> = <<T as Task>::Model as Trainable>::State;
+
+/// Runs `setup` to its end (or to a stop) and reports.
+pub(super) fn run<T: Task>(setup: Setup<T>, rep: Reporter) -> anyhow::Result<TrainSummary> {
+    let Setup { mut task, run } = setup;
+    let epochs = plan_epochs(&mut task, run.settings.accumulate_steps)?;
+    let mut lp = Loop::start(&task, run, epochs, rep)?;
+    let end = match lp.finished_training()? {
+        true => End::Completed,
+        false => lp.epochs()?,
+    };
+    lp.finish(end)
+}
+
+/// How the training ended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// Every epoch ran.
+    Completed,
+    /// Stopped by `train.stop_after_steps`, a signal or an observer (resumable).
+    Stopped,
+    /// Early stopping ended the run (the best model is in `best/`).
+    EarlyStopped,
+}
+
+/// Everything the loop carries between steps, besides the task (borrowed, so an epoch's batches
+/// can borrow it while the loop's methods change the rest).
+struct Loop<'t, T: Task> {
+    task: &'t T,
+    model: T::Model,
+    stepper: Stepper,
+    /// The batch state, planned for phase `st_phase`'s micro-batch shape.
+    st: State<T>,
+    st_phase: usize,
+    cfg: LoopSettings,
+    run_dir: Option<RunDir>,
+    run_id: String,
+    phases: Vec<Phase>,
+    /// Each epoch's phase and step count (None: a streamed epoch of unknown length).
+    epochs: Vec<(usize, Option<usize>)>,
+    /// Sequence positions (or examples) per step of each phase.
+    tokens_per_step: Vec<u64>,
+    /// The checkpointed part of the loop's state.
+    prog: Progress,
+    rep: Reporter,
+    /// When this process started, and the seconds of the run before it (a resumed run).
+    t0: Instant,
+    base_seconds: f64,
+    /// The logging window: its steps, their collective time (s) and its start.
+    window: (usize, f64, Instant),
+    /// Wall time of each step of this process (ms).
+    step_ms: Vec<f64>,
+    /// The best validation score (AUC, or accuracy) and its epoch; the last evaluation.
+    best: (f64, usize),
+    final_valid: EvalStats,
+    /// Whether this process writes the run directory (process 0 of a data-parallel run).
+    writer: bool,
+    rank_active: bool,
+    initial_params: usize,
+    /// Whether the run resumed from a checkpoint.
+    resumed: bool,
+}
+
+impl<'t, T: Task> Loop<'t, T> {
+    /// The model (with a resumed run's checkpoint loaded), optimiser, rank schedule, batch
+    /// state and metrics log, ready for the first step.
+    fn start(
+        task: &'t T,
+        setup: RunSetup<T::Model>,
+        epochs: Vec<(usize, Option<usize>)>,
+        mut rep: Reporter,
+    ) -> anyhow::Result<Loop<'t, T>> {
+        let RunSetup {
+            mut model,
+            optim,
+            galore,
+            rank_cfg,
+            clip_norm,
+            gate_threshold,
+            settings: cfg,
+            resume,
+            run_dir,
+        } = setup;
+        let t0 = Instant::now();
+        let initial_params = model.num_params();
+        if let Some(ck) = &resume {
+            // The checkpoint's (possibly truncated) ranks first: the optimiser's state follows.
+            ck.load_params(&mut model)?;
+        }
+        // The learning rate shown in log lines: the TT cores' (the rest scale alike).
+        let lr_cores = optim.lr_cores;
+        let mut optimizer = Optimizer::new(optim, galore, &mut model);
+        let (rank, prog) = match &resume {
+            Some(ck) => {
+                optimizer
+                    .restore(&ck.optimizer, &mut |n, b| ck.opt_fill(n, b), &mut model)
+                    .with_context(|| format!("{}", ck.path.display()))?;
+                (ck.rank.clone(), ck.progress.clone())
+            }
+            None => {
+                let rank = RankController::new(&rank_cfg, &model);
+                let prog = Progress {
+                    ranks_start: rank::layer_ranks(&model),
+                    ..Progress::default()
+                };
+                (rank, prog)
+            }
+        };
+        rep.dense_params = model.dense_equivalent_params();
+        rep.say(format!(
+            "      {} parameters ({} dense, {:.1}x compression)",
+            model.num_params(),
+            rep.dense_params,
+            rep.ratio(&model)
+        ));
+        let phases = task.phases().to_vec();
+        let total = epochs
+            .iter()
+            .map(|e| e.1.map(|n| n as u64))
+            .sum::<Option<u64>>();
+        let schedule = Schedule {
+            warmup: cfg.warmup_steps.min(total.unwrap_or(u64::MAX)),
+            total: total.unwrap_or(u64::MAX),
+            decay: cfg.decay,
+        };
+        let mut stepper = Stepper::new(optimizer, rank, schedule, clip_norm, gate_threshold);
+        // Data-parallel (several processes): process 0 alone writes the run directory.
+        stepper.data_parallel =
+            crate::distributed::collective().map(comera_optim::DataParallel::new);
+        let writer = crate::distributed::is_writer();
+        let st_phase = epochs.get(prog.epoch).map_or(phases.len() - 1, |e| e.0);
+        let st = task.state(
+            &model,
+            &micro_phase(&phases[st_phase], cfg.accumulate_steps),
+        )?;
+        let mut best = (f64::NEG_INFINITY, 0);
+        let resumed = resume.is_some();
+        if writer {
+            let kept = rep.open_log(&cfg.out.join("metrics.jsonl"), resume.map(|_| prog.step))?;
+            for r in &kept {
+                if let Record::Eval(e) = r {
+                    if e.score() > best.0 {
+                        best = (e.score(), e.epoch);
+                    }
+                }
+            }
+        }
+        rep.event(&Event::Started {
+            total,
+            step: prog.step,
+            lr: lr_cores,
+        });
+        Ok(Loop {
+            task,
+            rank_active: stepper.rank.active(),
+            stepper,
+            st,
+            st_phase,
+            run_id: run_dir
+                .as_ref()
+                .map_or_else(String::new, |d| d.identity.id.clone()),
+            run_dir,
+            tokens_per_step: phases
+                .iter()
+                .map(|p| (p.batch_size * task.tokens_per_example(p)) as u64)
+                .collect(),
+            phases,
+            epochs,
+            base_seconds: prog.seconds,
+            prog,
+            rep,
+            t0,
+            window: (0, 0.0, Instant::now()),
+            step_ms: Vec::new(),
+            best,
+            final_valid: EvalStats::default(),
+            writer,
+            initial_params,
+            resumed,
+            model,
+            cfg,
+        })
+    }
+
+    /// A run whose last checkpoint is its end, killed before its final report, only finishes
+    /// its report (after evaluating again); a run that ended cleanly is not run again.
+    fn finished_training(&mut self) -> anyhow::Result<bool> {
+        if !self.resumed || self.prog.epoch < self.epochs.len() {
+            return Ok(false);
+        }
+        let ended = std::fs::read_to_string(self.cfg.out.join("report.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .is_some_and(|r| r["stopped"] == false);
+        if ended {
+            bail!(
+                "{}: the run finished ({} epochs, {} steps); nothing to resume. To train further, start a new run from it with --init-from (encoder) or a new directory",
+                self.cfg.out.display(),
+                self.epochs.len(),
+                self.prog.step
+            );
+        }
+        self.rep
+            .say("the run had finished training; writing its final report".into());
+        let phase = micro_phase(&self.phases[self.st_phase], self.cfg.accumulate_steps);
+        self.final_valid = self.task.evaluate(&self.model, &mut self.st, &phase)?;
+        Ok(true)
+    }
+
+    /// Every epoch from the checkpoint's on, until one ends the run.
+    fn epochs(&mut self) -> anyhow::Result<End> {
+        for epoch in self.prog.epoch..self.epochs.len() {
+            if let Some(end) = self.epoch(epoch)? {
+                return Ok(end);
+            }
+        }
+        Ok(End::Completed)
+    }
+
+    /// One epoch (0-based): its steps, then its evaluation, model files and checkpoint.
+    /// Returns how the run ended, if it did.
+    fn epoch(&mut self, epoch: usize) -> anyhow::Result<Option<End>> {
+        let (ph, per_epoch) = self.epochs[epoch];
+        self.enter_phase(ph, epoch)?;
+        let meta = self.task.model_meta(&self.model, epoch, self.prog.step)?;
+        // What the task sees: batches of the micro-batch size (the phase's, without accumulation).
+        let micro = micro_phase(&self.phases[ph], self.cfg.accumulate_steps);
+        let task = self.task;
+        let mut batches = task.epoch(&micro, epoch)?;
+        // Resuming inside an epoch: replay its data order up to the checkpoint.
+        for _ in 0..self.prog.batch_in_epoch * self.cfg.accumulate_steps {
+            batches.next_into(&mut self.st)?;
+        }
+        let mut i = self.prog.batch_in_epoch;
+        while per_epoch.is_none_or(|n| i < n) {
+            if !batches.next_into(&mut self.st)? {
+                break;
+            }
+            i += 1;
+            let epoch_end = per_epoch == Some(i);
+            // A streamed epoch that ends inside an accumulated step drops it.
+            let Some(r) = self.step(&mut batches, epoch, i)? else {
+                break;
+            };
+            self.rank_events(epoch + 1, epoch_end)?;
+            if self.rank_active {
+                crate::distributed::check_same_ranks(
+                    &mut self.stepper,
+                    &self.model,
+                    self.prog.step,
+                )?;
+            }
+            self.count(r.stats);
+            if self.prog.step.is_multiple_of(self.cfg.log_every as u64) {
+                self.log_window(&r, epoch, ph)?;
+            }
+            self.rep.event(&Event::Step {
+                step: self.prog.step,
+            });
+            if epoch_end {
+                break;
+            }
+            // Evaluations come before the step's checkpoint: a checkpoint at step s implies
+            // that the evaluation at s is in the log (and in early stopping's state).
+            if self.cfg.eval_every > 0 && self.prog.step.is_multiple_of(self.cfg.eval_every) {
+                let seconds = self.seconds();
+                if self.evaluate(epoch + 1, &micro, false, seconds)? {
+                    self.stop_early_inside_epoch(&meta, seconds)?;
+                    return Ok(Some(End::EarlyStopped));
+                }
+            }
+            let stop = self.stop_due();
+            if stop || self.checkpoint_due() {
+                self.prog.seconds = self.seconds();
+                self.checkpoint(&meta)?;
+            }
+            if stop {
+                return Ok(Some(End::Stopped));
+            }
+        }
+        drop(batches);
+        if per_epoch.is_none() {
+            // A streamed epoch ends when its data does: the epoch-end rank events run now.
+            self.rank_events(epoch + 1, true)?;
+        }
+        self.end_epoch(epoch, &micro)
+    }
+
+    /// At an epoch's start: the batch state for its phase (rebuilt when the phase changes).
+    fn enter_phase(&mut self, ph: usize, epoch: usize) -> anyhow::Result<()> {
+        let phase = &self.phases[ph];
+        if ph != self.st_phase {
+            let micro = micro_phase(phase, self.cfg.accumulate_steps);
+            self.st = self.task.state(&self.model, &micro)?;
+            self.st_phase = ph;
+            self.rep.say(format!(
+                "phase {}: seq_len {}, batch {}",
+                ph + 1,
+                phase.seq_len,
+                phase.batch_size
+            ));
+        }
+        self.rep.event(&Event::EpochStarted {
+            epoch: epoch + 1,
+            phase: ph + 1,
+            phases: self.phases.len(),
+        });
+        Ok(())
+    }
+
+    /// One step on the loaded batch (and, under accumulation, the micro-batches after it);
+    /// `i` is the batch's 1-based index in the epoch. None: the data ended inside the step.
+    fn step(
+        &mut self,
+        batches: &mut T::Epoch<'t>,
+        epoch: usize,
+        i: usize,
+    ) -> anyhow::Result<Option<StepReport>> {
+        let ts = Instant::now();
+        let mut load_next = |st: &mut _| batches.next_into(st).map_err(Into::into);
+        let r = match self.stepper.step_accumulated(
+            &mut self.model,
+            &mut self.st,
+            self.prog.step,
+            self.cfg.accumulate_steps,
+            &mut load_next,
+        ) {
+            Err(comera_optim::StepError::EndOfData) => return Ok(None),
+            r => r.with_context(|| format!("epoch {}", epoch + 1))?,
+        };
+        self.step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
+        self.window.1 += r.comm.as_secs_f64();
+        self.prog.step += 1;
+        self.prog.batch_in_epoch = i;
+        Ok(Some(r))
+    }
+
+    /// After a step: what the rank schedule did (stage switch, truncation), recorded and told.
+    fn rank_events(&mut self, epoch: usize, epoch_end: bool) -> anyhow::Result<()> {
+        let step = self.prog.step;
+        for event in self
+            .stepper
+            .after_step(&mut self.model, step, epoch, epoch_end)
+        {
+            match event {
+                RankEvent::LateStage {
+                    size,
+                    target_size,
+                    ranks,
+                } => {
+                    self.rep.record(Record::Stage(StageRecord {
+                        stage: "late".into(),
+                        epoch,
+                        step,
+                        size,
+                        target_size: Some(target_size),
+                        ranks: ranks.clone(),
+                    }))?;
+                    self.rep.say(format!(
+                        "step {step}: late stage, size {size:.0} → target {target_size:.0}"
+                    ));
+                    self.prog.ranks_switch = Some(ranks);
+                }
+                RankEvent::Truncated { layers, ranks } => {
+                    self.rep.record(Record::Truncate(TruncateRecord {
+                        epoch,
+                        step,
+                        params: self.model.num_params(),
+                        compression: self.rep.ratio(&self.model),
+                        ranks,
+                        layers,
+                    }))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds a step's loss and accuracy to the epoch's and the window's sums.
+    fn count(&mut self, s: StepStats) {
+        let p = &mut self.prog;
+        p.ep_loss += s.loss * s.count as f64;
+        p.ep_correct += s.correct;
+        p.ep_count += s.count;
+        p.win_loss += s.loss * s.count as f64;
+        p.win_correct += s.correct;
+        p.win_count += s.count;
+        self.window.0 += 1;
+    }
+
+    /// A logging window ends: its `train` record (means over the window), then a new window.
+    fn log_window(&mut self, r: &StepReport, epoch: usize, ph: usize) -> anyhow::Result<()> {
+        let (steps, comm, start) = self.window;
+        let secs = start.elapsed().as_secs_f64();
+        let steps = steps.max(1) as f64;
+        let p = &self.prog;
+        let mut rec = TrainRecord {
+            epoch: epoch + 1,
+            step: p.step,
+            tokens: self.tokens_at(p.step),
+            loss: p.win_loss / p.win_count as f64,
+            accuracy: p.win_correct as f64 / p.win_count as f64,
+            lr_scale: r.lr_scale,
+            grad_norm: r.grad_norm,
+            tokens_per_s: self.tokens_per_step[ph] as f64 * steps / secs,
+            ms_per_step: secs * 1e3 / steps,
+            params: self.model.num_params(),
+            compression: self.rep.ratio(&self.model),
+            processes: None,
+            allreduce_bytes_per_step: None,
+            comm_ms_per_step: None,
+            size: None,
+            size_l1: None,
+            branch: None,
+            mean_ranks: None,
+        };
+        if let Some(dp) = &self.stepper.data_parallel {
+            rec.processes = Some(crate::distributed::processes().1);
+            rec.allreduce_bytes_per_step = Some(dp.bytes_per_step);
+            rec.comm_ms_per_step = Some(comm * 1e3 / steps);
+        }
+        if self.rank_active {
+            let branch = match r.objective.branch {
+                Branch::Early => "early",
+                Branch::Loss => "late-loss",
+                Branch::Size => "late-size",
+            };
+            rec.size = Some(r.objective.size);
+            rec.size_l1 = Some(r.objective.size_l1);
+            rec.branch = Some(branch.into());
+            rec.mean_ranks = Some(mean_ranks(&rank::layer_ranks(&self.model)));
+        }
+        self.rep.record(Record::Train(rec))?;
+        let p = &mut self.prog;
+        (p.win_loss, p.win_correct, p.win_count) = (0.0, 0, 0);
+        self.window = (0, 0.0, Instant::now());
+        Ok(())
+    }
+
+    /// One evaluation on the held-out data (1-based `epoch`, in progress or at its end): its
+    /// `eval` record and line, the best score, and early stopping's bookkeeping. Returns
+    /// whether early stopping ends the run.
+    fn evaluate(
+        &mut self,
+        epoch: usize,
+        phase: &Phase,
+        epoch_end: bool,
+        seconds: f64,
+    ) -> anyhow::Result<bool> {
+        let valid = self.task.evaluate(&self.model, &mut self.st, phase)?;
+        // Training figures over the epoch so far.
+        let p = &self.prog;
+        let n = p.ep_count.max(1) as f64;
+        let (tl, ta) = (p.ep_loss / n, p.ep_correct as f64 / n);
+        self.rep.record(Record::Eval(EvalRecord {
+            epoch,
+            step: p.step,
+            tokens: self.tokens_at(p.step),
+            train_loss: tl,
+            train_accuracy: ta,
+            valid_loss: valid.loss,
+            valid_accuracy: valid.accuracy,
+            valid_perplexity: valid.loss.exp(),
+            valid_auc: valid.auc,
+            seconds,
+        }))?;
+        let auc = valid.auc.map_or(String::new(), |a| format!(" AUC {a:.4}"));
+        let (vl, va) = (valid.loss, valid.accuracy);
+        self.rep.say(if epoch_end {
+            format!("epoch {epoch}: train loss {tl:.4} acc {ta:.4} | valid loss {vl:.4}{auc} acc {va:.4}")
+        } else {
+            format!(
+                "step {} (epoch {epoch}): valid loss {vl:.4}{auc} acc {va:.4}",
+                self.prog.step
+            )
+        });
+        self.final_valid = valid;
+        let score = valid.auc.unwrap_or(valid.accuracy);
+        if score > self.best.0 {
+            self.best = (score, epoch);
+        }
+        self.early_stopping(&valid, epoch, epoch_end)
+    }
+
+    /// Early stopping after an evaluation: on an improvement of the watched metric the model
+    /// is written to `best/` (with the run's `config.toml`, so every command reads it as a run
+    /// directory); after `patience` evaluations without one, an `early_stop` record. Returns
+    /// whether to stop.
+    fn early_stopping(
+        &mut self,
+        valid: &EvalStats,
+        epoch: usize,
+        epoch_end: bool,
+    ) -> anyhow::Result<bool> {
+        let Some(es) = self.cfg.early_stopping.clone() else {
+            return Ok(false);
+        };
+        let value = es.value(valid).ok_or_else(|| {
+            anyhow::anyhow!(
+                "train.early_stopping.metric: valid_auc needs a binary task; this one reports no AUC (use valid_loss or valid_accuracy)"
+            )
+        })?;
+        let p = &mut self.prog;
+        if es.improves(value, p.best_metric) {
+            (p.best_metric, p.evals_since_best) = (Some(value), 0);
+            if self.writer {
+                let best = self.cfg.out.join(super::BEST_DIR);
+                let epochs_done = if epoch_end { epoch } else { epoch - 1 };
+                let meta = self.task.model_meta(&self.model, epochs_done, p.step)?;
+                crate::files::save_model_files(
+                    &best,
+                    &self.model.params(),
+                    &meta,
+                    Some(&self.run_id),
+                )?;
+                crate::files::write_atomic(
+                    &best.join("config.toml"),
+                    self.cfg.config_toml.as_bytes(),
+                )?;
+            }
+            return Ok(false);
+        }
+        p.evals_since_best += 1;
+        if p.evals_since_best < es.patience {
+            return Ok(false);
+        }
+        let (step, best) = (p.step, p.best_metric.unwrap_or(f64::NAN));
+        self.rep.record(Record::EarlyStop(EarlyStopRecord {
+            epoch,
+            step,
+            metric: es.metric,
+            best,
+            patience: es.patience,
+        }))?;
+        self.rep.say(format!(
+            "early stop at step {step}: {} has not improved on {best:.4} in {} evaluations; the best model is in {}",
+            serde_json::to_value(es.metric)?.as_str().unwrap_or("metric"),
+            es.patience,
+            self.cfg.out.join(super::BEST_DIR).display()
+        ));
+        Ok(true)
+    }
+
+    /// Early stopping inside an epoch ends the run there: model files, and a checkpoint that
+    /// says the run is over (resume reports it finished).
+    fn stop_early_inside_epoch(&mut self, meta: &str, seconds: f64) -> anyhow::Result<()> {
+        self.save_model_files(meta)?;
+        (self.prog.epoch, self.prog.batch_in_epoch) = (self.epochs.len(), 0);
+        self.prog.seconds = seconds;
+        self.checkpoint(meta)?;
+        self.plots();
+        Ok(())
+    }
+
+    /// An epoch's end: its evaluation, model files and checkpoint (the next epoch starts from a
+    /// clean slate). Returns how the run ended, if it did.
+    fn end_epoch(&mut self, epoch: usize, micro: &Phase) -> anyhow::Result<Option<End>> {
+        if self.prog.ep_count == 0 {
+            bail!(
+                "epoch {}: no full batch of {} examples in the training data",
+                epoch + 1,
+                self.phases[self.epochs[epoch].0].batch_size
+            );
+        }
+        if let Some(note) = self.task.epoch_note() {
+            self.rep.say(format!("data  {note}"));
+        }
+        let seconds = self.seconds();
+        let stop_early = self.evaluate(epoch + 1, micro, true, seconds)?;
+        let meta = self
+            .task
+            .model_meta(&self.model, epoch + 1, self.prog.step)?;
+        self.save_model_files(&meta)?;
+        // An early stop ends the run at this checkpoint.
+        let next = if stop_early {
+            self.epochs.len()
+        } else {
+            epoch + 1
+        };
+        let p = &mut self.prog;
+        (p.epoch, p.batch_in_epoch) = (next, 0);
+        (p.ep_loss, p.ep_correct, p.ep_count) = (0.0, 0, 0);
+        p.seconds = seconds;
+        self.checkpoint(&meta)?;
+        self.plots();
+        if stop_early {
+            return Ok(Some(End::EarlyStopped));
+        }
+        let more = epoch + 1 < self.epochs.len();
+        Ok((self.stop_due() && more).then_some(End::Stopped))
+    }
+
+    /// A stop asked for (`train.stop_after_steps`, a first SIGINT/SIGTERM, an observer) ends
+    /// the run after the step, with a checkpoint at it.
+    fn stop_due(&self) -> bool {
+        let step = self.prog.step;
+        (self.cfg.stop_after_steps > 0 && step >= self.cfg.stop_after_steps)
+            || crate::interrupt::requested().is_some()
+            || self.rep.stop_asked
+    }
+
+    fn checkpoint_due(&self) -> bool {
+        self.cfg.checkpoint_every > 0 && self.prog.step.is_multiple_of(self.cfg.checkpoint_every)
+    }
+
+    /// A checkpoint of the run now, holding the model's `model.toml` (`meta`: its kind and
+    /// shape; truncated ranks are read from the tensors' shapes when it is loaded).
+    fn checkpoint(&mut self, meta: &str) -> anyhow::Result<()> {
+        if !self.writer {
+            return Ok(());
+        }
+        let state = self.stepper.optimizer.state(&mut self.model);
+        let run = checkpoint::RunState {
+            run_id: &self.run_id,
+            config_toml: &self.cfg.config_toml,
+            model_toml: meta,
+            progress: &self.prog,
+            rank: &self.stepper.rank,
+        };
+        let path = checkpoint::save(
+            &self.cfg.out,
+            &run,
+            &mut self.model,
+            &state,
+            self.cfg.keep_checkpoints,
+        )?;
+        // The run it replaced (--overwrite) is deleted once this one can be resumed.
+        self.run_dir.as_ref().map_or(Ok(()), RunDir::keep_new_run)?;
+        self.rep.event(&Event::Checkpoint {
+            step: self.prog.step,
+            path: &path,
+        });
+        Ok(())
+    }
+
+    /// The model files of the run directory (tasks that save them; process 0 only).
+    fn save_model_files(&self, meta: &str) -> anyhow::Result<()> {
+        if self.task.saves_model() && self.writer {
+            crate::files::save_model_files(
+                &self.cfg.out,
+                &self.model.params(),
+                meta,
+                Some(&self.run_id),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn plots(&mut self) {
+        if self.writer {
+            let loss_name = self.task.loss_name();
+            self.rep.plots(&self.cfg.out, self.rank_active, loss_name);
+        }
+    }
+
+    /// Seconds of training so far, over every sitting of the run.
+    fn seconds(&self) -> f64 {
+        self.base_seconds + self.t0.elapsed().as_secs_f64()
+    }
+
+    /// Sequence positions (or examples) seen before step `s`.
+    fn tokens_at(&self, s: u64) -> u64 {
+        let mut left = s;
+        let mut tokens = 0;
+        for &(ph, n) in &self.epochs {
+            let k = left.min(n.map_or(u64::MAX, |n| n as u64));
+            tokens += k * self.tokens_per_step[ph];
+            left -= k;
+        }
+        tokens
+    }
+
+    /// The end: `ranks.md` (a rank-adaptive run that was not stopped), `report.json`, the
+    /// previous run's removal under `--overwrite`, and the summary.
+    fn finish(mut self, end: End) -> anyhow::Result<TrainSummary> {
+        self.rep.event(&Event::TrainingEnded);
+        let stopped = end == End::Stopped;
+        let ranks_end = rank::layer_ranks(&self.model);
+        let stage = match self.stepper.rank.stage {
+            Stage::Early => "early",
+            Stage::Late => "late",
+        };
+        if self.rank_active && !stopped && self.writer {
+            write_rank_report(
+                &self.cfg.out,
+                &self.prog,
+                &ranks_end,
+                stage,
+                self.initial_params,
+                &self.model,
+                &mut self.rep,
+            )?;
+        }
+        let med = median(&mut self.step_ms);
+        let batch_size = self.phases.last().map_or(0, |p| p.batch_size);
+        let bytes = self.model.bytes(&self.st);
+        let mut summary = TrainSummary {
+            out_dir: self.cfg.out.clone(),
+            epochs: self.epochs.len(),
+            steps: self.prog.step,
+            batch_size,
+            tokens: self.tokens_at(self.prog.step),
+            final_valid: self.final_valid,
+            best_valid: self.best.0,
+            best_epoch: self.best.1,
+            majority_accuracy: self.task.majority_accuracy(),
+            params: self.model.num_params(),
+            initial_params: self.initial_params,
+            dense_params: self.rep.dense_params,
+            seconds: self.seconds(),
+            median_step_ms: med,
+            examples_per_s: if med > 0.0 {
+                batch_size as f64 / (med / 1e3)
+            } else {
+                0.0
+            },
+            peak_rss_bytes: peak_rss_bytes(),
+            param_bytes: bytes.params + bytes.grads,
+            optimizer_bytes: self.stepper.optimizer.bytes(),
+            state_bytes: bytes.state,
+            ranks_start: std::mem::take(&mut self.prog.ranks_start),
+            ranks_switch: self.prog.ranks_switch.take(),
+            ranks_end,
+            rank_active: self.rank_active,
+            rank_stage: stage.into(),
+            stopped,
+            interrupted: crate::interrupt::requested().filter(|_| stopped),
+            early_stopped: end == End::EarlyStopped,
+            extra: self.task.report_extra(&self.model),
+        };
+        if let Some(dp) = &self.stepper.data_parallel {
+            crate::distributed::report(&mut summary, dp, &self.step_ms);
+        }
+        if self.writer {
+            crate::files::write_atomic(
+                &self.cfg.out.join("report.json"),
+                serde_json::to_string_pretty(&summary)?.as_bytes(),
+            )?;
+        }
+        self.run_dir.as_ref().map_or(Ok(()), RunDir::keep_new_run)?;
+        self.rep.event(&Event::Finished(&summary));
+        Ok(summary)
+    }
+}
+
+/// Each epoch's phase index and step count (None: a streamed epoch of unknown length), with
+/// `accumulate` micro-batches a step; epochs are numbered across phases.
+fn plan_epochs<T: Task>(
+    task: &mut T,
+    accumulate: usize,
+) -> anyhow::Result<Vec<(usize, Option<usize>)>> {
+    let phases = task.phases().to_vec();
+    let mut epochs = Vec::new();
+    for (i, ph) in phases.iter().enumerate() {
+        let full = task
+            .batches_per_epoch(&micro_phase(ph, accumulate))?
+            .map(|n| n / accumulate);
+        let per_epoch = match (ph.max_steps_per_epoch.unwrap_or(0), full) {
+            (0, f) => f,
+            (m, Some(f)) => Some(m.min(f)),
+            (m, None) => Some(m),
+        };
+        epochs.extend(std::iter::repeat_n((i, per_epoch), ph.epochs));
+    }
+    Ok(epochs)
+}
+
+/// The phase as the task sees it under gradient accumulation: batches of the micro-batch size.
+fn micro_phase(phase: &Phase, accumulate: usize) -> Phase {
+    Phase {
+        batch_size: phase.batch_size / accumulate,
+        ..phase.clone()
+    }
+}

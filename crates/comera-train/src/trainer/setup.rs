@@ -1,0 +1,244 @@
+//! From a config to a [`Setup`]: data prepared, model built (or initialised from another
+//! run), memory checked; only then is the run directory opened, so a setup that fails never
+//! touches a previous run under `--overwrite`.
+
+use super::report::Reporter;
+use super::{available_memory_bytes, LoopSettings, RunSetup, Setup, Start};
+use crate::config::{AnyRunConfig, DlrmRunConfig, Phase, RunConfig};
+use crate::data::{prepare, CorpusData, PreparedData};
+use crate::files::DlrmMeta;
+use crate::task::{CtrTask, EncoderData, EncoderTask};
+use anyhow::{bail, Context};
+use comera_dlrm::Dlrm;
+use comera_layers::Model;
+use comera_model::Encoder;
+use comera_optim::rank::RankConfig;
+
+/// Refuses an encoder config whose training memory in some phase (estimated before anything
+/// is allocated, even the data) exceeds what the machine has; warns of ranks no layer can use.
+fn check_encoder_fits(cfg: &RunConfig, phases: &[Phase], rep: &mut Reporter) -> anyhow::Result<()> {
+    let lay = cfg.model.validate()?;
+    let available = available_memory_bytes();
+    for p in phases {
+        cfg.model
+            .estimate_memory(&lay, p.batch_size, p.seq_len)
+            .check(
+                available,
+                &format!("training at batch {} × {} tokens", p.batch_size, p.seq_len),
+            )
+            .map_err(|m| anyhow::anyhow!("{m}"))?;
+    }
+    for w in &lay.warnings {
+        rep.say(format!("warning: {w}"));
+    }
+    Ok(())
+}
+
+/// An encoder run (classification, or masked LM on a corpus).
+pub(super) fn encoder(
+    cfg: &RunConfig,
+    start: Start,
+    rep: &mut Reporter,
+) -> anyhow::Result<Setup<EncoderTask>> {
+    let phases = cfg.phases();
+    check_encoder_fits(cfg, &phases, rep)?;
+    let data = if cfg.data.source == "corpus" {
+        let mut corpus = CorpusData::new(&cfg.data, cfg.train.seed)?;
+        // Every phase's blocks in one pass over the corpus (or from the cache).
+        let seq_lens: Vec<usize> = phases.iter().map(|p| p.seq_len).collect();
+        corpus.pack(&seq_lens)?;
+        EncoderData::Mlm(corpus)
+    } else {
+        if let Some(p) = phases.iter().find(|p| p.seq_len != cfg.model.seq_len) {
+            bail!(
+                "train.phases: seq_len {} differs from model.seq_len {}; only corpus (masked-LM) runs change the sequence length",
+                p.seq_len,
+                cfg.model.seq_len
+            );
+        }
+        let d: PreparedData = prepare(&cfg.data, cfg.model.seq_len, cfg.train.seed)?;
+        rep.say(format!("data  {}", d.summary));
+        EncoderData::Classify(d)
+    };
+    let (vocab_size, vocab) = match &data {
+        EncoderData::Classify(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
+        EncoderData::Mlm(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
+    };
+    let mut mcfg = cfg.model.clone();
+    if mcfg.vocab_size != vocab_size {
+        bail!(
+            "model.vocab_size: {} but the vocabulary {} has {vocab_size} tokens",
+            mcfg.vocab_size,
+            vocab.display(),
+        );
+    }
+    if let EncoderData::Classify(d) = &data {
+        mcfg.num_labels = d.label_names.len();
+    }
+    let mut resolved = cfg.clone();
+    resolved.model = mcfg.clone();
+    // A resumed run keeps writing the config it was created with.
+    let config_toml = match start.checkpoint() {
+        Some(ck) => ck.config_toml.clone(),
+        None => resolved.to_toml(),
+    };
+    if let Some(ck) = start.checkpoint() {
+        match ck.config()? {
+            AnyRunConfig::Encoder(c) if c.model == mcfg => {}
+            _ => bail!(
+                "{}: the checkpoint's [model] differs from what its run's data gives now (labels or vocabulary changed?)",
+                ck.path.display()
+            ),
+        }
+    }
+    let out = cfg.train.out_dir.clone();
+    // Everything that can fail is done before the run directory is opened (which, under
+    // --overwrite, moves the previous run aside).
+    let mut model = Encoder::new(&mcfg, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?;
+    if let (None, Some(dir)) = (start.checkpoint(), &cfg.train.init_from) {
+        let (pre, _) = crate::files::load_model(dir)
+            .with_context(|| format!("train.init_from: {}", dir.display()))?;
+        model
+            .init_body_from(&pre)
+            .map_err(|e| anyhow::anyhow!("train.init_from: {}: {e}", dir.display()))?;
+        rep.say(format!(
+            "init  encoder from {} ({} parameters)",
+            dir.display(),
+            pre.num_params()
+        ));
+    }
+    rep.say(format!(
+        "model {} layers, d_model {}: {}",
+        mcfg.layers,
+        mcfg.d_model,
+        mcfg.validate()?.describe()
+    ));
+    if cfg.galore.is_some() && cfg.rank.enabled {
+        rep.say(format!(
+            "note  GaLore run: rank gates are trained, but pruned slices are not truncated"
+        ));
+    }
+    let (run_dir, resume) = start.open(&out, &config_toml)?;
+    let t = &cfg.train;
+    Ok(Setup {
+        task: EncoderTask {
+            data,
+            phases,
+            model_cfg: mcfg.clone(),
+            vocab,
+            seed: t.seed,
+            procs: std::cell::RefCell::new(crate::distributed::Processes::world()),
+        },
+        run: RunSetup {
+            model,
+            optim: cfg.optim.clone(),
+            galore: cfg.galore.clone(),
+            rank_cfg: cfg.rank.clone(),
+            clip_norm: cfg.optim.clip_norm,
+            gate_threshold: mcfg.threshold,
+            settings: LoopSettings::new(&t.loop_fields(), config_toml),
+            resume,
+            run_dir,
+        },
+    })
+}
+
+/// A DLRM run on click-through data.
+pub(super) fn dlrm(
+    cfg: &DlrmRunConfig,
+    start: Start,
+    rep: &mut Reporter,
+) -> anyhow::Result<Setup<CtrTask>> {
+    let prepared = comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)?;
+    if prepared.valid.is_empty() {
+        bail!(
+            "data: no validation examples (data.valid_fraction = {}, data.max_valid = {}); the run could not be evaluated",
+            cfg.data.valid_fraction,
+            cfg.data.max_valid
+        );
+    }
+    rep.say(format!("data  {}", prepared.summary));
+    let config_toml = match start.checkpoint() {
+        Some(ck) => ck.config_toml.clone(),
+        None => cfg.to_toml(),
+    };
+    let t = &cfg.train;
+    let need =
+        cfg.dlrm
+            .estimate_memory_bytes(prepared.n_dense, &prepared.table_sizes, t.batch_size);
+    let available = available_memory_bytes();
+    if need > available {
+        const GIB: f64 = (1u64 << 30) as f64;
+        bail!(
+            "training the DLRM at batch {} needs about {:.1} GiB, but {:.1} GiB are available; reduce dlrm.embedding_dim, dlrm.ttm_rank, the MLP widths or train.batch_size",
+            t.batch_size,
+            need / GIB,
+            available / GIB
+        );
+    }
+    let (run_dir, resume) = start.open(&t.out_dir, &config_toml)?;
+    let model = Dlrm::new(
+        &cfg.dlrm,
+        prepared.n_dense,
+        &prepared.field_names,
+        &prepared.table_sizes,
+        t.seed,
+    )
+    .map_err(|e| anyhow::anyhow!("dlrm: {e}"))?;
+    rep.say(format!(
+        "model DLRM, dim {}, bottom {:?}, top {:?}: {} parameters; tables {} parameters ({} as dense tables, {:.1}x smaller)",
+        cfg.dlrm.embedding_dim,
+        cfg.dlrm.bottom_mlp,
+        cfg.dlrm.top_mlp,
+        model.num_params(),
+        model.table_params(),
+        model.dense_table_params(),
+        model.dense_table_params() as f64 / model.table_params() as f64
+    ));
+    for (name, table) in prepared.field_names.iter().zip(&model.tables) {
+        rep.say(format!("      {name}: {}", table.describe()));
+    }
+    let meta = DlrmMeta {
+        run_id: None,
+        weights_sha256: None,
+        meta_sha256: None,
+        kind: "dlrm".into(),
+        model: cfg.dlrm.clone(),
+        n_dense: prepared.n_dense,
+        field_names: prepared.field_names.clone(),
+        table_sizes: prepared.table_sizes.clone(),
+        tables: Vec::new(),
+        epoch: 0,
+        step: 0,
+    };
+    Ok(Setup {
+        task: CtrTask {
+            train: std::cell::RefCell::new(prepared.train),
+            valid: prepared.valid,
+            phases: vec![Phase {
+                seq_len: 1,
+                batch_size: t.batch_size,
+                epochs: t.epochs,
+                max_steps_per_epoch: Some(t.max_steps_per_epoch),
+            }],
+            meta,
+            seed: t.seed,
+            save_model: t.save_model,
+            procs: std::cell::RefCell::new(crate::distributed::Processes::world()),
+        },
+        run: RunSetup {
+            model,
+            optim: cfg.optim.clone(),
+            galore: None,
+            rank_cfg: cfg.rank.clone().unwrap_or(RankConfig {
+                enabled: false,
+                ..RankConfig::default()
+            }),
+            clip_norm: cfg.optim.clip_norm,
+            gate_threshold: cfg.dlrm.gate_threshold,
+            settings: LoopSettings::new(&t.loop_fields(), config_toml),
+            resume,
+            run_dir,
+        },
+    })
+}
