@@ -377,7 +377,7 @@ fn write_run_dir(
     let mut run = run.unwrap_or_else(|| {
         let mut r = comera_train::RunConfig::builtin();
         if model.cfg.head == HeadKind::Mlm {
-            r.data.source = "corpus".into();
+            r.data.source = comera_train::config::DataSource::Corpus;
             r.data.corpus = vec!["wikitext-2-train".into()];
             r.data.text_docs = "wiki".into();
         }

@@ -104,14 +104,66 @@ pub const HELD_EXAMPLES: Bound = Bound {
     why: "the set is held in memory (about 200 bytes an example)",
 };
 
+/// Where an encoder run's examples come from (`data.source`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DataSource {
+    /// The women's clothing review set (fetched; label `recommended` or `rating`).
+    Reviews,
+    /// Rotten Tomatoes movie snippets (fetched; binary sentiment).
+    MovieSnippets,
+    /// TREC question classification, 6 coarse classes (fetched).
+    Trec,
+    /// An MNLI file in GLUE's TSV layout (`train`/`valid`).
+    Mnli,
+    /// Files of the user's (`train`/`valid`) with named text and label columns.
+    Tsv,
+    Csv,
+    Parquet,
+    /// Masked-LM pre-training on the text files and code directories of `data.corpus`.
+    Corpus,
+}
+
+impl DataSource {
+    /// The name in a config file.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataSource::Reviews => "reviews",
+            DataSource::MovieSnippets => "movie-snippets",
+            DataSource::Trec => "trec",
+            DataSource::Mnli => "mnli",
+            DataSource::Tsv => "tsv",
+            DataSource::Csv => "csv",
+            DataSource::Parquet => "parquet",
+            DataSource::Corpus => "corpus",
+        }
+    }
+
+    /// Whether the examples are read from `data.train` / `data.valid` (a file source).
+    pub fn reads_files(self) -> bool {
+        matches!(
+            self,
+            DataSource::Mnli | DataSource::Tsv | DataSource::Csv | DataSource::Parquet
+        )
+    }
+
+    /// Whether the run is a masked-LM pre-training (on a corpus) rather than a classifier.
+    pub fn is_corpus(self) -> bool {
+        self == DataSource::Corpus
+    }
+}
+
+impl std::fmt::Display for DataSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Where the examples come from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DataConfig {
-    /// `reviews`, `movie-snippets`, `trec` (fetched data sets), `mnli`, `tsv`, `csv`,
-    /// `parquet` (files given in `train`/`valid`), or `corpus` (masked-LM pre-training on the
-    /// text files and code directories in `corpus`).
-    pub source: String,
+    pub source: DataSource,
     /// Training file (file sources).
     pub train: Option<PathBuf>,
     /// Validation file; without one, `valid_fraction` of the training examples is held out.
@@ -156,7 +208,7 @@ pub struct DataConfig {
 impl Default for DataConfig {
     fn default() -> Self {
         DataConfig {
-            source: "reviews".into(),
+            source: DataSource::Reviews,
             train: None,
             valid: None,
             text_a: None,
@@ -429,31 +481,15 @@ impl RunConfig {
                 d.valid_fraction
             ));
         }
-        let known = [
-            "reviews",
-            "movie-snippets",
-            "trec",
-            "mnli",
-            "tsv",
-            "csv",
-            "parquet",
-            "corpus",
-        ];
-        if !known.contains(&d.source.as_str()) {
-            return Err(format!(
-                "data.source: `{}` is not one of {known:?}",
-                d.source
-            ));
-        }
         let mlm = self.model.head == comera_model::HeadKind::Mlm;
-        match (d.source.as_str(), mlm) {
-            ("corpus", false) => {
+        match (d.source, mlm) {
+            (DataSource::Corpus, false) => {
                 return Err(
                     "model.head: data.source `corpus` trains a masked-LM: set head = \"mlm\""
                         .into(),
                 )
             }
-            (s, true) if s != "corpus" => {
+            (s, true) if !s.is_corpus() => {
                 return Err(format!(
                     "model.head: `mlm` needs data.source = \"corpus\" (got `{s}`)"
                 ))

@@ -1,6 +1,6 @@
 //! Turning a `[data]` table into tokenised, fixed-length training and validation sets.
 
-use crate::config::DataConfig;
+use crate::config::{DataConfig, DataSource};
 use anyhow::{anyhow, bail, Context};
 use comera_data::corpus::{
     pack_corpus_lengths, Corpus, CorpusStats, CorpusTokenizer, PackConfig, PackedCorpus,
@@ -37,13 +37,13 @@ pub fn vocab_path(cfg: &DataConfig) -> anyhow::Result<PathBuf> {
     }
 }
 
-fn required<'a, T>(v: &'a Option<T>, field: &str, source: &str) -> anyhow::Result<&'a T> {
+fn required<'a, T>(v: &'a Option<T>, field: &str, source: DataSource) -> anyhow::Result<&'a T> {
     v.as_ref()
         .ok_or_else(|| anyhow!("data.{field}: required for source `{source}`"))
 }
 
 fn file_spec(cfg: &DataConfig, format: Delimited) -> anyhow::Result<TableSpec> {
-    let src = &cfg.source;
+    let src = cfg.source;
     let a = required(&cfg.text_a, "text_a", src)?;
     let label = required(&cfg.label, "label", src)?;
     let names = required(&cfg.labels, "labels", src)?;
@@ -55,12 +55,12 @@ fn file_spec(cfg: &DataConfig, format: Delimited) -> anyhow::Result<TableSpec> {
 }
 
 fn load_file(cfg: &DataConfig, path: &Path) -> anyhow::Result<LoadedSet> {
-    Ok(match cfg.source.as_str() {
-        "mnli" => load_table(path, &TableSpec::mnli())?,
-        "tsv" => load_table(path, &file_spec(cfg, Delimited::Tsv)?)?,
-        "csv" => load_table(path, &file_spec(cfg, Delimited::Csv)?)?,
-        "parquet" => {
-            let src = &cfg.source;
+    Ok(match cfg.source {
+        DataSource::Mnli => load_table(path, &TableSpec::mnli())?,
+        DataSource::Tsv => load_table(path, &file_spec(cfg, Delimited::Tsv)?)?,
+        DataSource::Csv => load_table(path, &file_spec(cfg, Delimited::Csv)?)?,
+        DataSource::Parquet => {
+            let src = cfg.source;
             let names = required(&cfg.labels, "labels", src)?;
             load_parquet(
                 path,
@@ -76,8 +76,8 @@ fn load_file(cfg: &DataConfig, path: &Path) -> anyhow::Result<LoadedSet> {
 /// Loads, splits and tokenises the configured data.
 pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> anyhow::Result<PreparedData> {
     let cache = cache_dir(cfg);
-    let (train_set, valid_set): (LoadedSet, Option<LoadedSet>) = match cfg.source.as_str() {
-        "reviews" => {
+    let (train_set, valid_set): (LoadedSet, Option<LoadedSet>) = match cfg.source {
+        DataSource::Reviews => {
             let label = match cfg.label.as_deref().unwrap_or("recommended") {
                 "recommended" => ReviewLabel::Recommended,
                 "rating" => ReviewLabel::Rating,
@@ -85,14 +85,14 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> anyhow::Result<Pr
             };
             (load_reviews(&fetch("reviews", &cache)?, label)?, None)
         }
-        "movie-snippets" => (
+        DataSource::MovieSnippets => (
             load_table(
                 &fetch("movie-snippets", &cache)?,
                 &TableSpec::movie_snippets(),
             )?,
             None,
         ),
-        "trec" => {
+        DataSource::Trec => {
             // Rows 0-5451 are TREC's training set, the rest its test set.
             let mut all = load_table(&fetch("trec", &cache)?, &TableSpec::trec_coarse())?;
             let test = all.examples.split_off(all.examples.len().min(5452));
@@ -106,8 +106,11 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> anyhow::Result<Pr
                 }),
             )
         }
-        _ => {
-            let train_path = required(&cfg.train, "train", &cfg.source)?;
+        DataSource::Corpus => {
+            bail!("data.source: `corpus` is a masked-LM corpus, not labelled examples")
+        }
+        DataSource::Mnli | DataSource::Tsv | DataSource::Csv | DataSource::Parquet => {
+            let train_path = required(&cfg.train, "train", cfg.source)?;
             let train = load_file(cfg, train_path)?;
             let valid = cfg.valid.as_ref().map(|p| load_file(cfg, p)).transpose()?;
             (train, valid)

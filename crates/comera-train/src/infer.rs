@@ -3,7 +3,7 @@
 //! [`fill_mask`] for a masked-LM encoder, [`predict_clicks`] for a DLRM).
 
 use crate::checkpoint::Checkpoint;
-use crate::config::AnyRunConfig;
+use crate::config::{AnyRunConfig, DataSource};
 use crate::data::{prepare, CorpusData};
 use crate::files::{load_saved, DlrmMeta, ModelMeta, SavedModel, MODEL_META};
 use crate::task::{evaluate_classifier, evaluate_ctr, evaluate_mlm, EvalStats};
@@ -156,7 +156,7 @@ pub fn eval_run(
     match load_run(run, checkpoint)? {
         (SavedModel::Encoder(model, meta), AnyRunConfig::Encoder(mut cfg)) => {
             let t = meta.model.seq_len;
-            if cfg.data.source == "corpus" {
+            if cfg.data.source.is_corpus() {
                 if let Some(f) = data {
                     // Every document of the file is held out.
                     cfg.data.corpus = vec![f.display().to_string()];
@@ -174,7 +174,10 @@ pub fn eval_run(
                 return Ok((EvalKind::MaskedLm, s));
             }
             if let Some(f) = data {
-                if !["tsv", "csv", "parquet"].contains(&cfg.data.source.as_str()) {
+                if !matches!(
+                    cfg.data.source,
+                    DataSource::Tsv | DataSource::Csv | DataSource::Parquet
+                ) {
                     bail!(
                         "--data: the run's data source `{}` is a fetched data set; --data takes a file of a file-source run (tsv, csv, parquet)",
                         cfg.data.source

@@ -42,7 +42,7 @@ pub(super) fn encoder(
 ) -> anyhow::Result<Setup<EncoderTask>> {
     let phases = cfg.phases();
     check_encoder_fits(cfg, &phases, rep)?;
-    let data = if cfg.data.source == "corpus" {
+    let data = if cfg.data.source.is_corpus() {
         let mut corpus = CorpusData::new(&cfg.data, cfg.train.seed)?;
         // Every phase's blocks in one pass over the corpus (or from the cache).
         let seq_lens: Vec<usize> = phases.iter().map(|p| p.seq_len).collect();
