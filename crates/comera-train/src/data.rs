@@ -261,9 +261,10 @@ impl CorpusData {
         })
     }
 
-    /// The corpus packed into blocks of `seq_len` (read and tokenised on first use).
+    /// The corpus packed into blocks of `seq_len` (read and tokenised on first use, saying
+    /// so on stderr: for the commands that evaluate a saved run).
     pub fn packed(&mut self, seq_len: usize) -> anyhow::Result<&PackedCorpus> {
-        self.pack(&[seq_len])?;
+        self.pack(&[seq_len], &mut |m| eprintln!("{m}"))?;
         Ok(self.packed_ref(seq_len))
     }
 
@@ -275,7 +276,10 @@ impl CorpusData {
     /// keyed by a hash of the corpus' files (paths, sizes, modification times), the tokenizer
     /// and its vocabulary file, the split (held-out fraction, seed) and the format, so a
     /// changed file, tokenizer or split tokenises anew. A damaged entry is re-made.
-    pub fn pack(&mut self, seq_lens: &[usize]) -> anyhow::Result<()> {
+    ///
+    /// What it does (cache hits, tokenising progress every 5 s, the blocks made) is told to
+    /// `say`, line by line.
+    pub fn pack(&mut self, seq_lens: &[usize], say: &mut dyn FnMut(String)) -> anyhow::Result<()> {
         let mut missing: Vec<usize> = Vec::new();
         for &t in seq_lens {
             if !missing.contains(&t) && !self.packed.iter().any(|(l, _)| *l == t) {
@@ -295,10 +299,10 @@ impl CorpusData {
                 &entry(t, "stats.json"),
             ) {
                 Some(p) => {
-                    eprintln!(
+                    say(format!(
                         "data  corpus blocks of {t} tokens from the cache ({}), tokenised earlier",
                         entry(t, "*").display()
-                    );
+                    ));
                     made.push((t, p));
                     false
                 }
@@ -311,13 +315,13 @@ impl CorpusData {
             let mut progress = |st: &CorpusStats| {
                 if last.elapsed().as_secs_f64() >= 5.0 {
                     last = std::time::Instant::now();
-                    eprintln!(
+                    say(format!(
                         "data  tokenising the corpus: {} files, {} documents, {:.1} MB read ({:.0} s)",
                         st.files,
                         st.documents,
                         st.bytes as f64 / 1e6,
                         t0.elapsed().as_secs_f64()
-                    );
+                    ));
                 }
             };
             let packs = pack_corpus_lengths(
@@ -327,11 +331,11 @@ impl CorpusData {
                 &missing,
                 &mut progress,
             )?;
-            eprintln!(
+            say(format!(
                 "data  tokenised in {:.1} s; cached in {}",
                 t0.elapsed().as_secs_f64(),
                 self.cache.display()
-            );
+            ));
             for (&t, p) in missing.iter().zip(packs) {
                 if let Err(e) = save_cached(
                     &p,
@@ -339,13 +343,13 @@ impl CorpusData {
                     &entry(t, "valid"),
                     &entry(t, "stats.json"),
                 ) {
-                    eprintln!("warning: corpus cache not written: {e:#}");
+                    say(format!("warning: corpus cache not written: {e:#}"));
                 }
                 made.push((t, p));
             }
         }
         for (t, p) in made {
-            self.finish_pack(t, p)?;
+            self.finish_pack(t, p, say)?;
         }
         Ok(())
     }
@@ -371,7 +375,12 @@ impl CorpusData {
 
     /// Applies `max_train`/`max_valid`, checks that both splits have blocks, reports and keeps
     /// the blocks of length `seq_len`.
-    fn finish_pack(&mut self, seq_len: usize, mut p: PackedCorpus) -> anyhow::Result<()> {
+    fn finish_pack(
+        &mut self,
+        seq_len: usize,
+        mut p: PackedCorpus,
+        say: &mut dyn FnMut(String),
+    ) -> anyhow::Result<()> {
         for (set, max) in [
             (&mut p.train, self.max_train),
             (&mut p.valid, self.max_valid),
@@ -396,7 +405,7 @@ impl CorpusData {
             bail!("data.valid_fraction: no held-out block of {seq_len} tokens (raise the fraction or add documents)");
         }
         let s = &p.stats;
-        eprintln!(
+        say(format!(
             "data  corpus, {} files, {} documents ({} skipped files, {} skipped lines): seq_len {seq_len}, {} train blocks ({} tokens), {} held-out blocks ({} tokens)",
             s.files,
             s.documents,
@@ -406,7 +415,7 @@ impl CorpusData {
             p.train.tokens,
             p.valid.len(),
             p.valid.tokens
-        );
+        ));
         self.packed.push((seq_len, p));
         Ok(())
     }

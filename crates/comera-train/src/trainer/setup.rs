@@ -46,7 +46,7 @@ pub(super) fn encoder(
         let mut corpus = CorpusData::new(&cfg.data, cfg.train.seed)?;
         // Every phase's blocks in one pass over the corpus (or from the cache).
         let seq_lens: Vec<usize> = phases.iter().map(|p| p.seq_len).collect();
-        corpus.pack(&seq_lens)?;
+        corpus.pack(&seq_lens, &mut |m| rep.say(m))?;
         EncoderData::Mlm(corpus)
     } else {
         if let Some(p) = phases.iter().find(|p| p.seq_len != cfg.model.seq_len) {
