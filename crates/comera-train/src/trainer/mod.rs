@@ -21,12 +21,12 @@ mod run;
 mod setup;
 
 use crate::checkpoint::Checkpoint;
-use crate::config::{AnyRunConfig, DlrmRunConfig, EarlyStopping, LoopFields, RunConfig};
+use crate::config::{AnyRunConfig, DlrmRunConfig, LoopFields, RunConfig};
 use crate::observe::Observer;
 use crate::run_dir::RunDir;
 use crate::task::{EvalStats, Task};
 use comera_optim::rank::{LayerRanks, RankConfig};
-use comera_optim::{AdamWConfig, Decay, GaLoreConfig};
+use comera_optim::{AdamWConfig, GaLoreConfig};
 use report::Reporter;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -143,39 +143,22 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-/// The loop's settings, the same for every kind of run ([`LoopSettings::from_train`]).
+/// The loop's settings, the same for every kind of run: the `[train]` fields they share, and
+/// the resolved run config saved in every checkpoint.
 pub struct LoopSettings {
-    pub out: PathBuf,
-    /// The resolved run config (TOML), saved in every checkpoint.
+    pub train: LoopFields,
     pub config_toml: String,
-    pub warmup_steps: u64,
-    pub decay: Decay,
-    pub log_every: usize,
-    pub checkpoint_every: u64,
-    pub keep_checkpoints: usize,
-    pub stop_after_steps: u64,
-    /// Evaluate every this many steps too (0: epoch ends only).
-    pub eval_every: u64,
-    /// Micro-batches per step (gradient accumulation; 1: none).
-    pub accumulate_steps: usize,
-    pub early_stopping: Option<EarlyStopping>,
 }
 
 impl LoopSettings {
     /// The one way to make them: from a `[train]` table of either kind of run.
-    pub fn new(t: &LoopFields, config_toml: String) -> LoopSettings {
+    pub fn new(train: LoopFields, config_toml: String) -> LoopSettings {
         LoopSettings {
-            out: t.out_dir.clone(),
+            train: LoopFields {
+                accumulate_steps: train.accumulate_steps.max(1),
+                ..train
+            },
             config_toml,
-            warmup_steps: t.warmup_steps,
-            decay: t.decay,
-            log_every: t.log_every,
-            checkpoint_every: t.checkpoint_every,
-            keep_checkpoints: t.keep_checkpoints,
-            stop_after_steps: t.stop_after_steps,
-            eval_every: t.eval_every,
-            accumulate_steps: t.accumulate_steps.max(1),
-            early_stopping: t.early_stopping.clone(),
         }
     }
 }

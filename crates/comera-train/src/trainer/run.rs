@@ -29,7 +29,7 @@ type State<T> = <<T as Task>::Model as Trainable>::State;
 /// Runs `setup` to its end (or to a stop) and reports.
 pub(super) fn run<T: Task>(setup: Setup<T>, rep: Reporter) -> anyhow::Result<TrainSummary> {
     let Setup { mut task, run } = setup;
-    let epochs = plan_epochs(&mut task, run.settings.accumulate_steps)?;
+    let epochs = plan_epochs(&mut task, run.settings.train.accumulate_steps)?;
     let mut lp = Loop::start(&task, run, epochs, rep)?;
     let end = match lp.finished_training()? {
         true => End::Completed,
@@ -145,9 +145,9 @@ impl<'t, T: Task> Loop<'t, T> {
             .map(|e| e.1.map(|n| n as u64))
             .sum::<Option<u64>>();
         let schedule = Schedule {
-            warmup: cfg.warmup_steps.min(total.unwrap_or(u64::MAX)),
+            warmup: cfg.train.warmup_steps.min(total.unwrap_or(u64::MAX)),
             total: total.unwrap_or(u64::MAX),
-            decay: cfg.decay,
+            decay: cfg.train.decay,
         };
         let mut stepper = Stepper::new(optimizer, rank, schedule, clip_norm, gate_threshold);
         // Data-parallel (several processes): process 0 alone writes the run directory.
@@ -157,12 +157,15 @@ impl<'t, T: Task> Loop<'t, T> {
         let st_phase = epochs.get(prog.epoch).map_or(phases.len() - 1, |e| e.0);
         let st = task.state(
             &model,
-            &micro_phase(&phases[st_phase], cfg.accumulate_steps),
+            &micro_phase(&phases[st_phase], cfg.train.accumulate_steps),
         )?;
         let mut best = (f64::NEG_INFINITY, 0);
         let resumed = resume.is_some();
         if writer {
-            let kept = rep.open_log(&cfg.out.join("metrics.jsonl"), resume.map(|_| prog.step))?;
+            let kept = rep.open_log(
+                &cfg.train.out_dir.join("metrics.jsonl"),
+                resume.map(|_| prog.step),
+            )?;
             for r in &kept {
                 if let Record::Eval(e) = r {
                     if e.score() > best.0 {
@@ -214,21 +217,21 @@ impl<'t, T: Task> Loop<'t, T> {
         if !self.resumed || self.prog.epoch < self.epochs.len() {
             return Ok(false);
         }
-        let ended = std::fs::read_to_string(self.cfg.out.join("report.json"))
+        let ended = std::fs::read_to_string(self.cfg.train.out_dir.join("report.json"))
             .ok()
             .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
             .is_some_and(|r| r["stopped"] == false);
         if ended {
             bail!(
                 "{}: the run finished ({} epochs, {} steps); nothing to resume. To train further, start a new run from it with --init-from (encoder) or a new directory",
-                self.cfg.out.display(),
+                self.cfg.train.out_dir.display(),
                 self.epochs.len(),
                 self.prog.step
             );
         }
         self.rep
             .say("the run had finished training; writing its final report".into());
-        let phase = micro_phase(&self.phases[self.st_phase], self.cfg.accumulate_steps);
+        let phase = micro_phase(&self.phases[self.st_phase], self.cfg.train.accumulate_steps);
         self.final_valid = self.task.evaluate(&self.model, &mut self.st, &phase)?;
         Ok(true)
     }
@@ -250,11 +253,11 @@ impl<'t, T: Task> Loop<'t, T> {
         self.enter_phase(ph, epoch)?;
         let meta = self.task.model_meta(&self.model, epoch, self.prog.step)?;
         // What the task sees: batches of the micro-batch size (the phase's, without accumulation).
-        let micro = micro_phase(&self.phases[ph], self.cfg.accumulate_steps);
+        let micro = micro_phase(&self.phases[ph], self.cfg.train.accumulate_steps);
         let task = self.task;
         let mut batches = task.epoch(&micro, epoch)?;
         // Resuming inside an epoch: replay its data order up to the checkpoint.
-        for _ in 0..self.prog.batch_in_epoch * self.cfg.accumulate_steps {
+        for _ in 0..self.prog.batch_in_epoch * self.cfg.train.accumulate_steps {
             batches.next_into(&mut self.st)?;
         }
         let mut i = self.prog.batch_in_epoch;
@@ -277,7 +280,11 @@ impl<'t, T: Task> Loop<'t, T> {
                 )?;
             }
             self.count(r.stats);
-            if self.prog.step.is_multiple_of(self.cfg.log_every as u64) {
+            if self
+                .prog
+                .step
+                .is_multiple_of(self.cfg.train.log_every as u64)
+            {
                 self.log_window(&r, epoch, ph)?;
             }
             self.rep.event(&Event::Step {
@@ -288,7 +295,9 @@ impl<'t, T: Task> Loop<'t, T> {
             }
             // Evaluations come before the step's checkpoint: a checkpoint at step s implies
             // that the evaluation at s is in the log (and in early stopping's state).
-            if self.cfg.eval_every > 0 && self.prog.step.is_multiple_of(self.cfg.eval_every) {
+            if self.cfg.train.eval_every > 0
+                && self.prog.step.is_multiple_of(self.cfg.train.eval_every)
+            {
                 let seconds = self.seconds();
                 if self.evaluate(epoch + 1, &micro, false, seconds)? {
                     self.stop_early_inside_epoch(&meta, seconds)?;
@@ -316,7 +325,7 @@ impl<'t, T: Task> Loop<'t, T> {
     fn enter_phase(&mut self, ph: usize, epoch: usize) -> anyhow::Result<()> {
         let phase = &self.phases[ph];
         if ph != self.st_phase {
-            let micro = micro_phase(phase, self.cfg.accumulate_steps);
+            let micro = micro_phase(phase, self.cfg.train.accumulate_steps);
             self.st = self.task.state(&self.model, &micro)?;
             self.st_phase = ph;
             self.rep.say(format!(
@@ -348,7 +357,7 @@ impl<'t, T: Task> Loop<'t, T> {
             &mut self.model,
             &mut self.st,
             self.prog.step,
-            self.cfg.accumulate_steps,
+            self.cfg.train.accumulate_steps,
             &mut load_next,
         ) {
             Err(comera_optim::StepError::EndOfData) => return Ok(None),
@@ -518,7 +527,7 @@ impl<'t, T: Task> Loop<'t, T> {
         epoch: usize,
         epoch_end: bool,
     ) -> anyhow::Result<bool> {
-        let Some(es) = self.cfg.early_stopping.clone() else {
+        let Some(es) = self.cfg.train.early_stopping.clone() else {
             return Ok(false);
         };
         let value = es.value(valid).ok_or_else(|| {
@@ -530,7 +539,7 @@ impl<'t, T: Task> Loop<'t, T> {
         if es.improves(value, p.best_metric) {
             (p.best_metric, p.evals_since_best) = (Some(value), 0);
             if self.writer {
-                let best = self.cfg.out.join(super::BEST_DIR);
+                let best = self.cfg.train.out_dir.join(super::BEST_DIR);
                 let epochs_done = if epoch_end { epoch } else { epoch - 1 };
                 let meta = self.task.model_meta(&self.model, epochs_done, p.step)?;
                 crate::files::save_model_files(
@@ -562,7 +571,7 @@ impl<'t, T: Task> Loop<'t, T> {
             "early stop at step {step}: {} has not improved on {best:.4} in {} evaluations; the best model is in {}",
             serde_json::to_value(es.metric)?.as_str().unwrap_or("metric"),
             es.patience,
-            self.cfg.out.join(super::BEST_DIR).display()
+            self.cfg.train.out_dir.join(super::BEST_DIR).display()
         ));
         Ok(true)
     }
@@ -620,13 +629,17 @@ impl<'t, T: Task> Loop<'t, T> {
     /// the run after the step, with a checkpoint at it.
     fn stop_due(&self) -> bool {
         let step = self.prog.step;
-        (self.cfg.stop_after_steps > 0 && step >= self.cfg.stop_after_steps)
+        (self.cfg.train.stop_after_steps > 0 && step >= self.cfg.train.stop_after_steps)
             || crate::interrupt::requested().is_some()
             || self.rep.stop_asked
     }
 
     fn checkpoint_due(&self) -> bool {
-        self.cfg.checkpoint_every > 0 && self.prog.step.is_multiple_of(self.cfg.checkpoint_every)
+        self.cfg.train.checkpoint_every > 0
+            && self
+                .prog
+                .step
+                .is_multiple_of(self.cfg.train.checkpoint_every)
     }
 
     /// A checkpoint of the run now, holding the model's `model.toml` (`meta`: its kind and
@@ -644,11 +657,11 @@ impl<'t, T: Task> Loop<'t, T> {
             rank: &self.stepper.rank,
         };
         let path = checkpoint::save(
-            &self.cfg.out,
+            &self.cfg.train.out_dir,
             &run,
             &mut self.model,
             &state,
-            self.cfg.keep_checkpoints,
+            self.cfg.train.keep_checkpoints,
         )?;
         // The run it replaced (--overwrite) is deleted once this one can be resumed.
         self.run_dir.as_ref().map_or(Ok(()), RunDir::keep_new_run)?;
@@ -663,7 +676,7 @@ impl<'t, T: Task> Loop<'t, T> {
     fn save_model_files(&self, meta: &str) -> anyhow::Result<()> {
         if self.task.saves_model() && self.writer {
             crate::files::save_model_files(
-                &self.cfg.out,
+                &self.cfg.train.out_dir,
                 &self.model.params(),
                 meta,
                 Some(&self.run_id),
@@ -675,7 +688,8 @@ impl<'t, T: Task> Loop<'t, T> {
     fn plots(&mut self) {
         if self.writer {
             let loss_name = self.task.loss_name();
-            self.rep.plots(&self.cfg.out, self.rank_active, loss_name);
+            self.rep
+                .plots(&self.cfg.train.out_dir, self.rank_active, loss_name);
         }
     }
 
@@ -708,7 +722,7 @@ impl<'t, T: Task> Loop<'t, T> {
         };
         if self.rank_active && !stopped && self.writer {
             write_rank_report(
-                &self.cfg.out,
+                &self.cfg.train.out_dir,
                 &self.prog,
                 &ranks_end,
                 stage,
@@ -721,7 +735,7 @@ impl<'t, T: Task> Loop<'t, T> {
         let batch_size = self.phases.last().map_or(0, |p| p.batch_size);
         let bytes = self.model.bytes(&self.st);
         let mut summary = TrainSummary {
-            out_dir: self.cfg.out.clone(),
+            out_dir: self.cfg.train.out_dir.clone(),
             epochs: self.epochs.len(),
             steps: self.prog.step,
             batch_size,
@@ -759,7 +773,7 @@ impl<'t, T: Task> Loop<'t, T> {
         }
         if self.writer {
             crate::files::write_atomic(
-                &self.cfg.out.join("report.json"),
+                &self.cfg.train.out_dir.join("report.json"),
                 serde_json::to_string_pretty(&summary)?.as_bytes(),
             )?;
         }
