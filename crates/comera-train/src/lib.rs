@@ -5,7 +5,9 @@
 //! - [`config`]: run configs (`RunConfig` for the encoder, `DlrmRunConfig`, either as
 //!   `AnyRunConfig`), errors naming the file and field;
 //! - [`task`]: the [`task::Task`] trait and its encoder and CTR implementations, evaluation;
-//! - [`trainer`]: the loop ([`train`], [`train_dlrm`], [`resume`]) and `TrainSummary`;
+//! - [`trainer`]: the loop ([`train`], [`train_dlrm`], [`resume`]) and `TrainSummary`, in three
+//!   files: `setup` (config → data, model, run directory), `run` (the loop, top to bottom) and
+//!   `report` (records, messages, plots, `ranks.md`);
 //! - [`checkpoint`]: checkpoints with exact resume;
 //! - [`run_dir`]: a run directory's identity, lock, fresh start or resume;
 //! - [`observe`]: typed metrics records, the loop's events and observers (a library user's
@@ -17,7 +19,8 @@
 //! - [`data`]: the encoder's data (labelled examples, corpora);
 //! - [`distributed`]: data-parallel runs over several processes (feature `mpi`);
 //! - [`plot`]: the figures;
-//! - [`rank`]: the rank schedule (re-exported from comera-optim).
+//! - [`rank`]: the rank schedule (re-exported from comera-optim: every decision it takes is a
+//!   method of [`RankController`] in that one file).
 
 pub mod checkpoint;
 pub mod config;
