@@ -377,9 +377,7 @@ impl RankController {
         }
         if optimizer.supports_truncation() && self.truncation_due(step, epoch_end) {
             let before = stored_ranks(model);
-            let changed = truncate(model);
-            if !changed.is_empty() {
-                optimizer.retain(&changed, model);
+            if !truncate_with(model, optimizer).is_empty() {
                 let after = stored_ranks(model);
                 let layers = before
                     .into_iter()
@@ -482,6 +480,16 @@ fn stored_ranks(model: &dyn Model) -> Vec<(String, Vec<usize>)> {
         out.push((l.layer_name().to_string(), r[1..r.len() - 1].to_vec()));
     });
     out
+}
+
+/// Removes pruned rank slices from every TT/TTM layer and cuts `optimizer`'s moments to match;
+/// returns the changed parameters.
+pub fn truncate_with(model: &mut dyn Model, optimizer: &mut Optimizer) -> Vec<Retained> {
+    let changed = truncate(model);
+    if !changed.is_empty() {
+        optimizer.retain(&changed, model);
+    }
+    changed
 }
 
 /// Removes pruned rank slices from every TT/TTM layer; returns the changed parameters (for the

@@ -4,9 +4,10 @@
 //!   → [data-parallel: gradient all-reduce] → rank-objective gradient → clipping
 //!   → optimiser update → rank projection (min rank, gate normalisation)
 //!
-//! and, between steps when the schedule asks, physical truncation of pruned rank slices with
-//! the optimiser's moments cut to match ([`Stepper::truncate`]). Pruned gate entries are frozen
-//! by the optimiser whenever the rank schedule is active, so momentum cannot revive a pruned
+//! and, between steps, the rank schedule's stage switch and physical truncation of pruned rank
+//! slices with the optimiser's moments cut to match ([`Stepper::after_step`], which is
+//! [`RankController::after_step`]). Pruned gate entries are frozen by the optimiser whenever
+//! the rank schedule is active ([`RankController::attach`]), so momentum cannot revive a pruned
 //! slice. Without an active schedule the gates are constants: their gradient is dropped by the
 //! rank objective ([`RankController::apply`]), so they never move and stay out of clipping.
 
@@ -127,11 +128,6 @@ impl Stepper {
         self.data_parallel
             .as_ref()
             .map_or(std::time::Duration::ZERO, |dp| dp.comm_time)
-    }
-
-    /// Whether truncation can run (an active schedule and an optimiser that follows it).
-    pub fn truncating(&self) -> bool {
-        self.rank.active() && self.optimizer.supports_truncation()
     }
 
     /// One training step on the batch loaded in `st`; `step` is the 0-based step index (it
@@ -286,13 +282,9 @@ impl Stepper {
             .after_step(model, &mut self.optimizer, step, epoch, epoch_end)
     }
 
-    /// Removes pruned rank slices from every TT/TTM layer and cuts the optimiser's moments to
-    /// match; returns the changed parameters.
+    /// Removes pruned rank slices from every TT/TTM layer now and cuts the optimiser's moments
+    /// to match; returns the changed parameters ([`rank::truncate_with`]).
     pub fn truncate(&mut self, model: &mut dyn Model) -> Vec<Retained> {
-        let changed = rank::truncate(model);
-        if !changed.is_empty() {
-            self.optimizer.retain(&changed, model);
-        }
-        changed
+        rank::truncate_with(model, &mut self.optimizer)
     }
 }
