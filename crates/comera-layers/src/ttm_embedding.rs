@@ -60,6 +60,40 @@ const CALL_FLOPS: f64 = 5e3;
 const UNIQUE_FLOPS: f64 = 4e4;
 
 /// A TTM embedding table.
+///
+/// An 18 × 8 table over vocab modes `[4, 5]` and dim modes `[2, 4]` at rank 3: a lookup gives
+/// the rows of the dense table the cores represent, and its backward accumulates the cores'
+/// gradients.
+///
+/// ```
+/// use comera_layers::{EmbeddingError, EmbeddingLayer, RankGates, TtmEmbedding};
+/// use comera_tensor::{init, TtmShape};
+///
+/// let mut rng = init::rng(1);
+/// let shape = TtmShape::uniform(&[4, 5], &[2, 4], 3, 18)?;
+/// let mut table = TtmEmbedding::new("emb", shape, RankGates::default(), 1.0, &mut rng)?;
+/// let (v, d) = (table.num_embeddings(), table.dim());
+/// assert_eq!((v, d), (18, 8));
+/// let dense = table.dense_table(); // V × D, row-major
+///
+/// let ids = [3u32, 17, 3, 0];
+/// let mut ws = table.workspace(ids.len());
+/// let mut y = vec![0.0; ids.len() * d];
+/// table.forward(&mut ws, &ids, &mut y)?;
+/// for (t, &id) in ids.iter().enumerate() {
+///     let (got, want) = (&y[t * d..(t + 1) * d], &dense[id as usize * d..(id as usize + 1) * d]);
+///     assert!(got.iter().zip(want).all(|(a, b)| (a - b).abs() <= 1e-6 * (1.0 + b.abs())));
+/// }
+///
+/// let dy = vec![1.0; ids.len() * d];
+/// table.backward(&mut ws, &ids, &dy);
+/// assert!(table.cores.iter().all(|c| c.grad.iter().any(|&g| g != 0.0)));
+///
+/// // Ids are checked against V.
+/// let bad = table.forward(&mut ws, &[3, 18, 0, 1], &mut y);
+/// assert!(matches!(bad, Err(EmbeddingError::IdOutOfRange { pos: 1, id: 18, .. })));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct TtmEmbedding {
     shape: TtmShape,
