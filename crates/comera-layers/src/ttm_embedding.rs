@@ -27,7 +27,7 @@
 //! through the chains into the slabs, always in sorted-id order: bit-identical for any thread
 //! count.
 
-use crate::compress::{self, Compressible, Retained};
+use crate::compress;
 use crate::embedding::{check_ids, EmbeddingError, EmbeddingLayer};
 use crate::{LayerError, Param, ParamKind, RankGates};
 use comera_tensor::permute::permute;
@@ -276,55 +276,11 @@ impl TtmEmbedding {
     }
 }
 
-impl Compressible for TtmEmbedding {
-    fn layer_name(&self) -> &str {
-        compress::layer_name(&self.cores)
-    }
-    fn ranks(&self) -> Vec<usize> {
-        self.shape.ranks().to_vec()
-    }
-    fn active_ranks(&self) -> Vec<usize> {
-        compress::active_ranks(self.rule, &self.gates)
-    }
-    fn size_l0(&self) -> f64 {
-        TtmEmbedding::size_l0(self)
-    }
-    fn size_l1(&self) -> f64 {
-        TtmEmbedding::size_l1(self)
-    }
-    fn accumulate_size_l1_grad(&mut self, scale: f32) {
-        TtmEmbedding::accumulate_size_l1_grad(self, scale)
-    }
-    fn dense_params(&self) -> usize {
-        self.shape.num_embeddings() * self.shape.dim()
-    }
-    fn is_dead(&self) -> bool {
-        self.dead || self.active_ranks().contains(&0)
-    }
-    fn truncate(&mut self) -> Vec<Retained> {
-        let (ranks, changed, dead) =
-            compress::truncate_chain(self.rule, &mut self.cores, &mut self.gates);
-        let s = &self.shape;
-        self.shape = TtmShape::new(s.vocab_modes(), s.dim_modes(), &ranks, s.num_embeddings())
-            .expect("truncated ranks are positive with unit ends");
-        self.dead |= dead;
-        changed
-    }
-    fn normalise_gates(&mut self) {
-        compress::normalise_gates(self.rule, &mut self.cores, &mut self.gates)
-    }
-    fn keep_min_rank(&mut self, min_rank: usize) {
-        compress::keep_min_rank(self.rule, &mut self.gates, min_rank)
-    }
-    fn set_ranks(&mut self, ranks: &[usize]) -> Result<(), LayerError> {
-        let s = &self.shape;
-        let shape = TtmShape::new(s.vocab_modes(), s.dim_modes(), ranks, s.num_embeddings())?;
-        let shapes = (0..shape.n_cores()).map(|c| shape.core_shape(c).to_vec());
-        compress::reset_chain(&mut self.cores, &mut self.gates, ranks, shapes);
-        self.shape = shape;
-        Ok(())
-    }
-}
+compress::impl_compressible!(
+    TtmEmbedding,
+    dense_params: |s| s.num_embeddings() * s.dim(),
+    with_ranks: |s, ranks| TtmShape::new(s.vocab_modes(), s.dim_modes(), ranks, s.num_embeddings()),
+);
 
 /// Static facts of a chain split: digit strides, partial-product sizes and offsets.
 #[derive(Clone, Debug)]

@@ -10,7 +10,7 @@ use comera_tensor::{matmul, MatMut, MatRef, TtShape};
 #[derive(Debug)]
 pub(crate) struct Dense {
     chains: LeasedChains,
-    w: Lease,        // [W (N × M), dW (N × M)]
+    w: Lease, // [W (N × M), dW (N × M)]
 }
 
 impl Dense {

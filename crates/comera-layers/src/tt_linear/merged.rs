@@ -46,8 +46,8 @@ pub(crate) fn paired(shape: &TtShape, batch: usize) -> bool {
 #[derive(Debug)]
 pub(crate) struct Merged {
     chains: LeasedChains,
-    t1: Vec<f32>,    // B × r_p
-    u1: Lease,       // [B × r_p]
+    t1: Vec<f32>, // B × r_p
+    u1: Lease,    // [B × r_p]
 }
 
 impl Merged {

@@ -20,7 +20,7 @@ pub use pool::{clear_pool as clear_scratch_pool, pooled_bytes as scratch_pool_by
 use pool::{Lease, Scratch};
 pub use shared::SharedInput;
 
-use crate::compress::{self, Compressible, Retained};
+use crate::compress;
 use crate::{
     accumulate_bias_grad, add_bias, check_len, Layer, LayerError, Param, ParamKind, RankGates,
 };
@@ -272,53 +272,11 @@ impl TtLinear {
     }
 }
 
-impl Compressible for TtLinear {
-    fn layer_name(&self) -> &str {
-        compress::layer_name(&self.cores)
-    }
-    fn ranks(&self) -> Vec<usize> {
-        self.shape.ranks().to_vec()
-    }
-    fn active_ranks(&self) -> Vec<usize> {
-        compress::active_ranks(self.rule, &self.gates)
-    }
-    fn size_l0(&self) -> f64 {
-        TtLinear::size_l0(self)
-    }
-    fn size_l1(&self) -> f64 {
-        TtLinear::size_l1(self)
-    }
-    fn accumulate_size_l1_grad(&mut self, scale: f32) {
-        TtLinear::accumulate_size_l1_grad(self, scale)
-    }
-    fn dense_params(&self) -> usize {
-        self.shape.in_features() * self.shape.out_features()
-    }
-    fn is_dead(&self) -> bool {
-        self.dead || self.active_ranks().contains(&0)
-    }
-    fn truncate(&mut self) -> Vec<Retained> {
-        let (ranks, changed, dead) =
-            compress::truncate_chain(self.rule, &mut self.cores, &mut self.gates);
-        self.shape = TtShape::new(self.shape.in_modes(), self.shape.out_modes(), &ranks)
-            .expect("truncated ranks are positive with unit ends");
-        self.dead |= dead;
-        changed
-    }
-    fn normalise_gates(&mut self) {
-        compress::normalise_gates(self.rule, &mut self.cores, &mut self.gates)
-    }
-    fn keep_min_rank(&mut self, min_rank: usize) {
-        compress::keep_min_rank(self.rule, &mut self.gates, min_rank)
-    }
-    fn set_ranks(&mut self, ranks: &[usize]) -> Result<(), LayerError> {
-        let shape = TtShape::new(self.shape.in_modes(), self.shape.out_modes(), ranks)?;
-        let shapes = (0..shape.n_cores()).map(|c| shape.core_shape(c).to_vec());
-        compress::reset_chain(&mut self.cores, &mut self.gates, ranks, shapes);
-        self.shape = shape;
-        Ok(())
-    }
-}
+compress::impl_compressible!(
+    TtLinear,
+    dense_params: |s| s.in_features() * s.out_features(),
+    with_ranks: |s, ranks| TtShape::new(s.in_modes(), s.out_modes(), ranks),
+);
 
 /// (N, M, r_p) of `shape`: the input and output widths and the middle rank, the sizes of
 /// L (N × r_p) and R (r_p × M).
