@@ -131,10 +131,12 @@ unsafe fn axpy(p: &Product) {
             i += 12;
         }
         while p.m - i >= 4 {
+            // SAFETY: as above.
             unsafe { axpy_tile::<4>(p, i, k0, k1, from_c) };
             i += 4;
         }
         while i < p.m {
+            // SAFETY: as above.
             unsafe { axpy_tile::<1>(p, i, k0, k1, from_c) };
             i += 1;
         }
@@ -171,6 +173,7 @@ unsafe fn axpy_tile<const R: usize>(p: &Product, i0: usize, k0: usize, k1: usize
         // SAFETY (all loads here): B row l lanes 0..n and A[i0 + r, l] are inside the views.
         let b_row = unsafe { _mm512_maskz_loadu_ps(mask, p.b.offset(l as isize * p.b_rs)) };
         for r in 0..R {
+            // SAFETY: as above (A[i0 + r, l]).
             let a_il = unsafe { _mm512_set1_ps(*a_rows[r].offset(l as isize * p.a_cs)) };
             acc[r] = _mm512_fmadd_ps(a_il, b_row, acc[r]);
         }
@@ -262,6 +265,7 @@ unsafe fn dot_block<const R: usize, const S: usize>(
     // SAFETY: rows i0..i0+R of A and columns j0..j0+S of B are inside the views.
     let a_rows: [*const f32; R] =
         std::array::from_fn(|r| unsafe { p.a.offset((i0 + r) as isize * p.a_rs) });
+    // SAFETY: as above.
     let b_cols: [*const f32; S] =
         std::array::from_fn(|s| unsafe { p.b.offset((j0 + s) as isize * p.b_cs) });
     let mut l = k0;
@@ -271,6 +275,7 @@ unsafe fn dot_block<const R: usize, const S: usize>(
         // the views (l + lanes ≤ k1 ≤ k).
         let a: [__m512; R] =
             std::array::from_fn(|r| unsafe { _mm512_maskz_loadu_ps(mask, a_rows[r].add(l)) });
+        // SAFETY: as above.
         let b: [__m512; S] =
             std::array::from_fn(|s| unsafe { _mm512_maskz_loadu_ps(mask, b_cols[s].add(l)) });
         for r in 0..R {
