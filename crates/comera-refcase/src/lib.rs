@@ -65,6 +65,9 @@ pub enum RefCaseError {
     Invalid { file: PathBuf, msg: String },
 }
 
+/// A gated chain's (core values, gate values), as the layers' `from_parts` take them.
+type ChainValues = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+
 /// One tensor of a case.
 #[derive(Clone, Debug)]
 pub enum TensorData {
@@ -255,7 +258,7 @@ impl RefCase {
         &self,
         core_shapes: impl ExactSizeIterator<Item = S>,
         ranks: &[usize],
-    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), RefCaseError> {
+    ) -> Result<ChainValues, RefCaseError> {
         let k = core_shapes.len();
         let mut cores = Vec::with_capacity(k);
         for (c, shape) in core_shapes.enumerate() {
