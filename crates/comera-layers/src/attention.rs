@@ -516,9 +516,9 @@ impl Attention {
                     };
                     let pm = MatRef::new(p, t, t);
                     let base = b * t * 3 * d + h * hd;
-                    // SAFETY (all three writes): unit (b, h) alone writes this head's q, k
-                    // and v columns of dqkv[b].
                     // dV = Pᵀ·dO
+                    // SAFETY (this and the two writes below): unit (b, h) alone writes this
+                    // head's q, k and v columns of dqkv[b].
                     unsafe {
                         dqkv.matmul_serial_into(base + 2 * d, (t, hd, 3 * d, 1), pm.t(), d_o, false)
                     };
@@ -529,7 +529,9 @@ impl Attention {
                     }
                     let dsm = MatRef::new(ds, t, t);
                     // dQ = dS'·K,  dK = dS'ᵀ·Q
+                    // SAFETY: as for dV (this head's q columns of dqkv[b]).
                     unsafe { dqkv.matmul_serial_into(base, (t, hd, 3 * d, 1), dsm, k, false) };
+                    // SAFETY: as for dV (this head's k columns of dqkv[b]).
                     unsafe {
                         dqkv.matmul_serial_into(base + d, (t, hd, 3 * d, 1), dsm.t(), q, false)
                     };

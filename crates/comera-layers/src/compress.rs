@@ -53,6 +53,67 @@ pub trait Compressible {
     fn normalise_gates(&mut self);
 }
 
+/// `impl Compressible` for a gated chain layer: a struct with fields `shape` (its layout),
+/// `rule`, `cores`, `gates` and `dead`, and inherent `size_l0`, `size_l1` and
+/// `accumulate_size_l1_grad`. What differs between layers is given as two closures:
+/// `dense_params: |shape| …` (the dense layer's parameter count) and
+/// `with_ranks: |shape, ranks| …` (the layout at new ranks, a `Result<_, ShapeError>`).
+macro_rules! impl_compressible {
+    ($layer:ty, dense_params: |$s:ident| $dense:expr, with_ranks: |$s2:ident, $r:ident| $reshaped:expr $(,)?) => {
+        impl $crate::compress::Compressible for $layer {
+            fn layer_name(&self) -> &str {
+                $crate::compress::layer_name(&self.cores)
+            }
+            fn ranks(&self) -> Vec<usize> {
+                self.shape.ranks().to_vec()
+            }
+            fn active_ranks(&self) -> Vec<usize> {
+                $crate::compress::active_ranks(self.rule, &self.gates)
+            }
+            fn size_l0(&self) -> f64 {
+                <$layer>::size_l0(self)
+            }
+            fn size_l1(&self) -> f64 {
+                <$layer>::size_l1(self)
+            }
+            fn accumulate_size_l1_grad(&mut self, scale: f32) {
+                <$layer>::accumulate_size_l1_grad(self, scale)
+            }
+            fn dense_params(&self) -> usize {
+                let $s = &self.shape;
+                $dense
+            }
+            fn is_dead(&self) -> bool {
+                self.dead || self.active_ranks().contains(&0)
+            }
+            fn truncate(&mut self) -> Vec<$crate::compress::Retained> {
+                let ($r, changed, dead) =
+                    $crate::compress::truncate_chain(self.rule, &mut self.cores, &mut self.gates);
+                let $r = &$r[..];
+                let $s2 = &self.shape;
+                self.shape = $reshaped.expect("truncated ranks are positive with unit ends");
+                self.dead |= dead;
+                changed
+            }
+            fn normalise_gates(&mut self) {
+                $crate::compress::normalise_gates(self.rule, &mut self.cores, &mut self.gates)
+            }
+            fn keep_min_rank(&mut self, min_rank: usize) {
+                $crate::compress::keep_min_rank(self.rule, &mut self.gates, min_rank)
+            }
+            fn set_ranks(&mut self, $r: &[usize]) -> Result<(), $crate::LayerError> {
+                let $s2 = &self.shape;
+                let shape = $reshaped?;
+                let shapes = (0..shape.n_cores()).map(|c| shape.core_shape(c).to_vec());
+                $crate::compress::reset_chain(&mut self.cores, &mut self.gates, $r, shapes);
+                self.shape = shape;
+                Ok(())
+            }
+        }
+    };
+}
+pub(crate) use impl_compressible;
+
 /// The name of the layer whose chain `cores` is: the prefix its cores are named by
 /// (`{layer}.core.1`, `{layer}.core.2`, …), read off the first core.
 pub(crate) fn layer_name(cores: &[Param]) -> &str {

@@ -9,6 +9,29 @@
 //! Conventions: `Y = X·W + b` with X of shape (batch, in_features); `backward` *accumulates*
 //! into the parameters' gradients (`grad += …`, call [`Layer::zero_grad`] between steps) and
 //! *writes* dX.
+//!
+//! Modules:
+//! - [`tt_linear`]: [`TtLinear`], the TT linear layer (merged, sequential and dense
+//!   contraction paths chosen by `comera-plan`), plus [`tt_linear::FusedFfn`] (a TT
+//!   feed-forward block in row blocks), [`tt_linear::SharedInput`] (TT layers reading one input
+//!   on one product) and the per-thread scratch pool they lease from;
+//! - [`ttm_embedding`]: [`TtmEmbedding`], an embedding table as TTM cores (naive or
+//!   deduplicated lookup);
+//! - [`gates`]: [`RankGates`], the rank gates on the cores' bonds and the size measures built
+//!   from them;
+//! - [`compress`]: [`Compressible`], what the rank schedule needs from a gated TT/TTM layer,
+//!   and physical truncation of pruned rank slices;
+//! - [`linear`], [`embedding`], [`mlp`]: the dense baselines ([`Linear`], [`Embedding`] and
+//!   the [`EmbeddingLayer`] interface, [`Mlp`]);
+//! - [`any`]: [`AnyLinear`] and [`AnyEmbedding`], dense or tensorised behind one type;
+//! - [`attention`]: multi-head self-attention with a padding mask (projections excluded);
+//! - [`norm`], [`activation`], [`dropout`], [`elementwise`], [`loss`]: LayerNorm, GELU and
+//!   tanh, seeded dropout, residual sums and products, softmax cross-entropy;
+//! - [`param`]: [`Param`], a named tensor with its gradient and optimiser group;
+//! - [`trainable`]: [`Model`] and [`Trainable`], what the training engine needs from a model;
+//! - [`config_float`]: config fields held as `f32`, written as their shortest decimal.
+//!
+//! [`TtLinear`] and [`TtmEmbedding`] have runnable examples of a forward and a backward.
 
 // Index loops mirror the formulas in the comments (core c, bond c + 1, …); keep them.
 #![allow(clippy::needless_range_loop)]

@@ -27,7 +27,7 @@
 //! through the chains into the slabs, always in sorted-id order: bit-identical for any thread
 //! count.
 
-use crate::compress::{self, Compressible, Retained};
+use crate::compress;
 use crate::embedding::{check_ids, EmbeddingError, EmbeddingLayer};
 use crate::{LayerError, Param, ParamKind, RankGates};
 use comera_tensor::permute::permute;
@@ -60,6 +60,40 @@ const CALL_FLOPS: f64 = 5e3;
 const UNIQUE_FLOPS: f64 = 4e4;
 
 /// A TTM embedding table.
+///
+/// An 18 × 8 table over vocab modes `[4, 5]` and dim modes `[2, 4]` at rank 3: a lookup gives
+/// the rows of the dense table the cores represent, and its backward accumulates the cores'
+/// gradients.
+///
+/// ```
+/// use comera_layers::{EmbeddingError, EmbeddingLayer, RankGates, TtmEmbedding};
+/// use comera_tensor::{init, TtmShape};
+///
+/// let mut rng = init::rng(1);
+/// let shape = TtmShape::uniform(&[4, 5], &[2, 4], 3, 18)?;
+/// let mut table = TtmEmbedding::new("emb", shape, RankGates::default(), 1.0, &mut rng)?;
+/// let (v, d) = (table.num_embeddings(), table.dim());
+/// assert_eq!((v, d), (18, 8));
+/// let dense = table.dense_table(); // V × D, row-major
+///
+/// let ids = [3u32, 17, 3, 0];
+/// let mut ws = table.workspace(ids.len());
+/// let mut y = vec![0.0; ids.len() * d];
+/// table.forward(&mut ws, &ids, &mut y)?;
+/// for (t, &id) in ids.iter().enumerate() {
+///     let (got, want) = (&y[t * d..(t + 1) * d], &dense[id as usize * d..(id as usize + 1) * d]);
+///     assert!(got.iter().zip(want).all(|(a, b)| (a - b).abs() <= 1e-6 * (1.0 + b.abs())));
+/// }
+///
+/// let dy = vec![1.0; ids.len() * d];
+/// table.backward(&mut ws, &ids, &dy);
+/// assert!(table.cores.iter().all(|c| c.grad.iter().any(|&g| g != 0.0)));
+///
+/// // Ids are checked against V.
+/// let bad = table.forward(&mut ws, &[3, 18, 0, 1], &mut y);
+/// assert!(matches!(bad, Err(EmbeddingError::IdOutOfRange { pos: 1, id: 18, .. })));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct TtmEmbedding {
     shape: TtmShape,
@@ -242,55 +276,11 @@ impl TtmEmbedding {
     }
 }
 
-impl Compressible for TtmEmbedding {
-    fn layer_name(&self) -> &str {
-        compress::layer_name(&self.cores)
-    }
-    fn ranks(&self) -> Vec<usize> {
-        self.shape.ranks().to_vec()
-    }
-    fn active_ranks(&self) -> Vec<usize> {
-        compress::active_ranks(self.rule, &self.gates)
-    }
-    fn size_l0(&self) -> f64 {
-        TtmEmbedding::size_l0(self)
-    }
-    fn size_l1(&self) -> f64 {
-        TtmEmbedding::size_l1(self)
-    }
-    fn accumulate_size_l1_grad(&mut self, scale: f32) {
-        TtmEmbedding::accumulate_size_l1_grad(self, scale)
-    }
-    fn dense_params(&self) -> usize {
-        self.shape.num_embeddings() * self.shape.dim()
-    }
-    fn is_dead(&self) -> bool {
-        self.dead || self.active_ranks().contains(&0)
-    }
-    fn truncate(&mut self) -> Vec<Retained> {
-        let (ranks, changed, dead) =
-            compress::truncate_chain(self.rule, &mut self.cores, &mut self.gates);
-        let s = &self.shape;
-        self.shape = TtmShape::new(s.vocab_modes(), s.dim_modes(), &ranks, s.num_embeddings())
-            .expect("truncated ranks are positive with unit ends");
-        self.dead |= dead;
-        changed
-    }
-    fn normalise_gates(&mut self) {
-        compress::normalise_gates(self.rule, &mut self.cores, &mut self.gates)
-    }
-    fn keep_min_rank(&mut self, min_rank: usize) {
-        compress::keep_min_rank(self.rule, &mut self.gates, min_rank)
-    }
-    fn set_ranks(&mut self, ranks: &[usize]) -> Result<(), LayerError> {
-        let s = &self.shape;
-        let shape = TtmShape::new(s.vocab_modes(), s.dim_modes(), ranks, s.num_embeddings())?;
-        let shapes = (0..shape.n_cores()).map(|c| shape.core_shape(c).to_vec());
-        compress::reset_chain(&mut self.cores, &mut self.gates, ranks, shapes);
-        self.shape = shape;
-        Ok(())
-    }
-}
+compress::impl_compressible!(
+    TtmEmbedding,
+    dense_params: |s| s.num_embeddings() * s.dim(),
+    with_ranks: |s, ranks| TtmShape::new(s.vocab_modes(), s.dim_modes(), ranks, s.num_embeddings()),
+);
 
 /// Static facts of a chain split: digit strides, partial-product sizes and offsets.
 #[derive(Clone, Debug)]

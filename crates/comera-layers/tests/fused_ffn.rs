@@ -8,6 +8,9 @@ use comera_layers::{add_bias, Layer, RankGates, TtLinear};
 use comera_tensor::{init, TtShape};
 use rand::Rng as _;
 
+mod common;
+use common::assert_close;
+
 fn random_vec(rng: &mut init::Rng, n: usize, std: f32) -> Vec<f32> {
     let mut v = vec![0.0; n];
     init::fill_normal(rng, &mut v, std);
@@ -36,19 +39,6 @@ fn pair(rng: &mut init::Rng) -> (TtLinear, TtLinear) {
         tt(rng, "up", &[3, 4], &[5, 4], &[1, 3, 4, 2, 1]),
         tt(rng, "down", &[4, 5], &[2, 3], &[1, 2, 5, 3, 1]),
     )
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
-    let err = got
-        .iter()
-        .zip(want)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    assert!(
-        err <= rel * scale,
-        "{what}: max error {err} > {rel} × {scale}"
-    );
 }
 
 fn fused_y(up: &TtLinear, down: &TtLinear, batch: usize, x: &[f32]) -> Vec<f32> {

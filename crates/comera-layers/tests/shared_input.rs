@@ -7,6 +7,9 @@ use comera_layers::{Layer, RankGates, TtLinear};
 use comera_tensor::{init, TtShape};
 use rand::Rng as _;
 
+mod common;
+use common::assert_close;
+
 fn random_vec(rng: &mut init::Rng, n: usize) -> Vec<f32> {
     let mut v = vec![0.0; n];
     init::fill_normal(rng, &mut v, 1.0);
@@ -54,19 +57,6 @@ fn fused_forward(ls: &[TtLinear], batch: usize, x: &[f32]) -> Vec<f32> {
 fn loss(ls: &[TtLinear], batch: usize, x: &[f32], dy: &[f32]) -> f64 {
     let y = fused_forward(ls, batch, x);
     y.iter().zip(dy).map(|(&a, &b)| a as f64 * b as f64).sum()
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
-    let err = got
-        .iter()
-        .zip(want)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    assert!(
-        err <= rel * scale,
-        "{what}: max error {err} > {rel} × {scale}"
-    );
 }
 
 /// (packed y, dx, every layer's parameter gradients) of the fused workspace.

@@ -10,27 +10,13 @@ use comera_layers::norm::LayerNorm;
 use comera_layers::Layer;
 use comera_tensor::init;
 
+mod common;
+use common::assert_close;
+
 fn random_vec(rng: &mut init::Rng, n: usize, std: f32) -> Vec<f32> {
     let mut v = vec![0.0; n];
     init::fill_normal(rng, &mut v, std);
     v
-}
-
-fn max_abs(v: &[f32]) -> f32 {
-    v.iter().fold(0.0f32, |m, x| m.max(x.abs()))
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = max_abs(want).max(1e-6);
-    let err = got
-        .iter()
-        .zip(want)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    assert!(
-        err <= rel * scale,
-        "{what}: max error {err} > {rel} × {scale}"
-    );
 }
 
 /// Σ y·dy in f64.

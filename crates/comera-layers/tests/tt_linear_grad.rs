@@ -6,6 +6,9 @@ use comera_plan::TtPath;
 use comera_tensor::{init, TtShape};
 use rand::Rng as _;
 
+mod common;
+use common::assert_close;
+
 /// loss = Σ y·dy, evaluated in f64 from the layer's f32 output.
 fn loss<L: Layer>(layer: &L, batch: usize, x: &[f32], dy: &[f32]) -> f64 {
     let mut ws = layer.workspace(batch);
@@ -73,23 +76,6 @@ fn run(layer: &TtLinear, path: TtPath, batch: usize, x: &[f32], dy: &[f32]) -> G
         dx,
         params: l.params().iter().map(|p| p.grad.clone()).collect(),
     }
-}
-
-fn max_abs(v: &[f32]) -> f32 {
-    v.iter().fold(0.0f32, |m, x| m.max(x.abs()))
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = max_abs(want).max(1e-6);
-    let err = got
-        .iter()
-        .zip(want)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    assert!(
-        err <= rel * scale,
-        "{what}: max error {err} > {rel} × {scale}"
-    );
 }
 
 const SHAPES: &[(&[usize], &[usize], &[usize])] = &[

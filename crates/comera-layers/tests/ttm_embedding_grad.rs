@@ -6,6 +6,9 @@ use comera_layers::{Embedding, EmbeddingError, EmbeddingLayer, Lookup, RankGates
 use comera_tensor::{init, TtmShape};
 use rand::Rng as _;
 
+mod common;
+use common::assert_close;
+
 /// (vocab modes, dim modes, ranks, rows)
 type Case = (&'static [usize], &'static [usize], &'static [usize], usize);
 
@@ -65,18 +68,6 @@ fn loss(t: &TtmEmbedding, ids: &[u32], dy: &[f32]) -> f64 {
     let mut y = vec![0.0; ids.len() * t.dim()];
     t.forward(&mut ws, ids, &mut y).unwrap();
     y.iter().zip(dy).map(|(&a, &b)| a as f64 * b as f64).sum()
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
-    let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-6);
-    let err = got
-        .iter()
-        .zip(want)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    assert!(
-        err <= rel * scale,
-        "{what}: max error {err} > {rel} × {scale}"
-    );
 }
 
 /// Reference row: the chain of gated core slices, contracted naively in f64.

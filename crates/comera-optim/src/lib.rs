@@ -1,14 +1,20 @@
-//! Optimisers over a model's parameters, visited in a fixed order without allocation.
+//! Optimisers over a model's parameters, visited in a fixed order without allocation, and the
+//! training step that drives them.
 //!
-//! - [`AdamW`]: Adam with decoupled weight decay and one learning rate per parameter group
-//!   (TT cores, rank gates, everything else; SPEC §3);
-//! - [`Schedule`]: linear warm-up, then constant or linear decay;
-//! - [`clip_scale`]: the factor that brings the global gradient norm under a limit;
+//! In this file:
+//! - [`AdamW`] ([`AdamWConfig`]): Adam with decoupled weight decay and one learning rate per
+//!   parameter group (TT cores, rank gates, everything else; SPEC §3);
+//! - [`Schedule`]: linear warm-up, then constant, linear or cosine decay ([`Decay`]);
+//! - [`clip_scale`]: the factor that brings the global gradient norm under a limit.
+//!
+//! Modules:
 //! - [`galore`]: GaLore (low-rank projected Adam for dense matrices);
 //! - [`optimizer`]: [`Optimizer`], AdamW or GaLore behind one type with checkpoint state;
 //! - [`rank`]: the rank schedule of CoMERA (SPEC §3): stages, objective, truncation;
 //! - [`step`]: [`Stepper::step`], the one training step of every trainer and benchmark;
-//! - [`collective`]: data-parallel steps over several processes (the gradient all-reduce).
+//! - [`collective`]: data-parallel steps over several processes (the gradient all-reduce);
+//! - `awake` (private): keeps the thread pool's other workers spinning through a step, so its
+//!   many short parallel sections do not each pay for waking them.
 //!
 //! Models expose `visit_params_mut(&mut dyn FnMut(&mut Param))`; the optimiser keeps its
 //! moments in the same order.

@@ -3,6 +3,15 @@
 //! PyTorch. This crate loads them with every field checked, runs the engine's layer on them and
 //! compares each tensor: a tensor passes when
 //!   max|got − exp| ≤ tolerance × max(max|exp|, 1e-6).
+//!
+//! Here: [`RefCase`] (a loaded case, its typed metadata and tensors), [`Check`] and
+//! [`Report`] (the comparisons of one run), and [`verify`], which runs every variant a case's
+//! `kind` has. Modules (private; their entry points are re-exported here):
+//! - `tt_linear`: [`verify_tt_linear`], a TT linear layer's forward and backward on one
+//!   contraction path (or the planner's), checking y, dX, every core, gate and bias gradient
+//!   and, when the case has them, the size measures;
+//! - `ttm_embedding`: [`verify_ttm_embedding`], a TTM embedding's lookup (naive or optimised)
+//!   and backward, checking y, every core and gate gradient and the size measures.
 
 mod tt_linear;
 mod ttm_embedding;
@@ -10,6 +19,7 @@ mod ttm_embedding;
 pub use tt_linear::verify_tt_linear;
 pub use ttm_embedding::verify_ttm_embedding;
 
+use comera_layers::{Compressible, Param};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -54,6 +64,9 @@ pub enum RefCaseError {
     #[error("{file}: {msg}")]
     Invalid { file: PathBuf, msg: String },
 }
+
+/// A gated chain's (core values, gate values), as the layers' `from_parts` take them.
+type ChainValues = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
 /// One tensor of a case.
 #[derive(Clone, Debug)]
@@ -237,6 +250,71 @@ impl RefCase {
                 file: self.file.clone(),
                 name: name.into(),
             })
+    }
+
+    /// A gated chain's values: cores `core.1..=K` of `core_shapes` and gates `gate.1..K`
+    /// (gate b of length `ranks[b]`), every tensor checked.
+    fn chain_values<S: AsRef<[usize]>>(
+        &self,
+        core_shapes: impl ExactSizeIterator<Item = S>,
+        ranks: &[usize],
+    ) -> Result<ChainValues, RefCaseError> {
+        let k = core_shapes.len();
+        let mut cores = Vec::with_capacity(k);
+        for (c, shape) in core_shapes.enumerate() {
+            cores.push(
+                self.f32s(&format!("core.{}", c + 1), shape.as_ref())?
+                    .to_vec(),
+            );
+        }
+        let mut gates = Vec::with_capacity(k - 1);
+        for (b, &r) in ranks.iter().enumerate().take(k).skip(1) {
+            gates.push(self.f32s(&format!("gate.{b}"), &[r])?.to_vec());
+        }
+        Ok((cores, gates))
+    }
+
+    /// Checks the gradient of the i-th (from 1) of `params` against
+    /// `expected.<prefix>.<what>.<i>`, which must have the parameter's shape.
+    fn check_grads(
+        &self,
+        prefix: &str,
+        what: &str,
+        params: &[Param],
+        tolerance: f64,
+    ) -> Result<Vec<Check>, RefCaseError> {
+        params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let name = format!("{prefix}.{what}.{}", i + 1);
+                self.check(&name, &p.shape, &p.grad, tolerance)
+            })
+            .collect()
+    }
+
+    /// With `expected.size_l0` in the case: checks a gated chain layer's size measures S and
+    /// Ŝ, and the gates' gradient of Ŝ alone (`grad_size_l1.gate.*`), which it leaves in the
+    /// gates' gradients.
+    fn check_sizes<L: Compressible>(
+        &self,
+        layer: &mut L,
+        gates: fn(&mut L) -> &mut [Param],
+        tolerance: f64,
+    ) -> Result<Vec<Check>, RefCaseError> {
+        if !self.tensors.contains_key("expected.size_l0") {
+            return Ok(Vec::new());
+        }
+        let mut checks = vec![
+            self.check("size_l0", &[1], &[layer.size_l0() as f32], tolerance)?,
+            self.check("size_l1", &[1], &[layer.size_l1() as f32], tolerance)?,
+        ];
+        for g in gates(layer).iter_mut() {
+            g.grad.fill(0.0);
+        }
+        layer.accumulate_size_l1_grad(1.0);
+        checks.extend(self.check_grads("grad_size_l1", "gate", gates(layer), tolerance)?);
+        Ok(checks)
     }
 
     /// Compares `got` with the case's `expected.<name>` (which must have `shape`).

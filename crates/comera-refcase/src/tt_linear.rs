@@ -26,17 +26,7 @@ fn build(case: &RefCase) -> Result<(TtLinear, usize), RefCaseError> {
         });
     }
     let batch = xs[0];
-    let mut cores = Vec::with_capacity(k);
-    for c in 0..k {
-        cores.push(
-            case.f32s(&format!("core.{}", c + 1), &shape.core_shape(c))?
-                .to_vec(),
-        );
-    }
-    let mut gates = Vec::with_capacity(k - 1);
-    for (b, &r) in ranks.iter().enumerate().take(k).skip(1) {
-        gates.push(case.f32s(&format!("gate.{b}"), &[r])?.to_vec());
-    }
+    let (cores, gates) = case.chain_values((0..k).map(|c| shape.core_shape(c)), &ranks)?;
     let bias = case.f32s("bias", &[m])?.to_vec();
     let layer = TtLinear::from_parts("case", shape, RankGates::new(threshold), cores, gates, bias)
         .map_err(|e| RefCaseError::Invalid {
@@ -51,11 +41,7 @@ fn build(case: &RefCase) -> Result<(TtLinear, usize), RefCaseError> {
 pub fn verify_tt_linear(case: &RefCase, path: Option<TtPath>) -> Result<Report, RefCaseError> {
     let tol = case.meta_f32("tolerance")? as f64;
     let (mut layer, batch) = build(case)?;
-    let (n, m, k) = (
-        layer.in_features(),
-        layer.out_features(),
-        layer.shape().n_cores(),
-    );
+    let (n, m) = (layer.in_features(), layer.out_features());
     let x = case.f32s("x", &[batch, n])?.to_vec();
     let dy = case.f32s("dy", &[batch, m])?.to_vec();
     let mut ws = layer.workspace(batch);
@@ -75,39 +61,9 @@ pub fn verify_tt_linear(case: &RefCase, path: Option<TtPath>) -> Result<Report, 
         case.check("y", &[batch, m], &y, tol)?,
         case.check("grad.x", &[batch, n], &dx, tol)?,
     ];
-    for c in 0..k {
-        let shape = layer.shape().core_shape(c);
-        checks.push(case.check(
-            &format!("grad.core.{}", c + 1),
-            &shape,
-            &layer.cores[c].grad,
-            tol,
-        )?);
-    }
-    for b in 0..k - 1 {
-        let r = layer.gates[b].len();
-        checks.push(case.check(
-            &format!("grad.gate.{}", b + 1),
-            &[r],
-            &layer.gates[b].grad,
-            tol,
-        )?);
-    }
+    checks.extend(case.check_grads("grad", "core", &layer.cores, tol)?);
+    checks.extend(case.check_grads("grad", "gate", &layer.gates, tol)?);
     checks.push(case.check("grad.bias", &[m], &layer.bias.grad, tol)?);
-    if case.tensors.contains_key("expected.size_l0") {
-        checks.push(case.check("size_l0", &[1], &[layer.size_l0() as f32], tol)?);
-        checks.push(case.check("size_l1", &[1], &[layer.size_l1() as f32], tol)?);
-        layer.zero_grad();
-        layer.accumulate_size_l1_grad(1.0);
-        for b in 0..k - 1 {
-            let r = layer.gates[b].len();
-            checks.push(case.check(
-                &format!("grad_size_l1.gate.{}", b + 1),
-                &[r],
-                &layer.gates[b].grad,
-                tol,
-            )?);
-        }
-    }
+    checks.extend(case.check_sizes(&mut layer, |l| &mut l.gates, tol)?);
     Ok(Report { label, checks })
 }

@@ -33,17 +33,7 @@ pub fn verify_ttm_embedding(case: &RefCase, lookup: Lookup) -> Result<Report, Re
     let ids = ids_from_i64(case.i64s("ids", &[tokens])?, rows)
         .map_err(|e| invalid(format!("ids: {e}")))?;
     let dy = case.f32s("dy", &[tokens, d])?.to_vec();
-    let mut cores = Vec::with_capacity(p);
-    for k in 0..p {
-        cores.push(
-            case.f32s(&format!("core.{}", k + 1), &shape.core_shape(k))?
-                .to_vec(),
-        );
-    }
-    let mut gates = Vec::with_capacity(p - 1);
-    for (b, &r) in ranks.iter().enumerate().take(p).skip(1) {
-        gates.push(case.f32s(&format!("gate.{b}"), &[r])?.to_vec());
-    }
+    let (cores, gates) = case.chain_values((0..p).map(|k| shape.core_shape(k)), &ranks)?;
     let mut table = TtmEmbedding::from_parts(
         "case",
         shape.clone(),
@@ -64,39 +54,8 @@ pub fn verify_ttm_embedding(case: &RefCase, lookup: Lookup) -> Result<Report, Re
         Lookup::Auto => format!("auto (picked {})", ws.chosen().name()),
     };
     let mut checks = vec![case.check("y", &[tokens, d], &y, tol)?];
-    for k in 0..p {
-        checks.push(case.check(
-            &format!("grad.core.{}", k + 1),
-            &shape.core_shape(k),
-            &table.cores[k].grad,
-            tol,
-        )?);
-    }
-    for b in 0..p - 1 {
-        let r = table.gates[b].len();
-        checks.push(case.check(
-            &format!("grad.gate.{}", b + 1),
-            &[r],
-            &table.gates[b].grad,
-            tol,
-        )?);
-    }
-    if case.tensors.contains_key("expected.size_l0") {
-        checks.push(case.check("size_l0", &[1], &[table.size_l0() as f32], tol)?);
-        checks.push(case.check("size_l1", &[1], &[table.size_l1() as f32], tol)?);
-        for g in &mut table.gates {
-            g.grad.fill(0.0);
-        }
-        table.accumulate_size_l1_grad(1.0);
-        for b in 0..p - 1 {
-            let r = table.gates[b].len();
-            checks.push(case.check(
-                &format!("grad_size_l1.gate.{}", b + 1),
-                &[r],
-                &table.gates[b].grad,
-                tol,
-            )?);
-        }
-    }
+    checks.extend(case.check_grads("grad", "core", &table.cores, tol)?);
+    checks.extend(case.check_grads("grad", "gate", &table.gates, tol)?);
+    checks.extend(case.check_sizes(&mut table, |t| &mut t.gates, tol)?);
     Ok(Report { label, checks })
 }

@@ -26,20 +26,28 @@ fn cases(prefix: &str) -> Vec<PathBuf> {
     v
 }
 
-#[test]
-fn every_tt_linear_case_passes_on_every_path() {
-    let files = cases("tt_");
+/// Every case named `prefix*` (at least `min_files` of them) is of `kind`, gives `runs`
+/// reports (`what` they are) of at least `min_checks` checks each, and passes every check.
+fn every_case_passes(
+    prefix: &str,
+    min_files: usize,
+    kind: &str,
+    runs: usize,
+    what: &str,
+    min_checks: usize,
+) {
+    let files = cases(prefix);
     assert!(
-        files.len() >= 7,
-        "expected the tt_* reference cases, found {files:?}"
+        files.len() >= min_files,
+        "expected the {prefix}* reference cases, found {files:?}"
     );
     for f in files {
         let case = RefCase::load(&f).unwrap();
-        assert_eq!(case.kind().unwrap(), "tt_linear");
+        assert_eq!(case.kind().unwrap(), kind);
         let reports = verify(&case).unwrap();
-        assert_eq!(reports.len(), 4, "three paths and the planner's choice");
+        assert_eq!(reports.len(), runs, "{what}");
         for r in reports {
-            assert!(r.checks.len() >= 5);
+            assert!(r.checks.len() >= min_checks);
             for c in &r.checks {
                 assert!(
                     c.passed(),
@@ -55,31 +63,21 @@ fn every_tt_linear_case_passes_on_every_path() {
 }
 
 #[test]
+fn every_tt_linear_case_passes_on_every_path() {
+    let what = "three paths and the planner's choice";
+    every_case_passes("tt_", 7, "tt_linear", 4, what, 5);
+}
+
+#[test]
 fn every_ttm_embedding_case_passes_with_both_lookups() {
-    let files = cases("ttm_");
-    assert!(
-        files.len() >= 3,
-        "expected the ttm_* reference cases, found {files:?}"
+    every_case_passes(
+        "ttm_",
+        3,
+        "ttm_embedding",
+        2,
+        "naive and optimised lookups",
+        3,
     );
-    for f in files {
-        let case = RefCase::load(&f).unwrap();
-        assert_eq!(case.kind().unwrap(), "ttm_embedding");
-        let reports = verify(&case).unwrap();
-        assert_eq!(reports.len(), 2, "naive and optimised lookups");
-        for r in reports {
-            assert!(r.checks.len() >= 3);
-            for c in &r.checks {
-                assert!(
-                    c.passed(),
-                    "{}: {} {}: error {:.3e}",
-                    f.display(),
-                    r.label,
-                    c.name,
-                    c.error
-                );
-            }
-        }
-    }
 }
 
 #[test]

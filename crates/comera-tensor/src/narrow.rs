@@ -111,6 +111,12 @@ const AXPY_KB: usize = 256;
 
 /// Axpy form (see the module doc): the inner length in blocks of `AXPY_KB`, in each block tiles
 /// of 12, then 4, then 1 rows, each row's sum carried from block to block in C.
+///
+/// # Safety
+/// The CPU supports AVX-512 F (callers check with [`available`], as [`try_compute`] does);
+/// `p` is in the axpy form (`b_cs == 1`, `2 ≤ n ≤ 16`) and every element of A (m × k),
+/// B (k × n) and C (m × n) that its strides address lies in a live allocation, with C
+/// overlapping neither A nor B.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn axpy(p: &Product) {
@@ -125,10 +131,12 @@ unsafe fn axpy(p: &Product) {
             i += 12;
         }
         while p.m - i >= 4 {
+            // SAFETY: as above.
             unsafe { axpy_tile::<4>(p, i, k0, k1, from_c) };
             i += 4;
         }
         while i < p.m {
+            // SAFETY: as above.
             unsafe { axpy_tile::<1>(p, i, k0, k1, from_c) };
             i += 1;
         }
@@ -137,6 +145,11 @@ unsafe fn axpy(p: &Product) {
 
 /// Rows i0..i0+R of C: acc_r (C's row, or 0) += A[i0 + r, l] · B[l, :] for l in k0..k1, one
 /// FMA per l, then stored masked.
+///
+/// # Safety
+/// The CPU supports AVX-512 F (checked by [`try_compute`] before [`axpy`] runs); `p` is as
+/// [`axpy`] requires, `i0 + R ≤ m`, `k0 ≤ k1 ≤ k` and `n ≤ 16`, so that rows i0..i0+R of A
+/// (inner indices k0..k1) and C (lanes 0..n) and rows k0..k1 of B are inside the views.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -147,22 +160,26 @@ unsafe fn axpy_tile<const R: usize>(p: &Product, i0: usize, k0: usize, k1: usize
         std::array::from_fn(|r| unsafe { p.c.offset((i0 + r) as isize * p.c_rs) });
     let mut acc: [__m512; R] = std::array::from_fn(|r| {
         if from_c {
+            // SAFETY: lanes 0..n of C row i0 + r are inside C (see `c_rows`).
             unsafe { _mm512_maskz_loadu_ps(mask, c_rows[r]) }
         } else {
             _mm512_setzero_ps()
         }
     });
+    // SAFETY: rows i0..i0+R of A are inside A.
     let a_rows: [*const f32; R] =
         std::array::from_fn(|r| unsafe { p.a.offset((i0 + r) as isize * p.a_rs) });
     for l in k0..k1 {
         // SAFETY (all loads here): B row l lanes 0..n and A[i0 + r, l] are inside the views.
         let b_row = unsafe { _mm512_maskz_loadu_ps(mask, p.b.offset(l as isize * p.b_rs)) };
         for r in 0..R {
+            // SAFETY: as above (A[i0 + r, l]).
             let a_il = unsafe { _mm512_set1_ps(*a_rows[r].offset(l as isize * p.a_cs)) };
             acc[r] = _mm512_fmadd_ps(a_il, b_row, acc[r]);
         }
     }
     for r in 0..R {
+        // SAFETY: lanes 0..n of C row i0 + r are inside C, which no view read here overlaps.
         unsafe { _mm512_mask_storeu_ps(c_rows[r], mask, acc[r]) };
     }
 }
@@ -175,6 +192,12 @@ const DOT_KB: usize = 768;
 /// Dot form (see the module doc): tiles of 4 (then 1) rows × 5 (or the remaining) columns,
 /// the inner length in blocks of `DOT_KB` with the tile's 16-lane partial sums kept on the
 /// stack between blocks.
+///
+/// # Safety
+/// The CPU supports AVX-512 F (callers check with [`available`], as [`try_compute`] does);
+/// `p` is in the dot form (`b_rs == 1`, `a_cs == 1`, `2 ≤ n ≤ 16`) and every element of
+/// A (m × k), B (k × n) and C (m × n) that its strides address lies in a live allocation, with
+/// C overlapping neither A nor B.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn dot(p: &Product) {
@@ -220,6 +243,12 @@ unsafe fn dot(p: &Product) {
 
 /// partial[r][j0 + s] += the 16-lane products of A row i0 + r and B column j0 + s over
 /// l in k0..k1 (the last chunk of the inner length masked).
+///
+/// # Safety
+/// The CPU supports AVX-512 F (checked by [`try_compute`] before [`dot`] runs); `p` is as
+/// [`dot`] requires, `i0 + R ≤ min(m, 4)` rows from i0 exist, `j0 + S ≤ n ≤ 16` and
+/// `k0 ≤ k1 ≤ k`, so that A rows i0..i0+R and B columns j0..j0+S over inner indices k0..k1
+/// are inside the views.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -233,8 +262,10 @@ unsafe fn dot_block<const R: usize, const S: usize>(
 ) {
     let mut acc: [[__m512; S]; R] =
         std::array::from_fn(|r| std::array::from_fn(|s| partial[r][j0 + s]));
+    // SAFETY: rows i0..i0+R of A and columns j0..j0+S of B are inside the views.
     let a_rows: [*const f32; R] =
         std::array::from_fn(|r| unsafe { p.a.offset((i0 + r) as isize * p.a_rs) });
+    // SAFETY: as above.
     let b_cols: [*const f32; S] =
         std::array::from_fn(|s| unsafe { p.b.offset((j0 + s) as isize * p.b_cs) });
     let mut l = k0;
@@ -244,6 +275,7 @@ unsafe fn dot_block<const R: usize, const S: usize>(
         // the views (l + lanes ≤ k1 ≤ k).
         let a: [__m512; R] =
             std::array::from_fn(|r| unsafe { _mm512_maskz_loadu_ps(mask, a_rows[r].add(l)) });
+        // SAFETY: as above.
         let b: [__m512; S] =
             std::array::from_fn(|s| unsafe { _mm512_maskz_loadu_ps(mask, b_cols[s].add(l)) });
         for r in 0..R {

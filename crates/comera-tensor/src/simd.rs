@@ -60,12 +60,18 @@ impl Level {
 /// 0 until the first call of [`level`], then the level in use.
 static LEVEL: AtomicU8 = AtomicU8::new(0);
 
-/// The widest level this CPU supports.
+/// The widest level this CPU supports: every feature that [`multiversion!`](crate::multiversion)
+/// enables for that level's copy is detected (the copies' soundness rests on this).
 pub fn detected() -> Level {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::is_x86_feature_detected as has;
-        let v3 = has!("avx2") && has!("fma");
+        let v3 = has!("avx2")
+            && has!("fma")
+            && has!("bmi1")
+            && has!("bmi2")
+            && has!("lzcnt")
+            && has!("popcnt");
         if v3 && has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl") {
             return Level::Avx512;
         }
@@ -118,6 +124,12 @@ macro_rules! multiversion {
             #[allow(clippy::too_many_arguments)]
             fn body($($arg: $ty),*) $(-> $ret)? $body
 
+            /// `body` compiled for x86-64-v4.
+            ///
+            /// # Safety
+            /// The CPU supports every feature enabled here (AVX-512 F/BW/DQ/VL, AVX2, FMA, BMI1/2,
+            /// LZCNT, POPCNT); the dispatch below checks with `simd::level()`, which reports
+            /// `Level::Avx512` only when `is_x86_feature_detected!` found them all.
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,bmi1,bmi2,lzcnt,popcnt")]
             #[allow(clippy::too_many_arguments)]
@@ -125,6 +137,12 @@ macro_rules! multiversion {
                 body($($arg),*)
             }
 
+            /// `body` compiled for x86-64-v3.
+            ///
+            /// # Safety
+            /// The CPU supports every feature enabled here (AVX2, FMA, BMI1/2, LZCNT, POPCNT);
+            /// the dispatch below checks with `simd::level()`, which reports `Level::Avx2` or
+            /// higher only when `is_x86_feature_detected!` found them all.
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma,bmi1,bmi2,lzcnt,popcnt")]
             #[allow(clippy::too_many_arguments)]

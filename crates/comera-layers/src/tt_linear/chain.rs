@@ -14,7 +14,7 @@
 //! N·r² multiply-adds), too small to thread one by one, so side by side is how they use two
 //! cores; the bits do not depend on the thread count.
 
-use super::pool::Scratch;
+use super::pool::{Lease, Lent, Scratch};
 use comera_tensor::{matmul_serial, MatMut, MatRef, TtShape};
 
 /// The chain layout of one layer: the lengths of its chain products and of their gradient
@@ -30,6 +30,63 @@ pub(crate) struct Chains {
     /// [dL, dL scratch, dR, dR scratch]: dL (N × r_p) goes into the first (see `seed_grads`)
     /// before `peel`, dR (r_p × M) into the third.
     grads: Vec<usize>,
+}
+
+/// One layer's [`Chains`] with the two leases its products and their gradient scratch are lent
+/// from: what the merged and dense paths hold (the shared-input block leases several layers'
+/// chains at once instead).
+#[derive(Debug)]
+pub(crate) struct LeasedChains {
+    chains: Chains,
+    products: Lease,
+    grads: Lease,
+}
+
+impl LeasedChains {
+    pub fn new(shape: &TtShape) -> LeasedChains {
+        let chains = Chains::new(shape);
+        LeasedChains {
+            products: Lease::new(chains.product_lens().to_vec()),
+            grads: Lease::new(chains.grad_lens().to_vec()),
+            chains,
+        }
+    }
+
+    /// Bytes borrowed from the thread's pool during a backward call.
+    pub fn bytes(&self) -> usize {
+        self.products.bytes() + self.grads.bytes()
+    }
+
+    /// Borrows the chain products from the thread's pool (and, for a backward, `grads`, their
+    /// gradient scratch: products first) and builds the chains from the gated cores `h`.
+    pub fn build(&mut self, shape: &TtShape, h: &[Scratch], grads: bool) -> BuiltChains<'_> {
+        let mut built = BuiltChains {
+            chains: &self.chains,
+            products: self.products.acquire(),
+            grads: grads.then(|| self.grads.acquire()),
+        };
+        built.lent().build(shape, h);
+        built
+    }
+}
+
+/// Built chains in buffers lent by [`LeasedChains::build`], handed back to the pool when
+/// dropped (the gradient scratch first).
+pub(crate) struct BuiltChains<'a> {
+    chains: &'a Chains,
+    grads: Option<Lent<'a>>,
+    products: Lent<'a>,
+}
+
+impl BuiltChains<'_> {
+    /// The chains (see [`Chains::lent`]; without gradient scratch in a forward).
+    pub fn lent(&mut self) -> LentChains<'_> {
+        let grads: &mut [Scratch] = match &mut self.grads {
+            Some(g) => g,
+            None => &mut [],
+        };
+        self.chains.lent(&mut self.products, grads)
+    }
 }
 
 /// One layer's chains in lent buffers (see [`Chains::lent`]).

@@ -1,7 +1,7 @@
 //! Dense path: W = L·R (N × M), Y = X·W. Backward: dX = dY·Wᵀ, dW = Xᵀ·dY, dL = dW·Rᵀ,
 //! dR = Lᵀ·dW, then peel both chains. Wins only when ranks are high relative to the modes.
 
-use super::chain::{Chains, LentChains};
+use super::chain::{LeasedChains, LentChains};
 use super::pool::{Lease, Scratch};
 use comera_tensor::{matmul, MatMut, MatRef, TtShape};
 
@@ -9,20 +9,15 @@ use comera_tensor::{matmul, MatMut, MatRef, TtShape};
 /// and the backward rebuilds the chains and W.
 #[derive(Debug)]
 pub(crate) struct Dense {
-    chains: Chains,
-    products: Lease, // the chain products
-    grads: Lease,    // their gradient scratch
-    w: Lease,        // [W (N × M), dW (N × M)]
+    chains: LeasedChains,
+    w: Lease, // [W (N × M), dW (N × M)]
 }
 
 impl Dense {
     pub fn new(shape: &TtShape) -> Dense {
         let nm = shape.in_features() * shape.out_features();
-        let chains = Chains::new(shape);
         Dense {
-            products: Lease::new(chains.product_lens().to_vec()),
-            grads: Lease::new(chains.grad_lens().to_vec()),
-            chains,
+            chains: LeasedChains::new(shape),
             w: Lease::new(vec![nm, nm]),
         }
     }
@@ -34,7 +29,7 @@ impl Dense {
 
     /// Bytes borrowed from the thread's pool during a backward call.
     pub fn scratch_bytes(&self) -> usize {
-        self.products.bytes() + self.grads.bytes() + self.w.bytes()
+        self.chains.bytes() + self.w.bytes()
     }
 
     pub fn forward(
@@ -46,10 +41,9 @@ impl Dense {
         y: &mut [f32],
     ) {
         let (n, m) = (shape.in_features(), shape.out_features());
-        let mut products = self.products.acquire();
-        let mut chains = self.chains.lent(&mut products, &mut []);
+        let mut built = self.chains.build(shape, h, false);
         let mut w = self.w.acquire();
-        build_w(shape, h, &mut chains, &mut w[0]);
+        product_w(shape, &built.lent(), &mut w[0]);
         matmul(
             MatMut::new(y, batch, m),
             MatRef::new(x, batch, n),
@@ -71,13 +65,13 @@ impl Dense {
     ) {
         let (n, m, rp) = super::sizes(shape);
         let dy = MatRef::new(dy, batch, m);
-        let (mut products, mut grads) = (self.products.acquire(), self.grads.acquire());
-        let mut chains = self.chains.lent(&mut products, &mut grads);
+        let mut built = self.chains.build(shape, h, true);
+        let mut chains = built.lent();
         let mut lent_w = self.w.acquire();
         let [w, dw] = &mut lent_w[..] else {
             unreachable!("two buffers")
         };
-        build_w(shape, h, &mut chains, w);
+        product_w(shape, &chains, w);
         if let Some(dx) = dx {
             matmul(
                 MatMut::new(dx, batch, n),
@@ -100,10 +94,9 @@ impl Dense {
     }
 }
 
-/// Builds the chains from the gated cores `h`, then W = L·R into `w`.
-fn build_w(shape: &TtShape, h: &[Scratch], chains: &mut LentChains<'_>, w: &mut [f32]) {
+/// W = L·R into `w`, from built chains.
+fn product_w(shape: &TtShape, chains: &LentChains<'_>, w: &mut [f32]) {
     let (n, m, rp) = super::sizes(shape);
-    chains.build(shape, h);
     matmul(
         MatMut::new(w, n, m),
         MatRef::new(chains.l(), n, rp),

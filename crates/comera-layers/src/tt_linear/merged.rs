@@ -15,7 +15,7 @@
 //! the other task the rest, so both cores pull X. Each row of dL is the same sum either way
 //! (the narrow kernel's rows do not depend on how they are split), so the bits do not change.
 
-use super::chain::Chains;
+use super::chain::LeasedChains;
 use super::pool::{Lease, Scratch};
 use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
 
@@ -45,21 +45,16 @@ pub(crate) fn paired(shape: &TtShape, batch: usize) -> bool {
 /// borrowed for each call; the backward rebuilds the chains.
 #[derive(Debug)]
 pub(crate) struct Merged {
-    chains: Chains,
-    products: Lease, // the chain products
-    grads: Lease,    // their gradient scratch
-    t1: Vec<f32>,    // B × r_p
-    u1: Lease,       // [B × r_p]
+    chains: LeasedChains,
+    t1: Vec<f32>, // B × r_p
+    u1: Lease,    // [B × r_p]
 }
 
 impl Merged {
     pub fn new(shape: &TtShape, batch: usize) -> Merged {
         let rp = shape.middle_rank();
-        let chains = Chains::new(shape);
         Merged {
-            products: Lease::new(chains.product_lens().to_vec()),
-            grads: Lease::new(chains.grad_lens().to_vec()),
-            chains,
+            chains: LeasedChains::new(shape),
             t1: vec![0.0; batch * rp],
             u1: Lease::new(vec![batch * rp]),
         }
@@ -72,7 +67,7 @@ impl Merged {
 
     /// Bytes borrowed from the thread's pool during a backward call.
     pub fn scratch_bytes(&self) -> usize {
-        self.products.bytes() + self.grads.bytes() + self.u1.bytes()
+        self.chains.bytes() + self.u1.bytes()
     }
 
     pub fn forward(
@@ -84,9 +79,8 @@ impl Merged {
         y: &mut [f32],
     ) {
         let (n, m, rp) = super::sizes(shape);
-        let mut products = self.products.acquire();
-        let mut chains = self.chains.lent(&mut products, &mut []);
-        chains.build(shape, h);
+        let mut built = self.chains.build(shape, h, false);
+        let chains = built.lent();
         matmul(
             MatMut::new(&mut self.t1, batch, rp),
             MatRef::new(x, batch, n),
@@ -114,9 +108,8 @@ impl Merged {
     ) {
         let (n, m, rp) = super::sizes(shape);
         let dy = MatRef::new(dy, batch, m);
-        let (mut products, mut grads) = (self.products.acquire(), self.grads.acquire());
-        let mut chains = self.chains.lent(&mut products, &mut grads);
-        chains.build(shape, h);
+        let mut built = self.chains.build(shape, h, true);
+        let mut chains = built.lent();
         let mut u1 = self.u1.acquire();
         let (l, r, dl, dr) = chains.seed_grads();
         let (l, r) = (MatRef::new(l, n, rp), MatRef::new(r, rp, m));

@@ -20,7 +20,7 @@ pub use pool::{clear_pool as clear_scratch_pool, pooled_bytes as scratch_pool_by
 use pool::{Lease, Scratch};
 pub use shared::SharedInput;
 
-use crate::compress::{self, Compressible, Retained};
+use crate::compress;
 use crate::{
     accumulate_bias_grad, add_bias, check_len, Layer, LayerError, Param, ParamKind, RankGates,
 };
@@ -28,6 +28,53 @@ use comera_plan::{ContractionPlan, CostModel, Pass, TtPath};
 use comera_tensor::{init, matmul, MatMut, MatRef, TtShape};
 
 /// A TT linear layer `Y = X·W + b`.
+///
+/// A 16 → 16 layer over in modes `[4, 4]` and out modes `[4, 4]` at rank 3: its forward is
+/// `X·W + b` with W the dense weight its cores represent, and its backward writes
+/// `dX = dY·Wᵀ` and accumulates every core's gradient.
+///
+/// ```
+/// use comera_layers::{Layer, RankGates, TtLinear};
+/// use comera_tensor::{init, TtShape};
+///
+/// let mut rng = init::rng(1);
+/// let shape = TtShape::uniform(&[4, 4], &[4, 4], 3)?;
+/// let mut layer = TtLinear::new("fc", shape, RankGates::default(), &mut rng)?;
+/// init::fill_normal(&mut rng, &mut layer.bias.value, 0.1);
+/// let (batch, n, m) = (2, layer.in_features(), layer.out_features());
+/// let mut x = vec![0.0; batch * n];
+/// init::fill_normal(&mut rng, &mut x, 1.0);
+///
+/// // Scratch, saved intermediates and the contraction plan for this batch, made once.
+/// let mut ws = layer.workspace(batch);
+/// let mut y = vec![0.0; batch * m];
+/// layer.forward(&mut ws, &x, &mut y);
+///
+/// let w = layer.dense_weight(); // N × M, row-major
+/// let close = |got: f32, want: f64| (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs());
+/// for b in 0..batch {
+///     for j in 0..m {
+///         let want: f64 = layer.bias.value[j] as f64
+///             + (0..n).map(|i| x[b * n + i] as f64 * w[i * m + j] as f64).sum::<f64>();
+///         assert!(close(y[b * m + j], want));
+///     }
+/// }
+///
+/// // Backward with dY = 1: dX = dY·Wᵀ; the gradients (zeroed by `zero_grad`) accumulate.
+/// let dy = vec![1.0; batch * m];
+/// let mut dx = vec![0.0; batch * n];
+/// layer.zero_grad();
+/// layer.backward(&mut ws, &x, &dy, Some(&mut dx));
+/// for b in 0..batch {
+///     for i in 0..n {
+///         let want: f64 = (0..m).map(|j| w[i * m + j] as f64).sum();
+///         assert!(close(dx[b * n + i], want));
+///     }
+/// }
+/// assert!(layer.cores.iter().all(|c| c.grad.iter().any(|&g| g != 0.0)));
+/// assert_eq!(layer.bias.grad, vec![batch as f32; m]);
+/// # Ok::<(), comera_layers::LayerError>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct TtLinear {
     shape: TtShape,
@@ -225,53 +272,11 @@ impl TtLinear {
     }
 }
 
-impl Compressible for TtLinear {
-    fn layer_name(&self) -> &str {
-        compress::layer_name(&self.cores)
-    }
-    fn ranks(&self) -> Vec<usize> {
-        self.shape.ranks().to_vec()
-    }
-    fn active_ranks(&self) -> Vec<usize> {
-        compress::active_ranks(self.rule, &self.gates)
-    }
-    fn size_l0(&self) -> f64 {
-        TtLinear::size_l0(self)
-    }
-    fn size_l1(&self) -> f64 {
-        TtLinear::size_l1(self)
-    }
-    fn accumulate_size_l1_grad(&mut self, scale: f32) {
-        TtLinear::accumulate_size_l1_grad(self, scale)
-    }
-    fn dense_params(&self) -> usize {
-        self.shape.in_features() * self.shape.out_features()
-    }
-    fn is_dead(&self) -> bool {
-        self.dead || self.active_ranks().contains(&0)
-    }
-    fn truncate(&mut self) -> Vec<Retained> {
-        let (ranks, changed, dead) =
-            compress::truncate_chain(self.rule, &mut self.cores, &mut self.gates);
-        self.shape = TtShape::new(self.shape.in_modes(), self.shape.out_modes(), &ranks)
-            .expect("truncated ranks are positive with unit ends");
-        self.dead |= dead;
-        changed
-    }
-    fn normalise_gates(&mut self) {
-        compress::normalise_gates(self.rule, &mut self.cores, &mut self.gates)
-    }
-    fn keep_min_rank(&mut self, min_rank: usize) {
-        compress::keep_min_rank(self.rule, &mut self.gates, min_rank)
-    }
-    fn set_ranks(&mut self, ranks: &[usize]) -> Result<(), LayerError> {
-        let shape = TtShape::new(self.shape.in_modes(), self.shape.out_modes(), ranks)?;
-        let shapes = (0..shape.n_cores()).map(|c| shape.core_shape(c).to_vec());
-        compress::reset_chain(&mut self.cores, &mut self.gates, ranks, shapes);
-        self.shape = shape;
-        Ok(())
-    }
-}
+compress::impl_compressible!(
+    TtLinear,
+    dense_params: |s| s.in_features() * s.out_features(),
+    with_ranks: |s, ranks| TtShape::new(s.in_modes(), s.out_modes(), ranks),
+);
 
 /// (N, M, r_p) of `shape`: the input and output widths and the middle rank, the sizes of
 /// L (N × r_p) and R (r_p × M).
