@@ -6,6 +6,7 @@
 //!   `AnyRunConfig`), errors naming the file and field;
 //! - [`task`]: the [`task::Task`] trait and its encoder and CTR implementations, evaluation;
 //! - [`trainer`]: the loop ([`train`], [`train_dlrm`], [`resume`]) and `TrainSummary`;
+//! - [`error`]: the crate's [`Error`] (typed, with the lower crates' errors as sources);
 //! - [`checkpoint`]: checkpoints with exact resume;
 //! - [`run_dir`]: a run directory's identity, lock, fresh start or resume;
 //! - [`observe`]: typed metrics records, the loop's events and observers (a library user's
@@ -24,6 +25,7 @@ pub mod config;
 pub mod console;
 pub mod data;
 pub mod distributed;
+pub mod error;
 pub mod files;
 pub mod infer;
 pub mod interrupt;
@@ -34,6 +36,7 @@ pub mod task;
 pub mod trainer;
 
 pub use comera_optim::rank;
+pub use error::{BoxError, Error, Result};
 pub use config::{AnyRunConfig, DataConfig, DlrmRunConfig, Overrides, RunConfig, TrainConfig};
 pub use files::{load_model, load_saved, save_model, write_atomic, ModelMeta, SavedModel};
 pub use rank::{RankConfig, RankController};
