@@ -85,6 +85,12 @@ pub enum Error {
     /// A tokenizer or vocabulary.
     #[error(transparent)]
     Tokenizer(#[from] comera_data::tokenizer::TokenizerError),
+    /// A file of labelled examples.
+    #[error(transparent)]
+    Load(#[from] comera_data::loaders::LoadError),
+    /// Token ids out of an embedding's range.
+    #[error(transparent)]
+    Embedding(#[from] comera_layers::embedding::EmbeddingError),
     /// A masked-LM corpus.
     #[error(transparent)]
     Corpus(#[from] comera_data::corpus::CorpusError),
@@ -100,6 +106,9 @@ pub enum Error {
     /// A value that cannot be written or read as JSON.
     #[error(transparent)]
     Json(#[from] serde_json::Error),
+    /// The DLRM's data (comera-dlrm's preparation and batching), passed on as it is.
+    #[error(transparent)]
+    DlrmData(BoxError),
     /// A data set that cannot be fetched.
     #[error(transparent)]
     Fetch(#[from] comera_data::fetch::FetchError),
