@@ -33,22 +33,28 @@ impl Reporter {
     }
 
     /// Opens the metrics log: a fresh one, or a resumed run's, cut back to the checkpoint's
-    /// `step`; returns the kept records (the curves already hold them).
+    /// `step` (its records go to the curves). Returns the best validation score so far (AUC,
+    /// or accuracy) and its epoch.
     pub(super) fn open_log(
         &mut self,
         path: &Path,
         resumed_at: Option<u64>,
-    ) -> anyhow::Result<Vec<Record>> {
+    ) -> anyhow::Result<(f64, usize)> {
+        let mut best = (f64::NEG_INFINITY, 0);
         let Some(step) = resumed_at else {
             self.log = Some(MetricsLog::create(path)?);
-            return Ok(Vec::new());
+            return Ok(best);
         };
-        let kept = metrics_up_to(path, step)?;
-        for r in &kept {
-            self.curves.add(r);
+        for r in metrics_up_to(path, step)? {
+            if let Record::Eval(e) = &r {
+                if e.score() > best.0 {
+                    best = (e.score(), e.epoch);
+                }
+            }
+            self.curves.add(&r);
         }
         self.log = Some(MetricsLog::append(path)?);
-        Ok(kept)
+        Ok(best)
     }
 
     /// Writes a record to the metrics log and the curves, and tells the observers.
@@ -140,87 +146,77 @@ impl Curves {
         }
     }
 
-    /// Rank evolution, compression and loss over steps.
+    /// Rank evolution, compression and loss over steps, the stage switch marked.
     fn plot_ranks(&self, path: &Path, loss_name: &str) -> anyhow::Result<()> {
-        let s = |name: &str, pts: &Vec<(f64, f64)>| Series {
-            name: name.into(),
-            points: pts.clone(),
-        };
         let marks: Vec<(f64, String)> = self
             .late_from
             .map(|x| (x, "late stage".to_string()))
             .into_iter()
             .collect();
+        let rank_series = self.ranks.iter().map(|(n, p)| series(n, p)).collect();
+        let compression = vec![series("whole model", &self.model_ratio)];
         let panels = [
-            Panel {
-                title: "mean active rank per layer".into(),
-                x_label: "step".into(),
-                y_label: "rank".into(),
-                series: self.ranks.iter().map(|(n, p)| s(n, p)).collect(),
-                log_y: false,
-                marks: marks.clone(),
-                ..Default::default()
-            },
-            Panel {
-                title: "compression of the whole model".into(),
-                x_label: "step".into(),
-                y_label: "dense / trainable parameters".into(),
-                series: vec![s("whole model", &self.model_ratio)],
-                log_y: true,
-                marks: marks.clone(),
-                ..Default::default()
-            },
-            Panel {
-                title: "loss".into(),
-                x_label: "step".into(),
-                y_label: loss_name.into(),
-                series: vec![s("train", &self.train_loss), s("valid", &self.valid_loss)],
-                log_y: false,
-                marks: marks.clone(),
-                ..Default::default()
-            },
-        ];
+            panel("mean active rank per layer", "rank", rank_series, false),
+            panel(
+                "compression of the whole model",
+                "dense / trainable parameters",
+                compression,
+                true,
+            ),
+            self.loss_panel(loss_name),
+        ]
+        .map(|p| Panel {
+            marks: marks.clone(),
+            ..p
+        });
         plot_panels(path, &panels, 1300, 380)?;
         Ok(())
     }
 
     /// Loss and accuracy (and AUC for a binary task) over steps.
     fn plot(&self, path: &Path, loss_name: &str) -> anyhow::Result<()> {
-        let s = |name: &str, pts: &Vec<(f64, f64)>| Series {
-            name: name.into(),
-            points: pts.clone(),
-        };
+        let accuracy = vec![
+            series("train", &self.train_acc),
+            series("valid", &self.valid_acc),
+        ];
         let mut panels = vec![
-            Panel {
-                title: "loss".into(),
-                x_label: "step".into(),
-                y_label: loss_name.into(),
-                series: vec![s("train", &self.train_loss), s("valid", &self.valid_loss)],
-                log_y: false,
-                ..Default::default()
-            },
-            Panel {
-                title: "accuracy".into(),
-                x_label: "step".into(),
-                y_label: "accuracy".into(),
-                series: vec![s("train", &self.train_acc), s("valid", &self.valid_acc)],
-                log_y: false,
-                ..Default::default()
-            },
+            self.loss_panel(loss_name),
+            panel("accuracy", "accuracy", accuracy, false),
         ];
         if !self.valid_auc.is_empty() {
-            panels.push(Panel {
-                title: "validation AUC".into(),
-                x_label: "step".into(),
-                y_label: "AUC".into(),
-                series: vec![s("valid", &self.valid_auc)],
-                log_y: false,
-                ..Default::default()
-            });
+            let auc = vec![series("valid", &self.valid_auc)];
+            panels.push(panel("validation AUC", "AUC", auc, false));
         }
         let width = 450 * panels.len() as u32;
         plot_panels(path, &panels, width, 360)?;
         Ok(())
+    }
+
+    fn loss_panel(&self, loss_name: &str) -> Panel {
+        let loss = vec![
+            series("train", &self.train_loss),
+            series("valid", &self.valid_loss),
+        ];
+        panel("loss", loss_name, loss, false)
+    }
+}
+
+fn series(name: &str, points: &[(f64, f64)]) -> Series {
+    Series {
+        name: name.into(),
+        points: points.to_vec(),
+    }
+}
+
+/// A panel over steps.
+fn panel(title: &str, y_label: &str, series: Vec<Series>, log_y: bool) -> Panel {
+    Panel {
+        title: title.into(),
+        x_label: "step".into(),
+        y_label: y_label.into(),
+        series,
+        log_y,
+        ..Default::default()
     }
 }
 

@@ -109,29 +109,10 @@ impl<'t, T: Task> Loop<'t, T> {
         } = setup;
         let t0 = Instant::now();
         let initial_params = model.num_params();
-        if let Some(ck) = &resume {
-            // The checkpoint's (possibly truncated) ranks first: the optimiser's state follows.
-            ck.load_params(&mut model)?;
-        }
         // The learning rate shown in log lines: the TT cores' (the rest scale alike).
         let lr_cores = optim.lr_cores;
-        let mut optimizer = Optimizer::new(optim, galore, &mut model);
-        let (rank, prog) = match &resume {
-            Some(ck) => {
-                optimizer
-                    .restore(&ck.optimizer, &mut |n, b| ck.opt_fill(n, b), &mut model)
-                    .with_context(|| format!("{}", ck.path.display()))?;
-                (ck.rank.clone(), ck.progress.clone())
-            }
-            None => {
-                let rank = RankController::new(&rank_cfg, &model);
-                let prog = Progress {
-                    ranks_start: rank::layer_ranks(&model),
-                    ..Progress::default()
-                };
-                (rank, prog)
-            }
-        };
+        let (optimizer, rank, prog) =
+            restore(&mut model, optim, galore, &rank_cfg, resume.as_ref())?;
         rep.dense_params = model.dense_equivalent_params();
         rep.say(format!(
             "      {} parameters ({} dense, {:.1}x compression)",
@@ -159,21 +140,14 @@ impl<'t, T: Task> Loop<'t, T> {
             &model,
             &micro_phase(&phases[st_phase], cfg.train.accumulate_steps),
         )?;
-        let mut best = (f64::NEG_INFINITY, 0);
         let resumed = resume.is_some();
-        if writer {
-            let kept = rep.open_log(
+        let best = match writer {
+            true => rep.open_log(
                 &cfg.train.out_dir.join("metrics.jsonl"),
                 resume.map(|_| prog.step),
-            )?;
-            for r in &kept {
-                if let Record::Eval(e) = r {
-                    if e.score() > best.0 {
-                        best = (e.score(), e.epoch);
-                    }
-                }
-            }
-        }
+            )?,
+            false => (f64::NEG_INFINITY, 0),
+        };
         rep.event(&Event::Started {
             total,
             step: prog.step,
@@ -781,6 +755,38 @@ impl<'t, T: Task> Loop<'t, T> {
         self.rep.event(&Event::Finished(&summary));
         Ok(summary)
     }
+}
+
+/// The optimiser and the rank schedule, fresh or as `resume` left them (the checkpoint's
+/// possibly truncated ranks are loaded first: the optimiser's state follows them), and the
+/// progress to go on from.
+fn restore<M: Trainable>(
+    model: &mut M,
+    optim: comera_optim::AdamWConfig,
+    galore: Option<comera_optim::GaLoreConfig>,
+    rank_cfg: &comera_optim::rank::RankConfig,
+    resume: Option<&checkpoint::Checkpoint>,
+) -> anyhow::Result<(Optimizer, RankController, Progress)> {
+    if let Some(ck) = resume {
+        ck.load_params(model)?;
+    }
+    let mut optimizer = Optimizer::new(optim, galore, model);
+    Ok(match resume {
+        Some(ck) => {
+            optimizer
+                .restore(&ck.optimizer, &mut |n, b| ck.opt_fill(n, b), model)
+                .with_context(|| format!("{}", ck.path.display()))?;
+            (optimizer, ck.rank.clone(), ck.progress.clone())
+        }
+        None => {
+            let rank = RankController::new(rank_cfg, model);
+            let prog = Progress {
+                ranks_start: rank::layer_ranks(model),
+                ..Progress::default()
+            };
+            (optimizer, rank, prog)
+        }
+    })
 }
 
 /// Each epoch's phase index and step count (None: a streamed epoch of unknown length), with

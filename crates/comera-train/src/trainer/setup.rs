@@ -34,15 +34,14 @@ fn check_encoder_fits(cfg: &RunConfig, phases: &[Phase], rep: &mut Reporter) -> 
     Ok(())
 }
 
-/// An encoder run (classification, or masked LM on a corpus).
-pub(super) fn encoder(
+/// The encoder's data: a corpus packed for every phase's sequence length (masked LM), or
+/// labelled examples tokenised at the model's.
+fn encoder_data(
     cfg: &RunConfig,
-    start: Start,
+    phases: &[Phase],
     rep: &mut Reporter,
-) -> anyhow::Result<Setup<EncoderTask>> {
-    let phases = cfg.phases();
-    check_encoder_fits(cfg, &phases, rep)?;
-    let data = if cfg.data.source.is_corpus() {
+) -> anyhow::Result<EncoderData> {
+    Ok(if cfg.data.source.is_corpus() {
         let mut corpus = CorpusData::new(&cfg.data, cfg.train.seed)?;
         // Every phase's blocks in one pass over the corpus (or from the cache).
         let seq_lens: Vec<usize> = phases.iter().map(|p| p.seq_len).collect();
@@ -59,7 +58,18 @@ pub(super) fn encoder(
         let d: PreparedData = prepare(&cfg.data, cfg.model.seq_len, cfg.train.seed)?;
         rep.say(format!("data  {}", d.summary));
         EncoderData::Classify(d)
-    };
+    })
+}
+
+/// An encoder run (classification, or masked LM on a corpus).
+pub(super) fn encoder(
+    cfg: &RunConfig,
+    start: Start,
+    rep: &mut Reporter,
+) -> anyhow::Result<Setup<EncoderTask>> {
+    let phases = cfg.phases();
+    check_encoder_fits(cfg, &phases, rep)?;
+    let data = encoder_data(cfg, &phases, rep)?;
     let (vocab_size, vocab) = match &data {
         EncoderData::Classify(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
         EncoderData::Mlm(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
