@@ -249,13 +249,12 @@ fn short(x: f32) -> f64 {
 }
 
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    comera_train::files::write_atomic(path, bytes)
-        .map_err(|e| {
-            ImportError::new(
-                path.display().to_string(),
-                comera_train::error::Chain(&e).to_string(),
-            )
-        })
+    comera_train::files::write_atomic(path, bytes).map_err(|e| {
+        ImportError::new(
+            path.display().to_string(),
+            comera_train::error::Chain(&e).to_string(),
+        )
+    })
 }
 
 /// A Hugging Face BERT read by [`read_hf`]: the dense model and what a run needs besides it.

@@ -21,9 +21,9 @@
 //! what it holds.
 
 use crate::config::AnyRunConfig;
-use crate::files::{digest, le_bytes};
 use crate::error::{BoxError, Error, IoContext, Result};
 use crate::files::TensorError;
+use crate::files::{digest, le_bytes};
 use comera_layers::{Model, Param};
 use comera_optim::rank::{LayerRanks, RankController};
 use comera_optim::OptState;

@@ -100,7 +100,10 @@ impl Bound {
         if value > self.limit {
             return Err(bad(
                 field,
-                format!("{value} is more than the limit {}; {}", self.limit, self.why),
+                format!(
+                    "{value} is more than the limit {}; {}",
+                    self.limit, self.why
+                ),
             ));
         }
         Ok(())
@@ -349,9 +352,10 @@ fn check_names(field: &str, names: &[String]) -> Result<(), ConfigError> {
             )));
         }
         if let Some(j) = names[..i].iter().position(|n| n == name) {
-            return Err(bad(format!("{field}[{i}]"), format!(
-                "{name:?} is also {field}[{j}]; every label needs its own name"
-            )));
+            return Err(bad(
+                format!("{field}[{i}]"),
+                format!("{name:?} is also {field}[{j}]; every label needs its own name"),
+            ));
         }
     }
     Ok(())
@@ -539,9 +543,13 @@ impl RunConfig {
         self.check_bounds()?;
         self.model.validate()?;
         if self.model.seq_len < 2 {
-            return Err(bad("model.seq_len", format!("must be at least 2 ([CLS] and [SEP] take two positions), got {}",
-                self.model.seq_len
-            )));
+            return Err(bad(
+                "model.seq_len",
+                format!(
+                    "must be at least 2 ([CLS] and [SEP] take two positions), got {}",
+                    self.model.seq_len
+                ),
+            ));
         }
         self.optim.validate().map_err(ConfigError::from_message)?;
         self.rank.validate().map_err(ConfigError::from_message)?;
@@ -550,9 +558,10 @@ impl RunConfig {
         }
         let d = &self.data;
         if !(0.0..1.0).contains(&d.valid_fraction) {
-            return Err(bad("data.valid_fraction", format!("must be in [0, 1), got {}",
-                d.valid_fraction
-            )));
+            return Err(bad(
+                "data.valid_fraction",
+                format!("must be in [0, 1), got {}", d.valid_fraction),
+            ));
         }
         let mlm = self.model.head == comera_model::HeadKind::Mlm;
         match (d.source, mlm) {
@@ -563,33 +572,47 @@ impl RunConfig {
                 ))
             }
             (s, true) if !s.is_corpus() => {
-                return Err(bad("model.head", format!("`mlm` needs data.source = \"corpus\" (got `{s}`)"
-                )))
+                return Err(bad(
+                    "model.head",
+                    format!("`mlm` needs data.source = \"corpus\" (got `{s}`)"),
+                ))
             }
             _ => {}
         }
         if mlm {
             if d.corpus.is_empty() {
-                return Err(bad("data.corpus", "give at least one data-set name or path"));
+                return Err(bad(
+                    "data.corpus",
+                    "give at least one data-set name or path",
+                ));
             }
             let p = |x: f64| (0.0..=1.0).contains(&x);
             if !(p(d.select_prob) && d.select_prob > 0.0) {
-                return Err(bad("data.select_prob", format!("must be in (0, 1], got {}",
-                    d.select_prob
-                )));
+                return Err(bad(
+                    "data.select_prob",
+                    format!("must be in (0, 1], got {}", d.select_prob),
+                ));
             }
             if !(p(d.mask_prob) && p(d.random_prob) && d.mask_prob + d.random_prob <= 1.0) {
-                return Err(bad("data.mask_prob + data.random_prob", format!("each in [0, 1], summing to at most 1, got {} + {}",
-                    d.mask_prob, d.random_prob
-                )));
+                return Err(bad(
+                    "data.mask_prob + data.random_prob",
+                    format!(
+                        "each in [0, 1], summing to at most 1, got {} + {}",
+                        d.mask_prob, d.random_prob
+                    ),
+                ));
             }
             d.tokenizer
                 .parse::<comera_data::corpus::TokenizerKind>()
                 .map_err(|e| bad("data.tokenizer", e))?;
             if !["lines", "paragraphs", "wiki", "file"].contains(&d.text_docs.as_str()) {
-                return Err(bad("data.text_docs", format!("`{}` is not one of lines, paragraphs, wiki, file",
-                    d.text_docs
-                )));
+                return Err(bad(
+                    "data.text_docs",
+                    format!(
+                        "`{}` is not one of lines, paragraphs, wiki, file",
+                        d.text_docs
+                    ),
+                ));
             }
         } else {
             d.check_no_corpus_fields()?;
@@ -911,9 +934,10 @@ impl EarlyStopping {
             return Err(bad("train.early_stopping.patience", "must be at least 1"));
         }
         if !(self.min_delta >= 0.0 && self.min_delta.is_finite()) {
-            return Err(bad("train.early_stopping.min_delta", format!("must be a finite number ≥ 0, got {}",
-                self.min_delta
-            )));
+            return Err(bad(
+                "train.early_stopping.min_delta",
+                format!("must be a finite number ≥ 0, got {}", self.min_delta),
+            ));
         }
         Ok(())
     }
@@ -1014,28 +1038,35 @@ impl DlrmRunConfig {
         let d = &self.data;
         let known = ["movielens", "adult", "criteo", "synthetic"];
         if !known.contains(&d.source.as_str()) {
-            return Err(bad("data.source", format!("`{}` is not one of {known:?}",
-                d.source
-            )));
+            return Err(bad(
+                "data.source",
+                format!("`{}` is not one of {known:?}", d.source),
+            ));
         }
         if !(0.0..1.0).contains(&d.valid_fraction) {
-            return Err(bad("data.valid_fraction", format!("must be in [0, 1), got {}",
-                d.valid_fraction
-            )));
+            return Err(bad(
+                "data.valid_fraction",
+                format!("must be in [0, 1), got {}", d.valid_fraction),
+            ));
         }
         if d.mapping.parse::<comera_data::ctr::CatMapping>().is_err() {
-            return Err(bad("data.mapping", format!("`{}` is not `hash` or `modulo`",
-                d.mapping
-            )));
+            return Err(bad(
+                "data.mapping",
+                format!("`{}` is not `hash` or `modulo`", d.mapping),
+            ));
         }
         if d.source == "criteo" && d.train.is_none() {
             return Err(bad("data.train", "the criteo source needs a training file"));
         }
         if !d.table_sizes.is_empty() && d.table_sizes.len() != comera_data::ctr::CRITEO_CATS {
-            return Err(bad("data.table_sizes", format!("Criteo has {} categorical fields, got {} sizes",
-                comera_data::ctr::CRITEO_CATS,
-                d.table_sizes.len()
-            )));
+            return Err(bad(
+                "data.table_sizes",
+                format!(
+                    "Criteo has {} categorical fields, got {} sizes",
+                    comera_data::ctr::CRITEO_CATS,
+                    d.table_sizes.len()
+                ),
+            ));
         }
         if d.table_sizes.contains(&0) {
             return Err(bad("data.table_sizes", "every table needs at least 1 row"));
@@ -1047,9 +1078,10 @@ impl DlrmRunConfig {
             return Err(bad("data.zipf_s", format!("must be > 0, got {}", d.zipf_s)));
         }
         if !(0.0..1.0).contains(&d.missing) {
-            return Err(bad("data.missing", format!("must be in [0, 1), got {}",
-                d.missing
-            )));
+            return Err(bad(
+                "data.missing",
+                format!("must be in [0, 1), got {}", d.missing),
+            ));
         }
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! Turning a `[data]` table into tokenised, fixed-length training and validation sets.
 
-use crate::config::{DataConfig, DataSource};
 use crate::config::ConfigError;
+use crate::config::{DataConfig, DataSource};
 use crate::error::{Error, IoContext, Result};
 use comera_data::corpus::{
     pack_corpus_lengths, Corpus, CorpusStats, CorpusTokenizer, PackConfig, PackedCorpus,
@@ -39,11 +39,13 @@ pub fn vocab_path(cfg: &DataConfig) -> Result<PathBuf> {
 }
 
 fn required<'a, T>(v: &'a Option<T>, field: &str, source: DataSource) -> Result<&'a T> {
-    v.as_ref()
-        .ok_or_else(|| {
-            ConfigError::new(format!("data.{field}"), format!("required for source `{source}`"))
-                .into()
-        })
+    v.as_ref().ok_or_else(|| {
+        ConfigError::new(
+            format!("data.{field}"),
+            format!("required for source `{source}`"),
+        )
+        .into()
+    })
 }
 
 fn file_spec(cfg: &DataConfig, format: Delimited) -> Result<TableSpec> {
@@ -74,7 +76,9 @@ fn load_file(cfg: &DataConfig, path: &Path) -> Result<LoadedSet> {
             )?
         }
         other => {
-            return Err(ConfigError::new("data.source", format!("`{other}` does not read files")).into())
+            return Err(
+                ConfigError::new("data.source", format!("`{other}` does not read files")).into(),
+            )
         }
     })
 }
@@ -84,17 +88,18 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedDa
     let cache = cache_dir(cfg);
     let (train_set, valid_set): (LoadedSet, Option<LoadedSet>) = match cfg.source {
         DataSource::Reviews => {
-            let label = match cfg.label.as_deref().unwrap_or("recommended") {
-                "recommended" => ReviewLabel::Recommended,
-                "rating" => ReviewLabel::Rating,
-                other => {
-                    return Err(ConfigError::new(
+            let label =
+                match cfg.label.as_deref().unwrap_or("recommended") {
+                    "recommended" => ReviewLabel::Recommended,
+                    "rating" => ReviewLabel::Rating,
+                    other => return Err(ConfigError::new(
                         "data.label",
-                        format!("`{other}` is not a review label (expected `recommended` or `rating`)"),
+                        format!(
+                            "`{other}` is not a review label (expected `recommended` or `rating`)"
+                        ),
                     )
-                    .into())
-                }
-            };
+                    .into()),
+                };
             (load_reviews(&fetch("reviews", &cache)?, label)?, None)
         }
         DataSource::MovieSnippets => (
@@ -133,13 +138,19 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedDa
         }
     };
     let label_names = match &cfg.label_names {
-        Some(names) if names.len() != train_set.label_names.len() => return Err(ConfigError::new("data.label_names", format!(
-            "{} names for the {} labels of source `{}` ({:?})",
-            names.len(),
-            train_set.label_names.len(),
-            cfg.source,
-            train_set.label_names
-        )).into()),
+        Some(names) if names.len() != train_set.label_names.len() => {
+            return Err(ConfigError::new(
+                "data.label_names",
+                format!(
+                    "{} names for the {} labels of source `{}` ({:?})",
+                    names.len(),
+                    train_set.label_names.len(),
+                    cfg.source,
+                    train_set.label_names
+                ),
+            )
+            .into())
+        }
         Some(names) => names.clone(),
         None => train_set.label_names.clone(),
     };
@@ -155,10 +166,15 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedDa
         valid.truncate(cfg.max_valid);
     }
     if train.is_empty() {
-        return Err(Error::data(format!("data: no training examples (source `{}`)", cfg.source)));
+        return Err(Error::data(format!(
+            "data: no training examples (source `{}`)",
+            cfg.source
+        )));
     }
     if valid.is_empty() {
-        return Err(Error::data("data: no validation examples (set data.valid or a positive data.valid_fraction)"));
+        return Err(Error::data(
+            "data: no validation examples (set data.valid or a positive data.valid_fraction)",
+        ));
     }
     let pair = train.iter().any(|e| e.text_b.is_some());
     let vocab = vocab_path(cfg)?;
@@ -471,8 +487,7 @@ fn load_cached(train: &Path, valid: &Path, stats: &Path) -> Option<PackedCorpus>
 /// stats file means complete blocks).
 fn save_cached(p: &PackedCorpus, train: &Path, valid: &Path, stats: &Path) -> Result<()> {
     if let Some(dir) = train.parent() {
-        std::fs::create_dir_all(dir)
-            .io(dir, "cannot create")?;
+        std::fs::create_dir_all(dir).io(dir, "cannot create")?;
     }
     p.train.save(train)?;
     p.valid.save(valid)?;

@@ -474,9 +474,8 @@ pub fn load_weights(
 ) -> Result<()> {
     let bytes = comera_data::read_regular(wpath).io(wpath, "cannot read")?;
     let named = |e: BoxError| Error::model_with(wpath.display().to_string(), e);
-    let incomplete = |e: safetensors::SafeTensorError| {
-        named(Box::new(crate::checkpoint::Defect::Incomplete(e)))
-    };
+    let incomplete =
+        |e: safetensors::SafeTensorError| named(Box::new(crate::checkpoint::Defect::Incomplete(e)));
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(incomplete)?;
     let st = SafeTensors::deserialize(&bytes).map_err(incomplete)?;
     let saved_sha = header

@@ -3,13 +3,13 @@
 //! [`fill_mask`] for a masked-LM encoder, [`predict_clicks`] for a DLRM).
 
 use crate::checkpoint::Checkpoint;
+use crate::config::ConfigError;
 use crate::config::{AnyRunConfig, DataSource};
 use crate::data::{prepare, CorpusData};
+use crate::error::{Error, Result};
 use crate::files::{load_saved, DlrmMeta, ModelMeta, SavedModel, MODEL_META};
 use crate::task::{evaluate_classifier, evaluate_ctr, evaluate_mlm, EvalStats};
 use crate::trainer::available_memory_bytes;
-use crate::config::ConfigError;
-use crate::error::{Error, Result};
 use comera_data::ctr::{CatMapping, CriteoReader, CriteoSpec, CtrData};
 use comera_data::BertTokenizer;
 use comera_dlrm::loss::sigmoid;
@@ -20,10 +20,7 @@ use comera_model::{Encoder, HeadKind};
 use std::path::Path;
 
 /// The model of a run directory, or of one of its checkpoints, with the run's config.
-pub fn load_run(
-    run: &Path,
-    checkpoint: Option<&Path>,
-) -> Result<(SavedModel, AnyRunConfig)> {
+pub fn load_run(run: &Path, checkpoint: Option<&Path>) -> Result<(SavedModel, AnyRunConfig)> {
     match checkpoint {
         Some(p) => {
             let ck = Checkpoint::load(p)?;
@@ -132,7 +129,7 @@ fn check_finite_outputs(values: &[f32], model: &dyn Model, what: &str) -> Result
     return Err(Error::model(format!(
         "the model's {what} are not finite ({})",
         non_finite_cause(model)
-    )))
+    )));
 }
 
 /// What [`eval_run`] evaluated.
@@ -168,8 +165,7 @@ pub fn eval_run(
                 d.packed(t)?;
                 let rows = d.masker.max_selected_per_row(t);
                 let batch = clamp_batch(batch, d.packed_ref(t).valid.len(), "held-out blocks")?;
-                let mut st = model
-                    .state_for(batch, t, rows)?;
+                let mut st = model.state_for(batch, t, rows)?;
                 let s = evaluate_mlm(&model, &mut st, &d, &d.packed_ref(t).valid)?;
                 check_finite_loss(&s, &model)?;
                 return Ok((EvalKind::MaskedLm, s));
@@ -198,9 +194,11 @@ pub fn eval_run(
         (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
             let valid = match data {
                 Some(f) => read_criteo(&model, &cfg.data.mapping, f)?,
-                None => comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)
-                    .map_err(|e| Error::DlrmData(e.into()))?
-                    .valid,
+                None => {
+                    comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)
+                        .map_err(|e| Error::DlrmData(e.into()))?
+                        .valid
+                }
             };
             let batch = clamp_batch(batch, valid.len(), "validation examples")?;
             let mut st = model.state(batch);
@@ -208,10 +206,12 @@ pub fn eval_run(
             check_finite_loss(&s, &model)?;
             Ok((EvalKind::Ctr, s))
         }
-        _ => return Err(Error::model(format!(
-            "{}: the model and the run's config.toml are of different kinds",
-            run.display()
-        ))),
+        _ => {
+            return Err(Error::model(format!(
+                "{}: the model and the run's config.toml are of different kinds",
+                run.display()
+            )))
+        }
     }
 }
 
@@ -224,7 +224,7 @@ fn check_finite_loss(s: &EvalStats, model: &dyn Model) -> Result<()> {
         "the evaluation loss is {}: the model's outputs are not finite ({})",
         s.loss,
         non_finite_cause(model)
-    )))
+    )));
 }
 
 /// The evaluation batch: at most the `n` items there are (a larger batch would only allocate
@@ -255,7 +255,10 @@ fn read_criteo(model: &Dlrm, mapping: &str, path: &Path) -> Result<CtrData> {
     };
     let data = CriteoReader::open(path, spec)?.read_all(0)?;
     if data.is_empty() {
-        return Err(Error::model(format!("{}: the input file is empty (no rows)", path.display())));
+        return Err(Error::model(format!(
+            "{}: the input file is empty (no rows)",
+            path.display()
+        )));
     }
     Ok(data)
 }
@@ -278,7 +281,9 @@ pub fn predict_texts(
     for text in texts {
         let enc = if meta.pair {
             let Some((x, y)) = text.split_once('\t') else {
-                return Err(Error::model("this model reads sentence pairs: separate the two texts with a tab"))
+                return Err(Error::model(
+                    "this model reads sentence pairs: separate the two texts with a tab",
+                ));
             };
             tok.encode_pair(x, y, t)?
         } else {
@@ -310,7 +315,9 @@ pub fn fill_mask(
     k: usize,
 ) -> Result<Vec<Vec<(String, f32)>>> {
     if meta.model.head != HeadKind::Mlm {
-        return Err(Error::model("a classifier has no masked-LM head: use it to predict labels"));
+        return Err(Error::model(
+            "a classifier has no masked-LM head: use it to predict labels",
+        ));
     }
     let tok = BertTokenizer::from_vocab_file(&meta.vocab)
         .map_err(|e| Error::model_with(format!("vocabulary {}", meta.vocab.display()), e))?;
@@ -336,8 +343,7 @@ pub fn fill_mask(
     if selected.is_empty() {
         return Err(Error::model(format!("no [MASK] in the text (within its first {t} tokens): write [MASK] where a token is to be predicted")));
     }
-    let mut st = model
-        .state_for(1, t, selected.len())?;
+    let mut st = model.state_for(1, t, selected.len())?;
     let labels: Vec<i32> = (0..t)
         .map(|i| {
             if selected.contains(&(i as u32)) {

@@ -36,8 +36,8 @@ pub mod task;
 pub mod trainer;
 
 pub use comera_optim::rank;
-pub use error::{BoxError, Error, Result};
 pub use config::{AnyRunConfig, DataConfig, DlrmRunConfig, Overrides, RunConfig, TrainConfig};
+pub use error::{BoxError, Error, Result};
 pub use files::{load_model, load_saved, save_model, write_atomic, ModelMeta, SavedModel};
 pub use rank::{RankConfig, RankController};
 pub use task::EvalStats;

@@ -111,8 +111,8 @@ impl RunIdentity {
     /// The text of `dir/config.toml`, checked against the sha256 this identity names.
     pub fn verified_config(&self, dir: &Path) -> Result<String> {
         let config = dir.join("config.toml");
-        let text =
-            comera_data::read_regular_to_string(&config).io(&config, "cannot read the run's config")?;
+        let text = comera_data::read_regular_to_string(&config)
+            .io(&config, "cannot read the run's config")?;
         if sha256_hex(&text) != self.config_sha256 {
             return Err(RunDirError::ConfigChanged { config }.into());
         }
@@ -524,9 +524,7 @@ impl RunLock {
                 }
                 .into());
             }
-            Err(std::fs::TryLockError::Error(e)) => {
-                return Err(Error::io(&path, "cannot lock", e))
-            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(Error::io(&path, "cannot lock", e)),
         }
         file.set_len(0)
             .and_then(|_| write!(file, "{}", std::process::id()))

@@ -3,12 +3,12 @@
 //! classification and masked-LM pre-training ([`EncoderTask`], the encoder) and click-through
 //! prediction ([`CtrTask`], the DLRM).
 
+use crate::config::ConfigError;
 use crate::config::Phase;
 use crate::data::{CorpusData, PreparedData};
 use crate::distributed::Processes;
-use crate::files::{DlrmMeta, ModelMeta};
-use crate::config::ConfigError;
 use crate::error::{Error, Result};
+use crate::files::{DlrmMeta, ModelMeta};
 use comera_data::ctr::{CtrBatch, CtrData};
 use comera_data::mlm::MlmBatches;
 use comera_data::{Batch, Batches, EncodedDataset, MlmBatch};
@@ -435,7 +435,10 @@ impl Task for EncoderTask {
         if len < phase.batch_size {
             return Err(ConfigError::new(
                 "train.batch_size",
-                format!("{} is larger than the {len} training {what}", phase.batch_size),
+                format!(
+                    "{} is larger than the {len} training {what}",
+                    phase.batch_size
+                ),
             )
             .into());
         }
@@ -472,12 +475,7 @@ impl Task for EncoderTask {
         })
     }
 
-    fn evaluate(
-        &self,
-        model: &Encoder,
-        st: &mut EncoderState,
-        phase: &Phase,
-    ) -> Result<EvalStats> {
+    fn evaluate(&self, model: &Encoder, st: &mut EncoderState, phase: &Phase) -> Result<EvalStats> {
         let procs = &mut *self.procs.borrow_mut();
         match &self.data {
             EncoderData::Classify(d) => evaluate_classifier_sharded(model, st, &d.valid, procs),
@@ -626,12 +624,7 @@ impl Task for CtrTask {
         })
     }
 
-    fn evaluate(
-        &self,
-        model: &Dlrm,
-        st: &mut DlrmState,
-        _phase: &Phase,
-    ) -> Result<EvalStats> {
+    fn evaluate(&self, model: &Dlrm, st: &mut DlrmState, _phase: &Phase) -> Result<EvalStats> {
         let procs = &mut *self.procs.borrow_mut();
         Ok(evaluate_ctr_sharded(model, st, &self.valid, procs)?.0)
     }
