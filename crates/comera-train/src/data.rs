@@ -88,18 +88,19 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedDa
     let cache = cache_dir(cfg);
     let (train_set, valid_set): (LoadedSet, Option<LoadedSet>) = match cfg.source {
         DataSource::Reviews => {
-            let label =
-                match cfg.label.as_deref().unwrap_or("recommended") {
-                    "recommended" => ReviewLabel::Recommended,
-                    "rating" => ReviewLabel::Rating,
-                    other => return Err(ConfigError::new(
+            let label = match cfg.label.as_deref().unwrap_or("recommended") {
+                "recommended" => ReviewLabel::Recommended,
+                "rating" => ReviewLabel::Rating,
+                other => {
+                    return Err(ConfigError::new(
                         "data.label",
                         format!(
                             "`{other}` is not a review label (expected `recommended` or `rating`)"
                         ),
                     )
-                    .into()),
-                };
+                    .into())
+                }
+            };
             (load_reviews(&fetch("reviews", &cache)?, label)?, None)
         }
         DataSource::MovieSnippets => (
@@ -385,7 +386,10 @@ impl CorpusData {
                     &entry(t, "valid"),
                     &entry(t, "stats.json"),
                 ) {
-                    say(format!("warning: corpus cache not written: {e:#}"));
+                    say(format!(
+                        "warning: corpus cache not written: {}",
+                        crate::error::Chain(&e)
+                    ));
                 }
                 made.push((t, p));
             }

@@ -800,9 +800,8 @@ mod tests {
             }
         });
         let sha = save_weights(&dir, &model.params()).unwrap();
-        let err = load_weights(&dir.join(MODEL_WEIGHTS), &mut tiny_dlrm(), Some(&sha))
-            .unwrap_err()
-            .to_string();
+        let err = load_weights(&dir.join(MODEL_WEIGHTS), &mut tiny_dlrm(), Some(&sha)).unwrap_err();
+        let err = crate::error::Chain(&err).to_string();
         assert!(err.contains("non-finite") && err.contains(&named), "{err}");
         // The same file with a finite value loads, and checks its digest against model.toml's.
         let good = tiny_dlrm();

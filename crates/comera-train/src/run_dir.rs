@@ -264,9 +264,10 @@ impl Drop for RunDir {
                     self.path.display()
                 ),
                 Err(e) => eprintln!(
-                    "error: {}: the previous run could not be restored from {}: {e:#}",
+                    "error: {}: the previous run could not be restored from {}: {}",
                     self.path.display(),
-                    REPLACED
+                    REPLACED,
+                    Chain(&e)
                 ),
             }
         }

@@ -2,7 +2,7 @@
 //! the observers; lines meant for people as [`Event::Message`]s; the plots and `ranks.md`.
 
 use crate::checkpoint::Progress;
-use crate::error::Error;
+use crate::error::{Chain, Error};
 use crate::files::MetricsLog;
 use crate::observe::{Control, Event, Observer, RanksRecord, Record};
 use crate::plot::{plot_panels, Panel, Series};
@@ -91,11 +91,11 @@ impl Reporter {
     /// is a warning, not an error.
     pub(super) fn plots(&mut self, out: &Path, rank_active: bool, loss_name: &str) {
         if let Err(e) = self.curves.plot(&out.join("curves.png"), loss_name) {
-            self.say(format!("warning: plot not written: {e:#}"));
+            self.say(format!("warning: plot not written: {}", Chain(&e)));
         }
         if rank_active {
             if let Err(e) = self.curves.plot_ranks(&out.join("ranks.png"), loss_name) {
-                self.say(format!("warning: plot not written: {e:#}"));
+                self.say(format!("warning: plot not written: {}", Chain(&e)));
             }
         }
     }
