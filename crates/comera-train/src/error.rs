@@ -22,7 +22,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// A config field or a command-line flag the run cannot use (names the file and field).
     #[error(transparent)]
-    Config(#[from] ConfigError),
+    Config(Box<ConfigError>),
     /// A file or directory that cannot be read, created, listed, …: `PATH: cannot …`, then
     /// the system's reason.
     #[error("{}: {action}", .path.display())]
@@ -35,7 +35,7 @@ pub enum Error {
     },
     /// An atomic write that failed.
     #[error(transparent)]
-    Write(#[from] WriteError),
+    Write(Box<WriteError>),
     /// A file (TOML, JSON) that does not parse: the file, then the parser's reason.
     #[error("{}", .path.display())]
     Parse {
@@ -45,13 +45,13 @@ pub enum Error {
     },
     /// A checkpoint that cannot be read or used.
     #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
+    Checkpoint(Box<CheckpointError>),
     /// A run directory that cannot be created, resumed or locked.
     #[error(transparent)]
-    RunDir(#[from] RunDirError),
+    RunDir(Box<RunDirError>),
     /// A figure that cannot be drawn or written.
     #[error(transparent)]
-    Plot(#[from] PlotError),
+    Plot(Box<PlotError>),
     /// The data: a source, a file of examples, a tokenizer or vocabulary, a batch.
     #[error("{what}")]
     Data {
@@ -84,25 +84,25 @@ pub enum Error {
     Dlrm(#[from] comera_dlrm::DlrmError),
     /// A tokenizer or vocabulary.
     #[error(transparent)]
-    Tokenizer(#[from] comera_data::tokenizer::TokenizerError),
+    Tokenizer(Box<comera_data::tokenizer::TokenizerError>),
     /// A file of labelled examples.
     #[error(transparent)]
-    Load(#[from] comera_data::loaders::LoadError),
+    Load(Box<comera_data::loaders::LoadError>),
     /// Token ids out of an embedding's range.
     #[error(transparent)]
-    Embedding(#[from] comera_layers::embedding::EmbeddingError),
+    Embedding(Box<comera_layers::embedding::EmbeddingError>),
     /// A masked-LM corpus.
     #[error(transparent)]
-    Corpus(#[from] comera_data::corpus::CorpusError),
+    Corpus(Box<comera_data::corpus::CorpusError>),
     /// Click-through data.
     #[error(transparent)]
-    Ctr(#[from] comera_data::ctr::CtrError),
+    Ctr(Box<comera_data::ctr::CtrError>),
     /// Tensors that cannot be serialised as safetensors.
     #[error(transparent)]
-    SafeTensors(#[from] safetensors::SafeTensorError),
+    SafeTensors(Box<safetensors::SafeTensorError>),
     /// A value that cannot be written as TOML.
     #[error(transparent)]
-    TomlSer(#[from] toml::ser::Error),
+    TomlSer(Box<toml::ser::Error>),
     /// A value that cannot be written or read as JSON.
     #[error(transparent)]
     Json(#[from] serde_json::Error),
@@ -111,7 +111,34 @@ pub enum Error {
     DlrmData(BoxError),
     /// A data set that cannot be fetched.
     #[error(transparent)]
-    Fetch(#[from] comera_data::fetch::FetchError),
+    Fetch(Box<comera_data::fetch::FetchError>),
+}
+
+/// `From` for the boxed variants (boxed to keep `Result<T, Error>` small).
+macro_rules! boxed_from {
+    ($($variant:ident($ty:ty),)*) => {
+        $(impl From<$ty> for Error {
+            fn from(e: $ty) -> Error {
+                Error::$variant(Box::new(e))
+            }
+        })*
+    };
+}
+
+boxed_from! {
+    Config(ConfigError),
+    Write(WriteError),
+    Checkpoint(CheckpointError),
+    RunDir(RunDirError),
+    Plot(PlotError),
+    Tokenizer(comera_data::tokenizer::TokenizerError),
+    Corpus(comera_data::corpus::CorpusError),
+    Ctr(comera_data::ctr::CtrError),
+    Fetch(comera_data::fetch::FetchError),
+    Load(comera_data::loaders::LoadError),
+    Embedding(comera_layers::embedding::EmbeddingError),
+    SafeTensors(safetensors::SafeTensorError),
+    TomlSer(toml::ser::Error),
 }
 
 impl Error {

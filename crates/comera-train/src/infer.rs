@@ -126,10 +126,10 @@ fn check_finite_outputs(values: &[f32], model: &dyn Model, what: &str) -> Result
     if values.iter().all(|v| v.is_finite()) {
         return Ok(());
     }
-    return Err(Error::model(format!(
+    Err(Error::model(format!(
         "the model's {what} are not finite ({})",
         non_finite_cause(model)
-    )));
+    )))
 }
 
 /// What [`eval_run`] evaluated.
@@ -206,12 +206,10 @@ pub fn eval_run(
             check_finite_loss(&s, &model)?;
             Ok((EvalKind::Ctr, s))
         }
-        _ => {
-            return Err(Error::model(format!(
-                "{}: the model and the run's config.toml are of different kinds",
-                run.display()
-            )))
-        }
+        _ => Err(Error::model(format!(
+            "{}: the model and the run's config.toml are of different kinds",
+            run.display()
+        ))),
     }
 }
 
@@ -220,11 +218,11 @@ fn check_finite_loss(s: &EvalStats, model: &dyn Model) -> Result<()> {
     if s.loss.is_finite() {
         return Ok(());
     }
-    return Err(Error::model(format!(
+    Err(Error::model(format!(
         "the evaluation loss is {}: the model's outputs are not finite ({})",
         s.loss,
         non_finite_cause(model)
-    )));
+    )))
 }
 
 /// The evaluation batch: at most the `n` items there are (a larger batch would only allocate

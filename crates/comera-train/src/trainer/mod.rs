@@ -127,8 +127,6 @@ pub fn available_memory_bytes() -> f64 {
     free.min((lim.rlim_cur as f64 - used).max(0.0))
 }
 
-/// Refuses an encoder config whose training memory in some phase (estimated before anything
-
 /// The median of `v` (0 when empty).
 fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {

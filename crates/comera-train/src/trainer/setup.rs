@@ -132,9 +132,10 @@ pub(super) fn encoder(
         mcfg.validate()?.describe()
     ));
     if cfg.galore.is_some() && cfg.rank.enabled {
-        rep.say(format!(
+        rep.say(
             "note  GaLore run: rank gates are trained, but pruned slices are not truncated"
-        ));
+                .to_string(),
+        );
     }
     let (run_dir, resume) = start.open(&out, &config_toml)?;
     let t = &cfg.train;
