@@ -135,7 +135,7 @@ impl HfBertConfig {
         ] {
             bound
                 .check(field, value)
-                .map_err(|e| ImportError::new(what, e))?;
+                .map_err(|e| ImportError::new(what, e.to_string()))?;
         }
         let max_positions = SEQ_LEN.limit.min(u(self.max_position_embeddings)) as usize;
         if seq_len == 0 || seq_len > max_positions {

@@ -547,7 +547,7 @@ pub fn export(
                 comera_train::write_atomic(&tmp.join("comera_check.safetensors"), &bytes)?;
                 checked = ids.len() / m.cfg.seq_len;
             }
-            Ok(())
+            Ok::<(), anyhow::Error>(())
         })?;
         let out = out.expect("written by the closure");
         println!(

@@ -249,8 +249,12 @@ fn short(x: f32) -> f64 {
 }
 
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    comera_train::files::write_atomic(path, bytes)
-        .map_err(|e| ImportError::new(path.display().to_string(), format!("{e:#}")))
+    comera_train::files::write_atomic(path, bytes).map_err(|e| {
+        ImportError::new(
+            path.display().to_string(),
+            comera_train::error::Chain(&e).to_string(),
+        )
+    })
 }
 
 /// A Hugging Face BERT read by [`read_hf`]: the dense model and what a run needs besides it.
@@ -747,7 +751,9 @@ pub fn validation_inputs(
     n: usize,
 ) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>, Option<Vec<usize>>)> {
     let what = run_dir.join("config.toml").display().to_string();
-    let bad = |e: anyhow::Error| ImportError::new(&what, format!("{e:#}"));
+    let bad = |e: comera_train::Error| {
+        ImportError::new(&what, comera_train::error::Chain(&e).to_string())
+    };
     let cfg = comera_train::RunConfig::from_file(&run_dir.join("config.toml")).map_err(bad)?;
     let t = enc.cfg.seq_len;
     if enc.cfg.head == HeadKind::Mlm {
