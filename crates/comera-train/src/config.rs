@@ -73,6 +73,12 @@ impl ConfigError {
     }
 }
 
+impl From<comera_optim::SettingError> for ConfigError {
+    fn from(e: comera_optim::SettingError) -> ConfigError {
+        ConfigError::new(e.field, e.reason)
+    }
+}
+
 impl From<comera_model::ConfigError> for ConfigError {
     fn from(e: comera_model::ConfigError) -> ConfigError {
         ConfigError::new(e.field, e.msg)
@@ -551,10 +557,10 @@ impl RunConfig {
                 ),
             ));
         }
-        self.optim.validate().map_err(ConfigError::from_message)?;
-        self.rank.validate().map_err(ConfigError::from_message)?;
+        self.optim.validate()?;
+        self.rank.validate()?;
         if let Some(g) = &self.galore {
-            g.validate().map_err(ConfigError::from_message)?;
+            g.validate()?;
         }
         let d = &self.data;
         if !(0.0..1.0).contains(&d.valid_fraction) {
@@ -1031,9 +1037,9 @@ impl DlrmRunConfig {
         // Bounds first: table layouts are proposed from these numbers.
         self.check_bounds()?;
         self.dlrm.validate().map_err(ConfigError::from_message)?;
-        self.optim.validate().map_err(ConfigError::from_message)?;
+        self.optim.validate()?;
         if let Some(r) = &self.rank {
-            r.validate().map_err(ConfigError::from_message)?;
+            r.validate()?;
         }
         let d = &self.data;
         let known = ["movielens", "adult", "criteo", "synthetic"];
