@@ -141,6 +141,9 @@ impl<'t, T: Task> Loop<'t, T> {
             &micro_phase(&phases[st_phase], cfg.train.accumulate_steps),
         )?;
         let resumed = resume.is_some();
+        if resumed && prog.epoch >= epochs.len() {
+            refuse_finished(&cfg.train.out_dir, epochs.len(), prog.step)?;
+        }
         let best = match writer {
             true => rep.open_log(
                 &cfg.train.out_dir.join("metrics.jsonl"),
@@ -186,22 +189,10 @@ impl<'t, T: Task> Loop<'t, T> {
     }
 
     /// A run whose last checkpoint is its end, killed before its final report, only finishes
-    /// its report (after evaluating again); a run that ended cleanly is not run again.
+    /// its report (after evaluating again). ([`refuse_finished`] refused one that ended.)
     fn finished_training(&mut self) -> crate::Result<bool> {
         if !self.resumed || self.prog.epoch < self.epochs.len() {
             return Ok(false);
-        }
-        let ended = std::fs::read_to_string(self.cfg.train.out_dir.join("report.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-            .is_some_and(|r| r["stopped"] == false);
-        if ended {
-            return Err(Error::run(format!(
-                "{}: the run finished ({} epochs, {} steps); nothing to resume. To train further, start a new run from it with --init-from (encoder) or a new directory",
-                self.cfg.train.out_dir.display(),
-                self.epochs.len(),
-                self.prog.step
-            )));
         }
         self.rep
             .say("the run had finished training; writing its final report".into());
@@ -756,6 +747,22 @@ impl<'t, T: Task> Loop<'t, T> {
         self.rep.event(&Event::Finished(&summary));
         Ok(summary)
     }
+}
+
+/// Refuses to resume a run that ended cleanly (its `report.json` says it was not stopped),
+/// before anything in its directory is touched.
+fn refuse_finished(out: &std::path::Path, epochs: usize, steps: u64) -> crate::Result<()> {
+    let ended = std::fs::read_to_string(out.join("report.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|r| r["stopped"] == false);
+    if ended {
+        return Err(Error::run(format!(
+            "{}: the run finished ({epochs} epochs, {steps} steps); nothing to resume. To train further, start a new run from it with --init-from (encoder) or a new directory",
+            out.display()
+        )));
+    }
+    Ok(())
 }
 
 /// The optimiser and the rank schedule, fresh or as `resume` left them (the checkpoint's
