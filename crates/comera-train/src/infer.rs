@@ -81,8 +81,7 @@ pub fn check_saved_model(run: &Path) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     meta.model
         .estimate_inference_memory(&lay, 1, meta.model.seq_len, 3)
-        .check(available, &what)
-        .map_err(anyhow::Error::msg)?;
+        .check(available, &what)?;
     check_labels(&meta, &path)
 }
 
@@ -279,8 +278,7 @@ pub fn predict_texts(
             &enc.token_type_ids,
             &enc.attention_mask,
             &[0],
-        )
-        .map_err(anyhow::Error::msg)?;
+        )?;
         model.forward(&mut st, false, 0)?;
         let logits = st.logits();
         check_finite_outputs(logits, model, "logits")?;
@@ -338,8 +336,7 @@ pub fn fill_mask(
             }
         })
         .collect();
-    st.load_mlm(&ids, &mask, &labels, &selected)
-        .map_err(anyhow::Error::msg)?;
+    st.load_mlm(&ids, &mask, &labels, &selected)?;
     model.forward(&mut st, false, 0)?;
     let logits = st.logits();
     let width = logits.len() / selected.len().max(1);

@@ -134,8 +134,7 @@ fn check_encoder_fits(cfg: &RunConfig, phases: &[Phase]) -> anyhow::Result<()> {
             .check(
                 available,
                 &format!("training at batch {} × {} tokens", p.batch_size, p.seq_len),
-            )
-            .map_err(|m| anyhow::anyhow!("{m}"))?;
+            )?;
     }
     for w in &lay.warnings {
         eprintln!("warning: {w}");
