@@ -24,8 +24,9 @@
 
 use super::any_linear;
 use super::plan::BlockPlan;
-use super::state::Scratch;
-use super::state::{BlockActs, BlockState, ClsRows, FfnScratch, RowActs, RowScratch, RowWs};
+use super::state::{
+    BlockActs, BlockState, ClsRows, FfnScratch, RowActs, RowScratch, RowWs, Scratch,
+};
 use crate::config::{ConfigError, EncoderConfig, Layouts};
 use comera_layers::activation::Gelu;
 use comera_layers::any::AnyLinear;
