@@ -110,7 +110,7 @@ pub(super) struct BlockPlan {
 }
 
 /// The TT layers of `ls`, if all are TT (without allocating: called every forward).
-fn all_tt<'a, const K: usize>(ls: [&'a AnyLinear; K]) -> Option<[&'a TtLinear; K]> {
+fn all_tt<const K: usize>(ls: [&AnyLinear; K]) -> Option<[&TtLinear; K]> {
     let tt = ls.map(|l| match l {
         AnyLinear::Tt(t) => Some(t),
         _ => None,
