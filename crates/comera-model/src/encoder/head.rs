@@ -23,7 +23,7 @@ pub enum Head {
     Mlm(MlmHead),
 }
 
-/// Pooler + classifier on the [CLS] position (each dense or TT).
+/// Pooler + classifier on the \[CLS\] position (each dense or TT).
 #[derive(Clone, Debug)]
 pub struct ClassifierHead {
     pub pool: AnyLinear,

@@ -4,10 +4,12 @@
 //!
 //! Data flow, on N = B·T rows of width D:
 //!
-//!   x0 = Dropout(LN(word[ids] + pos[t] + type[types]))                       (embeddings)
-//!   x_{l+1} = Block_l(x_l),  l = 0 … L−1                                       ([`block`])
-//!   H = x_L (post-LN), or LN_final(x_L) (pre-LN)                            (last hidden states)
-//!   L = Head(H): classifier on the [CLS] rows, or masked LM on the labelled rows  ([`head`])
+//! ```text
+//! x0 = Dropout(LN(word[ids] + pos[t] + type[types]))               embeddings
+//! x_{l+1} = Block_l(x_l),  l = 0 … L−1                              block.rs
+//! H = x_L (post-LN), or LN_final(x_L) (pre-LN)                      the last hidden states
+//! L = Head(H): classifier on the [CLS] rows, or MLM on labelled rows  head.rs
+//! ```
 //!
 //! and the backward in reverse: the head leaves ∂L/∂H in the flowing gradient, each block maps
 //! ∂L/∂x_{l+1} to ∂L/∂x_l accumulating its gradients, and the embeddings take ∂L/∂x0.
@@ -15,15 +17,17 @@
 //! Files, each with one role:
 //! - `mod.rs` (this): the model [`Encoder`] — construction, parameters, pre-trained bodies, and
 //!   the forward and backward driving the embeddings, the blocks and the head;
-//! - [`block`]: one block's layers and its `block_forward` / `block_backward` pair, with the
-//!   formulas;
-//! - [`head`]: the classifier head and the dispatch to the MLM head ([`crate::mlm_head`]);
-//! - [`state`]: [`EncoderState`], every buffer of a step, and loading a batch into it;
-//! - [`plan`]: the paths the blocks take (LN placement, fused q/k/v, fused FFN, GELU kept,
-//!   recomputation, [CLS] rows), chosen when the state is built.
+//! - `block.rs`: one block's layers ([`Block`]) and its `block_forward` / `block_backward`
+//!   pair, with the formulas;
+//! - `head.rs`: the classifier head ([`ClassifierHead`]) and the dispatch to the MLM head
+//!   ([`crate::mlm_head`]);
+//! - `state.rs`: [`EncoderState`], every buffer of a step, and loading a batch into it
+//!   ([`BatchError`]);
+//! - `plan.rs`: the paths the blocks take (LN placement, fused q/k/v, fused FFN, GELU kept
+//!   ([`KEEP_GELU_MAX_ROWS`]), recomputation, \[CLS\] rows), chosen when the state is built.
 //!
-//! In training a classifier's last block runs past q/k/v on the [CLS] rows only (the head reads
-//! nothing else; see `state::ClsRows`), through the same block code. With recomputation
+//! In training a classifier's last block runs past q/k/v on the \[CLS\] rows only (the head
+//! reads nothing else; see `state::ClsRows`), through the same block code. With recomputation
 //! (`recompute_blocks`) the forward keeps only each block's output and the backward rebuilds a
 //! block's activations from its input (same layers, same dropout masks: same values).
 

@@ -508,7 +508,7 @@ impl EncoderState {
 
     /// The encoder's last hidden states of the last forward, `(batch·seq_len, d_model)`
     /// row-major (after the final LayerNorm for pre-LN models): what BERT calls
-    /// `last_hidden_state`. After a training forward of a classifier only the [CLS] rows
+    /// `last_hidden_state`. After a training forward of a classifier only the \[CLS\] rows
     /// (b·seq_len) are computed (see `ClsRows`); the other rows are stale.
     pub fn hidden(&self) -> &[f32] {
         hidden_of(&self.acts, &self.outs, &self.x_final)
