@@ -227,7 +227,7 @@ pub fn check_import_fits(
             comera_train::trainer::available_memory_bytes(),
             "importing this model",
         )
-        .map_err(|e| ImportError::new(what, e))
+        .map_err(|e| ImportError::new(what, e.to_string()))
 }
 
 /// Balanced 3-factor TT layouts for the encoder's linear layers (inputs largest factor first,

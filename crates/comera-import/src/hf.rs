@@ -606,7 +606,7 @@ pub fn sample_reference(enc: &Encoder, vocab: &str) -> Result<Reference> {
     let (ids, mask) = pad_batch(&r.ids, t);
     let mut st = enc.state(b);
     st.load(&ids, &vec![0; b * t], &mask, &vec![0; b])
-        .map_err(|e| ImportError::new("sample batch", e))?;
+        .map_err(|e| ImportError::new("sample batch", e.to_string()))?;
     enc.forward(&mut st, false, 0)
         .map_err(|e| ImportError::new("sample batch", e.to_string()))?;
     let h = st.hidden();
@@ -704,14 +704,14 @@ pub fn check_file(
     let (logits, width) = match positions {
         None => {
             st.load(ids, types, mask, &vec![0; n])
-                .map_err(|e| ImportError::new("check inputs", e))?;
+                .map_err(|e| ImportError::new("check inputs", e.to_string()))?;
             enc.forward(&mut st, false, 0)
                 .map_err(|e| ImportError::new("check inputs", e.to_string()))?;
             (st.logits().to_vec(), enc.cfg.num_labels)
         }
         Some(pos) => {
             st.load_mlm(ids, mask, &vec![-100; n * t], &[])
-                .map_err(|e| ImportError::new("check inputs", e))?;
+                .map_err(|e| ImportError::new("check inputs", e.to_string()))?;
             enc.forward(&mut st, false, 0)
                 .map_err(|e| ImportError::new("check inputs", e.to_string()))?;
             let flat: Vec<usize> = pos.iter().enumerate().map(|(i, &p)| i * t + p).collect();

@@ -79,6 +79,12 @@ pub enum Error {
     /// A model config that cannot build a model (names the field).
     #[error(transparent)]
     ModelConfig(#[from] comera_model::ConfigError),
+    /// A model that would not fit in the memory left.
+    #[error(transparent)]
+    Memory(#[from] comera_model::MemoryError),
+    /// A batch the model's state cannot take (its shape, its token ids).
+    #[error(transparent)]
+    Batch(#[from] comera_model::BatchError),
     /// A DLRM that cannot be built or take a batch.
     #[error(transparent)]
     Dlrm(#[from] comera_dlrm::DlrmError),

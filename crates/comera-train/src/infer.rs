@@ -80,8 +80,7 @@ pub fn check_saved_model(run: &Path) -> Result<()> {
         .map_err(|e| Error::model_with(path.display().to_string(), e))?;
     meta.model
         .estimate_inference_memory(&lay, 1, meta.model.seq_len, 3)
-        .check(available, &what)
-        .map_err(Error::model)?;
+        .check(available, &what)?;
     check_labels(&meta, &path)
 }
 
@@ -292,8 +291,7 @@ pub fn predict_texts(
             &enc.token_type_ids,
             &enc.attention_mask,
             &[0],
-        )
-        .map_err(Error::data)?;
+        )?;
         model.forward(&mut st, false, 0)?;
         let logits = st.logits();
         check_finite_outputs(logits, model, "logits")?;
@@ -351,8 +349,7 @@ pub fn fill_mask(
             }
         })
         .collect();
-    st.load_mlm(&ids, &mask, &labels, &selected)
-        .map_err(Error::data)?;
+    st.load_mlm(&ids, &mask, &labels, &selected)?;
     model.forward(&mut st, false, 0)?;
     let logits = st.logits();
     let width = logits.len() / selected.len().max(1);

@@ -353,13 +353,13 @@ fn load_classify(st: &mut EncoderState, b: &Batch) -> Result<()> {
         &b.token_type_ids,
         &b.attention_mask,
         &b.labels,
-    )
-    .map_err(Error::data)
+    )?;
+    Ok(())
 }
 
 fn load_mlm(st: &mut EncoderState, b: &MlmBatch) -> Result<()> {
-    st.load_mlm(&b.input_ids, &b.attention_mask, &b.labels, &b.selected)
-        .map_err(Error::data)
+    st.load_mlm(&b.input_ids, &b.attention_mask, &b.labels, &b.selected)?;
+    Ok(())
 }
 
 /// The data of an encoder run: labelled examples (classification) or a corpus (masked-LM).

@@ -26,8 +26,7 @@ fn check_encoder_fits(cfg: &RunConfig, phases: &[Phase], rep: &mut Reporter) -> 
             .check(
                 available,
                 &format!("training at batch {} × {} tokens", p.batch_size, p.seq_len),
-            )
-            .map_err(Error::run)?;
+            )?;
     }
     for w in &lay.warnings {
         rep.say(format!("warning: {w}"));
