@@ -317,6 +317,46 @@ impl Default for DataConfig {
 }
 
 impl DataConfig {
+    /// A masked-LM run's corpus fields: a corpus, masking fractions, tokenizer, documents.
+    fn check_corpus_fields(&self) -> Result<(), ConfigError> {
+        let d = self;
+        if d.corpus.is_empty() {
+            return Err(bad(
+                "data.corpus",
+                "give at least one data-set name or path",
+            ));
+        }
+        let p = |x: f64| (0.0..=1.0).contains(&x);
+        if !(p(d.select_prob) && d.select_prob > 0.0) {
+            return Err(bad(
+                "data.select_prob",
+                format!("must be in (0, 1], got {}", d.select_prob),
+            ));
+        }
+        if !(p(d.mask_prob) && p(d.random_prob) && d.mask_prob + d.random_prob <= 1.0) {
+            return Err(bad(
+                "data.mask_prob + data.random_prob",
+                format!(
+                    "each in [0, 1], summing to at most 1, got {} + {}",
+                    d.mask_prob, d.random_prob
+                ),
+            ));
+        }
+        d.tokenizer
+            .parse::<comera_data::corpus::TokenizerKind>()
+            .map_err(|e| bad("data.tokenizer", e))?;
+        if !["lines", "paragraphs", "wiki", "file"].contains(&d.text_docs.as_str()) {
+            return Err(bad(
+                "data.text_docs",
+                format!(
+                    "`{}` is not one of lines, paragraphs, wiki, file",
+                    d.text_docs
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// A classification run refuses the masked-LM fields set to anything but their defaults:
     /// they would be ignored, and a user who set one expects it to do something.
     fn check_no_corpus_fields(&self) -> Result<(), ConfigError> {
@@ -586,40 +626,7 @@ impl RunConfig {
             _ => {}
         }
         if mlm {
-            if d.corpus.is_empty() {
-                return Err(bad(
-                    "data.corpus",
-                    "give at least one data-set name or path",
-                ));
-            }
-            let p = |x: f64| (0.0..=1.0).contains(&x);
-            if !(p(d.select_prob) && d.select_prob > 0.0) {
-                return Err(bad(
-                    "data.select_prob",
-                    format!("must be in (0, 1], got {}", d.select_prob),
-                ));
-            }
-            if !(p(d.mask_prob) && p(d.random_prob) && d.mask_prob + d.random_prob <= 1.0) {
-                return Err(bad(
-                    "data.mask_prob + data.random_prob",
-                    format!(
-                        "each in [0, 1], summing to at most 1, got {} + {}",
-                        d.mask_prob, d.random_prob
-                    ),
-                ));
-            }
-            d.tokenizer
-                .parse::<comera_data::corpus::TokenizerKind>()
-                .map_err(|e| bad("data.tokenizer", e))?;
-            if !["lines", "paragraphs", "wiki", "file"].contains(&d.text_docs.as_str()) {
-                return Err(bad(
-                    "data.text_docs",
-                    format!(
-                        "`{}` is not one of lines, paragraphs, wiki, file",
-                        d.text_docs
-                    ),
-                ));
-            }
+            d.check_corpus_fields()?;
         } else {
             d.check_no_corpus_fields()?;
         }

@@ -83,10 +83,11 @@ fn load_file(cfg: &DataConfig, path: &Path) -> Result<LoadedSet> {
     })
 }
 
-/// Loads, splits and tokenises the configured data.
-pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedData> {
+/// The configured source's labelled examples: a training set, and its own validation set
+/// when the source has one (TREC's test split, a `data.valid` file).
+fn load_sets(cfg: &DataConfig) -> Result<(LoadedSet, Option<LoadedSet>)> {
     let cache = cache_dir(cfg);
-    let (train_set, valid_set): (LoadedSet, Option<LoadedSet>) = match cfg.source {
+    Ok(match cfg.source {
         DataSource::Reviews => {
             let label = match cfg.label.as_deref().unwrap_or("recommended") {
                 "recommended" => ReviewLabel::Recommended,
@@ -137,7 +138,12 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedDa
             let valid = cfg.valid.as_ref().map(|p| load_file(cfg, p)).transpose()?;
             (train, valid)
         }
-    };
+    })
+}
+
+/// Loads, splits and tokenises the configured data.
+pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedData> {
+    let (train_set, valid_set) = load_sets(cfg)?;
     let label_names = match &cfg.label_names {
         Some(names) if names.len() != train_set.label_names.len() => {
             return Err(ConfigError::new(
