@@ -585,15 +585,18 @@ pub enum TokenizerKind {
     Gpt2Bpe,
 }
 
+/// A tokenizer name that [`TokenizerKind`] does not know.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown tokenizer {0:?}: use `wordpiece` (BERT) or `bpe` (GPT-2 byte-level)")]
+pub struct UnknownTokenizer(pub String);
+
 impl std::str::FromStr for TokenizerKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownTokenizer;
+    fn from_str(s: &str) -> Result<Self, UnknownTokenizer> {
         match s {
             "wordpiece" | "bert" => Ok(TokenizerKind::WordPiece),
             "bpe" | "gpt2" | "gpt2-bpe" => Ok(TokenizerKind::Gpt2Bpe),
-            _ => Err(format!(
-                "unknown tokenizer {s:?}: use `wordpiece` (BERT) or `bpe` (GPT-2 byte-level)"
-            )),
+            _ => Err(UnknownTokenizer(s.to_string())),
         }
     }
 }

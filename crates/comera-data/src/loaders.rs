@@ -70,20 +70,29 @@ impl Labels {
         }
     }
 
-    /// The label of `value`, or a description of what was expected.
-    fn map(&self, value: &str) -> Result<usize, String> {
+    /// The label of `value`, or what was expected.
+    fn map(&self, value: &str) -> Result<usize, LabelExpected> {
         let value = value.trim();
         match self {
             Labels::Names(names) | Labels::Coded { values: names, .. } => names
                 .iter()
                 .position(|n| n == value)
-                .ok_or_else(|| format!("one of {names:?}")),
+                .ok_or_else(|| LabelExpected::OneOf(names.clone())),
             Labels::Above(t) | Labels::AboveNamed(t, _) => match value.parse::<f64>() {
                 Ok(v) if !v.is_nan() => Ok(usize::from(v > *t)),
-                _ => Err("a number".to_string()),
+                _ => Err(LabelExpected::Number),
             },
         }
     }
+}
+
+/// What a label field should have held (a [`LoadError::BadLabel`] says "label … is not" this).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LabelExpected {
+    #[error("one of {0:?}")]
+    OneOf(Vec<String>),
+    #[error("a number")]
+    Number,
 }
 
 /// Field separator of a delimited file.
@@ -209,7 +218,7 @@ pub enum LoadError {
         line: u64,
         field: String,
         value: String,
-        expected: String,
+        expected: LabelExpected,
     },
     #[error("{path}:{line}: {detail}")]
     Malformed {

@@ -851,7 +851,7 @@ impl DlrmRunConfig {
     pub fn validate(&self) -> Result<(), String> {
         // Bounds first: table layouts are proposed from these numbers.
         self.check_bounds()?;
-        self.dlrm.validate()?;
+        self.dlrm.validate().map_err(|e| e.to_string())?;
         self.optim.validate()?;
         if let Some(r) = &self.rank {
             r.validate()?;
