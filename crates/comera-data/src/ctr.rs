@@ -40,10 +40,10 @@ const KEEP_MALFORMED: usize = 10;
 /// Errors of the CTR readers; every variant names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum CtrError {
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}:{line}: {detail}")]
     Format {
@@ -496,7 +496,7 @@ impl CriteoReader<BufReader<File>> {
         spec.validate()?;
         let f = open_regular(path).map_err(|source| CtrError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         })?;
         Ok(CriteoReader::new(
             BufReader::with_capacity(1 << 20, f),
@@ -537,10 +537,7 @@ impl<R: BufRead> CriteoReader<R> {
                 .read_line(&mut self.line)
                 .map_err(|e| CtrError::Io {
                     path: self.malformed.path.clone(),
-                    source: std::io::Error::new(
-                        e.kind(),
-                        format!("line {}: {e}", self.line_no + 1),
-                    ),
+                    error: std::io::Error::new(e.kind(), format!("line {}: {e}", self.line_no + 1)),
                 })?;
             if n == 0 {
                 return Ok(None);
@@ -877,7 +874,7 @@ impl TypedTsv {
     fn read(path: &Path) -> Result<TypedTsv, CtrError> {
         let io = |source| CtrError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         };
         let f = open_regular(path).map_err(io)?;
         let mut lines = BufReader::new(f).lines();
@@ -1109,7 +1106,7 @@ pub fn load_adult(path: &Path, label: &str) -> Result<CtrData, CtrError> {
     };
     let file = open_regular(path).map_err(|source| CtrError::Io {
         path: path.to_path_buf(),
-        source,
+        error: source,
     })?;
     let reader = SerializedFileReader::new(file).map_err(pq)?;
     let mut dense_names: Vec<String> = Vec::new();

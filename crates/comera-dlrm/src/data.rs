@@ -19,8 +19,9 @@ pub enum DataError {
     Fetch(#[from] FetchError),
     #[error(transparent)]
     Ctr(#[from] CtrError),
+    /// `data.mapping` names no mapping (the message is whole: no source chain).
     #[error("data.mapping: {0}")]
-    Mapping(#[from] UnknownMapping),
+    Mapping(UnknownMapping),
     /// A `[data]` field missing or unusable for the source.
     #[error("data.{field}: {reason}")]
     Field { field: &'static str, reason: String },
@@ -237,7 +238,10 @@ pub fn prepare(cfg: &CtrDataConfig, seed: u64) -> Result<Prepared, DataError> {
             };
             let spec = CriteoSpec {
                 table_sizes: criteo_sizes(cfg),
-                mapping: cfg.mapping.parse::<CatMapping>()?,
+                mapping: cfg
+                    .mapping
+                    .parse::<CatMapping>()
+                    .map_err(DataError::Mapping)?,
                 max_malformed: cfg.max_malformed,
             };
             let mut vr = CriteoReader::open(&valid_path, spec.clone())?;

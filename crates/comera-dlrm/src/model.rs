@@ -31,7 +31,7 @@ use rayon::prelude::*;
 /// Each message is whole on one line (the cause included), as callers print it with `{}`.
 #[derive(Debug, thiserror::Error)]
 pub enum DlrmError {
-    #[error("{0}")]
+    #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("the data has no dense features; DLRM's bottom MLP needs at least one")]
     NoDenseFeatures,
@@ -68,7 +68,7 @@ pub enum DlrmError {
 pub enum LayoutError {
     #[error("cannot factor dim {dim} into {cores} modes")]
     Factor { dim: usize, cores: usize },
-    #[error("{0}")]
+    #[error(transparent)]
     Shape(#[from] comera_tensor::ShapeError),
 }
 
