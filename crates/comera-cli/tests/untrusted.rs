@@ -5,15 +5,11 @@
 //! an abort or a signal.
 
 mod common;
-use common::{tempdir, write_config, write_data};
+use common::{s, tempdir, write_config, write_data};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 fn comera() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_comera"));

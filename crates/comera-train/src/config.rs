@@ -54,22 +54,17 @@ impl ConfigError {
         }
     }
 
-    /// A `field: reason` message of a crate whose validation returns text (comera-optim,
-    /// comera-dlrm), split into its field and reason.
-    fn from_message(message: String) -> ConfigError {
-        match message.split_once(": ") {
-            Some((field, reason)) if !field.contains(' ') || field.starts_with("--") => {
-                ConfigError::new(field, reason)
-            }
-            _ => ConfigError::new("", message),
-        }
-    }
-
     /// The same error, naming the config `file` and the field's position in its `text`.
     pub fn in_file(mut self, file: &Path, text: &str) -> ConfigError {
         self.position = field_position(text, &self.field);
         self.file = Some(file.to_path_buf());
         self
+    }
+}
+
+impl From<comera_dlrm::config::ConfigError> for ConfigError {
+    fn from(e: comera_dlrm::config::ConfigError) -> ConfigError {
+        ConfigError::new(e.field, e.reason)
     }
 }
 
@@ -344,7 +339,7 @@ impl DataConfig {
         }
         d.tokenizer
             .parse::<comera_data::corpus::TokenizerKind>()
-            .map_err(|e| bad("data.tokenizer", e))?;
+            .map_err(|e| bad("data.tokenizer", e.to_string()))?;
         if !["lines", "paragraphs", "wiki", "file"].contains(&d.text_docs.as_str()) {
             return Err(bad(
                 "data.text_docs",
@@ -1043,7 +1038,7 @@ impl DlrmRunConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         // Bounds first: table layouts are proposed from these numbers.
         self.check_bounds()?;
-        self.dlrm.validate().map_err(ConfigError::from_message)?;
+        self.dlrm.validate()?;
         self.optim.validate()?;
         if let Some(r) = &self.rank {
             r.validate()?;

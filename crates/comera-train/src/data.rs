@@ -229,10 +229,10 @@ impl CorpusData {
     /// Resolves the sources and loads the tokenizer; nothing is read from the corpus yet.
     pub fn new(cfg: &DataConfig, seed: u64) -> Result<CorpusData> {
         let cache = cache_dir(cfg);
-        let kind: TokenizerKind = cfg
+        let kind = cfg
             .tokenizer
-            .parse()
-            .map_err(|e| ConfigError::new("data.tokenizer", e))?;
+            .parse::<TokenizerKind>()
+            .map_err(|e| ConfigError::new("data.tokenizer", e.to_string()))?;
         let (tokenizer, vocab) = match (kind, &cfg.vocab) {
             (TokenizerKind::WordPiece, Some(v)) => (
                 CorpusTokenizer::WordPiece(

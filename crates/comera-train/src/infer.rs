@@ -247,7 +247,7 @@ fn read_criteo(model: &Dlrm, mapping: &str, path: &Path) -> Result<CtrData> {
         table_sizes: sizes,
         mapping: mapping
             .parse::<CatMapping>()
-            .map_err(|e| ConfigError::new("data.mapping", e))?,
+            .map_err(|e| ConfigError::new("data.mapping", e.to_string()))?,
         max_malformed: 0,
     };
     let data = CriteoReader::open(path, spec)?.read_all(0)?;
