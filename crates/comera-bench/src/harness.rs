@@ -296,8 +296,7 @@ impl ClassBatch {
 
     /// Copies the batch into an encoder state made for it.
     pub fn load(&self, st: &mut EncoderState) -> anyhow::Result<()> {
-        st.load(&self.ids, &self.types, &self.mask, &self.labels)
-            .map_err(anyhow::Error::msg)
+        Ok(st.load(&self.ids, &self.types, &self.mask, &self.labels)?)
     }
 }
 
@@ -340,8 +339,7 @@ impl MlmBatch {
 
     /// Copies the batch into an encoder state made for it.
     pub fn load(&self, st: &mut EncoderState) -> anyhow::Result<()> {
-        st.load_mlm(&self.ids, &self.mask, &self.labels, &self.selected)
-            .map_err(anyhow::Error::msg)
+        Ok(st.load_mlm(&self.ids, &self.mask, &self.labels, &self.selected)?)
     }
 }
 

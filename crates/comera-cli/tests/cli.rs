@@ -1,7 +1,8 @@
 //! The `comera` binary end to end.
 
+mod common;
+use common::comera;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn fixtures() -> PathBuf {
     std::env::var("COMERA_FIXTURES")
@@ -9,16 +10,6 @@ fn fixtures() -> PathBuf {
         .unwrap_or_else(|_| {
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../comera-refcase/fixtures")
         })
-}
-
-fn comera(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_comera"))
-        .args(args)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.code().unwrap_or(-1), text)
 }
 
 #[test]

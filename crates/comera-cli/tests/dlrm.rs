@@ -3,30 +3,10 @@
 //! configs give clear errors (no network).
 
 mod common;
-use common::{assert_same_run, every_command_works_on, records};
+use common::{
+    assert_same_run, comera, every_command_works_on, records, s, synth_criteo as synth, tempdir,
+};
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn comera(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_comera"))
-        .args(args)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.code().unwrap_or(-1), text)
-}
-
-fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("comera-dlrm-test-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 fn config(dir: &Path, train: &Path, valid: &Path, extra: &str) -> PathBuf {
     let text = format!(
@@ -61,24 +41,6 @@ out_dir = "{}"
     );
     let p = dir.join("dlrm.toml");
     std::fs::write(&p, text).unwrap();
-    p
-}
-
-fn synth(dir: &Path, name: &str, rows: &str, stream: &str) -> PathBuf {
-    let p = dir.join(name);
-    let (code, out) = comera(&[
-        "synth-criteo",
-        "--out",
-        s(&p),
-        "--rows",
-        rows,
-        "--total-rows",
-        "20000",
-        "--stream",
-        stream,
-    ]);
-    assert_eq!(code, 0, "{out}");
-    assert!(out.contains("20000") || out.contains("rows"), "{out}");
     p
 }
 

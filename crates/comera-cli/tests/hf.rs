@@ -6,86 +6,25 @@
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{comera, tempdir};
+use common::{comera, s, tempdir, tt_layouts, write_classifier, write_tsv, Classifier, Tsv};
 
-const WORDS: &[&str] = &[
-    "the", "a", "dress", "shirt", "fit", "color", "is", "was", "very",
-];
-
-fn write_data(dir: &Path) -> (PathBuf, PathBuf) {
-    let vocab = dir.join("vocab.txt");
-    let mut v = vec![
-        "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "great", "bad", "awful",
-    ];
-    v.extend_from_slice(WORDS);
-    std::fs::write(&vocab, v.join("\n") + "\n").unwrap();
-    let mut tsv = String::from("sentence\tlabel\n");
-    for i in 0..120usize {
-        let pos = i % 2 == 0;
-        let key = if pos { "good" } else { "bad" };
-        let f1 = WORDS[i % WORDS.len()];
-        let f2 = WORDS[(i * 7 + 3) % WORDS.len()];
-        tsv += &format!("{f1} {key} {f2}\t{}\n", if pos { "pos" } else { "neg" });
-    }
-    let data = dir.join("train.tsv");
-    std::fs::write(&data, tsv).unwrap();
-    (data, vocab)
-}
-
-/// A run config: 1-layer post-LN encoder, TT/TTM with the given layouts (TOML inline tables).
+/// A run config `dir/name` (1 epoch of a 1-layer post-LN encoder with `layouts` in
+/// `[model]`) on 120 rows of "good"/"bad" sentences.
 fn write_config(dir: &Path, name: &str, layouts: &str) -> PathBuf {
-    let (data, vocab) = write_data(dir);
-    let cfg = format!(
-        r#"
-[data]
-source = "tsv"
-train = "{data}"
-text_a = "sentence"
-label = "label"
-labels = ["neg", "pos"]
-vocab = "{vocab}"
-valid_fraction = 0.25
-
-[model]
-vocab_size = 18
-seq_len = 8
-d_model = 16
-heads = 2
-ffn = 32
-layers = 1
-dropout = 0.0
-{layouts}
-
-[optim]
-lr_cores = 0.01
-lr_gates = 0.01
-lr_other = 0.01
-
-[train]
-epochs = 1
-batch_size = 8
-warmup_steps = 2
-log_every = 5
-out_dir = "{out}"
-"#,
-        data = data.display(),
-        vocab = vocab.display(),
-        out = dir.join("run").display()
-    );
-    let path = dir.join(name);
-    std::fs::write(&path, cfg).unwrap();
-    path
-}
-
-const LAYOUTS: &str = r#"
-attn_tt = { in_modes = [4, 4], out_modes = [4, 4], rank = 3 }
-ffn_up_tt = { in_modes = [4, 4], out_modes = [4, 8], rank = 3 }
-ffn_down_tt = { in_modes = [4, 8], out_modes = [4, 4], rank = 3 }
-word_ttm = { vocab_modes = [3, 6], dim_modes = [4, 4], rank = 3 }
-"#;
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
+    let rows = Tsv {
+        rows: 120,
+        synonyms: false,
+        word_orders: false,
+    };
+    let (data, vocab) = write_tsv(dir, rows);
+    let c = Classifier {
+        model: layouts,
+        lr_gates: 0.01,
+        epochs: 1,
+        warmup_steps: 2,
+        extra: "",
+    };
+    write_classifier(dir, name, &data, &vocab, &c)
 }
 
 /// The run's logits on the export's check inputs, and the logits stored there.
@@ -103,11 +42,7 @@ fn logits_on_check_inputs(run: &Path, check: &Path) -> (Vec<f32>, Vec<f32>) {
 #[test]
 fn export_hf_then_import_hf_reproduces_the_run() {
     let dir = tempdir("hf-roundtrip");
-    let cfg = write_config(
-        &dir,
-        "run.toml",
-        &format!("tt_linear = true\nttm_embedding = true\n{LAYOUTS}"),
-    );
+    let cfg = write_config(&dir, "run.toml", &tt_layouts(true));
     let run = dir.join("run");
     let (code, text) = comera(&["train", "--config", s(&cfg), "--quiet"]);
     assert_eq!(code, 0, "{text}");

@@ -6,31 +6,15 @@ mod common;
 use common::{assert_same_run, comera, every_command_works_on, records, tempdir};
 use std::path::{Path, PathBuf};
 
-const SPECIALS: &[&str] = &["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"];
 const WORDS: &[&str] = &[
     "fn", "let", "mut", "if", "else", "return", "match", "loop", "good", "great", "bad", "awful",
     "the", "a", "dress", "shirt", "fit", "color", "is", "was", "very",
 ];
 
-/// 40 `.rs` files (and a `.md` that must be ignored) whose lines repeat short patterns, so a
-/// model can learn to fill in masked words; the vocabulary has 26 ids.
+/// 40 `.rs` files in subdirectories (and a `.md` that must be ignored) whose lines repeat short
+/// patterns of `WORDS[..8]`; the vocabulary has 26 ids.
 fn write_corpus(dir: &Path) -> (PathBuf, PathBuf) {
-    let vocab = dir.join("vocab.txt");
-    let v: Vec<&str> = SPECIALS.iter().chain(WORDS).copied().collect();
-    std::fs::write(&vocab, v.join("\n") + "\n").unwrap();
-    let code = dir.join("code");
-    for i in 0..40usize {
-        let sub = code.join(format!("m{}", i % 4));
-        std::fs::create_dir_all(&sub).unwrap();
-        let mut text = String::new();
-        for l in 0..30usize {
-            let w = |k: usize| WORDS[(i + l * 3 + k) % 8];
-            text += &format!("let mut {} if {} else return {}\n", w(0), w(1), w(0));
-        }
-        std::fs::write(sub.join(format!("f{i}.rs")), text).unwrap();
-    }
-    std::fs::write(code.join("README.md"), "awful awful awful\n").unwrap();
-    (code, vocab)
+    common::write_corpus(dir, &WORDS[8..], true)
 }
 
 fn mlm_config(dir: &Path, code: &Path, vocab: &Path, extra: &str) -> PathBuf {

@@ -6,7 +6,10 @@
 #![cfg(feature = "mpi")]
 
 mod common;
-use common::{comera, records, tempdir};
+use common::{
+    comera, records, s, synth_criteo as synth, tempdir, tt_layouts, write_classifier, write_tsv,
+    Classifier, Tsv,
+};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -37,10 +40,6 @@ fn launch(n: usize, args: &[&str]) -> (i32, String) {
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status.code().unwrap_or(-1), text)
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 /// `comera --threads 1 train --config cfg --out out --quiet extra…` on `n` processes; must
@@ -136,86 +135,24 @@ fn bytes(p: &Path) -> Vec<u8> {
 
 // ---- classifier --------------------------------------------------------------------------
 
-const WORDS: &[&str] = &[
-    "the", "a", "dress", "shirt", "fit", "color", "is", "was", "very",
-];
-
-/// A sentiment-like TSV of 160 rows ("good"/"great" pos, "bad"/"awful" neg) and its vocabulary.
-fn write_tsv(dir: &Path) -> (PathBuf, PathBuf) {
-    let vocab = dir.join("vocab.txt");
-    let mut v = vec![
-        "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "great", "bad", "awful",
-    ];
-    v.extend_from_slice(WORDS);
-    std::fs::write(&vocab, v.join("\n") + "\n").unwrap();
-    let mut tsv = String::from("sentence\tlabel\n");
-    for i in 0..160usize {
-        let pos = i % 2 == 0;
-        let key = if pos {
-            ["good", "great"][i % 3 % 2]
-        } else {
-            ["bad", "awful"][i % 3 % 2]
-        };
-        let f1 = WORDS[i % WORDS.len()];
-        let f2 = WORDS[(i * 7 + 3) % WORDS.len()];
-        tsv += &format!("{f1} {key} {f2}\t{}\n", if pos { "pos" } else { "neg" });
-    }
-    let data = dir.join("train.tsv");
-    std::fs::write(&data, tsv).unwrap();
-    (data, vocab)
-}
-
 /// A classifier: 120 training rows, batch 8 (15 steps per epoch; 3 processes get 2, 3, 3
 /// rows), 3 epochs. `tt`: TT layers with a rank schedule whose late stage starts after
 /// epoch 1 and truncates every 3 steps (fast gates, so it prunes).
 fn classifier_config(dir: &Path, tt: bool, extra: &str) -> PathBuf {
-    let (data, vocab) = write_tsv(dir);
-    let cfg = format!(
-        r#"
-[data]
-source = "tsv"
-train = "{data}"
-text_a = "sentence"
-label = "label"
-labels = ["neg", "pos"]
-vocab = "{vocab}"
-valid_fraction = 0.25
-
-[model]
-vocab_size = 18
-seq_len = 8
-d_model = 16
-heads = 2
-ffn = 32
-layers = 1
-dropout = 0.0
-tt_linear = {tt}
-ttm_embedding = {tt}
-attn_tt = {{ in_modes = [4, 4], out_modes = [4, 4], rank = 3 }}
-ffn_up_tt = {{ in_modes = [4, 4], out_modes = [4, 8], rank = 3 }}
-ffn_down_tt = {{ in_modes = [4, 8], out_modes = [4, 4], rank = 3 }}
-word_ttm = {{ vocab_modes = [3, 6], dim_modes = [4, 4], rank = 3 }}
-
-[optim]
-lr_cores = 0.01
-lr_gates = 0.1
-lr_other = 0.01
-
-[train]
-epochs = 3
-batch_size = 8
-warmup_steps = 5
-log_every = 5
-out_dir = "{out}"
-{extra}
-"#,
-        data = data.display(),
-        vocab = vocab.display(),
-        out = dir.join("run").display()
-    );
-    let path = dir.join("run.toml");
-    std::fs::write(&path, cfg).unwrap();
-    path
+    let rows = Tsv {
+        rows: 160,
+        synonyms: true,
+        word_orders: false,
+    };
+    let (data, vocab) = write_tsv(dir, rows);
+    let c = Classifier {
+        model: &tt_layouts(tt),
+        lr_gates: 0.1,
+        epochs: 3,
+        warmup_steps: 5,
+        extra,
+    };
+    write_classifier(dir, "run.toml", &data, &vocab, &c)
 }
 
 const RANK: &str = "checkpoint_every = 4\n\n[rank]\nlate_after_epochs = 1\ntarget_ratio = 0.5\ntarget_loss = 0.2\ntruncate_every = 3";
@@ -321,24 +258,9 @@ fn a_failing_process_ends_the_job_with_its_error() {
 
 // ---- masked LM ---------------------------------------------------------------------------
 
-/// 40 `.rs` files of short repeated patterns and their 26-word vocabulary.
+/// 40 `.rs` files of short repeated patterns and their 13-word vocabulary.
 fn write_corpus(dir: &Path) -> (PathBuf, PathBuf) {
-    const MLM_WORDS: &[&str] = &["fn", "let", "mut", "if", "else", "return", "match", "loop"];
-    let vocab = dir.join("vocab.txt");
-    let mut v = vec!["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"];
-    v.extend_from_slice(MLM_WORDS);
-    std::fs::write(&vocab, v.join("\n") + "\n").unwrap();
-    let code = dir.join("code");
-    for i in 0..40usize {
-        std::fs::create_dir_all(&code).unwrap();
-        let mut text = String::new();
-        for l in 0..30usize {
-            let w = |k: usize| MLM_WORDS[(i + l * 3 + k) % 8];
-            text += &format!("let mut {} if {} else return {}\n", w(0), w(1), w(0));
-        }
-        std::fs::write(code.join(format!("f{i}.rs")), text).unwrap();
-    }
-    (code, vocab)
+    common::write_corpus(dir, &[], false)
 }
 
 #[test]
@@ -411,23 +333,6 @@ max_steps_per_epoch = 10
 }
 
 // ---- DLRM --------------------------------------------------------------------------------
-
-fn synth(dir: &Path, name: &str, rows: &str, stream: &str) -> PathBuf {
-    let p = dir.join(name);
-    let (code, out) = comera(&[
-        "synth-criteo",
-        "--out",
-        s(&p),
-        "--rows",
-        rows,
-        "--total-rows",
-        "20000",
-        "--stream",
-        stream,
-    ]);
-    assert_eq!(code, 0, "{out}");
-    p
-}
 
 #[test]
 fn a_rank_adaptive_dlrm_on_2_processes_follows_one_and_resumes_on_3() {

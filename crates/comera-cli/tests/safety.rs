@@ -10,11 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{assert_same_run, checkpoints, comera, tempdir, write_config, write_data};
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
+use common::{assert_same_run, checkpoints, comera, s, tempdir, write_config, write_data};
 
 /// Every file under `dir` (recursively, the lock aside) with its bytes: what "nothing changed"
 /// compares.

@@ -5,15 +5,11 @@
 //! an abort or a signal.
 
 mod common;
-use common::{tempdir, write_config, write_data};
+use common::{s, tempdir, write_config, write_data};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 fn comera() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_comera"));
@@ -448,10 +444,15 @@ fn a_file_size_limit_is_a_write_error_not_a_signal() {
 fn an_address_space_limit_too_low_for_the_threads_says_so() {
     let dir = tempdir("untrusted-as");
     let out = std::fs::File::create(dir.join("out.txt")).unwrap();
+    // Room to load the binary (its size, plus about 4 MiB for the C library, the loader and
+    // the heap) but not for a worker thread's 8 MiB stack; a fixed figure broke each time the
+    // binary grew.
+    let binary = std::fs::metadata(env!("CARGO_BIN_EXE_comera")).unwrap().len();
+    let limit = binary + 4 * 1024 * 1024;
     let (code, text) = run_limited(
         &["inspect", s(&base().run)],
         out,
-        Some((libc::RLIMIT_AS, 20_000 * 1024)),
+        Some((libc::RLIMIT_AS, limit)),
     );
     assert_refused(code, &text, "cannot start 1 worker thread", "ulimit -v");
     assert!(text.contains("ulimit -v"), "{text}");

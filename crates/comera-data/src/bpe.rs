@@ -45,7 +45,7 @@ impl BpeTokenizer {
         for p in [vocab_json, merges_txt] {
             crate::regular::open_regular(p).map_err(|source| TokenizerError::Io {
                 path: p.to_path_buf(),
-                source,
+                error: source,
             })?;
         }
         let (v, m) = (

@@ -112,8 +112,8 @@ pub struct CorpusStats {
 /// What went wrong reading or tokenising a corpus; every variant names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum CorpusError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: io::Error },
     #[error("{path}: line {line}: not UTF-8 ({detail})")]
     InvalidUtf8 {
         path: PathBuf,
@@ -122,8 +122,8 @@ pub enum CorpusError {
     },
     #[error("walking {path}: {detail}")]
     Walk { path: PathBuf, detail: String },
-    #[error("document {key}: {source}")]
-    Tokenize { key: String, source: TokenizerError },
+    #[error("document {key}: {error}")]
+    Tokenize { key: String, error: TokenizerError },
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
@@ -181,7 +181,7 @@ impl Corpus {
         let file = |h: &mut Sha256, path: &Path| -> Result<(), CorpusError> {
             let meta = fs::metadata(path).map_err(|source| CorpusError::Io {
                 path: path.to_path_buf(),
-                source,
+                error: source,
             })?;
             let mtime = meta
                 .modified()
@@ -288,7 +288,7 @@ impl Documents<'_> {
             Source::Text { path, docs } => {
                 let file = open_regular(path).map_err(|source| CorpusError::Io {
                     path: path.clone(),
-                    source,
+                    error: source,
                 })?;
                 let reader: Box<dyn BufRead + Send> = if path.extension().is_some_and(|e| e == "gz")
                 {
@@ -314,7 +314,7 @@ impl Documents<'_> {
             Source::Code { root, extensions } => {
                 let meta = fs::metadata(root).map_err(|source| CorpusError::Io {
                     path: root.clone(),
-                    source,
+                    error: source,
                 })?;
                 if !meta.is_dir() {
                     return Err(CorpusError::Walk {
@@ -383,7 +383,10 @@ impl Documents<'_> {
                 Ok(b) => b,
                 Err(source) => {
                     if policy == OnBadFile::Error {
-                        return Some(Err(CorpusError::Io { path, source }));
+                        return Some(Err(CorpusError::Io {
+                            path,
+                            error: source,
+                        }));
                     }
                     self.skip(format!("{}: {source}", path.display()), true);
                     continue;
@@ -439,7 +442,7 @@ impl Documents<'_> {
                     if policy == OnBadFile::Error {
                         return Some(Err(CorpusError::Io {
                             path,
-                            source: io::Error::new(source.kind(), format!("line {line}: {source}")),
+                            error: io::Error::new(source.kind(), format!("line {line}: {source}")),
                         }));
                     }
                     self.skip(format!("{}: line {line}: {source}", path.display()), true);
@@ -585,15 +588,18 @@ pub enum TokenizerKind {
     Gpt2Bpe,
 }
 
+/// A tokenizer name that [`TokenizerKind`] does not know.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown tokenizer {0:?}: use `wordpiece` (BERT) or `bpe` (GPT-2 byte-level)")]
+pub struct UnknownTokenizer(pub String);
+
 impl std::str::FromStr for TokenizerKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownTokenizer;
+    fn from_str(s: &str) -> Result<Self, UnknownTokenizer> {
         match s {
             "wordpiece" | "bert" => Ok(TokenizerKind::WordPiece),
             "bpe" | "gpt2" | "gpt2-bpe" => Ok(TokenizerKind::Gpt2Bpe),
-            _ => Err(format!(
-                "unknown tokenizer {s:?}: use `wordpiece` (BERT) or `bpe` (GPT-2 byte-level)"
-            )),
+            _ => Err(UnknownTokenizer(s.to_string())),
         }
     }
 }
@@ -749,7 +755,7 @@ impl PackedSequences {
     pub fn save(&self, path: &Path) -> Result<(), CorpusError> {
         let io_err = |source| CorpusError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         };
         let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
         let write = || -> io::Result<()> {
@@ -788,7 +794,7 @@ impl PackedSequences {
         };
         let mut r = BufReader::new(open_regular(path).map_err(|source| CorpusError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         })?);
         let mut head = [0u8; 8 + 32 + 20];
         r.read_exact(&mut head)
@@ -946,7 +952,7 @@ pub fn pack_corpus_lengths(
                     .tokenize(&d.text)
                     .map_err(|source| CorpusError::Tokenize {
                         key: d.key.clone(),
-                        source,
+                        error: source,
                     })
             })
             .collect::<Result<_, _>>()?;

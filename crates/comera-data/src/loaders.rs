@@ -70,20 +70,29 @@ impl Labels {
         }
     }
 
-    /// The label of `value`, or a description of what was expected.
-    fn map(&self, value: &str) -> Result<usize, String> {
+    /// The label of `value`, or what was expected.
+    fn map(&self, value: &str) -> Result<usize, LabelExpected> {
         let value = value.trim();
         match self {
             Labels::Names(names) | Labels::Coded { values: names, .. } => names
                 .iter()
                 .position(|n| n == value)
-                .ok_or_else(|| format!("one of {names:?}")),
+                .ok_or_else(|| LabelExpected::OneOf(names.clone())),
             Labels::Above(t) | Labels::AboveNamed(t, _) => match value.parse::<f64>() {
                 Ok(v) if !v.is_nan() => Ok(usize::from(v > *t)),
-                _ => Err("a number".to_string()),
+                _ => Err(LabelExpected::Number),
             },
         }
     }
+}
+
+/// What a label field should have held (a [`LoadError::BadLabel`] says "label … is not" this).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LabelExpected {
+    #[error("one of {0:?}")]
+    OneOf(Vec<String>),
+    #[error("a number")]
+    Number,
 }
 
 /// Field separator of a delimited file.
@@ -169,10 +178,10 @@ impl TableSpec {
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}: empty file, expected a header row")]
     Empty { path: PathBuf },
@@ -209,7 +218,7 @@ pub enum LoadError {
         line: u64,
         field: String,
         value: String,
-        expected: String,
+        expected: LabelExpected,
     },
     #[error("{path}:{line}: {detail}")]
     Malformed {
@@ -232,7 +241,7 @@ pub enum LoadError {
 pub fn load_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError> {
     let file = open_regular(path).map_err(|source| LoadError::Io {
         path: path.to_path_buf(),
-        source,
+        error: source,
     })?;
     let mut reader = csv::ReaderBuilder::new()
         .has_headers(false)
@@ -247,7 +256,10 @@ pub fn load_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError>
     let read_err = |e: csv::Error| {
         let line = e.position().map_or(0, |pos| pos.line());
         match e.into_kind() {
-            csv::ErrorKind::Io(source) => LoadError::Io { path: p(), source },
+            csv::ErrorKind::Io(source) => LoadError::Io {
+                path: p(),
+                error: source,
+            },
             other => LoadError::Malformed {
                 path: p(),
                 line,
@@ -359,7 +371,10 @@ pub fn load_parquet(
         path: p(),
         detail: parquet_detail(&e),
     };
-    let file = open_regular(path).map_err(|source| LoadError::Io { path: p(), source })?;
+    let file = open_regular(path).map_err(|source| LoadError::Io {
+        path: p(),
+        error: source,
+    })?;
     let reader = SerializedFileReader::new(file).map_err(pq)?;
     let root = reader
         .metadata()

@@ -17,10 +17,10 @@ pub const SPECIAL_TOKENS: [&str; 5] = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MAS
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("vocab {path}: {source}")]
+    #[error("vocab {path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("vocab {path}: special token {token} missing (a BERT vocab needs {SPECIAL_TOKENS:?})")]
     MissingSpecial { path: PathBuf, token: String },
@@ -82,7 +82,7 @@ impl BertTokenizer {
         let text =
             crate::regular::read_regular_to_string(path).map_err(|source| TokenizerError::Io {
                 path: path.to_path_buf(),
-                source,
+                error: source,
             })?;
         Self::from_vocab_text(&text, path)
     }

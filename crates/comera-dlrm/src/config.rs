@@ -60,29 +60,49 @@ impl Default for DlrmConfig {
     }
 }
 
+/// A `[dlrm]` setting out of range: the field (`dlrm.embedding_dim`, …) and why.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct ConfigError {
+    pub field: &'static str,
+    pub reason: String,
+}
+
 impl DlrmConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |field, reason: &str| {
+            Err(ConfigError {
+                field,
+                reason: reason.into(),
+            })
+        };
         if self.embedding_dim == 0 {
-            return Err("dlrm.embedding_dim: must be at least 1".into());
+            return bad("dlrm.embedding_dim", "must be at least 1");
         }
         if self.bottom_mlp.contains(&0) || self.top_mlp.contains(&0) {
-            return Err("dlrm.bottom_mlp / dlrm.top_mlp: widths must be at least 1".into());
+            return bad(
+                "dlrm.bottom_mlp / dlrm.top_mlp",
+                "widths must be at least 1",
+            );
         }
         if self.ttm_cores == 0 {
-            return Err("dlrm.ttm_cores: must be at least 1".into());
+            return bad("dlrm.ttm_cores", "must be at least 1");
         }
         if self.ttm_rank == 0 {
-            return Err("dlrm.ttm_rank: must be at least 1".into());
+            return bad("dlrm.ttm_rank", "must be at least 1");
         }
         // τ ≥ 1 would prune every slice of gates initialised at 1 at the first step.
         if !(self.gate_threshold > 0.0 && self.gate_threshold < 1.0) {
-            return Err(format!(
-                "dlrm.gate_threshold: must be in (0, 1) (gates start at 1; τ ≥ 1 prunes every rank slice at once), got {}",
-                self.gate_threshold
-            ));
+            return bad(
+                "dlrm.gate_threshold",
+                &format!(
+                    "must be in (0, 1) (gates start at 1; τ ≥ 1 prunes every rank slice at once), got {}",
+                    self.gate_threshold
+                ),
+            );
         }
         if !(self.embedding_std > 0.0 && self.embedding_std.is_finite()) {
-            return Err("dlrm.embedding_std: must be finite and > 0".into());
+            return bad("dlrm.embedding_std", "must be finite and > 0");
         }
         Ok(())
     }

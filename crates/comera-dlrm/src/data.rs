@@ -2,15 +2,30 @@
 //! Adult), a Criteo file streamed in file order, or the synthetic Criteo generator.
 
 use crate::config::CtrDataConfig;
-use anyhow::{bail, Context};
 use comera_data::ctr::{
     load_adult, load_movielens, shuffle, CatMapping, CriteoReader, CriteoSpec, CtrBatch, CtrData,
-    SynthCriteo, SynthSpec, CRITEO_CATS, CRITEO_DENSE,
+    CtrError, SynthCriteo, SynthSpec, UnknownMapping, CRITEO_CATS, CRITEO_DENSE,
 };
-use comera_data::{default_cache_dir, fetch};
+use comera_data::{default_cache_dir, fetch, FetchError};
 use std::fs::File;
 use std::io::BufReader;
 use std::path::PathBuf;
+
+/// Why a DLRM run's data cannot be prepared or read; the fetch and CTR errors name the data
+/// set or file, the others the `[data]` field.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error(transparent)]
+    Fetch(#[from] FetchError),
+    #[error(transparent)]
+    Ctr(#[from] CtrError),
+    /// `data.mapping` names no mapping (the message is whole: no source chain).
+    #[error("data.mapping: {0}")]
+    Mapping(UnknownMapping),
+    /// A `[data]` field missing or unusable for the source.
+    #[error("data.{field}: {reason}")]
+    Field { field: &'static str, reason: String },
+}
 
 /// The training stream.
 // One per run: the size difference between variants costs nothing worth a Box.
@@ -39,7 +54,7 @@ pub enum TrainSource {
 
 impl TrainSource {
     /// Rewinds for epoch `epoch` (0-based): a new shuffle, a reopened file, a new stream.
-    pub fn start_epoch(&mut self, epoch: usize, seed: u64) -> anyhow::Result<()> {
+    pub fn start_epoch(&mut self, epoch: usize, seed: u64) -> Result<(), CtrError> {
         match self {
             TrainSource::Memory { order, pos, .. } => {
                 for (i, o) in order.iter_mut().enumerate() {
@@ -73,7 +88,7 @@ impl TrainSource {
     }
 
     /// Fills the next full batch; `false` when the epoch has no full batch left.
-    pub fn next_batch(&mut self, batch: &mut CtrBatch) -> anyhow::Result<bool> {
+    pub fn next_batch(&mut self, batch: &mut CtrBatch) -> Result<bool, CtrError> {
         match self {
             TrainSource::Memory { data, order, pos } => {
                 if *pos + batch.batch > order.len() {
@@ -87,7 +102,7 @@ impl TrainSource {
             }
             TrainSource::Criteo { reader, .. } => {
                 let r = reader.as_mut().expect("start_epoch opens the file");
-                Ok(r.read_batch(batch)?)
+                r.read_batch(batch)
             }
             TrainSource::Synthetic {
                 cspec,
@@ -164,7 +179,7 @@ fn cap(d: CtrData, max: usize) -> CtrData {
 }
 
 /// Loads or opens the configured data.
-pub fn prepare(cfg: &CtrDataConfig, seed: u64) -> anyhow::Result<Prepared> {
+pub fn prepare(cfg: &CtrDataConfig, seed: u64) -> Result<Prepared, DataError> {
     let cache = cfg.cache_dir.clone().unwrap_or_else(default_cache_dir);
     let in_memory = |all: CtrData, what: &str| -> Prepared {
         let (train, valid) = all.split(cfg.valid_fraction, seed);
@@ -209,16 +224,24 @@ pub fn prepare(cfg: &CtrDataConfig, seed: u64) -> anyhow::Result<Prepared> {
             Ok(in_memory(all, "Adult (label income > 50K)"))
         }
         "criteo" => {
-            let train = cfg.train.clone().context("data.train: missing")?;
+            let Some(train) = cfg.train.clone() else {
+                return Err(DataError::Field {
+                    field: "train",
+                    reason: "missing".into(),
+                });
+            };
             let Some(valid_path) = cfg.valid.clone() else {
-                bail!("data.valid: the criteo source needs a validation file (streamed training data is not split)")
+                return Err(DataError::Field {
+                    field: "valid",
+                    reason: "the criteo source needs a validation file (streamed training data is not split)".into(),
+                });
             };
             let spec = CriteoSpec {
                 table_sizes: criteo_sizes(cfg),
                 mapping: cfg
                     .mapping
                     .parse::<CatMapping>()
-                    .map_err(anyhow::Error::msg)?,
+                    .map_err(DataError::Mapping)?,
                 max_malformed: cfg.max_malformed,
             };
             let mut vr = CriteoReader::open(&valid_path, spec.clone())?;
@@ -288,6 +311,9 @@ pub fn prepare(cfg: &CtrDataConfig, seed: u64) -> anyhow::Result<Prepared> {
                 },
             })
         }
-        other => bail!("data.source: unknown source `{other}`"),
+        other => Err(DataError::Field {
+            field: "source",
+            reason: format!("unknown source `{other}`"),
+        }),
     }
 }

@@ -14,7 +14,7 @@
 //! The state is planned once for a fixed batch (every buffer allocated up front); tables run in
 //! parallel (each table's work is independent, so results do not depend on the thread count).
 
-use crate::config::{DlrmConfig, TableKind};
+use crate::config::{ConfigError, DlrmConfig, TableKind};
 use crate::loss::bce_with_logits;
 use comera_data::ctr::CtrBatch;
 use comera_layers::any::AnyEmbeddingWorkspace;
@@ -28,9 +28,49 @@ use comera_tensor::{init, TtmShape};
 use rayon::prelude::*;
 
 /// A model that cannot be built, or a batch it cannot take (wrong sizes, an id out of range).
+/// Each message is whole on one line (the cause included), as callers print it with `{}`.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct DlrmError(pub String);
+pub enum DlrmError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("the data has no dense features; DLRM's bottom MLP needs at least one")]
+    NoDenseFeatures,
+    #[error("the data has no categorical fields")]
+    NoFields,
+    /// A TTM table whose layout cannot be proposed.
+    #[error("{table}: {error}")]
+    Layout { table: String, error: LayoutError },
+    /// A TTM table that cannot be built on its proposed layout.
+    #[error("{table}: {error}")]
+    Table {
+        table: String,
+        error: comera_layers::LayerError,
+    },
+    #[error("batch has {got_dense} dense values, {got_ids} ids and {got_labels} labels; the model expects {dense}, {ids} and {labels}")]
+    BatchSize {
+        got_dense: usize,
+        got_ids: usize,
+        got_labels: usize,
+        dense: usize,
+        ids: usize,
+        labels: usize,
+    },
+    /// A field's lookup failed (an id out of its table's range).
+    #[error("field `{field}`: {error}")]
+    Lookup {
+        field: String,
+        error: comera_layers::EmbeddingError,
+    },
+}
+
+/// Why [`propose_ttm_shape`] has no layout for a table.
+#[derive(Debug, thiserror::Error)]
+pub enum LayoutError {
+    #[error("cannot factor dim {dim} into {cores} modes")]
+    Factor { dim: usize, cores: usize },
+    #[error(transparent)]
+    Shape(#[from] comera_tensor::ShapeError),
+}
 
 /// Proposes a TTM layout for a `rows × dim` table with `cores` cores and uniform `rank`:
 /// dim modes are comera-tensor's most balanced factorisation of `dim`; vocab modes start at
@@ -42,10 +82,10 @@ pub fn propose_ttm_shape(
     dim: usize,
     cores: usize,
     rank: usize,
-) -> Result<TtmShape, String> {
+) -> Result<TtmShape, LayoutError> {
     let e = balanced_factorisations(dim, cores, 1)
         .pop()
-        .ok_or_else(|| format!("cannot factor dim {dim} into {cores} modes"))?;
+        .ok_or(LayoutError::Factor { dim, cores })?;
     let p = cores;
     // Whether p modes of m rows cover the table; a product past usize::MAX covers any table
     // (so the search below ends for any number of cores).
@@ -96,7 +136,7 @@ pub fn propose_ttm_shape(
             .unwrap_or(usize::MAX);
         *r = rank.min(left).min(right);
     }
-    TtmShape::new(&v, &e, &ranks, rows).map_err(|err| err.to_string())
+    Ok(TtmShape::new(&v, &e, &ranks, rows)?)
 }
 
 /// Index of pair (i, j), i > j, in the interaction's upper-triangle order
@@ -152,15 +192,14 @@ impl DlrmState {
             || b.cats.len() != self.ids.len()
             || b.labels.len() != self.labels.len()
         {
-            return Err(DlrmError(format!(
-                "batch has {} dense values, {} ids and {} labels; the model expects {}, {} and {}",
-                b.dense.len(),
-                b.cats.len(),
-                b.labels.len(),
-                self.dense.len(),
-                self.ids.len(),
-                self.labels.len()
-            )));
+            return Err(DlrmError::BatchSize {
+                got_dense: b.dense.len(),
+                got_ids: b.cats.len(),
+                got_labels: b.labels.len(),
+                dense: self.dense.len(),
+                ids: self.ids.len(),
+                labels: self.labels.len(),
+            });
         }
         self.dense.copy_from_slice(&b.dense);
         self.ids.copy_from_slice(&b.cats);
@@ -193,15 +232,12 @@ impl Dlrm {
         table_sizes: &[usize],
         seed: u64,
     ) -> Result<Dlrm, DlrmError> {
-        let err = |m: String| DlrmError(m);
-        cfg.validate().map_err(err)?;
+        cfg.validate()?;
         if n_dense == 0 {
-            return Err(err(
-                "the data has no dense features; DLRM's bottom MLP needs at least one".into(),
-            ));
+            return Err(DlrmError::NoDenseFeatures);
         }
         if table_sizes.is_empty() {
-            return Err(err("the data has no categorical fields".into()));
+            return Err(DlrmError::NoFields);
         }
         let mut rng = init::rng(seed);
         let d = cfg.embedding_dim;
@@ -223,11 +259,20 @@ impl Dlrm {
             };
             let mut trng = init::rng(seed ^ (0x7ab1e ^ (f as u64 + 1)).wrapping_mul(0x9e37_79b9));
             tables.push(if ttm {
-                let shape = propose_ttm_shape(rows, d, cfg.ttm_cores, cfg.ttm_rank)
-                    .map_err(|e| err(format!("{name}: {e}")))?;
+                let shape =
+                    propose_ttm_shape(rows, d, cfg.ttm_cores, cfg.ttm_rank).map_err(|error| {
+                        DlrmError::Layout {
+                            table: name.clone(),
+                            error,
+                        }
+                    })?;
                 AnyEmbedding::Ttm(
-                    TtmEmbedding::new(&name, shape, rule, cfg.embedding_std, &mut trng)
-                        .map_err(|e| err(format!("{name}: {e}")))?,
+                    TtmEmbedding::new(&name, shape, rule, cfg.embedding_std, &mut trng).map_err(
+                        |error| DlrmError::Table {
+                            table: name.clone(),
+                            error,
+                        },
+                    )?,
                 )
             } else {
                 AnyEmbedding::Dense(Embedding::new(&name, rows, d, cfg.embedding_std, &mut trng))
@@ -291,12 +336,11 @@ impl Dlrm {
             .zip(rest.par_chunks_mut(bd))
             .enumerate()
             .try_for_each(|(k, ((tab, ws), y))| {
-                tab.forward(ws, &ids[k * b..(k + 1) * b], y).map_err(|e| {
-                    DlrmError(format!(
-                        "field `{}`: {e}",
-                        self.field_names.get(k).map_or("?", String::as_str)
-                    ))
-                })
+                tab.forward(ws, &ids[k * b..(k + 1) * b], y)
+                    .map_err(|error| DlrmError::Lookup {
+                        field: self.field_names.get(k).map_or("?", String::as_str).into(),
+                        error,
+                    })
             })?;
         let t = &st.t;
         let w = self.interaction_width();

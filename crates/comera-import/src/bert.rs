@@ -135,7 +135,7 @@ impl HfBertConfig {
         ] {
             bound
                 .check(field, value)
-                .map_err(|e| ImportError::new(what, e))?;
+                .map_err(|e| ImportError::new(what, e.to_string()))?;
         }
         let max_positions = SEQ_LEN.limit.min(u(self.max_position_embeddings)) as usize;
         if seq_len == 0 || seq_len > max_positions {
@@ -227,7 +227,7 @@ pub fn check_import_fits(
             comera_train::trainer::available_memory_bytes(),
             "importing this model",
         )
-        .map_err(|e| ImportError::new(what, e))
+        .map_err(|e| ImportError::new(what, e.to_string()))
 }
 
 /// Balanced 3-factor TT layouts for the encoder's linear layers (inputs largest factor first,

@@ -249,8 +249,12 @@ fn short(x: f32) -> f64 {
 }
 
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    comera_train::files::write_atomic(path, bytes)
-        .map_err(|e| ImportError::new(path.display().to_string(), format!("{e:#}")))
+    comera_train::files::write_atomic(path, bytes).map_err(|e| {
+        ImportError::new(
+            path.display().to_string(),
+            comera_train::error::Chain(&e).to_string(),
+        )
+    })
 }
 
 /// A Hugging Face BERT read by [`read_hf`]: the dense model and what a run needs besides it.
@@ -602,7 +606,7 @@ pub fn sample_reference(enc: &Encoder, vocab: &str) -> Result<Reference> {
     let (ids, mask) = pad_batch(&r.ids, t);
     let mut st = enc.state(b);
     st.load(&ids, &vec![0; b * t], &mask, &vec![0; b])
-        .map_err(|e| ImportError::new("sample batch", e))?;
+        .map_err(|e| ImportError::new("sample batch", e.to_string()))?;
     enc.forward(&mut st, false, 0)
         .map_err(|e| ImportError::new("sample batch", e.to_string()))?;
     let h = st.hidden();
@@ -700,14 +704,14 @@ pub fn check_file(
     let (logits, width) = match positions {
         None => {
             st.load(ids, types, mask, &vec![0; n])
-                .map_err(|e| ImportError::new("check inputs", e))?;
+                .map_err(|e| ImportError::new("check inputs", e.to_string()))?;
             enc.forward(&mut st, false, 0)
                 .map_err(|e| ImportError::new("check inputs", e.to_string()))?;
             (st.logits().to_vec(), enc.cfg.num_labels)
         }
         Some(pos) => {
             st.load_mlm(ids, mask, &vec![-100; n * t], &[])
-                .map_err(|e| ImportError::new("check inputs", e))?;
+                .map_err(|e| ImportError::new("check inputs", e.to_string()))?;
             enc.forward(&mut st, false, 0)
                 .map_err(|e| ImportError::new("check inputs", e.to_string()))?;
             let flat: Vec<usize> = pos.iter().enumerate().map(|(i, &p)| i * t + p).collect();
@@ -735,63 +739,6 @@ pub fn check_file(
         &tensors,
         BTreeMap::from([("format".to_string(), "pt".to_string())]),
     )
-}
-
-/// Up to `n` validation inputs of the run in `run_dir` (its `config.toml` data settings) for
-/// [`check_file`]: ids, token types, attention masks (n × T) and, for a masked-LM, the masked
-/// ids of the evaluation masking and the first masked position of each row.
-#[allow(clippy::type_complexity)]
-pub fn validation_inputs(
-    run_dir: &Path,
-    enc: &Encoder,
-    n: usize,
-) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>, Option<Vec<usize>>)> {
-    let what = run_dir.join("config.toml").display().to_string();
-    let bad = |e: anyhow::Error| ImportError::new(&what, format!("{e:#}"));
-    let cfg = comera_train::RunConfig::from_file(&run_dir.join("config.toml")).map_err(bad)?;
-    let t = enc.cfg.seq_len;
-    if enc.cfg.head == HeadKind::Mlm {
-        let mut data =
-            comera_train::data::CorpusData::new(&cfg.data, cfg.train.seed).map_err(bad)?;
-        data.packed(t).map_err(bad)?;
-        let blocks = &data.packed_ref(t).valid;
-        let b = n.min(blocks.len()).max(1);
-        let mut batch = comera_data::mlm::MlmBatch::new(b, t);
-        let mut it = comera_data::mlm::MlmBatches::new(blocks, data.masker, b, 0x5EED_E7A1, false);
-        if !it.next_into(&mut batch) {
-            return Err(ImportError::new(
-                &what,
-                "no held-out block to take inputs from",
-            ));
-        }
-        // Rows with a masked position: the first one of each.
-        let mut rows = Vec::new();
-        let mut positions = Vec::new();
-        for r in 0..b {
-            if let Some(p) = (0..t).find(|&p| batch.labels[r * t + p] != -100) {
-                rows.push(r);
-                positions.push(p);
-            }
-        }
-        let take = |v: &[u32]| -> Vec<u32> {
-            rows.iter()
-                .flat_map(|&r| v[r * t..(r + 1) * t].iter().copied())
-                .collect()
-        };
-        let ids = take(&batch.input_ids);
-        let mask = take(&batch.attention_mask);
-        let types = vec![0; ids.len()];
-        return Ok((ids, types, mask, Some(positions)));
-    }
-    let data = comera_train::data::prepare(&cfg.data, t, cfg.train.seed).map_err(bad)?;
-    let v = &data.valid;
-    let m = n.min(v.len());
-    Ok((
-        v.input_ids[..m * t].to_vec(),
-        v.token_type_ids[..m * t].to_vec(),
-        v.attention_mask[..m * t].to_vec(),
-        None,
-    ))
 }
 
 /// The contents of a [`check_file`].

@@ -9,13 +9,16 @@
 //!   [`bert`]) and a compressed export (cores, gates and the other parameters, with the model
 //!   config in the file's metadata);
 //! - [`hf`]: Hugging Face model directories both ways (`config.json`, `model.safetensors` with
-//!   the `bert.` prefix, tokenizer files) and comera run directories written from them;
+//!   the `bert.` prefix, tokenizer files) and the check file of an export;
 //! - [`minilm`]: all-MiniLM-L6-v2 (fetched from a package registry into the data cache) and the
 //!   check of the dense import against reference hidden states computed independently
 //!   (`tests/data/make_minilm_reference.py`, NumPy).
+//!
+//! The `comera import` and `comera export` commands (option checks, reports, run directories)
+//! are comera-cli's; every error here is an [`ImportError`] naming the file, member or tensor
+//! at fault.
 
 pub mod bert;
-pub mod command;
 pub mod compress;
 pub mod export;
 pub mod hf;

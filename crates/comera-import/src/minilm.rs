@@ -162,7 +162,7 @@ pub fn check(enc: &Encoder, r: &Reference) -> Result<CheckReport> {
     }
     let mut st = enc.state(b);
     st.load(&ids, &vec![0; b * t], &mask, &vec![0; b])
-        .map_err(|e| ImportError::new("reference batch", e))?;
+        .map_err(|e| ImportError::new("reference batch", e.to_string()))?;
     enc.forward(&mut st, false, 0)
         .map_err(|e| ImportError::new("reference batch", e.to_string()))?;
     let hidden = st.hidden();

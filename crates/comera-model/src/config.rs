@@ -450,6 +450,33 @@ impl EncoderConfig {
 
     /// Checks every size and layout; the error names the field (e.g. `model.attn_tt`).
     pub fn validate(&self) -> Result<Layouts, ConfigError> {
+        self.check_scalars()?;
+        let (d, f) = (self.d_model, self.ffn);
+        let mut warnings = Vec::new();
+        let w = &mut warnings;
+        let attn = self.linear_layout("model.attn_tt", &self.attn_tt, d, d, w)?;
+        let ffn_up = self.linear_layout("model.ffn_up_tt", &self.ffn_up_tt, d, f, w)?;
+        let ffn_down = self.linear_layout("model.ffn_down_tt", &self.ffn_down_tt, f, d, w)?;
+        let pooler = self.head_layout("model.pooler_tt", &self.pooler_tt, d, w)?;
+        let labels = self.num_labels;
+        let classifier = self.head_layout("model.classifier_tt", &self.classifier_tt, labels, w)?;
+        let mlm_decoder = self.mlm_decoder_layout(w)?;
+        let word = self.word_layout(w)?;
+        Ok(Layouts {
+            attn,
+            ffn_up,
+            ffn_down,
+            word,
+            pooler,
+            classifier,
+            mlm_decoder,
+            warnings,
+            head: self.head,
+        })
+    }
+
+    /// The sizes and scalars: positive sizes, heads dividing d_model, rates in range.
+    fn check_scalars(&self) -> Result<(), ConfigError> {
         let positive = [
             ("model.vocab_size", self.vocab_size),
             ("model.seq_len", self.seq_len),
@@ -517,41 +544,45 @@ impl EncoderConfig {
                 ),
             ));
         }
-        let (d, f) = (self.d_model, self.ffn);
-        let mut warnings = Vec::new();
-        let mut tt_kind = |field: &str, kind: &LayerTt, is_tt: bool, n: usize, m: usize| {
-            is_tt
-                .then(|| kind.shape(field, n, m, &mut warnings))
-                .transpose()
-        };
-        let attn = tt_kind(
-            "model.attn_tt",
-            &self.attn_tt,
-            self.is_tt(&self.attn_tt),
-            d,
-            d,
-        )?;
-        let ffn_up = tt_kind(
-            "model.ffn_up_tt",
-            &self.ffn_up_tt,
-            self.is_tt(&self.ffn_up_tt),
-            d,
-            f,
-        )?;
-        let ffn_down = tt_kind(
-            "model.ffn_down_tt",
-            &self.ffn_down_tt,
-            self.is_tt(&self.ffn_down_tt),
-            f,
-            d,
-        )?;
-        let classifier_head = self.head == HeadKind::Classifier;
-        let mut head_kind = |field: &str, kind: &Option<LayerTt>, m: usize| match kind {
-            Some(k) if classifier_head && k.tt != Some(false) => tt_kind(field, k, true, d, m),
+        Ok(())
+    }
+
+    /// A body layer kind n → m: its TT shape, or `None` for dense.
+    fn linear_layout(
+        &self,
+        field: &str,
+        kind: &LayerTt,
+        n: usize,
+        m: usize,
+        warnings: &mut Vec<String>,
+    ) -> Result<Option<TtShape>, ConfigError> {
+        self.is_tt(kind)
+            .then(|| kind.shape(field, n, m, warnings))
+            .transpose()
+    }
+
+    /// A classifier-head layer d_model → m: TT where configured (and not `tt = false`).
+    fn head_layout(
+        &self,
+        field: &str,
+        kind: &Option<LayerTt>,
+        m: usize,
+        warnings: &mut Vec<String>,
+    ) -> Result<Option<TtShape>, ConfigError> {
+        match kind {
+            Some(k) if self.head == HeadKind::Classifier && k.tt != Some(false) => {
+                k.shape(field, self.d_model, m, warnings).map(Some)
+            }
             _ => Ok(None),
-        };
-        let pooler = head_kind("model.pooler_tt", &self.pooler_tt, d)?;
-        let classifier = head_kind("model.classifier_tt", &self.classifier_tt, self.num_labels)?;
+        }
+    }
+
+    /// The MLM output projection's TT shape (D → V' ≥ V), if the head is MLM with a TT one.
+    fn mlm_decoder_layout(
+        &self,
+        warnings: &mut Vec<String>,
+    ) -> Result<Option<TtShape>, ConfigError> {
+        let d = self.d_model;
         if self.mlm_decoder_tt.tt.is_some() {
             return Err(err(
                 "model.mlm_decoder_tt.tt",
@@ -577,7 +608,7 @@ impl EncoderConfig {
                         ),
                     ));
                 }
-                Some(t.shape(field, d, probe.out_features(), &mut warnings)?)
+                Some(t.shape(field, d, probe.out_features(), warnings)?)
             }
             (HeadKind::Mlm, MlmDecoderKind::Tied) if self.ttm_embedding => return Err(err(
                 "model.mlm_decoder",
@@ -585,6 +616,12 @@ impl EncoderConfig {
             )),
             _ => None,
         };
+        Ok(mlm_decoder)
+    }
+
+    /// The word embedding's TTM shape, if it is TTM.
+    fn word_layout(&self, warnings: &mut Vec<String>) -> Result<Option<TtmShape>, ConfigError> {
+        let d = self.d_model;
         let word = if self.ttm_embedding {
             let t = &self.word_ttm;
             let probe = TtmShape::uniform(&t.vocab_modes, &t.dim_modes, 1, self.vocab_size)
@@ -599,9 +636,9 @@ impl EncoderConfig {
                     ),
                 ));
             }
-            let ranks =
-                t.rank
-                    .resolve("model.word_ttm.rank", &probe.size_modes(), &mut warnings)?;
+            let ranks = t
+                .rank
+                .resolve("model.word_ttm.rank", &probe.size_modes(), warnings)?;
             Some(
                 TtmShape::new(&t.vocab_modes, &t.dim_modes, &ranks, self.vocab_size)
                     .map_err(|e| err("model.word_ttm", e.to_string()))?,
@@ -609,17 +646,7 @@ impl EncoderConfig {
         } else {
             None
         };
-        Ok(Layouts {
-            attn,
-            ffn_up,
-            ffn_down,
-            word,
-            pooler,
-            classifier,
-            mlm_decoder,
-            warnings,
-            head: self.head,
-        })
+        Ok(word)
     }
 }
 

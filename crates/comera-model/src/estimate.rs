@@ -39,7 +39,7 @@ impl MemoryEstimate {
     }
 
     /// Refuses an estimate above `available` bytes, naming the fields of the larger term.
-    pub fn check(&self, available: f64, what: &str) -> Result<(), String> {
+    pub fn check(&self, available: f64, what: &str) -> Result<(), MemoryError> {
         if self.total() <= available {
             return Ok(());
         }
@@ -48,15 +48,33 @@ impl MemoryEstimate {
         } else {
             self.state_fields
         };
-        Err(format!(
-            "{what} needs about {} ({} {}, batch state {}), but {} are available; reduce {fields}",
-            bytes_text(self.total()),
-            self.params_what,
-            bytes_text(self.params_bytes),
-            bytes_text(self.state_bytes),
-            bytes_text(available)
-        ))
+        Err(MemoryError {
+            what: what.to_string(),
+            estimate: self.clone(),
+            available,
+            fields,
+        })
     }
+}
+
+/// A model that needs more memory than is available (see [`MemoryEstimate::check`]).
+#[derive(Clone, Debug, thiserror::Error)]
+#[error(
+    "{what} needs about {} ({} {}, batch state {}), but {} are available; reduce {fields}",
+    bytes_text(.estimate.total()),
+    .estimate.params_what,
+    bytes_text(.estimate.params_bytes),
+    bytes_text(.estimate.state_bytes),
+    bytes_text(*.available)
+)]
+pub struct MemoryError {
+    /// What needs the memory ("training at batch 32 × 128 tokens", …).
+    pub what: String,
+    pub estimate: MemoryEstimate,
+    /// Bytes available.
+    pub available: f64,
+    /// The config fields that drive the larger term.
+    pub fields: &'static str,
 }
 
 /// A byte count in the largest binary unit it reaches, with one decimal (`12.0 KiB`,
@@ -222,10 +240,10 @@ mod tests {
         };
         let lay = cfg.validate().unwrap();
         let e = cfg.estimate_memory(&lay, 32, 128);
-        let msg = e.check(24e9, "training").unwrap_err();
+        let msg = e.check(24e9, "training").unwrap_err().to_string();
         assert!(msg.contains("model.layers"), "{msg}");
         let e = EncoderConfig::default().estimate_memory(&lay, 32, 100_000_000);
-        let msg = e.check(24e9, "training").unwrap_err();
+        let msg = e.check(24e9, "training").unwrap_err().to_string();
         assert!(msg.contains("model.seq_len"), "{msg}");
     }
 
@@ -245,7 +263,8 @@ mod tests {
         assert_eq!(run.params_bytes * 4.0, train.params_bytes);
         let msg = run
             .check(21.3 * (1u64 << 30) as f64, "loading")
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(
             msg.contains("TiB") && msg.contains("21.3 GiB are available"),
             "{msg}"

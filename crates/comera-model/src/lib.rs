@@ -1,11 +1,19 @@
-//! Models built from comera layers.
+//! Models built from comera layers: the BERT-style encoder of the paper, dense or TT/TTM,
+//! with a sequence-classification head or a masked-language-model head, trained with explicit
+//! forward and backward passes over a state planned once for a fixed batch shape.
 //!
 //! - [`config`]: the model's shape (sizes, dense or TT/TTM per layer kind, modes and ranks
-//!   per bond, capped to what a shape can use), checked with errors that name the field;
-//! - [`estimate`]: memory at a batch shape before anything is built;
-//! - [`Encoder`] implements [`comera_layers::Trainable`] (the one step and loop drive it);
-//! - [`encoder`]: the six-encoder BERT-style classifier of the paper, planned once for a fixed
-//!   batch and sequence length, with explicit forward and backward.
+//!   per bond, capped to what a shape can use, the head), checked with errors that name the
+//!   field;
+//! - [`estimate`]: memory at a batch shape before anything is built, refused with a
+//!   [`MemoryError`] that names the fields to reduce;
+//! - [`encoder`]: the [`Encoder`] (embeddings, `layers` post-LN or pre-LN blocks, a head) and
+//!   its [`EncoderState`] for one (batch, seq_len); a batch goes in with
+//!   [`EncoderState::load`] or [`EncoderState::load_mlm`] ([`BatchError`] when it does not fit);
+//! - [`mlm_head`]: the masked-LM head (transform, LayerNorm, dense / tied / TT output
+//!   projection) on the labelled positions only;
+//! - `trainable`: [`Encoder`] as a [`comera_layers::Trainable`], so that the one training step
+//!   and loop drive it with either head.
 
 pub mod config;
 pub mod encoder;
@@ -19,5 +27,6 @@ pub use config::{
     bond_limits, useful_rank, ConfigError, EncoderConfig, HeadKind, LayerTt, MlmDecoderKind, Rank,
     TtmConfig,
 };
-pub use encoder::{Encoder, EncoderState, Head, KEEP_GELU_MAX_ROWS};
+pub use encoder::{BatchError, Encoder, EncoderState, Head, KEEP_GELU_MAX_ROWS};
+pub use estimate::{MemoryError, MemoryEstimate};
 pub use mlm_head::{MlmDecoder, MlmHead};

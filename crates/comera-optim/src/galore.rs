@@ -77,14 +77,18 @@ impl Default for GaLoreConfig {
 
 impl GaLoreConfig {
     /// Checks the values; the error names the field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), crate::SettingError> {
+        use crate::SettingError;
         if self.update_every == 0 {
-            return Err("galore.update_every: must be at least 1".into());
+            return Err(SettingError::new(
+                "galore.update_every",
+                "must be at least 1",
+            ));
         }
         if !(self.scale > 0.0 && self.scale.is_finite()) {
-            return Err(format!(
-                "galore.scale: must be positive and finite, got {}",
-                self.scale
+            return Err(SettingError::new(
+                "galore.scale",
+                format!("must be positive and finite, got {}", self.scale),
             ));
         }
         Ok(())
@@ -677,17 +681,19 @@ mod tests {
 
     #[test]
     fn config_errors_name_the_field() {
-        let bad = |c: GaLoreConfig| c.validate().unwrap_err();
-        assert!(bad(GaLoreConfig {
-            update_every: 0,
-            ..Default::default()
-        })
-        .starts_with("galore.update_every"));
-        assert!(bad(GaLoreConfig {
-            scale: f32::NAN,
-            ..Default::default()
-        })
-        .starts_with("galore.scale"));
+        let bad = |c: GaLoreConfig| c.validate().unwrap_err().field;
+        assert!(
+            bad(GaLoreConfig {
+                update_every: 0,
+                ..Default::default()
+            }) == "galore.update_every"
+        );
+        assert!(
+            bad(GaLoreConfig {
+                scale: f32::NAN,
+                ..Default::default()
+            }) == "galore.scale"
+        );
         assert!(GaLoreConfig::default().validate().is_ok());
     }
 

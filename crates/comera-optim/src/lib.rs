@@ -34,6 +34,24 @@ pub use step::{StepError, StepReport, Stepper};
 use comera_layers::{Param, ParamKind, Retained};
 use rayon::prelude::*;
 
+/// A setting out of its range: the field (`optim.lr_cores`, `rank.gamma`, …) and what was
+/// expected, as the config validation reports it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct SettingError {
+    pub field: &'static str,
+    pub reason: String,
+}
+
+impl SettingError {
+    pub fn new(field: &'static str, reason: impl Into<String>) -> SettingError {
+        SettingError {
+            field,
+            reason: reason.into(),
+        }
+    }
+}
+
 /// (weights, gradients, first moments, second moments) of one chunk, as zipped iterators give them.
 type Chunks<'a> = (((&'a mut [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
 
@@ -86,7 +104,7 @@ impl Default for AdamWConfig {
 
 impl AdamWConfig {
     /// Checks the values; the error names the field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SettingError> {
         let checks = [
             (
                 "optim.lr_cores",
@@ -113,8 +131,9 @@ impl AdamWConfig {
             ),
         ];
         match checks.iter().find(|(_, ok)| !ok) {
-            Some((f, _)) => Err(format!(
-                "{f}: out of range (learning rates, eps, decay and clip ≥ 0, betas in [0, 1))"
+            Some((f, _)) => Err(SettingError::new(
+                f,
+                "out of range (learning rates, eps, decay and clip ≥ 0, betas in [0, 1))",
             )),
             None => Ok(()),
         }
@@ -427,7 +446,8 @@ mod tests {
         }
         .validate()
         .unwrap_err()
-        .contains("optim.beta1"));
+        .to_string()
+        .starts_with("optim.beta1: "));
     }
 }
 

@@ -29,12 +29,17 @@ pub enum RestoreError {
     },
     #[error("optimizer `{0}` is missing")]
     MissingScalar(&'static str),
-    #[error("optimiser tensor `{name}`: {msg}")]
-    Tensor { name: String, msg: String },
+    #[error("optimiser tensor `{name}`")]
+    Tensor {
+        name: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 /// Fills a buffer from the checkpoint tensor of that name (its length must match).
-pub type TensorSource<'a> = dyn FnMut(&str, &mut [f32]) -> Result<(), String> + 'a;
+pub type TensorSource<'a> =
+    dyn FnMut(&str, &mut [f32]) -> Result<(), Box<dyn std::error::Error + Send + Sync>> + 'a;
 
 /// AdamW, or GaLore (AdamW for the parameters it does not project).
 pub enum Optimizer {
@@ -150,7 +155,7 @@ impl Optimizer {
         let kind = scalars["kind"].as_str().unwrap_or("");
         let num = |k: &'static str| scalars[k].as_u64().ok_or(RestoreError::MissingScalar(k));
         let mut fill = |name: String, buf: &mut [f32]| {
-            tensor(&name, buf).map_err(|msg| RestoreError::Tensor { name, msg })
+            tensor(&name, buf).map_err(|source| RestoreError::Tensor { name, source })
         };
         let mut err = None;
         let mut i = 0;

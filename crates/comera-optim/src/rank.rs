@@ -30,6 +30,7 @@
 //!    returned as [`RankEvent`]s that the training loop only records and reports.
 
 use crate::optimizer::Optimizer;
+use crate::SettingError;
 use comera_layers::{Model, ParamKind, Retained};
 use serde::{Deserialize, Serialize};
 
@@ -104,7 +105,7 @@ impl Default for RankConfig {
 
 impl RankConfig {
     /// Checks the values; the error names the field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SettingError> {
         let nonneg = [
             ("rank.gamma", self.gamma),
             ("rank.beta", self.beta),
@@ -115,37 +116,44 @@ impl RankConfig {
         ];
         for (name, v) in nonneg {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("{name}: expected a finite number ≥ 0, got {v}"));
+                return Err(SettingError::new(
+                    name,
+                    format!("expected a finite number ≥ 0, got {v}"),
+                ));
             }
         }
         if !(self.target_loss.is_finite() && self.target_loss >= 0.0) {
-            return Err(format!(
-                "rank.target_loss: expected a finite number ≥ 0, got {}",
-                self.target_loss
+            return Err(SettingError::new(
+                "rank.target_loss",
+                format!("expected a finite number ≥ 0, got {}", self.target_loss),
             ));
         }
         if let Some(r) = self.target_ratio {
             if !(r > 0.0 && r <= 1.0) {
-                return Err(format!(
-                    "rank.target_ratio: expected a value in (0, 1], got {r}"
+                return Err(SettingError::new(
+                    "rank.target_ratio",
+                    format!("expected a value in (0, 1], got {r}"),
                 ));
             }
         }
         if let Some(c) = self.target_compression {
             if !(c.is_finite() && c >= 1.0) {
-                return Err(format!(
-                    "rank.target_compression: expected a value ≥ 1, got {c}"
+                return Err(SettingError::new(
+                    "rank.target_compression",
+                    format!("expected a value ≥ 1, got {c}"),
                 ));
             }
         }
         let late = self.late_after_epochs > 0 || self.plateau_steps > 0;
         match (self.target_ratio, self.target_compression) {
-            (Some(_), Some(_)) => {
-                Err("rank: give either target_ratio or target_compression, not both".into())
-            }
-            (None, None) if late => Err(
-                "rank: the late stage needs a target: target_ratio or target_compression".into(),
-            ),
+            (Some(_), Some(_)) => Err(SettingError::new(
+                "rank",
+                "give either target_ratio or target_compression, not both",
+            )),
+            (None, None) if late => Err(SettingError::new(
+                "rank",
+                "the late stage needs a target: target_ratio or target_compression",
+            )),
             _ => Ok(()),
         }
     }

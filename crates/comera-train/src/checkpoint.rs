@@ -21,8 +21,9 @@
 //! what it holds.
 
 use crate::config::AnyRunConfig;
+use crate::error::{BoxError, Error, IoContext, Result};
+use crate::files::TensorError;
 use crate::files::{digest, le_bytes};
-use anyhow::{anyhow, bail, Context};
 use comera_layers::{Model, Param};
 use comera_optim::rank::{LayerRanks, RankController};
 use comera_optim::OptState;
@@ -35,6 +36,57 @@ use std::path::{Path, PathBuf};
 pub const FORMAT: &str = "comera-checkpoint";
 pub const VERSION: u32 = 3;
 pub const DIR: &str = "checkpoints";
+
+/// A checkpoint that cannot be used: the file, then what is wrong with it.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// The file is not a checkpoint this comera can resume from.
+    #[error("{}: not a usable checkpoint", .path.display())]
+    Unusable {
+        path: PathBuf,
+        #[source]
+        source: Defect,
+    },
+    /// The model's (or optimiser's) tensors do not fit the saved ones.
+    #[error("{}", .path.display())]
+    Tensor {
+        path: PathBuf,
+        #[source]
+        source: TensorError,
+    },
+}
+
+/// What makes a file not a usable checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum Defect {
+    #[error("not a complete safetensors file (truncated or corrupt?)")]
+    Incomplete(#[source] safetensors::SafeTensorError),
+    #[error("no metadata: not a comera checkpoint")]
+    NoMetadata,
+    #[error("metadata field `{0}` is missing")]
+    MissingField(String),
+    #[error("metadata `format` is `{0}`, expected `{FORMAT}`")]
+    Format(String),
+    #[error("checkpoint version {0}; this comera reads version {VERSION}")]
+    Version(String),
+    #[error("tensor `{name}`")]
+    Tensor {
+        name: String,
+        #[source]
+        source: safetensors::SafeTensorError,
+    },
+    #[error(transparent)]
+    Layout(TensorError),
+    #[error("content hash mismatch (the file was modified or damaged after it was written)")]
+    Hash,
+    /// A metadata field that does not parse (`config`, `progress`, `rank`, `optimizer`).
+    #[error("metadata `{field}`")]
+    Metadata {
+        field: &'static str,
+        #[source]
+        source: BoxError,
+    },
+}
 
 /// Where in training a checkpoint was taken, and the running sums the logs need.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -119,13 +171,13 @@ pub fn header_step(path: &Path) -> Option<u64> {
 
 /// Checkpoints of a run, oldest first by the step inside each file (files whose header cannot
 /// be read come first; temporary files of interrupted writes are ignored).
-pub fn list(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+pub fn list(run_dir: &Path) -> Result<Vec<PathBuf>> {
     let dir = run_dir.join(DIR);
     if !dir.is_dir() {
         return Ok(Vec::new());
     }
     let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .with_context(|| format!("{}: cannot list", dir.display()))?
+        .io(&dir, "cannot list")?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
             p.file_name()
@@ -157,7 +209,7 @@ pub fn save(
     model: &mut dyn Model,
     opt: &OptState,
     keep: usize,
-) -> anyhow::Result<PathBuf> {
+) -> Result<PathBuf> {
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     model.visit_params_mut(&mut |p: &mut Param| {
         tensors.push((
@@ -211,8 +263,7 @@ pub fn save(
     if keep > 0 {
         let all = list(run_dir)?;
         for old in &all[..all.len().saturating_sub(keep)] {
-            std::fs::remove_file(old)
-                .with_context(|| format!("{}: cannot remove old checkpoint", old.display()))?;
+            std::fs::remove_file(old).io(old, "cannot remove old checkpoint")?;
         }
     }
     Ok(path)
@@ -220,53 +271,50 @@ pub fn save(
 
 impl Checkpoint {
     /// Reads and checks a checkpoint: format, version, hash, and every metadata field.
-    pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
-        let bytes = comera_data::read_regular(path)
-            .with_context(|| format!("{}: cannot read", path.display()))?;
-        Self::parse(path, &bytes)
-            .with_context(|| format!("{}: not a usable checkpoint", path.display()))
+    pub fn load(path: &Path) -> Result<Checkpoint> {
+        let bytes = comera_data::read_regular(path).io(path, "cannot read")?;
+        Self::parse(path, &bytes).map_err(|source| {
+            CheckpointError::Unusable {
+                path: path.to_path_buf(),
+                source,
+            }
+            .into()
+        })
     }
 
-    fn parse(path: &Path, bytes: &[u8]) -> anyhow::Result<Checkpoint> {
-        let (_, header) = SafeTensors::read_metadata(bytes)
-            .map_err(|e| anyhow!("not a complete safetensors file (truncated or corrupt?): {e}"))?;
-        let st = SafeTensors::deserialize(bytes)
-            .map_err(|e| anyhow!("not a complete safetensors file (truncated or corrupt?): {e}"))?;
-        let meta = header
-            .metadata()
-            .as_ref()
-            .ok_or_else(|| anyhow!("no metadata: not a comera checkpoint"))?;
-        let field = |k: &str| {
-            meta.get(k)
-                .ok_or_else(|| anyhow!("metadata field `{k}` is missing"))
-        };
+    fn parse(path: &Path, bytes: &[u8]) -> Result<Checkpoint, Defect> {
+        let (_, header) = SafeTensors::read_metadata(bytes).map_err(Defect::Incomplete)?;
+        let st = SafeTensors::deserialize(bytes).map_err(Defect::Incomplete)?;
+        let meta = header.metadata().as_ref().ok_or(Defect::NoMetadata)?;
+        let field = |k: &str| meta.get(k).ok_or_else(|| Defect::MissingField(k.into()));
         if field("format")? != FORMAT {
-            bail!(
-                "metadata `format` is `{}`, expected `{FORMAT}`",
-                field("format")?
-            );
+            return Err(Defect::Format(field("format")?.clone()));
         }
         let version = field("version")?;
         if version != &VERSION.to_string() {
-            bail!("checkpoint version {version}; this comera reads version {VERSION}");
+            return Err(Defect::Version(version.clone()));
         }
         let mut names: Vec<&str> = st.names();
         names.sort();
         let mut tensors = HashMap::new();
         let mut items = Vec::with_capacity(names.len());
         for &name in &names {
-            let t = st
-                .tensor(name)
-                .map_err(|e| anyhow!("tensor `{name}`: {e}"))?;
+            let t = st.tensor(name).map_err(|source| Defect::Tensor {
+                name: name.into(),
+                source,
+            })?;
             if t.dtype() != Dtype::F32 {
-                bail!("tensor `{name}` is {:?}, expected F32", t.dtype());
+                return Err(Defect::Layout(TensorError::Dtype {
+                    name: name.into(),
+                    dtype: t.dtype(),
+                }));
             }
             items.push((name, t.shape().to_vec(), t.data()));
         }
         let sha =
             digest(meta_items(meta).chain(items.iter().map(|(n, s, b)| (*n, s.as_slice(), *b))));
         if &sha != field("sha256")? {
-            bail!("content hash mismatch (the file was modified or damaged after it was written)");
+            return Err(Defect::Hash);
         }
         for (name, shape, data) in items {
             let v: Vec<f32> = data
@@ -277,14 +325,17 @@ impl Checkpoint {
         }
         let config_toml = field("config")?.clone();
         let model_toml = field("model")?.clone();
+        let bad = |field: &'static str| {
+            move |e: Box<dyn std::error::Error + Send + Sync>| Defect::Metadata { field, source: e }
+        };
         AnyRunConfig::from_toml(Path::new("<checkpoint config>"), &config_toml)
-            .context("metadata `config`")?;
+            .map_err(|e| bad("config")(e.into()))?;
         let progress: Progress =
-            serde_json::from_str(field("progress")?).context("metadata `progress`")?;
+            serde_json::from_str(field("progress")?).map_err(|e| bad("progress")(e.into()))?;
         let rank: RankController =
-            serde_json::from_str(field("rank")?).context("metadata `rank`")?;
+            serde_json::from_str(field("rank")?).map_err(|e| bad("rank")(e.into()))?;
         let optimizer: serde_json::Value =
-            serde_json::from_str(field("optimizer")?).context("metadata `optimizer`")?;
+            serde_json::from_str(field("optimizer")?).map_err(|e| bad("optimizer")(e.into()))?;
         let run_id = field("run_id")?.clone();
         Ok(Checkpoint {
             path: path.to_path_buf(),
@@ -310,12 +361,12 @@ impl Checkpoint {
     }
 
     /// The run config the checkpoint was written with.
-    pub fn config(&self) -> anyhow::Result<AnyRunConfig> {
+    pub fn config(&self) -> Result<AnyRunConfig> {
         AnyRunConfig::from_toml(&self.path, &self.config_toml)
     }
 
     /// The model at the checkpoint, of whichever kind, with its parameters.
-    pub fn saved_model(&self) -> anyhow::Result<crate::files::SavedModel> {
+    pub fn saved_model(&self) -> Result<crate::files::SavedModel> {
         let mut saved = crate::files::SavedModel::from_meta(&self.path, &self.model_toml)?;
         self.load_params(saved.model_mut())?;
         Ok(saved)
@@ -324,13 +375,13 @@ impl Checkpoint {
     /// Loads the checkpoint's parameters into `model` (built from the checkpoint's config):
     /// re-shaped to the saved ranks, every parameter filled in (missing or mis-shaped tensors
     /// are errors).
-    pub fn load_params(&self, model: &mut dyn Model) -> anyhow::Result<()> {
+    pub fn load_params(&self, model: &mut dyn Model) -> Result<()> {
         crate::files::reshape_ranks(model, &|name| {
             self.tensors
                 .get(&format!("model/{name}"))
                 .map(|(s, _)| s.clone())
         })
-        .map_err(|e| anyhow!("{}: {e}", self.path.display()))?;
+        .map_err(|e| self.tensor_error(e))?;
         self.fill(model, "model/", &mut |p, v| p.value.copy_from_slice(v))?;
         let mut bad = Ok(());
         model.visit_params_mut(&mut |p| {
@@ -338,31 +389,36 @@ impl Checkpoint {
                 bad = crate::files::check_finite(p);
             }
         });
-        bad.map_err(|e| anyhow!("{}: {e}", self.path.display()))
+        bad.map_err(|e| self.tensor_error(e))
+    }
+
+    /// `PATH`, then what is wrong with the tensor.
+    fn tensor_error(&self, source: TensorError) -> Error {
+        CheckpointError::Tensor {
+            path: self.path.clone(),
+            source,
+        }
+        .into()
     }
 
     /// Fills `buf` from the saved optimiser tensor `opt/<name>` (for
     /// [`comera_optim::Optimizer::restore`]).
-    pub fn opt_fill(&self, name: &str, buf: &mut [f32]) -> Result<(), String> {
-        let v = self
-            .opt_tensor(name, buf.len())
-            .map_err(|e| format!("{e:#}"))?;
+    pub fn opt_fill(&self, name: &str, buf: &mut [f32]) -> Result<(), BoxError> {
+        let v = self.opt_tensor(name, buf.len())?;
         buf.copy_from_slice(v);
         Ok(())
     }
 
     /// The saved optimiser tensor `opt/<name>`: its values, which must have `len` entries.
-    pub fn opt_tensor(&self, name: &str, len: usize) -> anyhow::Result<&[f32]> {
+    pub fn opt_tensor(&self, name: &str, len: usize) -> Result<&[f32]> {
         match self.tensors.get(&format!("opt/{name}")) {
             Some((_, v)) if v.len() == len => Ok(v),
-            Some((s, _)) => Err(anyhow!(
-                "{}: tensor `opt/{name}` has shape {s:?}, expected {len} values",
-                self.path.display()
-            )),
-            None => Err(anyhow!(
-                "{}: tensor `opt/{name}` is missing",
-                self.path.display()
-            )),
+            Some((s, _)) => Err(self.tensor_error(TensorError::Values {
+                name: format!("opt/{name}"),
+                shape: s.clone(),
+                len,
+            })),
+            None => Err(self.tensor_error(TensorError::Missing(format!("opt/{name}")))),
         }
     }
 
@@ -373,7 +429,7 @@ impl Checkpoint {
         model: &mut dyn Model,
         prefix: &str,
         f: &mut dyn FnMut(&mut Param, &[f32]),
-    ) -> anyhow::Result<()> {
+    ) -> Result<()> {
         let mut err = None;
         model.visit_params_mut(&mut |p| {
             if err.is_some() {
@@ -383,16 +439,17 @@ impl Checkpoint {
             match self.tensors.get(&key) {
                 Some((shape, v)) if shape == &p.shape => f(p, v),
                 Some((shape, _)) => {
-                    err = Some(anyhow!(
-                        "tensor `{key}` has shape {shape:?}, the model expects {:?}",
-                        p.shape
-                    ))
+                    err = Some(TensorError::Shape {
+                        name: key,
+                        shape: shape.clone(),
+                        expected: p.shape.clone(),
+                    })
                 }
-                None => err = Some(anyhow!("tensor `{key}` is missing")),
+                None => err = Some(TensorError::Missing(key)),
             }
         });
         match err {
-            Some(e) => Err(anyhow!("{}: {e}", self.path.display())),
+            Some(e) => Err(self.tensor_error(e)),
             None => Ok(()),
         }
     }

@@ -9,6 +9,82 @@ use comera_optim::{AdamWConfig, Decay};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+use crate::error::{Error, IoContext};
+
+/// A config field or a command-line flag with a value the run cannot use: `FILE:LINE:COLUMN:
+/// FIELD: REASON` (the file, and the line and column where the file sets the field, when
+/// known).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigError {
+    /// The config file, when the config was read from one.
+    pub file: Option<PathBuf>,
+    /// The line and column (1-based) where the file sets the field.
+    pub position: Option<(usize, usize)>,
+    /// The field (`train.epochs`, `data.label_names[1]`) or flag (`--seed`).
+    pub field: String,
+    /// What is wrong with its value.
+    pub reason: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(file) = &self.file {
+            write!(f, "{}", file.display())?;
+            if let Some((line, column)) = self.position {
+                write!(f, ":{line}:{column}")?;
+            }
+            write!(f, ": ")?;
+        }
+        if self.field.is_empty() {
+            write!(f, "{}", self.reason)
+        } else {
+            write!(f, "{}: {}", self.field, self.reason)
+        }
+    }
+}
+
+impl ConfigError {
+    /// `field: reason`, in no file yet.
+    pub fn new(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+        ConfigError {
+            file: None,
+            position: None,
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The same error, naming the config `file` and the field's position in its `text`.
+    pub fn in_file(mut self, file: &Path, text: &str) -> ConfigError {
+        self.position = field_position(text, &self.field);
+        self.file = Some(file.to_path_buf());
+        self
+    }
+}
+
+impl From<comera_dlrm::config::ConfigError> for ConfigError {
+    fn from(e: comera_dlrm::config::ConfigError) -> ConfigError {
+        ConfigError::new(e.field, e.reason)
+    }
+}
+
+impl From<comera_optim::SettingError> for ConfigError {
+    fn from(e: comera_optim::SettingError) -> ConfigError {
+        ConfigError::new(e.field, e.reason)
+    }
+}
+
+impl From<comera_model::ConfigError> for ConfigError {
+    fn from(e: comera_model::ConfigError) -> ConfigError {
+        ConfigError::new(e.field, e.msg)
+    }
+}
+
+/// `field: reason`.
+fn bad(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::new(field, reason)
+}
+
 /// An upper bound on an integer a user types (a config field or a command-line flag), with
 /// the reason for it. Every such number is checked against one before anything is planned or
 /// allocated from it, so that a typo is an error naming the field rather than a panic, an
@@ -21,11 +97,14 @@ pub struct Bound {
 
 impl Bound {
     /// `field: VALUE is more than the limit LIMIT; WHY` when `value` exceeds the limit.
-    pub fn check(&self, field: &str, value: u64) -> Result<(), String> {
+    pub fn check(&self, field: &str, value: u64) -> Result<(), ConfigError> {
         if value > self.limit {
-            return Err(format!(
-                "{field}: {value} is more than the limit {}; {}",
-                self.limit, self.why
+            return Err(bad(
+                field,
+                format!(
+                    "{value} is more than the limit {}; {}",
+                    self.limit, self.why
+                ),
             ));
         }
         Ok(())
@@ -233,9 +312,49 @@ impl Default for DataConfig {
 }
 
 impl DataConfig {
+    /// A masked-LM run's corpus fields: a corpus, masking fractions, tokenizer, documents.
+    fn check_corpus_fields(&self) -> Result<(), ConfigError> {
+        let d = self;
+        if d.corpus.is_empty() {
+            return Err(bad(
+                "data.corpus",
+                "give at least one data-set name or path",
+            ));
+        }
+        let p = |x: f64| (0.0..=1.0).contains(&x);
+        if !(p(d.select_prob) && d.select_prob > 0.0) {
+            return Err(bad(
+                "data.select_prob",
+                format!("must be in (0, 1], got {}", d.select_prob),
+            ));
+        }
+        if !(p(d.mask_prob) && p(d.random_prob) && d.mask_prob + d.random_prob <= 1.0) {
+            return Err(bad(
+                "data.mask_prob + data.random_prob",
+                format!(
+                    "each in [0, 1], summing to at most 1, got {} + {}",
+                    d.mask_prob, d.random_prob
+                ),
+            ));
+        }
+        d.tokenizer
+            .parse::<comera_data::corpus::TokenizerKind>()
+            .map_err(|e| bad("data.tokenizer", e.to_string()))?;
+        if !["lines", "paragraphs", "wiki", "file"].contains(&d.text_docs.as_str()) {
+            return Err(bad(
+                "data.text_docs",
+                format!(
+                    "`{}` is not one of lines, paragraphs, wiki, file",
+                    d.text_docs
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// A classification run refuses the masked-LM fields set to anything but their defaults:
     /// they would be ignored, and a user who set one expects it to do something.
-    fn check_no_corpus_fields(&self) -> Result<(), String> {
+    fn check_no_corpus_fields(&self) -> Result<(), ConfigError> {
         let default = DataConfig::default();
         let set = [
             ("corpus", self.corpus != default.corpus),
@@ -248,10 +367,10 @@ impl DataConfig {
             ("random_prob", self.random_prob != default.random_prob),
         ];
         match set.iter().find(|(_, changed)| *changed) {
-            Some((field, _)) => Err(format!(
-                "data.{field}: only masked-LM runs (data.source = \"corpus\") use it, and this run classifies `{}` data; remove it",
+            Some((field, _)) => Err(bad(format!("data.{field}"), format!(
+                "only masked-LM runs (data.source = \"corpus\") use it, and this run classifies `{}` data; remove it",
                 self.source
-            )),
+            ))),
             None => Ok(()),
         }
     }
@@ -260,22 +379,23 @@ impl DataConfig {
 /// Labels and label names (`field`) are shown one a line, written into `predict`'s TSV and
 /// exported as Hugging Face's `label2id` keys: each must be non-empty, free of control
 /// characters (a tab or newline breaks the TSV) and different from the others.
-fn check_names(field: &str, names: &[String]) -> Result<(), String> {
+fn check_names(field: &str, names: &[String]) -> Result<(), ConfigError> {
     if names.is_empty() {
-        return Err(format!("{field}: empty; give one name per label"));
+        return Err(bad(field, "empty; give one name per label"));
     }
     for (i, name) in names.iter().enumerate() {
         if name.trim().is_empty() {
-            return Err(format!("{field}[{i}]: empty name {name:?}"));
+            return Err(bad(format!("{field}[{i}]"), format!("empty name {name:?}")));
         }
         if name.chars().any(char::is_control) {
-            return Err(format!(
-                "{field}[{i}]: {name:?} holds a control character (tab, newline, …), which would break predict's TSV output"
-            ));
+            return Err(bad(format!("{field}[{i}]"), format!(
+                "{name:?} holds a control character (tab, newline, …), which would break predict's TSV output"
+            )));
         }
         if let Some(j) = names[..i].iter().position(|n| n == name) {
-            return Err(format!(
-                "{field}[{i}]: {name:?} is also {field}[{j}]; every label needs its own name"
+            return Err(bad(
+                format!("{field}[{i}]"),
+                format!("{name:?} is also {field}[{j}]; every label needs its own name"),
             ));
         }
     }
@@ -450,23 +570,26 @@ impl RunConfig {
     }
 
     /// Parses a TOML config; errors name the file and the offending key or line.
-    pub fn from_toml(path: &Path, text: &str) -> anyhow::Result<RunConfig> {
+    pub fn from_toml(path: &Path, text: &str) -> crate::Result<RunConfig> {
         parse(path, text, RunConfig::validate)
     }
 
-    pub fn from_file(path: &Path) -> anyhow::Result<RunConfig> {
+    pub fn from_file(path: &Path) -> crate::Result<RunConfig> {
         Self::from_toml(path, &read_config(path)?)
     }
 
     /// Checks every table; the message names the field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         // Bounds first: the layouts below are computed from these numbers.
         self.check_bounds()?;
-        self.model.validate().map_err(|e| e.to_string())?;
+        self.model.validate()?;
         if self.model.seq_len < 2 {
-            return Err(format!(
-                "model.seq_len: must be at least 2 ([CLS] and [SEP] take two positions), got {}",
-                self.model.seq_len
+            return Err(bad(
+                "model.seq_len",
+                format!(
+                    "must be at least 2 ([CLS] and [SEP] take two positions), got {}",
+                    self.model.seq_len
+                ),
             ));
         }
         self.optim.validate()?;
@@ -476,52 +599,29 @@ impl RunConfig {
         }
         let d = &self.data;
         if !(0.0..1.0).contains(&d.valid_fraction) {
-            return Err(format!(
-                "data.valid_fraction: must be in [0, 1), got {}",
-                d.valid_fraction
+            return Err(bad(
+                "data.valid_fraction",
+                format!("must be in [0, 1), got {}", d.valid_fraction),
             ));
         }
         let mlm = self.model.head == comera_model::HeadKind::Mlm;
         match (d.source, mlm) {
             (DataSource::Corpus, false) => {
-                return Err(
-                    "model.head: data.source `corpus` trains a masked-LM: set head = \"mlm\""
-                        .into(),
-                )
+                return Err(bad(
+                    "model.head",
+                    "data.source `corpus` trains a masked-LM: set head = \"mlm\"",
+                ))
             }
             (s, true) if !s.is_corpus() => {
-                return Err(format!(
-                    "model.head: `mlm` needs data.source = \"corpus\" (got `{s}`)"
+                return Err(bad(
+                    "model.head",
+                    format!("`mlm` needs data.source = \"corpus\" (got `{s}`)"),
                 ))
             }
             _ => {}
         }
         if mlm {
-            if d.corpus.is_empty() {
-                return Err("data.corpus: give at least one data-set name or path".into());
-            }
-            let p = |x: f64| (0.0..=1.0).contains(&x);
-            if !(p(d.select_prob) && d.select_prob > 0.0) {
-                return Err(format!(
-                    "data.select_prob: must be in (0, 1], got {}",
-                    d.select_prob
-                ));
-            }
-            if !(p(d.mask_prob) && p(d.random_prob) && d.mask_prob + d.random_prob <= 1.0) {
-                return Err(format!(
-                    "data.mask_prob + data.random_prob: each in [0, 1], summing to at most 1, got {} + {}",
-                    d.mask_prob, d.random_prob
-                ));
-            }
-            d.tokenizer
-                .parse::<comera_data::corpus::TokenizerKind>()
-                .map_err(|e| format!("data.tokenizer: {e}"))?;
-            if !["lines", "paragraphs", "wiki", "file"].contains(&d.text_docs.as_str()) {
-                return Err(format!(
-                    "data.text_docs: `{}` is not one of lines, paragraphs, wiki, file",
-                    d.text_docs
-                ));
-            }
+            d.check_corpus_fields()?;
         } else {
             d.check_no_corpus_fields()?;
         }
@@ -535,18 +635,19 @@ impl RunConfig {
         for (i, ph) in t.phases.iter().enumerate() {
             let f = |k: &str| format!("train.phases[{i}].{k}");
             if ph.seq_len < 3 || ph.seq_len > self.model.seq_len {
-                return Err(format!(
-                    "{}: {} is outside 3..={} (model.seq_len, the position table)",
+                return Err(bad(
                     f("seq_len"),
-                    ph.seq_len,
-                    self.model.seq_len
+                    format!(
+                        "{} is outside 3..={} (model.seq_len, the position table)",
+                        ph.seq_len, self.model.seq_len
+                    ),
                 ));
             }
             if ph.batch_size == 0 {
-                return Err(format!("{}: must be at least 1", f("batch_size")));
+                return Err(bad(f("batch_size"), "must be at least 1"));
             }
             if ph.epochs == 0 {
-                return Err(format!("{}: must be at least 1", f("epochs")));
+                return Err(bad(f("epochs"), "must be at least 1"));
             }
             check_accumulation(t.accumulate_steps, ph.batch_size, &f("batch_size"))?;
         }
@@ -554,7 +655,7 @@ impl RunConfig {
     }
 
     /// Every integer of the config against its [`Bound`].
-    fn check_bounds(&self) -> Result<(), String> {
+    fn check_bounds(&self) -> Result<(), ConfigError> {
         let (m, t, d) = (&self.model, &self.train, &self.data);
         let u = |v: usize| v as u64;
         for (field, value, bound) in [
@@ -742,7 +843,7 @@ impl DlrmTrainConfig {
 
 impl LoopFields {
     /// Each value, named when wrong: bounds first, then what the loop needs.
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), ConfigError> {
         let u = |v: usize| v as u64;
         for (field, value, bound) in [
             ("train.epochs", u(self.epochs), EPOCHS),
@@ -767,33 +868,32 @@ impl LoopFields {
             TOML_INT.check("train.early_stopping.patience", u(es.patience))?;
         }
         if self.epochs == 0 {
-            return Err("train.epochs: must be at least 1".into());
+            return Err(bad("train.epochs", "must be at least 1"));
         }
         if self.batch_size == 0 {
-            return Err("train.batch_size: must be at least 1".into());
+            return Err(bad("train.batch_size", "must be at least 1"));
         }
         if self.log_every == 0 {
-            return Err("train.log_every: must be at least 1".into());
+            return Err(bad("train.log_every", "must be at least 1"));
         }
         if let Some(es) = &self.early_stopping {
             es.validate()?;
         }
         if self.out_dir.as_os_str().is_empty() {
-            return Err("train.out_dir: empty; name the run directory".into());
+            return Err(bad("train.out_dir", "empty; name the run directory"));
         }
         check_accumulation(self.accumulate_steps, self.batch_size, "train.batch_size")
     }
 }
 
 /// `train.accumulate_steps` must be at least 1 and divide the batch size `batch` (`field`).
-fn check_accumulation(steps: usize, batch: usize, field: &str) -> Result<(), String> {
+fn check_accumulation(steps: usize, batch: usize, field: &str) -> Result<(), ConfigError> {
     if steps == 0 {
-        return Err("train.accumulate_steps: must be at least 1".into());
+        return Err(bad("train.accumulate_steps", "must be at least 1"));
     }
     if !batch.is_multiple_of(steps) {
-        return Err(format!(
-            "train.accumulate_steps: {steps} does not divide {field} = {batch} (each step runs {steps} micro-batches of equal size)"
-        ));
+        return Err(bad("train.accumulate_steps", format!("{steps} does not divide {field} = {batch} (each step runs {steps} micro-batches of equal size)"
+        )));
     }
     Ok(())
 }
@@ -837,14 +937,14 @@ pub enum StopMode {
 }
 
 impl EarlyStopping {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), ConfigError> {
         if self.patience == 0 {
-            return Err("train.early_stopping.patience: must be at least 1".into());
+            return Err(bad("train.early_stopping.patience", "must be at least 1"));
         }
         if !(self.min_delta >= 0.0 && self.min_delta.is_finite()) {
-            return Err(format!(
-                "train.early_stopping.min_delta: must be a finite number ≥ 0, got {}",
-                self.min_delta
+            return Err(bad(
+                "train.early_stopping.min_delta",
+                format!("must be a finite number ≥ 0, got {}", self.min_delta),
             ));
         }
         Ok(())
@@ -926,16 +1026,16 @@ pub fn is_dlrm_config(text: &str) -> bool {
 
 impl DlrmRunConfig {
     /// Parses a TOML config; errors name the file and the offending key or line.
-    pub fn from_toml(path: &Path, text: &str) -> anyhow::Result<DlrmRunConfig> {
+    pub fn from_toml(path: &Path, text: &str) -> crate::Result<DlrmRunConfig> {
         parse(path, text, DlrmRunConfig::validate)
     }
 
-    pub fn from_file(path: &Path) -> anyhow::Result<DlrmRunConfig> {
+    pub fn from_file(path: &Path) -> crate::Result<DlrmRunConfig> {
         Self::from_toml(path, &read_config(path)?)
     }
 
     /// Checks every table; the message names the field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         // Bounds first: table layouts are proposed from these numbers.
         self.check_bounds()?;
         self.dlrm.validate()?;
@@ -946,53 +1046,56 @@ impl DlrmRunConfig {
         let d = &self.data;
         let known = ["movielens", "adult", "criteo", "synthetic"];
         if !known.contains(&d.source.as_str()) {
-            return Err(format!(
-                "data.source: `{}` is not one of {known:?}",
-                d.source
+            return Err(bad(
+                "data.source",
+                format!("`{}` is not one of {known:?}", d.source),
             ));
         }
         if !(0.0..1.0).contains(&d.valid_fraction) {
-            return Err(format!(
-                "data.valid_fraction: must be in [0, 1), got {}",
-                d.valid_fraction
+            return Err(bad(
+                "data.valid_fraction",
+                format!("must be in [0, 1), got {}", d.valid_fraction),
             ));
         }
         if d.mapping.parse::<comera_data::ctr::CatMapping>().is_err() {
-            return Err(format!(
-                "data.mapping: `{}` is not `hash` or `modulo`",
-                d.mapping
+            return Err(bad(
+                "data.mapping",
+                format!("`{}` is not `hash` or `modulo`", d.mapping),
             ));
         }
         if d.source == "criteo" && d.train.is_none() {
-            return Err("data.train: the criteo source needs a training file".into());
+            return Err(bad("data.train", "the criteo source needs a training file"));
         }
         if !d.table_sizes.is_empty() && d.table_sizes.len() != comera_data::ctr::CRITEO_CATS {
-            return Err(format!(
-                "data.table_sizes: Criteo has {} categorical fields, got {} sizes",
-                comera_data::ctr::CRITEO_CATS,
-                d.table_sizes.len()
+            return Err(bad(
+                "data.table_sizes",
+                format!(
+                    "Criteo has {} categorical fields, got {} sizes",
+                    comera_data::ctr::CRITEO_CATS,
+                    d.table_sizes.len()
+                ),
             ));
         }
         if d.table_sizes.contains(&0) {
-            return Err("data.table_sizes: every table needs at least 1 row".into());
+            return Err(bad("data.table_sizes", "every table needs at least 1 row"));
         }
         if d.table_sizes.is_empty() && d.total_rows < comera_data::ctr::CRITEO_CATS * 4 {
-            return Err("data.total_rows: at least 104 (4 rows per table)".into());
+            return Err(bad("data.total_rows", "at least 104 (4 rows per table)"));
         }
         if !(d.zipf_s > 0.0 && d.zipf_s.is_finite()) {
-            return Err(format!("data.zipf_s: must be > 0, got {}", d.zipf_s));
+            return Err(bad("data.zipf_s", format!("must be > 0, got {}", d.zipf_s)));
         }
         if !(0.0..1.0).contains(&d.missing) {
-            return Err(format!(
-                "data.missing: must be in [0, 1), got {}",
-                d.missing
+            return Err(bad(
+                "data.missing",
+                format!("must be in [0, 1), got {}", d.missing),
             ));
         }
         Ok(())
     }
 
     /// Every integer of the config against its [`Bound`].
-    fn check_bounds(&self) -> Result<(), String> {
+    fn check_bounds(&self) -> Result<(), ConfigError> {
         let (m, t, d) = (&self.dlrm, &self.train, &self.data);
         let u = |v: usize| v as u64;
         for (field, value, bound) in [
@@ -1039,7 +1142,7 @@ pub enum AnyRunConfig {
 
 impl AnyRunConfig {
     /// Parses either kind; errors name the file and the field.
-    pub fn from_toml(path: &Path, text: &str) -> anyhow::Result<AnyRunConfig> {
+    pub fn from_toml(path: &Path, text: &str) -> crate::Result<AnyRunConfig> {
         Ok(if is_dlrm_config(text) {
             AnyRunConfig::Dlrm(DlrmRunConfig::from_toml(path, text)?)
         } else {
@@ -1047,7 +1150,7 @@ impl AnyRunConfig {
         })
     }
 
-    pub fn from_file(path: &Path) -> anyhow::Result<AnyRunConfig> {
+    pub fn from_file(path: &Path) -> crate::Result<AnyRunConfig> {
         Self::from_toml(path, &read_config(path)?)
     }
 
@@ -1083,7 +1186,7 @@ pub struct Overrides {
 
 impl Overrides {
     /// Each flag against the [`Bound`] of the field it sets; the error names the flag.
-    fn check_bounds(&self) -> Result<(), String> {
+    fn check_bounds(&self) -> Result<(), ConfigError> {
         let u = |v: Option<usize>| v.map(|v| v as u64);
         for (flag, value, bound) in [
             ("--epochs", u(self.epochs), EPOCHS),
@@ -1106,12 +1209,16 @@ impl Overrides {
 
 impl AnyRunConfig {
     /// Applies `o` and checks the result; errors name the flag or field.
-    pub fn apply(&mut self, o: &Overrides) -> anyhow::Result<()> {
-        o.check_bounds().map_err(anyhow::Error::msg)?;
+    pub fn apply(&mut self, o: &Overrides) -> crate::Result<()> {
+        o.check_bounds()?;
         match self {
             AnyRunConfig::Encoder(cfg) => {
                 if !cfg.train.phases.is_empty() && (o.epochs.is_some() || o.batch_size.is_some()) {
-                    anyhow::bail!("--epochs / --batch-size: this config has [[train.phases]]; set epochs and batch_size per phase there");
+                    return Err(bad(
+                        "--epochs / --batch-size",
+                        "this config has [[train.phases]]; set epochs and batch_size per phase there",
+                    )
+                    .into());
                 }
                 let t = &mut cfg.train;
                 set(&mut t.epochs, o.epochs);
@@ -1126,13 +1233,15 @@ impl AnyRunConfig {
                 if o.dense {
                     cfg.model.make_dense();
                 }
-                cfg.validate().map_err(anyhow::Error::msg)
+                Ok(cfg.validate()?)
             }
             AnyRunConfig::Dlrm(cfg) => {
                 if o.init_from.is_some() {
-                    anyhow::bail!(
-                        "--init-from: a DLRM run has no pre-trained encoder to start from"
-                    );
+                    return Err(bad(
+                        "--init-from",
+                        "a DLRM run has no pre-trained encoder to start from",
+                    )
+                    .into());
                 }
                 let t = &mut cfg.train;
                 set(&mut t.epochs, o.epochs);
@@ -1144,7 +1253,7 @@ impl AnyRunConfig {
                 if o.dense {
                     cfg.dlrm.tables = comera_dlrm::TableKind::Dense;
                 }
-                cfg.validate().map_err(anyhow::Error::msg)
+                Ok(cfg.validate()?)
             }
         }
     }
@@ -1164,27 +1273,20 @@ fn set<T>(field: &mut T, v: Option<T>) {
 }
 
 /// The text of a config file; the error names it.
-fn read_config(path: &Path) -> anyhow::Result<String> {
-    comera_data::regular::read_regular_to_string(path)
-        .map_err(|e| anyhow::anyhow!("{}: cannot read config: {e}", path.display()))
+fn read_config(path: &Path) -> crate::Result<String> {
+    comera_data::regular::read_regular_to_string(path).io(path, "cannot read config")
 }
 
 /// Parses and checks a config; errors name the file and the offending key, line or field.
 fn parse<T: serde::de::DeserializeOwned>(
     path: &Path,
     text: &str,
-    validate: impl Fn(&T) -> Result<(), String>,
-) -> anyhow::Result<T> {
-    let cfg: T = toml::from_str(text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    validate(&cfg).map_err(|e| {
-        // A message that starts with a field set in the file points at its line and column,
-        // like the TOML parser's own errors.
-        let field = e.split_once(": ").map_or("", |(f, _)| f);
-        match field_position(text, field) {
-            Some((line, column)) => anyhow::anyhow!("{}:{line}:{column}: {e}", path.display()),
-            None => anyhow::anyhow!("{}: {e}", path.display()),
-        }
-    })?;
+    validate: impl Fn(&T) -> Result<(), ConfigError>,
+) -> crate::Result<T> {
+    let cfg: T = toml::from_str(text).map_err(|e| Error::parse(path, e))?;
+    // A field set in the file points at its line and column, like the TOML parser's own
+    // errors.
+    validate(&cfg).map_err(|e| e.in_file(path, text))?;
     Ok(cfg)
 }
 

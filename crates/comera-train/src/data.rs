@@ -1,7 +1,8 @@
 //! Turning a `[data]` table into tokenised, fixed-length training and validation sets.
 
+use crate::config::ConfigError;
 use crate::config::{DataConfig, DataSource};
-use anyhow::{anyhow, bail, Context};
+use crate::error::{Error, IoContext, Result};
 use comera_data::corpus::{
     pack_corpus_lengths, Corpus, CorpusStats, CorpusTokenizer, PackConfig, PackedCorpus,
     PackedSequences, TextDocs, TokenizerKind,
@@ -30,19 +31,24 @@ fn cache_dir(cfg: &DataConfig) -> PathBuf {
 }
 
 /// The vocabulary file: the configured one, or the fetched BERT uncased vocab.
-pub fn vocab_path(cfg: &DataConfig) -> anyhow::Result<PathBuf> {
+pub fn vocab_path(cfg: &DataConfig) -> Result<PathBuf> {
     match &cfg.vocab {
         Some(p) => Ok(p.clone()),
         None => Ok(fetch("bert-vocab", &cache_dir(cfg))?),
     }
 }
 
-fn required<'a, T>(v: &'a Option<T>, field: &str, source: DataSource) -> anyhow::Result<&'a T> {
-    v.as_ref()
-        .ok_or_else(|| anyhow!("data.{field}: required for source `{source}`"))
+fn required<'a, T>(v: &'a Option<T>, field: &str, source: DataSource) -> Result<&'a T> {
+    v.as_ref().ok_or_else(|| {
+        ConfigError::new(
+            format!("data.{field}"),
+            format!("required for source `{source}`"),
+        )
+        .into()
+    })
 }
 
-fn file_spec(cfg: &DataConfig, format: Delimited) -> anyhow::Result<TableSpec> {
+fn file_spec(cfg: &DataConfig, format: Delimited) -> Result<TableSpec> {
     let src = cfg.source;
     let a = required(&cfg.text_a, "text_a", src)?;
     let label = required(&cfg.label, "label", src)?;
@@ -54,7 +60,7 @@ fn file_spec(cfg: &DataConfig, format: Delimited) -> anyhow::Result<TableSpec> {
     })
 }
 
-fn load_file(cfg: &DataConfig, path: &Path) -> anyhow::Result<LoadedSet> {
+fn load_file(cfg: &DataConfig, path: &Path) -> Result<LoadedSet> {
     Ok(match cfg.source {
         DataSource::Mnli => load_table(path, &TableSpec::mnli())?,
         DataSource::Tsv => load_table(path, &file_spec(cfg, Delimited::Tsv)?)?,
@@ -69,19 +75,32 @@ fn load_file(cfg: &DataConfig, path: &Path) -> anyhow::Result<LoadedSet> {
                 &Labels::Names(names.clone()),
             )?
         }
-        other => bail!("data.source: `{other}` does not read files"),
+        other => {
+            return Err(
+                ConfigError::new("data.source", format!("`{other}` does not read files")).into(),
+            )
+        }
     })
 }
 
-/// Loads, splits and tokenises the configured data.
-pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> anyhow::Result<PreparedData> {
+/// The configured source's labelled examples: a training set, and its own validation set
+/// when the source has one (TREC's test split, a `data.valid` file).
+fn load_sets(cfg: &DataConfig) -> Result<(LoadedSet, Option<LoadedSet>)> {
     let cache = cache_dir(cfg);
-    let (train_set, valid_set): (LoadedSet, Option<LoadedSet>) = match cfg.source {
+    Ok(match cfg.source {
         DataSource::Reviews => {
             let label = match cfg.label.as_deref().unwrap_or("recommended") {
                 "recommended" => ReviewLabel::Recommended,
                 "rating" => ReviewLabel::Rating,
-                other => bail!("data.label: `{other}` is not a review label (expected `recommended` or `rating`)"),
+                other => {
+                    return Err(ConfigError::new(
+                        "data.label",
+                        format!(
+                            "`{other}` is not a review label (expected `recommended` or `rating`)"
+                        ),
+                    )
+                    .into())
+                }
             };
             (load_reviews(&fetch("reviews", &cache)?, label)?, None)
         }
@@ -107,7 +126,11 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> anyhow::Result<Pr
             )
         }
         DataSource::Corpus => {
-            bail!("data.source: `corpus` is a masked-LM corpus, not labelled examples")
+            return Err(ConfigError::new(
+                "data.source",
+                "`corpus` is a masked-LM corpus, not labelled examples",
+            )
+            .into())
         }
         DataSource::Mnli | DataSource::Tsv | DataSource::Csv | DataSource::Parquet => {
             let train_path = required(&cfg.train, "train", cfg.source)?;
@@ -115,15 +138,26 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> anyhow::Result<Pr
             let valid = cfg.valid.as_ref().map(|p| load_file(cfg, p)).transpose()?;
             (train, valid)
         }
-    };
+    })
+}
+
+/// Loads, splits and tokenises the configured data.
+pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedData> {
+    let (train_set, valid_set) = load_sets(cfg)?;
     let label_names = match &cfg.label_names {
-        Some(names) if names.len() != train_set.label_names.len() => bail!(
-            "data.label_names: {} names for the {} labels of source `{}` ({:?})",
-            names.len(),
-            train_set.label_names.len(),
-            cfg.source,
-            train_set.label_names
-        ),
+        Some(names) if names.len() != train_set.label_names.len() => {
+            return Err(ConfigError::new(
+                "data.label_names",
+                format!(
+                    "{} names for the {} labels of source `{}` ({:?})",
+                    names.len(),
+                    train_set.label_names.len(),
+                    cfg.source,
+                    train_set.label_names
+                ),
+            )
+            .into())
+        }
         Some(names) => names.clone(),
         None => train_set.label_names.clone(),
     };
@@ -139,15 +173,20 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> anyhow::Result<Pr
         valid.truncate(cfg.max_valid);
     }
     if train.is_empty() {
-        bail!("data: no training examples (source `{}`)", cfg.source);
+        return Err(Error::data(format!(
+            "data: no training examples (source `{}`)",
+            cfg.source
+        )));
     }
     if valid.is_empty() {
-        bail!("data: no validation examples (set data.valid or a positive data.valid_fraction)");
+        return Err(Error::data(
+            "data: no validation examples (set data.valid or a positive data.valid_fraction)",
+        ));
     }
     let pair = train.iter().any(|e| e.text_b.is_some());
     let vocab = vocab_path(cfg)?;
     let tokenizer = BertTokenizer::from_vocab_file(&vocab)
-        .with_context(|| format!("data.vocab: {}", vocab.display()))?;
+        .map_err(|e| Error::data_with(format!("data.vocab: {}", vocab.display()), e))?;
     let train_enc = EncodedDataset::encode(&tokenizer, &train, seq_len)?;
     let valid_enc = EncodedDataset::encode(&tokenizer, &valid, seq_len)?;
     let summary = format!(
@@ -188,17 +227,17 @@ pub struct CorpusData {
 
 impl CorpusData {
     /// Resolves the sources and loads the tokenizer; nothing is read from the corpus yet.
-    pub fn new(cfg: &DataConfig, seed: u64) -> anyhow::Result<CorpusData> {
+    pub fn new(cfg: &DataConfig, seed: u64) -> Result<CorpusData> {
         let cache = cache_dir(cfg);
-        let kind: TokenizerKind = cfg
+        let kind = cfg
             .tokenizer
-            .parse()
-            .map_err(|e| anyhow!("data.tokenizer: {e}"))?;
+            .parse::<TokenizerKind>()
+            .map_err(|e| ConfigError::new("data.tokenizer", e.to_string()))?;
         let (tokenizer, vocab) = match (kind, &cfg.vocab) {
             (TokenizerKind::WordPiece, Some(v)) => (
                 CorpusTokenizer::WordPiece(
                     BertTokenizer::from_vocab_file(v)
-                        .with_context(|| format!("data.vocab: {}", v.display()))?,
+                        .map_err(|e| Error::data_with(format!("data.vocab: {}", v.display()), e))?,
                 ),
                 v.clone(),
             ),
@@ -216,7 +255,13 @@ impl CorpusData {
             "paragraphs" => TextDocs::Paragraphs,
             "wiki" => TextDocs::WikiArticles,
             "file" => TextDocs::WholeFile,
-            other => bail!("data.text_docs: `{other}` is not one of lines, paragraphs, wiki, file"),
+            other => {
+                return Err(ConfigError::new(
+                    "data.text_docs",
+                    format!("`{other}` is not one of lines, paragraphs, wiki, file"),
+                )
+                .into())
+            }
         };
         let exts: Vec<&str> = cfg.extensions.iter().map(String::as_str).collect();
         let mut corpus = Corpus::new();
@@ -229,7 +274,11 @@ impl CorpusData {
             {
                 fetch(src, &cache)?
             } else {
-                bail!("data.corpus[{i}]: `{src}` is neither an existing path nor a data set `comera data list` knows");
+                return Err(ConfigError::new(
+                    format!("data.corpus[{i}]"),
+                    format!("`{src}` is neither an existing path nor a data set `comera data list` knows"),
+                )
+                .into());
             };
             corpus = if path.is_dir() {
                 corpus.code_dir(path, &exts)
@@ -263,7 +312,7 @@ impl CorpusData {
 
     /// The corpus packed into blocks of `seq_len` (read and tokenised on first use, saying
     /// so on stderr: for the commands that evaluate a saved run).
-    pub fn packed(&mut self, seq_len: usize) -> anyhow::Result<&PackedCorpus> {
+    pub fn packed(&mut self, seq_len: usize) -> Result<&PackedCorpus> {
         self.pack(&[seq_len], &mut |m| eprintln!("{m}"))?;
         Ok(self.packed_ref(seq_len))
     }
@@ -279,7 +328,7 @@ impl CorpusData {
     ///
     /// What it does (cache hits, tokenising progress every 5 s, the blocks made) is told to
     /// `say`, line by line.
-    pub fn pack(&mut self, seq_lens: &[usize], say: &mut dyn FnMut(String)) -> anyhow::Result<()> {
+    pub fn pack(&mut self, seq_lens: &[usize], say: &mut dyn FnMut(String)) -> Result<()> {
         let mut missing: Vec<usize> = Vec::new();
         for &t in seq_lens {
             if !missing.contains(&t) && !self.packed.iter().any(|(l, _)| *l == t) {
@@ -343,7 +392,10 @@ impl CorpusData {
                     &entry(t, "valid"),
                     &entry(t, "stats.json"),
                 ) {
-                    say(format!("warning: corpus cache not written: {e:#}"));
+                    say(format!(
+                        "warning: corpus cache not written: {}",
+                        crate::error::Chain(&e)
+                    ));
                 }
                 made.push((t, p));
             }
@@ -355,9 +407,9 @@ impl CorpusData {
     }
 
     /// The cache key: format, tokenizer, vocabulary, corpus fingerprint, split.
-    fn cache_key(&self) -> anyhow::Result<String> {
+    fn cache_key(&self) -> Result<String> {
         let vocab = comera_data::regular::read_regular(&self.vocab)
-            .with_context(|| format!("{}: cannot read the vocabulary", self.vocab.display()))?;
+            .io(&self.vocab, "cannot read the vocabulary")?;
         let kind = match &self.tokenizer {
             CorpusTokenizer::WordPiece(_) => "wordpiece",
             CorpusTokenizer::Bpe(_) => "bpe",
@@ -380,7 +432,7 @@ impl CorpusData {
         seq_len: usize,
         mut p: PackedCorpus,
         say: &mut dyn FnMut(String),
-    ) -> anyhow::Result<()> {
+    ) -> Result<()> {
         for (set, max) in [
             (&mut p.train, self.max_train),
             (&mut p.valid, self.max_valid),
@@ -396,13 +448,13 @@ impl CorpusData {
             }
         }
         if p.train.is_empty() {
-            bail!(
+            return Err(Error::data(format!(
                 "data.corpus: no training blocks of {seq_len} tokens in {:?}",
                 self.corpus.sources
-            );
+            )));
         }
         if p.valid.is_empty() {
-            bail!("data.valid_fraction: no held-out block of {seq_len} tokens (raise the fraction or add documents)");
+            return Err(Error::data(format!("data.valid_fraction: no held-out block of {seq_len} tokens (raise the fraction or add documents)")));
         }
         let s = &p.stats;
         say(format!(
@@ -443,10 +495,9 @@ fn load_cached(train: &Path, valid: &Path, stats: &Path) -> Option<PackedCorpus>
 
 /// Writes a packed corpus to the cache (each file atomically; the stats last, so a complete
 /// stats file means complete blocks).
-fn save_cached(p: &PackedCorpus, train: &Path, valid: &Path, stats: &Path) -> anyhow::Result<()> {
+fn save_cached(p: &PackedCorpus, train: &Path, valid: &Path, stats: &Path) -> Result<()> {
     if let Some(dir) = train.parent() {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("{}: cannot create", dir.display()))?;
+        std::fs::create_dir_all(dir).io(dir, "cannot create")?;
     }
     p.train.save(train)?;
     p.valid.save(valid)?;

@@ -58,12 +58,16 @@ impl Shard {
 
     /// This process's rows of a global batch of `batch_size`, refusing a batch smaller than the
     /// number of processes (every process needs a row).
-    pub fn rows(&self, batch_size: usize) -> anyhow::Result<Range<usize>> {
+    pub fn rows(&self, batch_size: usize) -> crate::Result<Range<usize>> {
         if batch_size < self.count {
-            anyhow::bail!(
-                "train.batch_size: {batch_size} is smaller than the {} processes (every process trains on at least one row of each global batch)",
-                self.count
-            );
+            return Err(crate::config::ConfigError::new(
+                "train.batch_size",
+                format!(
+                    "{batch_size} is smaller than the {} processes (every process trains on at least one row of each global batch)",
+                    self.count
+                ),
+            )
+            .into());
         }
         Ok(self.range(batch_size))
     }
@@ -138,7 +142,7 @@ pub struct Guard {
 
 /// Starts MPI when built with the `mpi` feature (a plain start without mpirun is a world of
 /// one process); a no-op otherwise. Call once, first thing in `main`, and hold the guard.
-pub fn init() -> anyhow::Result<Guard> {
+pub fn init() -> crate::Result<Guard> {
     #[cfg(feature = "mpi")]
     {
         mpi_world::init()
@@ -171,16 +175,16 @@ mod mpi_world {
     use mpi::traits::*;
     use mpi::Count;
 
-    pub(super) fn init() -> anyhow::Result<super::Guard> {
+    pub(super) fn init() -> crate::Result<super::Guard> {
         // The loop runs on a rayon worker, not on the thread that initialised MPI: one thread
         // at a time calls MPI (SERIALIZED). Errors on COMM_WORLD stay MPI_ERRORS_ARE_FATAL (the
         // default): a failed collective ends the job instead of returning.
         let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Serialized)
-            .ok_or_else(|| anyhow::anyhow!("MPI: already initialised"))?;
+            .ok_or_else(|| crate::Error::run("MPI: already initialised"))?;
         if level < mpi::Threading::Serialized {
-            anyhow::bail!(
+            return Err(crate::Error::run(format!(
                 "MPI: the library provides thread level {level:?}; data-parallel training needs Serialized"
-            );
+            )));
         }
         let world = universe.world();
         let _ = WORLD.set((world.rank() as usize, world.size() as usize));
@@ -289,7 +293,7 @@ pub fn check_same_ranks(
     stepper: &mut comera_optim::Stepper,
     model: &dyn comera_layers::Model,
     step: u64,
-) -> anyhow::Result<()> {
+) -> crate::Result<()> {
     let Some(dp) = &mut stepper.data_parallel else {
         return Ok(());
     };
@@ -298,10 +302,10 @@ pub fn check_same_ranks(
     dp.comm.gather_u64(hash, &mut all);
     if all.iter().any(|&h| h != all[0]) {
         let ranks: Vec<String> = all.iter().map(|h| format!("{h:016x}")).collect();
-        anyhow::bail!(
+        return Err(crate::Error::run(format!(
             "step {step}: the processes disagree on the ranks (hash of the per-layer ranks by process: {}); their gradients or rank decisions diverged",
             ranks.join(", ")
-        );
+        )));
     }
     Ok(())
 }

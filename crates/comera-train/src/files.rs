@@ -6,7 +6,7 @@
 //! digest), so a weights file that was damaged, or that belongs to another model, is refused by
 //! every loader, and so is a non-finite weight (named).
 
-use anyhow::{anyhow, bail, Context};
+use crate::error::{BoxError, Error, IoContext, Result};
 use comera_dlrm::Dlrm;
 use comera_layers::{Model, Param};
 use comera_model::{Encoder, EncoderConfig};
@@ -29,6 +29,55 @@ pub struct WriteError {
     pub what: &'static str,
     #[source]
     pub source: std::io::Error,
+}
+
+/// A tensor of a saved file (model weights, checkpoint) that the model cannot take.
+#[derive(Debug, thiserror::Error)]
+pub enum TensorError {
+    #[error("tensor `{0}` is missing")]
+    Missing(String),
+    /// A checkpoint's tensor of another shape than the model's parameter.
+    #[error("tensor `{name}` has shape {shape:?}, the model expects {expected:?}")]
+    Shape {
+        name: String,
+        shape: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    /// A weights file's tensor of another type or shape than the model's parameter.
+    #[error("tensor `{name}` is {dtype:?} {shape:?}, expected F32 {expected:?}")]
+    Layout {
+        name: String,
+        dtype: Dtype,
+        shape: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    /// A checkpoint's tensor that is not F32.
+    #[error("tensor `{name}` is {dtype:?}, expected F32")]
+    Dtype { name: String, dtype: Dtype },
+    /// An optimiser tensor with another number of values than the optimiser's state.
+    #[error("tensor `{name}` has shape {shape:?}, expected {len} values")]
+    Values {
+        name: String,
+        shape: Vec<usize>,
+        len: usize,
+    },
+    /// A rank gate whose shape is not one positive length.
+    #[error("tensor `{name}` has shape {shape:?}, expected one positive length (a rank)")]
+    Gate { name: String, shape: Vec<usize> },
+    #[error("tensor `{name}` holds a non-finite value ({value} at index {index})")]
+    NotFinite {
+        name: String,
+        value: f32,
+        index: usize,
+    },
+    /// Saved ranks a layer cannot take.
+    #[error("{layer}: ranks {ranks:?}")]
+    Ranks {
+        layer: String,
+        ranks: Vec<usize>,
+        #[source]
+        source: comera_layers::LayerError,
+    },
 }
 
 /// Refuses a write target comera may not replace. Only an absent path or a regular file may be
@@ -84,7 +133,7 @@ fn temporary_for(path: &Path) -> Result<PathBuf, WriteError> {
 /// disk, then renamed over `path`. A crash leaves either the old file or the new one; a failed
 /// write leaves no temporary file. `path` must be absent or a regular file
 /// ([`check_write_target`]).
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(write_atomic_then(path, bytes, || {})?)
 }
 
@@ -212,7 +261,7 @@ pub fn le_bytes(v: &[f32]) -> Vec<u8> {
 
 /// Writes `model.safetensors`: every parameter by name, with `sha256` = [`digest`] of the
 /// tensors in file order as its metadata, atomically. Returns the digest.
-pub fn save_weights(dir: &Path, params: &[&Param]) -> anyhow::Result<String> {
+pub fn save_weights(dir: &Path, params: &[&Param]) -> Result<String> {
     let mut tensors: Vec<(&str, &[usize], Vec<u8>)> = params
         .iter()
         .map(|p| (p.name.as_str(), p.shape.as_slice(), le_bytes(&p.value)))
@@ -223,7 +272,7 @@ pub fn save_weights(dir: &Path, params: &[&Param]) -> anyhow::Result<String> {
     let views: Vec<(&str, TensorView<'_>)> = tensors
         .iter()
         .map(|(n, s, b)| Ok((*n, TensorView::new(Dtype::F32, s.to_vec(), b)?)))
-        .collect::<Result<_, safetensors::SafeTensorError>>()?;
+        .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
     // One metadata key: safetensors writes its metadata map in hash order, so a second key
     // would make two saves of the same weights differ in their bytes.
     let meta = [("sha256".to_string(), sha.clone())].into_iter().collect();
@@ -258,7 +307,7 @@ pub fn save_model_files(
     params: &[&Param],
     meta_toml: &str,
     run_id: Option<&str>,
-) -> anyhow::Result<()> {
+) -> Result<()> {
     let sha = save_weights(dir, params)?;
     // Root keys go before the first table header of the serialised meta.
     let mut text = String::new();
@@ -275,7 +324,7 @@ pub fn save_model_files(
 }
 
 /// Saves an encoder (`model.safetensors` + `model.toml`) outside a training run.
-pub fn save_model(dir: &Path, model: &Encoder, meta: &ModelMeta) -> anyhow::Result<()> {
+pub fn save_model(dir: &Path, model: &Encoder, meta: &ModelMeta) -> Result<()> {
     let meta = ModelMeta {
         run_id: None,
         weights_sha256: None,
@@ -297,49 +346,48 @@ fn meta_run_id(dir: &Path) -> Option<String> {
 }
 
 /// Loads an encoder saved by [`save_model`]; every parameter must be present with its shape.
-pub fn load_model(dir: &Path) -> anyhow::Result<(Encoder, ModelMeta)> {
+pub fn load_model(dir: &Path) -> Result<(Encoder, ModelMeta)> {
     match load_saved(dir)? {
         SavedModel::Encoder(m, meta) => Ok((m, meta)),
-        SavedModel::Dlrm(..) => bail!(
+        SavedModel::Dlrm(..) => Err(Error::model(format!(
             "{}: holds a DLRM; this needs an encoder (a text model)",
             dir.join(MODEL_META).display()
-        ),
+        ))),
     }
 }
 
 /// Loads the model saved in a run directory, of whichever kind `model.toml` says.
-pub fn load_saved(dir: &Path) -> anyhow::Result<SavedModel> {
+pub fn load_saved(dir: &Path) -> Result<SavedModel> {
     let meta_path = dir.join(MODEL_META);
-    let text = comera_data::read_regular_to_string(&meta_path)
-        .with_context(|| format!("{}: cannot read", meta_path.display()))?;
+    let text = comera_data::read_regular_to_string(&meta_path).io(&meta_path, "cannot read")?;
     let mut saved = SavedModel::from_meta(&meta_path, &text)?;
     let (_, body) = split_stamp(&text);
     match saved.meta_sha256() {
-        None => bail!(
+        None => return Err(Error::model(format!(
             "{}: no `meta_sha256` (written by an older comera?); the file cannot be checked",
             meta_path.display()
-        ),
-        Some(sha) if sha != crate::run_dir::sha256_hex(body) => bail!(
+        ))),
+        Some(sha) if sha != crate::run_dir::sha256_hex(body) => return Err(Error::model(format!(
             "{}: model.toml does not match its digest (meta_sha256): it was edited after comera wrote it; restore it (a checkpoint holds the model's settings too)",
             meta_path.display()
-        ),
+        ))),
         Some(_) => {}
     }
     let (run_id, sha) = saved.stamp();
     let Some(sha) = sha.map(str::to_string) else {
-        bail!(
+        return Err(Error::model(format!(
             "{}: no `weights_sha256` (written by an older comera?); the weights cannot be checked",
             meta_path.display()
-        );
+        )));
     };
     if let (Some(id), Ok(own)) = (run_id, crate::run_dir::RunIdentity::read(dir)) {
         if id != own.id {
-            bail!(
+            return Err(Error::model(format!(
                 "{}: written by run {id}, but the directory is run {} ({}); the model files belong to another run",
                 meta_path.display(),
                 own.id,
                 dir.join(crate::run_dir::IDENTITY).display()
-            );
+            )));
         }
     }
     load_weights(&dir.join(MODEL_WEIGHTS), saved.model_mut(), Some(&sha))?;
@@ -349,16 +397,15 @@ pub fn load_saved(dir: &Path) -> anyhow::Result<SavedModel> {
 impl SavedModel {
     /// A freshly initialised model of the kind and shape `model.toml` text describes (`path`
     /// names it in errors); fill its weights with [`load_weights`].
-    pub fn from_meta(path: &Path, text: &str) -> anyhow::Result<SavedModel> {
-        let bad = |e: &dyn std::fmt::Display| anyhow!("{}: {e}", path.display());
+    pub fn from_meta(path: &Path, text: &str) -> Result<SavedModel> {
         let kind = text
             .parse::<toml::Table>()
-            .map_err(|e| bad(&e))?
+            .map_err(|e| Error::parse(path, e))?
             .get("kind")
             .and_then(|k| k.as_str().map(str::to_string));
         Ok(match kind.as_deref() {
             Some("dlrm") => {
-                let meta: DlrmMeta = toml::from_str(text).map_err(|e| bad(&e))?;
+                let meta: DlrmMeta = toml::from_str(text).map_err(|e| Error::parse(path, e))?;
                 let model = Dlrm::new(
                     &meta.model,
                     meta.n_dense,
@@ -366,18 +413,21 @@ impl SavedModel {
                     &meta.table_sizes,
                     0,
                 )
-                .map_err(|e| bad(&e))?;
+                .map_err(|e| Error::model_with(path.display().to_string(), e))?;
                 SavedModel::Dlrm(model, meta)
             }
             None => {
-                let meta: ModelMeta = toml::from_str(text).map_err(|e| bad(&e))?;
-                let model = Encoder::new(&meta.model, 0).map_err(|e| bad(&e))?;
+                let meta: ModelMeta = toml::from_str(text).map_err(|e| Error::parse(path, e))?;
+                let model = Encoder::new(&meta.model, 0)
+                    .map_err(|e| Error::model_with(path.display().to_string(), e))?;
                 SavedModel::Encoder(model, meta)
             }
-            Some(k) => bail!(
-                "{}: kind `{k}` is not `dlrm` (or absent, for an encoder)",
-                path.display()
-            ),
+            Some(k) => {
+                return Err(Error::model(format!(
+                    "{}: kind `{k}` is not `dlrm` (or absent, for an encoder)",
+                    path.display()
+                )))
+            }
         })
     }
 
@@ -421,52 +471,50 @@ pub fn load_weights(
     wpath: &Path,
     model: &mut dyn Model,
     expected_sha256: Option<&str>,
-) -> anyhow::Result<()> {
-    let bytes = comera_data::read_regular(wpath)
-        .with_context(|| format!("{}: cannot read", wpath.display()))?;
-    let bad = |e: &dyn std::fmt::Display| anyhow!("{}: {e}", wpath.display());
-    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| {
-        bad(&format!(
-            "not a complete safetensors file (truncated or corrupt?): {e}"
-        ))
-    })?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
-        bad(&format!(
-            "not a complete safetensors file (truncated or corrupt?): {e}"
-        ))
-    })?;
+) -> Result<()> {
+    let bytes = comera_data::read_regular(wpath).io(wpath, "cannot read")?;
+    let named = |e: BoxError| Error::model_with(wpath.display().to_string(), e);
+    let incomplete =
+        |e: safetensors::SafeTensorError| named(Box::new(crate::checkpoint::Defect::Incomplete(e)));
+    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(incomplete)?;
+    let st = SafeTensors::deserialize(&bytes).map_err(incomplete)?;
     let saved_sha = header
         .metadata()
         .as_ref()
         .and_then(|m| m.get("sha256"))
-        .ok_or_else(|| bad(&"no `sha256` in its metadata (written by an older comera?)"))?;
+        .ok_or_else(|| {
+            Error::model(format!(
+                "{}: no `sha256` in its metadata (written by an older comera?)",
+                wpath.display()
+            ))
+        })?;
     let mut names = st.names();
     names.sort();
     let views = names
         .iter()
         .map(|&n| st.tensor(n).map(|t| (n, t)))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| bad(&e))?;
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| named(e.into()))?;
     let sha = digest(views.iter().map(|(n, t)| (*n, t.shape(), t.data())));
     if &sha != saved_sha {
-        bail!(
+        return Err(Error::model(format!(
             "{}: content hash mismatch (the file was modified or damaged after it was written)",
             wpath.display()
-        );
+        )));
     }
     if let Some(expected) = expected_sha256.filter(|e| *e != sha) {
-        bail!(
+        return Err(Error::model(format!(
             "{}: its weights (sha256 {}…) are not the ones model.toml names ({}…): the pair is from different models, or a save was interrupted (use the newest checkpoint)",
             wpath.display(),
             &sha[..12],
             &expected[..expected.len().min(12)]
-        );
+        )));
     }
     reshape_ranks(model, &|name| {
         st.tensor(name).ok().map(|t| t.shape().to_vec())
     })
-    .map_err(|e| bad(&e))?;
-    let mut err: Option<anyhow::Error> = None;
+    .map_err(|e| named(e.into()))?;
+    let mut err: Option<TensorError> = None;
     model.visit_params_mut(&mut |p| {
         if err.is_some() {
             return;
@@ -474,15 +522,14 @@ pub fn load_weights(
         let r = (|| {
             let t = st
                 .tensor(&p.name)
-                .map_err(|_| anyhow!("tensor `{}` is missing", p.name))?;
+                .map_err(|_| TensorError::Missing(p.name.clone()))?;
             if t.dtype() != Dtype::F32 || t.shape() != p.shape.as_slice() {
-                bail!(
-                    "tensor `{}` is {:?} {:?}, expected F32 {:?}",
-                    p.name,
-                    t.dtype(),
-                    t.shape(),
-                    p.shape
-                );
+                return Err(TensorError::Layout {
+                    name: p.name.clone(),
+                    dtype: t.dtype(),
+                    shape: t.shape().to_vec(),
+                    expected: p.shape.clone(),
+                });
             }
             for (v, c) in p.value.iter_mut().zip(t.data().chunks_exact(4)) {
                 *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
@@ -490,21 +537,21 @@ pub fn load_weights(
             check_finite(p)
         })();
         if let Err(e) = r {
-            err = Some(bad(&e));
+            err = Some(e);
         }
     });
-    err.map_or(Ok(()), Err)
+    err.map_or(Ok(()), |e| Err(named(e.into())))
 }
 
 /// Refuses a parameter holding NaN or ±∞, naming it and the first bad entry.
-pub fn check_finite(p: &Param) -> anyhow::Result<()> {
+pub fn check_finite(p: &Param) -> Result<(), TensorError> {
     match p.value.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
-        Some(i) => bail!(
-            "tensor `{}` holds a non-finite value ({} at index {i})",
-            p.name,
-            p.value[i]
-        ),
+        Some(index) => Err(TensorError::NotFinite {
+            name: p.name.clone(),
+            value: p.value[index],
+            index,
+        }),
     }
 }
 
@@ -514,8 +561,8 @@ pub fn check_finite(p: &Param) -> anyhow::Result<()> {
 pub fn reshape_ranks(
     model: &mut dyn Model,
     saved_shape: &dyn Fn(&str) -> Option<Vec<usize>>,
-) -> anyhow::Result<()> {
-    let mut err: Option<anyhow::Error> = None;
+) -> Result<(), TensorError> {
+    let mut err: Option<TensorError> = None;
     model.visit_compressible_mut(&mut |layer| {
         if err.is_some() {
             return;
@@ -527,21 +574,23 @@ pub fn reshape_ranks(
             match saved_shape(&name) {
                 Some(s) if s.len() == 1 && s[0] > 0 => ranks.push(s[0]),
                 Some(s) => {
-                    err = Some(anyhow!(
-                        "tensor `{name}` has shape {s:?}, expected one positive length (a rank)"
-                    ));
+                    err = Some(TensorError::Gate { name, shape: s });
                     return;
                 }
                 None => {
-                    err = Some(anyhow!("tensor `{name}` is missing"));
+                    err = Some(TensorError::Missing(name));
                     return;
                 }
             }
         }
         ranks.push(1);
         if ranks != now {
-            if let Err(e) = layer.set_ranks(&ranks) {
-                err = Some(anyhow!("{}: ranks {ranks:?}: {e}", layer.layer_name()));
+            if let Err(source) = layer.set_ranks(&ranks) {
+                err = Some(TensorError::Ranks {
+                    layer: layer.layer_name().to_string(),
+                    ranks,
+                    source,
+                });
             }
         }
     });
@@ -556,10 +605,9 @@ pub struct MetricsLog {
 
 impl MetricsLog {
     /// Starts a new log (a fresh run), replacing a regular file of that name.
-    pub fn create(path: &Path) -> anyhow::Result<MetricsLog> {
+    pub fn create(path: &Path) -> Result<MetricsLog> {
         check_write_target(path)?;
-        let f = std::fs::File::create(path)
-            .with_context(|| format!("{}: cannot create", path.display()))?;
+        let f = std::fs::File::create(path).io(path, "cannot create")?;
         Ok(MetricsLog {
             file: std::io::BufWriter::new(f),
             path: path.to_path_buf(),
@@ -568,30 +616,30 @@ impl MetricsLog {
 
     /// Opens an existing log to append to (a resumed run). Only a regular file: opening a FIFO
     /// for writing would wait for a reader.
-    pub fn append(path: &Path) -> anyhow::Result<MetricsLog> {
+    pub fn append(path: &Path) -> Result<MetricsLog> {
         check_write_target(path)?;
         let f = std::fs::OpenOptions::new()
             .append(true)
             .create(true)
             .open(path)
-            .with_context(|| format!("{}: cannot open for appending", path.display()))?;
+            .io(path, "cannot open for appending")?;
         Ok(MetricsLog {
             file: std::io::BufWriter::new(f),
             path: path.to_path_buf(),
         })
     }
 
-    pub fn write(&mut self, record: &serde_json::Value) -> anyhow::Result<()> {
+    pub fn write(&mut self, record: &serde_json::Value) -> Result<()> {
         writeln!(self.file, "{record}")
             .and_then(|_| self.file.flush())
-            .with_context(|| format!("{}: cannot write", self.path.display()))
+            .io(&self.path, "cannot write")
     }
 }
 
 /// A DLRM as one safetensors file, `model.toml` in its metadata (`format` `comera-dlrm`,
 /// `model`): with `dense`, every TTM table reconstructed as its dense V × D matrix (named
 /// `<table>.weight`), the rest as trained; without, the parameters as trained (cores and gates).
-pub fn export_dlrm(model: &Dlrm, meta: &DlrmMeta, dense: bool) -> anyhow::Result<Vec<u8>> {
+pub fn export_dlrm(model: &Dlrm, meta: &DlrmMeta, dense: bool) -> Result<Vec<u8>> {
     let as_tensor = |p: &Param| (p.name.clone(), p.shape.clone(), le_bytes(&p.value));
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> =
         model.bottom.params().into_iter().map(as_tensor).collect();
@@ -608,7 +656,7 @@ pub fn export_dlrm(model: &Dlrm, meta: &DlrmMeta, dense: bool) -> anyhow::Result
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
-        .collect::<Result<_, safetensors::SafeTensorError>>()?;
+        .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
     let metadata = [
         ("format".to_string(), "comera-dlrm".to_string()),
         (
@@ -628,19 +676,21 @@ pub fn export_dlrm(model: &Dlrm, meta: &DlrmMeta, dense: bool) -> anyhow::Result
 /// the new one, never a mix, and a failed or killed write leaves `dir` as it was (its temporary
 /// is removed, or by the next write if the process was killed). `dir` must be absent or a
 /// directory; the caller decides whether an existing one may be replaced.
-pub fn replace_dir_atomic(
+///
+/// `write`'s error is returned as it is; the function's own (I/O) errors are converted into
+/// its type.
+pub fn replace_dir_atomic<E: From<Error>>(
     dir: &Path,
-    write: impl FnOnce(&Path) -> anyhow::Result<()>,
-) -> anyhow::Result<()> {
+    write: impl FnOnce(&Path) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
     let parent = dir
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     let name = dir
         .file_name()
-        .ok_or_else(|| anyhow!("{}: not a directory name", dir.display()))?;
-    std::fs::create_dir_all(parent)
-        .with_context(|| format!("{}: cannot create directory", parent.display()))?;
+        .ok_or_else(|| Error::run(format!("{}: not a directory name", dir.display())))?;
+    std::fs::create_dir_all(parent).io(parent, "cannot create directory")?;
     remove_stale_temporaries(parent);
     let tmp = parent.join(format!(
         ".{}.tmp-{}",
@@ -648,15 +698,13 @@ pub fn replace_dir_atomic(
         std::process::id()
     ));
     let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
+    std::fs::create_dir(&tmp).io(&tmp, "cannot create")?;
     let placed = write(&tmp).and_then(|()| {
         let exists = std::fs::symlink_metadata(dir).is_ok();
         if !exists {
-            return std::fs::rename(&tmp, dir)
-                .with_context(|| format!("{}: cannot rename into place", dir.display()));
+            return Ok(std::fs::rename(&tmp, dir).io(dir, "cannot rename into place")?);
         }
-        exchange(&tmp, dir)
-            .with_context(|| format!("{}: cannot swap the new directory in", dir.display()))
+        Ok(exchange(&tmp, dir).io(dir, "cannot swap the new directory in")?)
     });
     // Now `tmp` holds the replaced directory (or the failed new one): either way, it goes.
     let _ = std::fs::remove_dir_all(&tmp);
@@ -752,9 +800,8 @@ mod tests {
             }
         });
         let sha = save_weights(&dir, &model.params()).unwrap();
-        let err = load_weights(&dir.join(MODEL_WEIGHTS), &mut tiny_dlrm(), Some(&sha))
-            .unwrap_err()
-            .to_string();
+        let err = load_weights(&dir.join(MODEL_WEIGHTS), &mut tiny_dlrm(), Some(&sha)).unwrap_err();
+        let err = crate::error::Chain(&err).to_string();
         assert!(err.contains("non-finite") && err.contains(&named), "{err}");
         // The same file with a finite value loads, and checks its digest against model.toml's.
         let good = tiny_dlrm();

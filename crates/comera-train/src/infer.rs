@@ -3,12 +3,13 @@
 //! [`fill_mask`] for a masked-LM encoder, [`predict_clicks`] for a DLRM).
 
 use crate::checkpoint::Checkpoint;
+use crate::config::ConfigError;
 use crate::config::{AnyRunConfig, DataSource};
 use crate::data::{prepare, CorpusData};
+use crate::error::{Error, Result};
 use crate::files::{load_saved, DlrmMeta, ModelMeta, SavedModel, MODEL_META};
 use crate::task::{evaluate_classifier, evaluate_ctr, evaluate_mlm, EvalStats};
 use crate::trainer::available_memory_bytes;
-use anyhow::{bail, Context};
 use comera_data::ctr::{CatMapping, CriteoReader, CriteoSpec, CtrData};
 use comera_data::BertTokenizer;
 use comera_dlrm::loss::sigmoid;
@@ -19,10 +20,7 @@ use comera_model::{Encoder, HeadKind};
 use std::path::Path;
 
 /// The model of a run directory, or of one of its checkpoints, with the run's config.
-pub fn load_run(
-    run: &Path,
-    checkpoint: Option<&Path>,
-) -> anyhow::Result<(SavedModel, AnyRunConfig)> {
+pub fn load_run(run: &Path, checkpoint: Option<&Path>) -> Result<(SavedModel, AnyRunConfig)> {
     match checkpoint {
         Some(p) => {
             let ck = Checkpoint::load(p)?;
@@ -30,8 +28,9 @@ pub fn load_run(
         }
         None => {
             let cfg_path = run.join("config.toml");
-            let cfg = AnyRunConfig::from_file(&cfg_path)
-                .context("the run's data settings come from its config.toml")?;
+            let cfg = AnyRunConfig::from_file(&cfg_path).map_err(|e| {
+                Error::run_with("the run's data settings come from its config.toml", e)
+            })?;
             check_saved_model(run)?;
             Ok((load_saved(run)?, cfg))
         }
@@ -42,7 +41,7 @@ pub fn load_run(
 /// (estimated from its `model.toml`: the model's values and gradients, and the weights file
 /// read beside them) exceeds what the machine has, or a classifier with other than one label
 /// name per class. A `model.toml` that does not parse is left to the loader to report.
-pub fn check_saved_model(run: &Path) -> anyhow::Result<()> {
+pub fn check_saved_model(run: &Path) -> Result<()> {
     let path = run.join(MODEL_META);
     let Ok(text) = comera_data::read_regular_to_string(&path) else {
         return Ok(());
@@ -64,11 +63,11 @@ pub fn check_saved_model(run: &Path) -> anyhow::Result<()> {
             * 3.0
             / 4.0;
         if need > available {
-            bail!(
+            return Err(Error::model(format!(
                 "{what} needs about {}, but {} are available; the model's table_sizes or model.embedding_dim are too large for this machine",
                 bytes_text(need),
                 bytes_text(available)
-            );
+            )));
         }
         return Ok(());
     }
@@ -78,23 +77,22 @@ pub fn check_saved_model(run: &Path) -> anyhow::Result<()> {
     let lay = meta
         .model
         .validate()
-        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        .map_err(|e| Error::model_with(path.display().to_string(), e))?;
     meta.model
         .estimate_inference_memory(&lay, 1, meta.model.seq_len, 3)
-        .check(available, &what)
-        .map_err(anyhow::Error::msg)?;
+        .check(available, &what)?;
     check_labels(&meta, &path)
 }
 
 /// A classifier's `labels` must name each of its `num_labels` classes once.
-fn check_labels(meta: &ModelMeta, source: &Path) -> anyhow::Result<()> {
+fn check_labels(meta: &ModelMeta, source: &Path) -> Result<()> {
     if meta.model.head == HeadKind::Classifier && meta.labels.len() != meta.model.num_labels {
-        bail!(
+        return Err(Error::model(format!(
             "{}: labels: {} names for a {}-label classifier (model.num_labels); each class needs one",
             source.display(),
             meta.labels.len(),
             meta.model.num_labels
-        );
+        )));
     }
     Ok(())
 }
@@ -123,14 +121,14 @@ fn non_finite_cause(model: &dyn Model) -> String {
 }
 
 /// An error if `values` (what the model computed for `what`) holds a NaN or an infinity.
-fn check_finite_outputs(values: &[f32], model: &dyn Model, what: &str) -> anyhow::Result<()> {
+fn check_finite_outputs(values: &[f32], model: &dyn Model, what: &str) -> Result<()> {
     if values.iter().all(|v| v.is_finite()) {
         return Ok(());
     }
-    bail!(
+    Err(Error::model(format!(
         "the model's {what} are not finite ({})",
         non_finite_cause(model)
-    )
+    )))
 }
 
 /// What [`eval_run`] evaluated.
@@ -149,9 +147,9 @@ pub fn eval_run(
     checkpoint: Option<&Path>,
     data: Option<&Path>,
     batch: usize,
-) -> anyhow::Result<(EvalKind, EvalStats)> {
+) -> Result<(EvalKind, EvalStats)> {
     if batch == 0 {
-        bail!("--batch-size: must be at least 1");
+        return Err(ConfigError::new("--batch-size", "must be at least 1").into());
     }
     match load_run(run, checkpoint)? {
         (SavedModel::Encoder(model, meta), AnyRunConfig::Encoder(mut cfg)) => {
@@ -166,9 +164,7 @@ pub fn eval_run(
                 d.packed(t)?;
                 let rows = d.masker.max_selected_per_row(t);
                 let batch = clamp_batch(batch, d.packed_ref(t).valid.len(), "held-out blocks")?;
-                let mut st = model
-                    .state_for(batch, t, rows)
-                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                let mut st = model.state_for(batch, t, rows)?;
                 let s = evaluate_mlm(&model, &mut st, &d, &d.packed_ref(t).valid)?;
                 check_finite_loss(&s, &model)?;
                 return Ok((EvalKind::MaskedLm, s));
@@ -178,10 +174,12 @@ pub fn eval_run(
                     cfg.data.source,
                     DataSource::Tsv | DataSource::Csv | DataSource::Parquet
                 ) {
-                    bail!(
-                        "--data: the run's data source `{}` is a fetched data set; --data takes a file of a file-source run (tsv, csv, parquet)",
-                        cfg.data.source
-                    );
+                    return Err(ConfigError::new(
+                        "--data",
+                        format!("the run's data source `{}` is a fetched data set; --data takes a file of a file-source run (tsv, csv, parquet)",
+                        cfg.data.source),
+                    )
+                    .into());
                 }
                 cfg.data.valid = Some(f.to_path_buf());
             }
@@ -195,7 +193,11 @@ pub fn eval_run(
         (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
             let valid = match data {
                 Some(f) => read_criteo(&model, &cfg.data.mapping, f)?,
-                None => comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)?.valid,
+                None => {
+                    comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)
+                        .map_err(|e| Error::DlrmData(e.into()))?
+                        .valid
+                }
             };
             let batch = clamp_batch(batch, valid.len(), "validation examples")?;
             let mut st = model.state(batch);
@@ -203,52 +205,57 @@ pub fn eval_run(
             check_finite_loss(&s, &model)?;
             Ok((EvalKind::Ctr, s))
         }
-        _ => bail!(
+        _ => Err(Error::model(format!(
             "{}: the model and the run's config.toml are of different kinds",
             run.display()
-        ),
+        ))),
     }
 }
 
 /// An error if an evaluation's loss is not finite (the model's outputs overflowed).
-fn check_finite_loss(s: &EvalStats, model: &dyn Model) -> anyhow::Result<()> {
+fn check_finite_loss(s: &EvalStats, model: &dyn Model) -> Result<()> {
     if s.loss.is_finite() {
         return Ok(());
     }
-    bail!(
+    Err(Error::model(format!(
         "the evaluation loss is {}: the model's outputs are not finite ({})",
         s.loss,
         non_finite_cause(model)
-    )
+    )))
 }
 
 /// The evaluation batch: at most the `n` items there are (a larger batch would only allocate
 /// padding); no items at all is an error.
-fn clamp_batch(batch: usize, n: usize, what: &str) -> anyhow::Result<usize> {
+fn clamp_batch(batch: usize, n: usize, what: &str) -> Result<usize> {
     if n == 0 {
-        bail!("no {what} to evaluate on");
+        return Err(Error::model(format!("no {what} to evaluate on")));
     }
     Ok(batch.min(n))
 }
 
 /// Reads a Criteo-format TSV for `model` (its table sizes, the run's id mapping).
-fn read_criteo(model: &Dlrm, mapping: &str, path: &Path) -> anyhow::Result<CtrData> {
+fn read_criteo(model: &Dlrm, mapping: &str, path: &Path) -> Result<CtrData> {
     let sizes: Vec<usize> = model.tables.iter().map(|t| t.rows()).collect();
     if sizes.len() != comera_data::ctr::CRITEO_CATS {
-        bail!(
+        return Err(Error::model(format!(
             "{}: this DLRM has {} fields; only models trained on Criteo-format data read Criteo TSV rows",
             path.display(),
             sizes.len()
-        );
+        )));
     }
     let spec = CriteoSpec {
         table_sizes: sizes,
-        mapping: mapping.parse::<CatMapping>().map_err(anyhow::Error::msg)?,
+        mapping: mapping
+            .parse::<CatMapping>()
+            .map_err(|e| ConfigError::new("data.mapping", e.to_string()))?,
         max_malformed: 0,
     };
     let data = CriteoReader::open(path, spec)?.read_all(0)?;
     if data.is_empty() {
-        bail!("{}: the input file is empty (no rows)", path.display());
+        return Err(Error::model(format!(
+            "{}: the input file is empty (no rows)",
+            path.display()
+        )));
     }
     Ok(data)
 }
@@ -258,20 +265,22 @@ pub fn predict_texts(
     model: &Encoder,
     meta: &ModelMeta,
     texts: &[String],
-) -> anyhow::Result<Vec<(String, f32)>> {
+) -> Result<Vec<(String, f32)>> {
     if meta.model.head != HeadKind::Classifier {
-        bail!("a masked-LM model has no labels to predict: use it to fill [MASK] tokens, or fine-tune it with train.init_from");
+        return Err(Error::model("a masked-LM model has no labels to predict: use it to fill [MASK] tokens, or fine-tune it with train.init_from"));
     }
     check_labels(meta, Path::new(MODEL_META))?;
     let tok = BertTokenizer::from_vocab_file(&meta.vocab)
-        .with_context(|| format!("vocabulary {}", meta.vocab.display()))?;
+        .map_err(|e| Error::model_with(format!("vocabulary {}", meta.vocab.display()), e))?;
     let t = meta.model.seq_len;
     let mut st = model.state(1);
     let mut out = Vec::with_capacity(texts.len());
     for text in texts {
         let enc = if meta.pair {
             let Some((x, y)) = text.split_once('\t') else {
-                bail!("this model reads sentence pairs: separate the two texts with a tab")
+                return Err(Error::model(
+                    "this model reads sentence pairs: separate the two texts with a tab",
+                ));
             };
             tok.encode_pair(x, y, t)?
         } else {
@@ -282,8 +291,7 @@ pub fn predict_texts(
             &enc.token_type_ids,
             &enc.attention_mask,
             &[0],
-        )
-        .map_err(anyhow::Error::msg)?;
+        )?;
         model.forward(&mut st, false, 0)?;
         let logits = st.logits();
         check_finite_outputs(logits, model, "logits")?;
@@ -301,12 +309,14 @@ pub fn fill_mask(
     meta: &ModelMeta,
     text: &str,
     k: usize,
-) -> anyhow::Result<Vec<Vec<(String, f32)>>> {
+) -> Result<Vec<Vec<(String, f32)>>> {
     if meta.model.head != HeadKind::Mlm {
-        bail!("a classifier has no masked-LM head: use it to predict labels");
+        return Err(Error::model(
+            "a classifier has no masked-LM head: use it to predict labels",
+        ));
     }
     let tok = BertTokenizer::from_vocab_file(&meta.vocab)
-        .with_context(|| format!("vocabulary {}", meta.vocab.display()))?;
+        .map_err(|e| Error::model_with(format!("vocabulary {}", meta.vocab.display()), e))?;
     let t = meta.model.seq_len;
     // `[CLS] piece [MASK] piece … [SEP] [PAD]…`: the text is split at its `[MASK]`s, so
     // they need no support from the tokenizer's own splitting.
@@ -327,11 +337,9 @@ pub fn fill_mask(
         .filter(|&i| ids[i as usize] == sp.mask)
         .collect();
     if selected.is_empty() {
-        bail!("no [MASK] in the text (within its first {t} tokens): write [MASK] where a token is to be predicted");
+        return Err(Error::model(format!("no [MASK] in the text (within its first {t} tokens): write [MASK] where a token is to be predicted")));
     }
-    let mut st = model
-        .state_for(1, t, selected.len())
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut st = model.state_for(1, t, selected.len())?;
     let labels: Vec<i32> = (0..t)
         .map(|i| {
             if selected.contains(&(i as u32)) {
@@ -341,8 +349,7 @@ pub fn fill_mask(
             }
         })
         .collect();
-    st.load_mlm(&ids, &mask, &labels, &selected)
-        .map_err(anyhow::Error::msg)?;
+    st.load_mlm(&ids, &mask, &labels, &selected)?;
     model.forward(&mut st, false, 0)?;
     let logits = st.logits();
     let width = logits.len() / selected.len().max(1);
@@ -374,7 +381,7 @@ pub fn fill_mask(
 
 /// Click probabilities of the rows of a Criteo-format TSV (label column included, as in
 /// training files; it is ignored).
-pub fn predict_clicks(model: &Dlrm, mapping: &str, path: &Path) -> anyhow::Result<Vec<f32>> {
+pub fn predict_clicks(model: &Dlrm, mapping: &str, path: &Path) -> Result<Vec<f32>> {
     let data = read_criteo(model, mapping, path)?;
     let mut st = model.state(1);
     let (_, scores) = evaluate_ctr(model, &mut st, &data)?;

@@ -8,6 +8,7 @@
 //! - [`trainer`]: the loop ([`train`], [`train_dlrm`], [`resume`]) and `TrainSummary`, in three
 //!   files: `setup` (config → data, model, run directory), `run` (the loop, top to bottom) and
 //!   `report` (records, messages, plots, `ranks.md`);
+//! - [`error`]: the crate's [`Error`] (typed, with the lower crates' errors as sources);
 //! - [`checkpoint`]: checkpoints with exact resume;
 //! - [`run_dir`]: a run directory's identity, lock, fresh start or resume;
 //! - [`observe`]: typed metrics records, the loop's events and observers (a library user's
@@ -27,6 +28,7 @@ pub mod config;
 pub mod console;
 pub mod data;
 pub mod distributed;
+pub mod error;
 pub mod files;
 pub mod infer;
 pub mod interrupt;
@@ -38,6 +40,7 @@ pub mod trainer;
 
 pub use comera_optim::rank;
 pub use config::{AnyRunConfig, DataConfig, DlrmRunConfig, Overrides, RunConfig, TrainConfig};
+pub use error::{BoxError, Error, Result};
 pub use files::{load_model, load_saved, save_model, write_atomic, ModelMeta, SavedModel};
 pub use rank::{RankConfig, RankController};
 pub use task::EvalStats;

@@ -18,7 +18,7 @@
 //! use comera_train::observe::{Control, Event, Observer, Record};
 //! use comera_train::{AnyRunConfig, RunOptions};
 //!
-//! # fn main() -> anyhow::Result<()> {
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let dir = std::env::temp_dir().join(format!("comera-doc-observer-{}", std::process::id()));
 //! # let _ = std::fs::remove_dir_all(&dir);
 //! std::fs::create_dir_all(&dir)?;

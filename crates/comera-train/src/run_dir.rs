@@ -16,7 +16,8 @@
 //! - **Cleanup.** Temporary files of dead processes are removed when the directory is opened.
 
 use crate::checkpoint::{self, Checkpoint};
-use anyhow::{anyhow, bail, Context};
+use crate::config::ConfigError;
+use crate::error::{Chain, Error, IoContext, Result};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -40,26 +41,80 @@ pub struct RunIdentity {
     pub comera_version: String,
 }
 
+/// A run directory that cannot be started, continued or replaced.
+#[derive(Debug, thiserror::Error)]
+pub enum RunDirError {
+    #[error("{}: changed since the run started (its sha256 does not match the one in {IDENTITY}); restore it, or start a new run", .config.display())]
+    ConfigChanged { config: PathBuf },
+    #[error("{}: no such run directory", .0.display())]
+    NoSuchDir(PathBuf),
+    /// A fresh run's directory holds something and `--overwrite` was not given.
+    #[error("{}: {what}; continue it with `comera train --resume {0}`, replace it with --overwrite, or choose another --out", .path.display())]
+    Occupied { path: PathBuf, what: String },
+    #[error("{}: a symbolic link to {}, which is not a directory", .path.display(), .target.display())]
+    LinkToNonDirectory { path: PathBuf, target: PathBuf },
+    #[error("{}: a symbolic link to {} that cannot be followed ({cause}: dangling or looping); remove it or name another directory", .path.display(), .target.display())]
+    BrokenLink {
+        path: PathBuf,
+        target: PathBuf,
+        cause: std::io::Error,
+    },
+    #[error("{}: is {kind}, not a directory; a run directory is a directory", .path.display())]
+    NotADirectory { path: PathBuf, kind: String },
+    /// `--overwrite` of a directory that is not a (verified) comera run.
+    #[error("{}: --overwrite refused: not a comera run ({}); it would have deleted: {entries}; nothing was removed", .path.display(), Chain(.cause.as_ref()))]
+    NotARun {
+        path: PathBuf,
+        cause: Box<Error>,
+        entries: String,
+    },
+    #[error("{}: --overwrite refused: besides its run, the directory holds files comera did not write ({files}); move them away first; nothing was removed", .path.display())]
+    ForeignFiles { path: PathBuf, files: String },
+    #[error("{}: no checkpoint to resume from (expected {}/step-*.safetensors)", .0.display(), checkpoint::DIR)]
+    NoCheckpoint(PathBuf),
+    /// Every checkpoint failed to load: each with its error.
+    #[error("{}: no checkpoint verifies:{}", .dir.display(), skipped_list(.skipped))]
+    NoneVerifies {
+        dir: PathBuf,
+        skipped: Vec<(PathBuf, Error)>,
+    },
+    #[error("{}: written by run {ck_run}, but {} is run {own_run} ({}); refusing a checkpoint of another run", .checkpoint.display(), .dir.display(), .dir.join(IDENTITY).display())]
+    OtherRun {
+        checkpoint: PathBuf,
+        ck_run: String,
+        dir: PathBuf,
+        own_run: String,
+    },
+    #[error("{}: written with another config than {} (a checkpoint of another run?); refusing to resume from it", .checkpoint.display(), .dir.join("config.toml").display())]
+    OtherConfig { checkpoint: PathBuf, dir: PathBuf },
+    #[error("{}: the run directory is in use by another comera process (pid {pid}); one writer at a time", .dir.display())]
+    InUse { dir: PathBuf, pid: String },
+}
+
+/// `\n  PATH: ERROR` for each skipped checkpoint.
+fn skipped_list(skipped: &[(PathBuf, Error)]) -> String {
+    skipped
+        .iter()
+        .map(|(p, e)| format!("\n  {}: {}", p.display(), Chain(e)))
+        .collect()
+}
+
 impl RunIdentity {
     /// Reads `dir/run.toml`.
-    pub fn read(dir: &Path) -> anyhow::Result<RunIdentity> {
+    pub fn read(dir: &Path) -> Result<RunIdentity> {
         let path = dir.join(IDENTITY);
         let text = comera_data::read_regular_to_string(&path)
-            .with_context(|| format!("{}: cannot read the run's identity", path.display()))?;
-        toml::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()))
+            .io(&path, "cannot read the run's identity")?;
+        toml::from_str(&text).map_err(|e| Error::parse(&path, e))
     }
 
     /// The text of `dir/config.toml`, checked against the sha256 this identity names.
-    pub fn verified_config(&self, dir: &Path) -> anyhow::Result<String> {
+    pub fn verified_config(&self, dir: &Path) -> Result<String> {
         let config = dir.join("config.toml");
         let text = comera_data::read_regular_to_string(&config)
-            .with_context(|| format!("{}: cannot read the run's config", config.display()))?;
+            .io(&config, "cannot read the run's config")?;
         if sha256_hex(&text) != self.config_sha256 {
-            bail!(
-                "{}: changed since the run started (its sha256 does not match the one in {}); restore it, or start a new run",
-                config.display(),
-                IDENTITY
-            );
+            return Err(RunDirError::ConfigChanged { config }.into());
         }
         Ok(text)
     }
@@ -125,13 +180,12 @@ impl RunDir {
     /// temporaries, refuses a non-empty directory unless `overwrite` and it holds a comera run
     /// (its `run.toml` verifies and it holds nothing but [`RUN_FILES`]), whose files are then
     /// moved aside (not deleted: see [`REPLACED`]); then writes `run.toml` and `config.toml`.
-    pub fn create(path: &Path, config_toml: &str, overwrite: bool) -> anyhow::Result<RunDir> {
+    pub fn create(path: &Path, config_toml: &str, overwrite: bool) -> Result<RunDir> {
         if path.as_os_str().is_empty() {
-            bail!("train.out_dir: empty; name the run directory");
+            return Err(ConfigError::new("train.out_dir", "empty; name the run directory").into());
         }
         resolve_symlink(path)?;
-        std::fs::create_dir_all(path)
-            .with_context(|| format!("{}: cannot create run directory", path.display()))?;
+        std::fs::create_dir_all(path).io(path, "cannot create run directory")?;
         let lock = RunLock::acquire(path)?;
         clean_temporaries(path);
         recover_replaced(path)?;
@@ -165,10 +219,10 @@ impl RunDir {
 
     /// Opens an existing run directory to continue it: locks it, removes stale temporaries,
     /// finishes an interrupted `--overwrite` and reads its identity.
-    pub fn open(path: &Path) -> anyhow::Result<RunDir> {
+    pub fn open(path: &Path) -> Result<RunDir> {
         resolve_symlink(path)?;
         if !path.is_dir() {
-            bail!("{}: no such run directory", path.display());
+            return Err(RunDirError::NoSuchDir(path.to_path_buf()).into());
         }
         let lock = RunLock::acquire(path)?;
         clean_temporaries(path);
@@ -183,17 +237,16 @@ impl RunDir {
     }
 
     /// The checkpoint to resume from ([`newest_checkpoint`]).
-    pub fn newest_checkpoint(&self) -> anyhow::Result<Checkpoint> {
+    pub fn newest_checkpoint(&self) -> Result<Checkpoint> {
         newest_checkpoint(&self.path, &self.identity)
     }
 
     /// The new run has written a checkpoint (or ended): the run it replaced (`--overwrite`) is
     /// deleted now. Does nothing otherwise.
-    pub fn keep_new_run(&self) -> anyhow::Result<()> {
+    pub fn keep_new_run(&self) -> Result<()> {
         if self.replaced.get() {
             let old = self.path.join(REPLACED);
-            std::fs::remove_dir_all(&old)
-                .with_context(|| format!("{}: cannot remove the replaced run", old.display()))?;
+            std::fs::remove_dir_all(&old).io(&old, "cannot remove the replaced run")?;
             self.replaced.set(false);
         }
         Ok(())
@@ -211,9 +264,10 @@ impl Drop for RunDir {
                     self.path.display()
                 ),
                 Err(e) => eprintln!(
-                    "error: {}: the previous run could not be restored from {}: {e:#}",
+                    "error: {}: the previous run could not be restored from {}: {}",
                     self.path.display(),
-                    REPLACED
+                    REPLACED,
+                    Chain(&e)
                 ),
             }
         }
@@ -224,7 +278,7 @@ impl Drop for RunDir {
 /// with `overwrite`, holding a comera run and nothing else ([`check_replaceable`]). Returns the
 /// entries the new run would replace. Nothing is changed: commands call it before long work
 /// to fail early, and [`RunDir::create`] calls it again under the lock.
-pub fn check_fresh_target(path: &Path, overwrite: bool) -> anyhow::Result<Vec<PathBuf>> {
+pub fn check_fresh_target(path: &Path, overwrite: bool) -> Result<Vec<PathBuf>> {
     if !path.exists() {
         return Ok(Vec::new());
     }
@@ -237,10 +291,11 @@ pub fn check_fresh_target(path: &Path, overwrite: bool) -> anyhow::Result<Vec<Pa
             Ok(r) => format!("holds run {}", r.id),
             Err(_) => format!("is not empty ({} entries)", entries.len()),
         };
-        bail!(
-            "{}: {what}; continue it with `comera train --resume {0}`, replace it with --overwrite, or choose another --out",
-            path.display()
-        );
+        return Err(RunDirError::Occupied {
+            path: path.to_path_buf(),
+            what,
+        }
+        .into());
     }
     check_replaceable(path, &entries)?;
     Ok(entries)
@@ -248,7 +303,7 @@ pub fn check_fresh_target(path: &Path, overwrite: bool) -> anyhow::Result<Vec<Pa
 
 /// A run directory given as a symlink is followed once and said so; a dangling or looping one
 /// is an error naming it (not "File exists").
-fn resolve_symlink(path: &Path) -> anyhow::Result<()> {
+fn resolve_symlink(path: &Path) -> Result<()> {
     let Ok(meta) = std::fs::symlink_metadata(path) else {
         return Ok(());
     };
@@ -260,23 +315,28 @@ fn resolve_symlink(path: &Path) -> anyhow::Result<()> {
                 path.display(),
                 real.display()
             ),
-            Ok(real) => bail!(
-                "{}: a symbolic link to {}, which is not a directory",
-                path.display(),
-                real.display()
-            ),
-            Err(e) => bail!(
-                "{}: a symbolic link to {} that cannot be followed ({e}: dangling or looping); remove it or name another directory",
-                path.display(),
-                target.display()
-            ),
+            Ok(real) => {
+                return Err(RunDirError::LinkToNonDirectory {
+                    path: path.to_path_buf(),
+                    target: real,
+                }
+                .into())
+            }
+            Err(cause) => {
+                return Err(RunDirError::BrokenLink {
+                    path: path.to_path_buf(),
+                    target,
+                    cause,
+                }
+                .into())
+            }
         }
     } else if !meta.is_dir() {
-        bail!(
-            "{}: is {}, not a directory; a run directory is a directory",
-            path.display(),
-            comera_data::regular::file_kind(&meta)
-        );
+        return Err(RunDirError::NotADirectory {
+            path: path.to_path_buf(),
+            kind: comera_data::regular::file_kind(&meta).to_string(),
+        }
+        .into());
     }
     Ok(())
 }
@@ -284,7 +344,7 @@ fn resolve_symlink(path: &Path) -> anyhow::Result<()> {
 /// Refuses `--overwrite` of a directory that is not a comera run: its `run.toml` must verify
 /// (parse, and name the sha256 of its `config.toml`) and every entry must be one a run writes.
 /// The error lists what would have been deleted.
-fn check_replaceable(path: &Path, entries: &[PathBuf]) -> anyhow::Result<()> {
+fn check_replaceable(path: &Path, entries: &[PathBuf]) -> Result<()> {
     let names = |list: &[&PathBuf]| {
         list.iter()
             .map(|e| {
@@ -299,11 +359,12 @@ fn check_replaceable(path: &Path, entries: &[PathBuf]) -> anyhow::Result<()> {
     let all: Vec<&PathBuf> = entries.iter().collect();
     let verified = RunIdentity::read(path).and_then(|id| id.verified_config(path));
     if let Err(e) = verified {
-        bail!(
-            "{}: --overwrite refused: not a comera run ({e:#}); it would have deleted: {}; nothing was removed",
-            path.display(),
-            names(&all)
-        );
+        return Err(RunDirError::NotARun {
+            path: path.to_path_buf(),
+            cause: Box::new(e),
+            entries: names(&all),
+        }
+        .into());
     }
     let foreign: Vec<&PathBuf> = entries
         .iter()
@@ -313,29 +374,28 @@ fn check_replaceable(path: &Path, entries: &[PathBuf]) -> anyhow::Result<()> {
         })
         .collect();
     if !foreign.is_empty() {
-        bail!(
-            "{}: --overwrite refused: besides its run, the directory holds files comera did not write ({}); move them away first; nothing was removed",
-            path.display(),
-            names(&foreign)
-        );
+        return Err(RunDirError::ForeignFiles {
+            path: path.to_path_buf(),
+            files: names(&foreign),
+        }
+        .into());
     }
     Ok(())
 }
 
 /// Moves `entries` of the run directory into its [`REPLACED`] folder.
-fn move_aside(path: &Path, entries: &[PathBuf]) -> anyhow::Result<()> {
+fn move_aside(path: &Path, entries: &[PathBuf]) -> Result<()> {
     let old = path.join(REPLACED);
-    std::fs::create_dir(&old).with_context(|| format!("{}: cannot create", old.display()))?;
+    std::fs::create_dir(&old).io(&old, "cannot create")?;
     for e in entries {
         let to = old.join(e.file_name().unwrap_or_default());
-        std::fs::rename(e, &to)
-            .with_context(|| format!("{}: cannot move aside (--overwrite)", e.display()))?;
+        std::fs::rename(e, &to).io(e, "cannot move aside (--overwrite)")?;
     }
     Ok(())
 }
 
 /// Removes what the new run wrote and moves the previous run back from [`REPLACED`].
-fn restore_replaced(path: &Path) -> anyhow::Result<()> {
+fn restore_replaced(path: &Path) -> Result<()> {
     let old = path.join(REPLACED);
     for e in contents(path)? {
         let r = if e.is_dir() && !e.is_symlink() {
@@ -343,26 +403,24 @@ fn restore_replaced(path: &Path) -> anyhow::Result<()> {
         } else {
             std::fs::remove_file(&e)
         };
-        r.with_context(|| format!("{}: cannot remove", e.display()))?;
+        r.io(&e, "cannot remove")?;
     }
-    for e in std::fs::read_dir(&old).with_context(|| format!("{}: cannot list", old.display()))? {
-        let e = e?;
-        std::fs::rename(e.path(), path.join(e.file_name()))
-            .with_context(|| format!("{}: cannot move back", e.path().display()))?;
+    for e in std::fs::read_dir(&old).io(&old, "cannot list")? {
+        let e = e.io(&old, "cannot list")?;
+        std::fs::rename(e.path(), path.join(e.file_name())).io(&e.path(), "cannot move back")?;
     }
-    std::fs::remove_dir(&old).with_context(|| format!("{}: cannot remove", old.display()))
+    std::fs::remove_dir(&old).io(&old, "cannot remove")
 }
 
 /// An `--overwrite` whose process died: if the new run wrote a checkpoint it stands (the old
 /// one is deleted); otherwise the old run is restored.
-fn recover_replaced(path: &Path) -> anyhow::Result<()> {
+fn recover_replaced(path: &Path) -> Result<()> {
     let old = path.join(REPLACED);
     if !old.is_dir() {
         return Ok(());
     }
     if checkpoint::list(path).is_ok_and(|c| !c.is_empty()) {
-        std::fs::remove_dir_all(&old)
-            .with_context(|| format!("{}: cannot remove the replaced run", old.display()))
+        std::fs::remove_dir_all(&old).io(&old, "cannot remove the replaced run")
     } else {
         restore_replaced(path)?;
         eprintln!(
@@ -376,14 +434,10 @@ fn recover_replaced(path: &Path) -> anyhow::Result<()> {
 /// The checkpoint of the run in `dir` (whose identity is `own`) to resume from: the newest by
 /// the step inside the file that verifies. Damaged ones are skipped, each reported on stderr
 /// with the reason; a checkpoint of another run (id or config) is refused, naming both.
-pub fn newest_checkpoint(dir: &Path, own: &RunIdentity) -> anyhow::Result<Checkpoint> {
+pub fn newest_checkpoint(dir: &Path, own: &RunIdentity) -> Result<Checkpoint> {
     let candidates = checkpoint::list(dir)?;
     if candidates.is_empty() {
-        bail!(
-            "{}: no checkpoint to resume from (expected {}/step-*.safetensors)",
-            dir.display(),
-            checkpoint::DIR
-        );
+        return Err(RunDirError::NoCheckpoint(dir.to_path_buf()).into());
     }
     let mut skipped = Vec::new();
     for path in candidates.iter().rev() {
@@ -393,45 +447,44 @@ pub fn newest_checkpoint(dir: &Path, own: &RunIdentity) -> anyhow::Result<Checkp
                 return Ok(ck);
             }
             Err(e) => {
-                eprintln!("skip  {}: {e:#}", path.display());
-                skipped.push(format!("{}: {e:#}", path.display()));
+                eprintln!("skip  {}: {}", path.display(), Chain(&e));
+                skipped.push((path.clone(), e));
             }
         }
     }
-    bail!(
-        "{}: no checkpoint verifies:\n  {}",
-        dir.display(),
-        skipped.join("\n  ")
-    )
+    Err(RunDirError::NoneVerifies {
+        dir: dir.to_path_buf(),
+        skipped,
+    }
+    .into())
 }
 
 /// Refuses a checkpoint written by another run than the one of `dir`.
-fn check_owner(dir: &Path, own: &RunIdentity, ck: &Checkpoint) -> anyhow::Result<()> {
+fn check_owner(dir: &Path, own: &RunIdentity, ck: &Checkpoint) -> Result<()> {
     if ck.run_id != own.id {
-        bail!(
-            "{}: written by run {}, but {} is run {} ({}); refusing a checkpoint of another run",
-            ck.path.display(),
-            ck.run_id,
-            dir.display(),
-            own.id,
-            dir.join(IDENTITY).display()
-        );
+        return Err(RunDirError::OtherRun {
+            checkpoint: ck.path.clone(),
+            ck_run: ck.run_id.clone(),
+            dir: dir.to_path_buf(),
+            own_run: own.id.clone(),
+        }
+        .into());
     }
     let text = own.verified_config(dir)?;
     if ck.config_toml != text {
-        bail!(
-            "{}: written with another config than {} (a checkpoint of another run?); refusing to resume from it",
-            ck.path.display(),
-            dir.join("config.toml").display()
-        );
+        return Err(RunDirError::OtherConfig {
+            checkpoint: ck.path.clone(),
+            dir: dir.to_path_buf(),
+        }
+        .into());
     }
     Ok(())
 }
 
 /// The entries of `dir` other than its lock and the run an `--overwrite` moved aside.
-fn contents(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+fn contents(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(std::fs::read_dir(dir)
-        .with_context(|| format!("{}: cannot list", dir.display()))?
+        .io(dir, "cannot list")?
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name() != LOCK && e.file_name() != REPLACED)
         .map(|e| e.path())
@@ -453,7 +506,7 @@ pub struct RunLock {
 
 impl RunLock {
     /// Locks `dir` for writing; refused, naming the holder's pid, when another process has it.
-    pub fn acquire(dir: &Path) -> anyhow::Result<RunLock> {
+    pub fn acquire(dir: &Path) -> Result<RunLock> {
         let path = dir.join(LOCK);
         let mut file = std::fs::OpenOptions::new()
             .read(true)
@@ -461,24 +514,22 @@ impl RunLock {
             .create(true)
             .truncate(false)
             .open(&path)
-            .with_context(|| format!("{}: cannot open the run's lock", path.display()))?;
+            .io(&path, "cannot open the run's lock")?;
         match file.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
                 let holder = comera_data::read_regular_to_string(&path).unwrap_or_default();
-                bail!(
-                    "{}: the run directory is in use by another comera process (pid {}); one writer at a time",
-                    dir.display(),
-                    holder.trim()
-                );
+                return Err(RunDirError::InUse {
+                    dir: dir.to_path_buf(),
+                    pid: holder.trim().to_string(),
+                }
+                .into());
             }
-            Err(std::fs::TryLockError::Error(e)) => {
-                return Err(anyhow!("{}: cannot lock: {e}", path.display()))
-            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(Error::io(&path, "cannot lock", e)),
         }
         file.set_len(0)
             .and_then(|_| write!(file, "{}", std::process::id()))
-            .with_context(|| format!("{}: cannot write", path.display()))?;
+            .io(&path, "cannot write")?;
         Ok(RunLock { _file: file })
     }
 }

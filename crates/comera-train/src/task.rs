@@ -3,11 +3,12 @@
 //! classification and masked-LM pre-training ([`EncoderTask`], the encoder) and click-through
 //! prediction ([`CtrTask`], the DLRM).
 
+use crate::config::ConfigError;
 use crate::config::Phase;
 use crate::data::{CorpusData, PreparedData};
 use crate::distributed::Processes;
+use crate::error::{Error, Result};
 use crate::files::{DlrmMeta, ModelMeta};
-use anyhow::bail;
 use comera_data::ctr::{CtrBatch, CtrData};
 use comera_data::mlm::MlmBatches;
 use comera_data::{Batch, Batches, EncodedDataset, MlmBatch};
@@ -37,7 +38,7 @@ pub struct EvalStats {
 /// One epoch's batches: loads the next one into the state.
 pub trait EpochBatches<S> {
     /// Loads the next batch into `st`; false at the epoch's end.
-    fn next_into(&mut self, st: &mut S) -> anyhow::Result<bool>;
+    fn next_into(&mut self, st: &mut S) -> Result<bool>;
 }
 
 /// A training task over one model kind.
@@ -50,16 +51,16 @@ pub trait Task {
     /// The phases, in order (one for tasks without phases).
     fn phases(&self) -> &[Phase];
     /// Batches in a full epoch of `phase` (None: a streamed source of unknown length).
-    fn batches_per_epoch(&mut self, phase: &Phase) -> anyhow::Result<Option<usize>>;
+    fn batches_per_epoch(&mut self, phase: &Phase) -> Result<Option<usize>>;
     /// A fresh state for this process's shard of `phase`'s batch shape.
     fn state(
         &self,
         model: &Self::Model,
         phase: &Phase,
-    ) -> anyhow::Result<<Self::Model as Trainable>::State>;
+    ) -> Result<<Self::Model as Trainable>::State>;
     /// The batches of epoch `epoch` (0-based, numbered across phases). The task is shared,
     /// so that it can evaluate in the middle of an epoch (`train.eval_every`).
-    fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> anyhow::Result<Self::Epoch<'a>>;
+    fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> Result<Self::Epoch<'a>>;
     /// Held-out evaluation with the state of the current phase (sharded over the processes
     /// and summed: every process gets the same figures).
     fn evaluate(
@@ -67,9 +68,9 @@ pub trait Task {
         model: &Self::Model,
         st: &mut <Self::Model as Trainable>::State,
         phase: &Phase,
-    ) -> anyhow::Result<EvalStats>;
+    ) -> Result<EvalStats>;
     /// The model's `model.toml` (what loading it needs besides its weights).
-    fn model_meta(&self, model: &Self::Model, epoch: usize, step: u64) -> anyhow::Result<String>;
+    fn model_meta(&self, model: &Self::Model, epoch: usize, step: u64) -> Result<String>;
     /// Whether the run writes its model files after every epoch.
     fn saves_model(&self) -> bool {
         true
@@ -98,7 +99,7 @@ pub fn evaluate_classifier(
     model: &Encoder,
     st: &mut EncoderState,
     data: &EncodedDataset,
-) -> anyhow::Result<EvalStats> {
+) -> Result<EvalStats> {
     evaluate_classifier_sharded(model, st, data, &mut Processes::single())
 }
 
@@ -109,7 +110,7 @@ pub fn evaluate_classifier_sharded(
     st: &mut EncoderState,
     data: &EncodedDataset,
     procs: &mut Processes,
-) -> anyhow::Result<EvalStats> {
+) -> Result<EvalStats> {
     let n = data.len();
     let mut sums = classifier_sums(model, st, data, procs.shard.range(n))?;
     procs.sum_f64(&mut sums);
@@ -127,7 +128,7 @@ fn classifier_sums(
     st: &mut EncoderState,
     data: &EncodedDataset,
     range: Range<usize>,
-) -> anyhow::Result<[f64; 2]> {
+) -> Result<[f64; 2]> {
     let (b, t, c) = (st.batch(), data.max_len, model.cfg.num_labels);
     let n = range.end;
     let mut batch = Batch::default();
@@ -178,7 +179,7 @@ pub fn evaluate_mlm(
     st: &mut EncoderState,
     data: &CorpusData,
     blocks: &comera_data::corpus::PackedSequences,
-) -> anyhow::Result<EvalStats> {
+) -> Result<EvalStats> {
     let b = st.batch();
     evaluate_mlm_sharded(model, st, data, blocks, b, &mut Processes::single())
 }
@@ -192,7 +193,7 @@ pub fn evaluate_mlm_sharded(
     blocks: &comera_data::corpus::PackedSequences,
     batch_size: usize,
     procs: &mut Processes,
-) -> anyhow::Result<EvalStats> {
+) -> Result<EvalStats> {
     let b = batch_size;
     let rows = procs.shard.rows(b)?;
     let mut batch = MlmBatch::new(b, blocks.seq_len);
@@ -219,10 +220,10 @@ pub fn evaluate_mlm_sharded(
         (loss, correct, count) = (sums[0], sums[1] as usize, sums[2] as usize);
     }
     if count == 0 {
-        bail!(
+        return Err(Error::run(format!(
             "evaluation: the {} held-out blocks make no batch of {b}",
             blocks.len()
-        );
+        )));
     }
     Ok(EvalStats {
         loss: loss / count as f64,
@@ -238,7 +239,7 @@ pub fn evaluate_ctr(
     model: &Dlrm,
     st: &mut DlrmState,
     data: &CtrData,
-) -> anyhow::Result<(EvalStats, Vec<f32>)> {
+) -> Result<(EvalStats, Vec<f32>)> {
     evaluate_ctr_sharded(model, st, data, &mut Processes::single())
 }
 
@@ -249,10 +250,10 @@ pub fn evaluate_ctr_sharded(
     st: &mut DlrmState,
     data: &CtrData,
     procs: &mut Processes,
-) -> anyhow::Result<(EvalStats, Vec<f32>)> {
+) -> Result<(EvalStats, Vec<f32>)> {
     let n = data.len();
     if n == 0 {
-        bail!("the validation set is empty");
+        return Err(Error::data("the validation set is empty"));
     }
     let mine = ctr_scores(model, st, data, procs.shard.range(n))?;
     let scores = if procs.shard.is_whole() {
@@ -277,7 +278,7 @@ fn ctr_scores(
     st: &mut DlrmState,
     data: &CtrData,
     range: Range<usize>,
-) -> anyhow::Result<Vec<f32>> {
+) -> Result<Vec<f32>> {
     let (b, n) = (st.batch(), range.end);
     let mut batch = CtrBatch::new(b, data.dense_names.len(), data.field_names.len());
     let mut scores = Vec::with_capacity(range.len() + b);
@@ -290,7 +291,7 @@ fn ctr_scores(
         st.load(&batch)?;
         model
             .forward_logits(st)
-            .map_err(|e| anyhow::anyhow!("validation data: {e}"))?;
+            .map_err(|e| Error::data_with("validation data", e))?;
         scores.extend_from_slice(&st.logits()[..b.min(n - start)]);
         start += b;
     }
@@ -346,19 +347,19 @@ fn ctr_rows(src: &CtrBatch, rows: Range<usize>, out: &mut CtrBatch) {
     out.labels.copy_from_slice(&src.labels[rows]);
 }
 
-fn load_classify(st: &mut EncoderState, b: &Batch) -> anyhow::Result<()> {
+fn load_classify(st: &mut EncoderState, b: &Batch) -> Result<()> {
     st.load(
         &b.input_ids,
         &b.token_type_ids,
         &b.attention_mask,
         &b.labels,
-    )
-    .map_err(anyhow::Error::msg)
+    )?;
+    Ok(())
 }
 
-fn load_mlm(st: &mut EncoderState, b: &MlmBatch) -> anyhow::Result<()> {
-    st.load_mlm(&b.input_ids, &b.attention_mask, &b.labels, &b.selected)
-        .map_err(anyhow::Error::msg)
+fn load_mlm(st: &mut EncoderState, b: &MlmBatch) -> Result<()> {
+    st.load_mlm(&b.input_ids, &b.attention_mask, &b.labels, &b.selected)?;
+    Ok(())
 }
 
 /// The data of an encoder run: labelled examples (classification) or a corpus (masked-LM).
@@ -387,7 +388,7 @@ pub enum EncoderEpoch<'a> {
 }
 
 impl EpochBatches<EncoderState> for EncoderEpoch<'_> {
-    fn next_into(&mut self, st: &mut EncoderState) -> anyhow::Result<bool> {
+    fn next_into(&mut self, st: &mut EncoderState) -> Result<bool> {
         match self {
             EncoderEpoch::Classify(it, b, part) => {
                 if !it.next_into(b) {
@@ -426,32 +427,34 @@ impl Task for EncoderTask {
         &self.phases
     }
 
-    fn batches_per_epoch(&mut self, phase: &Phase) -> anyhow::Result<Option<usize>> {
+    fn batches_per_epoch(&mut self, phase: &Phase) -> Result<Option<usize>> {
         let (len, what) = match &mut self.data {
             EncoderData::Classify(d) => (d.train.len(), "examples"),
             EncoderData::Mlm(d) => (d.packed(phase.seq_len)?.train.len(), "blocks"),
         };
         if len < phase.batch_size {
-            bail!(
-                "train.batch_size: {} is larger than the {len} training {what}",
-                phase.batch_size
-            );
+            return Err(ConfigError::new(
+                "train.batch_size",
+                format!(
+                    "{} is larger than the {len} training {what}",
+                    phase.batch_size
+                ),
+            )
+            .into());
         }
         Ok(Some(len / phase.batch_size))
     }
 
-    fn state(&self, model: &Encoder, phase: &Phase) -> anyhow::Result<EncoderState> {
+    fn state(&self, model: &Encoder, phase: &Phase) -> Result<EncoderState> {
         let rows = match &self.data {
             EncoderData::Mlm(d) => d.masker.max_selected_per_row(phase.seq_len),
             EncoderData::Classify(_) => 0,
         };
         let b = self.procs.borrow().shard.rows(phase.batch_size)?.len();
-        model
-            .state_for(b, phase.seq_len, rows)
-            .map_err(|e| anyhow::anyhow!("{e}"))
+        Ok(model.state_for(b, phase.seq_len, rows)?)
     }
 
-    fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> anyhow::Result<EncoderEpoch<'a>> {
+    fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> Result<EncoderEpoch<'a>> {
         let (b, seed) = (phase.batch_size, self.seed.wrapping_add(epoch as u64));
         let shard = self.procs.borrow().shard;
         let rows = (!shard.is_whole()).then(|| shard.rows(b)).transpose()?;
@@ -472,12 +475,7 @@ impl Task for EncoderTask {
         })
     }
 
-    fn evaluate(
-        &self,
-        model: &Encoder,
-        st: &mut EncoderState,
-        phase: &Phase,
-    ) -> anyhow::Result<EvalStats> {
+    fn evaluate(&self, model: &Encoder, st: &mut EncoderState, phase: &Phase) -> Result<EvalStats> {
         let procs = &mut *self.procs.borrow_mut();
         match &self.data {
             EncoderData::Classify(d) => evaluate_classifier_sharded(model, st, &d.valid, procs),
@@ -488,7 +486,7 @@ impl Task for EncoderTask {
         }
     }
 
-    fn model_meta(&self, _model: &Encoder, epoch: usize, step: u64) -> anyhow::Result<String> {
+    fn model_meta(&self, _model: &Encoder, epoch: usize, step: u64) -> Result<String> {
         let (labels, pair) = match &self.data {
             EncoderData::Classify(d) => (d.label_names.clone(), d.pair),
             EncoderData::Mlm(_) => (Vec::new(), false),
@@ -554,8 +552,12 @@ pub struct CtrEpoch<'a> {
 }
 
 impl EpochBatches<DlrmState> for CtrEpoch<'_> {
-    fn next_into(&mut self, st: &mut DlrmState) -> anyhow::Result<bool> {
-        if !self.source.next_batch(&mut self.batch)? {
+    fn next_into(&mut self, st: &mut DlrmState) -> Result<bool> {
+        let more = self
+            .source
+            .next_batch(&mut self.batch)
+            .map_err(|e| Error::DlrmData(e.into()))?;
+        if !more {
             return Ok(false);
         }
         match &mut self.part {
@@ -577,26 +579,29 @@ impl Task for CtrTask {
         &self.phases
     }
 
-    fn batches_per_epoch(&mut self, phase: &Phase) -> anyhow::Result<Option<usize>> {
+    fn batches_per_epoch(&mut self, phase: &Phase) -> Result<Option<usize>> {
         let n = self.train.get_mut().steps_per_epoch(phase.batch_size);
         if n == Some(0) {
-            bail!(
-                "train.batch_size: {} is larger than the training set",
-                phase.batch_size
-            );
+            return Err(ConfigError::new(
+                "train.batch_size",
+                format!("{} is larger than the training set", phase.batch_size),
+            )
+            .into());
         }
         Ok(n)
     }
 
-    fn state(&self, model: &Dlrm, phase: &Phase) -> anyhow::Result<DlrmState> {
+    fn state(&self, model: &Dlrm, phase: &Phase) -> Result<DlrmState> {
         Ok(model.state(self.procs.borrow().shard.rows(phase.batch_size)?.len()))
     }
 
-    fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> anyhow::Result<CtrEpoch<'a>> {
+    fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> Result<CtrEpoch<'a>> {
         let mut source = self.train.try_borrow_mut().map_err(|_| {
-            anyhow::anyhow!("internal: an epoch of the training source is still under way")
+            Error::run("internal: an epoch of the training source is still under way")
         })?;
-        source.start_epoch(epoch, self.seed)?;
+        source
+            .start_epoch(epoch, self.seed)
+            .map_err(|e| Error::DlrmData(e.into()))?;
         let batch = CtrBatch::new(
             phase.batch_size,
             self.meta.n_dense,
@@ -619,12 +624,7 @@ impl Task for CtrTask {
         })
     }
 
-    fn evaluate(
-        &self,
-        model: &Dlrm,
-        st: &mut DlrmState,
-        _phase: &Phase,
-    ) -> anyhow::Result<EvalStats> {
+    fn evaluate(&self, model: &Dlrm, st: &mut DlrmState, _phase: &Phase) -> Result<EvalStats> {
         let procs = &mut *self.procs.borrow_mut();
         Ok(evaluate_ctr_sharded(model, st, &self.valid, procs)?.0)
     }
@@ -633,7 +633,7 @@ impl Task for CtrTask {
         self.save_model
     }
 
-    fn model_meta(&self, model: &Dlrm, epoch: usize, step: u64) -> anyhow::Result<String> {
+    fn model_meta(&self, model: &Dlrm, epoch: usize, step: u64) -> Result<String> {
         let meta = DlrmMeta {
             tables: model.tables.iter().map(|t| t.describe()).collect(),
             epoch,

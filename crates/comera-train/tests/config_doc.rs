@@ -239,7 +239,8 @@ fn per_layer_choices_parse_and_bad_ranks_name_the_field() {
             &format!("in_modes = [8, 4, 4]\nout_modes = [4, 4, 8]\nrank = {rank}"),
             "model.pooler_tt",
         );
-        let e = format!("{:#}", RunConfig::from_toml(&path, &bad).unwrap_err());
+        let e = RunConfig::from_toml(&path, &bad).unwrap_err();
+        let e = comera_train::error::Chain(&e).to_string();
         assert!(e.contains(expected), "rank = {rank}: {e}");
         assert!(e.contains("rank"), "rank = {rank}: {e}");
     }

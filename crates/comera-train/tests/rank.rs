@@ -252,12 +252,12 @@ fn plateau_switch_and_config_errors() {
         target_ratio: None,
         ..RankConfig::default()
     };
-    assert!(bad.validate().unwrap_err().contains("target"));
+    assert!(bad.validate().unwrap_err().to_string().contains("target"));
     let bad = RankConfig {
         target_ratio: Some(1.5),
         ..RankConfig::default()
     };
-    assert!(bad.validate().unwrap_err().contains("rank.target_ratio"));
+    assert_eq!(bad.validate().unwrap_err().field, "rank.target_ratio");
 }
 
 /// With the rank schedule off the model is a plain TT/TTM model: the gates stay at their

@@ -115,8 +115,24 @@ const WORDS: &[&str] = &[
     "the", "a", "dress", "shirt", "fit", "color", "is", "was", "very",
 ];
 
-/// A sentiment-like TSV: "good"/"great" mean pos, "bad"/"awful" mean neg, among filler words.
-pub fn write_data(dir: &Path) -> (PathBuf, PathBuf) {
+/// A path as the `&str` an argument list takes.
+pub fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The rows of a sentiment-like TSV (see [`write_tsv`]).
+#[derive(Clone, Copy)]
+pub struct Tsv {
+    pub rows: usize,
+    /// "great"/"awful" as well as "good"/"bad".
+    pub synonyms: bool,
+    /// The key word in three places in turn (else always between two filler words).
+    pub word_orders: bool,
+}
+
+/// A sentiment-like TSV (`train.tsv`: "good"/"great" mean pos, "bad"/"awful" mean neg, among
+/// filler words) and its vocabulary (`vocab.txt`, 18 ids).
+pub fn write_tsv(dir: &Path, t: Tsv) -> (PathBuf, PathBuf) {
     let vocab = dir.join("vocab.txt");
     let mut v = vec![
         "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "great", "bad", "awful",
@@ -124,16 +140,17 @@ pub fn write_data(dir: &Path) -> (PathBuf, PathBuf) {
     v.extend_from_slice(WORDS);
     std::fs::write(&vocab, v.join("\n") + "\n").unwrap();
     let mut tsv = String::from("sentence\tlabel\n");
-    for i in 0..160usize {
+    for i in 0..t.rows {
         let pos = i % 2 == 0;
+        let k = if t.synonyms { i % 3 % 2 } else { 0 };
         let key = if pos {
-            ["good", "great"][i % 3 % 2]
+            ["good", "great"][k]
         } else {
-            ["bad", "awful"][i % 3 % 2]
+            ["bad", "awful"][k]
         };
         let f1 = WORDS[i % WORDS.len()];
         let f2 = WORDS[(i * 7 + 3) % WORDS.len()];
-        let sentence = match i % 3 {
+        let sentence = match if t.word_orders { i % 3 } else { 0 } {
             0 => format!("{f1} {key} {f2}"),
             1 => format!("{key} {f1} {f2} {f1}"),
             _ => format!("{f2} {f1} {key}"),
@@ -145,7 +162,50 @@ pub fn write_data(dir: &Path) -> (PathBuf, PathBuf) {
     (data, vocab)
 }
 
-pub fn write_config(dir: &Path, data: &Path, vocab: &Path, tt: bool, extra: &str) -> PathBuf {
+/// [`write_tsv`] of 160 rows, with synonyms and word orders.
+pub fn write_data(dir: &Path) -> (PathBuf, PathBuf) {
+    write_tsv(
+        dir,
+        Tsv {
+            rows: 160,
+            synonyms: true,
+            word_orders: true,
+        },
+    )
+}
+
+/// The TT/TTM layouts of the tests' classifier (`tt_linear`, `ttm_embedding` set to `tt`).
+pub fn tt_layouts(tt: bool) -> String {
+    format!(
+        "tt_linear = {tt}\n\
+         ttm_embedding = {tt}\n\
+         attn_tt = {{ in_modes = [4, 4], out_modes = [4, 4], rank = 3 }}\n\
+         ffn_up_tt = {{ in_modes = [4, 4], out_modes = [4, 8], rank = 3 }}\n\
+         ffn_down_tt = {{ in_modes = [4, 8], out_modes = [4, 4], rank = 3 }}\n\
+         word_ttm = {{ vocab_modes = [3, 6], dim_modes = [4, 4], rank = 3 }}\n"
+    )
+}
+
+/// The settings of a classifier run config that the tests vary.
+pub struct Classifier<'a> {
+    /// Lines added to `[model]` (layouts).
+    pub model: &'a str,
+    pub lr_gates: f64,
+    pub epochs: usize,
+    pub warmup_steps: usize,
+    /// Lines added to `[train]`, and any tables after it.
+    pub extra: &'a str,
+}
+
+/// Writes `dir/name`: a classifier on the TSV `data` with `vocab` (a 1-layer post-LN encoder of
+/// width 16, batch 8), writing into `dir/run`.
+pub fn write_classifier(
+    dir: &Path,
+    name: &str,
+    data: &Path,
+    vocab: &Path,
+    c: &Classifier,
+) -> PathBuf {
     let cfg = format!(
         r#"
 [data]
@@ -165,33 +225,105 @@ heads = 2
 ffn = 32
 layers = 1
 dropout = 0.0
-tt_linear = {tt}
-ttm_embedding = {tt}
-attn_tt = {{ in_modes = [4, 4], out_modes = [4, 4], rank = 3 }}
-ffn_up_tt = {{ in_modes = [4, 4], out_modes = [4, 8], rank = 3 }}
-ffn_down_tt = {{ in_modes = [4, 8], out_modes = [4, 4], rank = 3 }}
-word_ttm = {{ vocab_modes = [3, 6], dim_modes = [4, 4], rank = 3 }}
+{model}
 
 [optim]
 lr_cores = 0.01
-lr_gates = 0.01
+lr_gates = {lr_gates}
 lr_other = 0.01
 
 [train]
-epochs = 6
+epochs = {epochs}
 batch_size = 8
-warmup_steps = 5
+warmup_steps = {warmup}
 log_every = 5
 out_dir = "{out}"
 {extra}
 "#,
         data = data.display(),
         vocab = vocab.display(),
+        model = c.model,
+        lr_gates = c.lr_gates,
+        epochs = c.epochs,
+        warmup = c.warmup_steps,
+        extra = c.extra,
         out = dir.join("run").display()
     );
-    let path = dir.join("run.toml");
+    let path = dir.join(name);
     std::fs::write(&path, cfg).unwrap();
     path
+}
+
+/// `dir/run.toml`: [`write_classifier`] for 6 epochs, TT layers if `tt`.
+pub fn write_config(dir: &Path, data: &Path, vocab: &Path, tt: bool, extra: &str) -> PathBuf {
+    write_classifier(
+        dir,
+        "run.toml",
+        data,
+        vocab,
+        &Classifier {
+            model: &tt_layouts(tt),
+            lr_gates: 0.01,
+            epochs: 6,
+            warmup_steps: 5,
+            extra,
+        },
+    )
+}
+
+/// `comera synth-criteo` into `dir/name`: `rows` rows of tables of 20,000 rows in all, stream
+/// `stream`.
+pub fn synth_criteo(dir: &Path, name: &str, rows: &str, stream: &str) -> PathBuf {
+    let p = dir.join(name);
+    let (code, out) = comera(&[
+        "synth-criteo",
+        "--out",
+        s(&p),
+        "--rows",
+        rows,
+        "--total-rows",
+        "20000",
+        "--stream",
+        stream,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    p
+}
+
+/// The special tokens and the words of [`write_corpus`]'s code.
+const CODE_WORDS: &[&str] = &[
+    "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "fn", "let", "mut", "if", "else", "return",
+    "match", "loop",
+];
+
+/// 40 `.rs` files (in four subdirectories, with a `README.md` beside them that a run reading
+/// `.rs` must ignore, if `nested`) whose lines repeat short patterns of 8 words, so that a
+/// model can learn to fill in masked words; the vocabulary is the specials, those 8 words and
+/// then `more_words`.
+pub fn write_corpus(dir: &Path, more_words: &[&str], nested: bool) -> (PathBuf, PathBuf) {
+    let vocab = dir.join("vocab.txt");
+    let v: Vec<&str> = CODE_WORDS.iter().chain(more_words).copied().collect();
+    std::fs::write(&vocab, v.join("\n") + "\n").unwrap();
+    let words = &CODE_WORDS[5..];
+    let code = dir.join("code");
+    for i in 0..40usize {
+        let sub = if nested {
+            code.join(format!("m{}", i % 4))
+        } else {
+            code.clone()
+        };
+        std::fs::create_dir_all(&sub).unwrap();
+        let mut text = String::new();
+        for l in 0..30usize {
+            let w = |k: usize| words[(i + l * 3 + k) % 8];
+            text += &format!("let mut {} if {} else return {}\n", w(0), w(1), w(0));
+        }
+        std::fs::write(sub.join(format!("f{i}.rs")), text).unwrap();
+    }
+    if nested {
+        std::fs::write(code.join("README.md"), "awful awful awful\n").unwrap();
+    }
+    (code, vocab)
 }
 
 pub fn checkpoints(run: &Path) -> Vec<PathBuf> {

@@ -127,8 +127,6 @@ pub fn available_memory_bytes() -> f64 {
     free.min((lim.rlim_cur as f64 - used).max(0.0))
 }
 
-/// Refuses an encoder config whose training memory in some phase (estimated before anything
-
 /// The median of `v` (0 when empty).
 fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
@@ -200,7 +198,7 @@ pub struct RunOptions {
 ///
 /// The job runs on a worker of the rayon pool, so parallel work inside a step is scheduled
 /// through the workers' own queues (no per-call injection, no allocation in the step).
-pub fn train(cfg: &RunConfig, opts: RunOptions) -> anyhow::Result<TrainSummary> {
+pub fn train(cfg: &RunConfig, opts: RunOptions) -> crate::Result<TrainSummary> {
     let mut rep = Reporter::new(opts.observers);
     rayon::scope(|_| {
         let setup = setup::encoder(cfg, Start::Fresh(opts.overwrite), &mut rep)?;
@@ -209,7 +207,7 @@ pub fn train(cfg: &RunConfig, opts: RunOptions) -> anyhow::Result<TrainSummary> 
 }
 
 /// Runs a whole DLRM training job as configured; writes into `cfg.train.out_dir`.
-pub fn train_dlrm(cfg: &DlrmRunConfig, opts: RunOptions) -> anyhow::Result<TrainSummary> {
+pub fn train_dlrm(cfg: &DlrmRunConfig, opts: RunOptions) -> crate::Result<TrainSummary> {
     let mut rep = Reporter::new(opts.observers);
     rayon::scope(|_| {
         let setup = setup::dlrm(cfg, Start::Fresh(opts.overwrite), &mut rep)?;
@@ -219,12 +217,12 @@ pub fn train_dlrm(cfg: &DlrmRunConfig, opts: RunOptions) -> anyhow::Result<Train
 
 /// Continues the run in `run_dir` from its newest checkpoint that verifies. With the same
 /// thread count, the losses are bit for bit those of a run that was never stopped.
-pub fn resume(run_dir: &Path) -> anyhow::Result<TrainSummary> {
+pub fn resume(run_dir: &Path) -> crate::Result<TrainSummary> {
     resume_with(run_dir, RunOptions::default())
 }
 
 /// [`resume`] with observers (`opts.overwrite` does not apply to a resumed run).
-pub fn resume_with(run_dir: &Path, opts: RunOptions) -> anyhow::Result<TrainSummary> {
+pub fn resume_with(run_dir: &Path, opts: RunOptions) -> crate::Result<TrainSummary> {
     let mut rep = Reporter::new(opts.observers);
     // Process 0 locks the directory; the others of a data-parallel run only read it.
     let (dir, ck) = if crate::distributed::is_writer() {
@@ -265,7 +263,7 @@ impl Start {
         self,
         out: &Path,
         config_toml: &str,
-    ) -> anyhow::Result<(Option<RunDir>, Option<Checkpoint>)> {
+    ) -> crate::Result<(Option<RunDir>, Option<Checkpoint>)> {
         match self {
             Start::Fresh(overwrite) => {
                 let dir = crate::distributed::is_writer()

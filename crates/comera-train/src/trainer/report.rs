@@ -2,6 +2,7 @@
 //! the observers; lines meant for people as [`Event::Message`]s; the plots and `ranks.md`.
 
 use crate::checkpoint::Progress;
+use crate::error::{Chain, Error};
 use crate::files::MetricsLog;
 use crate::observe::{Control, Event, Observer, RanksRecord, Record};
 use crate::plot::{plot_panels, Panel, Series};
@@ -39,7 +40,7 @@ impl Reporter {
         &mut self,
         path: &Path,
         resumed_at: Option<u64>,
-    ) -> anyhow::Result<(f64, usize)> {
+    ) -> crate::Result<(f64, usize)> {
         let mut best = (f64::NEG_INFINITY, 0);
         let Some(step) = resumed_at else {
             self.log = Some(MetricsLog::create(path)?);
@@ -58,7 +59,7 @@ impl Reporter {
     }
 
     /// Writes a record to the metrics log and the curves, and tells the observers.
-    pub(super) fn record(&mut self, r: Record) -> anyhow::Result<()> {
+    pub(super) fn record(&mut self, r: Record) -> crate::Result<()> {
         self.curves.add(&r);
         if let Some(log) = &mut self.log {
             log.write(&serde_json::to_value(&r)?)?;
@@ -90,11 +91,11 @@ impl Reporter {
     /// is a warning, not an error.
     pub(super) fn plots(&mut self, out: &Path, rank_active: bool, loss_name: &str) {
         if let Err(e) = self.curves.plot(&out.join("curves.png"), loss_name) {
-            self.say(format!("warning: plot not written: {e:#}"));
+            self.say(format!("warning: plot not written: {}", Chain(&e)));
         }
         if rank_active {
             if let Err(e) = self.curves.plot_ranks(&out.join("ranks.png"), loss_name) {
-                self.say(format!("warning: plot not written: {e:#}"));
+                self.say(format!("warning: plot not written: {}", Chain(&e)));
             }
         }
     }
@@ -147,7 +148,7 @@ impl Curves {
     }
 
     /// Rank evolution, compression and loss over steps, the stage switch marked.
-    fn plot_ranks(&self, path: &Path, loss_name: &str) -> anyhow::Result<()> {
+    fn plot_ranks(&self, path: &Path, loss_name: &str) -> crate::Result<()> {
         let marks: Vec<(f64, String)> = self
             .late_from
             .map(|x| (x, "late stage".to_string()))
@@ -174,7 +175,7 @@ impl Curves {
     }
 
     /// Loss and accuracy (and AUC for a binary task) over steps.
-    fn plot(&self, path: &Path, loss_name: &str) -> anyhow::Result<()> {
+    fn plot(&self, path: &Path, loss_name: &str) -> crate::Result<()> {
         let accuracy = vec![
             series("train", &self.train_acc),
             series("valid", &self.valid_acc),
@@ -223,11 +224,11 @@ fn panel(title: &str, y_label: &str, series: Vec<Series>, log_y: bool) -> Panel 
 /// Rewrites the metrics log without records after `step` (written after the checkpoint a run
 /// resumes from), and without the final `ranks` record (written again when the run ends), and
 /// returns the kept records.
-fn metrics_up_to(path: &Path, step: u64) -> anyhow::Result<Vec<Record>> {
+fn metrics_up_to(path: &Path, step: u64) -> crate::Result<Vec<Record>> {
     let text = match comera_data::read_regular_to_string(path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-        Err(e) => return Err(anyhow::anyhow!("{}: cannot read: {e}", path.display())),
+        Err(e) => return Err(Error::io(path, "cannot read", e)),
     };
     let mut kept = Vec::new();
     let mut out = String::new();
@@ -266,7 +267,7 @@ pub(super) fn write_rank_report(
     initial_params: usize,
     model: &dyn Model,
     rep: &mut Reporter,
-) -> anyhow::Result<()> {
+) -> crate::Result<()> {
     let mut points: Vec<(&str, &[LayerRanks])> = vec![("start", &prog.ranks_start)];
     if let Some(r) = &prog.ranks_switch {
         points.push(("after early stage", r));

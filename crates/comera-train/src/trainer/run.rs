@@ -12,12 +12,12 @@ use super::report::{mean_ranks, write_rank_report, Reporter};
 use super::{median, peak_rss_bytes, LoopSettings, RunSetup, Setup, TrainSummary};
 use crate::checkpoint::{self, Progress};
 use crate::config::Phase;
+use crate::error::Error;
 use crate::observe::{
     EarlyStopRecord, EvalRecord, Event, Record, StageRecord, TrainRecord, TruncateRecord,
 };
 use crate::run_dir::RunDir;
 use crate::task::{EpochBatches, EvalStats, Task};
-use anyhow::{bail, Context};
 use comera_layers::{Model, StepStats, Trainable};
 use comera_optim::rank::{self, Branch, RankController, RankEvent, Stage};
 use comera_optim::{Optimizer, Schedule, StepReport, Stepper};
@@ -27,7 +27,7 @@ use std::time::Instant;
 type State<T> = <<T as Task>::Model as Trainable>::State;
 
 /// Runs `setup` to its end (or to a stop) and reports.
-pub(super) fn run<T: Task>(setup: Setup<T>, rep: Reporter) -> anyhow::Result<TrainSummary> {
+pub(super) fn run<T: Task>(setup: Setup<T>, rep: Reporter) -> crate::Result<TrainSummary> {
     let Setup { mut task, run } = setup;
     let epochs = plan_epochs(&mut task, run.settings.train.accumulate_steps)?;
     let mut lp = Loop::start(&task, run, epochs, rep)?;
@@ -95,7 +95,7 @@ impl<'t, T: Task> Loop<'t, T> {
         setup: RunSetup<T::Model>,
         epochs: Vec<(usize, Option<usize>)>,
         mut rep: Reporter,
-    ) -> anyhow::Result<Loop<'t, T>> {
+    ) -> crate::Result<Loop<'t, T>> {
         let RunSetup {
             mut model,
             optim,
@@ -190,7 +190,7 @@ impl<'t, T: Task> Loop<'t, T> {
 
     /// A run whose last checkpoint is its end, killed before its final report, only finishes
     /// its report (after evaluating again). ([`refuse_finished`] refused one that ended.)
-    fn finished_training(&mut self) -> anyhow::Result<bool> {
+    fn finished_training(&mut self) -> crate::Result<bool> {
         if !self.resumed || self.prog.epoch < self.epochs.len() {
             return Ok(false);
         }
@@ -202,7 +202,7 @@ impl<'t, T: Task> Loop<'t, T> {
     }
 
     /// Every epoch from the checkpoint's on, until one ends the run.
-    fn epochs(&mut self) -> anyhow::Result<End> {
+    fn epochs(&mut self) -> crate::Result<End> {
         for epoch in self.prog.epoch..self.epochs.len() {
             if let Some(end) = self.epoch(epoch)? {
                 return Ok(end);
@@ -213,7 +213,7 @@ impl<'t, T: Task> Loop<'t, T> {
 
     /// One epoch (0-based): its steps, then its evaluation, model files and checkpoint.
     /// Returns how the run ended, if it did.
-    fn epoch(&mut self, epoch: usize) -> anyhow::Result<Option<End>> {
+    fn epoch(&mut self, epoch: usize) -> crate::Result<Option<End>> {
         let (ph, per_epoch) = self.epochs[epoch];
         self.enter_phase(ph, epoch)?;
         let meta = self.task.model_meta(&self.model, epoch, self.prog.step)?;
@@ -287,7 +287,7 @@ impl<'t, T: Task> Loop<'t, T> {
     }
 
     /// At an epoch's start: the batch state for its phase (rebuilt when the phase changes).
-    fn enter_phase(&mut self, ph: usize, epoch: usize) -> anyhow::Result<()> {
+    fn enter_phase(&mut self, ph: usize, epoch: usize) -> crate::Result<()> {
         let phase = &self.phases[ph];
         if ph != self.st_phase {
             let micro = micro_phase(phase, self.cfg.train.accumulate_steps);
@@ -315,7 +315,7 @@ impl<'t, T: Task> Loop<'t, T> {
         batches: &mut T::Epoch<'t>,
         epoch: usize,
         i: usize,
-    ) -> anyhow::Result<Option<StepReport>> {
+    ) -> crate::Result<Option<StepReport>> {
         let ts = Instant::now();
         let mut load_next = |st: &mut _| batches.next_into(st).map_err(Into::into);
         let r = match self.stepper.step_accumulated(
@@ -326,7 +326,7 @@ impl<'t, T: Task> Loop<'t, T> {
             &mut load_next,
         ) {
             Err(comera_optim::StepError::EndOfData) => return Ok(None),
-            r => r.with_context(|| format!("epoch {}", epoch + 1))?,
+            r => r.map_err(|e| Error::run_with(format!("epoch {}", epoch + 1), e))?,
         };
         self.step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
         self.window.1 += r.comm.as_secs_f64();
@@ -336,7 +336,7 @@ impl<'t, T: Task> Loop<'t, T> {
     }
 
     /// After a step: what the rank schedule did (stage switch, truncation), recorded and told.
-    fn rank_events(&mut self, epoch: usize, epoch_end: bool) -> anyhow::Result<()> {
+    fn rank_events(&mut self, epoch: usize, epoch_end: bool) -> crate::Result<()> {
         let step = self.prog.step;
         for event in self
             .stepper
@@ -389,7 +389,7 @@ impl<'t, T: Task> Loop<'t, T> {
     }
 
     /// A logging window ends: its `train` record (means over the window), then a new window.
-    fn log_window(&mut self, r: &StepReport, epoch: usize, ph: usize) -> anyhow::Result<()> {
+    fn log_window(&mut self, r: &StepReport, epoch: usize, ph: usize) -> crate::Result<()> {
         let (steps, comm, start) = self.window;
         let secs = start.elapsed().as_secs_f64();
         let steps = steps.max(1) as f64;
@@ -446,7 +446,7 @@ impl<'t, T: Task> Loop<'t, T> {
         phase: &Phase,
         epoch_end: bool,
         seconds: f64,
-    ) -> anyhow::Result<bool> {
+    ) -> crate::Result<bool> {
         let valid = self.task.evaluate(&self.model, &mut self.st, phase)?;
         // Training figures over the epoch so far.
         let p = &self.prog;
@@ -491,13 +491,14 @@ impl<'t, T: Task> Loop<'t, T> {
         valid: &EvalStats,
         epoch: usize,
         epoch_end: bool,
-    ) -> anyhow::Result<bool> {
+    ) -> crate::Result<bool> {
         let Some(es) = self.cfg.train.early_stopping.clone() else {
             return Ok(false);
         };
         let value = es.value(valid).ok_or_else(|| {
-            anyhow::anyhow!(
-                "train.early_stopping.metric: valid_auc needs a binary task; this one reports no AUC (use valid_loss or valid_accuracy)"
+            crate::config::ConfigError::new(
+                "train.early_stopping.metric",
+                "valid_auc needs a binary task; this one reports no AUC (use valid_loss or valid_accuracy)",
             )
         })?;
         let p = &mut self.prog;
@@ -543,7 +544,7 @@ impl<'t, T: Task> Loop<'t, T> {
 
     /// Early stopping inside an epoch ends the run there: model files, and a checkpoint that
     /// says the run is over (resume reports it finished).
-    fn stop_early_inside_epoch(&mut self, meta: &str, seconds: f64) -> anyhow::Result<()> {
+    fn stop_early_inside_epoch(&mut self, meta: &str, seconds: f64) -> crate::Result<()> {
         self.save_model_files(meta)?;
         (self.prog.epoch, self.prog.batch_in_epoch) = (self.epochs.len(), 0);
         self.prog.seconds = seconds;
@@ -554,13 +555,13 @@ impl<'t, T: Task> Loop<'t, T> {
 
     /// An epoch's end: its evaluation, model files and checkpoint (the next epoch starts from a
     /// clean slate). Returns how the run ended, if it did.
-    fn end_epoch(&mut self, epoch: usize, micro: &Phase) -> anyhow::Result<Option<End>> {
+    fn end_epoch(&mut self, epoch: usize, micro: &Phase) -> crate::Result<Option<End>> {
         if self.prog.ep_count == 0 {
-            bail!(
+            return Err(Error::run(format!(
                 "epoch {}: no full batch of {} examples in the training data",
                 epoch + 1,
                 self.phases[self.epochs[epoch].0].batch_size
-            );
+            )));
         }
         if let Some(note) = self.task.epoch_note() {
             self.rep.say(format!("data  {note}"));
@@ -609,7 +610,7 @@ impl<'t, T: Task> Loop<'t, T> {
 
     /// A checkpoint of the run now, holding the model's `model.toml` (`meta`: its kind and
     /// shape; truncated ranks are read from the tensors' shapes when it is loaded).
-    fn checkpoint(&mut self, meta: &str) -> anyhow::Result<()> {
+    fn checkpoint(&mut self, meta: &str) -> crate::Result<()> {
         if !self.writer {
             return Ok(());
         }
@@ -638,7 +639,7 @@ impl<'t, T: Task> Loop<'t, T> {
     }
 
     /// The model files of the run directory (tasks that save them; process 0 only).
-    fn save_model_files(&self, meta: &str) -> anyhow::Result<()> {
+    fn save_model_files(&self, meta: &str) -> crate::Result<()> {
         if self.task.saves_model() && self.writer {
             crate::files::save_model_files(
                 &self.cfg.train.out_dir,
@@ -677,7 +678,7 @@ impl<'t, T: Task> Loop<'t, T> {
 
     /// The end: `ranks.md` (a rank-adaptive run that was not stopped), `report.json`, the
     /// previous run's removal under `--overwrite`, and the summary.
-    fn finish(mut self, end: End) -> anyhow::Result<TrainSummary> {
+    fn finish(mut self, end: End) -> crate::Result<TrainSummary> {
         self.rep.event(&Event::TrainingEnded);
         let stopped = end == End::Stopped;
         let ranks_end = rank::layer_ranks(&self.model);
@@ -750,16 +751,16 @@ impl<'t, T: Task> Loop<'t, T> {
 
 /// Refuses to resume a run that ended cleanly (its `report.json` says it was not stopped),
 /// before anything in its directory is touched.
-fn refuse_finished(out: &std::path::Path, epochs: usize, steps: u64) -> anyhow::Result<()> {
+fn refuse_finished(out: &std::path::Path, epochs: usize, steps: u64) -> crate::Result<()> {
     let ended = std::fs::read_to_string(out.join("report.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         .is_some_and(|r| r["stopped"] == false);
     if ended {
-        bail!(
+        return Err(Error::run(format!(
             "{}: the run finished ({epochs} epochs, {steps} steps); nothing to resume. To train further, start a new run from it with --init-from (encoder) or a new directory",
             out.display()
-        );
+        )));
     }
     Ok(())
 }
@@ -773,7 +774,7 @@ fn restore<M: Trainable>(
     galore: Option<comera_optim::GaLoreConfig>,
     rank_cfg: &comera_optim::rank::RankConfig,
     resume: Option<&checkpoint::Checkpoint>,
-) -> anyhow::Result<(Optimizer, RankController, Progress)> {
+) -> crate::Result<(Optimizer, RankController, Progress)> {
     if let Some(ck) = resume {
         ck.load_params(model)?;
     }
@@ -782,7 +783,7 @@ fn restore<M: Trainable>(
         Some(ck) => {
             optimizer
                 .restore(&ck.optimizer, &mut |n, b| ck.opt_fill(n, b), model)
-                .with_context(|| format!("{}", ck.path.display()))?;
+                .map_err(|e| Error::run_with(ck.path.display().to_string(), e))?;
             (optimizer, ck.rank.clone(), ck.progress.clone())
         }
         None => {
@@ -801,7 +802,7 @@ fn restore<M: Trainable>(
 fn plan_epochs<T: Task>(
     task: &mut T,
     accumulate: usize,
-) -> anyhow::Result<Vec<(usize, Option<usize>)>> {
+) -> crate::Result<Vec<(usize, Option<usize>)>> {
     let phases = task.phases().to_vec();
     let mut epochs = Vec::new();
     for (i, ph) in phases.iter().enumerate() {

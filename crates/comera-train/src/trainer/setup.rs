@@ -4,11 +4,12 @@
 
 use super::report::Reporter;
 use super::{available_memory_bytes, LoopSettings, RunSetup, Setup, Start};
+use crate::config::ConfigError;
 use crate::config::{AnyRunConfig, DlrmRunConfig, Phase, RunConfig};
 use crate::data::{prepare, CorpusData, PreparedData};
+use crate::error::Error;
 use crate::files::DlrmMeta;
 use crate::task::{CtrTask, EncoderData, EncoderTask};
-use anyhow::{bail, Context};
 use comera_dlrm::Dlrm;
 use comera_layers::Model;
 use comera_model::Encoder;
@@ -16,7 +17,7 @@ use comera_optim::rank::RankConfig;
 
 /// Refuses an encoder config whose training memory in some phase (estimated before anything
 /// is allocated, even the data) exceeds what the machine has; warns of ranks no layer can use.
-fn check_encoder_fits(cfg: &RunConfig, phases: &[Phase], rep: &mut Reporter) -> anyhow::Result<()> {
+fn check_encoder_fits(cfg: &RunConfig, phases: &[Phase], rep: &mut Reporter) -> crate::Result<()> {
     let lay = cfg.model.validate()?;
     let available = available_memory_bytes();
     for p in phases {
@@ -25,8 +26,7 @@ fn check_encoder_fits(cfg: &RunConfig, phases: &[Phase], rep: &mut Reporter) -> 
             .check(
                 available,
                 &format!("training at batch {} × {} tokens", p.batch_size, p.seq_len),
-            )
-            .map_err(|m| anyhow::anyhow!("{m}"))?;
+            )?;
     }
     for w in &lay.warnings {
         rep.say(format!("warning: {w}"));
@@ -40,7 +40,7 @@ fn encoder_data(
     cfg: &RunConfig,
     phases: &[Phase],
     rep: &mut Reporter,
-) -> anyhow::Result<EncoderData> {
+) -> crate::Result<EncoderData> {
     Ok(if cfg.data.source.is_corpus() {
         let mut corpus = CorpusData::new(&cfg.data, cfg.train.seed)?;
         // Every phase's blocks in one pass over the corpus (or from the cache).
@@ -49,11 +49,14 @@ fn encoder_data(
         EncoderData::Mlm(corpus)
     } else {
         if let Some(p) = phases.iter().find(|p| p.seq_len != cfg.model.seq_len) {
-            bail!(
-                "train.phases: seq_len {} differs from model.seq_len {}; only corpus (masked-LM) runs change the sequence length",
-                p.seq_len,
-                cfg.model.seq_len
-            );
+            return Err(ConfigError::new(
+                "train.phases",
+                format!(
+                    "seq_len {} differs from model.seq_len {}; only corpus (masked-LM) runs change the sequence length",
+                    p.seq_len, cfg.model.seq_len
+                ),
+            )
+            .into());
         }
         let d: PreparedData = prepare(&cfg.data, cfg.model.seq_len, cfg.train.seed)?;
         rep.say(format!("data  {}", d.summary));
@@ -66,7 +69,7 @@ pub(super) fn encoder(
     cfg: &RunConfig,
     start: Start,
     rep: &mut Reporter,
-) -> anyhow::Result<Setup<EncoderTask>> {
+) -> crate::Result<Setup<EncoderTask>> {
     let phases = cfg.phases();
     check_encoder_fits(cfg, &phases, rep)?;
     let data = encoder_data(cfg, &phases, rep)?;
@@ -76,11 +79,15 @@ pub(super) fn encoder(
     };
     let mut mcfg = cfg.model.clone();
     if mcfg.vocab_size != vocab_size {
-        bail!(
-            "model.vocab_size: {} but the vocabulary {} has {vocab_size} tokens",
-            mcfg.vocab_size,
-            vocab.display(),
-        );
+        return Err(ConfigError::new(
+            "model.vocab_size",
+            format!(
+                "{} but the vocabulary {} has {vocab_size} tokens",
+                mcfg.vocab_size,
+                vocab.display()
+            ),
+        )
+        .into());
     }
     if let EncoderData::Classify(d) = &data {
         mcfg.num_labels = d.label_names.len();
@@ -95,22 +102,22 @@ pub(super) fn encoder(
     if let Some(ck) = start.checkpoint() {
         match ck.config()? {
             AnyRunConfig::Encoder(c) if c.model == mcfg => {}
-            _ => bail!(
+            _ => return Err(Error::run(format!(
                 "{}: the checkpoint's [model] differs from what its run's data gives now (labels or vocabulary changed?)",
                 ck.path.display()
-            ),
+            ))),
         }
     }
     let out = cfg.train.out_dir.clone();
     // Everything that can fail is done before the run directory is opened (which, under
     // --overwrite, moves the previous run aside).
-    let mut model = Encoder::new(&mcfg, cfg.train.seed).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut model = Encoder::new(&mcfg, cfg.train.seed)?;
     if let (None, Some(dir)) = (start.checkpoint(), &cfg.train.init_from) {
         let (pre, _) = crate::files::load_model(dir)
-            .with_context(|| format!("train.init_from: {}", dir.display()))?;
+            .map_err(|e| Error::model_with(format!("train.init_from: {}", dir.display()), e))?;
         model
             .init_body_from(&pre)
-            .map_err(|e| anyhow::anyhow!("train.init_from: {}: {e}", dir.display()))?;
+            .map_err(|e| Error::model_with(format!("train.init_from: {}", dir.display()), e))?;
         rep.say(format!(
             "init  encoder from {} ({} parameters)",
             dir.display(),
@@ -124,9 +131,10 @@ pub(super) fn encoder(
         mcfg.validate()?.describe()
     ));
     if cfg.galore.is_some() && cfg.rank.enabled {
-        rep.say(format!(
+        rep.say(
             "note  GaLore run: rank gates are trained, but pruned slices are not truncated"
-        ));
+                .to_string(),
+        );
     }
     let (run_dir, resume) = start.open(&out, &config_toml)?;
     let t = &cfg.train;
@@ -158,14 +166,15 @@ pub(super) fn dlrm(
     cfg: &DlrmRunConfig,
     start: Start,
     rep: &mut Reporter,
-) -> anyhow::Result<Setup<CtrTask>> {
-    let prepared = comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)?;
+) -> crate::Result<Setup<CtrTask>> {
+    let prepared = comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)
+        .map_err(|e| Error::DlrmData(e.into()))?;
     if prepared.valid.is_empty() {
-        bail!(
+        return Err(Error::data(format!(
             "data: no validation examples (data.valid_fraction = {}, data.max_valid = {}); the run could not be evaluated",
             cfg.data.valid_fraction,
             cfg.data.max_valid
-        );
+        )));
     }
     rep.say(format!("data  {}", prepared.summary));
     let config_toml = match start.checkpoint() {
@@ -179,12 +188,12 @@ pub(super) fn dlrm(
     let available = available_memory_bytes();
     if need > available {
         const GIB: f64 = (1u64 << 30) as f64;
-        bail!(
+        return Err(Error::run(format!(
             "training the DLRM at batch {} needs about {:.1} GiB, but {:.1} GiB are available; reduce dlrm.embedding_dim, dlrm.ttm_rank, the MLP widths or train.batch_size",
             t.batch_size,
             need / GIB,
             available / GIB
-        );
+        )));
     }
     let (run_dir, resume) = start.open(&t.out_dir, &config_toml)?;
     let model = Dlrm::new(
@@ -194,7 +203,7 @@ pub(super) fn dlrm(
         &prepared.table_sizes,
         t.seed,
     )
-    .map_err(|e| anyhow::anyhow!("dlrm: {e}"))?;
+    .map_err(|e| Error::model_with("dlrm", e))?;
     rep.say(format!(
         "model DLRM, dim {}, bottom {:?}, top {:?}: {} parameters; tables {} parameters ({} as dense tables, {:.1}x smaller)",
         cfg.dlrm.embedding_dim,
