@@ -447,7 +447,9 @@ fn an_address_space_limit_too_low_for_the_threads_says_so() {
     // Room to load the binary (its size, plus about 4 MiB for the C library, the loader and
     // the heap) but not for a worker thread's 8 MiB stack; a fixed figure broke each time the
     // binary grew.
-    let binary = std::fs::metadata(env!("CARGO_BIN_EXE_comera")).unwrap().len();
+    let binary = std::fs::metadata(env!("CARGO_BIN_EXE_comera"))
+        .unwrap()
+        .len();
     let limit = binary + 4 * 1024 * 1024;
     let (code, text) = run_limited(
         &["inspect", s(&base().run)],
