@@ -1,0 +1,7 @@
+//! Kernels behind `comera.torch`.
+
+use pyo3::prelude::*;
+
+pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+    Ok(())
+}

@@ -1,0 +1,3 @@
+"""comera: computing- and memory-efficient training by rank-adaptive tensor compression."""
+
+from . import _comera  # noqa: F401
