@@ -247,6 +247,10 @@ pub struct DataConfig {
     pub train: Option<PathBuf>,
     /// Validation file; without one, `valid_fraction` of the training examples is held out.
     pub valid: Option<PathBuf>,
+    /// SHA-256 of the training / validation file (hex): a file that changed is refused
+    /// (set for data handed over in memory; optional otherwise).
+    pub train_sha256: Option<String>,
+    pub valid_sha256: Option<String>,
     /// Column of the (first) text (file sources).
     pub text_a: Option<String>,
     /// Column of the second text of a sentence pair.
@@ -290,6 +294,8 @@ impl Default for DataConfig {
             source: DataSource::Reviews,
             train: None,
             valid: None,
+            train_sha256: None,
+            valid_sha256: None,
             text_a: None,
             text_b: None,
             label: Some("recommended".into()),
@@ -624,6 +630,25 @@ impl RunConfig {
             d.check_corpus_fields()?;
         } else {
             d.check_no_corpus_fields()?;
+        }
+        for (field, sha, file) in [
+            ("train_sha256", &d.train_sha256, &d.train),
+            ("valid_sha256", &d.valid_sha256, &d.valid),
+        ] {
+            if let Some(sha) = sha {
+                if file.is_none() || !d.source.reads_files() {
+                    return Err(bad(
+                        format!("data.{field}"),
+                        "checks a data file of a file source (data.train / data.valid); remove it",
+                    ));
+                }
+                if sha.len() != 64 || !sha.chars().all(|c| c.is_ascii_hexdigit()) {
+                    return Err(bad(
+                        format!("data.{field}"),
+                        format!("`{sha}` is not a SHA-256 (64 hex digits)"),
+                    ));
+                }
+            }
         }
         if let Some(labels) = &d.labels {
             check_names("data.labels", labels)?;

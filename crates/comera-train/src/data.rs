@@ -26,7 +26,8 @@ pub struct PreparedData {
     pub summary: String,
 }
 
-fn cache_dir(cfg: &DataConfig) -> PathBuf {
+/// The data cache: `data.cache_dir`, else `$COMERA_DATA` or `~/.cache/comera`.
+pub fn cache_dir(cfg: &DataConfig) -> PathBuf {
     cfg.cache_dir.clone().unwrap_or_else(default_cache_dir)
 }
 
@@ -134,6 +135,12 @@ fn load_sets(cfg: &DataConfig) -> Result<(LoadedSet, Option<LoadedSet>)> {
         }
         DataSource::Mnli | DataSource::Tsv | DataSource::Csv | DataSource::Parquet => {
             let train_path = required(&cfg.train, "train", cfg.source)?;
+            if let Some(sha) = &cfg.train_sha256 {
+                crate::inputs::check_sha256(train_path, sha, "data.train_sha256")?;
+            }
+            if let (Some(p), Some(sha)) = (&cfg.valid, &cfg.valid_sha256) {
+                crate::inputs::check_sha256(p, sha, "data.valid_sha256")?;
+            }
             let train = load_file(cfg, train_path)?;
             let valid = cfg.valid.as_ref().map(|p| load_file(cfg, p)).transpose()?;
             (train, valid)

@@ -212,6 +212,61 @@ pub fn eval_run(
     }
 }
 
+/// Evaluates the classifier of `run` (or of `checkpoint`) on the examples of `data`: a `[data]`
+/// table of a file source whose `valid` file (or, without one, `train` file) is read whole.
+/// Its labels default to the model's; labels that differ from the model's are refused.
+pub fn eval_classifier_on(
+    run: &Path,
+    checkpoint: Option<&Path>,
+    mut data: crate::config::DataConfig,
+    batch: usize,
+) -> Result<EvalStats> {
+    if batch == 0 {
+        return Err(ConfigError::new("batch_size", "must be at least 1").into());
+    }
+    let (SavedModel::Encoder(model, meta), AnyRunConfig::Encoder(cfg)) = load_run(run, checkpoint)?
+    else {
+        return Err(Error::model(format!(
+            "{}: not a text classifier; evaluate it on its own data (eval_run)",
+            run.display()
+        )));
+    };
+    if meta.model.head != HeadKind::Classifier {
+        return Err(Error::model(format!(
+            "{}: a masked-LM model; evaluate it on text with eval_run",
+            run.display()
+        )));
+    }
+    match &data.labels {
+        Some(l) if *l != meta.labels => {
+            return Err(ConfigError::new(
+                "data.labels",
+                format!(
+                    "the data's labels {:?} are not the model's {:?}",
+                    l, meta.labels
+                ),
+            )
+            .into())
+        }
+        _ => data.labels = Some(meta.labels.clone()),
+    }
+    if data.vocab.is_none() {
+        data.vocab = Some(meta.vocab.clone());
+    }
+    // Every example is held out: the file is the validation set.
+    match (&data.train, &data.valid) {
+        (Some(_), None) => data.valid = data.train.clone(),
+        (None, Some(_)) => data.train = data.valid.clone(),
+        _ => {}
+    }
+    let d = prepare(&data, meta.model.seq_len, cfg.train.seed)?;
+    let batch = clamp_batch(batch, d.valid.len(), "validation examples")?;
+    let mut st = model.state(batch);
+    let s = evaluate_classifier(&model, &mut st, &d.valid)?;
+    check_finite_loss(&s, &model)?;
+    Ok(s)
+}
+
 /// An error if an evaluation's loss is not finite (the model's outputs overflowed).
 fn check_finite_loss(s: &EvalStats, model: &dyn Model) -> Result<()> {
     if s.loss.is_finite() {
@@ -266,39 +321,70 @@ pub fn predict_texts(
     meta: &ModelMeta,
     texts: &[String],
 ) -> Result<Vec<(String, f32)>> {
+    let probs = predict_probabilities(model, meta, texts, 1)?;
+    let c = meta.labels.len();
+    Ok(probs
+        .chunks_exact(c)
+        .map(|row| {
+            let label = comera_layers::loss::argmax(row);
+            (meta.labels[label].clone(), row[label])
+        })
+        .collect())
+}
+
+/// Every class's probability for each text (pairs separated by a tab): `texts.len() × C`,
+/// row-major, in `meta.labels` order; softmax of the logits, `batch` texts a forward (the
+/// last batch padded with copies of its first text, which are dropped).
+pub fn predict_probabilities(
+    model: &Encoder,
+    meta: &ModelMeta,
+    texts: &[String],
+    batch: usize,
+) -> Result<Vec<f32>> {
     if meta.model.head != HeadKind::Classifier {
         return Err(Error::model("a masked-LM model has no labels to predict: use it to fill [MASK] tokens, or fine-tune it with train.init_from"));
+    }
+    if batch == 0 {
+        return Err(ConfigError::new("batch_size", "must be at least 1").into());
     }
     check_labels(meta, Path::new(MODEL_META))?;
     let tok = BertTokenizer::from_vocab_file(&meta.vocab)
         .map_err(|e| Error::model_with(format!("vocabulary {}", meta.vocab.display()), e))?;
-    let t = meta.model.seq_len;
-    let mut st = model.state(1);
-    let mut out = Vec::with_capacity(texts.len());
-    for text in texts {
-        let enc = if meta.pair {
-            let Some((x, y)) = text.split_once('\t') else {
-                return Err(Error::model(
-                    "this model reads sentence pairs: separate the two texts with a tab",
-                ));
+    let (t, c) = (meta.model.seq_len, meta.labels.len());
+    let b = batch.min(texts.len().max(1));
+    let mut st = model.state(b);
+    // One batch of encoded texts: ids, token types, mask (b × t each).
+    let (mut ids, mut types, mut mask) = (Vec::new(), Vec::new(), Vec::new());
+    let mut out = Vec::with_capacity(texts.len() * c);
+    for chunk in texts.chunks(b) {
+        ids.clear();
+        types.clear();
+        mask.clear();
+        for j in 0..b {
+            let text = &chunk[if j < chunk.len() { j } else { 0 }];
+            let enc = if meta.pair {
+                let Some((x, y)) = text.split_once('\t') else {
+                    return Err(Error::model(
+                        "this model reads sentence pairs: separate the two texts with a tab",
+                    ));
+                };
+                tok.encode_pair(x, y, t)?
+            } else {
+                tok.encode_single(text, t)?
             };
-            tok.encode_pair(x, y, t)?
-        } else {
-            tok.encode_single(text, t)?
-        };
-        st.load(
-            &enc.input_ids,
-            &enc.token_type_ids,
-            &enc.attention_mask,
-            &[0],
-        )?;
+            ids.extend_from_slice(&enc.input_ids);
+            types.extend_from_slice(&enc.token_type_ids);
+            mask.extend_from_slice(&enc.attention_mask);
+        }
+        st.load(&ids, &types, &mask, &vec![0; b])?;
         model.forward(&mut st, false, 0)?;
         let logits = st.logits();
         check_finite_outputs(logits, model, "logits")?;
-        let label = comera_layers::loss::argmax(logits);
-        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let z: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
-        out.push((meta.labels[label].clone(), (logits[label] - max).exp() / z));
+        for row in logits.chunks_exact(c).take(chunk.len()) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let z: f32 = row.iter().map(|&v| (v - max).exp()).sum();
+            out.extend(row.iter().map(|&v| (v - max).exp() / z));
+        }
     }
     Ok(out)
 }

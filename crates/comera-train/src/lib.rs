@@ -18,6 +18,7 @@
 //! - [`infer`]: evaluation and predictions of a saved model of any kind;
 //! - [`files`]: atomic writes, model files of every kind, the metrics log;
 //! - [`data`]: the encoder's data (labelled examples, corpora);
+//! - [`inputs`]: data handed over in memory, stored as content-addressed data files;
 //! - [`distributed`]: data-parallel runs over several processes (feature `mpi`);
 //! - [`plot`]: the figures;
 //! - [`rank`]: the rank schedule (re-exported from comera-optim: every decision it takes is a
@@ -31,6 +32,7 @@ pub mod distributed;
 pub mod error;
 pub mod files;
 pub mod infer;
+pub mod inputs;
 pub mod interrupt;
 pub mod observe;
 pub mod plot;
