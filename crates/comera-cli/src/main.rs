@@ -181,9 +181,8 @@ fn silence_output_failures() {
     }));
 }
 
-/// Stack of each pool worker, which runs the whole command: the main thread's usual 8 MiB
-/// rather than rayon's 2 MiB default.
-const WORKER_STACK_BYTES: usize = 8 << 20;
+/// Stack of each pool worker, which runs the whole command.
+const WORKER_STACK_BYTES: usize = comera_train::WORKER_STACK_BYTES;
 
 fn run_command(command: Command) -> anyhow::Result<ExitCode> {
     match command {

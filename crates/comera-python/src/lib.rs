@@ -1,12 +1,36 @@
 //! Python bindings of comera: the `comera._comera` extension module behind the `comera`
-//! package (python/comera). A thin layer over the library: every decision is comera's own.
+//! package (`python/comera`). A thin layer over the library, as the command line is: configs
+//! are parsed and checked by comera-train, runs are comera-train's loop, records are its typed
+//! records as dicts, errors its typed errors as exceptions. The Python package adds only
+//! argument conversion (lists, NumPy, pandas) and presentation (a tqdm bar in notebooks).
+//!
+//! - [`errors`]: the exception classes and the conversion of comera's errors and panics;
+//! - [`events`]: the loop's events as dicts, and the observer that calls Python;
+//! - [`training`]: `train` and `resume`, with data handed over in memory;
+//! - [`runs`]: a run directory's config, records, predictions and evaluations;
+//! - [`torch`]: the kernels of `comera.torch`'s TT layers.
 
 use pyo3::prelude::*;
 
+mod errors;
+mod events;
+mod runs;
 mod torch;
+mod training;
 
 #[pymodule]
 fn _comera(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(training::json_to_toml, m)?)?;
+    m.add_function(wrap_pyfunction!(training::resolve_config, m)?)?;
+    m.add_function(wrap_pyfunction!(training::train, m)?)?;
+    m.add_function(wrap_pyfunction!(training::resume, m)?)?;
+    m.add_function(wrap_pyfunction!(runs::toml_to_py, m)?)?;
+    m.add_function(wrap_pyfunction!(runs::run_config, m)?)?;
+    m.add_function(wrap_pyfunction!(runs::run_metrics, m)?)?;
+    m.add_function(wrap_pyfunction!(runs::run_predict, m)?)?;
+    m.add_function(wrap_pyfunction!(runs::run_evaluate, m)?)?;
     torch::register(m)?;
     Ok(())
 }

@@ -46,6 +46,10 @@ pub use error::{BoxError, Error, Result};
 pub use files::{load_model, load_saved, save_model, write_atomic, ModelMeta, SavedModel};
 pub use rank::{RankConfig, RankController};
 pub use task::EvalStats;
+/// Stack of each pool worker, which runs a whole job: the main thread's usual 8 MiB rather than
+/// rayon's 2 MiB default (front ends build their pools with it).
+pub const WORKER_STACK_BYTES: usize = 8 << 20;
+
 pub use trainer::{
     peak_rss_bytes, resume, resume_with, train, train_dlrm, RunOptions, TrainSummary,
 };

@@ -236,6 +236,29 @@ pub struct RanksRecord {
     pub end: Vec<LayerRanks>,
 }
 
+/// The records of a metrics log (`RUN/metrics.jsonl`), typed. A last line cut short (a run
+/// killed while writing it) is left out; any other line that is not a record is an error
+/// naming its line.
+pub fn read_metrics(path: &Path) -> crate::Result<Vec<Record>> {
+    let text = comera_data::read_regular_to_string(path)
+        .map_err(|e| crate::Error::io(path, "cannot read", e))?;
+    let lines: Vec<&str> = text.lines().collect();
+    let mut records = Vec::with_capacity(lines.len());
+    for (i, line) in lines.iter().enumerate() {
+        match serde_json::from_str::<Record>(line) {
+            Ok(r) => records.push(r),
+            Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => {}
+            Err(e) => {
+                return Err(crate::Error::Parse {
+                    path: path.to_path_buf(),
+                    source: format!("line {}: not a metrics record: {e}", i + 1).into(),
+                })
+            }
+        }
+    }
+    Ok(records)
+}
+
 /// `null` (a NaN written by serde_json) as NaN.
 fn f64_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))

@@ -1,0 +1,124 @@
+//! comera's errors as Python exceptions: `ComeraError`, and under it `ConfigError`,
+//! `DataError`, `RunError` and `ModelError`, each carrying comera's whole message (the error
+//! and its sources, `message: source: source…`, as the command line prints it). A Rust panic
+//! never crosses into Python: [`guard`] turns it into a `ComeraError`.
+
+use comera_train::Error;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+create_exception!(
+    _comera,
+    ComeraError,
+    PyException,
+    "Any error of comera (a bad config, bad data, a damaged run, a model that cannot be used)."
+);
+create_exception!(
+    _comera,
+    ConfigError,
+    ComeraError,
+    "A config field or argument comera cannot use; the message names the field."
+);
+create_exception!(
+    _comera,
+    DataError,
+    ComeraError,
+    "Data that cannot be read or used: a file, a column, a label, a tokenizer."
+);
+create_exception!(
+    _comera,
+    RunError,
+    ComeraError,
+    "A run directory that cannot be created, resumed, locked or read, or a run that failed."
+);
+create_exception!(
+    _comera,
+    ModelError,
+    ComeraError,
+    "A model that cannot be built, loaded or used."
+);
+
+/// Registers the exception classes in the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("ComeraError", py.get_type::<ComeraError>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("DataError", py.get_type::<DataError>())?;
+    m.add("RunError", py.get_type::<RunError>())?;
+    m.add("ModelError", py.get_type::<ModelError>())?;
+    Ok(())
+}
+
+/// The message of `e` with its sources, each once (`message: source: source…`).
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let part = s.to_string();
+        if !part.is_empty() && !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = s.source();
+    }
+    text
+}
+
+/// A comera error as the Python exception of its kind.
+pub fn to_py(e: Error) -> PyErr {
+    let msg = chain(&e);
+    match e {
+        Error::Config(_) | Error::ModelConfig(_) | Error::Parse { .. } | Error::TomlSer(_) => {
+            ConfigError::new_err(msg)
+        }
+        Error::Data { .. }
+        | Error::Tokenizer(_)
+        | Error::Load(_)
+        | Error::Corpus(_)
+        | Error::Ctr(_)
+        | Error::DlrmData(_)
+        | Error::Fetch(_)
+        | Error::Embedding(_)
+        | Error::Batch(_) => DataError::new_err(msg),
+        Error::Model { .. } | Error::Dlrm(_) | Error::SafeTensors(_) => ModelError::new_err(msg),
+        Error::Run { .. }
+        | Error::RunDir(_)
+        | Error::Checkpoint(_)
+        | Error::Io { .. }
+        | Error::Write(_)
+        | Error::Plot(_)
+        | Error::Step(_)
+        | Error::Memory(_) => RunError::new_err(msg),
+        _ => ComeraError::new_err(msg),
+    }
+}
+
+/// Runs `f`, turning a panic into a `ComeraError` (with the panic's text) and a comera error
+/// into its exception.
+pub fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let text = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".into());
+            Err(ComeraError::new_err(format!(
+                "internal error (a bug in comera; please report it): {text}"
+            )))
+        }
+    }
+}
+
+/// `Result<T, comera_train::Error>` into a `PyResult`.
+pub trait IntoPy<T> {
+    fn py_err(self) -> PyResult<T>;
+}
+
+impl<T> IntoPy<T> for Result<T, Error> {
+    fn py_err(self) -> PyResult<T> {
+        self.map_err(to_py)
+    }
+}
