@@ -59,10 +59,9 @@ pub fn event_json(event: &Event<'_>) -> Value {
 }
 
 /// Hands every event to a Python callable (`callback(event_dict)`; returning the string
-/// `"stop"` or `False` stops the run after the step, with a checkpoint), and polls Python's
-/// signal handlers at each event: a Ctrl-C (KeyboardInterrupt) or an exception raised by the
-/// callback stops the run the same way, and is raised once the run has written its
-/// checkpoint ([`PyObserver::raised`]).
+/// `"stop"` or `False` stops the run after the step, with a checkpoint). An exception raised
+/// by the callback, or a Ctrl-C seen by the waiting thread ([`PyObserver::stop_with`]), stops
+/// the run the same way and is raised once the run has ended.
 pub struct PyObserver {
     callback: Option<Py<PyAny>>,
     raised: Arc<Mutex<Option<PyErr>>>,
@@ -82,11 +81,17 @@ impl PyObserver {
 
     /// Keeps the first exception; the run stops.
     fn raise(&self, e: PyErr) -> Control {
-        let mut slot = self.raised.lock().unwrap_or_else(|p| p.into_inner());
+        PyObserver::stop_with(&self.raised, e);
+        Control::Stop
+    }
+
+    /// Asks the run that `raised` belongs to to stop at its next event, and keeps `e` (the
+    /// first exception only) to raise when it has ended.
+    pub fn stop_with(raised: &Mutex<Option<PyErr>>, e: PyErr) {
+        let mut slot = raised.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
             *slot = Some(e);
         }
-        Control::Stop
     }
 }
 
@@ -100,13 +105,10 @@ impl Observer for PyObserver {
         {
             return Control::Stop;
         }
+        let Some(cb) = &self.callback else {
+            return Control::Continue;
+        };
         Python::attach(|py| {
-            if let Err(e) = py.check_signals() {
-                return self.raise(e);
-            }
-            let Some(cb) = &self.callback else {
-                return Control::Continue;
-            };
             let answer = json_to_py(py, &event_json(event)).and_then(|ev| cb.call1(py, (ev,)));
             match answer {
                 Err(e) => self.raise(e),

@@ -4,7 +4,7 @@
 
 use crate::errors::{guard, IntoPy};
 use crate::events::{json_to_py, PyObserver};
-use comera_train::config::{ConfigError, DataSource};
+use comera_train::config::ConfigError;
 use comera_train::inputs::{self, ClickRows, LabelledTexts};
 use comera_train::{AnyRunConfig, RunOptions, TrainSummary};
 use numpy::PyReadonlyArray1;
@@ -89,155 +89,174 @@ impl MemoryData {
             && self.clicks_train.is_none()
     }
 
-    /// Stores the data as files in the cache and points the config at them.
-    fn merge_into(self, cfg: &mut AnyRunConfig) -> comera_train::Result<Vec<String>> {
+    /// Stores the data as files in the cache and points the config's `[data]` table at them
+    /// (before the config is parsed, so that it is checked as a whole, as a file would be).
+    /// Returns the config text and a line about each file stored.
+    fn merge_into(self, text: Option<&str>) -> comera_train::Result<(String, Vec<String>)> {
+        let bad = |field: &str, reason: &str| -> comera_train::Error {
+            ConfigError::new(field, reason).into()
+        };
+        let text = match text {
+            Some(t) => t.to_string(),
+            None => comera_train::RunConfig::builtin().to_toml(),
+        };
+        // A config that does not parse is left to the parser to report.
+        let Ok(mut table) = text.parse::<toml::Table>() else {
+            return Ok((text, Vec::new()));
+        };
+        let dlrm = table.contains_key("dlrm");
+        let data = table
+            .entry("data")
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let Some(data) = data.as_table_mut() else {
+            return Err(bad("data", "must be a table"));
+        };
+        let cache = data
+            .get("cache_dir")
+            .and_then(|v| v.as_str())
+            .map(PathBuf::from)
+            .unwrap_or_else(comera_data::default_cache_dir);
+        let str_v = |s: &str| toml::Value::String(s.to_string());
+        let path_v = |p: &Path| toml::Value::String(p.display().to_string());
+        let list_v = |l: &[String]| toml::Value::Array(l.iter().map(|s| str_v(s)).collect());
         let mut said = Vec::new();
-        match cfg {
-            AnyRunConfig::Encoder(c) => {
-                let cache = comera_train::data::cache_dir(&c.data);
-                if self.clicks_train.is_some() {
-                    return Err(ConfigError::new(
-                        "clicks",
-                        "click rows train a DLRM: give a DLRM config ([model] with tables)",
-                    )
-                    .into());
+        let mut stored = |what: &str, s: &inputs::StoredInput| {
+            said.push(format!(
+                "{what}: {} from memory, stored as {} (sha256 {})",
+                s.rows,
+                s.path.display(),
+                &s.sha256[..16]
+            ))
+        };
+        if dlrm {
+            if self.train.is_some() || self.corpus_texts.is_some() || self.corpus_paths.is_some() {
+                return Err(bad(
+                    "data",
+                    "a DLRM config trains on click rows (dense, categorical, label arrays), not texts",
+                ));
+            }
+            let Some((dense, cats, labels)) = self.clicks_train else {
+                return Ok((text, said));
+            };
+            let rows = ClickRows {
+                dense: &dense,
+                cats: &cats,
+                labels: &labels,
+            };
+            let (s, mut sizes) = inputs::store_click_rows(&cache, &rows, "training rows")?;
+            stored("training rows", &s);
+            put(data, "source", str_v("criteo"));
+            put(data, "train", path_v(&s.path));
+            data.remove("valid");
+            if let Some((dense, cats, labels)) = self.clicks_valid {
+                let rows = ClickRows {
+                    dense: &dense,
+                    cats: &cats,
+                    labels: &labels,
+                };
+                let (s, vs) = inputs::store_click_rows(&cache, &rows, "validation rows")?;
+                stored("validation rows", &s);
+                for (a, b) in sizes.iter_mut().zip(vs) {
+                    *a = (*a).max(b);
                 }
-                if self.corpus_texts.is_some() || self.corpus_paths.is_some() {
-                    if self.train.is_some() {
-                        return Err(ConfigError::new(
-                            "corpus",
-                            "give either a corpus (masked-LM pre-training) or labelled texts, not both",
-                        )
-                        .into());
+                put(data, "valid", path_v(&s.path));
+            }
+            if !data.contains_key("table_sizes") {
+                // Tables that hold every id given (ids are taken modulo the size).
+                data.insert(
+                    "table_sizes".into(),
+                    toml::Value::Array(
+                        sizes
+                            .iter()
+                            .map(|&n| toml::Value::Integer(n as i64))
+                            .collect(),
+                    ),
+                );
+                data.insert("mapping".into(), str_v("modulo"));
+            }
+        } else if self.clicks_train.is_some() {
+            return Err(bad(
+                "clicks",
+                "click rows train a DLRM: give a DLRM config (a [dlrm] table)",
+            ));
+        } else if self.corpus_texts.is_some() || self.corpus_paths.is_some() {
+            if self.train.is_some() {
+                return Err(bad(
+                    "corpus",
+                    "give either a corpus (masked-LM pre-training) or labelled texts, not both",
+                ));
+            }
+            let mut corpus = self.corpus_paths.unwrap_or_default();
+            if let Some(docs) = &self.corpus_texts {
+                let s = inputs::store_corpus(&cache, docs)?;
+                stored("corpus documents", &s);
+                corpus.insert(0, s.path.display().to_string());
+                put(data, "text_docs", str_v("paragraphs"));
+            }
+            put(data, "source", str_v("corpus"));
+            put(data, "corpus", list_v(&corpus));
+        } else if let Some(train) = self.train {
+            let labels = match self.labels {
+                Some(l) => l,
+                None => {
+                    let mut all = train.label_set();
+                    if let Some(v) = &self.valid {
+                        all.extend(v.label_set());
+                        all.sort();
+                        all.dedup();
                     }
-                    let d = &mut c.data;
-                    d.source = DataSource::Corpus;
-                    c.model.head = comera_model::HeadKind::Mlm;
-                    d.corpus = self.corpus_paths.unwrap_or_default();
-                    if let Some(docs) = &self.corpus_texts {
-                        let s = inputs::store_corpus(&cache, docs)?;
-                        said.push(format!(
-                            "corpus: {} documents from memory, stored as {} (sha256 {})",
-                            s.rows,
-                            s.path.display(),
-                            &s.sha256[..16]
-                        ));
-                        d.corpus.insert(0, s.path.display().to_string());
-                        d.text_docs = "paragraphs".into();
-                    }
-                } else if let Some(train) = self.train {
-                    let d = &mut c.data;
-                    let labels = match self.labels {
-                        Some(l) => l,
-                        None => {
-                            let mut all = train.label_set();
-                            if let Some(v) = &self.valid {
-                                all.extend(v.label_set());
-                                all.sort();
-                                all.dedup();
-                            }
-                            all
-                        }
-                    };
-                    let s = inputs::store_labelled_texts(&cache, &train, "training data")?;
-                    said.push(format!(
-                        "data: {} training examples from memory, stored as {} (sha256 {})",
-                        s.rows,
-                        s.path.display(),
-                        &s.sha256[..16]
-                    ));
-                    d.source = DataSource::Csv;
-                    d.text_a = Some("text".into());
-                    d.text_b = train.text_pair.as_ref().map(|_| "text_pair".into());
-                    d.label = Some("label".into());
-                    d.labels = Some(labels);
-                    d.train = Some(s.path);
-                    d.train_sha256 = Some(s.sha256);
-                    d.valid = None;
-                    d.valid_sha256 = None;
-                    if let Some(v) = self.valid {
-                        if v.text_pair.is_some() != train.text_pair.is_some() {
-                            return Err(ConfigError::new(
-                                "valid",
-                                "the validation data and the training data must both be sentence pairs, or neither",
-                            )
-                            .into());
-                        }
-                        let s = inputs::store_labelled_texts(&cache, &v, "validation data")?;
-                        said.push(format!(
-                            "data: {} validation examples from memory, stored as {} (sha256 {})",
-                            s.rows,
-                            s.path.display(),
-                            &s.sha256[..16]
-                        ));
-                        d.valid = Some(s.path);
-                        d.valid_sha256 = Some(s.sha256);
-                    }
-                } else if self.valid.is_some() {
-                    return Err(ConfigError::new(
+                    all
+                }
+            };
+            let s = inputs::store_labelled_texts(&cache, &train, "training data")?;
+            stored("training examples", &s);
+            put(data, "source", str_v("csv"));
+            put(data, "text_a", str_v("text"));
+            match &train.text_pair {
+                Some(_) => put(data, "text_b", str_v("text_pair")),
+                None => {
+                    data.remove("text_b");
+                },
+            }
+            put(data, "label", str_v("label"));
+            put(data, "labels", list_v(&labels));
+            put(data, "train", path_v(&s.path));
+            put(data, "train_sha256", str_v(&s.sha256));
+            data.remove("valid");
+            data.remove("valid_sha256");
+            if let Some(v) = self.valid {
+                if v.text_pair.is_some() != train.text_pair.is_some() {
+                    return Err(bad(
                         "valid",
-                        "validation data without training data; give data= too",
-                    )
-                    .into());
-                }
-                c.validate()?;
-            }
-            AnyRunConfig::Dlrm(c) => {
-                if self.train.is_some() || self.corpus_texts.is_some() {
-                    return Err(ConfigError::new(
-                        "data",
-                        "a DLRM config trains on click rows (dense, categorical, label arrays), not texts",
-                    )
-                    .into());
-                }
-                if let Some((dense, cats, labels)) = self.clicks_train {
-                    let cache = c
-                        .data
-                        .cache_dir
-                        .clone()
-                        .unwrap_or_else(comera_data::default_cache_dir);
-                    let rows = ClickRows {
-                        dense: &dense,
-                        cats: &cats,
-                        labels: &labels,
-                    };
-                    let (s, mut sizes) = inputs::store_click_rows(&cache, &rows, "training rows")?;
-                    said.push(format!(
-                        "data: {} click rows from memory, stored as {} (sha256 {})",
-                        s.rows,
-                        s.path.display(),
-                        &s.sha256[..16]
+                        "the validation data and the training data must both be sentence pairs, or neither",
                     ));
-                    c.data.source = "criteo".into();
-                    c.data.train = Some(s.path);
-                    c.data.valid = None;
-                    if let Some((dense, cats, labels)) = self.clicks_valid {
-                        let rows = ClickRows {
-                            dense: &dense,
-                            cats: &cats,
-                            labels: &labels,
-                        };
-                        let (s, vs) = inputs::store_click_rows(&cache, &rows, "validation rows")?;
-                        for (a, b) in sizes.iter_mut().zip(vs) {
-                            *a = (*a).max(b);
-                        }
-                        c.data.valid = Some(s.path);
-                    }
-                    if c.data.table_sizes.is_empty() {
-                        // Tables that hold every id given (ids are taken modulo the size).
-                        c.data.table_sizes = sizes;
-                        c.data.mapping = "modulo".into();
-                    }
                 }
-                c.validate()?;
+                let s = inputs::store_labelled_texts(&cache, &v, "validation data")?;
+                stored("validation examples", &s);
+                put(data, "valid", path_v(&s.path));
+                put(data, "valid_sha256", str_v(&s.sha256));
             }
+        } else if self.valid.is_some() {
+            return Err(bad(
+                "valid",
+                "validation data without training data; give data= too",
+            ));
         }
-        Ok(said)
+        Ok((toml::to_string(&table).unwrap_or(text), said))
     }
 }
 
-/// The run's events go to `callback` (and to the terminal when `console`); the GIL is
-/// released while the run works, taken back at each event.
+/// Sets `key` of a TOML table.
+fn put(table: &mut toml::Table, key: &str, value: toml::Value) {
+    table.insert(key.to_string(), value);
+}
+
+/// Runs `work` with the run's events going to `callback` (and to the terminal when
+/// `console`). The run works on a thread of its own, on a pool of `threads` workers, with the
+/// GIL released; this thread waits for it and runs Python's signal handlers every 50 ms (only
+/// the main thread can): a Ctrl-C asks the run to stop after its current step, with a
+/// checkpoint, and its `KeyboardInterrupt` is raised once the run has ended. An exception of
+/// the callback is raised the same way.
 fn run_with(
     py: Python<'_>,
     threads: Option<usize>,
@@ -263,10 +282,34 @@ fn run_with(
     let pool = pool.build().map_err(|e| {
         crate::errors::RunError::new_err(format!("cannot start the worker threads: {e}"))
     })?;
-    let result = py.detach(|| {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            pool.install(|| work(opts))
-        }))
+    let result = std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        scope.spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.install(|| work(opts))
+            }));
+            let _ = tx.send(r);
+        });
+        let mut rx = Some(rx);
+        loop {
+            // The receiver goes into the GIL-free closure and back (it is Send, not Sync).
+            let (waited, back) = py.detach(|| {
+                let rx = rx.take().expect("put back after each wait");
+                (rx.recv_timeout(std::time::Duration::from_millis(50)), rx)
+            });
+            rx = Some(back);
+            match waited {
+                Ok(r) => break r,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if let Err(e) = py.check_signals() {
+                        PyObserver::stop_with(&raised, e);
+                    }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    break Err(Box::new("the run's thread ended without a result"))
+                }
+            }
+        }
     });
     let summary = match result {
         Ok(r) => r.py_err(),
@@ -326,6 +369,12 @@ pub fn train<'py>(
         clicks_valid: clicks(clicks_valid)?,
     };
     let summary = guard(|| {
+        let (text, said) = if data.is_empty() {
+            (text, Vec::new())
+        } else {
+            let (t, said) = data.merge_into(text.as_deref()).py_err()?;
+            (Some(t), said)
+        };
         let mut cfg = parse(text.as_deref(), &origin).py_err()?;
         cfg.apply(&comera_train::Overrides {
             epochs,
@@ -338,11 +387,6 @@ pub fn train<'py>(
             dense,
         })
         .py_err()?;
-        let said = if data.is_empty() {
-            Vec::new()
-        } else {
-            data.merge_into(&mut cfg).py_err()?
-        };
         // What was stored from memory is said first, as the loop says its own lines.
         for line in said {
             if console {

@@ -576,8 +576,20 @@ impl RunConfig {
     }
 
     /// Parses a TOML config; errors name the file and the offending key or line.
+    ///
+    /// A config without a `[model]` table gets the built-in run's small model (the paper's
+    /// 768-wide six-encoder model takes a table that asks for it): a user who brings only
+    /// data gets a model that trains in minutes on a CPU.
     pub fn from_toml(path: &Path, text: &str) -> crate::Result<RunConfig> {
-        parse(path, text, RunConfig::validate)
+        let mut cfg: RunConfig = toml::from_str(text).map_err(|e| Error::parse(path, e))?;
+        if text
+            .parse::<toml::Table>()
+            .is_ok_and(|t| !t.contains_key("model"))
+        {
+            cfg.model = RunConfig::builtin().model;
+        }
+        cfg.validate().map_err(|e| e.in_file(path, text))?;
+        Ok(cfg)
     }
 
     pub fn from_file(path: &Path) -> crate::Result<RunConfig> {
