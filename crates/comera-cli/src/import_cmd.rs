@@ -1,17 +1,19 @@
 //! `comera import minilm|hf`: load a model (all-MiniLM-L6-v2 or a Hugging Face BERT), check it
 //! against reference hidden states, compress it by TT-SVD with a report per layer, and write it
-//! as a comera run directory. The loading, checking and compression are comera-import's.
+//! as a comera run directory. The work is comera-import's ([`comera_import::run`]); this
+//! parses the options and prints each step as it is done.
 
-use anyhow::{bail, ensure, Context};
+use anyhow::ensure;
 use comera_import::compress::summarise;
-use comera_import::hf::{self, ModelInfo, ReadOptions};
+use comera_import::hf::{self, ReadOptions};
 use comera_import::minilm::{self, CheckReport, Reference};
-use comera_import::{compress, load_bert, CompressOptions, LayerReport};
-use comera_model::{Encoder, HeadKind, MlmDecoderKind};
-use comera_tensor::ttsvd::{Absorb, TtSvdOptions};
-use std::path::{Path, PathBuf};
+use comera_import::run::{
+    import_to_run, Compression, Deviation, ImportOptions, ImportStep, ImportedModel, ModelSource,
+    TtOptions,
+};
+use comera_model::HeadKind;
+use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
 
 #[derive(clap::Subcommand)]
 pub enum Import {
@@ -91,10 +93,12 @@ pub struct Opts {
 pub fn run(cmd: Import) -> anyhow::Result<ExitCode> {
     let (src, o) = match cmd {
         Import::Minilm { cache_dir, opts } => (
-            Source::Minilm(cache_dir.unwrap_or_else(comera_data::default_cache_dir)),
+            ModelSource::Minilm {
+                cache_dir: cache_dir.unwrap_or_else(comera_data::default_cache_dir),
+            },
             opts,
         ),
-        Import::Hf { path, opts } => (Source::Hf(path), opts),
+        Import::Hf { path, opts } => (ModelSource::Path(path), opts),
     };
     let passed = import(src, &o)?;
     Ok(if passed {
@@ -104,17 +108,8 @@ pub fn run(cmd: Import) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// Where the model comes from.
-enum Source {
-    /// all-MiniLM-L6-v2 (fetched into this cache directory), checked against the built-in
-    /// reference.
-    Minilm(PathBuf),
-    /// A Hugging Face directory or `.zip` of one, or a single `.safetensors` file.
-    Hf(PathBuf),
-}
-
 /// `comera import`: returns false when `--check` failed.
-fn import(src: Source, o: &Opts) -> anyhow::Result<bool> {
+fn import(source: ModelSource, o: &Opts) -> anyhow::Result<bool> {
     ensure!(
         !o.tt || !o.rank.is_empty() || o.tol.is_some(),
         "--tt needs --rank R[,R…] and/or --tol EPS"
@@ -123,181 +118,98 @@ fn import(src: Source, o: &Opts) -> anyhow::Result<bool> {
         o.tt || (o.rank.is_empty() && o.tol.is_none()),
         "--rank/--tol apply to --tt compression; add --tt"
     );
-    if o.rank.contains(&0) {
-        bail!("--rank: 0 is not a rank (must be at least 1)");
-    }
-    if let Some(dir) = &o.out {
-        // Before the import's work: a target that will be refused is refused now.
-        comera_train::run_dir::check_fresh_target(dir, o.overwrite).context("--out")?;
-    }
-    let run = o
+    let config = o
         .config
         .as_deref()
         .map(comera_train::RunConfig::from_file)
         .transpose()?;
-    let (path, builtin) = match src {
-        Source::Minilm(cache) => (minilm::fetch(&cache)?, true),
-        Source::Hf(p) => (p, false),
+    let opts = ImportOptions {
+        source,
+        check: o.check,
+        reference: o.reference.clone(),
+        read: ReadOptions {
+            seq_len: o.seq_len,
+            num_labels: o.num_labels,
+            seed: o.seed,
+        },
+        tt: o.tt.then(|| TtOptions {
+            ranks: o.rank.clone(),
+            tol: o.tol,
+            dense_embedding: o.dense_embedding,
+            uniform_ranks: o.uniform_ranks,
+            left: o.left,
+        }),
+        out: o.out.clone(),
+        config,
+        overwrite: o.overwrite,
     };
-    let reference: Option<Reference> = match (&o.reference, builtin) {
-        (Some(p), _) => {
-            let bytes =
-                std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()))?;
-            Some(minilm::parse_reference(&bytes, &p.display().to_string())?)
+    let outcome = import_to_run(opts, |step| match step {
+        ImportStep::Read(m) => print_import(m, o.seed, o.json),
+        ImportStep::Checked { reference, report } => {
+            print_check("dense", report, reference, o.json)
         }
-        (None, true) => Some(minilm::reference()),
-        (None, false) => None,
-    };
-    if o.check && reference.is_none() {
-        bail!("--check: needs --reference FILE (input_ids.{{i}}, hidden.{{i}})");
-    }
-
-    let t0 = Instant::now();
-    let ropts = ReadOptions {
-        seq_len: o.seq_len,
-        num_labels: o.num_labels,
-        seed: o.seed,
-    };
-    let single_file = path.is_file()
-        && path
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("safetensors"));
-    let (dense, info, import_info, notes) = if single_file {
-        let (enc, ii) = load_bert(&path, o.seq_len, o.num_labels, o.seed)?;
-        let vocab = path.with_file_name("vocab.txt");
-        let info = std::fs::read_to_string(&vocab).ok().map(|v| ModelInfo {
-            labels: (0..enc.cfg.num_labels)
-                .map(|i| format!("LABEL_{i}"))
-                .collect(),
-            vocab: v,
-            pair: false,
-        });
-        (enc, info, ii, Vec::new())
-    } else {
-        let m = hf::read_hf(&path, &ropts)?;
-        (m.encoder, Some(m.info), m.import, m.notes)
-    };
-    let c = &dense.cfg;
-    if o.json {
-        println!(
-            "{}",
-            serde_json::json!({
-                "event": "import", "source": path.display().to_string(),
-                "layers": c.layers, "d_model": c.d_model, "heads": c.heads, "ffn": c.ffn,
-                "vocab": c.vocab_size, "seq_len": c.seq_len, "params": dense.num_params(),
-                "head": c.head, "kept_init": import_info.kept_init, "unused": import_info.unused,
-                "notes": notes, "seconds": t0.elapsed().as_secs_f64(),
-            })
-        );
-    } else {
-        println!(
-            "imported {}: {} layers, d_model {}, {} heads, ffn {}, vocab {}, seq_len {}, {} head; {} parameters ({:.1} s)",
-            path.display(),
-            c.layers,
-            c.d_model,
-            c.heads,
-            c.ffn,
-            c.vocab_size,
-            c.seq_len,
-            match c.head {
-                HeadKind::Classifier => format!("{}-label classifier", c.num_labels),
-                HeadKind::Mlm => "masked-LM".to_string(),
-            },
-            dense.num_params(),
-            t0.elapsed().as_secs_f64()
-        );
-        if !import_info.kept_init.is_empty() {
-            println!(
-                "  not in the checkpoint, initialised (seed {}): {}",
-                o.seed,
-                import_info.kept_init.join(", ")
-            );
-        }
-        if !import_info.unused.is_empty() {
-            println!(
-                "  checkpoint tensors not used: {}",
-                import_info.unused.join(", ")
-            );
-        }
-        for n in &notes {
-            println!("  note: {n}");
-        }
-    }
-
-    let mut passed = true;
-    if let (true, Some(r)) = (o.check, &reference) {
-        let rep = minilm::check(&dense, r)?;
-        print_check("dense", &rep, r, o.json);
-        passed = rep.max_rel <= minilm::TOLERANCE;
-    }
-
-    let mut model = dense.clone();
-    if o.tt {
-        if dense.cfg.head == HeadKind::Mlm
-            && dense.cfg.mlm_decoder() == MlmDecoderKind::Tied
-            && !o.dense_embedding
-        {
-            bail!("--tt: this masked-LM's output projection is tied to the word embedding, which must stay dense: add --dense-embedding");
-        }
-        // Hidden states the compressed model is measured against: the reference's (MiniLM:
-        // computed independently from the original weights), else the dense import's own on
-        // sample sentences.
-        let against = match (&reference, &info) {
-            (Some(r), _) => Some((r.clone(), "the reference")),
-            (None, Some(i)) => Some((hf::sample_reference(&dense, &i.vocab)?, "the dense import")),
-            (None, None) => None,
-        };
-        let ranks: Vec<Option<usize>> = if o.rank.is_empty() {
-            vec![None]
-        } else {
-            o.rank.iter().map(|&r| Some(r)).collect()
-        };
-        for r in ranks {
-            let svd = TtSvdOptions {
-                max_rank: r,
-                rel_tol: o.tol,
-                absorb: if o.left {
-                    Absorb::Left
-                } else {
-                    Absorb::Balanced
-                },
-            };
-            let copts = CompressOptions {
-                linear: Some(svd),
-                word: (!o.dense_embedding).then_some(svd),
-                uniform: o.uniform_ranks,
-            };
-            let t = Instant::now();
-            let (m, reports) = compress(&dense, &copts)?;
-            let secs = t.elapsed().as_secs_f64();
-            let dev = match &against {
-                Some((rf, what)) => Some((minilm::check(&m, rf)?, *what)),
-                None => None,
-            };
-            print_compression(r, o.tol, &m, &reports, dev.as_ref(), secs, o.json);
-            model = m;
-        }
-    }
-
-    if let Some(dir) = &o.out {
-        let info = info.ok_or_else(|| {
-            anyhow::anyhow!(
-                "--out: {} comes without a vocabulary (vocab.txt beside it); a run directory needs one",
-                path.display()
-            )
-        })?;
-        let abs = write_run_dir(dir, &model, &info, run, o.overwrite)?;
+        ImportStep::Compressed(c) => print_compression(c, o.json),
+    })?;
+    if let Some(abs) = &outcome.run_dir {
         println!(
             "wrote run directory {} (model.toml, model.safetensors, vocab.txt, config.toml): {} parameters; next: comera inspect {0}, comera train --config FILE --init-from {0}",
             abs.display(),
-            model.num_params()
+            outcome.model().num_params()
         );
     }
-    Ok(passed)
+    Ok(outcome.check_passed())
+}
+
+fn print_import(m: &ImportedModel, seed: u64, json: bool) {
+    let (dense, c) = (&m.encoder, &m.encoder.cfg);
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "event": "import", "source": m.source.display().to_string(),
+                "layers": c.layers, "d_model": c.d_model, "heads": c.heads, "ffn": c.ffn,
+                "vocab": c.vocab_size, "seq_len": c.seq_len, "params": dense.num_params(),
+                "head": c.head, "kept_init": m.import.kept_init, "unused": m.import.unused,
+                "notes": m.notes, "seconds": m.seconds,
+            })
+        );
+        return;
+    }
+    println!(
+        "imported {}: {} layers, d_model {}, {} heads, ffn {}, vocab {}, seq_len {}, {} head; {} parameters ({:.1} s)",
+        m.source.display(),
+        c.layers,
+        c.d_model,
+        c.heads,
+        c.ffn,
+        c.vocab_size,
+        c.seq_len,
+        match c.head {
+            HeadKind::Classifier => format!("{}-label classifier", c.num_labels),
+            HeadKind::Mlm => "masked-LM".to_string(),
+        },
+        dense.num_params(),
+        m.seconds
+    );
+    if !m.import.kept_init.is_empty() {
+        println!(
+            "  not in the checkpoint, initialised (seed {seed}): {}",
+            m.import.kept_init.join(", ")
+        );
+    }
+    if !m.import.unused.is_empty() {
+        println!(
+            "  checkpoint tensors not used: {}",
+            m.import.unused.join(", ")
+        );
+    }
+    for n in &m.notes {
+        println!("  note: {n}");
+    }
 }
 
 fn print_check(what: &str, rep: &CheckReport, r: &Reference, json: bool) {
-    let pass = rep.max_rel <= minilm::TOLERANCE;
+    let pass = rep.passes();
     if json {
         println!(
             "{}",
@@ -330,15 +242,9 @@ fn print_check(what: &str, rep: &CheckReport, r: &Reference, json: bool) {
     );
 }
 
-fn print_compression(
-    rank: Option<usize>,
-    tol: Option<f64>,
-    m: &Encoder,
-    reports: &[LayerReport],
-    dev: Option<&(CheckReport, &str)>,
-    secs: f64,
-    json: bool,
-) {
+fn print_compression(c: &Compression, json: bool) {
+    let (rank, tol, reports, secs) = (c.rank, c.tol, &c.layers, c.seconds);
+    let dev = c.deviation.as_ref();
     let natural: usize = reports.iter().map(|r| r.params).sum();
     let stored: usize = reports.iter().map(|r| r.stored_params).sum();
     let dense: usize = reports.iter().map(|r| r.dense_params).sum();
@@ -368,11 +274,11 @@ fn print_compression(
             serde_json::json!({
                 "event": "tt_model", "rank": rank, "tol": tol,
                 "compressed_params": natural, "stored_params": stored, "dense_params": dense,
-                "model_params": m.num_params(),
-                "model_dense_equivalent": m.dense_equivalent_params(),
-                "hidden_max_rel": dev.map(|d| d.0.max_rel),
-                "hidden_frob_rel": dev.map(|d| d.0.frob_rel),
-                "verdict": dev.map(|d| hf::verdict(d.0.frob_rel)),
+                "model_params": c.params,
+                "model_dense_equivalent": c.dense_equivalent,
+                "hidden_max_rel": dev.map(|d| d.report.max_rel),
+                "hidden_frob_rel": dev.map(|d| d.report.frob_rel),
+                "verdict": dev.map(|d| hf::verdict(d.report.frob_rel)),
                 "seconds": secs,
             })
         );
@@ -413,11 +319,15 @@ fn print_compression(
     );
     println!(
         "  whole model: {} parameters, dense equivalent {} ({:.1}x)",
-        m.num_params(),
-        m.dense_equivalent_params(),
-        m.dense_equivalent_params() as f64 / m.num_params().max(1) as f64
+        c.params,
+        c.dense_equivalent,
+        c.dense_equivalent as f64 / c.params.max(1) as f64
     );
-    if let Some((d, what)) = dev {
+    if let Some(Deviation {
+        report: d,
+        against: what,
+    }) = dev
+    {
         println!(
             "  last hidden states vs {what} on {} sample sentences: Frobenius rel {:.3e}, max rel {:.3e}",
             d.per_sentence.len(),
@@ -426,51 +336,4 @@ fn print_compression(
         );
         println!("  {}", hf::verdict(d.frob_rel));
     }
-}
-
-/// Writes `model` as a comera run directory (`model.toml`, `model.safetensors`, `vocab.txt`,
-/// `config.toml`, `run.toml`) with `run`'s data, optimiser and training settings (default: the
-/// built-in run's, or a masked-LM corpus run for an MLM head). The directory is opened like a
-/// training run's ([`comera_train::run_dir::RunDir::create`]): locked, refused when it holds
-/// anything unless `overwrite` and it holds a comera run; returns its absolute path.
-fn write_run_dir(
-    dir: &Path,
-    model: &Encoder,
-    info: &ModelInfo,
-    run: Option<comera_train::RunConfig>,
-    overwrite: bool,
-) -> anyhow::Result<PathBuf> {
-    std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
-    let abs =
-        std::fs::canonicalize(dir).with_context(|| format!("{}: cannot resolve", dir.display()))?;
-    let vocab = abs.join("vocab.txt");
-    let mut run = run.unwrap_or_else(|| {
-        let mut r = comera_train::RunConfig::builtin();
-        if model.cfg.head == HeadKind::Mlm {
-            r.data.source = comera_train::config::DataSource::Corpus;
-            r.data.corpus = vec!["wikitext-2-train".into()];
-            r.data.text_docs = "wiki".into();
-        }
-        r
-    });
-    run.model = model.cfg.clone();
-    run.data.vocab = Some(vocab.clone());
-    run.validate()
-        .map_err(|e| anyhow::anyhow!("{}: config.toml: {e}", dir.display()))?;
-    let run_dir = comera_train::run_dir::RunDir::create(&abs, &run.to_toml(), overwrite)?;
-    comera_train::write_atomic(&vocab, info.vocab.as_bytes())?;
-    let meta = comera_train::ModelMeta {
-        run_id: None,
-        weights_sha256: None,
-        meta_sha256: None,
-        model: model.cfg.clone(),
-        labels: info.labels.clone(),
-        vocab,
-        pair: info.pair,
-        epoch: 0,
-        step: 0,
-    };
-    comera_train::save_model(&abs, model, &meta)?;
-    run_dir.keep_new_run()?;
-    Ok(abs)
 }

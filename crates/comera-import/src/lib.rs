@@ -12,36 +12,91 @@
 //!   the `bert.` prefix, tokenizer files) and the check file of an export;
 //! - [`minilm`]: all-MiniLM-L6-v2 (fetched from a package registry into the data cache) and the
 //!   check of the dense import against reference hidden states computed independently
-//!   (`tests/data/make_minilm_reference.py`, NumPy).
+//!   (`tests/data/make_minilm_reference.py`, NumPy);
+//! - [`run`]: the work of `comera import` and `comera export RUN --hf` for every front end: a
+//!   model read, checked, compressed at each rank cap and written as a comera run directory
+//!   ([`import_to_run`]), and a run written as a Hugging Face directory with its check file
+//!   ([`export_run_hf`]); each returns what a front end reports.
 //!
-//! The `comera import` and `comera export` commands (option checks, reports, run directories)
-//! are comera-cli's; every error here is an [`ImportError`] naming the file, member or tensor
-//! at fault.
+//! The front ends are thin: comera-cli parses the options of `comera import` and `comera
+//! export`, calls these and prints the results (tables or JSON lines); the Python package
+//! returns them. Every error here is an [`ImportError`] naming the file, member, tensor or
+//! option at fault.
 
 pub mod bert;
 pub mod compress;
 pub mod export;
 pub mod hf;
 pub mod minilm;
+pub mod run;
 
 pub use bert::{import_dense, load_bert, BertWeights, HfBertConfig};
 pub use compress::{compress, CompressOptions, LayerReport};
 pub use export::{densify, export_compressed, export_dense, load_compressed};
+pub use run::{
+    export_run_hf, import_to_run, write_run_dir, HfRunExport, ImportOptions, ImportOutcome,
+    ModelSource, TtOptions,
+};
 
-/// Anything that stops an import or export; names the file (or tensor) and what was expected.
+/// Any error, kept typed as the source of one of ours (the system's, comera-train's).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Anything that stops an import or export; names the file, tensor or option at fault and what
+/// was expected. A message never repeats its source: a front end shows the chain
+/// (`message: source: source…`, as `{:#}` of the command line prints it).
 #[derive(Debug, thiserror::Error)]
-#[error("{what}: {msg}")]
-pub struct ImportError {
-    /// The file, file member or tensor at fault.
-    pub what: String,
-    pub msg: String,
+#[non_exhaustive]
+pub enum ImportError {
+    /// `what` (a file, archive member, tensor or option) and what is wrong with it, with the
+    /// error behind it when there is one (`PATH: cannot read`, then the system's reason).
+    #[error("{what}: {msg}")]
+    Fault {
+        what: String,
+        msg: String,
+        #[source]
+        source: Option<BoxError>,
+    },
+    /// `what` (a file or option) failed for the reason of the error behind it alone
+    /// (`--out`, then why the directory is refused).
+    #[error("{what}")]
+    Context {
+        what: String,
+        #[source]
+        source: BoxError,
+    },
+    /// comera-train's error as it is: a run directory, a run config, a saved model, a write.
+    #[error(transparent)]
+    Train(#[from] comera_train::Error),
 }
 
 impl ImportError {
+    /// [`ImportError::Fault`] without a source.
     pub fn new(what: impl Into<String>, msg: impl Into<String>) -> ImportError {
-        ImportError {
+        ImportError::Fault {
             what: what.into(),
             msg: msg.into(),
+            source: None,
+        }
+    }
+
+    /// [`ImportError::Fault`]: `what`, `msg`, caused by `source`.
+    pub fn with_source(
+        what: impl Into<String>,
+        msg: impl Into<String>,
+        source: impl Into<BoxError>,
+    ) -> ImportError {
+        ImportError::Fault {
+            what: what.into(),
+            msg: msg.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// [`ImportError::Context`]: `what`, failed because of `source`.
+    pub fn context(what: impl Into<String>, source: impl Into<BoxError>) -> ImportError {
+        ImportError::Context {
+            what: what.into(),
+            source: source.into(),
         }
     }
 }

@@ -135,6 +135,13 @@ pub struct CheckReport {
     pub frob_rel: f64,
 }
 
+impl CheckReport {
+    /// Whether the check passes: [`CheckReport::max_rel`] within [`TOLERANCE`].
+    pub fn passes(&self) -> bool {
+        self.max_rel <= TOLERANCE
+    }
+}
+
 /// Runs `enc` (eval mode) on the reference sentences as one batch padded to `enc.cfg.seq_len`
 /// (token type 0, attention mask on the real tokens) and compares the last hidden states of
 /// the real tokens.
