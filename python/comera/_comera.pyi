@@ -67,3 +67,20 @@ def run_evaluate(
     batch_size: int = ...,
     checkpoint: Optional[str] = ...,
 ) -> Dict[str, Any]: ...
+def import_hf(
+    source: Optional[str],
+    out: str,
+    *,
+    minilm_cache: Optional[str] = ...,
+    tt: bool = ...,
+    ranks: Optional[List[int]] = ...,
+    tol: Optional[float] = ...,
+    dense_embedding: bool = ...,
+    uniform_ranks: bool = ...,
+    seq_len: Optional[int] = ...,
+    num_labels: Optional[int] = ...,
+    seed: int = ...,
+    config: Optional[Tuple[str, str]] = ...,
+    overwrite: bool = ...,
+) -> Dict[str, Any]: ...
+def export_hf(run: str, dir: str, *, samples: int = ..., overwrite: bool = ...) -> Dict[str, Any]: ...

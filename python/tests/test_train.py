@@ -90,14 +90,14 @@ def test_classifier_from_a_dataframe_learns_and_predicts_like_the_command_line(w
     assert p.label_names == ["mixed", "neg", "pos"]
     assert p.probabilities.shape == (3, 3) and np.allclose(p.probabilities.sum(axis=1), 1, atol=1e-5)
     assert p.labels == [p.label_names[i] for i in p.probabilities.argmax(axis=1)]
-    # The command line's `predict` prints the top label and its probability (TSV).
+    # The command line's `predict --json` gives every probability.
     out = subprocess.run(
-        [comera_bin(), "predict", str(run.path), *queries], capture_output=True, text=True, check=True
+        [comera_bin(), "predict", "--json", str(run.path), *queries], capture_output=True, text=True, check=True
     ).stdout
-    rows = [line.split("\t") for line in out.strip().splitlines()]
-    assert [r[0] for r in rows] == p.labels, out
-    for r, probs in zip(rows, p.probabilities):
-        assert abs(float(r[1]) - probs.max()) <= 1e-6, (r, probs)
+    rows = [json.loads(line) for line in out.strip().splitlines()]
+    assert [r["label"] for r in rows] == p.labels, out
+    assert all(r["labels"] == p.label_names for r in rows)
+    assert np.abs(np.array([r["probabilities"] for r in rows]) - p.probabilities).max() <= 1e-6
 
 
 def test_integer_labels_are_ordered_as_numbers(workdir):

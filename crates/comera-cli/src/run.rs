@@ -1,7 +1,9 @@
 //! `comera train`, `comera eval`, `comera predict`: argument parsing, then comera-train.
 
 use anyhow::bail;
-use comera_train::infer::{eval_run, fill_mask, load_run, predict_clicks, predict_texts, EvalKind};
+use comera_train::infer::{
+    eval_run, fill_mask, load_run, predict_clicks, predict_probabilities, EvalKind,
+};
 use comera_train::{AnyRunConfig, Overrides, RunConfig, SavedModel, TrainSummary};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -255,9 +257,17 @@ pub struct PredictArgs {
     /// (pairs separated by a tab), texts with [MASK] tokens for a masked-LM model, or for a
     /// DLRM one Criteo-format TSV file of rows.
     inputs: Vec<String>,
-    /// Tokens shown per [MASK] (masked-LM models).
-    #[arg(long, default_value_t = 5)]
-    top_k: usize,
+    /// Labels shown per text, most probable first, each with its probability (classifiers;
+    /// default 1), or tokens shown per [MASK] (masked-LM models; default 5).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// One JSON object per input: a classifier's label, its probability, the top-k labels and
+    /// every label's probability (`probabilities`, in the model's label order).
+    #[arg(long)]
+    json: bool,
+    /// Texts per forward pass (classifiers).
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
 }
 
 /// Text as it may be echoed into a line of tab-separated output: control characters (tabs,
@@ -321,8 +331,13 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
     let (inputs, bad) = predict_inputs(a.inputs)?;
     match load_run(&a.model, None)? {
         (SavedModel::Encoder(model, meta), _) if meta.model.head == comera_model::HeadKind::Mlm => {
+            anyhow::ensure!(
+                !a.json,
+                "--json: goes with a classifier (this is a masked-LM model)"
+            );
             for text in &inputs {
-                for (i, top) in fill_mask(&model, &meta, text, a.top_k)?.iter().enumerate() {
+                let k = a.top_k.unwrap_or(5);
+                for (i, top) in fill_mask(&model, &meta, text, k)?.iter().enumerate() {
                     let shown: Vec<String> =
                         top.iter().map(|(t, p)| format!("{t} {p:.3}")).collect();
                     println!(
@@ -335,8 +350,29 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
             }
         }
         (SavedModel::Encoder(model, meta), _) => {
-            for ((label, p), text) in predict_texts(&model, &meta, &inputs)?.iter().zip(&inputs) {
-                println!("{label}\t{p:.3}\t{}", printable(text));
+            let probs = predict_probabilities(&model, &meta, &inputs, a.batch_size)?;
+            let k = a.top_k.unwrap_or(1).clamp(1, meta.labels.len());
+            for (row, text) in probs.chunks_exact(meta.labels.len()).zip(&inputs) {
+                let mut order: Vec<usize> = (0..row.len()).collect();
+                order.sort_by(|&i, &j| row[j].total_cmp(&row[i]).then(i.cmp(&j)));
+                let top = &order[..k];
+                if a.json {
+                    let line = serde_json::json!({
+                        "text": text,
+                        "label": meta.labels[top[0]],
+                        "probability": row[top[0]],
+                        "top": top.iter().map(|&i| (meta.labels[i].as_str(), row[i])).collect::<Vec<_>>(),
+                        "probabilities": row,
+                        "labels": meta.labels,
+                    });
+                    println!("{line}");
+                } else {
+                    let shown: Vec<String> = top
+                        .iter()
+                        .map(|&i| format!("{}\t{:.3}", meta.labels[i], row[i]))
+                        .collect();
+                    println!("{}\t{}", shown.join("\t"), printable(text));
+                }
             }
         }
         (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {

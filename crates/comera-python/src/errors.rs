@@ -50,24 +50,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The message of `e` with its sources, each once (`message: source: source…`).
-pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let part = s.to_string();
-        if !part.is_empty() && !text.contains(&part) {
-            text.push_str(": ");
-            text.push_str(&part);
-        }
-        source = s.source();
-    }
-    text
-}
-
 /// A comera error as the Python exception of its kind.
 pub fn to_py(e: Error) -> PyErr {
-    let msg = chain(&e);
+    let msg = comera_train::error::Chain(&e).to_string();
     match e {
         Error::Config(_) | Error::ModelConfig(_) | Error::Parse { .. } | Error::TomlSer(_) => {
             ConfigError::new_err(msg)

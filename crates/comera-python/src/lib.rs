@@ -8,12 +8,14 @@
 //! - [`events`]: the loop's events as dicts, and the observer that calls Python;
 //! - [`training`]: `train` and `resume`, with data handed over in memory;
 //! - [`runs`]: a run directory's config, records, predictions and evaluations;
+//! - [`hf`]: Hugging Face models in (`import_hf`, TT-SVD compression) and out (`export_hf`);
 //! - [`torch`]: the kernels of `comera.torch`'s TT layers.
 
 use pyo3::prelude::*;
 
 mod errors;
 mod events;
+mod hf;
 mod runs;
 mod torch;
 mod training;
@@ -31,6 +33,8 @@ fn _comera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runs::run_metrics, m)?)?;
     m.add_function(wrap_pyfunction!(runs::run_predict, m)?)?;
     m.add_function(wrap_pyfunction!(runs::run_evaluate, m)?)?;
+    m.add_function(wrap_pyfunction!(hf::import_hf, m)?)?;
+    m.add_function(wrap_pyfunction!(hf::export_hf, m)?)?;
     torch::register(m)?;
     Ok(())
 }

@@ -22,7 +22,8 @@ pub fn run_config(path: PathBuf) -> PyResult<String> {
 /// Every record of the run's `metrics.jsonl`, as dicts (`kind` names the record).
 #[pyfunction]
 pub fn run_metrics(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyAny>> {
-    let records = guard(|| comera_train::observe::read_metrics(&path.join("metrics.jsonl")).py_err())?;
+    let records =
+        guard(|| comera_train::observe::read_metrics(&path.join("metrics.jsonl")).py_err())?;
     let v = serde_json::to_value(records).unwrap_or(serde_json::Value::Null);
     Ok(json_to_py(py, &v)?.unbind())
 }
@@ -76,8 +77,16 @@ pub fn run_evaluate(
     checkpoint: Option<PathBuf>,
 ) -> PyResult<Py<PyAny>> {
     let (kind, stats) = guard(|| {
-        py.detach(|| evaluate(&path, texts, file.as_deref(), batch_size, checkpoint.as_deref()))
-            .py_err()
+        py.detach(|| {
+            evaluate(
+                &path,
+                texts,
+                file.as_deref(),
+                batch_size,
+                checkpoint.as_deref(),
+            )
+        })
+        .py_err()
     })?;
     let mut v = serde_json::to_value(stats).unwrap_or(serde_json::Value::Null);
     if let serde_json::Value::Object(o) = &mut v {

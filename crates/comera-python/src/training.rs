@@ -76,8 +76,14 @@ fn texts(t: Option<TextsArg>) -> Option<LabelledTexts> {
 }
 
 fn clicks(c: Option<ClicksArg<'_>>) -> PyResult<Option<(Vec<i64>, Vec<i64>, Vec<i64>)>> {
-    c.map(|(d, k, l)| Ok((d.as_slice()?.to_vec(), k.as_slice()?.to_vec(), l.as_slice()?.to_vec())))
-        .transpose()
+    c.map(|(d, k, l)| {
+        Ok((
+            d.as_slice()?.to_vec(),
+            k.as_slice()?.to_vec(),
+            l.as_slice()?.to_vec(),
+        ))
+    })
+    .transpose()
 }
 
 impl MemoryData {
@@ -216,7 +222,7 @@ impl MemoryData {
                 Some(_) => put(data, "text_b", str_v("text_pair")),
                 None => {
                     data.remove("text_b");
-                },
+                }
             }
             put(data, "label", str_v("label"));
             put(data, "labels", list_v(&labels));
@@ -397,12 +403,17 @@ pub fn train<'py>(
                 cb.call1(py, (ev,))?;
             }
         }
-        run_with(py, threads, callback, console, overwrite, move |opts| {
-            match &cfg {
+        run_with(
+            py,
+            threads,
+            callback,
+            console,
+            overwrite,
+            move |opts| match &cfg {
                 AnyRunConfig::Encoder(c) => comera_train::train(c, opts),
                 AnyRunConfig::Dlrm(c) => comera_train::train_dlrm(c, opts),
-            }
-        })
+            },
+        )
     })?;
     summary_py(py, &summary)
 }

@@ -215,15 +215,21 @@ impl Error {
 }
 
 /// An error and its sources, `message: source: source…` (as `{:#}` of the command line prints
-/// a chain), for a message that shows an error in the middle of its text.
+/// a chain), for a message that shows an error in the middle of its text. A source whose text
+/// the previous message already holds (an I/O error quoted by its wrapper) is said once.
 pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
 
 impl std::fmt::Display for Chain<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
+        let mut said = self.0.to_string();
+        f.write_str(&said)?;
         let mut next = self.0.source();
         while let Some(e) = next {
-            write!(f, ": {e}")?;
+            let text = e.to_string();
+            if !text.is_empty() && !said.contains(&text) {
+                write!(f, ": {text}")?;
+            }
+            said = text;
             next = e.source();
         }
         Ok(())

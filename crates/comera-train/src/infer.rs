@@ -1,5 +1,5 @@
 //! Using a saved model of any kind: evaluation on its run's held-out data, on a given file or
-//! from a checkpoint ([`eval_run`]), and predictions ([`predict_texts`] for a classifier,
+//! from a checkpoint ([`eval_run`]), and predictions ([`predict_probabilities`] for a classifier,
 //! [`fill_mask`] for a masked-LM encoder, [`predict_clicks`] for a DLRM).
 
 use crate::checkpoint::Checkpoint;
@@ -313,23 +313,6 @@ fn read_criteo(model: &Dlrm, mapping: &str, path: &Path) -> Result<CtrData> {
         )));
     }
     Ok(data)
-}
-
-/// A classifier's label and its probability for each text (pairs separated by a tab).
-pub fn predict_texts(
-    model: &Encoder,
-    meta: &ModelMeta,
-    texts: &[String],
-) -> Result<Vec<(String, f32)>> {
-    let probs = predict_probabilities(model, meta, texts, 1)?;
-    let c = meta.labels.len();
-    Ok(probs
-        .chunks_exact(c)
-        .map(|row| {
-            let label = comera_layers::loss::argmax(row);
-            (meta.labels[label].clone(), row[label])
-        })
-        .collect())
 }
 
 /// Every class's probability for each text (pairs separated by a tab): `texts.len() × C`,
