@@ -71,7 +71,7 @@ pub fn run_predict<'py>(
 pub fn run_evaluate(
     py: Python<'_>,
     path: PathBuf,
-    texts: Option<(Vec<String>, Option<Vec<String>>, Vec<String>)>,
+    texts: Option<crate::training::TextsArg>,
     file: Option<PathBuf>,
     batch_size: usize,
     checkpoint: Option<PathBuf>,
@@ -97,7 +97,7 @@ pub fn run_evaluate(
 
 fn evaluate(
     run: &Path,
-    texts: Option<(Vec<String>, Option<Vec<String>>, Vec<String>)>,
+    texts: Option<crate::training::TextsArg>,
     file: Option<&Path>,
     batch: usize,
     checkpoint: Option<&Path>,

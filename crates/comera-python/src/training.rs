@@ -46,7 +46,10 @@ pub fn resolve_config(text: Option<&str>, origin: &str) -> PyResult<String> {
 }
 
 /// Labelled texts from Python: (texts, second texts or None, labels).
-type TextsArg = (Vec<String>, Option<Vec<String>>, Vec<String>);
+pub(crate) type TextsArg = (Vec<String>, Option<Vec<String>>, Vec<String>);
+
+/// Click rows copied out of Python: dense, categorical and labels, row-major.
+type ClickVecs = (Vec<i64>, Vec<i64>, Vec<i64>);
 
 /// Click rows from Python: dense (n × 13), categorical (n × 26) and labels (n), int64.
 type ClicksArg<'py> = (
@@ -63,8 +66,8 @@ struct MemoryData {
     labels: Option<Vec<String>>,
     corpus_texts: Option<Vec<String>>,
     corpus_paths: Option<Vec<String>>,
-    clicks_train: Option<(Vec<i64>, Vec<i64>, Vec<i64>)>,
-    clicks_valid: Option<(Vec<i64>, Vec<i64>, Vec<i64>)>,
+    clicks_train: Option<ClickVecs>,
+    clicks_valid: Option<ClickVecs>,
 }
 
 fn texts(t: Option<TextsArg>) -> Option<LabelledTexts> {
@@ -75,7 +78,7 @@ fn texts(t: Option<TextsArg>) -> Option<LabelledTexts> {
     })
 }
 
-fn clicks(c: Option<ClicksArg<'_>>) -> PyResult<Option<(Vec<i64>, Vec<i64>, Vec<i64>)>> {
+fn clicks(c: Option<ClicksArg<'_>>) -> PyResult<Option<ClickVecs>> {
     c.map(|(d, k, l)| {
         Ok((
             d.as_slice()?.to_vec(),
