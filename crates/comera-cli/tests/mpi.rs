@@ -5,6 +5,7 @@
 //! classifier (AdamW and GaLore), a masked LM (two phases) and a DLRM.
 #![cfg(feature = "mpi")]
 
+#[path = "it/common/mod.rs"]
 mod common;
 use common::{
     comera, records, s, synth_criteo as synth, tempdir, tt_layouts, write_classifier, write_tsv,

@@ -1,8 +1,7 @@
 //! `comera train`, `eval`, `predict` end to end on a small data set the test writes itself
 //! (no network), and clear errors for bad configs and data.
 
-mod common;
-use common::{
+use crate::common::{
     assert_same_run, checkpoints, comera, every_command_works_on, records, tempdir, write_config,
     write_data, RANK_EXTRA,
 };

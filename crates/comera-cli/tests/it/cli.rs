@@ -1,7 +1,6 @@
 //! The `comera` binary end to end.
 
-mod common;
-use common::comera;
+use crate::common::comera;
 use std::path::{Path, PathBuf};
 
 fn fixtures() -> PathBuf {

@@ -2,8 +2,7 @@
 //! vocabulary): two phases with different sequence lengths, held-out MLM loss and perplexity,
 //! `comera eval`, exact resume, and the pre-train → fine-tune flow (`train.init_from`).
 
-mod common;
-use common::{assert_same_run, comera, every_command_works_on, records, tempdir};
+use crate::common::{assert_same_run, comera, every_command_works_on, records, tempdir};
 use std::path::{Path, PathBuf};
 
 const WORDS: &[&str] = &[

@@ -4,9 +4,8 @@
 //! columns, FIFOs as data files or vocabularies) are clear errors. Every command here stops at
 //! validation or at the first file read: nothing trains, nothing is fetched.
 
-mod common;
 
-use common::{comera, tempdir};
+use crate::common::{comera, tempdir};
 use std::path::{Path, PathBuf};
 
 /// `comera --threads 1 train --config <text> --print-config` (stops after validation).

@@ -6,8 +6,7 @@ use comera_plan::TtPath;
 use comera_tensor::{init, TtShape};
 use rand::Rng as _;
 
-mod common;
-use common::assert_close;
+use crate::common::assert_close;
 
 /// loss = Σ y·dy, evaluated in f64 from the layer's f32 output.
 fn loss<L: Layer>(layer: &L, batch: usize, x: &[f32], dy: &[f32]) -> f64 {

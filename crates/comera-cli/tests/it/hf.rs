@@ -5,8 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-mod common;
-use common::{comera, s, tempdir, tt_layouts, write_classifier, write_tsv, Classifier, Tsv};
+use crate::common::{comera, s, tempdir, tt_layouts, write_classifier, write_tsv, Classifier, Tsv};
 
 /// A run config `dir/name` (1 epoch of a 1-layer post-LN encoder with `layouts` in
 /// `[model]`) on 120 rows of "good"/"bad" sentences.

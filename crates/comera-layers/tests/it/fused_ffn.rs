@@ -8,8 +8,7 @@ use comera_layers::{add_bias, Layer, RankGates, TtLinear};
 use comera_tensor::{init, TtShape};
 use rand::Rng as _;
 
-mod common;
-use common::assert_close;
+use crate::common::assert_close;
 
 fn random_vec(rng: &mut init::Rng, n: usize, std: f32) -> Vec<f32> {
     let mut v = vec![0.0; n];

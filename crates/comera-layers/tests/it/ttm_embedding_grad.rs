@@ -6,8 +6,7 @@ use comera_layers::{Embedding, EmbeddingError, EmbeddingLayer, Lookup, RankGates
 use comera_tensor::{init, TtmShape};
 use rand::Rng as _;
 
-mod common;
-use common::assert_close;
+use crate::common::assert_close;
 
 /// (vocab modes, dim modes, ranks, rows)
 type Case = (&'static [usize], &'static [usize], &'static [usize], usize);

@@ -2,8 +2,7 @@
 //! trains on it when the config has a `[dlrm]` table (TTM and dense tables), and bad data and
 //! configs give clear errors (no network).
 
-mod common;
-use common::{
+use crate::common::{
     assert_same_run, comera, every_command_works_on, records, s, synth_criteo as synth, tempdir,
 };
 use std::path::{Path, PathBuf};

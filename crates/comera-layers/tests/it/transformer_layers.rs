@@ -10,8 +10,7 @@ use comera_layers::norm::LayerNorm;
 use comera_layers::Layer;
 use comera_tensor::init;
 
-mod common;
-use common::assert_close;
+use crate::common::assert_close;
 
 fn random_vec(rng: &mut init::Rng, n: usize, std: f32) -> Vec<f32> {
     let mut v = vec![0.0; n];

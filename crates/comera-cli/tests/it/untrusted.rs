@@ -4,8 +4,7 @@
 //! size limit or an address-space limit end with exit status 1 and a message, never a panic,
 //! an abort or a signal.
 
-mod common;
-use common::{s, tempdir, write_config, write_data};
+use crate::common::{s, tempdir, write_config, write_data};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

@@ -9,8 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-mod common;
-use common::{assert_same_run, checkpoints, comera, s, tempdir, write_config, write_data};
+use crate::common::{assert_same_run, checkpoints, comera, s, tempdir, write_config, write_data};
 
 /// Every file under `dir` (recursively, the lock aside) with its bytes: what "nothing changed"
 /// compares.

@@ -1,0 +1,12 @@
+//! The integration tests of this crate as one test binary, a module a file: one link of
+//! the engine instead of one a file (the release build links each test binary with LTO).
+
+mod bpe;
+mod corpus;
+mod dataset;
+mod debian;
+mod errors;
+mod loaders;
+mod mlm;
+mod real_data;
+mod tokenizer;

@@ -1,0 +1,6 @@
+//! The integration tests of this crate as one test binary, a module a file: one link of
+//! the engine instead of one a file (the release build links each test binary with LTO).
+
+mod config_doc;
+mod rank;
+mod step;
