@@ -30,6 +30,7 @@ torch is imported by this submodule only; ``import comera`` does not need it.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -58,34 +59,44 @@ def _modes(modes: Sequence[int], what: str) -> List[int]:
         raise TypeError(f"{what} must be a sequence of positive ints, got {modes!r}")
     out = []
     for m in modes:
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        try:
+            v = operator.index(m)
+        except TypeError:
+            raise TypeError(f"{what} must be a sequence of ints, got {list(modes)!r}") from None
+        if isinstance(m, bool) or v < 1:
             raise ValueError(f"{what} must be a sequence of positive ints, got {list(modes)!r}")
-        out.append(int(m))
+        out.append(v)
     if not out:
         raise ValueError(f"{what} is empty: need at least one mode")
     return out
 
 
+def _int(v: Any, what: str) -> int:
+    """``v`` as a positive int (Python or numpy integer; bool rejected)."""
+    if isinstance(v, bool):
+        raise TypeError(f"{what} must be an int, got {v!r}")
+    try:
+        i = operator.index(v)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {v!r}") from None
+    if i < 1:
+        raise ValueError(f"{what} must be at least 1, got {i}")
+    return i
+
+
 def _ranks(rank: Rank, cores: int) -> List[int]:
     """``[1, r_1, …, r_{K-1}, 1]`` from a uniform rank, the K-1 inner ranks or the full list."""
-    if isinstance(rank, bool):
-        raise TypeError(f"rank must be an int or a sequence of ints, got {rank!r}")
-    if isinstance(rank, int):
-        if rank < 1:
-            raise ValueError(f"rank must be at least 1, got {rank}")
-        return [1] + [rank] * (cores - 1) + [1]
     if not isinstance(rank, Sequence):
-        raise TypeError(f"rank must be an int or a sequence of ints, got {rank!r}")
-    r = list(rank)
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in r):
-        raise ValueError(f"ranks must be positive ints, got {r!r}")
-    if len(r) == cores - 1:
-        return [1] + r + [1]
-    if len(r) == cores + 1 and r[0] == 1 and r[-1] == 1:
-        return r
+        r = _int(rank, "rank")
+        return [1] + [r] * (cores - 1) + [1]
+    rs = [_int(v, "every rank") for v in rank]
+    if len(rs) == cores - 1:
+        return [1] + rs + [1]
+    if len(rs) == cores + 1 and rs[0] == 1 and rs[-1] == 1:
+        return rs
     raise ValueError(
         f"rank: expected an int, {cores - 1} inner ranks or {cores + 1} ranks [1, …, 1] "
-        f"for {cores} cores, got {r!r}"
+        f"for {cores} cores, got {rs!r}"
     )
 
 
@@ -350,8 +361,8 @@ class TTLinear(nn.Module):
         n, m = linear.in_features, linear.out_features
         in_modes = _modes(in_modes, "in_modes") if in_modes is not None else balanced_modes(n)
         out_modes = _modes(out_modes, "out_modes") if out_modes is not None else balanced_modes(m)
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-            raise ValueError(f"rank must be a positive int or None, got {rank!r}")
+        if rank is not None:
+            rank = _int(rank, "rank")
         if math.prod(in_modes) != n or math.prod(out_modes) != m:
             raise ValueError(
                 f"in_modes {in_modes} and out_modes {out_modes} must multiply to the Linear's "
@@ -591,8 +602,8 @@ class TTMEmbedding(nn.Module):
             )
         vocab_modes = _modes(vocab_modes, "vocab_modes")
         dim_modes = _modes(dim_modes, "dim_modes")
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-            raise ValueError(f"rank must be a positive int or None, got {rank!r}")
+        if rank is not None:
+            rank = _int(rank, "rank")
         table = embedding.weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
         cores, ranks, err = _comera.ttm_svd(table.numpy(), vocab_modes, dim_modes, rank, rel_tol)
         layer = cls(
