@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30, help="timed iterations per arm")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--layers", default=",".join(LAYERS), help="comma-separated: " + ", ".join(LAYERS))
+    ap.add_argument("--tltorch-factorized", action="store_true",
+                    help="also time tltorch's implementation='factorized' (about 25x slower than "
+                    "its 'reconstructed' one here: seconds per iteration)")
     ap.add_argument("--no-dense", action="store_true", help="skip the dense nn.Linear reference")
     args = ap.parse_args()
 
@@ -132,7 +135,8 @@ def main() -> None:
             print(f"[{name}] authors' layer with comera's cores: relative difference {err:.2e}")
             assert err < 1e-4, "the authors' layer computes something else"
             arms["authors' TensorizedLinear_module"] = (theirs, call)
-        for impl in ("factorized", "reconstructed"):
+        impls = ["reconstructed"] + (["factorized"] if args.tltorch_factorized else [])
+        for impl in impls:
             layer, call = tltorch_layer(in_modes, out_modes, args.rank, impl)
             arms[f"tltorch FactorizedLinear blocktt ({impl[:5]})"] = (layer, call)
         if not args.no_dense:

@@ -378,3 +378,24 @@ def test_copies_pickles_and_docs():
     for obj in (ct.TTLinear, ct.TTLinear.forward, ct.TTLinear.from_linear, ct.TTMEmbedding,
                 ct.TTMEmbedding.from_embedding, ct.TTLinear.dense_weight):
         assert obj.__doc__ and len(obj.__doc__) > 40
+
+
+def test_concurrent_calls_from_threads():
+    """The GIL is released during kernels and each kernel serialises its own state: calls on
+    one layer from several threads give the single-threaded results."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(12)
+    layer = ct.TTLinear([4, 4], [2, 8], 3)
+    xs = [torch.randn(30, 16, requires_grad=True) for _ in range(8)]
+
+    def run(x):
+        y = layer(x)
+        (dx,) = torch.autograd.grad(y.square().sum(), [x])
+        return y.detach(), dx
+
+    want = [run(x) for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(run, xs))
+    for (y, dx), (yw, dxw) in zip(got, want):
+        assert torch.equal(y, yw) and torch.equal(dx, dxw)
