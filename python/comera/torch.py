@@ -324,6 +324,17 @@ class TTLinear(nn.Module):
         """``[1, a_1, …, a_{K-1}, 1]``: the gate entries above the threshold on every bond."""
         return [1] + [int((g > self._threshold).sum()) for g in self.gates] + [1]
 
+    def size_l0(self) -> int:
+        """S: the number of core parameters that survive the gates,
+        Σ_k s_k·a_{k-1}·a_k with a the active ranks and s = in_modes + out_modes."""
+        return _sizes(list(self.gates), self.in_modes + self.out_modes, self._threshold)[1]
+
+    def size_l1(self) -> Tensor:
+        """Ŝ: CoMERA's differentiable surrogate of S (a_k = Σ g(d) over bond k). Adding
+        γ·Ŝ to the loss is CoMERA's early-stage rank objective: it pushes gate entries below
+        the threshold, pruning rank slices."""
+        return _sizes(list(self.gates), self.in_modes + self.out_modes, self._threshold)[0]
+
     def contraction_path(self, rows: int) -> str:
         """The contraction path comera's planner picks for ``rows`` batch rows:
         ``"merged"``, ``"sequential"`` or ``"dense"``."""
@@ -395,6 +406,16 @@ class TTLinear(nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
         self._kernel = self._make_kernel()
+
+
+def _sizes(gates: Sequence[Tensor], modes: Sequence[int], tau: float) -> Tuple[Tensor, int]:
+    """(Ŝ, S) of a gated chain: S = Σ_k s_k·a_{k-1}·a_k with a_k the active entries of bond k
+    (a_0 = a_K = 1), Ŝ the same with a_k = Σ g(d) over bond k (differentiable in the gates)."""
+    soft: List[Any] = [1.0] + [torch.where(g > tau, g, torch.zeros_like(g)).sum() for g in gates] + [1.0]
+    hard = [1] + [int((g > tau).sum()) for g in gates] + [1]
+    l1 = sum(s * soft[k] * soft[k + 1] for k, s in enumerate(modes))
+    l0 = sum(s * hard[k] * hard[k + 1] for k, s in enumerate(modes))
+    return torch.as_tensor(l1), l0
 
 
 def _threshold(t: float) -> float:
@@ -577,6 +598,18 @@ class TTMEmbedding(nn.Module):
     def active_ranks(self) -> List[int]:
         """``[1, a_1, …, a_{p-1}, 1]``: the gate entries above the threshold on every bond."""
         return [1] + [int((g > self._threshold).sum()) for g in self.gates] + [1]
+
+    def size_l0(self) -> int:
+        """S: the number of core parameters that survive the gates,
+        Σ_k v_k·e_k·a_{k-1}·a_k with a the active ranks."""
+        modes = [v * e for v, e in zip(self.vocab_modes, self.dim_modes)]
+        return _sizes(list(self.gates), modes, self._threshold)[1]
+
+    def size_l1(self) -> Tensor:
+        """Ŝ: CoMERA's differentiable surrogate of S (a_k = Σ g(d) over bond k); see
+        ``TTLinear.size_l1``."""
+        modes = [v * e for v, e in zip(self.vocab_modes, self.dim_modes)]
+        return _sizes(list(self.gates), modes, self._threshold)[0]
 
     @classmethod
     def from_embedding(

@@ -399,3 +399,20 @@ def test_concurrent_calls_from_threads():
         got = list(pool.map(run, xs))
     for (y, dx), (yw, dxw) in zip(got, want):
         assert torch.equal(y, yw) and torch.equal(dx, dxw)
+
+
+def test_size_measures():
+    layer = ct.TTLinear([4, 3], [5], [1, 3, 2, 1])
+    assert layer.size_l0() == sum(c.numel() for c in layer.cores) == 4 * 3 + 3 * 3 * 2 + 2 * 5
+    with torch.no_grad():
+        layer.gates[0].copy_(torch.tensor([1.0, 0.5, 0.0]))
+        layer.gates[1].copy_(torch.tensor([0.2, 0.005]))
+    # a = [1, 2, 1, 1] (ℓ0) and [1, 1.5, 0.2, 1] (ℓ1), as in comera's gates.rs test.
+    assert layer.size_l0() == 4 * 2 + 3 * 2 + 5
+    l1 = layer.size_l1()
+    assert abs(l1.item() - (4 * 1.5 + 3 * 1.5 * 0.2 + 5 * 0.2)) < 1e-6
+    l1.backward()
+    assert abs(float(layer.gates[0].grad[0]) - (4 + 3 * 0.2)) < 1e-6
+    assert float(layer.gates[0].grad[2]) == 0.0 and float(layer.gates[1].grad[1]) == 0.0
+    table = ct.TTMEmbedding([4, 5], [2, 3], 2)
+    assert table.size_l0() == sum(c.numel() for c in table.cores)
