@@ -416,3 +416,16 @@ def test_size_measures():
     assert float(layer.gates[0].grad[2]) == 0.0 and float(layer.gates[1].grad[1]) == 0.0
     table = ct.TTMEmbedding([4, 5], [2, 3], 2)
     assert table.size_l0() == sum(c.numel() for c in table.cores)
+
+
+def test_activations_are_not_copied():
+    """A contiguous input is used in place: the tensor saved for the backward is x's memory."""
+    layer = ct.TTLinear([4, 4], [2, 8], 3)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    y = layer(x)
+    saved_x = y.grad_fn.saved_tensors[0]
+    assert saved_x.data_ptr() == x.data_ptr()
+    table = ct.TTMEmbedding([4, 5], [2, 3], 2)
+    ids = torch.tensor([[1, 2], [3, 1]])
+    e = table(ids)
+    assert e.grad_fn.saved_tensors[0].data_ptr() == ids.data_ptr()
