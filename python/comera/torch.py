@@ -1,0 +1,669 @@
+"""Tensor-train layers for PyTorch whose forward and backward are comera's kernels.
+
+``TTLinear`` is a linear layer ``y = x @ W + b`` whose weight W (in_features x out_features)
+lives as tensor-train (TT) cores with rank gates; ``TTMEmbedding`` is an embedding table held
+as tensor-train-matrix (TTM) cores with rank gates. Both are ordinary ``torch.nn.Module``\\ s:
+their cores, gates and bias are ``torch.nn.Parameter``\\ s that any torch optimiser trains,
+and their forward and backward run comera's Rust kernels (the contraction order chosen by
+comera's planner for the batch, a hand-derived backward, the rank gates) through a
+``torch.autograd.Function``.
+
+Rank gates (CoMERA, arXiv 2405.14377). Between cores c and c+1 sits a gate vector d of
+length r_{c+1}. The layer computes with the gated cores
+
+    H_c = G_c · diag(g(d)),   g(d) = d if d > threshold else 0,
+
+(the last core is not gated), so a gate entry scales one rank slice of the chain and an entry
+at or below ``threshold`` prunes that slice: it contributes nothing and receives no
+gradient. Gates start at 1 (the layer is then the plain TT product). Training them with a size
+penalty (CoMERA's early stage) shrinks the ranks; see ``active_ranks``.
+
+Constraints: CPU, float32 tensors, any leading batch shape. Activations are not copied:
+contiguous CPU float32 inputs are read in place through numpy views, outputs are allocated
+by torch and written by the kernel (a non-contiguous input is made contiguous first). The
+parameters' values (kilobytes) are copied into the Rust layer on every call. The GIL is
+released while a kernel runs.
+
+torch is imported by this submodule only; ``import comera`` does not need it.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from . import _comera
+
+__all__ = ["TTLinear", "TTMEmbedding", "balanced_modes"]
+
+Rank = Union[int, Sequence[int]]
+
+
+def balanced_modes(n: int, parts: int = 3) -> List[int]:
+    """The most balanced factorisation of ``n`` into ``parts`` factors, largest first
+    (comera's default TT layout of a width), e.g. ``balanced_modes(768) == [12, 8, 8]``."""
+    return list(_comera.balanced_modes(int(n), int(parts)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (every user error is a ValueError or TypeError with what was expected).
+
+
+def _modes(modes: Sequence[int], what: str) -> List[int]:
+    if isinstance(modes, (int, Tensor)) or not isinstance(modes, Sequence):
+        raise TypeError(f"{what} must be a sequence of positive ints, got {modes!r}")
+    out = []
+    for m in modes:
+        try:
+            v = operator.index(m)
+        except TypeError:
+            raise TypeError(f"{what} must be a sequence of ints, got {list(modes)!r}") from None
+        if isinstance(m, bool) or v < 1:
+            raise ValueError(f"{what} must be a sequence of positive ints, got {list(modes)!r}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{what} is empty: need at least one mode")
+    return out
+
+
+def _int(v: Any, what: str) -> int:
+    """``v`` as a positive int (Python or numpy integer; bool rejected)."""
+    if isinstance(v, bool):
+        raise TypeError(f"{what} must be an int, got {v!r}")
+    try:
+        i = operator.index(v)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {v!r}") from None
+    if i < 1:
+        raise ValueError(f"{what} must be at least 1, got {i}")
+    return i
+
+
+def _ranks(rank: Rank, cores: int) -> List[int]:
+    """``[1, r_1, …, r_{K-1}, 1]`` from a uniform rank, the K-1 inner ranks or the full list."""
+    if not isinstance(rank, Sequence):
+        r = _int(rank, "rank")
+        return [1] + [r] * (cores - 1) + [1]
+    rs = [_int(v, "every rank") for v in rank]
+    if len(rs) == cores - 1:
+        return [1] + rs + [1]
+    if len(rs) == cores + 1 and rs[0] == 1 and rs[-1] == 1:
+        return rs
+    raise ValueError(
+        f"rank: expected an int, {cores - 1} inner ranks or {cores + 1} ranks [1, …, 1] "
+        f"for {cores} cores, got {rs!r}"
+    )
+
+
+def _check_tensor(x: Any, what: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"{what} is on device {x.device}; comera.torch runs on CPU only (use .cpu())"
+        )
+    if x.layout != torch.strided:
+        raise TypeError(f"{what} must be a dense (strided) tensor, got layout {x.layout}")
+    return x
+
+
+def _check_float(x: Any, what: str) -> Tensor:
+    _check_tensor(x, what)
+    if x.dtype != torch.float32:
+        raise TypeError(
+            f"{what} must be float32, got {x.dtype}; comera's kernels run in float32 "
+            f"(convert with .float())"
+        )
+    return x
+
+
+def _check_params(params: Sequence[Optional[Tensor]], owner: str) -> None:
+    for i, p in enumerate(params):
+        if p is not None:
+            _check_float(p, f"{owner} parameter {i}")
+
+
+def _view(t: Tensor):
+    """A numpy view of a CPU float32 tensor's memory (made contiguous first if it is not)."""
+    return t.detach().contiguous().numpy()
+
+
+# ---------------------------------------------------------------------------------------------
+# TT linear layer.
+
+
+class _TTLinearFunction(torch.autograd.Function):
+    """y = x·W + b with W the TT product of the gated cores; forward and backward in comera."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kernel: Any, bias: Optional[Tensor], *params: Tensor) -> Tensor:  # type: ignore[override]
+        k = len(kernel.core_shapes)
+        n, m = kernel.in_features, kernel.out_features
+        lead = tuple(x.shape[:-1])
+        x2 = x.detach().reshape(-1, n).contiguous()
+        y = torch.empty((x2.shape[0], m), dtype=torch.float32)
+        fid = kernel.forward(
+            x2.numpy(),
+            [_view(c) for c in params[:k]],
+            [_view(g) for g in params[k:]],
+            None if bias is None else _view(bias),
+            y.numpy(),
+        )
+        ctx.kernel, ctx.fid, ctx.lead = kernel, fid, lead
+        ctx.save_for_backward(x2, bias, *params)
+        return y.view(*lead, m)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        x2, bias, *params = ctx.saved_tensors
+        kernel = ctx.kernel
+        k = len(kernel.core_shapes)
+        n, m = kernel.in_features, kernel.out_features
+        dy2 = dy.reshape(-1, m).to(dtype=torch.float32).contiguous()
+        dx = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
+        grads = [torch.empty(p.shape, dtype=torch.float32) for p in params]
+        db = torch.empty(m, dtype=torch.float32) if bias is not None else None
+        kernel.backward(
+            ctx.fid,
+            x2.numpy(),
+            [_view(c) for c in params[:k]],
+            [_view(g) for g in params[k:]],
+            None if bias is None else _view(bias),
+            dy2.numpy(),
+            None if dx is None else dx.numpy(),
+            [g.numpy() for g in grads[:k]],
+            [g.numpy() for g in grads[k:]],
+            None if db is None else db.numpy(),
+        )
+        needs = ctx.needs_input_grad
+        grads = [g if needs[3 + i] else None for i, g in enumerate(grads)]
+        return (
+            None if dx is None else dx.view(*ctx.lead, n),
+            None,
+            db if needs[2] else None,
+            *grads,
+        )
+
+
+class TTLinear(nn.Module):
+    """A linear layer ``y = x @ W + b`` whose weight is a tensor train, run by comera.
+
+    W (``in_features`` × ``out_features``; note: the transpose of ``nn.Linear.weight``) is
+    the product of K = p + q cores over ``in_modes`` (n_1..n_p, ∏ = in_features) and
+    ``out_modes`` (m_1..m_q, ∏ = out_features): core c has shape (r_c, s_c, r_{c+1}) with
+    s = in_modes + out_modes and r_0 = r_K = 1, and
+
+        W[(i_1..i_p), (j_1..j_q)] = H_1[0, i_1, :] · H_2[:, i_2, :] ⋯ H_K[:, j_q, 0]
+
+    where the row index has digits i over in_modes and the column index digits j over
+    out_modes (first digit slowest, i.e. ``W.reshape(*in_modes, *out_modes)``), and
+    H_c = G_c · diag(g(gates[c])) are the gated cores (``g(d) = d if d > threshold else 0``;
+    the last core is not gated). The forward picks, for each batch-row count, the cheapest
+    contraction order (through the dense W, merged input/output halves, or core by core);
+    the backward is comera's hand-derived one.
+
+    Args:
+        in_modes: factors of in_features (e.g. ``[12, 8, 8]`` for 768).
+        out_modes: factors of out_features.
+        rank: one rank for every inner bond, the K-1 inner ranks, or the full list
+            ``[1, r_1, …, r_{K-1}, 1]``.
+        bias: whether the layer has a bias (initialised to 0, as comera does).
+        threshold: gate entries at or below it are pruned (default 0.01, the authors' τ).
+
+    Parameters (``torch.nn.Parameter``, float32): ``cores`` (a ParameterList of K cores),
+    ``gates`` (K-1 gate vectors, initialised to 1), ``bias`` (or None). Cores are initialised
+    as in comera: N(0, 1)/sqrt(r_{c+1}) · σ^(1/K) with σ = sqrt(1/(in + out)), so that
+    Var(W_ij) = 1/(in + out); seed with ``torch.manual_seed``.
+
+    Input: a CPU float32 tensor ``(*, in_features)``; output ``(*, out_features)``. The core,
+    gate and bias values are copied into comera on each call (they are small); activations
+    are not copied.
+    """
+
+    def __init__(
+        self,
+        in_modes: Sequence[int],
+        out_modes: Sequence[int],
+        rank: Rank,
+        bias: bool = True,
+        threshold: float = 0.01,
+    ) -> None:
+        super().__init__()
+        self.in_modes: Tuple[int, ...] = tuple(_modes(in_modes, "in_modes"))
+        self.out_modes: Tuple[int, ...] = tuple(_modes(out_modes, "out_modes"))
+        k = len(self.in_modes) + len(self.out_modes)
+        self.ranks: Tuple[int, ...] = tuple(_ranks(rank, k))
+        self._threshold = _threshold(threshold)
+        self._kernel = self._make_kernel()
+        self.in_features: int = self._kernel.in_features
+        self.out_features: int = self._kernel.out_features
+        self.cores = nn.ParameterList(
+            [nn.Parameter(torch.empty(tuple(s), dtype=torch.float32)) for s in self._kernel.core_shapes]
+        )
+        self.gates = nn.ParameterList(
+            [nn.Parameter(torch.ones(r, dtype=torch.float32)) for r in self.ranks[1:-1]]
+        )
+        if bias:
+            self.bias: Optional[nn.Parameter] = nn.Parameter(
+                torch.zeros(self.out_features, dtype=torch.float32)
+            )
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def _make_kernel(self) -> Any:
+        return _comera.TtLinearKernel(
+            list(self.in_modes), list(self.out_modes), list(self.ranks), self._threshold
+        )
+
+    def reset_parameters(self) -> None:
+        """Re-initialises the cores as comera does (see the class docs), gates to 1, bias to 0."""
+        k = len(self.cores)
+        sigma = math.sqrt(1.0 / (self.in_features + self.out_features))
+        scale = sigma ** (1.0 / k)
+        with torch.no_grad():
+            for core in self.cores:
+                core.normal_(0.0, scale / math.sqrt(core.shape[2]))
+            for gate in self.gates:
+                gate.fill_(1.0)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    @property
+    def threshold(self) -> float:
+        """The gate threshold τ: entries d ≤ τ are pruned (g(d) = 0). Settable."""
+        return self._threshold
+
+    @threshold.setter
+    def threshold(self, value: float) -> None:
+        self._threshold = _threshold(value)
+        self._kernel = self._make_kernel()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x @ W + b`` for a CPU float32 ``x`` of shape ``(*, in_features)``."""
+        _check_float(x, "TTLinear input")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"TTLinear input: last dimension must be in_features = {self.in_features}, "
+                f"got shape {tuple(x.shape)}"
+            )
+        params = [*self.cores, *self.gates]
+        _check_params([*params, self.bias], "TTLinear")
+        return _TTLinearFunction.apply(x, self._kernel, self.bias, *params)
+
+    def gated_cores(self) -> List[Tensor]:
+        """H_c = G_c · diag(g(d_c)) in plain PyTorch (differentiable); the last core as is."""
+        t = self._threshold
+        h = [c * torch.where(g > t, g, torch.zeros_like(g)) for c, g in zip(self.cores, self.gates)]
+        return h + [self.cores[-1]]
+
+    def dense_weight(self) -> Tensor:
+        """The dense W (in_features × out_features) the gated cores represent, computed in
+        plain PyTorch (differentiable; for tests, inspection and export)."""
+        w = self.gated_cores()[0]
+        for h in self.gated_cores()[1:]:
+            w = torch.tensordot(w, h, dims=([-1], [0]))
+        return w.reshape(self.in_features, self.out_features)
+
+    def to_linear(self) -> nn.Linear:
+        """An ``nn.Linear`` with the same function (weight = Wᵀ)."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        with torch.no_grad():
+            lin.weight.copy_(self.dense_weight().t())
+            if self.bias is not None:
+                lin.bias.copy_(self.bias)
+        return lin
+
+    def active_ranks(self) -> List[int]:
+        """``[1, a_1, …, a_{K-1}, 1]``: the gate entries above the threshold on every bond."""
+        return [1] + [int((g > self._threshold).sum()) for g in self.gates] + [1]
+
+    def size_l0(self) -> int:
+        """S: the number of core parameters that survive the gates,
+        Σ_k s_k·a_{k-1}·a_k with a the active ranks and s = in_modes + out_modes."""
+        return _sizes(list(self.gates), self.in_modes + self.out_modes, self._threshold)[1]
+
+    def size_l1(self) -> Tensor:
+        """Ŝ: CoMERA's differentiable surrogate of S (a_k = Σ g(d) over bond k). Adding
+        γ·Ŝ to the loss is CoMERA's early-stage rank objective: it pushes gate entries below
+        the threshold, pruning rank slices."""
+        return _sizes(list(self.gates), self.in_modes + self.out_modes, self._threshold)[0]
+
+    def contraction_path(self, rows: int) -> str:
+        """The contraction path comera's planner picks for ``rows`` batch rows:
+        ``"merged"``, ``"sequential"`` or ``"dense"``."""
+        return self._kernel.path(int(rows))
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        rank: Optional[int] = None,
+        in_modes: Optional[Sequence[int]] = None,
+        out_modes: Optional[Sequence[int]] = None,
+        rel_tol: Optional[float] = None,
+        threshold: float = 0.01,
+    ) -> "TTLinear":
+        """A TTLinear approximating ``linear`` by TT-SVD of its weight (comera's
+        ``tt_matrix_svd``: sequential truncated SVDs, singular values balanced over the cores).
+
+        Args:
+            linear: the ``nn.Linear`` to compress (its weight may be on any device and of any
+                floating dtype; it is decomposed on the CPU in float32).
+            rank: the largest rank on any bond (``None``: no cap; with no ``rel_tol`` either the
+                decomposition is exact up to rounding).
+            in_modes, out_modes: factors of in_features / out_features (default:
+                ``balanced_modes(n, 3)``).
+            rel_tol: a relative Frobenius error target for W.
+            threshold: the gate threshold of the new layer.
+
+        The new layer has the ranks TT-SVD chose (at most ``rank``; outer bonds are often
+        smaller, e.g. r_1 ≤ n_1), gates at 1 and the Linear's bias; ``layer.svd_rel_error``
+        holds the relative error ‖W_TT − W‖_F/‖W‖_F predicted by the discarded singular values.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear expects a torch.nn.Linear, got {type(linear).__name__}")
+        n, m = linear.in_features, linear.out_features
+        in_modes = _modes(in_modes, "in_modes") if in_modes is not None else balanced_modes(n)
+        out_modes = _modes(out_modes, "out_modes") if out_modes is not None else balanced_modes(m)
+        if rank is not None:
+            rank = _int(rank, "rank")
+        if math.prod(in_modes) != n or math.prod(out_modes) != m:
+            raise ValueError(
+                f"in_modes {in_modes} and out_modes {out_modes} must multiply to the Linear's "
+                f"in_features = {n} and out_features = {m}"
+            )
+        w = linear.weight.detach().to(device="cpu", dtype=torch.float32).t().contiguous()
+        cores, ranks, err = _comera.tt_matrix_svd(w.numpy(), in_modes, out_modes, rank, rel_tol)
+        layer = cls(in_modes, out_modes, list(ranks), bias=linear.bias is not None, threshold=threshold)
+        with torch.no_grad():
+            for p, c in zip(layer.cores, cores):
+                p.copy_(torch.from_numpy(c))
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias.detach().to(device="cpu", dtype=torch.float32))
+        layer.svd_rel_error = float(err)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_modes={list(self.in_modes)}, out_modes={list(self.out_modes)}, "
+            f"ranks={list(self.ranks)}, bias={self.bias is not None}, threshold={self._threshold}"
+        )
+
+    # The Rust kernel is not picklable: copies (deepcopy, pickle, torch.save of the module)
+    # make a fresh one.
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__().copy()
+        state.pop("_kernel", None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._kernel = self._make_kernel()
+
+
+def _sizes(gates: Sequence[Tensor], modes: Sequence[int], tau: float) -> Tuple[Tensor, int]:
+    """(Ŝ, S) of a gated chain: S = Σ_k s_k·a_{k-1}·a_k with a_k the active entries of bond k
+    (a_0 = a_K = 1), Ŝ the same with a_k = Σ g(d) over bond k (differentiable in the gates)."""
+    soft: List[Any] = [1.0] + [torch.where(g > tau, g, torch.zeros_like(g)).sum() for g in gates] + [1.0]
+    hard = [1] + [int((g > tau).sum()) for g in gates] + [1]
+    l1 = sum(s * soft[k] * soft[k + 1] for k, s in enumerate(modes))
+    l0 = sum(s * hard[k] * hard[k + 1] for k, s in enumerate(modes))
+    return torch.as_tensor(l1), l0
+
+
+def _threshold(t: float) -> float:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise ValueError(f"threshold must be a finite number >= 0, got {t!r}")
+    return float(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# TTM embedding.
+
+
+class _TTMFunction(torch.autograd.Function):
+    """Rows of the TTM table for int64 ids; forward and backward in comera."""
+
+    @staticmethod
+    def forward(ctx, ids: Tensor, kernel: Any, *params: Tensor) -> Tensor:  # type: ignore[override]
+        p = len(kernel.core_shapes)
+        d = kernel.embedding_dim
+        shape = tuple(ids.shape)
+        ids1 = ids.reshape(-1).contiguous()
+        y = torch.empty((ids1.shape[0], d), dtype=torch.float32)
+        fid = kernel.forward(
+            ids1.numpy(), [_view(c) for c in params[:p]], [_view(g) for g in params[p:]], y.numpy()
+        )
+        ctx.kernel, ctx.fid = kernel, fid
+        ctx.save_for_backward(ids1, *params)
+        return y.view(*shape, d)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        ids1, *params = ctx.saved_tensors
+        kernel = ctx.kernel
+        p = len(kernel.core_shapes)
+        dy2 = dy.reshape(-1, kernel.embedding_dim).to(dtype=torch.float32).contiguous()
+        grads = [torch.empty(q.shape, dtype=torch.float32) for q in params]
+        kernel.backward(
+            ctx.fid,
+            ids1.numpy(),
+            [_view(c) for c in params[:p]],
+            [_view(g) for g in params[p:]],
+            dy2.numpy(),
+            [g.numpy() for g in grads[:p]],
+            [g.numpy() for g in grads[p:]],
+        )
+        needs = ctx.needs_input_grad
+        return (None, None, *[g if needs[2 + i] else None for i, g in enumerate(grads)])
+
+
+class TTMEmbedding(nn.Module):
+    """An embedding table held as tensor-train-matrix (TTM) cores with rank gates, run by comera.
+
+    The table E (``num_embeddings`` × ``embedding_dim``) is the product of p cores over
+    ``vocab_modes`` (v_1..v_p, ∏ ≥ num_embeddings) and ``dim_modes`` (e_1..e_p, ∏ =
+    embedding_dim): core k has shape (r_k, v_k, e_k, r_{k+1}) with r_0 = r_p = 1, and
+
+        E[(i_1..i_p), (c_1..c_p)] = H_1[0, i_1, c_1, :] · H_2[:, i_2, c_2, :] ⋯ H_p[:, i_p, c_p, 0]
+
+    (row digits over vocab_modes, column digits over dim_modes, first digit slowest), with the
+    gated cores H_k = F_k · diag(g(gates[k])) (``g(d) = d if d > threshold else 0``; the last
+    core is not gated). A lookup deduplicates the batch's ids and, when cheaper, computes the
+    shared left and right half-chains once (comera's optimised lookup); the backward
+    accumulates repeated ids' gradients.
+
+    Args:
+        vocab_modes: factors whose product is at least ``num_embeddings``.
+        dim_modes: factors of the embedding dimension (as many as vocab_modes).
+        rank: one rank for every inner bond, the p-1 inner ranks, or ``[1, …, 1]`` in full.
+        num_embeddings: the number of rows V (default: ∏ vocab_modes).
+        threshold: gate entries at or below it are pruned (default 0.01).
+        std: the initial entries' standard deviation (cores N(0, 1)·sqrt(std^(2/p)/r_{k+1}),
+            as comera initialises them; 1 matches a fresh ``nn.Embedding``).
+
+    Parameters: ``cores`` (p cores), ``gates`` (p-1 gate vectors at 1). Input: a CPU integer
+    tensor of ids of any shape (int64 is read in place; other integer dtypes are converted);
+    output ``(*ids.shape, embedding_dim)`` float32. Ids out of range raise ValueError.
+    """
+
+    def __init__(
+        self,
+        vocab_modes: Sequence[int],
+        dim_modes: Sequence[int],
+        rank: Rank,
+        num_embeddings: Optional[int] = None,
+        threshold: float = 0.01,
+        std: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.vocab_modes: Tuple[int, ...] = tuple(_modes(vocab_modes, "vocab_modes"))
+        self.dim_modes: Tuple[int, ...] = tuple(_modes(dim_modes, "dim_modes"))
+        if len(self.vocab_modes) != len(self.dim_modes):
+            raise ValueError(
+                f"vocab_modes {list(self.vocab_modes)} and dim_modes {list(self.dim_modes)} "
+                f"must have the same length (one of each per core)"
+            )
+        p = len(self.vocab_modes)
+        self.ranks: Tuple[int, ...] = tuple(_ranks(rank, p))
+        capacity = math.prod(self.vocab_modes)
+        if num_embeddings is None:
+            num_embeddings = capacity
+        if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int):
+            raise TypeError(f"num_embeddings must be an int, got {num_embeddings!r}")
+        if not 1 <= num_embeddings <= capacity:
+            raise ValueError(
+                f"num_embeddings = {num_embeddings} must be between 1 and the product of "
+                f"vocab_modes {list(self.vocab_modes)} = {capacity}"
+            )
+        self.num_embeddings: int = num_embeddings
+        self.embedding_dim: int = math.prod(self.dim_modes)
+        self._threshold = _threshold(threshold)
+        self.std = float(std)
+        self._kernel = self._make_kernel()
+        self.cores = nn.ParameterList(
+            [nn.Parameter(torch.empty(tuple(s), dtype=torch.float32)) for s in self._kernel.core_shapes]
+        )
+        self.gates = nn.ParameterList(
+            [nn.Parameter(torch.ones(r, dtype=torch.float32)) for r in self.ranks[1:-1]]
+        )
+        self.reset_parameters()
+
+    def _make_kernel(self) -> Any:
+        return _comera.TtmKernel(
+            list(self.vocab_modes),
+            list(self.dim_modes),
+            list(self.ranks),
+            self.num_embeddings,
+            self._threshold,
+        )
+
+    def reset_parameters(self) -> None:
+        """Re-initialises the cores as comera does (see the class docs) and the gates to 1."""
+        p = len(self.cores)
+        var_k = self.std ** (2.0 / p)
+        with torch.no_grad():
+            for core in self.cores:
+                core.normal_(0.0, math.sqrt(var_k / core.shape[3]))
+            for gate in self.gates:
+                gate.fill_(1.0)
+
+    @property
+    def threshold(self) -> float:
+        """The gate threshold τ: entries d ≤ τ are pruned (g(d) = 0). Settable."""
+        return self._threshold
+
+    @threshold.setter
+    def threshold(self, value: float) -> None:
+        self._threshold = _threshold(value)
+        self._kernel = self._make_kernel()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """The rows ``E[ids]``: ``(*ids.shape, embedding_dim)`` float32."""
+        _check_tensor(ids, "TTMEmbedding ids")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"TTMEmbedding ids must be an integer tensor, got {ids.dtype}")
+        if ids.dtype != torch.int64:
+            ids = ids.to(torch.int64)
+        params = [*self.cores, *self.gates]
+        _check_params(params, "TTMEmbedding")
+        return _TTMFunction.apply(ids, self._kernel, *params)
+
+    def gated_cores(self) -> List[Tensor]:
+        """H_k = F_k · diag(g(d_k)) in plain PyTorch (differentiable); the last core as is."""
+        t = self._threshold
+        h = [c * torch.where(g > t, g, torch.zeros_like(g)) for c, g in zip(self.cores, self.gates)]
+        return h + [self.cores[-1]]
+
+    def dense_table(self) -> Tensor:
+        """The dense table (num_embeddings × embedding_dim) the gated cores represent, in plain
+        PyTorch (differentiable; for tests, inspection and export)."""
+        h = self.gated_cores()
+        t = h[0]  # (1, v1, e1, r1)
+        for c in h[1:]:
+            t = torch.tensordot(t, c, dims=([-1], [0]))  # (1, v1, e1, …, vk, ek, r)
+        p = len(h)
+        t = t.reshape(*[x for pair in zip(self.vocab_modes, self.dim_modes) for x in pair])
+        t = t.permute(*range(0, 2 * p, 2), *range(1, 2 * p, 2))
+        return t.reshape(-1, self.embedding_dim)[: self.num_embeddings]
+
+    def active_ranks(self) -> List[int]:
+        """``[1, a_1, …, a_{p-1}, 1]``: the gate entries above the threshold on every bond."""
+        return [1] + [int((g > self._threshold).sum()) for g in self.gates] + [1]
+
+    def size_l0(self) -> int:
+        """S: the number of core parameters that survive the gates,
+        Σ_k v_k·e_k·a_{k-1}·a_k with a the active ranks."""
+        modes = [v * e for v, e in zip(self.vocab_modes, self.dim_modes)]
+        return _sizes(list(self.gates), modes, self._threshold)[1]
+
+    def size_l1(self) -> Tensor:
+        """Ŝ: CoMERA's differentiable surrogate of S (a_k = Σ g(d) over bond k); see
+        ``TTLinear.size_l1``."""
+        modes = [v * e for v, e in zip(self.vocab_modes, self.dim_modes)]
+        return _sizes(list(self.gates), modes, self._threshold)[0]
+
+    @classmethod
+    def from_embedding(
+        cls,
+        embedding: nn.Embedding,
+        vocab_modes: Sequence[int],
+        dim_modes: Sequence[int],
+        rank: Optional[int] = None,
+        rel_tol: Optional[float] = None,
+        threshold: float = 0.01,
+    ) -> "TTMEmbedding":
+        """A TTMEmbedding approximating ``embedding``'s table by TT-SVD (comera's ``ttm_svd``;
+        rows past num_embeddings up to ∏ vocab_modes are taken as zeros).
+
+        ``rank`` caps every bond (``None``: no cap), ``rel_tol`` is a relative Frobenius error
+        target. The new table has the ranks TT-SVD chose and gates at 1;
+        ``table.svd_rel_error`` holds the predicted relative error. Options of the
+        ``nn.Embedding`` such as ``padding_idx`` or ``max_norm`` are not carried over.
+        """
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(
+                f"from_embedding expects a torch.nn.Embedding, got {type(embedding).__name__}"
+            )
+        vocab_modes = _modes(vocab_modes, "vocab_modes")
+        dim_modes = _modes(dim_modes, "dim_modes")
+        if rank is not None:
+            rank = _int(rank, "rank")
+        table = embedding.weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        cores, ranks, err = _comera.ttm_svd(table.numpy(), vocab_modes, dim_modes, rank, rel_tol)
+        layer = cls(
+            vocab_modes,
+            dim_modes,
+            list(ranks),
+            num_embeddings=embedding.num_embeddings,
+            threshold=threshold,
+        )
+        with torch.no_grad():
+            for p, c in zip(layer.cores, cores):
+                p.copy_(torch.from_numpy(c))
+        layer.svd_rel_error = float(err)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+            f"vocab_modes={list(self.vocab_modes)}, dim_modes={list(self.dim_modes)}, "
+            f"ranks={list(self.ranks)}, threshold={self._threshold}"
+        )
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__().copy()
+        state.pop("_kernel", None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._kernel = self._make_kernel()
