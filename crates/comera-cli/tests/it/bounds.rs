@@ -4,7 +4,6 @@
 //! columns, FIFOs as data files or vocabularies) are clear errors. Every command here stops at
 //! validation or at the first file read: nothing trains, nothing is fetched.
 
-
 use crate::common::{comera, tempdir};
 use std::path::{Path, PathBuf};
 

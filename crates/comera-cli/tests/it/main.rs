@@ -1,9 +1,9 @@
 //! The integration tests of this crate as one test binary, a module a file: one link of
 //! the engine instead of one a file (the release build links each test binary with LTO).
 
-mod common;
 mod bounds;
 mod cli;
+mod common;
 mod dlrm;
 mod hf;
 mod import;

@@ -5,7 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use crate::common::{assert_same_run, checkpoints, comera, records, tempdir, write_config, write_data};
+use crate::common::{
+    assert_same_run, checkpoints, comera, records, tempdir, write_config, write_data,
+};
 
 /// `comera train --config CFG --quiet --epochs N` plus `extra` arguments.
 fn train(cfg: &Path, epochs: &str, extra: &[&str]) -> (i32, String) {
