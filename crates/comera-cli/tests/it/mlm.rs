@@ -13,7 +13,7 @@ const WORDS: &[&str] = &[
 /// 40 `.rs` files in subdirectories (and a `.md` that must be ignored) whose lines repeat short
 /// patterns of `WORDS[..8]`; the vocabulary has 26 ids.
 fn write_corpus(dir: &Path) -> (PathBuf, PathBuf) {
-    common::write_corpus(dir, &WORDS[8..], true)
+    crate::common::write_corpus(dir, &WORDS[8..], true)
 }
 
 fn mlm_config(dir: &Path, code: &Path, vocab: &Path, extra: &str) -> PathBuf {
