@@ -229,10 +229,15 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
     )?;
     let (m, n) = (a.model.display(), s.examples);
     match kind {
-        EvalKind::Classifier => println!(
-            "{m}: {n} examples, accuracy {:.4}, loss {:.4}",
-            s.accuracy, s.loss
-        ),
+        EvalKind::Classifier => {
+            println!(
+                "{m}: {n} examples, accuracy {:.4}, loss {:.4}",
+                s.accuracy, s.loss
+            );
+            if let Some(c) = &s.classes {
+                println!("{}", c.table(s.accuracy));
+            }
+        }
         EvalKind::MaskedLm => println!(
             "{m}: {n} held-out tokens predicted, MLM loss {:.4}, perplexity {:.2}, masked-token accuracy {:.4}",
             s.loss,

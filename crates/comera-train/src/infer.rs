@@ -186,8 +186,11 @@ pub fn eval_run(
             let d = prepare(&cfg.data, t, cfg.train.seed)?;
             let batch = clamp_batch(batch, d.valid.len(), "validation examples")?;
             let mut st = model.state(batch);
-            let s = evaluate_classifier(&model, &mut st, &d.valid)?;
+            let mut s = evaluate_classifier(&model, &mut st, &d.valid)?;
             check_finite_loss(&s, &model)?;
+            if let Some(c) = &mut s.classes {
+                c.labels = meta.labels.clone();
+            }
             Ok((EvalKind::Classifier, s))
         }
         (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
@@ -262,8 +265,11 @@ pub fn eval_classifier_on(
     let d = prepare(&data, meta.model.seq_len, cfg.train.seed)?;
     let batch = clamp_batch(batch, d.valid.len(), "validation examples")?;
     let mut st = model.state(batch);
-    let s = evaluate_classifier(&model, &mut st, &d.valid)?;
+    let mut s = evaluate_classifier(&model, &mut st, &d.valid)?;
     check_finite_loss(&s, &model)?;
+    if let Some(c) = &mut s.classes {
+        c.labels = meta.labels.clone();
+    }
     Ok(s)
 }
 

@@ -176,6 +176,9 @@ pub struct EvalRecord {
     /// Binary tasks (click-through): ROC AUC.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub valid_auc: Option<f64>,
+    /// Classifiers: the macro-averaged F1 over the classes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub valid_macro_f1: Option<f64>,
     /// Seconds of training so far (across resumes).
     pub seconds: f64,
 }

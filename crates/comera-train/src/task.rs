@@ -21,8 +21,128 @@ use serde::{Deserialize, Serialize};
 use std::ops::Range;
 use std::path::PathBuf;
 
+/// A classifier's held-out figures per class, from its confusion matrix.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClassReport {
+    /// The classes' names, in label order (empty where the evaluation did not know them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub labels: Vec<String>,
+    /// `confusion[t][p]`: examples of true class t predicted as p.
+    pub confusion: Vec<Vec<u64>>,
+    /// Per class (in label order): precision, recall, F1 and support (its true examples).
+    pub per_class: Vec<ClassScores>,
+    /// The unweighted mean of the classes' F1.
+    pub macro_f1: f64,
+    /// The accuracy of always predicting the most frequent class (the baseline to beat).
+    pub majority: f64,
+    /// Every prediction is the same class (the model collapsed to one answer).
+    pub collapsed: bool,
+}
+
+/// One class's precision, recall and F1 (0 where undefined: no prediction of it, or no
+/// example of it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClassScores {
+    pub precision: f64,
+    pub recall: f64,
+    pub f1: f64,
+    pub support: u64,
+}
+
+impl ClassReport {
+    /// The report as text for people: per class precision, recall, F1 and support, macro-F1,
+    /// the majority baseline, the confusion matrix (rows: true class), and a warning when the
+    /// predictions collapsed to one class.
+    pub fn table(&self, accuracy: f64) -> String {
+        let name = |k: usize| {
+            self.labels
+                .get(k)
+                .cloned()
+                .unwrap_or_else(|| format!("class {k}"))
+        };
+        let w = (0..self.per_class.len())
+            .map(|k| name(k).chars().count())
+            .max()
+            .unwrap_or(5)
+            .max(5);
+        let mut out = format!("{:<w$}  precision  recall      f1  support\n", "class");
+        for (k, s) in self.per_class.iter().enumerate() {
+            out += &format!(
+                "{:<w$}  {:>9.4}  {:>6.4}  {:>6.4}  {:>7}\n",
+                name(k),
+                s.precision,
+                s.recall,
+                s.f1,
+                s.support
+            );
+        }
+        out += &format!(
+            "macro-F1 {:.4}; accuracy {accuracy:.4} against {:.4} for always the majority class\n",
+            self.macro_f1, self.majority
+        );
+        out += &format!(
+            "confusion (rows: true class, columns: predicted)\n{:<w$}",
+            ""
+        );
+        for k in 0..self.confusion.len() {
+            out += &format!("  {:>8}", name(k));
+        }
+        for (k, row) in self.confusion.iter().enumerate() {
+            out += &format!("\n{:<w$}", name(k));
+            for v in row {
+                out += &format!("  {v:>8}");
+            }
+        }
+        if self.collapsed {
+            out += "\nwarning: every example is predicted as one class: the model has collapsed to one answer";
+        }
+        out
+    }
+
+    /// The report of a confusion matrix (`c × c`, true × predicted).
+    pub fn from_confusion(confusion: Vec<Vec<u64>>) -> ClassReport {
+        let c = confusion.len();
+        let total: u64 = confusion.iter().flatten().sum();
+        let predicted = |p: usize| confusion.iter().map(|row| row[p]).sum::<u64>();
+        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        let per_class: Vec<ClassScores> = (0..c)
+            .map(|k| {
+                let tp = confusion[k][k];
+                let support: u64 = confusion[k].iter().sum();
+                let precision = ratio(tp, predicted(k));
+                let recall = ratio(tp, support);
+                let f1 = if precision + recall > 0.0 {
+                    2.0 * precision * recall / (precision + recall)
+                } else {
+                    0.0
+                };
+                ClassScores {
+                    precision,
+                    recall,
+                    f1,
+                    support,
+                }
+            })
+            .collect();
+        let macro_f1 = per_class.iter().map(|s| s.f1).sum::<f64>() / c.max(1) as f64;
+        let majority = ratio(
+            per_class.iter().map(|s| s.support).max().unwrap_or(0),
+            total,
+        );
+        let collapsed = c > 1 && total > 0 && (0..c).filter(|&p| predicted(p) > 0).count() == 1;
+        ClassReport {
+            labels: Vec::new(),
+            confusion,
+            per_class,
+            macro_f1,
+            majority,
+            collapsed,
+        }
+    }
+}
+
 /// Held-out figures of a model.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct EvalStats {
     /// Mean loss (cross-entropy, masked-LM cross-entropy or BCE).
     pub loss: f64,
@@ -33,6 +153,9 @@ pub struct EvalStats {
     /// ROC AUC of a binary task (CTR).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auc: Option<f64>,
+    /// A classifier's per-class figures and confusion matrix.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub classes: Option<ClassReport>,
 }
 
 /// One epoch's batches: loads the next one into the state.
@@ -112,27 +235,36 @@ pub fn evaluate_classifier_sharded(
     procs: &mut Processes,
 ) -> Result<EvalStats> {
     let n = data.len();
+    let c = model.cfg.num_labels;
     let mut sums = classifier_sums(model, st, data, procs.shard.range(n))?;
     procs.sum_f64(&mut sums);
+    let confusion = sums[2..]
+        .chunks_exact(c)
+        .map(|row| row.iter().map(|&v| v as u64).collect())
+        .collect();
     Ok(EvalStats {
         loss: sums[0] / n as f64,
         accuracy: sums[1] / n as f64,
         examples: n,
         auc: None,
+        classes: Some(ClassReport::from_confusion(confusion)),
     })
 }
 
-/// (summed cross-entropy, correct) over the examples `range` of `data`.
+/// Summed cross-entropy, correct predictions, then the confusion matrix (c × c, true ×
+/// predicted, as counts) over the examples `range` of `data`: all sums, so that processes
+/// add theirs.
 fn classifier_sums(
     model: &Encoder,
     st: &mut EncoderState,
     data: &EncodedDataset,
     range: Range<usize>,
-) -> Result<[f64; 2]> {
+) -> Result<Vec<f64>> {
     let (b, t, c) = (st.batch(), data.max_len, model.cfg.num_labels);
     let n = range.end;
     let mut batch = Batch::default();
     let (mut loss, mut correct) = (0.0f64, 0usize);
+    let mut confusion = vec![0.0f64; c * c];
     let mut start = range.start;
     while start < n {
         batch.input_ids.clear();
@@ -164,11 +296,15 @@ fn classifier_sums(
                     .sum::<f64>()
                     .ln();
             loss += lse - row[label] as f64;
-            correct += (comera_layers::loss::argmax(row) == label) as usize;
+            let predicted = comera_layers::loss::argmax(row);
+            correct += (predicted == label) as usize;
+            confusion[label * c + predicted] += 1.0;
         }
         start += b;
     }
-    Ok([loss, correct as f64])
+    let mut sums = vec![loss, correct as f64];
+    sums.extend(confusion);
+    Ok(sums)
 }
 
 /// Held-out masked-LM loss and masked-token accuracy over every batch of `blocks` (masks from
@@ -230,6 +366,7 @@ pub fn evaluate_mlm_sharded(
         accuracy: correct as f64 / count as f64,
         examples: count,
         auc: None,
+        classes: None,
     })
 }
 
@@ -267,6 +404,7 @@ pub fn evaluate_ctr_sharded(
         accuracy: correct as f64 / n as f64,
         examples: n,
         auc: Some(auc(&scores, &data.labels).unwrap_or(0.5)),
+        classes: None,
     };
     Ok((stats, scores))
 }
@@ -673,5 +811,34 @@ impl Task for CtrTask {
         );
         m.insert("num_params".into(), Model::num_params(model).into());
         m
+    }
+}
+
+#[cfg(test)]
+mod class_report_tests {
+    use super::ClassReport;
+
+    #[test]
+    fn per_class_scores_macro_f1_majority_and_collapse_from_a_confusion_matrix() {
+        // True class 0: 8 examples, 6 right; class 1: 2 examples, 1 right.
+        let r = ClassReport::from_confusion(vec![vec![6, 2], vec![1, 1]]);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(r.per_class[0].precision, 6.0 / 7.0));
+        assert!(close(r.per_class[0].recall, 6.0 / 8.0));
+        assert!(close(r.per_class[1].precision, 1.0 / 3.0));
+        assert!(close(r.per_class[1].recall, 0.5));
+        let f1 = |p: f64, r: f64| 2.0 * p * r / (p + r);
+        assert!(close(r.per_class[1].f1, f1(1.0 / 3.0, 0.5)));
+        assert!(close(
+            r.macro_f1,
+            (f1(6.0 / 7.0, 0.75) + f1(1.0 / 3.0, 0.5)) / 2.0
+        ));
+        assert!(close(r.majority, 0.8));
+        assert!(!r.collapsed);
+        // Everything predicted as class 0: flagged, and class 1's scores are 0, not NaN.
+        let c = ClassReport::from_confusion(vec![vec![8, 0], vec![2, 0]]);
+        assert!(c.collapsed);
+        assert_eq!((c.per_class[1].precision, c.per_class[1].f1), (0.0, 0.0));
+        assert!(c.table(0.8).contains("collapsed to one answer"));
     }
 }

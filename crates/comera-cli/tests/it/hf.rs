@@ -99,6 +99,20 @@ fn export_hf_then_import_hf_reproduces_the_run() {
         assert_eq!(code, 0, "{cmd}: {text}");
         assert!(text.contains(want), "{cmd}: {text}");
     }
+    // `eval` reports per class, with the confusion matrix and the majority baseline.
+    let (_, text) = comera(&["eval", s(&back)]);
+    for want in [
+        "precision  recall      f1  support",
+        "macro-F1",
+        "for always the majority class",
+        "confusion (rows: true class, columns: predicted)",
+    ] {
+        assert!(text.contains(want), "{want}: {text}");
+    }
+    assert!(
+        text.lines().any(|l| l.starts_with("neg ")) && text.lines().any(|l| l.starts_with("pos ")),
+        "a row per label: {text}"
+    );
     // Fine-tune from it (a dense body: --dense).
     let (code, text) = comera(&[
         "train",

@@ -462,6 +462,7 @@ impl<'t, T: Task> Loop<'t, T> {
             valid_accuracy: valid.accuracy,
             valid_perplexity: valid.loss.exp(),
             valid_auc: valid.auc,
+            valid_macro_f1: valid.classes.as_ref().map(|c| c.macro_f1),
             seconds,
         }))?;
         let auc = valid.auc.map_or(String::new(), |a| format!(" AUC {a:.4}"));
@@ -474,12 +475,19 @@ impl<'t, T: Task> Loop<'t, T> {
                 self.prog.step
             )
         });
-        self.final_valid = valid;
+        if let Some(c) = valid.classes.as_ref().filter(|c| c.collapsed) {
+            self.rep.say(format!(
+                "warning: every validation example is predicted as one class (accuracy {va:.4}, the majority class's share {:.4}): the model has collapsed to one answer",
+                c.majority
+            ));
+        }
         let score = valid.auc.unwrap_or(valid.accuracy);
         if score > self.best.0 {
             self.best = (score, epoch);
         }
-        self.early_stopping(&valid, epoch, epoch_end)
+        let stop = self.early_stopping(&valid, epoch, epoch_end);
+        self.final_valid = valid;
+        stop
     }
 
     /// Early stopping after an evaluation: on an improvement of the watched metric the model
@@ -706,7 +714,7 @@ impl<'t, T: Task> Loop<'t, T> {
             steps: self.prog.step,
             batch_size,
             tokens: self.tokens_at(self.prog.step),
-            final_valid: self.final_valid,
+            final_valid: self.final_valid.clone(),
             best_valid: self.best.0,
             best_epoch: self.best.1,
             majority_accuracy: self.task.majority_accuracy(),
