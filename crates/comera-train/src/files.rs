@@ -356,6 +356,25 @@ pub fn load_model(dir: &Path) -> Result<(Encoder, ModelMeta)> {
     }
 }
 
+/// The run's own copy of its vocabulary, beside `model.toml`.
+pub const RUN_VOCAB: &str = "vocab.txt";
+
+impl SavedModel {
+    /// Resolves the vocabulary of an encoder saved in (or checkpointed by) run directory
+    /// `dir`: a relative path is the run's own file; an absolute one that no longer exists (a
+    /// run copied from another machine) falls back to the run's copy when it has one.
+    pub fn resolve_vocab(&mut self, dir: &Path) {
+        if let SavedModel::Encoder(_, meta) = self {
+            let own = dir.join(RUN_VOCAB);
+            if meta.vocab.is_relative() {
+                meta.vocab = dir.join(&meta.vocab);
+            } else if !meta.vocab.exists() && own.exists() {
+                meta.vocab = own;
+            }
+        }
+    }
+}
+
 /// Loads the model saved in a run directory, of whichever kind `model.toml` says.
 pub fn load_saved(dir: &Path) -> Result<SavedModel> {
     let meta_path = dir.join(MODEL_META);
@@ -391,6 +410,7 @@ pub fn load_saved(dir: &Path) -> Result<SavedModel> {
         }
     }
     load_weights(&dir.join(MODEL_WEIGHTS), saved.model_mut(), Some(&sha))?;
+    saved.resolve_vocab(dir);
     Ok(saved)
 }
 

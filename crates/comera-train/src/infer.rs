@@ -24,7 +24,9 @@ pub fn load_run(run: &Path, checkpoint: Option<&Path>) -> Result<(SavedModel, An
     match checkpoint {
         Some(p) => {
             let ck = Checkpoint::load(p)?;
-            Ok((ck.saved_model()?, ck.config()?))
+            let mut saved = ck.saved_model()?;
+            saved.resolve_vocab(run);
+            Ok((saved, ck.config()?))
         }
         None => {
             let cfg_path = run.join("config.toml");
@@ -154,6 +156,10 @@ pub fn eval_run(
     match load_run(run, checkpoint)? {
         (SavedModel::Encoder(model, meta), AnyRunConfig::Encoder(mut cfg)) => {
             let t = meta.model.seq_len;
+            // The model's own WordPiece vocabulary (the run's copy), whatever the config named.
+            if cfg.data.tokenizer == "wordpiece" {
+                cfg.data.vocab = Some(meta.vocab.clone());
+            }
             if cfg.data.source.is_corpus() {
                 if let Some(f) = data {
                     // Every document of the file is held out.
@@ -181,7 +187,11 @@ pub fn eval_run(
                     )
                     .into());
                 }
+                // Only this file is read (not the training file the run came from).
                 cfg.data.valid = Some(f.to_path_buf());
+                cfg.data.train = Some(f.to_path_buf());
+                cfg.data.train_sha256 = None;
+                cfg.data.valid_sha256 = None;
             }
             let d = prepare(&cfg.data, t, cfg.train.seed)?;
             let batch = clamp_batch(batch, d.valid.len(), "validation examples")?;

@@ -155,7 +155,7 @@ pub const RUN_FILES: &[&str] = &[
     checkpoint::DIR,
     crate::files::MODEL_WEIGHTS,
     crate::files::MODEL_META,
-    "vocab.txt",
+    crate::files::RUN_VOCAB,
     "curves.png",
     "ranks.png",
     "ranks.md",

@@ -5,6 +5,7 @@ use crate::common::{
     assert_same_run, checkpoints, comera, every_command_works_on, records, tempdir, write_config,
     write_data, RANK_EXTRA,
 };
+use std::path::Path;
 
 #[test]
 fn train_eval_predict_on_a_small_local_data_set() {
@@ -59,8 +60,45 @@ fn train_eval_predict_on_a_small_local_data_set() {
             .collect();
         assert_eq!(labels, ["pos", "neg"], "{text}");
         every_command_works_on(&run, &["the good dress"], "pos\t");
+        if tt {
+            a_copied_run_predicts_without_the_files_it_was_trained_from(&dir, &run, &vocab, &data);
+        }
         std::fs::remove_dir_all(&dir).ok();
     }
+}
+
+/// A run directory copied to another place, with its vocabulary and data gone, still
+/// predicts and evaluates on a file given (the run keeps its own vocab.txt; `eval --data`
+/// reads that file only).
+fn a_copied_run_predicts_without_the_files_it_was_trained_from(
+    dir: &Path,
+    run: &Path,
+    vocab: &Path,
+    data: &Path,
+) {
+    let moved = dir.join("elsewhere").join("run");
+    std::fs::create_dir_all(moved.parent().unwrap()).unwrap();
+    let status = std::process::Command::new("cp")
+        .args(["-r", run.to_str().unwrap(), moved.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let kept = dir.join("elsewhere").join("data.tsv");
+    std::fs::copy(data, &kept).unwrap();
+    std::fs::remove_file(vocab).unwrap();
+    std::fs::remove_file(data).unwrap();
+    std::fs::remove_dir_all(run).unwrap();
+    let m = moved.to_str().unwrap();
+    let (code, text) = comera(&["predict", m, "the good dress", "a bad fit"]);
+    assert_eq!(code, 0, "{text}");
+    let labels: Vec<&str> = text
+        .lines()
+        .map(|l| l.split('\t').next().unwrap())
+        .collect();
+    assert_eq!(labels, ["pos", "neg"], "{text}");
+    let (code, text) = comera(&["eval", m, "--data", kept.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("macro-F1"), "{text}");
 }
 
 #[test]

@@ -7,7 +7,7 @@ use super::{available_memory_bytes, LoopSettings, RunSetup, Setup, Start};
 use crate::config::ConfigError;
 use crate::config::{AnyRunConfig, DlrmRunConfig, Phase, RunConfig};
 use crate::data::{prepare, CorpusData, PreparedData};
-use crate::error::Error;
+use crate::error::{Error, IoContext};
 use crate::files::DlrmMeta;
 use crate::task::{CtrTask, EncoderData, EncoderTask};
 use comera_dlrm::Dlrm;
@@ -137,6 +137,19 @@ pub(super) fn encoder(
         );
     }
     let (run_dir, resume) = start.open(&out, &config_toml)?;
+    // The run keeps its own copy of the vocabulary (`model.toml` names it by its place in the
+    // run): a run directory copied elsewhere predicts without the file it was trained from.
+    let vocab = match &run_dir {
+        Some(_) => {
+            let own = out.join(crate::files::RUN_VOCAB);
+            if !own.exists() {
+                let bytes = std::fs::read(&vocab).io(&vocab, "cannot read")?;
+                crate::files::write_atomic(&own, &bytes)?;
+            }
+            std::path::PathBuf::from(crate::files::RUN_VOCAB)
+        }
+        None => vocab,
+    };
     let t = &cfg.train;
     Ok(Setup {
         task: EncoderTask {
