@@ -526,6 +526,14 @@ impl<'t, T: Task> Loop<'t, T> {
                     &best.join("config.toml"),
                     self.cfg.config_toml.as_bytes(),
                 )?;
+                // The best model is a model directory of its own: with the run's vocabulary.
+                let vocab = self.cfg.train.out_dir.join(crate::files::RUN_VOCAB);
+                let best_vocab = best.join(crate::files::RUN_VOCAB);
+                if vocab.exists() && !best_vocab.exists() {
+                    let bytes = std::fs::read(&vocab)
+                        .map_err(|e| crate::Error::io(&vocab, "cannot read", e))?;
+                    crate::files::write_atomic(&best_vocab, &bytes)?;
+                }
             }
             return Ok(false);
         }
