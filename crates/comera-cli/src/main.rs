@@ -10,6 +10,7 @@ mod plot_cmd;
 mod run;
 mod verify;
 
+use comera_train::error::Chain;
 use clap::{Parser, Subcommand};
 use std::io::Write;
 use std::process::ExitCode;
@@ -126,10 +127,14 @@ fn main() -> ExitCode {
             let (p, n) = comera_train::distributed::processes();
             if n > 1 {
                 // The other processes may be waiting for this one: end them all.
-                let _ = writeln!(std::io::stderr(), "error (process {p} of {n}): {e:#}");
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "error (process {p} of {n}): {}",
+                    Chain(e.as_ref())
+                );
                 comera_train::distributed::abort_job(1);
             } else {
-                report_error(&format!("{e:#}"));
+                report_error(&Chain(e.as_ref()).to_string());
             }
             ExitCode::from(1)
         }

@@ -445,7 +445,16 @@ fn id2label(
 pub fn read_hf(src: &Path, opts: &ReadOptions) -> Result<HfModel> {
     let shown = src.display().to_string();
     if !src.exists() {
-        return Err(ImportError::new(&shown, "does not exist"));
+        // A hub name (`bert-base-uncased`, `org/model`) rather than a path: comera reads local
+        // copies only (it downloads nothing but from package registries).
+        let hint = if src.is_relative() && src.components().count() <= 2 {
+            format!(
+                "does not exist; comera reads a local copy of a Hugging Face model: download it first (e.g. `huggingface-cli download {shown} --local-dir models/{shown}`, or `git clone https://huggingface.co/{shown}`), then give that directory"
+            )
+        } else {
+            "does not exist".to_string()
+        };
+        return Err(ImportError::new(&shown, hint));
     }
     let cfg_what = format!("{shown}: config.json");
     let config_text = text(

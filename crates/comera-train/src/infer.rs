@@ -194,6 +194,18 @@ pub fn eval_run(
                 cfg.data.valid_sha256 = None;
             }
             let d = prepare(&cfg.data, t, cfg.train.seed)?;
+            // A model meets only data with its own labels (an imported model's config may name
+            // another data set: its accuracy there would mean nothing).
+            if d.label_names != meta.labels {
+                return Err(ConfigError::new(
+                    "data.labels",
+                    format!(
+                        "the data's labels {:?} are not the model's {:?}; evaluate it on data with its labels (--data FILE)",
+                        d.label_names, meta.labels
+                    ),
+                )
+                .into());
+            }
             let batch = clamp_batch(batch, d.valid.len(), "validation examples")?;
             let mut st = model.state(batch);
             let mut s = evaluate_classifier(&model, &mut st, &d.valid)?;

@@ -125,6 +125,11 @@ impl<'t, T: Task> Loop<'t, T> {
             .iter()
             .map(|e| e.1.map(|n| n as u64))
             .sum::<Option<u64>>();
+        if let Some(total) = total.filter(|_| rank_cfg.enabled && resume.is_none()) {
+            for w in rank_schedule_warnings(&rank_cfg, total, epochs.len()) {
+                rep.say(w);
+            }
+        }
         let schedule = Schedule {
             warmup: cfg.train.warmup_steps.min(total.unwrap_or(u64::MAX)),
             total: total.unwrap_or(u64::MAX),
@@ -840,5 +845,46 @@ fn micro_phase(phase: &Phase, accumulate: usize) -> Phase {
     Phase {
         batch_size: phase.batch_size / accumulate,
         ..phase.clone()
+    }
+}
+
+/// Settings of the rank schedule that cannot take effect in a run of `total` steps over
+/// `epochs` epochs, each a warning naming its field: a gate hold to the run's end (the gates
+/// never train, no rank shrinks), a stage switch after the last epoch.
+fn rank_schedule_warnings(rank: &rank::RankConfig, total: u64, epochs: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    if rank.gates_after_steps >= total {
+        out.push(format!(
+            "warning: rank.gates_after_steps = {} holds the gates for the whole run ({total} steps): no rank will shrink; set it below {total} (e.g. {})",
+            rank.gates_after_steps,
+            total / 10
+        ));
+    }
+    if rank.late_after_epochs > 0 && rank.late_after_epochs >= epochs && rank.plateau_steps == 0 {
+        out.push(format!(
+            "warning: rank.late_after_epochs = {} is not before the run's last epoch ({epochs} epochs): the late stage will not start",
+            rank.late_after_epochs
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rank_schedule_warnings;
+    use comera_optim::rank::RankConfig;
+
+    #[test]
+    fn a_hold_or_a_switch_past_the_run_is_a_warning_naming_the_field() {
+        let cfg = RankConfig {
+            gates_after_steps: 320,
+            late_after_epochs: 3,
+            ..RankConfig::default()
+        };
+        let w = rank_schedule_warnings(&cfg, 168, 3);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].contains("rank.gates_after_steps = 320") && w[0].contains("168 steps"));
+        assert!(w[1].contains("rank.late_after_epochs = 3"));
+        assert!(rank_schedule_warnings(&cfg, 3180, 5).is_empty());
     }
 }
