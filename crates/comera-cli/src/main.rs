@@ -10,8 +10,8 @@ mod plot_cmd;
 mod run;
 mod verify;
 
-use comera_train::error::Chain;
 use clap::{Parser, Subcommand};
+use comera_train::error::Chain;
 use std::io::Write;
 use std::process::ExitCode;
 

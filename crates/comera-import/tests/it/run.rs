@@ -175,3 +175,29 @@ fn refusals_keep_the_command_lines_messages() {
     assert_eq!(e.to_string(), "--out");
     assert!(chain(&e).starts_with("--out: "), "{}", chain(&e));
 }
+
+#[test]
+fn a_hub_name_that_is_no_directory_says_how_to_get_a_local_copy() {
+    let opts = comera_import::hf::ReadOptions {
+        seq_len: None,
+        num_labels: None,
+        seed: 0,
+    };
+    let Err(e) = comera_import::hf::read_hf(std::path::Path::new("bert-base-uncased"), &opts)
+    else {
+        panic!("no such directory")
+    };
+    let msg = chain(&e);
+    assert!(
+        msg.contains("bert-base-uncased")
+            && msg.contains("local copy")
+            && msg.contains("--local-dir"),
+        "{msg}"
+    );
+    // A path that is plainly a path gets the plain message.
+    let Err(e) = comera_import::hf::read_hf(std::path::Path::new("/nonexistent/model/dir"), &opts)
+    else {
+        panic!("no such directory")
+    };
+    assert!(chain(&e).ends_with("does not exist"), "{}", chain(&e));
+}
