@@ -194,26 +194,10 @@ pub fn eval_run(
                 cfg.data.valid_sha256 = None;
             }
             let d = prepare(&cfg.data, t, cfg.train.seed)?;
-            // A model meets only data with its own labels (an imported model's config may name
-            // another data set: its accuracy there would mean nothing).
-            if d.label_names != meta.labels {
-                return Err(ConfigError::new(
-                    "data.labels",
-                    format!(
-                        "the data's labels {:?} are not the model's {:?}; evaluate it on data with its labels (--data FILE)",
-                        d.label_names, meta.labels
-                    ),
-                )
-                .into());
-            }
-            let batch = clamp_batch(batch, d.valid.len(), "validation examples")?;
-            let mut st = model.state(batch);
-            let mut s = evaluate_classifier(&model, &mut st, &d.valid)?;
-            check_finite_loss(&s, &model)?;
-            if let Some(c) = &mut s.classes {
-                c.labels = meta.labels.clone();
-            }
-            Ok((EvalKind::Classifier, s))
+            Ok((
+                EvalKind::Classifier,
+                evaluate_prepared(&model, &meta, &d, batch)?,
+            ))
         }
         (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
             let valid = match data {
@@ -285,10 +269,31 @@ pub fn eval_classifier_on(
         _ => {}
     }
     let d = prepare(&data, meta.model.seq_len, cfg.train.seed)?;
+    evaluate_prepared(&model, &meta, &d, batch)
+}
+
+/// A classifier on the validation set of `d`, whose labels must be the model's (an imported
+/// model's config may name another data set: its accuracy there would mean nothing).
+fn evaluate_prepared(
+    model: &Encoder,
+    meta: &ModelMeta,
+    d: &crate::data::PreparedData,
+    batch: usize,
+) -> Result<EvalStats> {
+    if d.label_names != meta.labels {
+        return Err(ConfigError::new(
+            "data.labels",
+            format!(
+                "the data's labels {:?} are not the model's {:?}; evaluate it on data with its labels (--data FILE)",
+                d.label_names, meta.labels
+            ),
+        )
+        .into());
+    }
     let batch = clamp_batch(batch, d.valid.len(), "validation examples")?;
     let mut st = model.state(batch);
-    let mut s = evaluate_classifier(&model, &mut st, &d.valid)?;
-    check_finite_loss(&s, &model)?;
+    let mut s = evaluate_classifier(model, &mut st, &d.valid)?;
+    check_finite_loss(&s, model)?;
     if let Some(c) = &mut s.classes {
         c.labels = meta.labels.clone();
     }
