@@ -231,7 +231,10 @@ def test_ctrl_c_stops_after_a_checkpoint_and_raises_keyboard_interrupt(workdir):
     marker = workdir / "started"
     script = textwrap.dedent(
         f"""
-        import json, sys, time
+        import json, signal, sys, time
+        # Python's own Ctrl-C handler, as in a terminal or a notebook (a process started in the
+        # background of a non-interactive shell inherits SIGINT ignored, and then has none).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, {str(os.path.dirname(__file__))!r})
         import comera
         cfg = json.loads({json.dumps(json.dumps(cfg))})
