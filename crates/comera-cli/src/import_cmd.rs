@@ -30,6 +30,8 @@ pub enum Import {
     /// `.safetensors` file (config from its metadata or a config.json beside it).
     #[command(alias = "bert")]
     Hf {
+        /// The model directory, `.zip` or `.safetensors` file (a local copy: comera does not
+        /// download from the Hugging Face hub).
         path: PathBuf,
         #[command(flatten)]
         opts: Opts,

@@ -1,10 +1,11 @@
 //! `comera train`, `comera eval`, `comera predict`: argument parsing, then comera-train.
 
 use anyhow::bail;
+use comera_train::config::Setting;
 use comera_train::infer::{
     eval_run, fill_mask, load_run, predict_clicks, predict_probabilities, EvalKind,
 };
-use comera_train::{AnyRunConfig, Overrides, RunConfig, SavedModel, TrainSummary};
+use comera_train::{AnyRunConfig, Overrides, SavedModel, TrainSummary};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -13,22 +14,38 @@ pub struct TrainArgs {
     /// Run configuration (TOML; every field is documented in configs/reviews-small.toml, or
     /// configs/dlrm-movielens.toml for a DLRM). Without it: the built-in small TT/TTM encoder
     /// on the review data set.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// Overrides of the config's common fields.
+    /// Train on your own file of labelled texts: .csv, .tsv, .jsonl or .parquet, with a text
+    /// column (`text` or `sentence`, plus `text_pair` for sentence pairs) and a `label` column
+    /// (other names: --set data.text_a=… / data.label=…); the labels are the values found.
+    #[arg(long, value_name = "FILE")]
+    data: Option<PathBuf>,
+    /// Validation file for --data (same format); without it, data.valid_fraction (0.1) of the
+    /// training rows is held out.
+    #[arg(long, value_name = "FILE", requires = "data")]
+    valid: Option<PathBuf>,
+    /// Set any config field, checked like the file: --set train.epochs=3 --set
+    /// model.layers=4 --set data.labels='["neg","pos"]' (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+    /// Passes over the training data (train.epochs).
     #[arg(long)]
     epochs: Option<usize>,
+    /// Examples per step (train.batch_size; the last partial batch of an epoch is dropped).
     #[arg(long)]
     batch_size: Option<usize>,
+    /// Seed of initialisation, data order and dropout (train.seed). Same seed and thread
+    /// count, same result bit for bit.
     #[arg(long)]
     seed: Option<u64>,
-    /// Run directory.
-    #[arg(long)]
+    /// Run directory (train.out_dir; default runs/latest).
+    #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
     /// Dense layers and embeddings (tables) instead of TT/TTM.
     #[arg(long)]
     dense: bool,
-    /// Stop each epoch after this many steps.
+    /// Stop each epoch after this many steps (train.max_steps_per_epoch).
     #[arg(long)]
     max_steps_per_epoch: Option<usize>,
     /// Print the resolved configuration and exit.
@@ -39,17 +56,23 @@ pub struct TrainArgs {
     quiet: bool,
     /// Continue the run in this directory from its newest checkpoint that verifies (its own
     /// config; other options are refused).
-    #[arg(long, conflicts_with_all = ["config", "print_config", "epochs", "batch_size", "seed", "out", "dense", "max_steps_per_epoch", "stop_after_steps", "init_from", "overwrite"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["config", "data", "set", "print_config", "epochs", "batch_size", "seed", "out", "dense", "max_steps_per_epoch", "init_from", "overwrite"])]
     resume: Option<PathBuf>,
+    /// With --resume: train the run N more epochs (a finished run too); recorded in its
+    /// config.toml and run.toml, so it stays resumable. The learning-rate schedule is
+    /// stretched over the new length.
+    #[arg(long, value_name = "N", requires = "resume")]
+    extend_epochs: Option<usize>,
     /// Replace the run in the run directory (its files are removed first). Without it, a
     /// non-empty run directory is refused.
     #[arg(long)]
     overwrite: bool,
-    /// Stop after this many steps with a checkpoint (resumable).
+    /// Stop with a checkpoint once the run has done this many steps (resumable; with
+    /// --resume too, to run a long job in sittings).
     #[arg(long)]
     stop_after_steps: Option<u64>,
     /// Start the encoder from a pre-trained run directory (sets `train.init_from`).
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     init_from: Option<PathBuf>,
 }
 
@@ -62,11 +85,24 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
             .map_err(|e| anyhow::anyhow!("cannot install the SIGINT/SIGTERM handlers: {e}"))?;
     }
     if let Some(dir) = &a.resume {
-        return Ok(report(&comera_train::resume_with(dir, console(a.quiet))?));
+        let how = comera_train::Continue {
+            extend_epochs: a.extend_epochs,
+            stop_after_steps: a.stop_after_steps,
+        };
+        return Ok(report(&comera_train::continue_run(
+            dir,
+            how,
+            console(a.quiet),
+        )?));
     }
+    let settings = a
+        .set
+        .iter()
+        .map(|s| s.parse::<Setting>())
+        .collect::<Result<Vec<_>, _>>()?;
     let mut cfg = match &a.config {
-        Some(p) => AnyRunConfig::from_file(p)?,
-        None => AnyRunConfig::Encoder(RunConfig::builtin()),
+        Some(p) => AnyRunConfig::from_file_with(p, &settings)?,
+        None => AnyRunConfig::builtin_with(&settings)?,
     };
     cfg.apply(&Overrides {
         epochs: a.epochs,
@@ -77,6 +113,8 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
         stop_after_steps: a.stop_after_steps,
         init_from: a.init_from,
         dense: a.dense,
+        data: a.data,
+        valid: a.valid,
     })?;
     if a.print_config {
         print!("{}", cfg.to_toml());
@@ -154,11 +192,17 @@ fn report(s: &TrainSummary) -> ExitCode {
             s.tokens
         ),
     };
+    // A run of phases names each phase's batch size ("steps of 32, then 16").
+    let mut batches: Vec<String> = s.phase_batch_sizes.iter().map(usize::to_string).collect();
+    batches.dedup();
+    let batches = match batches.len() {
+        0 => s.batch_size.to_string(),
+        _ => batches.join(", then "),
+    };
     println!(
-        "done: {} epochs, {} steps of {} in {:.0} s; {result}; {} parameters (whole model {:.1}× compression vs dense {}); run directory {}",
+        "done: {} epochs, {} steps of {batches} in {:.0} s; {result}; {} parameters (whole model {:.1}× compression vs dense {}); run directory {}",
         s.epochs,
         s.steps,
-        s.batch_size,
         s.seconds,
         s.params,
         s.compression(),
@@ -212,7 +256,9 @@ pub struct EvalArgs {
     /// Evaluate this checkpoint of the run instead of its model files.
     #[arg(long)]
     checkpoint: Option<PathBuf>,
-    /// Score this file (in the run's data format) instead of the run's held-out data.
+    /// Score this file instead of the run's held-out data: labelled texts (.csv, .tsv, .jsonl,
+    /// .parquet, with the run's columns and labels), a Criteo TSV or a MovieLens interaction
+    /// file for a DLRM.
     #[arg(long)]
     data: Option<PathBuf>,
     /// Examples per forward pass.
@@ -260,7 +306,8 @@ pub struct PredictArgs {
     model: PathBuf,
     /// Inputs, one per argument (with none, lines of standard input): texts to classify
     /// (pairs separated by a tab), texts with [MASK] tokens for a masked-LM model, or for a
-    /// DLRM one Criteo-format TSV file of rows.
+    /// DLRM one file of rows in the format it was trained on (Criteo TSV; for MovieLens an
+    /// interaction file with `user_id` and `item_id` columns, as ml-100k.inter).
     inputs: Vec<String>,
     /// Labels shown per text, most probable first, each with its probability (classifiers;
     /// default 1), or tokens shown per [MASK] (masked-LM models; default 5).
@@ -382,9 +429,9 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
         }
         (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
             let [file] = inputs.as_slice() else {
-                bail!("a DLRM predicts the rows of one Criteo-format TSV file: give its path")
+                bail!("a DLRM predicts the rows of one file: give its path (Criteo-format TSV, or for a MovieLens model a `user_id:token<TAB>item_id:token` interaction file)")
             };
-            for p in predict_clicks(&model, &cfg.data.mapping, std::path::Path::new(file))? {
+            for p in predict_clicks(&model, &cfg.data, std::path::Path::new(file))? {
                 println!("{p:.6}");
             }
         }

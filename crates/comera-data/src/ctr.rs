@@ -948,10 +948,187 @@ impl Vocab {
     }
 }
 
+/// MovieLens-100K's users and items as CTR features (from recbole's `ml-100k.user` and
+/// `ml-100k.item`): categorical fields user, item, age, gender, occupation, genres (the item's
+/// whole genre list as one token), dense features ln(1 + age) and (release year − 1900)/100 (0
+/// when unknown). Ids are given in order of first appearance in those two files, so a model
+/// trained on [`load_movielens`] reads the same ids here ([`MovieLensFeatures::rows`]).
+pub struct MovieLensFeatures {
+    /// user token → (user id, age id, gender id, occupation id, ln(1 + age))
+    users: HashMap<String, (u32, u32, u32, u32, f32)>,
+    /// item token → (item id, genres id, scaled release year)
+    items: HashMap<String, (u32, u32, f32)>,
+    user_file: PathBuf,
+    item_file: PathBuf,
+    /// Rows of each categorical field.
+    pub table_sizes: Vec<usize>,
+}
+
+impl MovieLensFeatures {
+    /// Dense feature names.
+    pub const DENSE: [&'static str; 2] = ["log_age", "release_year"];
+    /// Categorical field names.
+    pub const FIELDS: [&'static str; 6] = ["user", "item", "age", "gender", "occupation", "genres"];
+
+    /// Reads the user and item files (rows that do not parse are malformed, up to
+    /// `max_malformed` each).
+    pub fn read(user: &Path, item: &Path, max_malformed: u64) -> Result<Self, CtrError> {
+        let users = TypedTsv::read(user)?;
+        let items = TypedTsv::read(item)?;
+        let (u_id, u_age, u_gender, u_occ) = (
+            users.col("user_id")?,
+            users.col("age")?,
+            users.col("gender")?,
+            users.col("occupation")?,
+        );
+        let (i_id, i_year, i_class) = (
+            items.col("item_id")?,
+            items.col("release_year")?,
+            items.col("class")?,
+        );
+        let [mut v_user, mut v_item, mut v_age, mut v_gender, mut v_occ, mut v_genre] =
+            std::array::from_fn(|_| Vocab::default());
+        let mut user_rows = HashMap::new();
+        let mut bad_users = Malformed::new(user, max_malformed);
+        let need = u_id.max(u_age).max(u_gender).max(u_occ) + 1;
+        for (line, r) in &users.rows {
+            if r.len() < need {
+                bad_users.record(
+                    *line,
+                    format!("expected {} fields, found {}", users.columns.len(), r.len()),
+                )?;
+                continue;
+            }
+            let age: f32 = match r[u_age].trim().parse::<f32>() {
+                Ok(a) if a >= 0.0 => a,
+                _ => {
+                    bad_users.record(
+                        *line,
+                        format!("age `{}` is not a non-negative number", clip(&r[u_age])),
+                    )?;
+                    continue;
+                }
+            };
+            let rec = (
+                v_user.id(&r[u_id]),
+                v_age.id(&r[u_age]),
+                v_gender.id(&r[u_gender]),
+                v_occ.id(&r[u_occ]),
+                age.ln_1p(),
+            );
+            user_rows.insert(r[u_id].clone(), rec);
+        }
+        let mut item_rows = HashMap::new();
+        let mut bad_items = Malformed::new(item, max_malformed);
+        for (line, r) in &items.rows {
+            if r.len() <= i_id {
+                bad_items.record(
+                    *line,
+                    format!("expected {} fields, found {}", items.columns.len(), r.len()),
+                )?;
+                continue;
+            }
+            let year = r
+                .get(i_year)
+                .and_then(|y| y.trim().parse::<f32>().ok())
+                .map_or(0.0, |y| (y - 1900.0) / 100.0);
+            let genres = r.get(i_class).map_or("", |s| s.trim());
+            let rec = (v_item.id(&r[i_id]), v_genre.id(genres), year);
+            item_rows.insert(r[i_id].clone(), rec);
+        }
+        for m in [&bad_users, &bad_items] {
+            if m.count > 0 {
+                eprintln!("warning: {}", m.summary());
+            }
+        }
+        Ok(MovieLensFeatures {
+            users: user_rows,
+            items: item_rows,
+            user_file: user.to_path_buf(),
+            item_file: item.to_path_buf(),
+            table_sizes: [v_user, v_item, v_age, v_gender, v_occ, v_genre]
+                .iter()
+                .map(Vocab::len)
+                .collect(),
+        })
+    }
+
+    /// An empty [`CtrData`] with MovieLens' feature names and table sizes.
+    fn empty(&self) -> CtrData {
+        let mut out = CtrData::empty(
+            Self::DENSE.iter().map(|s| s.to_string()).collect(),
+            Self::FIELDS.iter().map(|s| s.to_string()).collect(),
+            vec![],
+        );
+        out.table_sizes = self.table_sizes.clone();
+        out
+    }
+
+    /// Appends the features of (`user`, `item`) with `label` to `out`; the error says which
+    /// of the two is unknown.
+    fn push(&self, out: &mut CtrData, user: &str, item: &str, label: f32) -> Result<(), String> {
+        let Some(&(uid, age, gender, occ, log_age)) = self.users.get(user) else {
+            return Err(format!(
+                "user `{}` is not in {}",
+                clip(user),
+                self.user_file.display()
+            ));
+        };
+        let Some(&(iid, genre, year)) = self.items.get(item) else {
+            return Err(format!(
+                "item `{}` is not in {}",
+                clip(item),
+                self.item_file.display()
+            ));
+        };
+        out.dense.extend_from_slice(&[log_age, year]);
+        out.cats
+            .extend_from_slice(&[uid, iid, age, gender, occ, genre]);
+        out.labels.push(label);
+        Ok(())
+    }
+
+    /// The rows of an interaction file (recbole's `.inter` layout: a `name:type` header with
+    /// `user_id` and `item_id` columns): with a `threshold`, labelled from its `rating` column
+    /// (click = rating ≥ threshold; what `comera eval --data` scores), without one unlabelled
+    /// (0; a `rating` column is ignored: what `comera predict` scores). An unknown user or
+    /// item, or a bad rating, is an error naming its line.
+    pub fn rows(&self, path: &Path, threshold: Option<f32>) -> Result<CtrData, CtrError> {
+        let inters = TypedTsv::read(path)?;
+        let (x_user, x_item) = (inters.col("user_id")?, inters.col("item_id")?);
+        let x_rating = threshold.map(|_| inters.col("rating")).transpose()?;
+        let need = x_user.max(x_item).max(x_rating.unwrap_or(0)) + 1;
+        let mut out = self.empty();
+        for (line, r) in &inters.rows {
+            let bad = |detail: String| CtrError::Format {
+                path: path.to_path_buf(),
+                line: *line,
+                detail,
+            };
+            if r.len() < need {
+                return Err(bad(format!(
+                    "expected {} fields, found {}",
+                    inters.columns.len(),
+                    r.len()
+                )));
+            }
+            let label = match (x_rating, threshold) {
+                (Some(x), Some(t)) => match r[x].trim().parse::<f32>() {
+                    Ok(v) if v.is_finite() => (v >= t) as u8 as f32,
+                    _ => return Err(bad(format!("rating `{}` is not a number", clip(&r[x])))),
+                },
+                _ => 0.0,
+            };
+            self.push(&mut out, &r[x_user], &r[x_item], label)
+                .map_err(bad)?;
+        }
+        Ok(out)
+    }
+}
+
 /// MovieLens-100K (recbole's `ml-100k.{inter,user,item}`) as CTR: click = rating ≥
-/// `threshold`; categorical fields user, item, age, gender, occupation, genres (the item's
-/// whole genre list as one token); dense features ln(1 + age) and (release year − 1900)/100
-/// (0 when unknown). Rows whose user or item is unknown, or with a bad rating, are malformed.
+/// `threshold`, with the features of [`MovieLensFeatures`]. Rows whose user or item is
+/// unknown, or with a bad rating, are malformed.
 pub fn load_movielens(
     inter: &Path,
     user: &Path,
@@ -959,85 +1136,17 @@ pub fn load_movielens(
     threshold: f32,
     max_malformed: u64,
 ) -> Result<CtrData, CtrError> {
-    let users = TypedTsv::read(user)?;
-    let items = TypedTsv::read(item)?;
+    let features = MovieLensFeatures::read(user, item, max_malformed)?;
     let inters = TypedTsv::read(inter)?;
-    let (u_id, u_age, u_gender, u_occ) = (
-        users.col("user_id")?,
-        users.col("age")?,
-        users.col("gender")?,
-        users.col("occupation")?,
-    );
-    let (i_id, i_year, i_class) = (
-        items.col("item_id")?,
-        items.col("release_year")?,
-        items.col("class")?,
-    );
     let (x_user, x_item, x_rating) = (
         inters.col("user_id")?,
         inters.col("item_id")?,
         inters.col("rating")?,
     );
-    let [mut v_user, mut v_item, mut v_age, mut v_gender, mut v_occ, mut v_genre] =
-        std::array::from_fn(|_| Vocab::default());
-    // user token → (user id, age id, gender id, occupation id, ln(1 + age))
-    let mut user_rows: HashMap<String, (u32, u32, u32, u32, f32)> = HashMap::new();
-    let mut bad_users = Malformed::new(user, max_malformed);
-    let need = |cols: &[usize]| cols.iter().copied().max().unwrap_or(0) + 1;
-    for (line, r) in &users.rows {
-        if r.len() < need(&[u_id, u_age, u_gender, u_occ]) {
-            bad_users.record(
-                *line,
-                format!("expected {} fields, found {}", users.columns.len(), r.len()),
-            )?;
-            continue;
-        }
-        let age: f32 = match r[u_age].trim().parse::<f32>() {
-            Ok(a) if a >= 0.0 => a,
-            _ => {
-                bad_users.record(
-                    *line,
-                    format!("age `{}` is not a non-negative number", clip(&r[u_age])),
-                )?;
-                continue;
-            }
-        };
-        let rec = (
-            v_user.id(&r[u_id]),
-            v_age.id(&r[u_age]),
-            v_gender.id(&r[u_gender]),
-            v_occ.id(&r[u_occ]),
-            age.ln_1p(),
-        );
-        user_rows.insert(r[u_id].clone(), rec);
-    }
-    let mut item_rows: HashMap<String, (u32, u32, f32)> = HashMap::new();
-    let mut bad_items = Malformed::new(item, max_malformed);
-    for (line, r) in &items.rows {
-        if r.len() <= i_id {
-            bad_items.record(
-                *line,
-                format!("expected {} fields, found {}", items.columns.len(), r.len()),
-            )?;
-            continue;
-        }
-        let year = r
-            .get(i_year)
-            .and_then(|y| y.trim().parse::<f32>().ok())
-            .map_or(0.0, |y| (y - 1900.0) / 100.0);
-        let genres = r.get(i_class).map_or("", |s| s.trim());
-        let rec = (v_item.id(&r[i_id]), v_genre.id(genres), year);
-        item_rows.insert(r[i_id].clone(), rec);
-    }
-    let fields = ["user", "item", "age", "gender", "occupation", "genres"];
-    let mut out = CtrData::empty(
-        vec!["log_age".into(), "release_year".into()],
-        fields.iter().map(|s| s.to_string()).collect(),
-        vec![],
-    );
+    let mut out = features.empty();
     let mut bad = Malformed::new(inter, max_malformed);
     for (line, r) in &inters.rows {
-        if r.len() < need(&[x_user, x_item, x_rating]) {
+        if r.len() <= x_user.max(x_item).max(x_rating) {
             bad.record(
                 *line,
                 format!(
@@ -1048,20 +1157,6 @@ pub fn load_movielens(
             )?;
             continue;
         }
-        let Some(&(uid, age, gender, occ, log_age)) = user_rows.get(&r[x_user]) else {
-            bad.record(
-                *line,
-                format!("user `{}` is not in {}", clip(&r[x_user]), user.display()),
-            )?;
-            continue;
-        };
-        let Some(&(iid, genre, year)) = item_rows.get(&r[x_item]) else {
-            bad.record(
-                *line,
-                format!("item `{}` is not in {}", clip(&r[x_item]), item.display()),
-            )?;
-            continue;
-        };
         let rating: f32 = match r[x_rating].trim().parse::<f32>() {
             Ok(v) if v.is_finite() => v,
             _ => {
@@ -1072,23 +1167,13 @@ pub fn load_movielens(
                 continue;
             }
         };
-        out.dense.extend_from_slice(&[log_age, year]);
-        out.cats
-            .extend_from_slice(&[uid, iid, age, gender, occ, genre]);
-        out.labels.push((rating >= threshold) as u8 as f32);
-    }
-    out.table_sizes = vec![
-        v_user.len(),
-        v_item.len(),
-        v_age.len(),
-        v_gender.len(),
-        v_occ.len(),
-        v_genre.len(),
-    ];
-    for m in [&bad_users, &bad_items, &bad] {
-        if m.count > 0 {
-            eprintln!("warning: {}", m.summary());
+        let label = (rating >= threshold) as u8 as f32;
+        if let Err(detail) = features.push(&mut out, &r[x_user], &r[x_item], label) {
+            bad.record(*line, detail)?;
         }
+    }
+    if bad.count > 0 {
+        eprintln!("warning: {}", bad.summary());
     }
     Ok(out)
 }

@@ -40,8 +40,8 @@ pub use dataset::{train_valid_split, Batch, Batches, EncodedDataset};
 pub use debian::{fetch_debian, DebianError, DebianSet, DEBIAN_SETS};
 pub use fetch::{cached_bytes, default_cache_dir, fetch, FetchError};
 pub use loaders::{
-    load_parquet, load_reviews, load_table, Delimited, Example, Labels, LoadError, LoadedSet,
-    ReviewLabel, TableSpec,
+    load_parquet, load_reviews, load_table, sorted_labels, table_columns, Example, LabelExpected,
+    Labels, LoadError, LoadedSet, ReviewLabel, TableFormat, TableSpec,
 };
 pub use mlm::{MlmBatch, MlmBatches, MlmConfig, MlmMasker, IGNORE_LABEL};
 pub use regular::{open_regular, read_regular, read_regular_to_string};

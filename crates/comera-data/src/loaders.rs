@@ -1,9 +1,13 @@
-//! Text-classification data sets as `Example`s: delimited tables (GLUE TSV, CSV) and Parquet.
+//! Text-classification data sets as `Example`s: delimited tables (GLUE TSV, CSV), JSON Lines
+//! and Parquet.
 //!
-//! Columns are picked by header name; other columns are ignored. TSV is split on tabs only, with
-//! no quoting (as GLUE's files need: a `"` is an ordinary character); CSV follows RFC 4180
-//! quoting. Rows whose text is empty are dropped and counted. Errors name the file, the 1-based
-//! line (the header is line 1; for Parquet, the 1-based row) and the field.
+//! Columns are picked by name (a header row, the keys of a JSON object, Parquet's schema); other
+//! columns are ignored. TSV is split on tabs only, with no quoting (as GLUE's files need: a `"`
+//! is an ordinary character); CSV follows RFC 4180 quoting; JSON Lines holds one object a line
+//! (strings, numbers, booleans or null). Rows whose text is empty are dropped and counted.
+//! Labels are matched against a given set, or read from the data ([`Labels::FromData`]).
+//! Errors name the file, the 1-based line (the header is line 1; for Parquet, the 1-based row)
+//! and the field.
 
 use crate::regular::open_regular;
 use parquet::file::reader::{FileReader, SerializedFileReader};
@@ -34,6 +38,9 @@ pub struct LoadedSet {
 pub enum Labels {
     /// The field (trimmed) must be one of these; its position is the label.
     Names(Vec<String>),
+    /// The distinct values of the field (trimmed) are the labels, sorted: as numbers when every
+    /// value is one (`2` before `10`), else as text.
+    FromData,
     /// The field is a number: label 1 if it is greater than the threshold, else 0.
     Above(f64),
     /// [`Labels::Above`] with names for the two sides (e.g. `negative`, `positive`).
@@ -60,30 +67,94 @@ impl Labels {
         }
     }
 
-    /// The class names, in label order.
+    /// The class names, in label order (empty for [`Labels::FromData`]: the data says).
     pub fn label_names(&self) -> Vec<String> {
         match self {
             Labels::Names(names) => names.clone(),
+            Labels::FromData => Vec::new(),
             Labels::Above(t) => vec![format!("<= {t}"), format!("> {t}")],
             Labels::AboveNamed(_, names) => names.to_vec(),
             Labels::Coded { names, .. } => names.clone(),
         }
     }
 
+    /// The mapper that reads one file's label fields.
+    fn mapper(&self) -> LabelMapper<'_> {
+        LabelMapper {
+            labels: self,
+            seen: Vec::new(),
+        }
+    }
+}
+
+/// Label fields to class indices for one file: for [`Labels::FromData`] the values in the
+/// order first seen, renumbered in sorted order by [`LabelMapper::finish`].
+struct LabelMapper<'a> {
+    labels: &'a Labels,
+    seen: Vec<String>,
+}
+
+impl LabelMapper<'_> {
     /// The label of `value`, or what was expected.
-    fn map(&self, value: &str) -> Result<usize, LabelExpected> {
+    fn map(&mut self, value: &str) -> Result<usize, LabelExpected> {
         let value = value.trim();
-        match self {
+        match self.labels {
             Labels::Names(names) | Labels::Coded { values: names, .. } => names
                 .iter()
                 .position(|n| n == value)
                 .ok_or_else(|| LabelExpected::OneOf(names.clone())),
+            Labels::FromData => {
+                if value.is_empty() {
+                    return Err(LabelExpected::NonEmpty);
+                }
+                Ok(match self.seen.iter().position(|n| n == value) {
+                    Some(i) => i,
+                    None => {
+                        self.seen.push(value.to_string());
+                        self.seen.len() - 1
+                    }
+                })
+            }
             Labels::Above(t) | Labels::AboveNamed(t, _) => match value.parse::<f64>() {
                 Ok(v) if !v.is_nan() => Ok(usize::from(v > *t)),
                 _ => Err(LabelExpected::Number),
             },
         }
     }
+
+    /// The set's label names, with the examples' labels renumbered to them.
+    fn finish(self, examples: &mut [Example]) -> Vec<String> {
+        if !matches!(self.labels, Labels::FromData) {
+            return self.labels.label_names();
+        }
+        let names = sorted_labels(self.seen.clone());
+        let new_index: Vec<usize> = self
+            .seen
+            .iter()
+            .map(|v| names.iter().position(|n| n == v).expect("a seen value"))
+            .collect();
+        for e in examples {
+            e.label = new_index[e.label];
+        }
+        names
+    }
+}
+
+/// Label values in label order: as numbers when every value is a finite number (`2` before
+/// `10`), else by text.
+pub fn sorted_labels(mut values: Vec<String>) -> Vec<String> {
+    values.sort();
+    values.dedup();
+    let numbers: Option<Vec<f64>> = values
+        .iter()
+        .map(|v| v.parse::<f64>().ok().filter(|x| x.is_finite()))
+        .collect();
+    if let Some(numbers) = numbers {
+        let mut order: Vec<usize> = (0..values.len()).collect();
+        order.sort_by(|&i, &j| numbers[i].total_cmp(&numbers[j]).then(i.cmp(&j)));
+        values = order.into_iter().map(|i| values[i].clone()).collect();
+    }
+    values
 }
 
 /// What a label field should have held (a [`LoadError::BadLabel`] says "label … is not" this).
@@ -93,21 +164,42 @@ pub enum LabelExpected {
     OneOf(Vec<String>),
     #[error("a number")]
     Number,
+    #[error("a non-empty value")]
+    NonEmpty,
 }
 
-/// Field separator of a delimited file.
+/// The layout of a table file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Delimited {
-    /// Tab-separated, no quoting.
+pub enum TableFormat {
+    /// Tab-separated with a header row, no quoting.
     Tsv,
-    /// Comma-separated with `"` quoting.
+    /// Comma-separated with a header row and `"` quoting.
     Csv,
+    /// JSON Lines: one JSON object a line.
+    Jsonl,
+    /// Apache Parquet.
+    Parquet,
 }
 
-/// Which columns of a delimited file with a header row make the examples.
+impl TableFormat {
+    /// The format a file name's extension says (`.csv`, `.tsv`/`.tab`, `.jsonl`/`.ndjson`,
+    /// `.parquet`/`.pq`), case-insensitive.
+    pub fn from_extension(path: &Path) -> Option<TableFormat> {
+        let ext = path.extension()?.to_str()?.to_ascii_lowercase();
+        Some(match ext.as_str() {
+            "csv" => TableFormat::Csv,
+            "tsv" | "tab" => TableFormat::Tsv,
+            "jsonl" | "ndjson" => TableFormat::Jsonl,
+            "parquet" | "pq" => TableFormat::Parquet,
+            _ => return None,
+        })
+    }
+}
+
+/// Which columns of a table file make the examples.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TableSpec {
-    pub format: Delimited,
+    pub format: TableFormat,
     pub text_a: String,
     pub text_b: Option<String>,
     pub label: String,
@@ -116,7 +208,7 @@ pub struct TableSpec {
 
 impl TableSpec {
     /// One text column and a label column.
-    pub fn single(format: Delimited, text: &str, label: &str, labels: Labels) -> Self {
+    pub fn single(format: TableFormat, text: &str, label: &str, labels: Labels) -> Self {
         TableSpec {
             format,
             text_a: text.to_string(),
@@ -127,7 +219,7 @@ impl TableSpec {
     }
 
     /// Two text columns and a label column.
-    pub fn pair(format: Delimited, a: &str, b: &str, label: &str, labels: Labels) -> Self {
+    pub fn pair(format: TableFormat, a: &str, b: &str, label: &str, labels: Labels) -> Self {
         TableSpec {
             text_b: Some(b.to_string()),
             ..TableSpec::single(format, a, label, labels)
@@ -137,7 +229,7 @@ impl TableSpec {
     /// GLUE MNLI TSV: `sentence1`, `sentence2`, `gold_label` in entailment/neutral/contradiction.
     pub fn mnli() -> Self {
         TableSpec::pair(
-            Delimited::Tsv,
+            TableFormat::Tsv,
             "sentence1",
             "sentence2",
             "gold_label",
@@ -150,7 +242,7 @@ impl TableSpec {
     pub fn movie_snippets() -> Self {
         let names = ["negative".to_string(), "positive".to_string()];
         TableSpec::single(
-            Delimited::Tsv,
+            TableFormat::Tsv,
             "text",
             "sentiment",
             Labels::AboveNamed(0.0, names),
@@ -161,7 +253,7 @@ impl TableSpec {
     /// description, human, location, numeric — TREC-6's order).
     pub fn trec_coarse() -> Self {
         TableSpec::single(
-            Delimited::Csv,
+            TableFormat::Csv,
             "text",
             "label-coarse",
             Labels::coded(&[
@@ -237,47 +329,156 @@ pub enum LoadError {
     },
 }
 
-/// Reads a delimited file with a header row into examples.
+/// Reads a table file (of `spec.format`) into examples.
 pub fn load_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError> {
+    match spec.format {
+        TableFormat::Tsv | TableFormat::Csv => load_delimited(path, spec),
+        TableFormat::Jsonl => load_jsonl(path, spec),
+        TableFormat::Parquet => load_parquet_table(path, spec),
+    }
+}
+
+/// The column names of a table file: its header row, the keys of its first JSON object, or
+/// its Parquet schema's top-level fields.
+pub fn table_columns(path: &Path, format: TableFormat) -> Result<Vec<String>, LoadError> {
+    let p = || path.to_path_buf();
+    let io = |error| LoadError::Io { path: p(), error };
+    match format {
+        TableFormat::Tsv | TableFormat::Csv => {
+            let mut reader = delimited_reader(path, format)?;
+            let mut record = csv::ByteRecord::new();
+            if !reader
+                .read_byte_record(&mut record)
+                .map_err(|e| csv_error(path, e))?
+            {
+                return Err(LoadError::Empty { path: p() });
+            }
+            header_names(path, &record)
+        }
+        TableFormat::Jsonl => {
+            use std::io::BufRead;
+            let file = open_regular(path).map_err(io)?;
+            for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+                let line = line.map_err(io)?;
+                if !line.trim().is_empty() {
+                    return Ok(json_object(path, i as u64 + 1, &line)?
+                        .keys()
+                        .cloned()
+                        .collect());
+                }
+            }
+            Err(LoadError::Empty { path: p() })
+        }
+        TableFormat::Parquet => {
+            let file = open_regular(path).map_err(io)?;
+            let reader = SerializedFileReader::new(file).map_err(|e| LoadError::Parquet {
+                path: p(),
+                detail: parquet_detail(&e),
+            })?;
+            let root = reader
+                .metadata()
+                .file_metadata()
+                .schema_descr()
+                .root_schema();
+            Ok(root
+                .get_fields()
+                .iter()
+                .map(|f| f.name().to_string())
+                .collect())
+        }
+    }
+}
+
+/// Rows of one file becoming examples: labels mapped, rows without text dropped.
+struct Collector<'a> {
+    with_pair: bool,
+    labels: LabelMapper<'a>,
+    examples: Vec<Example>,
+    dropped: usize,
+}
+
+impl<'a> Collector<'a> {
+    fn new(spec: &'a TableSpec) -> Self {
+        Collector {
+            with_pair: spec.text_b.is_some(),
+            labels: spec.labels.mapper(),
+            examples: Vec::new(),
+            dropped: 0,
+        }
+    }
+
+    /// One row: its texts (`None`: null or absent) and its label field. The label is checked
+    /// first, so a bad label is an error even in a row that is dropped for its empty text.
+    fn row(&mut self, a: Option<&str>, b: Option<&str>, label: &str) -> Result<(), LabelExpected> {
+        let label = self.labels.map(label)?;
+        let empty = |t: Option<&str>| t.is_none_or(|t| t.trim().is_empty());
+        if empty(a) || (self.with_pair && empty(b)) {
+            self.dropped += 1;
+            return Ok(());
+        }
+        self.examples.push(Example {
+            text_a: a.unwrap_or_default().to_string(),
+            text_b: b.filter(|_| self.with_pair).map(str::to_string),
+            label,
+        });
+        Ok(())
+    }
+
+    fn finish(mut self) -> LoadedSet {
+        let label_names = self.labels.finish(&mut self.examples);
+        LoadedSet {
+            examples: self.examples,
+            label_names,
+            dropped: self.dropped,
+        }
+    }
+}
+
+/// A CSV/TSV reader of `path` (header row read as an ordinary record).
+fn delimited_reader(
+    path: &Path,
+    format: TableFormat,
+) -> Result<csv::Reader<std::io::BufReader<std::fs::File>>, LoadError> {
     let file = open_regular(path).map_err(|source| LoadError::Io {
         path: path.to_path_buf(),
         error: source,
     })?;
-    let mut reader = csv::ReaderBuilder::new()
+    Ok(csv::ReaderBuilder::new()
         .has_headers(false)
         .flexible(true)
-        .delimiter(match spec.format {
-            Delimited::Tsv => b'\t',
-            Delimited::Csv => b',',
+        .delimiter(if format == TableFormat::Csv {
+            b','
+        } else {
+            b'\t'
         })
-        .quoting(spec.format == Delimited::Csv)
-        .from_reader(std::io::BufReader::new(file));
-    let p = || path.to_path_buf();
-    let read_err = |e: csv::Error| {
-        let line = e.position().map_or(0, |pos| pos.line());
-        match e.into_kind() {
-            csv::ErrorKind::Io(source) => LoadError::Io {
-                path: p(),
-                error: source,
-            },
-            other => LoadError::Malformed {
-                path: p(),
-                line,
-                detail: format!("{other:?}"),
-            },
-        }
-    };
+        .quoting(format == TableFormat::Csv)
+        .from_reader(std::io::BufReader::new(file)))
+}
 
-    let mut record = csv::ByteRecord::new();
-    if !reader.read_byte_record(&mut record).map_err(read_err)? {
-        return Err(LoadError::Empty { path: p() });
+/// A CSV/TSV reading error, naming the file and line.
+fn csv_error(path: &Path, e: csv::Error) -> LoadError {
+    let line = e.position().map_or(0, |pos| pos.line());
+    match e.into_kind() {
+        csv::ErrorKind::Io(source) => LoadError::Io {
+            path: path.to_path_buf(),
+            error: source,
+        },
+        other => LoadError::Malformed {
+            path: path.to_path_buf(),
+            line,
+            detail: format!("{other:?}"),
+        },
     }
-    let header_line = record.position().map_or(1, |pos| pos.line());
+}
+
+/// The column names of a header record (a UTF-8 byte-order mark and spaces trimmed).
+fn header_names(path: &Path, record: &csv::ByteRecord) -> Result<Vec<String>, LoadError> {
+    let line = record.position().map_or(1, |pos| pos.line());
     let mut header = Vec::with_capacity(record.len());
     for (i, field) in record.iter().enumerate() {
         let name = std::str::from_utf8(field).map_err(|e| LoadError::NotUtf8 {
-            path: p(),
-            line: header_line,
+            path: path.to_path_buf(),
+            line,
             field: format!("column {}", i + 1),
             detail: e.to_string(),
         })?;
@@ -288,33 +489,53 @@ pub fn load_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError>
         };
         header.push(name.trim().to_string());
     }
-    let column = |name: &str| {
-        let mut found = header.iter().enumerate().filter(|(_, h)| *h == name);
-        match (found.next(), found.next()) {
-            (Some((i, _)), None) => Ok(i),
-            (Some((first, _)), Some((second, _))) => Err(LoadError::DuplicateColumn {
-                path: p(),
-                column: name.to_string(),
-                first: first + 1,
-                second: second + 1,
-            }),
-            (None, _) => Err(LoadError::MissingColumn {
-                path: p(),
-                column: name.to_string(),
-                header: header.clone(),
-            }),
-        }
-    };
-    let col_a = column(&spec.text_a)?;
-    let col_b = spec.text_b.as_deref().map(column).transpose()?;
-    let col_label = column(&spec.label)?;
+    Ok(header)
+}
 
-    let mut out = LoadedSet {
-        examples: Vec::new(),
-        label_names: spec.labels.label_names(),
-        dropped: 0,
-    };
-    while reader.read_byte_record(&mut record).map_err(read_err)? {
+/// The index of column `name` in `header`: it must appear exactly once.
+fn column_index(path: &Path, header: &[String], name: &str) -> Result<usize, LoadError> {
+    let mut found = header.iter().enumerate().filter(|(_, h)| *h == name);
+    match (found.next(), found.next()) {
+        (Some((i, _)), None) => Ok(i),
+        (Some((first, _)), Some((second, _))) => Err(LoadError::DuplicateColumn {
+            path: path.to_path_buf(),
+            column: name.to_string(),
+            first: first + 1,
+            second: second + 1,
+        }),
+        (None, _) => Err(LoadError::MissingColumn {
+            path: path.to_path_buf(),
+            column: name.to_string(),
+            header: header.to_vec(),
+        }),
+    }
+}
+
+/// Reads a delimited file with a header row into examples.
+fn load_delimited(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError> {
+    let p = || path.to_path_buf();
+    let mut reader = delimited_reader(path, spec.format)?;
+    let mut record = csv::ByteRecord::new();
+    if !reader
+        .read_byte_record(&mut record)
+        .map_err(|e| csv_error(path, e))?
+    {
+        return Err(LoadError::Empty { path: p() });
+    }
+    let header = header_names(path, &record)?;
+    let col_a = column_index(path, &header, &spec.text_a)?;
+    let col_b = spec
+        .text_b
+        .as_deref()
+        .map(|b| column_index(path, &header, b))
+        .transpose()?;
+    let col_label = column_index(path, &header, &spec.label)?;
+
+    let mut rows = Collector::new(spec);
+    while reader
+        .read_byte_record(&mut record)
+        .map_err(|e| csv_error(path, e))?
+    {
         let line = record.position().map_or(0, |pos| pos.line());
         if record.len() != header.len() {
             return Err(LoadError::ColumnCount {
@@ -335,9 +556,7 @@ pub fn load_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError>
         let a = text(col_a)?;
         let b = col_b.map(text).transpose()?;
         let value = text(col_label)?;
-        let label = spec
-            .labels
-            .map(value)
+        rows.row(Some(a), b, value)
             .map_err(|expected| LoadError::BadLabel {
                 path: p(),
                 line,
@@ -345,27 +564,137 @@ pub fn load_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError>
                 value: value.to_string(),
                 expected,
             })?;
-        if a.trim().is_empty() || b.is_some_and(|b| b.trim().is_empty()) {
-            out.dropped += 1;
-            continue;
-        }
-        out.examples.push(Example {
-            text_a: a.to_string(),
-            text_b: b.map(str::to_string),
-            label,
-        });
     }
-    Ok(out)
+    Ok(rows.finish())
 }
 
-/// Reads a text column and a label column of a Parquet file (any compression the `parquet`
-/// crate was built with, here brotli). Labels are matched as text (`Int(3)` is `"3"`).
+/// Line `line` of a JSON Lines file as an object.
+fn json_object(
+    path: &Path,
+    line: u64,
+    text: &str,
+) -> Result<serde_json::Map<String, serde_json::Value>, LoadError> {
+    let malformed = |detail: String| LoadError::Malformed {
+        path: path.to_path_buf(),
+        line,
+        detail,
+    };
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(other) => Err(malformed(format!(
+            "expected a JSON object ({{\"text\": …, \"label\": …}}), found {}",
+            json_kind(&other)
+        ))),
+        Err(e) => Err(malformed(format!("not JSON: {e}"))),
+    }
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// Reads a JSON Lines file (one object a line; blank lines skipped) into examples. A text
+/// field that is null or absent is an empty text (the row is dropped); the label field must be
+/// present.
+fn load_jsonl(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError> {
+    use std::io::BufRead;
+    let p = || path.to_path_buf();
+    let file = open_regular(path).map_err(|error| LoadError::Io { path: p(), error })?;
+    let mut rows = Collector::new(spec);
+    let mut any = false;
+    for (i, text) in std::io::BufReader::new(file).split(b'\n').enumerate() {
+        let line = i as u64 + 1;
+        let bytes = text.map_err(|error| LoadError::Io { path: p(), error })?;
+        let text = std::str::from_utf8(&bytes).map_err(|e| LoadError::NotUtf8 {
+            path: p(),
+            line,
+            field: "the line".to_string(),
+            detail: e.to_string(),
+        })?;
+        if text.trim().is_empty() {
+            continue;
+        }
+        any = true;
+        let object = json_object(path, line, text)?;
+        let field = |name: &str| -> Result<Option<String>, LoadError> {
+            Ok(match object.get(name) {
+                None | Some(serde_json::Value::Null) => None,
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                Some(v @ (serde_json::Value::Number(_) | serde_json::Value::Bool(_))) => {
+                    Some(v.to_string())
+                }
+                Some(v) => {
+                    return Err(LoadError::Malformed {
+                        path: p(),
+                        line,
+                        detail: format!(
+                            "field `{name}`: {}, expected text, a number or a boolean",
+                            json_kind(v)
+                        ),
+                    })
+                }
+            })
+        };
+        let a = field(&spec.text_a)?;
+        let b = spec.text_b.as_deref().map(field).transpose()?.flatten();
+        let Some(value) = field(&spec.label)? else {
+            return Err(LoadError::Malformed {
+                path: p(),
+                line,
+                detail: format!(
+                    "no label: field `{}` is {} (fields: {:?})",
+                    spec.label,
+                    if object.contains_key(&spec.label) {
+                        "null"
+                    } else {
+                        "absent"
+                    },
+                    object.keys().collect::<Vec<_>>()
+                ),
+            });
+        };
+        rows.row(a.as_deref(), b.as_deref(), &value)
+            .map_err(|expected| LoadError::BadLabel {
+                path: p(),
+                line,
+                field: spec.label.clone(),
+                value: value.clone(),
+                expected,
+            })?;
+    }
+    if !any {
+        return Err(LoadError::Empty { path: p() });
+    }
+    Ok(rows.finish())
+}
+
+/// Reads a text column and a label column of a Parquet file ([`load_table`] with a Parquet
+/// [`TableSpec`]).
 pub fn load_parquet(
     path: &Path,
     text_column: &str,
     label_column: &str,
     labels: &Labels,
 ) -> Result<LoadedSet, LoadError> {
+    let spec = TableSpec::single(
+        TableFormat::Parquet,
+        text_column,
+        label_column,
+        labels.clone(),
+    );
+    load_parquet_table(path, &spec)
+}
+
+/// Reads the columns of `spec` from a Parquet file (any compression the `parquet` crate was
+/// built with, here brotli). Labels are matched as text (`Int(3)` is `"3"`).
+fn load_parquet_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError> {
     let p = || path.to_path_buf();
     let pq = |e: parquet::errors::ParquetError| LoadError::Parquet {
         path: p(),
@@ -393,21 +722,24 @@ pub fn load_parquet(
                 header: fields.iter().map(|f| f.name().to_string()).collect(),
             })
     };
+    let mut wanted = vec![pick(&spec.text_a)?, pick(&spec.label)?];
+    if let Some(b) = &spec.text_b {
+        wanted.push(pick(b)?);
+    }
     let projection = Type::group_type_builder(root.name())
-        .with_fields(vec![pick(text_column)?, pick(label_column)?])
+        .with_fields(wanted)
         .build()
         .map_err(pq)?;
 
-    let mut out = LoadedSet {
-        examples: Vec::new(),
-        label_names: labels.label_names(),
-        dropped: 0,
-    };
-    let rows = reader.get_row_iter(Some(projection)).map_err(pq)?;
-    for (i, row) in rows.enumerate() {
+    let mut rows = Collector::new(spec);
+    for (i, row) in reader
+        .get_row_iter(Some(projection))
+        .map_err(pq)?
+        .enumerate()
+    {
         let row_no = i as u64 + 1;
         let row = row.map_err(pq)?;
-        let (mut text, mut label) = (None, None);
+        let (mut a, mut b, mut label) = (None, None, None);
         for (name, field) in row.get_column_iter() {
             let value = field_text(field).map_err(|detail| LoadError::ParquetValue {
                 path: p(),
@@ -415,36 +747,29 @@ pub fn load_parquet(
                 field: name.clone(),
                 detail,
             })?;
-            if name == text_column {
-                text = value;
-            } else if name == label_column {
+            if *name == spec.text_a {
+                a = value;
+            } else if *name == spec.label {
                 label = value;
+            } else if Some(name) == spec.text_b.as_ref() {
+                b = value;
             }
         }
-        let label_value = label.ok_or_else(|| LoadError::ParquetValue {
+        let value = label.ok_or_else(|| LoadError::ParquetValue {
             path: p(),
             row: row_no,
-            field: label_column.to_string(),
+            field: spec.label.clone(),
             detail: "label is null".to_string(),
         })?;
-        let label = labels
-            .map(&label_value)
+        rows.row(a.as_deref(), b.as_deref(), &value)
             .map_err(|expected| LoadError::ParquetValue {
                 path: p(),
                 row: row_no,
-                field: label_column.to_string(),
-                detail: format!("label {label_value:?} is not {expected}"),
+                field: spec.label.clone(),
+                detail: format!("label {value:?} is not {expected}"),
             })?;
-        match text {
-            Some(t) if !t.trim().is_empty() => out.examples.push(Example {
-                text_a: t,
-                text_b: None,
-                label,
-            }),
-            _ => out.dropped += 1,
-        }
     }
-    Ok(out)
+    Ok(rows.finish())
 }
 
 /// What went wrong reading a Parquet file, for a person: the `parquet` crate's own message
@@ -509,7 +834,12 @@ mod tests {
     use std::sync::Arc;
 
     fn spec() -> TableSpec {
-        TableSpec::single(Delimited::Tsv, "text", "label", Labels::names(&["a", "b"]))
+        TableSpec::single(
+            TableFormat::Tsv,
+            "text",
+            "label",
+            Labels::names(&["a", "b"]),
+        )
     }
 
     #[test]

@@ -47,6 +47,11 @@ pub struct RankConfig {
     pub beta: f64,
     /// Start the late stage after this many epochs (0: no switch by epochs).
     pub late_after_epochs: usize,
+    /// Start it after this many steps (0: no switch by steps).
+    pub late_after_steps: u64,
+    /// Start it once this fraction of the run's steps is done (0: not by fraction; resolved
+    /// into `late_after_steps` when the run's length is known, [`RankConfig::resolved`]).
+    pub late_after_fraction: f64,
     /// Also start it once S changed by less than `plateau_tol` (relative) over
     /// `plateau_steps` early-stage steps (0: off).
     pub plateau_steps: u64,
@@ -78,6 +83,9 @@ pub struct RankConfig {
     /// Gates trained from the first step can push a fresh small model to the majority class
     /// before it has learnt anything (0: from the first step).
     pub gates_after_steps: u64,
+    /// Hold the gates for this fraction of the run's steps (0: not by fraction; resolved into
+    /// `gates_after_steps`, [`RankConfig::resolved`]).
+    pub gates_after_fraction: f64,
 }
 
 impl Default for RankConfig {
@@ -87,6 +95,8 @@ impl Default for RankConfig {
             gamma: 0.01,
             beta: 0.0,
             late_after_epochs: 0,
+            late_after_steps: 0,
+            late_after_fraction: 0.0,
             plateau_steps: 0,
             plateau_tol: 0.01,
             target_loss: 0.8,
@@ -99,6 +109,7 @@ impl Default for RankConfig {
             size_weight: 1.0,
             normalise_gates: true,
             gates_after_steps: 0,
+            gates_after_fraction: 0.0,
         }
     }
 }
@@ -144,7 +155,37 @@ impl RankConfig {
                 ));
             }
         }
-        let late = self.late_after_epochs > 0 || self.plateau_steps > 0;
+        for (name, fraction) in [
+            ("rank.late_after_fraction", self.late_after_fraction),
+            ("rank.gates_after_fraction", self.gates_after_fraction),
+        ] {
+            if !(0.0..1.0).contains(&fraction) {
+                return Err(SettingError::new(
+                    name,
+                    format!(
+                        "expected a fraction of the run's steps in [0, 1) (0: off), got {fraction}"
+                    ),
+                ));
+            }
+        }
+        let switches = [
+            self.late_after_fraction > 0.0,
+            self.late_after_epochs > 0,
+            self.late_after_steps > 0,
+        ];
+        if switches.iter().filter(|&&on| on).count() > 1 {
+            return Err(SettingError::new(
+                "rank.late_after_fraction",
+                "give the switch once: late_after_fraction, late_after_epochs or late_after_steps (set the others to 0)",
+            ));
+        }
+        if self.gates_after_fraction > 0.0 && self.gates_after_steps > 0 {
+            return Err(SettingError::new(
+                "rank.gates_after_fraction",
+                "give the hold once: gates_after_fraction or gates_after_steps (set the other to 0)",
+            ));
+        }
+        let late = self.switches_by_schedule() || self.plateau_steps > 0;
         match (self.target_ratio, self.target_compression) {
             (Some(_), Some(_)) => Err(SettingError::new(
                 "rank",
@@ -159,7 +200,34 @@ impl RankConfig {
     }
 
     fn has_late_stage(&self) -> bool {
-        self.enabled && (self.late_after_epochs > 0 || self.plateau_steps > 0)
+        self.enabled && (self.switches_by_schedule() || self.plateau_steps > 0)
+    }
+
+    /// Whether the late stage starts at a set point (an epoch, a step or a fraction of the run).
+    fn switches_by_schedule(&self) -> bool {
+        self.late_after_epochs > 0 || self.late_after_steps > 0 || self.late_after_fraction > 0.0
+    }
+
+    /// Whether a setting is a fraction of the run, which [`RankConfig::resolved`] needs the
+    /// run's length for.
+    pub fn has_fractions(&self) -> bool {
+        self.late_after_fraction > 0.0 || self.gates_after_fraction > 0.0
+    }
+
+    /// The schedule for a run of `total_steps` steps: the fractions turned into step counts
+    /// (rounded to the nearest step; a switch after at least one step).
+    pub fn resolved(&self, total_steps: u64) -> RankConfig {
+        let at = |f: f64| (f * total_steps as f64).round() as u64;
+        let mut out = self.clone();
+        if out.late_after_fraction > 0.0 {
+            out.late_after_steps = at(out.late_after_fraction).max(1);
+            out.late_after_fraction = 0.0;
+        }
+        if out.gates_after_fraction > 0.0 {
+            out.gates_after_steps = at(out.gates_after_fraction);
+            out.gates_after_fraction = 0.0;
+        }
+        out
     }
 }
 
@@ -421,6 +489,7 @@ impl RankController {
         }
         let by_epochs =
             epoch_end && self.cfg.late_after_epochs > 0 && epoch >= self.cfg.late_after_epochs;
+        let by_steps = self.cfg.late_after_steps > 0 && step >= self.cfg.late_after_steps;
         let mut by_plateau = false;
         if self.cfg.plateau_steps > 0 {
             let (s, _, _) = sizes(model);
@@ -433,7 +502,7 @@ impl RankController {
                 _ => {}
             }
         }
-        if !(by_epochs || by_plateau) {
+        if !(by_epochs || by_steps || by_plateau) {
             return false;
         }
         let (s, _, _) = sizes(model);

@@ -4,6 +4,7 @@
 use crate::errors::{guard, IntoPy};
 use crate::events::json_to_py;
 use comera_train::config::DataSource;
+use comera_train::data::{LABEL_COLUMN, PAIR_COLUMNS, TEXT_COLUMNS};
 use comera_train::inputs::{self, LabelledTexts};
 use comera_train::SavedModel;
 use numpy::{PyArray1, PyArrayMethods};
@@ -127,9 +128,9 @@ fn evaluate(
         source: DataSource::Csv,
         valid: Some(stored.path),
         valid_sha256: Some(stored.sha256),
-        text_a: Some("text".into()),
-        text_b: t.text_pair.as_ref().map(|_| "text_pair".into()),
-        label: Some("label".into()),
+        text_a: Some(TEXT_COLUMNS[0].into()),
+        text_b: t.text_pair.as_ref().map(|_| PAIR_COLUMNS[0].into()),
+        label: Some(LABEL_COLUMN.into()),
         labels: None,
         cache_dir: cfg.data.cache_dir.clone(),
         ..comera_train::DataConfig::default()

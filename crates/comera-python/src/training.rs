@@ -5,6 +5,7 @@
 use crate::errors::{guard, IntoPy};
 use crate::events::{json_to_py, PyObserver};
 use comera_train::config::ConfigError;
+use comera_train::data::{LABEL_COLUMN, PAIR_COLUMNS, TEXT_COLUMNS};
 use comera_train::inputs::{self, ClickRows, LabelledTexts};
 use comera_train::{AnyRunConfig, RunOptions, TrainSummary};
 use numpy::PyReadonlyArray1;
@@ -25,7 +26,7 @@ pub fn json_to_toml(json: &str) -> PyResult<String> {
                 "config: a dict of tables ({\"model\": {...}, \"train\": {...}}) with values TOML can hold (no None)",
             )
         })?;
-    Ok(toml::to_string(&table).unwrap_or_default())
+    Ok(table.to_string())
 }
 
 /// Parses and checks a config: `text` is TOML, `origin` names it in errors (a path, `<dict>`).
@@ -220,14 +221,14 @@ impl MemoryData {
             let s = inputs::store_labelled_texts(&cache, &train, "training data")?;
             stored("training examples", &s);
             put(data, "source", str_v("csv"));
-            put(data, "text_a", str_v("text"));
+            put(data, "text_a", str_v(TEXT_COLUMNS[0]));
             match &train.text_pair {
-                Some(_) => put(data, "text_b", str_v("text_pair")),
+                Some(_) => put(data, "text_b", str_v(PAIR_COLUMNS[0])),
                 None => {
                     data.remove("text_b");
                 }
             }
-            put(data, "label", str_v("label"));
+            put(data, "label", str_v(LABEL_COLUMN));
             put(data, "labels", list_v(&labels));
             put(data, "train", path_v(&s.path));
             put(data, "train_sha256", str_v(&s.sha256));
@@ -251,7 +252,7 @@ impl MemoryData {
                 "validation data without training data; give data= too",
             ));
         }
-        Ok((toml::to_string(&table).unwrap_or(text), said))
+        Ok((table.to_string(), said))
     }
 }
 
@@ -394,6 +395,8 @@ pub fn train<'py>(
             stop_after_steps,
             init_from,
             dense,
+            data: None,
+            valid: None,
         })
         .py_err()?;
         // What was stored from memory is said first, as the loop says its own lines.

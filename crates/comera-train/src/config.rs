@@ -195,9 +195,12 @@ pub enum DataSource {
     Trec,
     /// An MNLI file in GLUE's TSV layout (`train`/`valid`).
     Mnli,
-    /// Files of the user's (`train`/`valid`) with named text and label columns.
+    /// Files of the user's (`train`/`valid`): text and label columns named by `text_a`,
+    /// `text_b`, `label` or found by convention (`text`/`sentence`, `text_pair`, `label`).
     Tsv,
     Csv,
+    /// JSON Lines: one object a line.
+    Jsonl,
     Parquet,
     /// Masked-LM pre-training on the text files and code directories of `data.corpus`.
     Corpus,
@@ -213,6 +216,7 @@ impl DataSource {
             DataSource::Mnli => "mnli",
             DataSource::Tsv => "tsv",
             DataSource::Csv => "csv",
+            DataSource::Jsonl => "jsonl",
             DataSource::Parquet => "parquet",
             DataSource::Corpus => "corpus",
         }
@@ -222,8 +226,23 @@ impl DataSource {
     pub fn reads_files(self) -> bool {
         matches!(
             self,
-            DataSource::Mnli | DataSource::Tsv | DataSource::Csv | DataSource::Parquet
+            DataSource::Mnli
+                | DataSource::Tsv
+                | DataSource::Csv
+                | DataSource::Jsonl
+                | DataSource::Parquet
         )
+    }
+
+    /// The file source a file name's extension says (`.csv`, `.tsv`, `.jsonl`, `.parquet`).
+    pub fn for_file(path: &Path) -> Option<DataSource> {
+        use comera_data::TableFormat;
+        Some(match TableFormat::from_extension(path)? {
+            TableFormat::Csv => DataSource::Csv,
+            TableFormat::Tsv => DataSource::Tsv,
+            TableFormat::Jsonl => DataSource::Jsonl,
+            TableFormat::Parquet => DataSource::Parquet,
+        })
     }
 
     /// Whether the run is a masked-LM pre-training (on a corpus) rather than a classifier.
@@ -286,6 +305,49 @@ pub struct DataConfig {
     pub select_prob: f64,
     pub mask_prob: f64,
     pub random_prob: f64,
+}
+
+impl DataConfig {
+    /// Train on `file` (and validate on `valid`): the source from the file's extension. The
+    /// columns and labels of a config that reads files stay (they describe the user's files);
+    /// after a fetched data set they are found in the file.
+    pub fn use_file(&mut self, file: &Path, valid: Option<&Path>) -> Result<(), ConfigError> {
+        let source = DataSource::for_file(file).ok_or_else(|| {
+            ConfigError::new(
+                "--data",
+                format!(
+                    "{}: cannot tell the format from the name; expected .csv, .tsv, .jsonl or .parquet",
+                    file.display()
+                ),
+            )
+        })?;
+        if let Some(v) = valid {
+            if DataSource::for_file(v) != Some(source) {
+                return Err(ConfigError::new(
+                    "--valid",
+                    format!(
+                        "{}: expected a {} file like --data {}",
+                        v.display(),
+                        source,
+                        file.display()
+                    ),
+                ));
+            }
+        }
+        if !self.source.reads_files() || self.source == DataSource::Mnli {
+            self.text_a = None;
+            self.text_b = None;
+            self.label = None;
+            self.labels = None;
+            self.label_names = None;
+        }
+        self.source = source;
+        self.train = Some(file.to_path_buf());
+        self.valid = valid.map(Path::to_path_buf);
+        self.train_sha256 = None;
+        self.valid_sha256 = None;
+        Ok(())
+    }
 }
 
 impl Default for DataConfig {
@@ -557,18 +619,20 @@ impl RunConfig {
                 warmup_steps: 100,
                 ..TrainConfig::default()
             },
-            // One epoch of the early stage, then the late stage towards 0.3× the size at the
-            // switch. rho_loss = 1 keeps the data loss's weight at 1 on size-branch steps (with
+            // The first fifth of the run (one epoch of five) in the early stage, the gates held
+            // for its first tenth; then the late stage towards 0.3× the size at the switch.
+            // As fractions of the run, both stages happen in a run of any length (a short run
+            // on small data too). rho_loss = 1 keeps the data loss's weight at 1 on size-branch steps (with
             // the authors' 0.1 the loss gradient's scale jumps tenfold between branches, and
             // Adam's second moment, set by the larger one, slows learning on size steps);
             // size_weight = 0.3 lets the loss decide which slices go first.
             rank: RankConfig {
-                late_after_epochs: 1,
+                late_after_fraction: 0.2,
                 target_loss: 0.3,
                 target_ratio: Some(0.3),
                 rho_loss: 1.0,
                 size_weight: 0.5,
-                gates_after_steps: 320,
+                gates_after_fraction: 0.1,
                 ..RankConfig::default()
             },
             galore: None,
@@ -578,15 +642,24 @@ impl RunConfig {
     /// Parses a TOML config; errors name the file and the offending key or line.
     ///
     /// A config without a `[model]` table gets the built-in run's small model (the paper's
-    /// 768-wide six-encoder model takes a table that asks for it): a user who brings only
-    /// data gets a model that trains in minutes on a CPU.
+    /// 768-wide six-encoder model takes a table that asks for it), and with it, unless the file
+    /// has those tables, the built-in `[optim]` and `[rank]`: a user who brings only data gets
+    /// a model that trains in minutes on a CPU through both rank stages.
     pub fn from_toml(path: &Path, text: &str) -> crate::Result<RunConfig> {
         let mut cfg: RunConfig = toml::from_str(text).map_err(|e| Error::parse(path, e))?;
-        if text
-            .parse::<toml::Table>()
-            .is_ok_and(|t| !t.contains_key("model"))
-        {
-            cfg.model = RunConfig::builtin().model;
+        if let Ok(table) = text.parse::<toml::Table>() {
+            if !table.contains_key("model") {
+                // The built-in model comes with the settings tuned for it: its optimiser and
+                // its rank schedule (as fractions of the run), unless the file gives them.
+                let builtin = RunConfig::builtin();
+                cfg.model = builtin.model;
+                if !table.contains_key("optim") {
+                    cfg.optim = builtin.optim;
+                }
+                if !table.contains_key("rank") {
+                    cfg.rank = builtin.rank;
+                }
+            }
         }
         cfg.validate().map_err(|e| e.in_file(path, text))?;
         Ok(cfg)
@@ -1187,8 +1260,97 @@ impl AnyRunConfig {
         })
     }
 
+    /// [`AnyRunConfig::from_toml`] with `settings` (`--set section.key=value`, see
+    /// [`Setting`]) applied to the file's tables first, so they are checked like the file:
+    /// an error that a setting causes names the setting.
+    pub fn from_toml_with(
+        path: &Path,
+        text: &str,
+        settings: &[Setting],
+    ) -> crate::Result<AnyRunConfig> {
+        if settings.is_empty() {
+            return Self::from_toml(path, text);
+        }
+        let mut table: toml::Table = text.parse().map_err(|e| Error::parse(path, e))?;
+        if !table.contains_key("dlrm") {
+            // What a config without `[model]` gets (`RunConfig::from_toml`), made explicit
+            // so that a setting changes it rather than replacing it.
+            let builtin = RunConfig::builtin();
+            if !table.contains_key("model") {
+                for (key, value) in [
+                    ("model", toml::Value::try_from(&builtin.model)),
+                    ("optim", toml::Value::try_from(&builtin.optim)),
+                    ("rank", toml::Value::try_from(&builtin.rank)),
+                ] {
+                    if key == "model" || !table.contains_key(key) {
+                        table.insert(key.into(), value.expect("the built-in config serialises"));
+                    }
+                }
+            }
+        }
+        let original = table.clone();
+        for s in settings {
+            s.apply(&mut table)?;
+        }
+        let e = match Self::from_toml(Path::new(""), &table.to_string()) {
+            Ok(cfg) => return Ok(cfg),
+            Err(e) => e,
+        };
+        if let Some(s) = settings.iter().find(|s| s.sets(&e)) {
+            return Err(s.error_of(e));
+        }
+        if let Error::Parse { .. } = e {
+            // A value of the wrong type or an unknown field: the setting that alone causes it.
+            for s in settings {
+                let mut one = original.clone();
+                s.apply(&mut one)?;
+                if let Err(e @ Error::Parse { .. }) =
+                    Self::from_toml(Path::new(""), &one.to_string())
+                {
+                    return Err(s.error_of(e));
+                }
+            }
+        }
+        // The file alone is a valid config: the settings made it invalid (e.g. two settings
+        // of the rank schedule's switch). Named after the setting of the same table.
+        if Self::from_toml(path, text).is_ok() {
+            let table_of = |f: &str| f.split(['.', '[']).next().unwrap_or_default().to_string();
+            let field = match &e {
+                Error::Config(c) => table_of(&c.field),
+                _ => String::new(),
+            };
+            let s = settings
+                .iter()
+                .rev()
+                .find(|s| s.key[0] == field)
+                .unwrap_or(&settings[settings.len() - 1]);
+            return Err(s.error_of(e));
+        }
+        // An error of the file's own fields: named with their place in the file.
+        Err(match e {
+            Error::Config(c) => ConfigError::new(c.field, c.reason)
+                .in_file(path, text)
+                .into(),
+            other => other,
+        })
+    }
+
     pub fn from_file(path: &Path) -> crate::Result<AnyRunConfig> {
         Self::from_toml(path, &read_config(path)?)
+    }
+
+    /// [`AnyRunConfig::from_file`] with `settings` ([`AnyRunConfig::from_toml_with`]).
+    pub fn from_file_with(path: &Path, settings: &[Setting]) -> crate::Result<AnyRunConfig> {
+        Self::from_toml_with(path, &read_config(path)?, settings)
+    }
+
+    /// The built-in run ([`RunConfig::builtin`]) with `settings`.
+    pub fn builtin_with(settings: &[Setting]) -> crate::Result<AnyRunConfig> {
+        let builtin = RunConfig::builtin();
+        if settings.is_empty() {
+            return Ok(AnyRunConfig::Encoder(builtin));
+        }
+        Self::from_toml_with(Path::new("(built-in config)"), &builtin.to_toml(), settings)
     }
 
     /// The run directory.
@@ -1197,6 +1359,33 @@ impl AnyRunConfig {
             AnyRunConfig::Encoder(c) => &mut c.train.out_dir,
             AnyRunConfig::Dlrm(c) => &mut c.train.out_dir,
         }
+    }
+
+    /// The run's epochs (over all its phases).
+    pub fn epochs(&self) -> usize {
+        match self {
+            AnyRunConfig::Encoder(c) => c.phases().iter().map(|p| p.epochs).sum(),
+            AnyRunConfig::Dlrm(c) => c.train.epochs,
+        }
+    }
+
+    /// Adds `n` epochs: to `train.epochs`, or to the last of `[[train.phases]]`; checked.
+    pub fn add_epochs(&mut self, n: usize) -> Result<(), ConfigError> {
+        match self {
+            AnyRunConfig::Encoder(c) => {
+                let epochs = match c.train.phases.last_mut() {
+                    Some(p) => &mut p.epochs,
+                    None => &mut c.train.epochs,
+                };
+                *epochs = epochs.saturating_add(n);
+                c.validate()
+            }
+            AnyRunConfig::Dlrm(c) => {
+                c.train.epochs = c.train.epochs.saturating_add(n);
+                c.validate()
+            }
+        }
+        .map_err(|e| ConfigError::new("--extend-epochs", e.to_string()))
     }
 
     pub fn stop_after_steps_mut(&mut self) -> &mut u64 {
@@ -1219,6 +1408,11 @@ pub struct Overrides {
     pub init_from: Option<PathBuf>,
     /// Every layer (or table) dense instead of TT/TTM.
     pub dense: bool,
+    /// Train on this file (`.csv`, `.tsv`, `.jsonl`, `.parquet`: the source from its
+    /// extension; columns and labels as `[data]` names them, or found in the file).
+    pub data: Option<PathBuf>,
+    /// Validate on this file (with `data`; without it, `data.valid_fraction` is held out).
+    pub valid: Option<PathBuf>,
 }
 
 impl Overrides {
@@ -1257,6 +1451,24 @@ impl AnyRunConfig {
                     )
                     .into());
                 }
+                if o.max_steps_per_epoch.is_some()
+                    && cfg
+                        .train
+                        .phases
+                        .iter()
+                        .any(|p| p.max_steps_per_epoch.is_some())
+                {
+                    return Err(bad(
+                        "--max-steps-per-epoch",
+                        "this config's [[train.phases]] set max_steps_per_epoch, which would override it; set it per phase there",
+                    )
+                    .into());
+                }
+                if let Some(file) = &o.data {
+                    cfg.data.use_file(file, o.valid.as_deref())?;
+                } else if o.valid.is_some() {
+                    return Err(bad("--valid", "goes with --data FILE").into());
+                }
                 let t = &mut cfg.train;
                 set(&mut t.epochs, o.epochs);
                 set(&mut t.batch_size, o.batch_size);
@@ -1273,6 +1485,13 @@ impl AnyRunConfig {
                 Ok(cfg.validate()?)
             }
             AnyRunConfig::Dlrm(cfg) => {
+                if o.data.is_some() || o.valid.is_some() {
+                    return Err(bad(
+                        "--data",
+                        "a DLRM run reads click logs named in its config's [data] table (data.train)",
+                    )
+                    .into());
+                }
                 if o.init_from.is_some() {
                     return Err(bad(
                         "--init-from",
@@ -1300,6 +1519,144 @@ impl AnyRunConfig {
             AnyRunConfig::Encoder(c) => c.to_toml(),
             AnyRunConfig::Dlrm(c) => c.to_toml(),
         }
+    }
+}
+
+/// One `--set section.key=value`: a config field and its value. The value is read as a TOML
+/// value (`3`, `0.5`, `true`, `["a", "b"]`, `"text"`), and as a string when it is not one
+/// (`--set data.train=my.csv`). A numeric part of the key indexes an array of tables
+/// (`train.phases.1.epochs`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Setting {
+    /// The argument as given.
+    pub text: String,
+    pub key: Vec<String>,
+    pub value: toml::Value,
+}
+
+impl std::str::FromStr for Setting {
+    type Err = ConfigError;
+
+    fn from_str(text: &str) -> Result<Setting, ConfigError> {
+        let bad = |why: &str| ConfigError::new(format!("--set {text}"), why.to_string());
+        let (key, value) = text
+            .split_once('=')
+            .ok_or_else(|| bad("expected section.key=value (e.g. train.epochs=3)"))?;
+        let key: Vec<String> = key
+            .trim()
+            .split('.')
+            .map(|k| k.trim().to_string())
+            .collect();
+        if key.len() < 2 || key.iter().any(String::is_empty) {
+            return Err(bad(
+                "expected a dotted field such as train.epochs or model.layers (the table, then the key)",
+            ));
+        }
+        let value = value.trim();
+        let value = format!("v = {value}")
+            .parse::<toml::Table>()
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(value.to_string()));
+        Ok(Setting {
+            text: text.to_string(),
+            key,
+            value,
+        })
+    }
+}
+
+impl Setting {
+    /// The field as a config error names it (`train.phases[1].epochs`).
+    fn field(&self) -> String {
+        let mut out = String::new();
+        for k in &self.key {
+            match k.parse::<usize>() {
+                Ok(i) => out.push_str(&format!("[{i}]")),
+                Err(_) if out.is_empty() => out.push_str(k),
+                Err(_) => out.push_str(&format!(".{k}")),
+            }
+        }
+        out
+    }
+
+    /// Sets the field in `table` (creating tables on the way).
+    fn apply(&self, table: &mut toml::Table) -> Result<(), ConfigError> {
+        let mut root = toml::Value::Table(std::mem::take(table));
+        let result = self.apply_to(&mut root);
+        if let toml::Value::Table(t) = root {
+            *table = t;
+        }
+        result
+    }
+
+    fn apply_to(&self, root: &mut toml::Value) -> Result<(), ConfigError> {
+        let bad = |why: String| ConfigError::new(format!("--set {}", self.text), why);
+        let (last, path) = self.key.split_last().expect("a key has two parts or more");
+        let mut here = root;
+        let mut walked = String::new();
+        for k in path {
+            walked.push_str(if walked.is_empty() { "" } else { "." });
+            walked.push_str(k);
+            here = match (here, k.parse::<usize>()) {
+                (toml::Value::Array(items), Ok(i)) => {
+                    let n = items.len();
+                    items.get_mut(i).ok_or_else(|| {
+                        bad(format!(
+                            "{walked}: the array has {n} entries (0 to {})",
+                            n.saturating_sub(1)
+                        ))
+                    })?
+                }
+                (toml::Value::Table(t), _) => {
+                    let indexed = self.key[walked.matches('.').count() + 1..]
+                        .first()
+                        .is_some_and(|next| next.parse::<usize>().is_ok());
+                    if indexed && !t.contains_key(k) {
+                        return Err(bad(format!(
+                            "{walked}: the config has no such array of tables to index"
+                        )));
+                    }
+                    t.entry(k.clone())
+                        .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+                }
+                (other, _) => {
+                    return Err(bad(format!(
+                        "{walked}: is {}, not a table",
+                        other.type_str()
+                    )))
+                }
+            };
+        }
+        match here {
+            toml::Value::Table(t) => {
+                t.insert(last.clone(), self.value.clone());
+                Ok(())
+            }
+            other => Err(bad(format!(
+                "{walked}: is {}, not a table",
+                other.type_str()
+            ))),
+        }
+    }
+
+    /// Whether `e` is about this setting's field.
+    fn sets(&self, e: &Error) -> bool {
+        matches!(e, Error::Config(c) if c.field == self.field() || c.field.starts_with(&format!("{}[", self.field())))
+    }
+
+    /// `e` as an error of this setting: `--set KEY=VALUE: reason`.
+    fn error_of(&self, e: Error) -> Error {
+        let reason = match &e {
+            Error::Config(c) if c.field == self.field() => c.reason.clone(),
+            Error::Config(c) => format!("{}: {}", c.field, c.reason),
+            Error::Parse { source, .. } => match source.downcast_ref::<toml::de::Error>() {
+                Some(t) => t.message().to_string(),
+                None => source.to_string(),
+            },
+            other => crate::error::Chain(other).to_string(),
+        };
+        ConfigError::new(format!("--set {}", self.text), reason).into()
     }
 }
 

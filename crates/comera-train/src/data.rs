@@ -9,13 +9,16 @@ use comera_data::corpus::{
 };
 use comera_data::mlm::{MlmConfig, MlmMasker};
 use comera_data::{
-    default_cache_dir, fetch, load_parquet, load_reviews, load_table, train_valid_split,
-    BertTokenizer, Delimited, EncodedDataset, Example, Labels, LoadedSet, ReviewLabel, TableSpec,
+    default_cache_dir, fetch, load_reviews, load_table, table_columns, train_valid_split,
+    BertTokenizer, EncodedDataset, Example, Labels, LoadedSet, ReviewLabel, TableFormat, TableSpec,
 };
 use std::path::{Path, PathBuf};
 
 /// Tokenised data ready for training.
 pub struct PreparedData {
+    /// The `[data]` table as the run records it: a file source's columns named, its labels
+    /// (read from the data when not configured) and the files' SHA-256 digests.
+    pub data: DataConfig,
     pub tokenizer: BertTokenizer,
     pub vocab: PathBuf,
     pub train: EncodedDataset,
@@ -49,39 +52,95 @@ fn required<'a, T>(v: &'a Option<T>, field: &str, source: DataSource) -> Result<
     })
 }
 
-fn file_spec(cfg: &DataConfig, format: Delimited) -> Result<TableSpec> {
+/// The text column a file source uses when `data.text_a` does not name one: the first of these
+/// the file has.
+pub const TEXT_COLUMNS: &[&str] = &["text", "sentence", "sentence1"];
+/// The second text of a sentence pair, when `data.text_a` and `data.text_b` are not set.
+pub const PAIR_COLUMNS: &[&str] = &["text_pair", "sentence2"];
+/// The label column, when `data.label` does not name one.
+pub const LABEL_COLUMN: &str = "label";
+
+/// The table format of a file source.
+fn table_format(source: DataSource) -> Option<TableFormat> {
+    Some(match source {
+        DataSource::Mnli | DataSource::Tsv => TableFormat::Tsv,
+        DataSource::Csv => TableFormat::Csv,
+        DataSource::Jsonl => TableFormat::Jsonl,
+        DataSource::Parquet => TableFormat::Parquet,
+        _ => return None,
+    })
+}
+
+/// `cfg` with a file source's columns named: those `[data]` gives, the rest found by convention
+/// in the training file's columns ([`TEXT_COLUMNS`], [`PAIR_COLUMNS`], [`LABEL_COLUMN`]).
+/// Other sources are returned as they are.
+pub fn resolve_columns(cfg: &DataConfig) -> Result<DataConfig> {
+    let mut out = cfg.clone();
+    let Some(format) = table_format(cfg.source).filter(|_| cfg.source != DataSource::Mnli) else {
+        return Ok(out);
+    };
+    if cfg.text_a.is_some() && cfg.label.is_some() {
+        return Ok(out);
+    }
+    let train = required(&cfg.train, "train", cfg.source)?;
+    let columns = table_columns(train, format)?;
+    let find = |names: &[&str]| {
+        names
+            .iter()
+            .find(|n| columns.iter().any(|c| c == *n))
+            .map(|n| n.to_string())
+    };
+    if out.text_a.is_none() {
+        out.text_a = Some(find(TEXT_COLUMNS).ok_or_else(|| {
+            ConfigError::new(
+                "data.text_a",
+                format!(
+                    "not set, and {} has none of the columns {TEXT_COLUMNS:?} (its columns: {columns:?}); name the text column",
+                    train.display()
+                ),
+            )
+        })?);
+        if out.text_b.is_none() {
+            out.text_b = find(PAIR_COLUMNS);
+        }
+    }
+    if out.label.is_none() {
+        if !columns.iter().any(|c| c == LABEL_COLUMN) {
+            return Err(ConfigError::new(
+                "data.label",
+                format!(
+                    "not set, and {} has no `{LABEL_COLUMN}` column (its columns: {columns:?}); name the label column",
+                    train.display()
+                ),
+            )
+            .into());
+        }
+        out.label = Some(LABEL_COLUMN.to_string());
+    }
+    Ok(out)
+}
+
+/// The columns and labels a file source reads: `labels` as configured, or read from the data
+/// (`Labels::FromData`).
+fn file_spec(cfg: &DataConfig, format: TableFormat, labels: Labels) -> Result<TableSpec> {
     let src = cfg.source;
     let a = required(&cfg.text_a, "text_a", src)?;
     let label = required(&cfg.label, "label", src)?;
-    let names = required(&cfg.labels, "labels", src)?;
-    let labels = Labels::Names(names.clone());
     Ok(match &cfg.text_b {
         Some(b) => TableSpec::pair(format, a, b, label, labels),
         None => TableSpec::single(format, a, label, labels),
     })
 }
 
-fn load_file(cfg: &DataConfig, path: &Path) -> Result<LoadedSet> {
-    Ok(match cfg.source {
-        DataSource::Mnli => load_table(path, &TableSpec::mnli())?,
-        DataSource::Tsv => load_table(path, &file_spec(cfg, Delimited::Tsv)?)?,
-        DataSource::Csv => load_table(path, &file_spec(cfg, Delimited::Csv)?)?,
-        DataSource::Parquet => {
-            let src = cfg.source;
-            let names = required(&cfg.labels, "labels", src)?;
-            load_parquet(
-                path,
-                required(&cfg.text_a, "text_a", src)?,
-                required(&cfg.label, "label", src)?,
-                &Labels::Names(names.clone()),
-            )?
+/// The examples of one file of a file source; `labels` as in [`file_spec`].
+fn load_file(cfg: &DataConfig, path: &Path, labels: Labels) -> Result<LoadedSet> {
+    match (cfg.source, table_format(cfg.source)) {
+        (DataSource::Mnli, _) => Ok(load_table(path, &TableSpec::mnli())?),
+        (_, Some(format)) => Ok(load_table(path, &file_spec(cfg, format, labels)?)?),
+        (other, None) => {
+            Err(ConfigError::new("data.source", format!("`{other}` does not read files")).into())
         }
-        other => {
-            return Err(
-                ConfigError::new("data.source", format!("`{other}` does not read files")).into(),
-            )
-        }
-    })
+    }
 }
 
 /// The configured source's labelled examples: a training set, and its own validation set
@@ -133,7 +192,11 @@ fn load_sets(cfg: &DataConfig) -> Result<(LoadedSet, Option<LoadedSet>)> {
             )
             .into())
         }
-        DataSource::Mnli | DataSource::Tsv | DataSource::Csv | DataSource::Parquet => {
+        DataSource::Mnli
+        | DataSource::Tsv
+        | DataSource::Csv
+        | DataSource::Jsonl
+        | DataSource::Parquet => {
             let train_path = required(&cfg.train, "train", cfg.source)?;
             if let Some(sha) = &cfg.train_sha256 {
                 crate::inputs::check_sha256(train_path, sha, "data.train_sha256")?;
@@ -141,8 +204,15 @@ fn load_sets(cfg: &DataConfig) -> Result<(LoadedSet, Option<LoadedSet>)> {
             if let (Some(p), Some(sha)) = (&cfg.valid, &cfg.valid_sha256) {
                 crate::inputs::check_sha256(p, sha, "data.valid_sha256")?;
             }
-            let train = load_file(cfg, train_path)?;
-            let valid = cfg.valid.as_ref().map(|p| load_file(cfg, p)).transpose()?;
+            // Without `data.labels` the training file's values are the labels (sorted); the
+            // validation file must use the same ones.
+            let labels = cfg.labels.clone().map_or(Labels::FromData, Labels::Names);
+            let train = load_file(cfg, train_path, labels)?;
+            let valid = cfg
+                .valid
+                .as_ref()
+                .map(|p| load_file(cfg, p, Labels::Names(train.label_names.clone())))
+                .transpose()?;
             (train, valid)
         }
     })
@@ -150,7 +220,19 @@ fn load_sets(cfg: &DataConfig) -> Result<(LoadedSet, Option<LoadedSet>)> {
 
 /// Loads, splits and tokenises the configured data.
 pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedData> {
+    let mut data = resolve_columns(cfg)?;
+    let cfg = &data;
     let (train_set, valid_set) = load_sets(cfg)?;
+    if train_set.label_names.len() < 2 && !train_set.examples.is_empty() {
+        return Err(ConfigError::new(
+            "data.label",
+            format!(
+                "the training data has one label only ({:?}); a classifier needs at least 2",
+                train_set.label_names
+            ),
+        )
+        .into());
+    }
     let label_names = match &cfg.label_names {
         Some(names) if names.len() != train_set.label_names.len() => {
             return Err(ConfigError::new(
@@ -168,6 +250,7 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedDa
         Some(names) => names.clone(),
         None => train_set.label_names.clone(),
     };
+    let train_set_labels = train_set.label_names.clone();
     let dropped = train_set.dropped + valid_set.as_ref().map_or(0, |v| v.dropped);
     let (mut train, mut valid): (Vec<Example>, Vec<Example>) = match valid_set {
         Some(v) => (train_set.examples, v.examples),
@@ -196,16 +279,39 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedDa
         .map_err(|e| Error::data_with(format!("data.vocab: {}", vocab.display()), e))?;
     let train_enc = EncodedDataset::encode(&tokenizer, &train, seq_len)?;
     let valid_enc = EncodedDataset::encode(&tokenizer, &valid, seq_len)?;
+    let columns = match (&cfg.text_a, &cfg.text_b, &cfg.label) {
+        (Some(a), b, Some(l)) if cfg.source.reads_files() => format!(
+            " (text `{a}`{}, label `{l}`)",
+            b.as_ref().map_or(String::new(), |b| format!(" + `{b}`"))
+        ),
+        _ => String::new(),
+    };
     let summary = format!(
-        "{}: {} train / {} valid examples, {} labels, {} rows without text dropped, {} train examples truncated to {seq_len} tokens",
+        "{}{columns}: {} train / {} valid examples, {} labels {:?}{}, {} rows without text dropped, {} train examples truncated to {seq_len} tokens",
         cfg.source,
         train_enc.len(),
         valid_enc.len(),
         label_names.len(),
+        label_names,
+        if cfg.labels.is_none() && cfg.source.reads_files() { " (from the data)" } else { "" },
         dropped,
         train_enc.truncated
     );
+    // What the run records: the columns and labels it read, and the files' digests (a file
+    // that changes under a stopped run is refused when it resumes).
+    if data.source.reads_files() {
+        if data.source != DataSource::Mnli && data.labels.is_none() {
+            data.labels = Some(train_set_labels);
+        }
+        if let (None, Some(p)) = (&data.train_sha256, &data.train) {
+            data.train_sha256 = Some(crate::inputs::sha256_file(p)?);
+        }
+        if let (None, Some(p)) = (&data.valid_sha256, &data.valid) {
+            data.valid_sha256 = Some(crate::inputs::sha256_file(p)?);
+        }
+    }
     Ok(PreparedData {
+        data,
         tokenizer,
         vocab,
         train: train_enc,

@@ -10,8 +10,9 @@ use crate::error::{Error, Result};
 use crate::files::{load_saved, DlrmMeta, ModelMeta, SavedModel, MODEL_META};
 use crate::task::{evaluate_classifier, evaluate_ctr, evaluate_mlm, EvalStats};
 use crate::trainer::available_memory_bytes;
-use comera_data::ctr::{CatMapping, CriteoReader, CriteoSpec, CtrData};
+use comera_data::ctr::{CatMapping, CriteoReader, CriteoSpec, CtrData, MovieLensFeatures};
 use comera_data::BertTokenizer;
+use comera_dlrm::config::CtrDataConfig;
 use comera_dlrm::loss::sigmoid;
 use comera_dlrm::Dlrm;
 use comera_layers::Model;
@@ -176,16 +177,18 @@ pub fn eval_run(
                 return Ok((EvalKind::MaskedLm, s));
             }
             if let Some(f) = data {
-                if !matches!(
-                    cfg.data.source,
-                    DataSource::Tsv | DataSource::Csv | DataSource::Parquet
-                ) {
+                if !cfg.data.source.reads_files() || cfg.data.source == DataSource::Mnli {
                     return Err(ConfigError::new(
                         "--data",
-                        format!("the run's data source `{}` is a fetched data set; --data takes a file of a file-source run (tsv, csv, parquet)",
+                        format!("the run's data source `{}` is a fetched data set; --data takes a file of a file-source run (tsv, csv, jsonl, parquet)",
                         cfg.data.source),
                     )
                     .into());
+                }
+                // The file's own format, when its name says it (a run trained on CSV can
+                // score a JSON Lines file with the same columns).
+                if let Some(source) = DataSource::for_file(f) {
+                    cfg.data.source = source;
                 }
                 // Only this file is read (not the training file the run came from).
                 cfg.data.valid = Some(f.to_path_buf());
@@ -201,7 +204,7 @@ pub fn eval_run(
         }
         (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
             let valid = match data {
-                Some(f) => read_criteo(&model, &cfg.data.mapping, f)?,
+                Some(f) => read_click_rows(&model, &cfg.data, f, true)?,
                 None => {
                     comera_dlrm::data::prepare(&cfg.data, cfg.train.seed)
                         .map_err(|e| Error::DlrmData(e.into()))?
@@ -322,6 +325,49 @@ fn clamp_batch(batch: usize, n: usize, what: &str) -> Result<usize> {
 }
 
 /// Reads a Criteo-format TSV for `model` (its table sizes, the run's id mapping).
+/// The rows of `path` in the format of the model's data source (`cfg.source`): Criteo TSV for
+/// `criteo` and `synthetic`; for `movielens`, an interaction file whose users and items are
+/// looked up in the fetched MovieLens user and item files (labelled from its ratings at the
+/// run's click threshold when `labelled`).
+pub fn read_click_rows(
+    model: &Dlrm,
+    cfg: &CtrDataConfig,
+    path: &Path,
+    labelled: bool,
+) -> Result<CtrData> {
+    match cfg.source.as_str() {
+        "movielens" => {
+            let cache = cfg
+                .cache_dir
+                .clone()
+                .unwrap_or_else(comera_data::default_cache_dir);
+            let user = comera_data::fetch("ml-100k-user", &cache)?;
+            let item = comera_data::fetch("ml-100k-item", &cache)?;
+            let features = MovieLensFeatures::read(&user, &item, cfg.max_malformed)?;
+            let sizes: Vec<usize> = model.tables.iter().map(|t| t.rows()).collect();
+            if sizes != features.table_sizes {
+                return Err(Error::model(format!(
+                    "the model's tables ({sizes:?} rows) are not MovieLens' ({:?}): it was trained on other user and item files",
+                    features.table_sizes
+                )));
+            }
+            let data = features.rows(path, labelled.then_some(cfg.click_threshold))?;
+            if data.is_empty() {
+                return Err(Error::model(format!(
+                    "{}: the input file is empty (no rows)",
+                    path.display()
+                )));
+            }
+            Ok(data)
+        }
+        "criteo" | "synthetic" => read_criteo(model, &cfg.mapping, path),
+        other => Err(Error::model(format!(
+            "{}: a DLRM trained on `{other}` data scores no file (only criteo, synthetic and movielens models do)",
+            path.display()
+        ))),
+    }
+}
+
 fn read_criteo(model: &Dlrm, mapping: &str, path: &Path) -> Result<CtrData> {
     let sizes: Vec<usize> = model.tables.iter().map(|t| t.rows()).collect();
     if sizes.len() != comera_data::ctr::CRITEO_CATS {
@@ -481,10 +527,11 @@ pub fn fill_mask(
         .collect())
 }
 
-/// Click probabilities of the rows of a Criteo-format TSV (label column included, as in
-/// training files; it is ignored).
-pub fn predict_clicks(model: &Dlrm, mapping: &str, path: &Path) -> Result<Vec<f32>> {
-    let data = read_criteo(model, mapping, path)?;
+/// Click probabilities of the rows of a file in the format the model was trained on: a
+/// Criteo-format TSV (label column included, as in training files; it is ignored) or, for a
+/// MovieLens model, an interaction file (`user_id`, `item_id`; see [`read_click_rows`]).
+pub fn predict_clicks(model: &Dlrm, data: &CtrDataConfig, path: &Path) -> Result<Vec<f32>> {
+    let data = read_click_rows(model, data, path, false)?;
     let mut st = model.state(1);
     let (_, scores) = evaluate_ctr(model, &mut st, &data)?;
     check_finite_outputs(&scores, model, "click logits")?;

@@ -11,6 +11,7 @@
 //!   `data.text_docs = "paragraphs"`);
 //! - click logs: Criteo-format TSV (label, 13 integer features, 26 categorical ids in hex).
 
+use crate::data::{LABEL_COLUMN, PAIR_COLUMNS, TEXT_COLUMNS};
 use crate::error::{Error, IoContext, Result};
 use comera_data::ctr::{CRITEO_CATS, CRITEO_DENSE};
 use sha2::{Digest, Sha256};
@@ -36,12 +37,10 @@ pub struct LabelledTexts {
 }
 
 impl LabelledTexts {
-    /// The sorted distinct labels: the label set when the caller gives none.
+    /// The distinct labels in the order a file's labels take ([`comera_data::sorted_labels`]):
+    /// the label set when the caller gives none.
     pub fn label_set(&self) -> Vec<String> {
-        let mut l = self.label.clone();
-        l.sort();
-        l.dedup();
-        l
+        comera_data::sorted_labels(self.label.clone())
     }
 
     fn check(&self, what: &str) -> Result<()> {
@@ -107,15 +106,16 @@ fn store(cache: &Path, ext: &str, bytes: &[u8], rows: usize) -> Result<StoredInp
     Ok(StoredInput { path, sha256, rows })
 }
 
-/// Stores labelled texts as CSV (`text`, `text_pair`, `label`); `what` names them in errors
+/// Stores labelled texts as CSV (`text`, `text_pair`, `label`: the columns a file source finds
+/// by convention, [`crate::data::TEXT_COLUMNS`]); `what` names them in errors
 /// (`training data`).
 pub fn store_labelled_texts(cache: &Path, t: &LabelledTexts, what: &str) -> Result<StoredInput> {
     t.check(what)?;
     let mut w = csv::Writer::from_writer(Vec::new());
     let csv_err = |e: csv::Error| Error::data(format!("{what}: {e}"));
     match &t.text_pair {
-        Some(_) => w.write_record(["text", "text_pair", "label"]),
-        None => w.write_record(["text", "label"]),
+        Some(_) => w.write_record([TEXT_COLUMNS[0], PAIR_COLUMNS[0], LABEL_COLUMN]),
+        None => w.write_record([TEXT_COLUMNS[0], LABEL_COLUMN]),
     }
     .map_err(csv_err)?;
     for i in 0..t.text.len() {
@@ -230,7 +230,7 @@ mod tests {
         assert_eq!(s.rows, 3);
         assert!(s.path.ends_with(format!("inputs/{}.csv", s.sha256)));
         let spec = comera_data::TableSpec::single(
-            comera_data::Delimited::Csv,
+            comera_data::TableFormat::Csv,
             "text",
             "label",
             comera_data::Labels::Names(t.label_set()),

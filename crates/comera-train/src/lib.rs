@@ -51,5 +51,6 @@ pub use task::EvalStats;
 pub const WORKER_STACK_BYTES: usize = 8 << 20;
 
 pub use trainer::{
-    peak_rss_bytes, resume, resume_with, train, train_dlrm, RunOptions, TrainSummary,
+    continue_run, extend_with, peak_rss_bytes, resume, resume_with, train, train_dlrm, Continue,
+    RunOptions, TrainSummary,
 };

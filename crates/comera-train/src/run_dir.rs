@@ -39,6 +39,23 @@ pub struct RunIdentity {
     pub created_unix: u64,
     /// The comera version that created it.
     pub comera_version: String,
+    /// Each time the run was extended (`comera train --resume DIR --extend-epochs N`), oldest
+    /// first: its checkpoints from before an extension belong to it too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extensions: Vec<Extension>,
+}
+
+/// One extension of a run: its config's epochs raised after step `at_step`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Extension {
+    /// The step of the checkpoint the extended run continues from.
+    pub at_step: u64,
+    /// The run's epochs before and after.
+    pub from_epochs: usize,
+    pub to_epochs: usize,
+    /// SHA-256 of `config.toml` before the extension.
+    pub previous_config_sha256: String,
 }
 
 /// A run directory that cannot be started, continued or replaced.
@@ -113,7 +130,14 @@ impl RunIdentity {
         let config = dir.join("config.toml");
         let text = comera_data::read_regular_to_string(&config)
             .io(&config, "cannot read the run's config")?;
-        if sha256_hex(&text) != self.config_sha256 {
+        let sha = sha256_hex(&text);
+        // The config before the last extension, if that extension was killed before it wrote
+        // `config.toml` (see `RunDir::extend`).
+        let unextended = self
+            .extensions
+            .last()
+            .is_some_and(|e| e.previous_config_sha256 == sha);
+        if sha != self.config_sha256 && !unextended {
             return Err(RunDirError::ConfigChanged { config }.into());
         }
         Ok(text)
@@ -201,6 +225,7 @@ impl RunDir {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             comera_version: env!("CARGO_PKG_VERSION").to_string(),
+            extensions: Vec::new(),
         };
         // From here the `RunDir` exists: an error restores the previous run when it drops.
         let dir = RunDir {
@@ -234,6 +259,23 @@ impl RunDir {
             replaced: std::cell::Cell::new(false),
             _lock: lock,
         })
+    }
+
+    /// Extends the run: `config_toml` (the run's config with more epochs) becomes its config,
+    /// and `run.toml` records the extension. `run.toml` is written first: a process killed
+    /// between the two writes leaves the old `config.toml`, which still verifies
+    /// ([`RunIdentity::verified_config`]) and resumes the run unextended.
+    pub fn extend(&mut self, config_toml: &str, extension: Extension) -> Result<()> {
+        let mut identity = self.identity.clone();
+        identity.config_sha256 = sha256_hex(config_toml);
+        identity.extensions.push(extension);
+        crate::files::write_atomic(
+            &self.path.join(IDENTITY),
+            toml::to_string_pretty(&identity)?.as_bytes(),
+        )?;
+        crate::files::write_atomic(&self.path.join("config.toml"), config_toml.as_bytes())?;
+        self.identity = identity;
+        Ok(())
     }
 
     /// The checkpoint to resume from ([`newest_checkpoint`]).
@@ -471,7 +513,12 @@ fn check_owner(dir: &Path, own: &RunIdentity, ck: &Checkpoint) -> Result<()> {
         .into());
     }
     let text = own.verified_config(dir)?;
-    if ck.config_toml != text {
+    // A checkpoint from before an extension holds the config it was written with.
+    let earlier = own
+        .extensions
+        .iter()
+        .any(|e| e.previous_config_sha256 == sha256_hex(&ck.config_toml));
+    if ck.config_toml != text && !earlier {
         return Err(RunDirError::OtherConfig {
             checkpoint: ck.path.clone(),
             dir: dir.to_path_buf(),

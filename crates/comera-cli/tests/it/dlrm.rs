@@ -266,11 +266,49 @@ fn a_stopped_and_resumed_dlrm_run_matches_an_uninterrupted_one_bit_for_bit() {
     assert_eq!(code, 0, "{text}");
     assert!(!records(&a, "truncate").is_empty(), "the run truncated");
     assert_same_run(&a, &b, &["train", "eval", "truncate", "ranks"]);
-    // Every command reads the DLRM run directory: predict scores Criteo-format rows only, so
-    // a MovieLens model is asked for one and must refuse with the reason.
-    let (code, text) = comera(&["predict", s(&a), s(&cfg)]);
+    // A MovieLens model predicts and evaluates interaction rows (user_id, item_id; the rating,
+    // if any, labels `eval --data`): the first rows of the fetched file, and rows of its own.
+    let cache = std::env::var_os("COMERA_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(comera_data::default_cache_dir);
+    let inter = comera_data::fetch("ml-100k-inter", &cache).unwrap();
+    let head: Vec<String> = std::fs::read_to_string(&inter)
+        .unwrap()
+        .lines()
+        .take(41)
+        .map(str::to_string)
+        .collect();
+    let rows = dir.join("rows.inter");
+    std::fs::write(&rows, head.join("\n") + "\n").unwrap();
+    let (code, text) = comera(&["predict", s(&a), s(&rows)]);
+    assert_eq!(code, 0, "{text}");
+    let p: Vec<f64> = text.lines().map(|l| l.parse().unwrap()).collect();
+    assert_eq!(p.len(), 40, "{text}");
+    assert!(p.iter().all(|p| (0.0..=1.0).contains(p)), "{text}");
+    let (code, text) = comera(&["eval", s(&a), "--data", s(&rows)]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("40 examples, AUC "), "{text}");
+    // Without ratings: predict reads it, eval needs the labels.
+    let pairs = dir.join("pairs.inter");
+    std::fs::write(&pairs, "user_id:token\titem_id:token\n196\t242\n186\t302\n").unwrap();
+    let (code, text) = comera(&["predict", s(&a), s(&pairs)]);
+    assert_eq!(code, 0, "{text}");
+    assert_eq!(text.lines().count(), 2, "{text}");
+    let (code, text) = comera(&["eval", s(&a), "--data", s(&pairs)]);
     assert_eq!(code, 1, "{text}");
-    assert!(text.contains("Criteo"), "{text}");
+    assert!(text.contains("rating"), "{text}");
+    // An unknown user is named with its line.
+    std::fs::write(
+        &pairs,
+        "user_id:token\titem_id:token\n196\t242\nnobody\t302\n",
+    )
+    .unwrap();
+    let (code, text) = comera(&["predict", s(&a), s(&pairs)]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("pairs.inter:3") && text.contains("user `nobody`"),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

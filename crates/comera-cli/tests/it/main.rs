@@ -8,6 +8,7 @@ mod dlrm;
 mod hf;
 mod import;
 mod mlm;
+mod own_data;
 mod safety;
 mod train;
 mod trust;

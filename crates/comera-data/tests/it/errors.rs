@@ -2,7 +2,7 @@
 //! message, and not also a `source()` that a chain printer (anyhow's `{:#}`) would add again.
 
 use comera_data::ctr::{load_adult, CatMapping, CriteoReader, CriteoSpec};
-use comera_data::{load_table, BertTokenizer, Delimited, Labels, TableSpec};
+use comera_data::{load_table, BertTokenizer, Labels, TableFormat, TableSpec};
 use std::error::Error;
 use std::path::Path;
 
@@ -28,7 +28,7 @@ fn cause_once(e: &(dyn Error + 'static), path: &Path) -> String {
 #[test]
 fn io_errors_name_the_file_and_print_the_cause_once() {
     let path = std::env::temp_dir().join("comera-no-such-file-errors-test.tsv");
-    let spec = TableSpec::single(Delimited::Tsv, "sentence", "label", Labels::names(&["0"]));
+    let spec = TableSpec::single(TableFormat::Tsv, "sentence", "label", Labels::names(&["0"]));
     cause_once(&load_table(&path, &spec).unwrap_err(), &path);
     cause_once(&BertTokenizer::from_vocab_file(&path).unwrap_err(), &path);
     cause_once(&load_adult(&path, "income").unwrap_err(), &path);

@@ -1,7 +1,7 @@
-//! Delimited-file and Parquet loaders on small files written here.
+//! TableFormat-file and Parquet loaders on small files written here.
 
 use comera_data::{
-    load_parquet, load_reviews, load_table, Delimited, Example, Labels, LoadError, ReviewLabel,
+    load_parquet, load_reviews, load_table, Example, Labels, LoadError, ReviewLabel, TableFormat,
     TableSpec,
 };
 use std::path::{Path, PathBuf};
@@ -146,7 +146,7 @@ fn csv_handles_quoting_and_counts_lines_of_multiline_records() {
                 meh,4,unknown label here\n";
     let path = write(dir.path(), "reviews.csv", body.as_bytes());
     let spec = TableSpec::single(
-        Delimited::Csv,
+        TableFormat::Csv,
         "review",
         "label",
         Labels::names(&["neg", "pos"]),

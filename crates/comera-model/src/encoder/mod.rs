@@ -242,6 +242,30 @@ impl Encoder {
         self.copy_body(other)
     }
 
+    /// Also takes `other`'s head (after [`Encoder::init_body_from`]): continued training of a
+    /// classifier on the same labels. The heads must have the same layout.
+    pub fn init_head_from(&mut self, other: &Encoder) -> Result<(), ConfigError> {
+        if self.cfg.head != other.cfg.head || self.cfg.num_labels != other.cfg.num_labels {
+            return Err(ConfigError {
+                field: "model.head".into(),
+                msg: "differs from the pre-trained model's head (kind or labels)".into(),
+            });
+        }
+        let theirs: HashMap<&str, &Param> = other
+            .head
+            .params()
+            .into_iter()
+            .map(|p| (p.name.as_str(), p))
+            .collect();
+        let mut err: Option<ConfigError> = None;
+        self.head.visit_params_mut(&mut |p| {
+            if err.is_none() {
+                err = copy_param(p, theirs.get(p.name.as_str()).copied()).err();
+            }
+        });
+        err.map_or(Ok(()), Err)
+    }
+
     /// Sets every TT/TTM layer to the ranks of `other`'s layer of the same name.
     fn take_ranks(&mut self, other: &Encoder) -> Result<(), ConfigError> {
         let mut ranks = HashMap::new();

@@ -21,7 +21,7 @@ mod run;
 mod setup;
 
 use crate::checkpoint::Checkpoint;
-use crate::config::{AnyRunConfig, DlrmRunConfig, LoopFields, RunConfig};
+use crate::config::{AnyRunConfig, ConfigError, DlrmRunConfig, LoopFields, RunConfig};
 use crate::observe::Observer;
 use crate::run_dir::RunDir;
 use crate::task::{EvalStats, Task};
@@ -39,6 +39,8 @@ pub struct TrainSummary {
     pub steps: u64,
     /// Examples per step in the last phase.
     pub batch_size: usize,
+    /// Examples per step of each phase, in order (one entry without `[[train.phases]]`).
+    pub phase_batch_sizes: Vec<usize>,
     /// Sequence positions (or examples, for tabular data) trained on.
     pub tokens: u64,
     /// The last evaluation (for a masked-LM run: held-out MLM loss and masked-token accuracy).
@@ -223,26 +225,98 @@ pub fn resume(run_dir: &Path) -> crate::Result<TrainSummary> {
 
 /// [`resume`] with observers (`opts.overwrite` does not apply to a resumed run).
 pub fn resume_with(run_dir: &Path, opts: RunOptions) -> crate::Result<TrainSummary> {
+    continue_run(run_dir, Continue::default(), opts)
+}
+
+/// How [`continue_run`] continues a run.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Continue {
+    /// Extend the run by this many epochs first ([`extend_with`]).
+    pub extend_epochs: Option<usize>,
+    /// Stop again (with a checkpoint) once the run has done this many steps in all; `None`:
+    /// run to the end.
+    pub stop_after_steps: Option<u64>,
+}
+
+/// Extends the run in `run_dir` by `epochs` epochs (added to `train.epochs`, or to the last of
+/// its `[[train.phases]]`) and continues it from its newest checkpoint: a finished run trains
+/// on, a stopped one runs to its new end. The run's `config.toml` becomes the extended config
+/// and `run.toml` records the extension, so the run stays resumable; its learning-rate
+/// schedule is stretched over the new length (a linear or cosine decay rises again from
+/// where it ended). Stopped and resumed, the extended run is bit for bit the run extended in
+/// one go.
+pub fn extend_with(run_dir: &Path, epochs: usize, opts: RunOptions) -> crate::Result<TrainSummary> {
+    let how = Continue {
+        extend_epochs: Some(epochs),
+        stop_after_steps: None,
+    };
+    continue_run(run_dir, how, opts)
+}
+
+/// Resumes the run in `run_dir` ([`resume_with`]), extended first and stopped again as `how`
+/// says.
+pub fn continue_run(
+    run_dir: &Path,
+    how: Continue,
+    opts: RunOptions,
+) -> crate::Result<TrainSummary> {
+    if how.extend_epochs == Some(0) {
+        return Err(ConfigError::new("--extend-epochs", "expected at least 1 epoch").into());
+    }
+    if how.extend_epochs.is_some() && crate::distributed::processes().1 > 1 {
+        return Err(ConfigError::new(
+            "--extend-epochs",
+            "extend the run in one process (without mpirun), then resume it data-parallel",
+        )
+        .into());
+    }
     let mut rep = Reporter::new(opts.observers);
     // Process 0 locks the directory; the others of a data-parallel run only read it.
-    let (dir, ck) = if crate::distributed::is_writer() {
+    let (mut dir, ck, identity) = if crate::distributed::is_writer() {
         let dir = RunDir::open(run_dir)?;
         let ck = dir.newest_checkpoint()?;
-        (Some(dir), ck)
+        let identity = dir.identity.clone();
+        (Some(dir), ck, identity)
     } else {
         let identity = crate::run_dir::RunIdentity::read(run_dir)?;
-        (None, crate::run_dir::newest_checkpoint(run_dir, &identity)?)
+        let ck = crate::run_dir::newest_checkpoint(run_dir, &identity)?;
+        (None, ck, identity)
     };
-    let mut cfg = ck.config()?;
+    // The run's config (a checkpoint from before an extension holds an older one).
+    let config_path = run_dir.join("config.toml");
+    let mut config_toml = identity.verified_config(run_dir)?;
+    let mut cfg = AnyRunConfig::from_toml(&config_path, &config_toml)?;
+    if let (Some(added), Some(dir)) = (how.extend_epochs, dir.as_mut()) {
+        let from = cfg.epochs();
+        cfg.add_epochs(added)?;
+        config_toml = cfg.to_toml();
+        dir.extend(
+            &config_toml,
+            crate::run_dir::Extension {
+                at_step: ck.progress.step,
+                from_epochs: from,
+                to_epochs: cfg.epochs(),
+                previous_config_sha256: crate::run_dir::sha256_hex(
+                    &identity.verified_config(run_dir)?,
+                ),
+            },
+        )?;
+        rep.say(format!(
+            "extend {}: {from} → {} epochs (config.toml and run.toml updated)",
+            run_dir.display(),
+            cfg.epochs()
+        ));
+    }
     *cfg.out_dir_mut() = run_dir.to_path_buf();
-    // A resumed run runs to the configured end (the stop is what interrupted it).
-    *cfg.stop_after_steps_mut() = 0;
+    // A resumed run runs to the configured end (the stop is what interrupted it), or to the
+    // stop asked for now.
+    *cfg.stop_after_steps_mut() = how.stop_after_steps.unwrap_or(0);
     rep.say(format!(
         "resume {} (step {})",
         ck.path.display(),
         ck.progress.step
     ));
-    let start = Start::Resume(Box::new(ck), dir);
+    let start = Start::Resume(Box::new(ck), dir, config_toml);
     rayon::scope(|_| match &cfg {
         AnyRunConfig::Encoder(c) => run::run(setup::encoder(c, start, &mut rep)?, rep),
         AnyRunConfig::Dlrm(c) => run::run(setup::dlrm(c, start, &mut rep)?, rep),
@@ -250,10 +324,10 @@ pub fn resume_with(run_dir: &Path, opts: RunOptions) -> crate::Result<TrainSumma
 }
 
 /// How a run starts: fresh (with `--overwrite` or not), or from a checkpoint of its (locked)
-/// directory.
+/// directory, with the run's config text.
 enum Start {
     Fresh(bool),
-    Resume(Box<Checkpoint>, Option<RunDir>),
+    Resume(Box<Checkpoint>, Option<RunDir>, String),
 }
 
 impl Start {
@@ -271,14 +345,22 @@ impl Start {
                     .transpose()?;
                 Ok((dir, None))
             }
-            Start::Resume(ck, dir) => Ok((dir, Some(*ck))),
+            Start::Resume(ck, dir, _) => Ok((dir, Some(*ck))),
+        }
+    }
+
+    /// A resumed run's config text (what its checkpoints record from now on).
+    fn config_toml(&self) -> Option<&str> {
+        match self {
+            Start::Fresh(_) => None,
+            Start::Resume(_, _, text) => Some(text),
         }
     }
 
     fn checkpoint(&self) -> Option<&Checkpoint> {
         match self {
             Start::Fresh(_) => None,
-            Start::Resume(ck, _) => Some(ck),
+            Start::Resume(ck, _, _) => Some(ck),
         }
     }
 }

@@ -111,6 +111,22 @@ impl<'t, T: Task> Loop<'t, T> {
         let initial_params = model.num_params();
         // The learning rate shown in log lines: the TT cores' (the rest scale alike).
         let lr_cores = optim.lr_cores;
+        let total = epochs
+            .iter()
+            .map(|e| e.1.map(|n| n as u64))
+            .sum::<Option<u64>>();
+        // Fractions of the run become step counts now that its length is known.
+        let rank_cfg = match total {
+            Some(total) => rank_cfg.resolved(total),
+            None if rank_cfg.enabled && rank_cfg.has_fractions() => {
+                return Err(crate::config::ConfigError::new(
+                    "rank",
+                    "late_after_fraction / gates_after_fraction need the run's length, which streamed data does not give before the run; set late_after_epochs / gates_after_steps",
+                )
+                .into())
+            }
+            None => rank_cfg,
+        };
         let (optimizer, rank, prog) =
             restore(&mut model, optim, galore, &rank_cfg, resume.as_ref())?;
         rep.dense_params = model.dense_equivalent_params();
@@ -121,10 +137,6 @@ impl<'t, T: Task> Loop<'t, T> {
             rep.ratio(&model)
         ));
         let phases = task.phases().to_vec();
-        let total = epochs
-            .iter()
-            .map(|e| e.1.map(|n| n as u64))
-            .sum::<Option<u64>>();
         if let Some(total) = total.filter(|_| rank_cfg.enabled && resume.is_none()) {
             for w in rank_schedule_warnings(&rank_cfg, total, epochs.len()) {
                 rep.say(w);
@@ -726,6 +738,7 @@ impl<'t, T: Task> Loop<'t, T> {
             epochs: self.epochs.len(),
             steps: self.prog.step,
             batch_size,
+            phase_batch_sizes: self.phases.iter().map(|p| p.batch_size).collect(),
             tokens: self.tokens_at(self.prog.step),
             final_valid: self.final_valid.clone(),
             best_valid: self.best.0,
@@ -779,7 +792,8 @@ fn refuse_finished(out: &std::path::Path, epochs: usize, steps: u64) -> crate::R
         .is_some_and(|r| r["stopped"] == false);
     if ended {
         return Err(Error::run(format!(
-            "{}: the run finished ({epochs} epochs, {steps} steps); nothing to resume. To train further, start a new run from it with --init-from (encoder) or a new directory",
+            "{}: the run finished ({epochs} epochs, {steps} steps); nothing to resume. To train it further: comera train --resume {} --extend-epochs N",
+            out.display(),
             out.display()
         )));
     }
@@ -866,6 +880,12 @@ fn rank_schedule_warnings(rank: &rank::RankConfig, total: u64, epochs: usize) ->
             rank.late_after_epochs
         ));
     }
+    if rank.late_after_steps >= total && rank.plateau_steps == 0 {
+        out.push(format!(
+            "warning: rank.late_after_steps = {} is not before the run's end ({total} steps): the late stage will not start",
+            rank.late_after_steps
+        ));
+    }
     out
 }
 
@@ -886,5 +906,22 @@ mod tests {
         assert!(w[0].contains("rank.gates_after_steps = 320") && w[0].contains("168 steps"));
         assert!(w[1].contains("rank.late_after_epochs = 3"));
         assert!(rank_schedule_warnings(&cfg, 3180, 5).is_empty());
+        // Fractions resolve inside any run: no warning, whatever its length.
+        let frac = RankConfig {
+            gates_after_fraction: 0.1,
+            late_after_fraction: 0.2,
+            ..RankConfig::default()
+        };
+        for total in [10, 168, 3180] {
+            let r = frac.resolved(total);
+            assert!(r.gates_after_steps < r.late_after_steps && r.late_after_steps < total);
+            assert!(rank_schedule_warnings(&r, total, 1).is_empty());
+        }
+        let late = RankConfig {
+            late_after_steps: 200,
+            ..RankConfig::default()
+        };
+        let w = rank_schedule_warnings(&late, 168, 3);
+        assert!(w[0].contains("rank.late_after_steps = 200"), "{w:?}");
     }
 }

@@ -89,14 +89,15 @@ pub(super) fn encoder(
         )
         .into());
     }
+    let mut resolved = cfg.clone();
     if let EncoderData::Classify(d) = &data {
         mcfg.num_labels = d.label_names.len();
+        resolved.data = d.data.clone();
     }
-    let mut resolved = cfg.clone();
     resolved.model = mcfg.clone();
     // A resumed run keeps writing the config it was created with.
-    let config_toml = match start.checkpoint() {
-        Some(ck) => ck.config_toml.clone(),
+    let config_toml = match start.config_toml() {
+        Some(text) => text.to_string(),
         None => resolved.to_toml(),
     };
     if let Some(ck) = start.checkpoint() {
@@ -113,16 +114,37 @@ pub(super) fn encoder(
     // --overwrite, moves the previous run aside).
     let mut model = Encoder::new(&mcfg, cfg.train.seed)?;
     if let (None, Some(dir)) = (start.checkpoint(), &cfg.train.init_from) {
-        let (pre, _) = crate::files::load_model(dir)
-            .map_err(|e| Error::model_with(format!("train.init_from: {}", dir.display()), e))?;
-        model
-            .init_body_from(&pre)
-            .map_err(|e| Error::model_with(format!("train.init_from: {}", dir.display()), e))?;
+        let init_err = |e: crate::error::BoxError| {
+            Error::model_with(format!("train.init_from: {}", dir.display()), e)
+        };
+        let (pre, meta) = crate::files::load_model(dir).map_err(|e| init_err(e.into()))?;
+        model.init_body_from(&pre).map_err(|e| init_err(e.into()))?;
         rep.say(format!(
             "init  encoder from {} ({} parameters)",
             dir.display(),
             pre.num_params()
         ));
+        // A classifier of the same labels goes on with its head too; of other labels, its
+        // head cannot serve this data: a fresh one is trained, and that is said.
+        if let (EncoderData::Classify(d), comera_model::HeadKind::Classifier) =
+            (&data, pre.cfg.head)
+        {
+            if meta.labels == d.label_names && mcfg.head == pre.cfg.head {
+                model.init_head_from(&pre).map_err(|e| init_err(e.into()))?;
+                rep.say(format!(
+                    "init  classifier head from {} (the same labels {:?})",
+                    dir.display(),
+                    meta.labels
+                ));
+            } else {
+                rep.say(format!(
+                    "note  {}'s classifier head is for the labels {:?}, this data's are {:?}: a fresh head is trained on its encoder",
+                    dir.display(),
+                    meta.labels,
+                    d.label_names
+                ));
+            }
+        }
     }
     rep.say(format!(
         "model {} layers, d_model {}: {}",
@@ -190,8 +212,8 @@ pub(super) fn dlrm(
         )));
     }
     rep.say(format!("data  {}", prepared.summary));
-    let config_toml = match start.checkpoint() {
-        Some(ck) => ck.config_toml.clone(),
+    let config_toml = match start.config_toml() {
+        Some(text) => text.to_string(),
         None => cfg.to_toml(),
     };
     let t = &cfg.train;
