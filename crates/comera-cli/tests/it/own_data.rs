@@ -68,7 +68,7 @@ fn compression_start_end(run: &Path) -> (f64, f64) {
 fn train_data_file_trains_the_small_model_through_both_rank_stages_from_csv_jsonl_and_tsv() {
     let dir = tempdir("own-data");
     let rows = reviews(2000);
-    for (file, epochs) in [("my.csv", "5"), ("my.jsonl", "2"), ("my.tsv", "2")] {
+    for file in ["my.csv", "my.jsonl", "my.tsv"] {
         let data = write_rows(&dir, file, &rows);
         let run = dir.join(format!("run-{file}"));
         let (code, text) = comera(&[
@@ -77,8 +77,6 @@ fn train_data_file_trains_the_small_model_through_both_rank_stages_from_csv_json
             "train",
             "--data",
             s(&data),
-            "--epochs",
-            epochs,
             "--out",
             s(&run),
             "--quiet",
@@ -111,6 +109,23 @@ fn train_data_file_trains_the_small_model_through_both_rank_stages_from_csv_json
         let (code, text) = comera(&["predict", s(&run), "the dress was lovely and soft"]);
         assert_eq!(code, 0, "{text}");
         assert!(text.starts_with("positive\t"), "{text}");
+    }
+    // Starting from the CSV run: on the same labels its classifier head goes on too; on other
+    // labels a fresh head is trained on its encoder, and that is said.
+    let base = dir.join("run-my.csv");
+    let two: Vec<(String, &str)> = rows.iter().filter(|r| r.1 != "neutral").cloned().collect();
+    for (file, rows, said) in [
+        ("same.csv", &rows, "init  classifier head from"),
+        ("two.csv", &two, "a fresh head is trained on its encoder"),
+    ] {
+        let data = write_rows(&dir, file, rows);
+        let (code, text) = comera(&[
+            "train", "--data", s(&data), "--init-from", s(&base), "--epochs", "1",
+            "--max-steps-per-epoch", "3", "--out", s(&dir.join(file).with_extension("run")),
+            "--quiet",
+        ]);
+        assert_eq!(code, 0, "{text}");
+        assert!(text.contains(said), "{file}: {text}");
     }
     // An unknown extension, and a validation file of another format.
     let data = dir.join("my.csv");
