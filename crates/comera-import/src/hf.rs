@@ -1,12 +1,24 @@
 //! Hugging Face model directories, both ways.
 //!
 //! Export ([`export_hf`]): a directory that `transformers` loads with `from_pretrained(DIR)`
-//! alone — `config.json` (`BertForSequenceClassification` with `id2label`/`label2id` from the
-//! run's label names, or `BertForMaskedLM`), `model.safetensors` (every body tensor under
-//! `bert.`, the head as `classifier.*` or `cls.predictions.*`, TT/TTM layers reconstructed, a
-//! TT output projection cut to the vocabulary's V columns) and the tokenizer files of the run's
-//! vocabulary (`vocab.txt`, `tokenizer_config.json`, `special_tokens_map.json`). A pre-LN model
-//! is refused: Hugging Face BERT is post-LN, so no BERT file computes what it computes.
+//! alone — `config.json`, `model.safetensors` (TT/TTM layers reconstructed, a TT output
+//! projection cut to the vocabulary's V columns) and the tokenizer files of the run's
+//! vocabulary (`vocab.txt`, `tokenizer_config.json` with `BertTokenizer`,
+//! `special_tokens_map.json`). A classifier records `id2label`/`label2id` from the run's label
+//! names. The family follows the LayerNorm placement:
+//! - post-LN: `bert` (`BertForSequenceClassification` or `BertForMaskedLM`), every body tensor
+//!   under `bert.`, the head as `classifier.*` or `cls.predictions.*`;
+//! - pre-LN: `roberta-prelayernorm` (`RobertaPreLayerNormForSequenceClassification` or
+//!   `…ForMaskedLM`), which computes what comera's pre-LN encoder does — embedding LN, LN before
+//!   attention (`attention.LayerNorm` = comera's `ln1`) and before the FFN
+//!   (`intermediate.LayerNorm` = `ln2`), residual sums without LN, a final LN
+//!   (`roberta_prelayernorm.LayerNorm`), exact-erf GELU; the classifier head is dense + tanh +
+//!   linear on the first token (`classifier.dense` = comera's pooler, `classifier.out_proj`),
+//!   the MLM head `lm_head.{dense,layer_norm,decoder,bias}`. RoBERTa numbers a non-padding
+//!   token at position t as `pad_token_id + 1 + t` (padding tokens get `pad_token_id`), so the
+//!   position table is written with `pad_token_id + 1` zero rows before comera's `seq_len`
+//!   rows. Only the hidden states *of* `[PAD]` positions differ from comera's (they are never
+//!   attended to, so no other position's output, logit or prediction changes).
 //!
 //! Import ([`read_hf`]): a directory (or a `.zip` of one) with `config.json`,
 //! `model.safetensors` and `vocab.txt` or a WordPiece `tokenizer.json` into a dense
@@ -38,6 +50,10 @@ use std::path::Path;
 pub const SEQUENCE_CLASSIFICATION: &str = "BertForSequenceClassification";
 /// The Hugging Face class of a masked-LM export.
 pub const MASKED_LM: &str = "BertForMaskedLM";
+/// The Hugging Face class of a pre-LN classifier export.
+pub const PRE_LN_SEQUENCE_CLASSIFICATION: &str = "RobertaPreLayerNormForSequenceClassification";
+/// The Hugging Face class of a pre-LN masked-LM export.
+pub const PRE_LN_MASKED_LM: &str = "RobertaPreLayerNormForMaskedLM";
 
 /// The architectures [`read_hf`] reads (with the head each implies).
 const ARCHITECTURES: [&str; 4] = [
@@ -61,7 +77,9 @@ pub struct ModelInfo {
 /// What [`export_hf`] wrote.
 #[derive(Clone, Debug)]
 pub struct HfExport {
-    /// `BertForSequenceClassification` or `BertForMaskedLM`.
+    /// `BertForSequenceClassification` or `BertForMaskedLM` (post-LN),
+    /// `RobertaPreLayerNormForSequenceClassification` or `RobertaPreLayerNormForMaskedLM`
+    /// (pre-LN).
     pub architecture: &'static str,
     /// File names written into the directory.
     pub files: Vec<String>,
@@ -69,17 +87,105 @@ pub struct HfExport {
     pub notes: Vec<String>,
 }
 
-/// Writes `enc` as a Hugging Face BERT directory (see the module docs).
+/// The Hugging Face model family of an export: the one whose LayerNorm placement is the model's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    /// Post-LN: `bert`.
+    Bert,
+    /// Pre-LN: `roberta-prelayernorm`.
+    RobertaPreLn,
+}
+
+impl Family {
+    fn of(cfg: &EncoderConfig) -> Family {
+        if cfg.pre_ln {
+            Family::RobertaPreLn
+        } else {
+            Family::Bert
+        }
+    }
+
+    fn model_type(self) -> &'static str {
+        match self {
+            Family::Bert => "bert",
+            Family::RobertaPreLn => "roberta-prelayernorm",
+        }
+    }
+
+    fn architecture(self, head: HeadKind) -> &'static str {
+        match (self, head) {
+            (Family::Bert, HeadKind::Classifier) => SEQUENCE_CLASSIFICATION,
+            (Family::Bert, HeadKind::Mlm) => MASKED_LM,
+            (Family::RobertaPreLn, HeadKind::Classifier) => PRE_LN_SEQUENCE_CLASSIFICATION,
+            (Family::RobertaPreLn, HeadKind::Mlm) => PRE_LN_MASKED_LM,
+        }
+    }
+
+    /// Rows of the position table before comera's row 0: RoBERTa numbers positions from
+    /// `pad_token_id + 1`.
+    fn position_offset(self, pad: u32) -> usize {
+        match self {
+            Family::Bert => 0,
+            Family::RobertaPreLn => pad as usize + 1,
+        }
+    }
+
+    /// The name in this family of the tensor that [`hf_tensors`] names `bert` (a BERT name
+    /// without the `bert.` prefix).
+    fn tensor_name(self, bert: &str) -> String {
+        match self {
+            Family::Bert if bert.starts_with("classifier.") || bert.starts_with("cls.") => {
+                bert.to_string()
+            }
+            Family::Bert => format!("bert.{bert}"),
+            Family::RobertaPreLn => {
+                // (BERT prefix, RoBERTa-PreLayerNorm prefix); the first that matches is used.
+                const RENAMES: [(&str, &str); 9] = [
+                    ("pooler.dense.", "classifier.dense."),
+                    ("classifier.", "classifier.out_proj."),
+                    ("cls.predictions.transform.dense.", "lm_head.dense."),
+                    (
+                        "cls.predictions.transform.LayerNorm.",
+                        "lm_head.layer_norm.",
+                    ),
+                    ("cls.predictions.decoder.", "lm_head.decoder."),
+                    ("cls.predictions.bias", "lm_head.bias"),
+                    // Pre-LN: comera's ln1 sits before the attention, ln2 before the FFN.
+                    ("attention.output.LayerNorm.", "attention.LayerNorm."),
+                    ("output.LayerNorm.", "intermediate.LayerNorm."),
+                    ("encoder.final_layer_norm.", "LayerNorm."),
+                ];
+                // Block tensors: `encoder.layer.{l}.` + the part renamed.
+                let (layer, rest) = match bert.strip_prefix("encoder.layer.") {
+                    Some(r) => match r.split_once('.') {
+                        Some((l, rest)) => (format!("encoder.layer.{l}."), rest),
+                        None => (String::new(), bert),
+                    },
+                    None => (String::new(), bert),
+                };
+                let renamed = RENAMES
+                    .iter()
+                    .find_map(|(from, to)| {
+                        rest.strip_prefix(from).map(|tail| format!("{to}{tail}"))
+                    })
+                    .unwrap_or_else(|| rest.to_string());
+                let name = format!("{layer}{renamed}");
+                // The head (BERT's pooler included) sits beside the body.
+                if name.starts_with("classifier.") || name.starts_with("lm_head.") {
+                    name
+                } else {
+                    format!("roberta_prelayernorm.{name}")
+                }
+            }
+        }
+    }
+}
+
+/// Writes `enc` as a Hugging Face directory, BERT (post-LN) or RoBERTa-PreLayerNorm (pre-LN)
+/// (see the module docs).
 pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport> {
     let cfg = &enc.cfg;
-    if cfg.pre_ln {
-        return Err(ImportError::new(
-            "model.pre_ln",
-            "is true: Hugging Face BERT is post-LN (LayerNorm after each residual sum, no final \
-             LayerNorm), so no BERT directory computes what this model computes; export it with \
-             --dense FILE or --compressed FILE (comera's formats) instead",
-        ));
-    }
+    let family = Family::of(cfg);
     let vocab_len = info.vocab.lines().count();
     if vocab_len != cfg.vocab_size {
         return Err(ImportError::new(
@@ -115,19 +221,23 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
         ));
     }
     let dense = densify(enc);
+    let ids = tok.special_ids();
+    let offset = family.position_offset(ids.pad);
+    let positions = family.tensor_name("embeddings.position_embeddings.weight");
     let mut tensors: Vec<NamedTensor> = hf_tensors(&dense)?
         .into_iter()
-        .map(|(name, shape, bytes)| {
-            let name = if name.starts_with("classifier.") || name.starts_with("cls.") {
-                name
-            } else {
-                format!("bert.{name}")
-            };
+        .map(|(name, mut shape, mut bytes)| {
+            let name = family.tensor_name(&name);
+            if name == positions && offset > 0 {
+                // Zero rows for the positions RoBERTa never gives a non-padding token.
+                bytes.splice(0..0, vec![0u8; 4 * offset * shape[1]]);
+                shape[0] += offset;
+            }
             (name, shape, bytes)
         })
         .collect();
     let mut config = json!({
-        "model_type": "bert",
+        "model_type": family.model_type(),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.layers,
@@ -136,16 +246,22 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
         "hidden_act": "gelu",
         "hidden_dropout_prob": short(cfg.dropout),
         "attention_probs_dropout_prob": 0.0,
-        "max_position_embeddings": cfg.seq_len,
+        "max_position_embeddings": cfg.seq_len + offset,
         "type_vocab_size": cfg.type_vocab,
         "initializer_range": short(cfg.init_std),
         "layer_norm_eps": short(cfg.ln_eps),
-        "pad_token_id": tok.special_ids().pad,
+        "pad_token_id": ids.pad,
         "position_embedding_type": "absolute",
         "torch_dtype": "float32",
         "comera_sentence_pair": info.pair,
     });
-    let architecture = match cfg.head {
+    if family == Family::RobertaPreLn {
+        // RoBERTa's <s> and </s> are BERT's [CLS] and [SEP] (its defaults are 0 and 2).
+        config["bos_token_id"] = json!(ids.cls);
+        config["eos_token_id"] = json!(ids.sep);
+    }
+    let architecture = family.architecture(cfg.head);
+    match cfg.head {
         HeadKind::Classifier => {
             if info.labels.len() != cfg.num_labels {
                 return Err(ImportError::new(
@@ -172,26 +288,23 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
             config["id2label"] = Value::Object(id2label);
             config["label2id"] = Value::Object(label2id);
             config["problem_type"] = json!("single_label_classification");
-            SEQUENCE_CLASSIFICATION
         }
         HeadKind::Mlm => {
             let tied = dense.cfg.mlm_decoder() == MlmDecoderKind::Tied;
             config["tie_word_embeddings"] = json!(tied);
-            // transformers keeps `cls.predictions.decoder.bias` as the same tensor as
-            // `cls.predictions.bias`; both are written.
-            if let Some((_, shape, bytes)) =
-                tensors.iter().find(|(n, _, _)| n == "cls.predictions.bias")
-            {
+            // transformers keeps `cls.predictions.decoder.bias` (`lm_head.decoder.bias`) as
+            // the same tensor as `cls.predictions.bias` (`lm_head.bias`); both are written.
+            let bias = family.tensor_name("cls.predictions.bias");
+            if let Some((_, shape, bytes)) = tensors.iter().find(|(n, _, _)| *n == bias) {
                 let t = (
-                    "cls.predictions.decoder.bias".to_string(),
+                    family.tensor_name("cls.predictions.decoder.bias"),
                     shape.clone(),
                     bytes.clone(),
                 );
                 tensors.push(t);
             }
-            MASKED_LM
         }
-    };
+    }
     config["architectures"] = json!([architecture]);
     let t = cfg.seq_len;
     let tokenizer_config = json!({

@@ -1,6 +1,7 @@
 //! Hugging Face directories without Python: the export's names, shapes and config.json
-//! fields, the import of an export reproducing the model's logits (classifier and masked-LM,
-//! TT/TTM layers reconstructed), and refusals that name the field or tensor at fault.
+//! fields (BERT for a post-LN model, RoBERTa-PreLayerNorm for a pre-LN one), the import of an
+//! export reproducing the model's logits (classifier and masked-LM, TT/TTM layers
+//! reconstructed), and refusals that name the field or tensor at fault.
 
 use comera_import::hf::{export_hf, mlm_logits, read_hf, ModelInfo, ReadOptions};
 use comera_model::Rank;
@@ -30,17 +31,25 @@ impl Drop for Dir {
 const V: usize = 30;
 
 fn vocab() -> String {
-    let mut v: Vec<String> = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    vocab_of(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+}
+
+/// A vocabulary of V tokens starting with `special` in that order.
+fn vocab_of(special: [&str; 5]) -> String {
+    let mut v: Vec<String> = special.iter().map(|s| s.to_string()).collect();
     v.extend((v.len()..V).map(|i| format!("w{i}")));
     v.join("\n") + "\n"
 }
 
 /// A tiny post-LN encoder: TT linear layers and a TTM word table when `tt`; classifier or MLM.
 fn tiny(tt: bool, head: HeadKind, decoder: MlmDecoderKind) -> Encoder {
+    tiny_ln(tt, head, decoder, false)
+}
+
+/// [`tiny`], pre-LN when `pre_ln`.
+fn tiny_ln(tt: bool, head: HeadKind, decoder: MlmDecoderKind, pre_ln: bool) -> Encoder {
     let cfg = EncoderConfig {
+        pre_ln,
         vocab_size: V,
         seq_len: 8,
         d_model: 16,
@@ -301,15 +310,234 @@ fn masked_lm_export_layout_and_round_trip() {
     }
 }
 
+/// The F32 values of tensor `name` of the export in `dir`.
+fn tensor(dir: &Path, name: &str) -> Vec<f32> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensor(name)
+        .unwrap_or_else(|_| panic!("{name} written"))
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// The value of comera parameter `name` of `enc` (TT/TTM layers reconstructed).
+fn param(enc: &Encoder, name: &str) -> Vec<f32> {
+    let dense = comera_import::densify(enc);
+    let p = dense.params().into_iter().find(|p| p.name == name);
+    p.unwrap_or_else(|| panic!("{name}")).value.clone()
+}
+
+/// (out, in) of a comera linear weight (in, out).
+fn transposed(w: &[f32], n: usize, m: usize) -> Vec<f32> {
+    (0..m)
+        .flat_map(|j| (0..n).map(move |i| w[i * m + j]))
+        .collect()
+}
+
 #[test]
-fn pre_ln_is_refused_with_the_reason() {
-    let dir = Dir::new("preln");
-    let mut enc = tiny(false, HeadKind::Classifier, MlmDecoderKind::Auto);
-    enc.cfg.pre_ln = true;
-    let enc = Encoder::new(&enc.cfg, 1).unwrap();
-    let e = export_hf(&enc, &info(3), &dir.0).unwrap_err().to_string();
-    assert!(e.contains("model.pre_ln") && e.contains("post-LN"), "{e}");
-    assert!(!dir.0.join("model.safetensors").exists());
+fn pre_ln_classifier_exports_as_roberta_prelayernorm() {
+    // [PAD] at id 0 (TT/TTM layers) and at id 3 (dense): RoBERTa's positions start at pad + 1.
+    let orders = [
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+        ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"],
+    ];
+    for (tt, order) in [true, false].into_iter().zip(orders) {
+        let dir = Dir::new(&format!("preln-cls-{tt}"));
+        let enc = tiny_ln(tt, HeadKind::Classifier, MlmDecoderKind::Auto, true);
+        let info = ModelInfo {
+            vocab: vocab_of(order),
+            pair: true,
+            ..info(3)
+        };
+        let id = |tok: &str| order.iter().position(|t| *t == tok).unwrap();
+        let pad = id("[PAD]");
+        let out = export_hf(&enc, &info, &dir.0).unwrap();
+        assert_eq!(
+            out.architecture,
+            "RobertaPreLayerNormForSequenceClassification"
+        );
+        let c = config_json(&dir.0);
+        assert_eq!(
+            c["architectures"][0],
+            "RobertaPreLayerNormForSequenceClassification"
+        );
+        assert_eq!(c["model_type"], "roberta-prelayernorm");
+        assert_eq!(c["max_position_embeddings"], 8 + pad + 1);
+        assert_eq!(c["pad_token_id"], pad);
+        assert_eq!(c["bos_token_id"], id("[CLS]"));
+        assert_eq!(c["eos_token_id"], id("[SEP]"));
+        assert_eq!(c["hidden_act"], "gelu");
+        assert_eq!(c["layer_norm_eps"].as_f64().unwrap() as f32, 1e-12);
+        assert_eq!(c["type_vocab_size"], 2);
+        assert_eq!(c["id2label"]["2"], "label 2");
+        assert_eq!(c["label2id"]["label 1"], 1);
+        assert_eq!(c["comera_sentence_pair"], true);
+        let tc: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.0.join("tokenizer_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(tc["tokenizer_class"], "BertTokenizer");
+        assert_eq!(tc["pad_token"], "[PAD]");
+        assert_eq!(
+            std::fs::read_to_string(dir.0.join("vocab.txt")).unwrap(),
+            info.vocab
+        );
+
+        let s = shapes(&dir.0);
+        let p = "roberta_prelayernorm.";
+        let mut want: Vec<(String, Vec<usize>)> = vec![
+            (format!("{p}embeddings.word_embeddings.weight"), vec![V, 16]),
+            (
+                format!("{p}embeddings.position_embeddings.weight"),
+                vec![8 + pad + 1, 16],
+            ),
+            (
+                format!("{p}embeddings.token_type_embeddings.weight"),
+                vec![2, 16],
+            ),
+            (format!("{p}embeddings.LayerNorm.weight"), vec![16]),
+            (format!("{p}embeddings.LayerNorm.bias"), vec![16]),
+            (format!("{p}LayerNorm.weight"), vec![16]),
+            (format!("{p}LayerNorm.bias"), vec![16]),
+            ("classifier.dense.weight".into(), vec![16, 16]),
+            ("classifier.dense.bias".into(), vec![16]),
+            ("classifier.out_proj.weight".into(), vec![3, 16]),
+            ("classifier.out_proj.bias".into(), vec![3]),
+        ];
+        for l in 0..2 {
+            let b = format!("{p}encoder.layer.{l}.");
+            for (name, shape) in [
+                ("attention.LayerNorm", vec![16]),
+                ("attention.self.query", vec![16, 16]),
+                ("attention.self.key", vec![16, 16]),
+                ("attention.self.value", vec![16, 16]),
+                ("attention.output.dense", vec![16, 16]),
+                ("intermediate.LayerNorm", vec![16]),
+                ("intermediate.dense", vec![32, 16]),
+                ("output.dense", vec![16, 32]),
+            ] {
+                let bias = vec![shape[0]];
+                want.push((format!("{b}{name}.weight"), shape));
+                want.push((format!("{b}{name}.bias"), bias));
+            }
+        }
+        let got: Vec<(String, Vec<usize>)> = s.into_iter().collect();
+        want.sort();
+        assert_eq!(got, want, "tt {tt}");
+
+        // The position table: pad + 1 zero rows, then comera's rows 0..seq_len.
+        let pos = tensor(&dir.0, &format!("{p}embeddings.position_embeddings.weight"));
+        let (zeros, rows) = pos.split_at((pad + 1) * 16);
+        assert!(zeros.iter().all(|&x| x == 0.0));
+        assert_eq!(rows, param(&enc, "embeddings.position.weight"));
+        // LayerNorms where RoBERTa-PreLayerNorm applies them; the pooler is the head's dense.
+        for (hf, comera) in [
+            (
+                "encoder.layer.1.attention.LayerNorm.weight",
+                "encoder.1.ln1.gamma",
+            ),
+            (
+                "encoder.layer.1.intermediate.LayerNorm.bias",
+                "encoder.1.ln2.beta",
+            ),
+            ("LayerNorm.weight", "encoder.ln_final.gamma"),
+            ("embeddings.LayerNorm.bias", "embeddings.ln.beta"),
+        ] {
+            assert_eq!(
+                tensor(&dir.0, &format!("{p}{hf}")),
+                param(&enc, comera),
+                "{hf}"
+            );
+        }
+        for (hf, comera, m) in [
+            ("classifier.dense.weight", "pooler.weight", 16),
+            ("classifier.out_proj.weight", "classifier.weight", 3),
+            (
+                "roberta_prelayernorm.encoder.layer.0.output.dense.weight",
+                "encoder.0.ffn.down.weight",
+                16,
+            ),
+        ] {
+            let w = param(&enc, comera);
+            let n = w.len() / m;
+            assert_eq!(tensor(&dir.0, hf), transposed(&w, n, m), "{hf}");
+        }
+        // comera's import reads BERT only.
+        let e = read_hf(&dir.0, &ReadOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model_type"), "{e}");
+    }
+}
+
+#[test]
+fn pre_ln_masked_lm_exports_as_roberta_prelayernorm() {
+    // A TT output projection (its padding cut) and a tied dense one.
+    for (tt, decoder) in [(true, MlmDecoderKind::Auto), (false, MlmDecoderKind::Tied)] {
+        let dir = Dir::new(&format!("preln-mlm-{tt}"));
+        let enc = tiny_ln(tt, HeadKind::Mlm, decoder, true);
+        let out = export_hf(&enc, &info(0), &dir.0).unwrap();
+        assert_eq!(out.architecture, "RobertaPreLayerNormForMaskedLM");
+        assert_eq!(out.notes.iter().any(|n| n.contains("padding")), tt);
+        let c = config_json(&dir.0);
+        assert_eq!(c["architectures"][0], "RobertaPreLayerNormForMaskedLM");
+        assert_eq!(c["model_type"], "roberta-prelayernorm");
+        assert_eq!(c["tie_word_embeddings"], !tt);
+        assert_eq!(c["max_position_embeddings"], 9);
+        assert!(c.get("id2label").is_none());
+        let s = shapes(&dir.0);
+        for (name, shape) in [
+            ("lm_head.dense.weight", vec![16, 16]),
+            ("lm_head.dense.bias", vec![16]),
+            ("lm_head.layer_norm.weight", vec![16]),
+            ("lm_head.layer_norm.bias", vec![16]),
+            ("lm_head.bias", vec![V]),
+            ("lm_head.decoder.bias", vec![V]),
+            ("roberta_prelayernorm.LayerNorm.bias", vec![16]),
+            (
+                "roberta_prelayernorm.embeddings.position_embeddings.weight",
+                vec![9, 16],
+            ),
+        ] {
+            assert_eq!(s.get(name), Some(&shape), "{name}");
+        }
+        assert_eq!(
+            s.get("lm_head.decoder.weight").cloned(),
+            tt.then(|| vec![V, 16]),
+            "a tied decoder is the word table; an own one is (V, D)"
+        );
+        // 5 embedding tensors, 16 per layer, the final LN, the head's 6 (7 untied).
+        assert_eq!(
+            s.len(),
+            5 + 2 * 16 + 2 + 6 + usize::from(tt),
+            "{:?}",
+            s.keys()
+        );
+        assert!(s
+            .keys()
+            .all(|k| k.starts_with("roberta_prelayernorm.") || k.starts_with("lm_head.")));
+        assert_eq!(
+            tensor(&dir.0, "lm_head.bias"),
+            param(&enc, "mlm.decoder.bias")
+        );
+        assert_eq!(
+            tensor(&dir.0, "lm_head.decoder.bias"),
+            tensor(&dir.0, "lm_head.bias")
+        );
+        assert_eq!(
+            tensor(&dir.0, "lm_head.layer_norm.weight"),
+            param(&enc, "mlm.ln.gamma")
+        );
+        if tt {
+            let w = param(&enc, "mlm.decoder.weight");
+            assert_eq!(
+                tensor(&dir.0, "lm_head.decoder.weight"),
+                transposed(&w, 16, V)
+            );
+        }
+    }
 }
 
 /// Rewrites the export's model.safetensors through `edit` (name → Some(new shape/data) or None
