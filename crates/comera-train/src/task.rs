@@ -501,6 +501,8 @@ fn load_mlm(st: &mut EncoderState, b: &MlmBatch) -> Result<()> {
 }
 
 /// The data of an encoder run: labelled examples (classification) or a corpus (masked-LM).
+/// One per run, so the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum EncoderData {
     Classify(PreparedData),
     Mlm(CorpusData),

@@ -120,8 +120,17 @@ fn train_data_file_trains_the_small_model_through_both_rank_stages_from_csv_json
     ] {
         let data = write_rows(&dir, file, rows);
         let (code, text) = comera(&[
-            "train", "--data", s(&data), "--init-from", s(&base), "--epochs", "1",
-            "--max-steps-per-epoch", "3", "--out", s(&dir.join(file).with_extension("run")),
+            "train",
+            "--data",
+            s(&data),
+            "--init-from",
+            s(&base),
+            "--epochs",
+            "1",
+            "--max-steps-per-epoch",
+            "3",
+            "--out",
+            s(&dir.join(file).with_extension("run")),
             "--quiet",
         ]);
         assert_eq!(code, 0, "{text}");
