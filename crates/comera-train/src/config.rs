@@ -622,10 +622,10 @@ impl RunConfig {
             // The first fifth of the run (one epoch of five) in the early stage, the gates held
             // for its first tenth; then the late stage towards 0.3× the size at the switch.
             // As fractions of the run, both stages happen in a run of any length (a short run
-            // on small data too). rho_loss = 1 keeps the data loss's weight at 1 on size-branch steps (with
-            // the authors' 0.1 the loss gradient's scale jumps tenfold between branches, and
-            // Adam's second moment, set by the larger one, slows learning on size steps);
-            // size_weight = 0.3 lets the loss decide which slices go first.
+            // on small data too). rho_loss = 1 keeps the data loss's weight at 1 on size-branch
+            // steps (with the authors' 0.1 the loss gradient's scale jumps tenfold between
+            // branches, and Adam's second moment, set by the larger one, slows learning on size
+            // steps); size_weight = 0.3 lets the loss decide which slices go first.
             rank: RankConfig {
                 late_after_fraction: 0.2,
                 target_loss: 0.3,

@@ -136,6 +136,18 @@ fn train_data_file_trains_the_small_model_through_both_rank_stages_from_csv_json
         assert_eq!(code, 0, "{text}");
         assert!(text.contains(said), "{file}: {text}");
     }
+    // Data whose labels are not the model's is refused, naming both.
+    let other: Vec<(String, &str)> = rows[..30]
+        .iter()
+        .map(|(t, l)| (t.clone(), if *l == "positive" { "yes" } else { "no" }))
+        .collect();
+    let other = write_rows(&dir, "other.jsonl", &other);
+    let (code, text) = comera(&["eval", s(&base), "--data", s(&other)]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("other.jsonl:1: field `label`: label \"no\" is not one of [\"negative\", \"neutral\", \"positive\"]"),
+        "{text}"
+    );
     // An unknown extension, and a validation file of another format.
     let data = dir.join("my.csv");
     let (code, text) = comera(&["train", "--data", s(&dir.join("my.txt"))]);
