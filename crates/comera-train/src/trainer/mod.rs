@@ -289,6 +289,7 @@ pub fn continue_run(
     if let (Some(added), Some(dir)) = (how.extend_epochs, dir.as_mut()) {
         let from = cfg.epochs();
         cfg.add_epochs(added)?;
+        let previous_config_sha256 = crate::run_dir::sha256_hex(&config_toml);
         config_toml = cfg.to_toml();
         dir.extend(
             &config_toml,
@@ -296,9 +297,7 @@ pub fn continue_run(
                 at_step: ck.progress.step,
                 from_epochs: from,
                 to_epochs: cfg.epochs(),
-                previous_config_sha256: crate::run_dir::sha256_hex(
-                    &identity.verified_config(run_dir)?,
-                ),
+                previous_config_sha256,
             },
         )?;
         rep.say(format!(
