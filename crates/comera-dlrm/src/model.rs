@@ -438,6 +438,7 @@ impl Trainable for Dlrm {
             loss,
             correct,
             count: st.batch,
+            terms: None,
         })
     }
 

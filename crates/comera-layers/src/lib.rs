@@ -27,6 +27,8 @@
 //! - [`attention`]: multi-head self-attention with a padding mask (projections excluded);
 //! - [`norm`], [`activation`], [`dropout`], [`elementwise`], [`loss`]: LayerNorm, GELU and
 //!   tanh, seeded dropout, residual sums and products, softmax cross-entropy;
+//! - [`distill`]: the distillation losses (logit KL at a temperature, hidden-state MSE) and
+//!   [`LossTerms`], a distilled step's loss by term;
 //! - [`param`]: [`Param`], a named tensor with its gradient and optimiser group;
 //! - [`trainable`]: [`Model`] and [`Trainable`], what the training engine needs from a model;
 //! - [`config_float`]: config fields held as `f32`, written as their shortest decimal.
@@ -41,6 +43,7 @@ pub mod any;
 pub mod attention;
 pub mod compress;
 pub mod config_float;
+pub mod distill;
 pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
@@ -56,6 +59,7 @@ pub mod ttm_embedding;
 
 pub use any::{AnyEmbedding, AnyLinear};
 pub use compress::{Compressible, Retained};
+pub use distill::LossTerms;
 pub use embedding::{Embedding, EmbeddingError, EmbeddingLayer};
 pub use gates::RankGates;
 pub use linear::Linear;

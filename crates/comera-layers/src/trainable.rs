@@ -18,6 +18,8 @@ pub struct StepStats {
     pub correct: usize,
     /// Predictions the loss averages over (examples, or labelled tokens).
     pub count: usize,
+    /// A distilled step's loss by term (`loss` is their weighted sum); None otherwise.
+    pub terms: Option<crate::LossTerms>,
 }
 
 /// Bytes a model holds for training, by kind.

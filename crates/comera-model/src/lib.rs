@@ -27,6 +27,8 @@ pub use config::{
     bond_limits, useful_rank, ConfigError, EncoderConfig, HeadKind, LayerTt, MlmDecoderKind, Rank,
     TtmConfig,
 };
-pub use encoder::{BatchError, Encoder, EncoderState, Head, KEEP_GELU_MAX_ROWS};
+pub use encoder::{
+    BatchError, DistillLoss, Encoder, EncoderState, Head, Teacher, KEEP_GELU_MAX_ROWS,
+};
 pub use estimate::{MemoryError, MemoryEstimate};
 pub use mlm_head::{MlmDecoder, MlmHead};

@@ -5,7 +5,7 @@
 
 use comera_model::Rank;
 use comera_model::{
-    Encoder, EncoderConfig, EncoderState, HeadKind, LayerTt, MlmDecoderKind, TtmConfig,
+    DistillLoss, Encoder, EncoderConfig, EncoderState, HeadKind, LayerTt, MlmDecoderKind, TtmConfig,
 };
 use comera_tensor::init;
 use rand::Rng as _;
@@ -113,6 +113,15 @@ fn named_grads(m: &Encoder) -> Vec<(String, Vec<f32>)> {
 }
 
 fn check(cfg: &EncoderConfig, load: &dyn Fn(&mut EncoderState, &Batch)) {
+    check_with(cfg, load, &|_, _| {});
+}
+
+/// [`check`] with `setup` applied to the model and its fresh state (a teacher attached, …).
+fn check_with(
+    cfg: &EncoderConfig,
+    load: &dyn Fn(&mut EncoderState, &Batch),
+    setup: &dyn Fn(&Encoder, &mut EncoderState),
+) {
     let (tt, pre_ln) = (cfg.tt_linear, cfg.pre_ln);
     let mut m = Encoder::new(cfg, 5).unwrap();
     let mut rng = init::rng(9);
@@ -127,6 +136,7 @@ fn check(cfg: &EncoderConfig, load: &dyn Fn(&mut EncoderState, &Batch)) {
     let b = batch(&mut rng);
     // Room for 2 labelled positions per sequence: 6 rows, 2 of them padding for `load_mlm`.
     let mut st = m.state_for(3, 6, 2).unwrap();
+    setup(&m, &mut st);
     load(&mut st, &b);
     m.zero_grad();
     loss(&m, &mut st);
@@ -187,6 +197,130 @@ fn check(cfg: &EncoderConfig, load: &dyn Fn(&mut EncoderState, &Batch)) {
         );
     }
     assert!(kinds_checked.len() >= 15, "{kinds_checked:?}");
+}
+
+/// A dense 3-layer teacher of the tiny student's width and labels, and a loss with every term
+/// on: the embeddings', a middle and the last hidden state matched.
+fn attach_teacher(m: &Encoder, st: &mut EncoderState) {
+    let cfg = EncoderConfig {
+        layers: 3,
+        ..tiny(false, false)
+    };
+    let teacher = std::sync::Arc::new(Encoder::new(&cfg, 11).unwrap());
+    let loss = DistillLoss {
+        task_weight: 0.5,
+        logit_weight: 0.7,
+        temperature: 2.0,
+        hidden_weight: 0.9,
+        layers: vec![(0, 0), (1, 2), (2, 3)],
+    };
+    st.attach_teacher(m, teacher, loss).unwrap();
+}
+
+#[test]
+fn distilled_loss_matches_finite_differences() {
+    let load =
+        |st: &mut EncoderState, b: &Batch| st.load(&b.ids, &b.types, &b.mask, &b.labels).unwrap();
+    check_with(&tiny(true, false), &load, &attach_teacher);
+    let recomputed = EncoderConfig {
+        recompute_blocks: true,
+        ..tiny(true, true)
+    };
+    check_with(&recomputed, &load, &attach_teacher);
+}
+
+#[test]
+fn distilled_loss_is_the_weighted_sum_of_its_terms() {
+    let cfg = tiny(true, false);
+    let m = Encoder::new(&cfg, 5).unwrap();
+    let b = batch(&mut init::rng(9));
+    let mut st = m.state_for(3, 6, 0).unwrap();
+    st.load(&b.ids, &b.types, &b.mask, &b.labels).unwrap();
+    // The teacher's map matches the last hidden state, which runs the last block on every row
+    // (the [CLS]-rows block draws its dropout masks differently).
+    st.full_last_block();
+    let plain = m.forward(&mut st, true, 7).unwrap();
+    assert_eq!(plain.terms, None);
+    attach_teacher(&m, &mut st);
+    let s = m.forward(&mut st, true, 7).unwrap();
+    let t = s.terms.expect("a distilled step has terms");
+    assert_eq!(t.task, plain.loss, "the task term is the undistilled loss");
+    assert!(t.logits > 0.0 && t.hidden > 0.0, "{t:?}");
+    // The weights are f32.
+    let want = 0.5 * t.task + 0.7f32 as f64 * t.logits + 0.9f32 as f64 * t.hidden;
+    assert!(
+        (s.loss - want).abs() < 1e-12 * want.abs(),
+        "{} vs {want}",
+        s.loss
+    );
+    // Evaluation forwards are the student's own.
+    assert_eq!(m.forward(&mut st, false, 7).unwrap().terms, None);
+    assert!(st.teacher().unwrap().forward_time() > std::time::Duration::ZERO);
+}
+
+#[test]
+fn a_teacher_that_cannot_teach_is_refused_by_field() {
+    let m = Encoder::new(&tiny(false, false), 5).unwrap();
+    let mut st = m.state_for(3, 6, 0).unwrap();
+    let loss = DistillLoss {
+        task_weight: 1.0,
+        logit_weight: 1.0,
+        temperature: 1.0,
+        hidden_weight: 1.0,
+        layers: vec![(1, 1)],
+    };
+    let cases: [(EncoderConfig, DistillLoss, &str, &str); 5] = [
+        (
+            EncoderConfig {
+                num_labels: 4,
+                ..tiny(false, false)
+            },
+            loss.clone(),
+            "distill.teacher",
+            "4 labels",
+        ),
+        (
+            EncoderConfig {
+                d_model: 32,
+                heads: 2,
+                ..tiny(false, false)
+            },
+            loss.clone(),
+            "distill.layers",
+            "32 wide",
+        ),
+        (
+            tiny(false, false),
+            DistillLoss {
+                layers: vec![(3, 1)],
+                ..loss.clone()
+            },
+            "distill.layers",
+            "0 (embeddings) to 2",
+        ),
+        (
+            tiny(false, false),
+            DistillLoss {
+                temperature: 0.0,
+                ..loss.clone()
+            },
+            "distill.temperature",
+            "> 0",
+        ),
+        (
+            tiny_mlm(false, MlmDecoderKind::Auto),
+            loss.clone(),
+            "distill.teacher",
+            "classifier",
+        ),
+    ];
+    for (cfg, loss, field, msg) in cases {
+        let teacher = std::sync::Arc::new(Encoder::new(&cfg, 1).unwrap());
+        let e = st.attach_teacher(&m, teacher, loss).unwrap_err();
+        assert_eq!(e.field, field, "{e:?}");
+        assert!(e.msg.contains(msg), "{e:?}");
+    }
+    assert!(st.teacher().is_none());
 }
 
 #[test]

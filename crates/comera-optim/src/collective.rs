@@ -11,8 +11,12 @@
 //! summed over processes in rank order 0..N on every element ([`Collective::sum_f32`]): every
 //! process gets the same bits, and so does a rerun with the same N.
 
-use comera_layers::{Model, Param, StepStats};
+use comera_layers::{LossTerms, Model, Param, StepStats};
 use std::time::{Duration, Instant};
+
+/// Values gathered per process by [`DataParallel::reduce_stats`]: the loss sum, correct,
+/// count and the three loss-term sums.
+const STATS: usize = 6;
 
 /// The collective operations of a data-parallel run (all blocking; every process calls them in
 /// the same order).
@@ -70,7 +74,7 @@ impl DataParallel {
         DataParallel {
             comm,
             flat: Vec::new(),
-            stats: vec![0.0; 3 * n],
+            stats: vec![0.0; STATS * n],
             bytes_per_step: 0,
             comm_time: Duration::ZERO,
             steps: 0,
@@ -78,20 +82,33 @@ impl DataParallel {
     }
 
     /// The global batch's stats from this process's (summed in rank order) and this process's
-    /// share c_p / C of the global loss (0 when it has no prediction in the batch).
+    /// share c_p / C of the global loss (0 when it has no prediction in the batch). A distilled
+    /// step's loss terms are averaged the same way as the loss.
     pub fn reduce_stats(&mut self, local: StepStats) -> (StepStats, f64) {
         let t = Instant::now();
         // A shard without predictions has a 0/0 mean loss: it contributes nothing.
-        let loss_sum = if local.count > 0 {
-            local.loss * local.count as f64
+        let weight = if local.count > 0 {
+            local.count as f64
         } else {
             0.0
         };
-        let mut sums = [loss_sum, local.correct as f64, local.count as f64];
+        let terms = local
+            .terms
+            .unwrap_or_default()
+            .to_array()
+            .map(|v| v * weight);
+        let mut sums = [
+            local.loss * weight,
+            local.correct as f64,
+            local.count as f64,
+            terms[0],
+            terms[1],
+            terms[2],
+        ];
         let mut all = std::mem::take(&mut self.stats);
         self.comm.gather_f64(&sums, &mut all);
-        sums = [0.0; 3];
-        for p in all.chunks_exact(3) {
+        sums = [0.0; STATS];
+        for p in all.chunks_exact(STATS) {
             for (s, x) in sums.iter_mut().zip(p) {
                 *s += x;
             }
@@ -99,14 +116,14 @@ impl DataParallel {
         self.stats = all;
         self.comm_time += t.elapsed();
         let count = sums[2] as usize;
+        let mean = |sum: f64| if count > 0 { sum / count as f64 } else { 0.0 };
         let global = StepStats {
-            loss: if count > 0 {
-                sums[0] / count as f64
-            } else {
-                0.0
-            },
+            loss: mean(sums[0]),
             correct: sums[1] as usize,
             count,
+            terms: local
+                .terms
+                .map(|_| LossTerms::from_array([sums[3], sums[4], sums[5]].map(mean))),
         };
         let share = if count > 0 && local.count > 0 {
             local.count as f64 / count as f64

@@ -15,7 +15,7 @@ use crate::collective::DataParallel;
 use crate::optimizer::Optimizer;
 use crate::rank::{self, Objective, RankController, RankEvent};
 use crate::Schedule;
-use comera_layers::{Model, Retained, StepStats, Trainable};
+use comera_layers::{LossTerms, Model, Retained, StepStats, Trainable};
 
 /// An error of the data a step reads.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -187,6 +187,7 @@ impl Stepper {
         let mut forward = std::time::Duration::ZERO;
         model.zero_grad();
         let (mut loss_sum, mut correct, mut count) = (0.0f64, 0usize, 0usize);
+        let mut terms: Option<LossTerms> = None;
         for i in 0..micro.max(1) {
             if i > 0 && !load_next(st).map_err(StepError::Input)? {
                 return Err(StepError::EndOfData);
@@ -217,13 +218,24 @@ impl Stepper {
                 scale_grads(model, n as f32 / (count + n) as f32);
             }
             loss_sum += local.loss * n as f64;
+            if let Some(t) = &local.terms {
+                terms
+                    .get_or_insert_with(Default::default)
+                    .add_scaled(t, n as f64);
+            }
             correct += local.correct;
             count += n;
         }
+        let per_prediction = 1.0 / count.max(1) as f64;
         let local = StepStats {
-            loss: loss_sum / count.max(1) as f64,
+            loss: loss_sum * per_prediction,
             correct,
             count,
+            terms: terms.map(|t| {
+                let mut mean = LossTerms::default();
+                mean.add_scaled(&t, per_prediction);
+                mean
+            }),
         };
         // Data-parallel: the global batch's loss (every process takes the same decisions from
         // it), then the gradients reduced with this process's share of it; both before the

@@ -649,3 +649,86 @@ fn attention_at_bert_like_sizes_matches_naive() {
     let (want, _) = naive_attention(&qkv, Some(&mask), b_, t, d, nh, false);
     assert_close("attention (64 tokens) out", &out, &want, 1e-4);
 }
+
+// ---------------------------------------------------------------- distillation losses
+
+#[test]
+fn logit_kd_matches_naive_kl_and_finite_differences() {
+    use comera_layers::distill::logit_kd;
+    let mut rng = init::rng(31);
+    let (rows, c) = (5, 4);
+    let student = random_vec(&mut rng, rows * c, 2.0);
+    let mut teacher = random_vec(&mut rng, rows * c, 2.0);
+    teacher[2 * c] += 30.0; // a confident teacher row
+    let mut scratch = vec![0.0; 2 * c];
+    for tau in [1.0f32, 2.5] {
+        let kd = |s: &[f32]| {
+            let mut sink = vec![0.0; rows * c];
+            logit_kd(s, &teacher, c, tau, 1.0, &mut sink, &mut vec![0.0; 2 * c])
+        };
+        // Naive reference in f64: τ²/N Σ_r KL(softmax(t/τ) ‖ softmax(s/τ)).
+        let softmax = |z: &[f32]| {
+            let z: Vec<f64> = z.iter().map(|&v| v as f64 / tau as f64).collect();
+            let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = z.iter().map(|v| (v - m).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            e.into_iter().map(|v| v / sum).collect::<Vec<f64>>()
+        };
+        let mut want = 0.0;
+        for r in 0..rows {
+            let p = softmax(&teacher[r * c..(r + 1) * c]);
+            let q = softmax(&student[r * c..(r + 1) * c]);
+            want += (0..c).map(|j| p[j] * (p[j].ln() - q[j].ln())).sum::<f64>();
+        }
+        want *= (tau * tau) as f64 / rows as f64;
+        assert!(
+            (kd(&student) - want).abs() < 1e-6,
+            "τ={tau}: {} vs {want}",
+            kd(&student)
+        );
+        // The gradient is added, scaled by the weight.
+        let mut d = vec![1.0f32; rows * c];
+        logit_kd(&student, &teacher, c, tau, 0.5, &mut d, &mut scratch);
+        let got: Vec<f32> = d.iter().map(|v| (v - 1.0) / 0.5).collect();
+        assert_close("∂L_kd/∂s", &got, &fd_grad(&student, kd), 2e-3);
+    }
+    // The same logits: no divergence, no gradient.
+    let mut d = vec![0.0f32; rows * c];
+    let same = logit_kd(&student, &student, c, 3.0, 1.0, &mut d, &mut scratch);
+    assert!(
+        same.abs() < 1e-6 && d.iter().all(|v| v.abs() < 1e-6),
+        "{same}"
+    );
+}
+
+#[test]
+fn hidden_mse_counts_real_tokens_only_and_matches_finite_differences() {
+    use comera_layers::distill::{hidden_mse, hidden_mse_grad};
+    let mut rng = init::rng(33);
+    let (rows, d) = (6, 5);
+    let h = random_vec(&mut rng, rows * d, 1.0);
+    let mut g = random_vec(&mut rng, rows * d, 1.0);
+    let mask = [1u8, 1, 0, 1, 0, 1];
+    let mut want = 0.0;
+    for r in (0..rows).filter(|&r| mask[r] == 1) {
+        for j in 0..d {
+            want += (h[r * d + j] as f64 - g[r * d + j] as f64).powi(2);
+        }
+    }
+    want /= (4 * d) as f64;
+    assert!((hidden_mse(&h, &g, &mask) - want).abs() < 1e-9);
+    // Padding rows: whatever the teacher says there costs nothing.
+    g[2 * d..3 * d].iter_mut().for_each(|v| *v += 100.0);
+    assert!((hidden_mse(&h, &g, &mask) - want).abs() < 1e-9);
+    let mut dh = vec![0.0f32; rows * d];
+    hidden_mse_grad(&h, &g, &mask, 1.5, &mut dh);
+    let fd = fd_grad(&h, |x| 1.5 * hidden_mse(x, &g, &mask));
+    assert_close("1.5·∂L_h/∂h", &dh, &fd, 2e-3);
+    assert!(dh[2 * d..3 * d].iter().all(|&v| v == 0.0));
+    // No real token: zero loss, zero gradient.
+    let none = [0u8; 6];
+    assert_eq!(hidden_mse(&h, &g, &none), 0.0);
+    let mut dz = vec![0.0f32; rows * d];
+    hidden_mse_grad(&h, &g, &none, 1.0, &mut dz);
+    assert!(dz.iter().all(|&v| v == 0.0));
+}

@@ -149,6 +149,7 @@ impl Head {
             loss: stats.loss,
             correct: stats.correct,
             count: stats.count,
+            terms: None,
         }
     }
 
@@ -219,6 +220,14 @@ impl HeadState {
         match self {
             HeadState::Classifier(h) => &h.logits,
             HeadState::Mlm(h) => h.logits(),
+        }
+    }
+
+    /// A classifier's logits and ∂L/∂logits (B × C each) after a training forward.
+    pub(super) fn classifier_logits_mut(&mut self) -> Option<(&[f32], &mut [f32])> {
+        match self {
+            HeadState::Classifier(h) => Some((&h.logits, &mut h.dlogits)),
+            HeadState::Mlm(_) => None,
         }
     }
 

@@ -23,6 +23,8 @@
 //!   ([`crate::mlm_head`]);
 //! - `state.rs`: [`EncoderState`], every buffer of a step, and loading a batch into it
 //!   ([`BatchError`]);
+//! - `distill.rs`: training against a frozen teacher's logits and hidden states
+//!   ([`EncoderState::attach_teacher`], [`DistillLoss`]);
 //! - `plan.rs`: the paths the blocks take (LN placement, fused q/k/v, fused FFN, GELU kept
 //!   ([`KEEP_GELU_MAX_ROWS`]), recomputation, \[CLS\] rows), chosen when the state is built.
 //!
@@ -32,11 +34,13 @@
 //! block's activations from its input (same layers, same dropout masks: same values).
 
 mod block;
+mod distill;
 mod head;
 mod plan;
 mod state;
 
 pub use block::Block;
+pub use distill::{DistillLoss, Teacher};
 pub use head::{ClassifierHead, ClassifierState, Head, HeadState};
 pub use plan::KEEP_GELU_MAX_ROWS;
 pub use state::{BatchError, BlockState, EncoderState};
@@ -447,9 +451,14 @@ impl Encoder {
         }
         self.last_hidden(st);
         let hidden = hidden_of(&st.acts, &st.outs, &st.x_final);
-        Ok(self
+        let stats = self
             .head
-            .forward(&mut st.head, &self.word, hidden, st.t, train, step))
+            .forward(&mut st.head, &self.word, hidden, st.t, train, step);
+        Ok(if train {
+            self.distill_forward(st, stats)
+        } else {
+            stats
+        })
     }
 
     /// x0 = Dropout(LN(word[ids] + pos[t] + type[types])).
@@ -526,10 +535,13 @@ impl Encoder {
         self.head
             .backward(&mut st.head, &mut self.word, dims, &mut st.sc.rows.d);
         self.last_hidden_backward(st);
-        // Blocks, last to first: `sc.rows.d` holds ∂L/∂out on entry and ∂L/∂x on exit.
+        // Blocks, last to first: `sc.rows.d` holds ∂L/∂out on entry and ∂L/∂x on exit (plus a
+        // teacher's hidden-state terms, added as the gradient passes each hidden state).
         for l in (0..self.blocks.len()).rev() {
+            self.distill_backward(st, l + 1);
             self.backward_block(l, st);
         }
+        self.distill_backward(st, 0);
         self.embeddings_backward(st);
     }
 

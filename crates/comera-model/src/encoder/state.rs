@@ -73,6 +73,8 @@ pub struct EncoderState {
     pub(super) cls: Option<ClsRows>,
     /// Whether the last forward ran the last block on the [CLS] rows only.
     pub(super) last_cls: bool,
+    /// A frozen teacher that training forwards distil from (see `distill.rs`).
+    pub(super) teacher: Option<Box<super::Teacher>>,
 }
 
 /// Scratch shared by all blocks (N rows).
@@ -365,6 +367,7 @@ impl EncoderState {
             cls: plan.cls_rows.then(|| ClsRows::new(m, b, t)),
             plan,
             last_cls: false,
+            teacher: None,
             head: HeadState::new(&m.head, b, t, d, c.num_labels, mlm_rows_per_seq),
             sc,
             step: 0,
