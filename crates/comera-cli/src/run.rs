@@ -56,7 +56,7 @@ pub struct TrainArgs {
     quiet: bool,
     /// Continue the run in this directory from its newest checkpoint that verifies (its own
     /// config; other options are refused).
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["config", "data", "set", "print_config", "epochs", "batch_size", "seed", "out", "dense", "max_steps_per_epoch", "init_from", "overwrite"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["config", "data", "set", "print_config", "epochs", "batch_size", "seed", "out", "dense", "max_steps_per_epoch", "init_from", "teacher", "overwrite"])]
     resume: Option<PathBuf>,
     /// With --resume: train the run N more epochs (a finished run too); recorded in its
     /// config.toml and run.toml, so it stays resumable. The learning-rate schedule is
@@ -74,6 +74,11 @@ pub struct TrainArgs {
     /// Start the encoder from a pre-trained run directory (sets `train.init_from`).
     #[arg(long, value_name = "DIR")]
     init_from: Option<PathBuf>,
+    /// Distil from this teacher, a comera classifier directory of the same labels (sets
+    /// `distill.teacher`; the loss's weights, temperature and layer map are the `[distill]`
+    /// table's, or `--set distill.temperature=4`, …).
+    #[arg(long, value_name = "DIR")]
+    teacher: Option<PathBuf>,
 }
 
 pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
@@ -115,6 +120,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
         dense: a.dense,
         data: a.data,
         valid: a.valid,
+        teacher: a.teacher,
     })?;
     if a.print_config {
         print!("{}", cfg.to_toml());

@@ -397,6 +397,7 @@ pub fn train<'py>(
             dense,
             data: None,
             valid: None,
+            teacher: None,
         })
         .py_err()?;
         // What was stored from memory is said first, as the loop says its own lines.

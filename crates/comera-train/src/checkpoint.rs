@@ -113,6 +113,9 @@ pub struct Progress {
     pub best_metric: Option<f64>,
     #[serde(default)]
     pub evals_since_best: usize,
+    /// A distilled run: the window's loss terms, each summed ×count like `win_loss`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub win_terms: Option<comera_layers::LossTerms>,
 }
 
 /// A loaded checkpoint, checked.

@@ -575,6 +575,106 @@ pub struct RunConfig {
     /// When present, dense weight matrices are trained with GaLore instead of AdamW.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub galore: Option<GaLoreConfig>,
+    /// When present, the classifier is distilled from a frozen teacher.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distill: Option<DistillConfig>,
+}
+
+/// The `[distill]` table: train the classifier against a frozen teacher's logits and hidden
+/// states as well as the labels (`comera_model::DistillLoss` has the loss's formula):
+///   L = task_weight·CE + logit_weight·τ²·KL(teacher ‖ student at τ) + hidden_weight·MSE.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistillConfig {
+    /// The teacher: a comera model directory (a run, its `best/`, or an imported model) with a
+    /// classifier head for the same labels and vocabulary. A Hugging Face model is imported
+    /// first (`comera import hf DIR --out …`, then fine-tuned: `train --dense --init-from`).
+    pub teacher: PathBuf,
+    /// The teacher's weights' SHA-256, recorded when the run starts; a resumed run refuses a
+    /// teacher that changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub teacher_sha256: Option<String>,
+    /// Weight of the cross-entropy on the labels.
+    #[serde(
+        default = "DistillConfig::one",
+        serialize_with = "comera_layers::config_float::shortest_f32"
+    )]
+    pub task_weight: f32,
+    /// Weight of the KL divergence to the teacher's logits (0: hidden states only).
+    #[serde(
+        default = "DistillConfig::one",
+        serialize_with = "comera_layers::config_float::shortest_f32"
+    )]
+    pub logit_weight: f32,
+    /// Softmax temperature τ of the logit term.
+    #[serde(
+        default = "DistillConfig::temperature",
+        serialize_with = "comera_layers::config_float::shortest_f32"
+    )]
+    pub temperature: f32,
+    /// Weight of the hidden-state MSE (mean over the layer pairs; 0: logits only).
+    #[serde(
+        default,
+        serialize_with = "comera_layers::config_float::shortest_f32"
+    )]
+    pub hidden_weight: f32,
+    /// [student, teacher] hidden-state pairs, numbered as Hugging Face's `hidden_states`:
+    /// 0 = the embeddings' output, k = block k's output. Empty with hidden_weight > 0: every
+    /// student block k is matched to teacher block k·(teacher layers / student layers) (the
+    /// map is recorded in the run's config).
+    #[serde(default)]
+    pub layers: Vec<[usize; 2]>,
+}
+
+impl DistillConfig {
+    fn one() -> f32 {
+        1.0
+    }
+    fn temperature() -> f32 {
+        2.0
+    }
+
+    /// A teacher at `dir` with the default weights: the labels and the teacher's logits at
+    /// τ = 2, no hidden-state term.
+    pub fn with_teacher(dir: PathBuf) -> DistillConfig {
+        DistillConfig {
+            teacher: dir,
+            teacher_sha256: None,
+            task_weight: 1.0,
+            logit_weight: 1.0,
+            temperature: 2.0,
+            hidden_weight: 0.0,
+            layers: Vec::new(),
+        }
+    }
+
+    /// The layer map: the given pairs, or (hidden_weight > 0 and none given) each student
+    /// block k on teacher block k·T/S (`s`, `t`: the layer counts; T a multiple of S).
+    pub fn layer_map(&self, s: usize, t: usize) -> Result<Vec<(usize, usize)>, ConfigError> {
+        if !self.layers.is_empty() || self.hidden_weight == 0.0 {
+            return Ok(self.layers.iter().map(|&[i, j]| (i, j)).collect());
+        }
+        if s == 0 || t % s != 0 {
+            return Err(bad(
+                "distill.layers",
+                format!(
+                    "the teacher's {t} layers are not a multiple of the student's {s}: give the pairs, e.g. layers = [[{s}, {t}]]"
+                ),
+            ));
+        }
+        Ok((1..=s).map(|k| (k, k * t / s)).collect())
+    }
+
+    /// The model-level loss with `layers` resolved.
+    pub fn loss(&self, layers: Vec<(usize, usize)>) -> comera_model::DistillLoss {
+        comera_model::DistillLoss {
+            task_weight: self.task_weight,
+            logit_weight: self.logit_weight,
+            temperature: self.temperature,
+            hidden_weight: self.hidden_weight,
+            layers,
+        }
+    }
 }
 
 impl RunConfig {
@@ -636,6 +736,7 @@ impl RunConfig {
                 ..RankConfig::default()
             },
             galore: None,
+            distill: None,
         }
     }
 
@@ -687,6 +788,22 @@ impl RunConfig {
         self.rank.validate()?;
         if let Some(g) = &self.galore {
             g.validate()?;
+        }
+        if let Some(ds) = &self.distill {
+            if self.model.head == comera_model::HeadKind::Mlm {
+                return Err(bad(
+                    "distill",
+                    "distillation trains a classifier; this config trains a masked-LM",
+                ));
+            }
+            if let Some(sha) = &ds.teacher_sha256 {
+                if sha.len() != 64 || !sha.chars().all(|c| c.is_ascii_hexdigit()) {
+                    return Err(bad(
+                        "distill.teacher_sha256",
+                        format!("`{sha}` is not a SHA-256 (64 hex digits)"),
+                    ));
+                }
+            }
         }
         let d = &self.data;
         if !(0.0..1.0).contains(&d.valid_fraction) {
@@ -1413,6 +1530,9 @@ pub struct Overrides {
     pub data: Option<PathBuf>,
     /// Validate on this file (with `data`; without it, `data.valid_fraction` is held out).
     pub valid: Option<PathBuf>,
+    /// Distil from this teacher (`distill.teacher`; a `[distill]` table with its defaults
+    /// when the config has none).
+    pub teacher: Option<PathBuf>,
 }
 
 impl Overrides {
@@ -1479,6 +1599,12 @@ impl AnyRunConfig {
                 if let Some(v) = &o.init_from {
                     t.init_from = Some(v.clone());
                 }
+                if let Some(dir) = &o.teacher {
+                    match &mut cfg.distill {
+                        Some(d) => d.teacher = dir.clone(),
+                        None => cfg.distill = Some(DistillConfig::with_teacher(dir.clone())),
+                    }
+                }
                 if o.dense {
                     cfg.model.make_dense();
                 }
@@ -1496,6 +1622,13 @@ impl AnyRunConfig {
                     return Err(bad(
                         "--init-from",
                         "a DLRM run has no pre-trained encoder to start from",
+                    )
+                    .into());
+                }
+                if o.teacher.is_some() {
+                    return Err(bad(
+                        "--teacher",
+                        "distillation trains a text classifier; a DLRM run has no teacher",
                     )
                     .into());
                 }

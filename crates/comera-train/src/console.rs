@@ -79,8 +79,12 @@ impl Console {
             String::new()
         };
         let (l, a, tps) = (r.loss, r.accuracy, r.tokens_per_s);
+        let terms = match &r.loss_terms {
+            Some(t) => format!(" (ce {:.4} kl {:.4} mse {:.4})", t.task, t.logits, t.hidden),
+            None => String::new(),
+        };
         self.bar.set_message(format!(
-            "epoch {}{phase_note} loss {l:.4} acc {a:.3}{size} {tps:.0}/s",
+            "epoch {}{phase_note} loss {l:.4}{terms} acc {a:.3}{size} {tps:.0}/s",
             r.epoch
         ));
         if !(self.progress && self.bar.is_hidden()) {

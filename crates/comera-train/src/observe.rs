@@ -159,6 +159,10 @@ pub struct TrainRecord {
     pub branch: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mean_ranks: Option<BTreeMap<String, f64>>,
+    /// Distilled runs: the loss's terms (task cross-entropy, logit KL, hidden-state MSE, each
+    /// unweighted); `loss` is their weighted sum.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_terms: Option<comera_layers::LossTerms>,
 }
 
 /// An evaluation on the held-out data (each epoch's end, and every `train.eval_every` steps).

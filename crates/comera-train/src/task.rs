@@ -210,8 +210,12 @@ pub trait Task {
     fn epoch_note(&self) -> Option<String> {
         None
     }
-    /// Task-specific fields of `report.json`.
-    fn report_extra(&self, _model: &Self::Model) -> serde_json::Map<String, serde_json::Value> {
+    /// Task-specific fields of `report.json` (`st`: the last phase's training state).
+    fn report_extra(
+        &self,
+        _model: &Self::Model,
+        _st: &<Self::Model as Trainable>::State,
+    ) -> serde_json::Map<String, serde_json::Value> {
         serde_json::Map::new()
     }
 }
@@ -517,6 +521,8 @@ pub struct EncoderTask {
     pub seed: u64,
     /// This process's shard of every global batch and held-out set.
     pub procs: std::cell::RefCell<Processes>,
+    /// A distilled run's frozen teacher and loss, attached to every training state.
+    pub teacher: Option<(std::sync::Arc<Encoder>, comera_model::DistillLoss)>,
 }
 
 /// One epoch's batches of an encoder task: the global batch, and this process's rows of it
@@ -591,7 +597,11 @@ impl Task for EncoderTask {
             EncoderData::Classify(_) => 0,
         };
         let b = self.procs.borrow().shard.rows(phase.batch_size)?.len();
-        Ok(model.state_for(b, phase.seq_len, rows)?)
+        let mut st = model.state_for(b, phase.seq_len, rows)?;
+        if let Some((teacher, loss)) = &self.teacher {
+            st.attach_teacher(model, teacher.clone(), loss.clone())?;
+        }
+        Ok(st)
     }
 
     fn epoch<'a>(&'a self, phase: &Phase, epoch: usize) -> Result<EncoderEpoch<'a>> {
@@ -651,6 +661,29 @@ impl Task for EncoderTask {
 
     fn loss_name(&self) -> &'static str {
         "cross-entropy"
+    }
+
+    /// A distilled run: the teacher's size, memory and forward time (of this process, since
+    /// it last started).
+    fn report_extra(
+        &self,
+        _model: &Encoder,
+        st: &EncoderState,
+    ) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        if let Some(t) = st.teacher() {
+            let (param_bytes, state_bytes) = t.bytes();
+            m.insert(
+                "teacher".into(),
+                serde_json::json!({
+                    "params": t.model().num_params(),
+                    "param_bytes": param_bytes,
+                    "state_bytes": state_bytes,
+                    "forward_seconds": t.forward_time().as_secs_f64(),
+                }),
+            );
+        }
+        m
     }
 
     fn majority_accuracy(&self) -> Option<f64> {
@@ -795,7 +828,11 @@ impl Task for CtrTask {
         self.train.borrow().malformed_summary()
     }
 
-    fn report_extra(&self, model: &Dlrm) -> serde_json::Map<String, serde_json::Value> {
+    fn report_extra(
+        &self,
+        model: &Dlrm,
+        _st: &comera_dlrm::DlrmState,
+    ) -> serde_json::Map<String, serde_json::Value> {
         let mut m = serde_json::Map::new();
         m.insert("table_params".into(), model.table_params().into());
         m.insert(

@@ -18,7 +18,7 @@ use crate::observe::{
 };
 use crate::run_dir::RunDir;
 use crate::task::{EpochBatches, EvalStats, Task};
-use comera_layers::{Model, StepStats, Trainable};
+use comera_layers::{LossTerms, Model, StepStats, Trainable};
 use comera_optim::rank::{self, Branch, RankController, RankEvent, Stage};
 use comera_optim::{Optimizer, Schedule, StepReport, Stepper};
 use std::time::Instant;
@@ -400,6 +400,10 @@ impl<'t, T: Task> Loop<'t, T> {
         p.ep_correct += s.correct;
         p.ep_count += s.count;
         p.win_loss += s.loss * s.count as f64;
+        if let Some(t) = &s.terms {
+            let w = p.win_terms.get_or_insert_with(Default::default);
+            w.add_scaled(t, s.count as f64);
+        }
         p.win_correct += s.correct;
         p.win_count += s.count;
         self.window.0 += 1;
@@ -430,6 +434,11 @@ impl<'t, T: Task> Loop<'t, T> {
             size_l1: None,
             branch: None,
             mean_ranks: None,
+            loss_terms: p.win_terms.map(|t| {
+                let mut mean = LossTerms::default();
+                mean.add_scaled(&t, 1.0 / p.win_count as f64);
+                mean
+            }),
         };
         if let Some(dp) = &self.stepper.data_parallel {
             rec.processes = Some(crate::distributed::processes().1);
@@ -450,6 +459,7 @@ impl<'t, T: Task> Loop<'t, T> {
         self.rep.record(Record::Train(rec))?;
         let p = &mut self.prog;
         (p.win_loss, p.win_correct, p.win_count) = (0.0, 0, 0);
+        p.win_terms = None;
         self.window = (0, 0.0, Instant::now());
         Ok(())
     }
@@ -766,7 +776,7 @@ impl<'t, T: Task> Loop<'t, T> {
             stopped,
             interrupted: crate::interrupt::requested().filter(|_| stopped),
             early_stopped: end == End::EarlyStopped,
-            extra: self.task.report_extra(&self.model),
+            extra: self.task.report_extra(&self.model, &self.st),
         };
         if let Some(dp) = &self.stepper.data_parallel {
             crate::distributed::report(&mut summary, dp, &self.step_ms);

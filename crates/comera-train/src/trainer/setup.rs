@@ -5,7 +5,7 @@
 use super::report::Reporter;
 use super::{available_memory_bytes, LoopSettings, RunSetup, Setup, Start};
 use crate::config::ConfigError;
-use crate::config::{AnyRunConfig, DlrmRunConfig, Phase, RunConfig};
+use crate::config::{AnyRunConfig, DistillConfig, DlrmRunConfig, Phase, RunConfig};
 use crate::data::{prepare, CorpusData, PreparedData};
 use crate::error::{Error, IoContext};
 use crate::files::DlrmMeta;
@@ -14,6 +14,7 @@ use comera_dlrm::Dlrm;
 use comera_layers::Model;
 use comera_model::Encoder;
 use comera_optim::rank::RankConfig;
+use std::sync::Arc;
 
 /// Refuses an encoder config whose training memory in some phase (estimated before anything
 /// is allocated, even the data) exceeds what the machine has; warns of ranks no layer can use.
@@ -64,6 +65,67 @@ fn encoder_data(
     })
 }
 
+/// The `[distill]` teacher, loaded and checked against the data: the same vocabulary file, and
+/// the same labels in the same order for its logits. Its weights' digest and the resolved layer
+/// map are recorded in `resolved`; a resumed run (whose config has the digest) refuses a
+/// teacher that changed. The teacher runs forward only, so its blocks are recomputed (it keeps
+/// just each block's output, which the hidden-state term reads).
+fn load_teacher(
+    ds: &DistillConfig,
+    student: &comera_model::EncoderConfig,
+    data: &EncoderData,
+    vocab: &std::path::Path,
+    resolved: &mut RunConfig,
+    rep: &mut Reporter,
+) -> crate::Result<(Arc<Encoder>, comera_model::DistillLoss)> {
+    let dir = &ds.teacher;
+    let err = |msg: String| Error::model(format!("distill.teacher: {}: {msg}", dir.display()));
+    let (mut teacher, meta) = crate::files::load_model(dir)
+        .map_err(|e| Error::model_with(format!("distill.teacher: {}", dir.display()), e))?;
+    let sha = crate::inputs::sha256_file(&dir.join(crate::files::MODEL_WEIGHTS))?;
+    if let Some(recorded) = &ds.teacher_sha256 {
+        if *recorded != sha {
+            return Err(err(format!(
+                "its weights are not the teacher this run started with (SHA-256 {sha}, the run recorded {recorded})"
+            )));
+        }
+    }
+    if let EncoderData::Classify(d) = data {
+        if ds.logit_weight > 0.0 && meta.labels != d.label_names {
+            return Err(err(format!(
+                "the teacher predicts the labels {:?}, this data has {:?}: logit distillation needs the same labels in the same order (fine-tune the teacher on this data first, or set distill.logit_weight = 0)",
+                meta.labels, d.label_names
+            )));
+        }
+    }
+    let read = |p: &std::path::Path| std::fs::read(p).io(p, "cannot read");
+    if read(&meta.vocab)? != read(vocab)? {
+        return Err(err(format!(
+            "its vocabulary {} is not this run's {}: the teacher must read the same token ids",
+            meta.vocab.display(),
+            vocab.display()
+        )));
+    }
+    let layers = ds.layer_map(student.layers, teacher.cfg.layers)?;
+    let recorded = resolved.distill.as_mut().expect("a [distill] table");
+    recorded.teacher_sha256 = Some(sha);
+    recorded.layers = layers.iter().map(|&(i, j)| [i, j]).collect();
+    teacher.cfg.recompute_blocks = true;
+    rep.say(format!(
+        "teacher {}: {} layers, d_model {}, {} parameters; loss {}·CE + {}·KL(τ = {}) + {}·MSE over hidden states {:?} (student, teacher)",
+        dir.display(),
+        teacher.cfg.layers,
+        teacher.cfg.d_model,
+        teacher.num_params(),
+        ds.task_weight,
+        ds.logit_weight,
+        ds.temperature,
+        ds.hidden_weight,
+        layers
+    ));
+    Ok((Arc::new(teacher), ds.loss(layers)))
+}
+
 /// An encoder run (classification, or masked LM on a corpus).
 pub(super) fn encoder(
     cfg: &RunConfig,
@@ -95,6 +157,10 @@ pub(super) fn encoder(
         resolved.data = d.data.clone();
     }
     resolved.model = mcfg.clone();
+    let teacher = match &cfg.distill {
+        Some(ds) => Some(load_teacher(ds, &mcfg, &data, &vocab, &mut resolved, rep)?),
+        None => None,
+    };
     // A resumed run keeps writing the config it was created with.
     let config_toml = match start.config_toml() {
         Some(text) => text.to_string(),
@@ -146,6 +212,12 @@ pub(super) fn encoder(
             }
         }
     }
+    if let Some((t, loss)) = &teacher {
+        // The same checks as when each state attaches it, before the run directory opens.
+        model
+            .state_for(1, mcfg.seq_len, 0)?
+            .attach_teacher(&model, t.clone(), loss.clone())?;
+    }
     rep.say(format!(
         "model {} layers, d_model {}: {}",
         mcfg.layers,
@@ -181,6 +253,7 @@ pub(super) fn encoder(
             vocab,
             seed: t.seed,
             procs: std::cell::RefCell::new(crate::distributed::Processes::world()),
+            teacher,
         },
         run: RunSetup {
             model,
