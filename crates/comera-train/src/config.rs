@@ -613,10 +613,7 @@ pub struct DistillConfig {
     )]
     pub temperature: f32,
     /// Weight of the hidden-state MSE (mean over the layer pairs; 0: logits only).
-    #[serde(
-        default,
-        serialize_with = "comera_layers::config_float::shortest_f32"
-    )]
+    #[serde(default, serialize_with = "comera_layers::config_float::shortest_f32")]
     pub hidden_weight: f32,
     /// [student, teacher] hidden-state pairs, numbered as Hugging Face's `hidden_states`:
     /// 0 = the embeddings' output, k = block k's output. Empty with hidden_weight > 0: every
