@@ -57,6 +57,15 @@ pub struct Opts {
     /// Relative Frobenius error target per layer for --tt (with or without --rank).
     #[arg(long)]
     tol: Option<f64>,
+    /// For --tt: make the encoder blocks this many times smaller than the dense ones (e.g.
+    /// 10). The per-layer error target is searched for, so each layer gets the ranks its own
+    /// spectrum needs at that error (under --rank caps, if given).
+    #[arg(long, value_name = "X", conflicts_with = "tol")]
+    target_compression: Option<f64>,
+    /// For --tt: the word table's TTM rank cap, instead of the linear layers' --rank/--tol
+    /// (whose error target would wipe out the table).
+    #[arg(long, value_name = "R", conflicts_with = "dense_embedding")]
+    embedding_rank: Option<usize>,
     /// Keep the word embedding dense under --tt.
     #[arg(long)]
     dense_embedding: bool,
@@ -112,13 +121,14 @@ pub fn run(cmd: Import) -> anyhow::Result<ExitCode> {
 
 /// `comera import`: returns false when `--check` failed.
 fn import(source: ModelSource, o: &Opts) -> anyhow::Result<bool> {
+    let sized = o.tol.is_some() || o.target_compression.is_some();
     ensure!(
-        !o.tt || !o.rank.is_empty() || o.tol.is_some(),
-        "--tt needs --rank R[,R…] and/or --tol EPS"
+        !o.tt || !o.rank.is_empty() || sized,
+        "--tt needs --rank R[,R…], --tol EPS or --target-compression X"
     );
     ensure!(
-        o.tt || (o.rank.is_empty() && o.tol.is_none()),
-        "--rank/--tol apply to --tt compression; add --tt"
+        o.tt || (o.rank.is_empty() && !sized),
+        "--rank/--tol/--target-compression apply to --tt compression; add --tt"
     );
     let config = o
         .config
@@ -137,6 +147,8 @@ fn import(source: ModelSource, o: &Opts) -> anyhow::Result<bool> {
         tt: o.tt.then(|| TtOptions {
             ranks: o.rank.clone(),
             tol: o.tol,
+            target_compression: o.target_compression,
+            embedding_rank: o.embedding_rank,
             dense_embedding: o.dense_embedding,
             uniform_ranks: o.uniform_ranks,
             left: o.left,
@@ -278,6 +290,8 @@ fn print_compression(c: &Compression, json: bool) {
                 "compressed_params": natural, "stored_params": stored, "dense_params": dense,
                 "model_params": c.params,
                 "model_dense_equivalent": c.dense_equivalent,
+                "target_compression": c.target_compression,
+                "block_params": c.block_params.0, "dense_block_params": c.block_params.1,
                 "hidden_max_rel": dev.map(|d| d.report.max_rel),
                 "hidden_frob_rel": dev.map(|d| d.report.frob_rel),
                 "verdict": dev.map(|d| hf::verdict(d.report.frob_rel)),
@@ -287,9 +301,9 @@ fn print_compression(c: &Compression, json: bool) {
         return;
     }
     let label = match (rank, tol) {
-        (Some(r), Some(t)) => format!("rank ≤ {r}, target {t}"),
+        (Some(r), Some(t)) => format!("rank ≤ {r}, target {t:.3}"),
         (Some(r), None) => format!("rank ≤ {r}"),
-        (None, Some(t)) => format!("target {t}"),
+        (None, Some(t)) => format!("target {t:.3}"),
         (None, None) => "full rank".into(),
     };
     println!("TT-SVD ({label}, {secs:.1} s): relative weight error ‖W_TT − W‖_F / ‖W‖_F per layer");
@@ -318,6 +332,19 @@ fn print_compression(c: &Compression, json: bool) {
         "  compressed layers: {natural} parameters at TT-SVD ranks ({stored} stored) for {dense} dense ({:.1}x; {:.1}x stored)",
         dense as f64 / natural.max(1) as f64,
         dense as f64 / stored.max(1) as f64
+    );
+    let (blocks, dense_blocks) = c.block_params;
+    let asked = match c.target_compression {
+        Some(x) => format!(
+            ", asked {x}x: per-layer error target {:.3}",
+            tol.unwrap_or(0.0)
+        ),
+        None => String::new(),
+    };
+    println!(
+        "  encoder blocks: {blocks} parameters for {dense_blocks} dense ({:.1}x{asked}); embeddings and head: {}",
+        dense_blocks as f64 / blocks.max(1) as f64,
+        c.params - blocks
     );
     println!(
         "  whole model: {} parameters, dense equivalent {} ({:.1}x)",

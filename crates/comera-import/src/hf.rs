@@ -757,7 +757,7 @@ pub fn verdict(frob_rel: f64) -> String {
     } else if frob_rel <= 0.1 {
         format!("hidden-state error {frob_rel:.3}: close to the pretrained model, not equal to it; check the task metric before relying on it")
     } else {
-        format!("hidden-state error {frob_rel:.2}: treat this as an initialisation to fine-tune, not as the pretrained model")
+        format!("hidden-state error {frob_rel:.2}: treat this as an initialisation, not as the pretrained model; to keep the pretrained model's accuracy, distil it from the dense model fine-tuned on your task (train --init-from THIS --teacher TEACHER; README, \"Compressing a pretrained model\")")
     }
 }
 

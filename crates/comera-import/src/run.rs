@@ -35,6 +35,14 @@ pub struct TtOptions {
     pub ranks: Vec<usize>,
     /// Relative Frobenius error target per layer.
     pub tol: Option<f64>,
+    /// Make the encoder blocks (every parameter of `encoder.*`) this many times smaller than
+    /// the dense model's: the per-layer error target `tol` is searched for (the same relative
+    /// error for every layer, so each layer keeps the ranks its own spectrum needs), under the
+    /// rank caps if any. Excludes `tol`.
+    pub target_compression: Option<f64>,
+    /// The word table's TTM rank cap, in place of the caps and tolerance of the linear layers
+    /// (the table's spectrum is flat: an error target that suits the blocks wipes it out).
+    pub embedding_rank: Option<usize>,
     /// Keep the word embedding dense (a masked-LM whose output projection is tied to it must).
     pub dense_embedding: bool,
     /// Zero-pad each layer kind to one uniform rank (default: TT-SVD's own ranks per bond).
@@ -44,16 +52,97 @@ pub struct TtOptions {
 }
 
 impl TtOptions {
-    /// Refuses a rank cap of 0.
+    /// Refuses a rank cap of 0, and a compression target that is not > 1 or comes with a
+    /// tolerance.
     fn check_ranks(&self) -> Result<()> {
-        if self.ranks.contains(&0) {
+        if self.ranks.contains(&0) || self.embedding_rank == Some(0) {
             return Err(ImportError::new(
                 "--rank",
                 "0 is not a rank (must be at least 1)",
             ));
         }
+        if let Some(x) = self.target_compression {
+            if !(x > 1.0 && x.is_finite()) {
+                return Err(ImportError::new(
+                    "--target-compression",
+                    format!("{x}: expected a factor > 1 (10: the blocks ten times smaller)"),
+                ));
+            }
+            if self.tol.is_some() {
+                return Err(ImportError::new(
+                    "--target-compression",
+                    "chooses the error tolerance itself: give it or --tol, not both",
+                ));
+            }
+        }
         Ok(())
     }
+}
+
+/// Parameters of the encoder's blocks (`encoder.*`: TT cores and gates or dense weights,
+/// biases, LayerNorms), embeddings and head excluded.
+pub fn block_params(m: &Encoder) -> usize {
+    m.params()
+        .iter()
+        .filter(|p| p.name.starts_with("encoder."))
+        .map(|p| p.value.len())
+        .sum()
+}
+
+/// The smallest per-layer relative error (to 1e-3) at which TT-SVD of `dense`'s linear layers
+/// under `rank` makes the blocks at least `factor` times smaller than `dense`'s, and the
+/// blocks' parameters there. Bisection: fewer parameters as the error grows.
+fn tol_for_compression(
+    dense: &Encoder,
+    factor: f64,
+    rank: Option<usize>,
+    absorb: Absorb,
+    uniform: bool,
+) -> Result<(f64, usize)> {
+    let goal = block_params(dense) as f64 / factor;
+    let blocks_at = |tol: f64| -> Result<usize> {
+        let svd = TtSvdOptions {
+            max_rank: rank,
+            rel_tol: Some(tol),
+            absorb,
+        };
+        let copts = CompressOptions {
+            linear: Some(svd),
+            word: None,
+            uniform,
+        };
+        Ok(block_params(&compress(dense, &copts)?.0))
+    };
+    // The tolerance bounds each of a layer's d − 1 truncations by its share of the error, so a
+    // tolerance of 1 need not reach rank 1: grow the bracket until the goal is met (by 64 every
+    // bond is at rank 1).
+    let (mut lo, mut hi) = (0.0f64, 1.0f64);
+    let mut at_hi = blocks_at(hi)?;
+    while at_hi as f64 > goal {
+        if hi >= 64.0 {
+            return Err(ImportError::new(
+                "--target-compression",
+                format!(
+                    "{factor}× is out of reach for these TT layouts: at rank 1 the blocks still have {at_hi} parameters, {:.1}× fewer than the dense {}",
+                    block_params(dense) as f64 / at_hi as f64,
+                    block_params(dense)
+                ),
+            ));
+        }
+        (lo, hi) = (hi, 2.0 * hi);
+        at_hi = blocks_at(hi)?;
+    }
+    let mut best = (hi, at_hi);
+    while hi - lo > 1e-3 * hi {
+        let mid = 0.5 * (lo + hi);
+        let n = blocks_at(mid)?;
+        if n as f64 <= goal {
+            (hi, best) = (mid, (mid, n));
+        } else {
+            lo = mid;
+        }
+    }
+    Ok(best)
 }
 
 /// What [`import_to_run`] reads, checks, compresses and writes.
@@ -151,7 +240,12 @@ pub fn read_model(path: &Path, opts: &ReadOptions) -> Result<ImportedModel> {
 pub struct Compression {
     /// The rank cap (`None`: bounded by `tol` alone, or full rank).
     pub rank: Option<usize>,
+    /// The per-layer error target used (given, or found for `target_compression`).
     pub tol: Option<f64>,
+    /// The blocks' compression asked for, if any.
+    pub target_compression: Option<f64>,
+    /// The encoder blocks' parameters ([`block_params`]): compressed, dense.
+    pub block_params: (usize, usize),
     /// Every compressed layer's ranks, parameters and relative weight error.
     pub layers: Vec<LayerReport>,
     /// The compressed model's parameters.
@@ -211,21 +305,34 @@ pub fn compress_ranks(
     } else {
         tt.ranks.iter().map(|&r| Some(r)).collect()
     };
+    let absorb = if tt.left {
+        Absorb::Left
+    } else {
+        Absorb::Balanced
+    };
     let mut compressions = Vec::new();
     let mut last = None;
     for rank in caps {
+        let tol = match tt.target_compression {
+            Some(x) => Some(tol_for_compression(dense, x, rank, absorb, tt.uniform_ranks)?.0),
+            None => tt.tol,
+        };
         let svd = TtSvdOptions {
             max_rank: rank,
-            rel_tol: tt.tol,
-            absorb: if tt.left {
-                Absorb::Left
-            } else {
-                Absorb::Balanced
+            rel_tol: tol,
+            absorb,
+        };
+        let word = match tt.embedding_rank {
+            Some(r) => TtSvdOptions {
+                max_rank: Some(r),
+                rel_tol: None,
+                absorb,
             },
+            None => svd,
         };
         let copts = CompressOptions {
             linear: Some(svd),
-            word: (!tt.dense_embedding).then_some(svd),
+            word: (!tt.dense_embedding).then_some(word),
             uniform: tt.uniform_ranks,
         };
         let t = Instant::now();
@@ -240,7 +347,9 @@ pub fn compress_ranks(
         };
         let c = Compression {
             rank,
-            tol: tt.tol,
+            tol,
+            target_compression: tt.target_compression,
+            block_params: (block_params(&m), block_params(dense)),
             layers,
             params: m.num_params(),
             dense_equivalent: m.dense_equivalent_params(),

@@ -76,6 +76,8 @@ pub fn import_hf(
             tt: tt.then(|| TtOptions {
                 ranks: ranks.unwrap_or_default(),
                 tol,
+                target_compression: None,
+                embedding_rank: None,
                 dense_embedding,
                 uniform_ranks,
                 left: false,

@@ -589,7 +589,10 @@ pub struct DistillConfig {
     /// The teacher: a comera model directory (a run, its `best/`, or an imported model) with a
     /// classifier head for the same labels and vocabulary. A Hugging Face model is imported
     /// first (`comera import hf DIR --out …`, then fine-tuned: `train --dense --init-from`).
-    pub teacher: PathBuf,
+    /// Without one (here or from `--teacher`) the table only holds the settings: the run is
+    /// not distilled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub teacher: Option<PathBuf>,
     /// The teacher's weights' SHA-256, recorded when the run starts; a resumed run refuses a
     /// teacher that changed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -635,7 +638,7 @@ impl DistillConfig {
     /// τ = 2, no hidden-state term.
     pub fn with_teacher(dir: PathBuf) -> DistillConfig {
         DistillConfig {
-            teacher: dir,
+            teacher: Some(dir),
             teacher_sha256: None,
             task_weight: 1.0,
             logit_weight: 1.0,
@@ -791,6 +794,12 @@ impl RunConfig {
                 return Err(bad(
                     "distill",
                     "distillation trains a classifier; this config trains a masked-LM",
+                ));
+            }
+            if ds.teacher_sha256.is_some() && ds.teacher.is_none() {
+                return Err(bad(
+                    "distill.teacher_sha256",
+                    "checks a teacher, and distill.teacher names none",
                 ));
             }
             if let Some(sha) = &ds.teacher_sha256 {
@@ -1598,7 +1607,7 @@ impl AnyRunConfig {
                 }
                 if let Some(dir) = &o.teacher {
                     match &mut cfg.distill {
-                        Some(d) => d.teacher = dir.clone(),
+                        Some(d) => d.teacher = Some(dir.clone()),
                         None => cfg.distill = Some(DistillConfig::with_teacher(dir.clone())),
                     }
                 }

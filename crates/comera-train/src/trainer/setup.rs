@@ -78,7 +78,7 @@ fn load_teacher(
     resolved: &mut RunConfig,
     rep: &mut Reporter,
 ) -> crate::Result<(Arc<Encoder>, comera_model::DistillLoss)> {
-    let dir = &ds.teacher;
+    let dir = ds.teacher.as_ref().expect("called for a teacher");
     let err = |msg: String| Error::model(format!("distill.teacher: {}: {msg}", dir.display()));
     let (mut teacher, meta) = crate::files::load_model(dir)
         .map_err(|e| Error::model_with(format!("distill.teacher: {}", dir.display()), e))?;
@@ -158,8 +158,10 @@ pub(super) fn encoder(
     }
     resolved.model = mcfg.clone();
     let teacher = match &cfg.distill {
-        Some(ds) => Some(load_teacher(ds, &mcfg, &data, &vocab, &mut resolved, rep)?),
-        None => None,
+        Some(ds) if ds.teacher.is_some() => {
+            Some(load_teacher(ds, &mcfg, &data, &vocab, &mut resolved, rep)?)
+        }
+        _ => None,
     };
     // A resumed run keeps writing the config it was created with.
     let config_toml = match start.config_toml() {
