@@ -201,3 +201,41 @@ fn a_hub_name_that_is_no_directory_says_how_to_get_a_local_copy() {
     };
     assert!(chain(&e).ends_with("does not exist"), "{}", chain(&e));
 }
+
+#[test]
+fn a_compression_target_sizes_the_blocks_and_an_unreachable_one_is_refused() {
+    let dir = Dir::new("target");
+    let hf = tiny_hf(&dir);
+    let with = |target: f64| {
+        let mut opts = ImportOptions::new(ModelSource::Path(hf.clone()));
+        opts.tt = Some(TtOptions {
+            target_compression: Some(target),
+            embedding_rank: Some(2),
+            ..TtOptions::default()
+        });
+        import_to_run(opts, |_| {})
+    };
+    let outcome = with(2.0).unwrap();
+    let c = &outcome.compressions[0];
+    let (blocks, dense) = c.block_params;
+    assert_eq!(
+        dense,
+        comera_import::run::block_params(&outcome.imported.encoder)
+    );
+    assert_eq!(blocks, comera_import::run::block_params(outcome.model()));
+    // At the target, and not far under it: the tolerance is the smallest that reaches it.
+    assert!(blocks as f64 <= dense as f64 / 2.0, "{blocks} of {dense}");
+    assert!(blocks as f64 > dense as f64 / 4.0, "{blocks} of {dense}");
+    assert!(c.tol.is_some_and(|t| t > 0.0) && c.target_compression == Some(2.0));
+    // The word table takes its own rank cap.
+    let word = c.layers.iter().find(|l| l.kind == "word").unwrap();
+    assert!(word.ranks.iter().all(|&r| r <= 2), "{:?}", word.ranks);
+
+    let e = with(1e6).unwrap_err().to_string();
+    assert!(
+        e.starts_with("--target-compression: 1000000× is out of reach") && e.contains("rank 1"),
+        "{e}"
+    );
+    let e = with(0.5).unwrap_err().to_string();
+    assert!(e.contains("expected a factor > 1"), "{e}");
+}
