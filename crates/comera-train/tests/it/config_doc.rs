@@ -84,6 +84,9 @@ fn the_documented_config_mentions_every_field() {
     // The built-in default with every optional part present, so their keys are listed too.
     let mut full = RunConfig::builtin();
     full.galore = Some(GaLoreConfig::default());
+    let mut distill = comera_train::config::DistillConfig::with_teacher("runs/t".into());
+    distill.teacher_sha256 = Some("0".repeat(64));
+    full.distill = Some(distill);
     full.train.init_from = Some("runs/x".into());
     full.model.attn_tt.tt = Some(true);
     full.model.ffn_up_tt.tt = Some(false);
