@@ -8,11 +8,14 @@
 //! The τ² keeps the gradient's size independent of τ, so its weight means the same at any
 //! temperature. Both softmaxes are max-subtracted; sums are in f64.
 //!
-//! Hidden-state matching over the real tokens of N rows of width D (mask m_i = 1 for a real
-//! token, 0 for padding; M = Σ m_i), student h and teacher g:
-//!   L_h = (1 / (M·D)) Σ_i m_i ‖h_i − g_i‖²,
-//!   ∂L_h/∂h_i = (2 / (M·D)) m_i (h_i − g_i).
-//! With no real token, L_h = 0 and the gradient is 0.
+//! Hidden-state matching over the real tokens of S sequences of T rows of width D (mask
+//! m_i = 1 for a real token, 0 for padding; M_s = the real tokens of sequence s), student h and
+//! teacher g: the mean over sequences of each sequence's mean over its real tokens,
+//!   L_h = (1/S) Σ_s (1 / (M_s·D)) Σ_{i ∈ s} m_i ‖h_i − g_i‖²,
+//!   ∂L_h/∂h_i = (2 / (S·M_s·D)) m_i (h_i − g_i).
+//! A mean over sequences, like the task's loss over examples, so a batch split across
+//! processes (each its sequences, shares weighted by sequences) gives the same loss and
+//! gradient as one process. A sequence without a real token contributes 0.
 
 /// The terms of a distilled step's loss (each unweighted; the total is their weighted sum).
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -103,32 +106,59 @@ pub fn logit_kd(
     kl * tau64 * tau64 / rows as f64
 }
 
-/// The real tokens of `mask`, each counted once.
-fn real_tokens(mask: &[u8]) -> usize {
-    mask.iter().filter(|&&m| m != 0).count()
+/// Each sequence of `t` rows: (its student rows, teacher rows, mask, 1/(M_s·D) or 0 without
+/// a real token).
+fn sequences<'a>(
+    student: &'a [f32],
+    teacher: &'a [f32],
+    mask: &'a [u8],
+    t: usize,
+) -> impl Iterator<Item = (&'a [f32], &'a [f32], &'a [u8], f64)> {
+    assert_eq!(student.len(), teacher.len(), "teacher hidden states");
+    assert!(t > 0 && mask.len() % t == 0, "mask: sequences of {t} rows");
+    let d = student.len() / mask.len().max(1);
+    assert_eq!(d * mask.len(), student.len(), "hidden states rows × D");
+    let span = t * d;
+    student
+        .chunks_exact(span)
+        .zip(teacher.chunks_exact(span))
+        .zip(mask.chunks_exact(t))
+        .map(move |((h, g), m)| {
+            let real = m.iter().filter(|&&k| k != 0).count();
+            let inv = if real == 0 {
+                0.0
+            } else {
+                1.0 / (real * d) as f64
+            };
+            (h, g, m, inv)
+        })
 }
 
-/// L_h of `student` against `teacher` (both `mask.len()` × D row-major).
+/// L_h of `student` against `teacher` (both `mask.len()` × D row-major, sequences of `t`).
 #[track_caller]
-pub fn hidden_mse(student: &[f32], teacher: &[f32], mask: &[u8]) -> f64 {
-    assert_eq!(student.len(), teacher.len(), "teacher hidden states");
-    let (m, d) = (real_tokens(mask), student.len() / mask.len().max(1));
-    assert_eq!(d * mask.len(), student.len(), "hidden states rows × D");
-    if m == 0 {
-        return 0.0;
+pub fn hidden_mse(student: &[f32], teacher: &[f32], mask: &[u8], t: usize) -> f64 {
+    let d = student.len() / mask.len().max(1);
+    let mut sum = 0.0f64;
+    let mut seqs = 0usize;
+    for (h, g, m, inv) in sequences(student, teacher, mask, t) {
+        seqs += 1;
+        let rows = h.chunks_exact(d).zip(g.chunks_exact(d)).zip(m);
+        let sq: f64 = rows
+            .filter(|(_, &k)| k != 0)
+            .map(|((h, g), _)| {
+                h.iter()
+                    .zip(g)
+                    .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
+                    .sum::<f64>()
+            })
+            .sum();
+        sum += sq * inv;
     }
-    let rows = student.chunks_exact(d).zip(teacher.chunks_exact(d));
-    let sum: f64 = rows
-        .zip(mask)
-        .filter(|(_, &k)| k != 0)
-        .map(|((h, g), _)| {
-            h.iter()
-                .zip(g)
-                .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
-                .sum::<f64>()
-        })
-        .sum();
-    sum / (m * d) as f64
+    if seqs == 0 {
+        0.0
+    } else {
+        sum / seqs as f64
+    }
 }
 
 /// `weight`·∂L_h/∂student *added* into `dstudent` (rows × D, as [`hidden_mse`]).
@@ -137,22 +167,26 @@ pub fn hidden_mse_grad(
     student: &[f32],
     teacher: &[f32],
     mask: &[u8],
+    t: usize,
     weight: f32,
     dstudent: &mut [f32],
 ) {
-    assert_eq!(student.len(), teacher.len(), "teacher hidden states");
     assert_eq!(student.len(), dstudent.len(), "hidden-state gradient");
-    let (m, d) = (real_tokens(mask), student.len() / mask.len().max(1));
-    assert_eq!(d * mask.len(), student.len(), "hidden states rows × D");
-    if m == 0 {
-        return;
-    }
-    let s = 2.0 * weight / (m * d) as f32;
-    let rows = student.chunks_exact(d).zip(teacher.chunks_exact(d));
-    for (((h, g), dh), &k) in rows.zip(dstudent.chunks_exact_mut(d)).zip(mask) {
-        if k != 0 {
-            for ((o, &a), &b) in dh.iter_mut().zip(h).zip(g) {
-                *o += s * (a - b);
+    let d = student.len() / mask.len().max(1);
+    let seqs = mask.len() / t.max(1);
+    let span = t * d;
+    let each = sequences(student, teacher, mask, t).zip(dstudent.chunks_exact_mut(span));
+    for ((h, g, m, inv), dh) in each {
+        let s = (2.0 * weight as f64 * inv / seqs as f64) as f32;
+        let rows = h
+            .chunks_exact(d)
+            .zip(g.chunks_exact(d))
+            .zip(dh.chunks_exact_mut(d));
+        for (((h, g), dh), &k) in rows.zip(m) {
+            if k != 0 {
+                for ((o, &a), &b) in dh.iter_mut().zip(h).zip(g) {
+                    *o += s * (a - b);
+                }
             }
         }
     }

@@ -702,33 +702,43 @@ fn logit_kd_matches_naive_kl_and_finite_differences() {
 }
 
 #[test]
-fn hidden_mse_counts_real_tokens_only_and_matches_finite_differences() {
+fn hidden_mse_is_a_mean_over_sequences_of_real_tokens_and_matches_finite_differences() {
     use comera_layers::distill::{hidden_mse, hidden_mse_grad};
     let mut rng = init::rng(33);
-    let (rows, d) = (6, 5);
+    let (t, d) = (3, 5);
+    let rows = 3 * t; // three sequences; the last one all padding
     let h = random_vec(&mut rng, rows * d, 1.0);
     let mut g = random_vec(&mut rng, rows * d, 1.0);
-    let mask = [1u8, 1, 0, 1, 0, 1];
-    let mut want = 0.0;
-    for r in (0..rows).filter(|&r| mask[r] == 1) {
-        for j in 0..d {
-            want += (h[r * d + j] as f64 - g[r * d + j] as f64).powi(2);
-        }
-    }
-    want /= (4 * d) as f64;
-    assert!((hidden_mse(&h, &g, &mask) - want).abs() < 1e-9);
+    let mask = [1u8, 1, 0, 1, 0, 0, 0, 0, 0];
+    // Naive: each sequence's mean over its real tokens' entries, then the mean over the
+    // three sequences (the empty one counts 0).
+    let sq = |r: usize| -> f64 {
+        (0..d)
+            .map(|j| (h[r * d + j] as f64 - g[r * d + j] as f64).powi(2))
+            .sum()
+    };
+    let want = ((sq(0) + sq(1)) / (2 * d) as f64 + sq(3) / d as f64) / 3.0;
+    assert!((hidden_mse(&h, &g, &mask, t) - want).abs() < 1e-9);
     // Padding rows: whatever the teacher says there costs nothing.
     g[2 * d..3 * d].iter_mut().for_each(|v| *v += 100.0);
-    assert!((hidden_mse(&h, &g, &mask) - want).abs() < 1e-9);
+    g[5 * d..6 * d].iter_mut().for_each(|v| *v += 100.0);
+    assert!((hidden_mse(&h, &g, &mask, t) - want).abs() < 1e-9);
     let mut dh = vec![0.0f32; rows * d];
-    hidden_mse_grad(&h, &g, &mask, 1.5, &mut dh);
-    let fd = fd_grad(&h, |x| 1.5 * hidden_mse(x, &g, &mask));
+    hidden_mse_grad(&h, &g, &mask, t, 1.5, &mut dh);
+    let fd = fd_grad(&h, |x| 1.5 * hidden_mse(x, &g, &mask, t));
     assert_close("1.5·∂L_h/∂h", &dh, &fd, 2e-3);
     assert!(dh[2 * d..3 * d].iter().all(|&v| v == 0.0));
+    // Split across two "processes" (sequences 0 and 1–2), weighted by sequences: the same
+    // loss as the whole batch.
+    let (a, b) = (
+        hidden_mse(&h[..t * d], &g[..t * d], &mask[..t], t),
+        hidden_mse(&h[t * d..], &g[t * d..], &mask[t..], t),
+    );
+    assert!(((a + 2.0 * b) / 3.0 - want).abs() < 1e-9);
     // No real token: zero loss, zero gradient.
-    let none = [0u8; 6];
-    assert_eq!(hidden_mse(&h, &g, &none), 0.0);
+    let none = [0u8; 9];
+    assert_eq!(hidden_mse(&h, &g, &none, t), 0.0);
     let mut dz = vec![0.0f32; rows * d];
-    hidden_mse_grad(&h, &g, &none, 1.0, &mut dz);
+    hidden_mse_grad(&h, &g, &none, t, 1.0, &mut dz);
     assert!(dz.iter().all(|&v| v == 0.0));
 }

@@ -251,7 +251,12 @@ impl Encoder {
                 .layers
                 .iter()
                 .map(|&(i, j)| {
-                    hidden_mse(st.hidden_state(i), teacher.state.hidden_state(j), &st.mask)
+                    hidden_mse(
+                        st.hidden_state(i),
+                        teacher.state.hidden_state(j),
+                        &st.mask,
+                        st.t,
+                    )
                 })
                 .sum();
             sum / loss.layers.len() as f64
@@ -289,7 +294,7 @@ impl Encoder {
                 i => &st.acts[i - 1].rows.out,
             };
             let g = teacher.state.hidden_state(j);
-            hidden_mse_grad(h, g, &st.mask, w, &mut st.sc.rows.d);
+            hidden_mse_grad(h, g, &st.mask, st.t, w, &mut st.sc.rows.d);
         }
     }
 }
