@@ -219,6 +219,35 @@ fn galore_on_2_and_3_processes_follows_one_resumes_across_n_and_reruns_bit_for_b
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Distillation: every process runs the teacher on its own rows, and the loss terms and
+/// gradients (means over sequences) combine to one process's.
+#[test]
+fn a_distilled_classifier_on_2_processes_follows_one() {
+    let dir = tempdir("mpi-distill");
+    let teacher = dir.join("teacher");
+    train(1, &classifier_config(&dir, false, ""), &teacher, &[]);
+    let distill = format!(
+        "checkpoint_every = 4\n\n[distill]\nteacher = \"{}\"\nlogit_weight = 0.5\nhidden_weight = 0.5\nlayers = [[0, 0], [1, 1]]",
+        teacher.display()
+    );
+    let cfg = classifier_config(&dir, true, &distill);
+    let one = dir.join("one");
+    train(1, &cfg, &one, &[]);
+    let two = dir.join("two");
+    train(2, &cfg, &two, &[]);
+    same_run(&one, &two, 2, 30);
+    for (x, y) in records(&one, "train").iter().zip(&records(&two, "train")) {
+        for term in ["task", "logits", "hidden"] {
+            close(
+                x["loss_terms"][term].as_f64().unwrap(),
+                y["loss_terms"][term].as_f64().unwrap(),
+                &format!("{term} term at step {}", x["step"]),
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn a_failing_process_ends_the_job_with_its_error() {
     let dir = tempdir("mpi-fail");
