@@ -654,7 +654,7 @@ impl DistillConfig {
         if !self.layers.is_empty() || self.hidden_weight == 0.0 {
             return Ok(self.layers.iter().map(|&[i, j]| (i, j)).collect());
         }
-        if s == 0 || t % s != 0 {
+        if s == 0 || !t.is_multiple_of(s) {
             return Err(bad(
                 "distill.layers",
                 format!(
