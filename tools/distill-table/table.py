@@ -4,7 +4,8 @@
     python3 tools/distill-table/table.py RUNS/trec RUNS/reviews
 
 Each directory holds `ARM-SEED` runs (ARM: teacher, kd, ft, scratch; with `lr3` appended, the
-same at lr_other = 1e-3; kdX for the distilled student at X× beside the main 10×). Per arm: the mean and spread of the final validation
+same at lr_other = 1e-3; kdfresh: distilled with a fresh head instead of the teacher's; kdX
+for the distilled student at X× beside the main 10×). Per arm: the mean and spread of the final validation
 accuracy over seeds (the last evaluation, not the best: the validation set is the test set),
 the parameters of the encoder blocks (`encoder.*`), of the embeddings and of the whole model
 (from `model.safetensors`' header), and the wall time per run. Standard library only.
@@ -19,6 +20,7 @@ from pathlib import Path
 ARMS = [
     ("teacher", "dense MiniLM fine-tuned (teacher)"),
     ("kd", "TT student distilled from the teacher"),
+    ("kdfresh", "TT student distilled, fresh classifier head"),
     ("ft", "TT student fine-tuned without a teacher"),
     ("scratch", "same TT modes from scratch"),
     ("kdlr3", "TT student distilled, lr_other 1e-3"),

@@ -76,7 +76,10 @@ pub fn logit_kd(
     dstudent: &mut [f32],
     scratch: &mut [f64],
 ) -> f64 {
-    assert!(classes > 0 && student.len().is_multiple_of(classes), "logits N × C");
+    assert!(
+        classes > 0 && student.len().is_multiple_of(classes),
+        "logits N × C"
+    );
     assert_eq!(student.len(), teacher.len(), "teacher logits");
     assert_eq!(student.len(), dstudent.len(), "logit gradient");
     assert!(tau > 0.0, "temperature > 0");
@@ -115,7 +118,10 @@ fn sequences<'a>(
     t: usize,
 ) -> impl Iterator<Item = (&'a [f32], &'a [f32], &'a [u8], f64)> {
     assert_eq!(student.len(), teacher.len(), "teacher hidden states");
-    assert!(t > 0 && mask.len().is_multiple_of(t), "mask: sequences of {t} rows");
+    assert!(
+        t > 0 && mask.len().is_multiple_of(t),
+        "mask: sequences of {t} rows"
+    );
     let d = student.len() / mask.len().max(1);
     assert_eq!(d * mask.len(), student.len(), "hidden states rows × D");
     let span = t * d;

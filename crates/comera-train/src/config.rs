@@ -624,6 +624,11 @@ pub struct DistillConfig {
     /// map is recorded in the run's config).
     #[serde(default)]
     pub layers: Vec<[usize; 2]>,
+    /// Start the student's classifier head (pooler and classifier) from the teacher's, when
+    /// the run does not get one from `init_from` and the two heads have one layout: the
+    /// student's last hidden states are pulled towards the teacher's, which that head reads.
+    #[serde(default = "DistillConfig::yes")]
+    pub init_head: bool,
 }
 
 impl DistillConfig {
@@ -632,6 +637,9 @@ impl DistillConfig {
     }
     fn temperature() -> f32 {
         2.0
+    }
+    fn yes() -> bool {
+        true
     }
 
     /// A teacher at `dir` with the default weights: the labels and the teacher's logits at
@@ -645,6 +653,7 @@ impl DistillConfig {
             temperature: 2.0,
             hidden_weight: 0.0,
             layers: Vec::new(),
+            init_head: true,
         }
     }
 

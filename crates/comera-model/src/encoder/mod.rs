@@ -261,13 +261,32 @@ impl Encoder {
             .into_iter()
             .map(|p| (p.name.as_str(), p))
             .collect();
-        let mut err: Option<ConfigError> = None;
-        self.head.visit_params_mut(&mut |p| {
-            if err.is_none() {
-                err = copy_param(p, theirs.get(p.name.as_str()).copied()).err();
+        // Every parameter checked before any is copied: a head of another layout (TT against
+        // dense) is refused whole, never half-copied.
+        for p in self.head.params() {
+            match theirs.get(p.name.as_str()) {
+                Some(q) if q.shape == p.shape => {}
+                Some(q) => {
+                    return Err(ConfigError {
+                        field: p.name.clone(),
+                        msg: format!(
+                            "pre-trained shape {:?}, this model's {:?}",
+                            q.shape, p.shape
+                        ),
+                    })
+                }
+                None => {
+                    return Err(ConfigError {
+                        field: p.name.clone(),
+                        msg: "missing from the pre-trained model's head".into(),
+                    })
+                }
             }
+        }
+        self.head.visit_params_mut(&mut |p| {
+            p.value.copy_from_slice(&theirs[p.name.as_str()].value);
         });
-        err.map_or(Ok(()), Err)
+        Ok(())
     }
 
     /// Sets every TT/TTM layer to the ranks of `other`'s layer of the same name.

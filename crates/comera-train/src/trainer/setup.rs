@@ -181,6 +181,7 @@ pub(super) fn encoder(
     // Everything that can fail is done before the run directory is opened (which, under
     // --overwrite, moves the previous run aside).
     let mut model = Encoder::new(&mcfg, cfg.train.seed)?;
+    let mut head_given = false;
     if let (None, Some(dir)) = (start.checkpoint(), &cfg.train.init_from) {
         let init_err = |e: crate::error::BoxError| {
             Error::model_with(format!("train.init_from: {}", dir.display()), e)
@@ -199,6 +200,7 @@ pub(super) fn encoder(
         {
             if meta.labels == d.label_names && mcfg.head == pre.cfg.head {
                 model.init_head_from(&pre).map_err(|e| init_err(e.into()))?;
+                head_given = true;
                 rep.say(format!(
                     "init  classifier head from {} (the same labels {:?})",
                     dir.display(),
@@ -211,6 +213,24 @@ pub(super) fn encoder(
                     meta.labels,
                     d.label_names
                 ));
+            }
+        }
+    }
+    if let (Some((t, _)), Some(ds)) = (&teacher, &cfg.distill) {
+        let same_labels = match &data {
+            EncoderData::Classify(d) => {
+                t.cfg.num_labels == d.label_names.len() && ds.logit_weight > 0.0
+            }
+            EncoderData::Mlm(_) => false,
+        };
+        if ds.init_head && !head_given && same_labels && start.checkpoint().is_none() {
+            let dir = ds.teacher.as_ref().expect("a teacher").display();
+            match model.init_head_from(t) {
+                Ok(()) => rep.say(format!("init  classifier head from the teacher {dir}")),
+                Err(e) => rep.say(format!(
+                    "note  the teacher's head has another layout ({}: {}): the student's head starts fresh",
+                    e.field, e.msg
+                )),
             }
         }
     }
