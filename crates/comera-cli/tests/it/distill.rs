@@ -50,6 +50,11 @@ fn a_distilled_run_resumes_bit_identically_and_never_trains_its_teacher() {
         text.contains("teacher ") && text.contains("KL(τ = 3)"),
         "{text}"
     );
+    // Same labels, same dense head layout: the student's head starts as the teacher's.
+    assert!(
+        text.contains("init  classifier head from the teacher"),
+        "{text}"
+    );
     train_ok(&[
         "--config",
         s(&cfg),
