@@ -23,7 +23,7 @@ ARMS = [
     ("kdfresh", "TT student distilled, fresh classifier head"),
     ("ft", "TT student fine-tuned without a teacher"),
     ("scratch", "same TT modes from scratch"),
-    ("kdlr3", "TT student distilled, lr_other 1e-3"),
+    ("kdlr3", "TT student distilled, fresh head, lr_other 1e-3"),
     ("ftlr3", "TT student without a teacher, lr_other 1e-3"),
     ("scratchlr3", "same TT modes from scratch, lr_other 1e-3"),
 ]
@@ -51,7 +51,13 @@ def param_counts(run: Path) -> dict:
 
 def runs_of(task: Path, arm: str) -> list:
     pat = re.compile(rf"^{re.escape(arm)}-(\d+)$")
-    return sorted(p for p in task.iterdir() if pat.match(p.name) and (p / "report.json").exists())
+    return sorted(p for p in task.iterdir() if pat.match(p.name) and finished(p))
+
+
+def finished(run: Path) -> bool:
+    """A run that ended (a stopped one also writes report.json, with `stopped` true)."""
+    report = run / "report.json"
+    return report.exists() and not json.loads(report.read_text())["stopped"]
 
 
 def row(label: str, runs: list, dense_blocks: int) -> str:
@@ -88,7 +94,7 @@ def table(task: Path) -> str:
             lines.append(row(label, runs, dense_blocks))
     for p in sorted(task.iterdir()):
         m = re.match(r"^kd(\d+)$", p.name.split("-")[0])
-        if m and p.name.endswith("-0") and (p / "report.json").exists():
+        if m and p.name.endswith("-0") and finished(p):
             lines.append(row(f"TT student at {m.group(1)}×, distilled", [p], dense_blocks))
     return "\n".join(lines)
 
