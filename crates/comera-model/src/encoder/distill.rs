@@ -75,6 +75,14 @@ impl Teacher {
     }
 }
 
+impl DistillLoss {
+    /// Checks that `teacher` can teach `student` under this loss, naming the field at fault
+    /// (what [`EncoderState::attach_teacher`] checks, without building any state).
+    pub fn check(&self, student: &Encoder, teacher: &Encoder) -> Result<(), ConfigError> {
+        check(student, teacher, self)
+    }
+}
+
 /// Checks that `teacher` can teach `student` under `loss`, naming the field at fault.
 fn check(student: &Encoder, teacher: &Encoder, loss: &DistillLoss) -> Result<(), ConfigError> {
     let err = |field: &str, msg: String| {
@@ -105,6 +113,15 @@ fn check(student: &Encoder, teacher: &Encoder, loss: &DistillLoss) -> Result<(),
             format!(
                 "the teacher's vocabulary has {} tokens, the student's {}: both must read the same token ids",
                 t.vocab_size, s.vocab_size
+            ),
+        );
+    }
+    if t.seq_len < s.seq_len {
+        return err(
+            "distill.teacher",
+            format!(
+                "the teacher reads at most {} tokens, the student {}: the teacher must read the student's sequences",
+                t.seq_len, s.seq_len
             ),
         );
     }
@@ -287,14 +304,12 @@ impl Encoder {
             return;
         }
         let w = teacher.pair_weight();
+        // The flowing gradient taken out (a move, no allocation) while the state is read.
+        let mut d = std::mem::take(&mut st.sc.rows.d);
         for &(i, j) in teacher.loss.layers.iter().filter(|&&(i, _)| i == k) {
-            let h = match i {
-                0 => &st.x0,
-                i if st.plan.recompute => &st.outs[i - 1],
-                i => &st.acts[i - 1].rows.out,
-            };
             let g = teacher.state.hidden_state(j);
-            hidden_mse_grad(h, g, &st.mask, st.t, w, &mut st.sc.rows.d);
+            hidden_mse_grad(st.hidden_state(i), g, &st.mask, st.t, w, &mut d);
         }
+        st.sc.rows.d = d;
     }
 }

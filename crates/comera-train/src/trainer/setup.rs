@@ -235,10 +235,8 @@ pub(super) fn encoder(
         }
     }
     if let Some((t, loss)) = &teacher {
-        // The same checks as when each state attaches it, before the run directory opens.
-        model
-            .state_for(1, mcfg.seq_len, 0)?
-            .attach_teacher(&model, t.clone(), loss.clone())?;
+        // The checks each state's attachment makes, before the run directory opens.
+        loss.check(&model, t)?;
     }
     rep.say(format!(
         "model {} layers, d_model {}: {}",
