@@ -378,6 +378,14 @@ impl SavedModel {
 /// Loads the model saved in a run directory, of whichever kind `model.toml` says.
 pub fn load_saved(dir: &Path) -> Result<SavedModel> {
     let meta_path = dir.join(MODEL_META);
+    if !meta_path.exists() && dir.join("config.json").is_file() {
+        // The commonest mistake: naming a downloaded model where a comera model is wanted.
+        return Err(Error::model(format!(
+            "{}: a Hugging Face model directory (config.json), not a comera model (no model.toml): import it first with `comera import hf {} --out RUN` (with --seq-len as in your config), then name RUN",
+            dir.display(),
+            dir.display()
+        )));
+    }
     let text = comera_data::read_regular_to_string(&meta_path).io(&meta_path, "cannot read")?;
     let mut saved = SavedModel::from_meta(&meta_path, &text)?;
     let (_, body) = split_stamp(&text);

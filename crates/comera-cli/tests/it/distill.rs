@@ -163,6 +163,16 @@ fn teacher_errors_name_what_is_wrong() {
         text.contains("distill.teacher") && text.contains("no-such-teacher"),
         "{text}"
     );
+    // A Hugging Face directory is not a comera model: the error says to import it.
+    let hf = dir.join("hf-model");
+    std::fs::create_dir_all(&hf).unwrap();
+    std::fs::write(hf.join("config.json"), "{}").unwrap();
+    let (code, text) = comera(&["train", "--quiet", "--config", s(&cfg), "--teacher", s(&hf)]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("distill.teacher") && text.contains("comera import hf"),
+        "{text}"
+    );
     // A DLRM config has no teacher.
     let dlrm = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/dlrm-synthetic.toml");
     let (code, text) = comera(&[

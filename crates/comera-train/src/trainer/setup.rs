@@ -207,8 +207,19 @@ pub(super) fn encoder(
                     meta.labels
                 ));
             } else {
+                // With a teacher of this data's labels the head comes from it (said below).
+                let instead = match (&teacher, &cfg.distill) {
+                    (Some((t, _)), Some(ds))
+                        if ds.init_head
+                            && ds.logit_weight > 0.0
+                            && t.cfg.num_labels == d.label_names.len() =>
+                    {
+                        "its head is not used"
+                    }
+                    _ => "a fresh head is trained on its encoder",
+                };
                 rep.say(format!(
-                    "note  {}'s classifier head is for the labels {:?}, this data's are {:?}: a fresh head is trained on its encoder",
+                    "note  {}'s classifier head is for the labels {:?}, this data's are {:?}: {instead}",
                     dir.display(),
                     meta.labels,
                     d.label_names
