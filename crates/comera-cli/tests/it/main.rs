@@ -10,6 +10,7 @@ mod hf;
 mod import;
 mod mlm;
 mod own_data;
+mod report;
 mod safety;
 mod train;
 mod trust;

@@ -28,11 +28,12 @@ use crate::task::{EvalStats, Task};
 use comera_optim::rank::{LayerRanks, RankConfig};
 use comera_optim::{AdamWConfig, GaLoreConfig};
 use report::Reporter;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-/// What a finished (or stopped) run reports; also written to `report.json`.
-#[derive(Clone, Debug, Serialize)]
+/// What a finished (or stopped) run reports; also written to `report.json` (and read back by
+/// [`crate::results`]).
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TrainSummary {
     pub out_dir: PathBuf,
     pub epochs: usize,
@@ -58,8 +59,12 @@ pub struct TrainSummary {
     /// Median wall time of the steps of this process (ms) and the examples/s it gives.
     pub median_step_ms: f64,
     pub examples_per_s: f64,
-    /// Peak resident set of the process (VmHWM), bytes; 0 where /proc is unavailable.
+    /// Peak resident set of the process (VmHWM), bytes; 0 where /proc is unavailable. A
+    /// resumed run's is its last sitting's (each evaluation record has the peak so far).
     pub peak_rss_bytes: u64,
+    /// The machine the run ended on (its figures of time are this machine's).
+    #[serde(default)]
+    pub machine: Machine,
     /// The engine's own accounting: parameters + gradients, optimiser state, batch state.
     pub param_bytes: usize,
     pub optimizer_bytes: usize,
@@ -88,6 +93,34 @@ pub struct TrainSummary {
 impl TrainSummary {
     pub fn compression(&self) -> f64 {
         self.dense_params as f64 / self.params as f64
+    }
+}
+
+/// The machine a run's time was measured on.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Machine {
+    /// The CPU's model name (`model name` in /proc/cpuinfo; empty where unavailable).
+    pub cpu: String,
+    /// Threads of this process's pool (`--threads`).
+    pub threads: usize,
+}
+
+impl Machine {
+    /// This machine, now.
+    pub fn this() -> Machine {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("model name"))
+                    .and_then(|v| v.split_once(':'))
+                    .map(|(_, v)| v.trim().to_string())
+            })
+            .unwrap_or_default();
+        Machine {
+            cpu,
+            threads: rayon::current_num_threads(),
+        }
     }
 }
 
@@ -130,7 +163,7 @@ pub fn available_memory_bytes() -> f64 {
 }
 
 /// The median of `v` (0 when empty).
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return 0.0;
     }

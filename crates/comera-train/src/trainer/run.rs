@@ -491,6 +491,7 @@ impl<'t, T: Task> Loop<'t, T> {
             valid_auc: valid.auc,
             valid_macro_f1: valid.classes.as_ref().map(|c| c.macro_f1),
             seconds,
+            peak_rss_bytes: Some(peak_rss_bytes()),
         }))?;
         let auc = valid.auc.map_or(String::new(), |a| format!(" AUC {a:.4}"));
         let (vl, va) = (valid.loss, valid.accuracy);
@@ -765,6 +766,7 @@ impl<'t, T: Task> Loop<'t, T> {
                 0.0
             },
             peak_rss_bytes: peak_rss_bytes(),
+            machine: super::Machine::this(),
             param_bytes: bytes.params + bytes.grads,
             optimizer_bytes: self.stepper.optimizer.bytes(),
             state_bytes: bytes.state,
