@@ -470,6 +470,7 @@ fn markdown(
     let mut machines: Vec<String> = figures
         .iter()
         .filter_map(|f| f.machine.as_ref())
+        .filter(|m| !m.cpu.is_empty())
         .map(|m| format!("{} ({} threads)", m.cpu, m.threads))
         .collect();
     machines.dedup();
