@@ -625,13 +625,7 @@ fn markdown(
     }
     let _ = writeln!(s, "\n## Runs\n");
     for f in figures {
-        let _ = writeln!(
-            s,
-            "- {}: `{}`, {} steps",
-            f.name,
-            f.dir.display(),
-            f.steps
-        );
+        let _ = writeln!(s, "- {}: `{}`, {} steps", f.name, f.dir.display(), f.steps);
     }
     s
 }
@@ -655,11 +649,11 @@ fn draw(figures: &[RunFigures], paths: &[PathBuf]) -> Result<()> {
                 .iter()
                 .filter(|f| f.score == score)
                 .map(|f| {
-                Series::new(
-                    f.name.clone(),
-                    f.per_epoch.iter().map(|&(e, v)| (e as f64, v)).collect(),
-                )
-            })
+                    Series::new(
+                        f.name.clone(),
+                        f.per_epoch.iter().map(|&(e, v)| (e as f64, v)).collect(),
+                    )
+                })
                 .collect(),
             ..Panel::default()
         })

@@ -61,10 +61,7 @@ fn a_report_tables_tiny_runs_from_their_directories() {
             .unwrap_or_else(|| panic!("no row for {name}:\n{md}"))
             .to_string()
     };
-    for (run, arm) in [
-        (&tt, "CoMERA: TT/TTM, rank-adaptive"),
-        (&dense, "dense"),
-    ] {
+    for (run, arm) in [(&tt, "CoMERA: TT/TTM, rank-adaptive"), (&dense, "dense")] {
         let r = report_json(run);
         let acc = r["final_valid"]["accuracy"].as_f64().unwrap();
         let line = row(run.file_name().unwrap().to_str().unwrap());
@@ -91,7 +88,10 @@ fn a_report_tables_tiny_runs_from_their_directories() {
     // The baseline is the dense run: its ratios are 1.
     assert!(row("dense").contains("| 1.00× |"), "{}", row("dense"));
     assert!(row("stopped (stopped)").contains("| 1/6 |"), "{md}");
-    assert!(md.contains("## Ranks of tt (late stage from step 6)"), "{md}");
+    assert!(
+        md.contains("## Ranks of tt (late stage from step 6)"),
+        "{md}"
+    );
     assert!(md.contains("The paper's figures (GPU"), "{md}");
     assert!(md.contains("comera train --config run.toml"), "{md}");
     let figures: serde_json::Value =
@@ -109,7 +109,10 @@ fn a_report_tables_tiny_runs_from_their_directories() {
     assert!(text.contains("run.toml"), "{text}");
     let (code, text) = comera(&["report", s(&tt), "--out", s(&out), "--paper", "mnli"]);
     assert_eq!(code, 1, "{text}");
-    assert!(text.contains("--paper") && text.contains("six-encoder"), "{text}");
+    assert!(
+        text.contains("--paper") && text.contains("six-encoder"),
+        "{text}"
+    );
     let (code, text) = comera(&["report", s(&tt), "--out", s(&out), "--baseline", "x"]);
     assert_eq!(code, 1, "{text}");
     assert!(text.contains("--baseline") && text.contains("tt"), "{text}");
