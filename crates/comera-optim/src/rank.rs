@@ -34,6 +34,10 @@ use crate::SettingError;
 use comera_layers::{Model, ParamKind, Retained};
 use serde::{Deserialize, Serialize};
 
+/// The late stage's S0 = this × S at the switch when the config gives neither `target_ratio`
+/// nor `target_compression` (the authors' default).
+pub const DEFAULT_TARGET_RATIO: f64 = 0.2;
+
 /// The `[rank]` table of a run config.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -58,9 +62,10 @@ pub struct RankConfig {
     pub plateau_tol: f64,
     /// L0: the late stage's target loss.
     pub target_loss: f64,
-    /// S0 = target_ratio × S at the switch (the authors: 0.2) ...
+    /// S0 = target_ratio × S at the switch ...
     pub target_ratio: Option<f64>,
-    /// ... or S0 = (dense parameters of the TT/TTM layers) / target_compression.
+    /// ... or S0 = (dense parameters of the TT/TTM layers) / target_compression (neither:
+    /// target_ratio [`DEFAULT_TARGET_RATIO`]).
     pub target_compression: Option<f64>,
     /// ρ_L, ρ_S: the late stage's regularising terms ρ_L·L + ρ_S·Ŝn (authors: 0.1, 0.01).
     pub rho_loss: f64,
@@ -86,6 +91,11 @@ pub struct RankConfig {
     /// Hold the gates for this fraction of the run's steps (0: not by fraction; resolved into
     /// `gates_after_steps`, [`RankConfig::resolved`]).
     pub gates_after_fraction: f64,
+    /// Only the TT/TTM layers whose names start with this take part: their size is the S of
+    /// both stages (and of `target_compression`), and only their gates feel the size terms.
+    /// `"encoder."` aims a compressed encoder's blocks at a target while its embedding table
+    /// keeps its ranks (empty: every TT/TTM layer).
+    pub layer_prefix: String,
 }
 
 impl Default for RankConfig {
@@ -100,7 +110,7 @@ impl Default for RankConfig {
             plateau_steps: 0,
             plateau_tol: 0.01,
             target_loss: 0.8,
-            target_ratio: Some(0.2),
+            target_ratio: None,
             target_compression: None,
             rho_loss: 0.1,
             rho_size: 0.01,
@@ -110,6 +120,7 @@ impl Default for RankConfig {
             normalise_gates: true,
             gates_after_steps: 0,
             gates_after_fraction: 0.0,
+            layer_prefix: String::new(),
         }
     }
 }
@@ -185,18 +196,31 @@ impl RankConfig {
                 "give the hold once: gates_after_fraction or gates_after_steps (set the other to 0)",
             ));
         }
-        let late = self.switches_by_schedule() || self.plateau_steps > 0;
         match (self.target_ratio, self.target_compression) {
             (Some(_), Some(_)) => Err(SettingError::new(
                 "rank",
                 "give either target_ratio or target_compression, not both",
             )),
-            (None, None) if late => Err(SettingError::new(
-                "rank",
-                "the late stage needs a target: target_ratio or target_compression",
-            )),
             _ => Ok(()),
         }
+    }
+
+    /// Checks `layer_prefix` against a model: with the schedule on, it must name at least one
+    /// of its TT/TTM layers.
+    pub fn check_layers(&self, model: &dyn Model) -> Result<(), SettingError> {
+        let mut names = Vec::new();
+        model.visit_compressible(&mut |l| names.push(l.layer_name().to_string()));
+        let prefix = self.layer_prefix.as_str();
+        if self.enabled && !names.is_empty() && !names.iter().any(|n| n.starts_with(prefix)) {
+            return Err(SettingError::new(
+                "rank.layer_prefix",
+                format!(
+                    "no TT/TTM layer's name starts with `{prefix}` (the layers: {})",
+                    names.join(", ")
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn has_late_stage(&self) -> bool {
@@ -292,11 +316,18 @@ pub fn layer_ranks(model: &dyn Model) -> Vec<LayerRanks> {
 
 /// (S, Ŝ, dense parameters) summed over a model's TT/TTM layers.
 pub fn sizes(model: &dyn Model) -> (f64, f64, f64) {
+    sizes_of(model, "")
+}
+
+/// [`sizes`] over the TT/TTM layers whose names start with `prefix`.
+pub fn sizes_of(model: &dyn Model, prefix: &str) -> (f64, f64, f64) {
     let (mut s, mut s1, mut d) = (0.0, 0.0, 0.0);
     model.visit_compressible(&mut |l| {
-        s += l.size_l0();
-        s1 += l.size_l1();
-        d += l.dense_params() as f64;
+        if l.layer_name().starts_with(prefix) {
+            s += l.size_l0();
+            s1 += l.size_l1();
+            d += l.dense_params() as f64;
+        }
     });
     (s, s1, d)
 }
@@ -320,7 +351,7 @@ pub struct RankController {
 
 impl RankController {
     pub fn new(cfg: &RankConfig, model: &dyn Model) -> RankController {
-        let (s, _, d) = sizes(model);
+        let (s, _, d) = sizes_of(model, &cfg.layer_prefix);
         RankController {
             cfg: cfg.clone(),
             stage: Stage::Early,
@@ -332,6 +363,11 @@ impl RankController {
         }
     }
 
+    /// (S, Ŝ, dense parameters) of the layers the schedule acts on (`layer_prefix`).
+    pub fn sizes(&self, model: &dyn Model) -> (f64, f64, f64) {
+        sizes_of(model, &self.cfg.layer_prefix)
+    }
+
     /// Whether the controller does anything (enabled and the model has TT/TTM layers).
     pub fn active(&self) -> bool {
         self.cfg.enabled && self.dense_ref > 0.0
@@ -340,7 +376,7 @@ impl RankController {
     /// Turns the data-loss gradient left by the backward pass into the gradient of the
     /// current stage's objective (module docs). `loss` is the batch's mean data loss.
     pub fn apply(&mut self, model: &mut dyn Model, loss: f64, step: u64) -> Objective {
-        let (s, s1, _) = sizes(model);
+        let (s, s1, _) = self.sizes(model);
         let mut obj = Objective {
             loss,
             size: s,
@@ -399,7 +435,12 @@ impl RankController {
         }
         let ws = (c.size_weight * w_size / self.s_ref) as f32;
         if ws != 0.0 {
-            model.visit_compressible_mut(&mut |l| l.accumulate_size_l1_grad(ws));
+            let prefix = &c.layer_prefix;
+            model.visit_compressible_mut(&mut |l| {
+                if l.layer_name().starts_with(prefix.as_str()) {
+                    l.accumulate_size_l1_grad(ws)
+                }
+            });
         }
         obj
     }
@@ -444,7 +485,7 @@ impl RankController {
     ) -> Vec<RankEvent> {
         let mut events = Vec::new();
         if self.switch_if_due(model, step, epoch, epoch_end) {
-            let (size, _, _) = sizes(model);
+            let (size, _, _) = self.sizes(model);
             events.push(RankEvent::LateStage {
                 size,
                 target_size: self.target_size.unwrap_or(0.0),
@@ -492,7 +533,7 @@ impl RankController {
         let by_steps = self.cfg.late_after_steps > 0 && step >= self.cfg.late_after_steps;
         let mut by_plateau = false;
         if self.cfg.plateau_steps > 0 {
-            let (s, _, _) = sizes(model);
+            let (s, _, _) = self.sizes(model);
             match self.window {
                 None => self.window = Some((step, s)),
                 Some((start, s_start)) if step - start >= self.cfg.plateau_steps => {
@@ -505,11 +546,11 @@ impl RankController {
         if !(by_epochs || by_steps || by_plateau) {
             return false;
         }
-        let (s, _, _) = sizes(model);
+        let (s, _, _) = self.sizes(model);
         self.target_size = Some(match (self.cfg.target_ratio, self.cfg.target_compression) {
             (_, Some(c)) => self.dense_ref / c,
             (Some(r), None) => r * s,
-            (None, None) => unreachable!("validated: the late stage has a target"),
+            (None, None) => DEFAULT_TARGET_RATIO * s,
         });
         self.stage = Stage::Late;
         self.switched_at = Some(step);

@@ -261,6 +261,7 @@ pub(super) fn encoder(
                 .to_string(),
         );
     }
+    cfg.rank.check_layers(&model).map_err(ConfigError::from)?;
     let (run_dir, resume) = start.open(&out, &config_toml)?;
     // The run keeps its own copy of the vocabulary (`model.toml` names it by its place in the
     // run): a run directory copied elsewhere predicts without the file it was trained from.
@@ -334,7 +335,6 @@ pub(super) fn dlrm(
             available / GIB
         )));
     }
-    let (run_dir, resume) = start.open(&t.out_dir, &config_toml)?;
     let model = Dlrm::new(
         &cfg.dlrm,
         prepared.n_dense,
@@ -343,6 +343,10 @@ pub(super) fn dlrm(
         t.seed,
     )
     .map_err(|e| Error::model_with("dlrm", e))?;
+    if let Some(r) = &cfg.rank {
+        r.check_layers(&model).map_err(ConfigError::from)?;
+    }
+    let (run_dir, resume) = start.open(&t.out_dir, &config_toml)?;
     rep.say(format!(
         "model DLRM, dim {}, bottom {:?}, top {:?}: {} parameters; tables {} parameters ({} as dense tables, {:.1}x smaller)",
         cfg.dlrm.embedding_dim,

@@ -204,6 +204,52 @@ fn early_stage_adds_gamma_times_the_normalised_size_gradient() {
 }
 
 #[test]
+fn a_layer_prefix_confines_the_size_and_its_gradient_to_those_layers() {
+    let mut m = Encoder::new(&config(), 7).unwrap();
+    let cfg = RankConfig {
+        gamma: 0.5,
+        layer_prefix: "encoder.".into(),
+        late_after_steps: 1,
+        target_ratio: None,
+        target_compression: Some(4.0),
+        ..RankConfig::default()
+    };
+    cfg.validate().unwrap();
+    cfg.check_layers(&m).unwrap();
+    let mut ctl = RankController::new(&cfg, &m);
+    // S and the dense reference are the encoder blocks' alone.
+    let (all, _, all_dense) = rank::sizes(&m);
+    let (blocks, _, blocks_dense) = rank::sizes_of(&m, "encoder.");
+    assert!(blocks < all && blocks_dense < all_dense);
+    assert_eq!((ctl.s_ref, ctl.dense_ref), (blocks, blocks_dense));
+    m.zero_grad();
+    let obj = ctl.apply(&mut m, 0.7, 0);
+    assert_eq!(obj.size, blocks);
+    // The size gradient reaches the blocks' gates and not the word table's.
+    for p in m.params() {
+        if p.kind == comera_layers::ParamKind::RankGate {
+            let moved = p.grad.iter().any(|&g| g != 0.0);
+            assert_eq!(moved, p.name.starts_with("encoder."), "{}", p.name);
+        }
+    }
+    // The late stage's target: the blocks' dense parameters over target_compression.
+    let mut opt = comera_optim::Optimizer::new(AdamWConfig::default(), None, &mut m);
+    ctl.after_step(&mut m, &mut opt, 1, 1, false);
+    assert_eq!(ctl.stage, Stage::Late);
+    assert_eq!(ctl.target_size, Some(blocks_dense / 4.0));
+    // A prefix naming no layer is refused by field.
+    let none = RankConfig {
+        layer_prefix: "decoder.".into(),
+        ..RankConfig::default()
+    };
+    let e = none.check_layers(&m).unwrap_err().to_string();
+    assert!(
+        e.contains("rank.layer_prefix") && e.contains("embeddings.word"),
+        "{e}"
+    );
+}
+
+#[test]
 fn late_stage_switches_by_epochs_and_picks_the_active_branch() {
     let mut m = Encoder::new(&config(), 8).unwrap();
     let cfg = RankConfig {
@@ -247,12 +293,26 @@ fn plateau_switch_and_config_errors() {
         "S did not move over 5 steps"
     );
     assert_eq!(ctl.target_size, Some(ctl.dense_ref / 100.0));
-    let bad = RankConfig {
-        late_after_epochs: 1,
-        target_ratio: None,
+    // Neither target: the authors' ratio.
+    let neither = RankConfig {
+        late_after_steps: 1,
         ..RankConfig::default()
     };
-    assert!(bad.validate().unwrap_err().to_string().contains("target"));
+    neither.validate().unwrap();
+    let mut ctl = RankController::new(&neither, &m);
+    assert!(ctl.switch_if_due(&m, 1, 1, false));
+    let s = rank::sizes(&m).0;
+    assert_eq!(ctl.target_size, Some(rank::DEFAULT_TARGET_RATIO * s));
+    let both = RankConfig {
+        target_ratio: Some(0.5),
+        target_compression: Some(10.0),
+        ..RankConfig::default()
+    };
+    assert!(both
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("not both"));
     let bad = RankConfig {
         target_ratio: Some(1.5),
         ..RankConfig::default()
