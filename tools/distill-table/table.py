@@ -5,7 +5,8 @@
 
 Each directory holds `ARM-SEED` runs (ARM: teacher, kd, ft, scratch; with `lr3` appended, the
 same at lr_other = 1e-3; kdfresh: distilled with a fresh head instead of the teacher's; kdX
-for the distilled student at X× beside the main 10×). Per arm: the mean and spread of the final validation
+for the distilled student at X× beside the main 10×; kdlong, ftlong: 5× the steps; kdprune:
+imported at 5× and pruned to 10× by the rank schedule while distilled). Per arm: the mean and spread of the final validation
 accuracy over seeds (the last evaluation, not the best: the validation set is the test set),
 the parameters of the encoder blocks (`encoder.*`), of the embeddings and of the whole model
 (from `model.safetensors`' header), and the wall time per run. Standard library only.
@@ -26,6 +27,9 @@ ARMS = [
     ("kdlr3", "TT student distilled, fresh head, lr_other 1e-3"),
     ("ftlr3", "TT student without a teacher, lr_other 1e-3"),
     ("scratchlr3", "same TT modes from scratch, lr_other 1e-3"),
+    ("kdlong", "TT student distilled, 5× the steps"),
+    ("ftlong", "TT student without a teacher, 5× the steps"),
+    ("kdprune", "TT student imported at 5×, pruned to 10× while distilled"),
 ]
 
 
