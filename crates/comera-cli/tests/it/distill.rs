@@ -12,10 +12,6 @@ fn train_ok(args: &[&str]) -> String {
     text
 }
 
-fn report(run: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(run.join("report.json")).unwrap()).unwrap()
-}
-
 #[test]
 fn a_distilled_run_resumes_bit_identically_and_never_trains_its_teacher() {
     let dir = tempdir("distill");
@@ -105,7 +101,7 @@ fn a_distilled_run_resumes_bit_identically_and_never_trains_its_teacher() {
         },
     );
     train_ok(&["--config", s(&plain_tt), "--out", s(&alone)]);
-    let (ra, rs) = (report(&a), report(&alone));
+    let (ra, rs) = (report_json(&a), report_json(&alone));
     assert_eq!(ra["optimizer_bytes"], rs["optimizer_bytes"]);
     assert_eq!(ra["params"], rs["params"]);
     let t = &ra["teacher"];

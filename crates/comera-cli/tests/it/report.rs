@@ -2,11 +2,6 @@
 //! its late stage, a dense run, a stopped run), checked against the runs' own reports.
 
 use crate::common::*;
-use std::path::Path;
-
-fn report_json(run: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(run.join("report.json")).unwrap()).unwrap()
-}
 
 #[test]
 fn a_report_tables_tiny_runs_from_their_directories() {

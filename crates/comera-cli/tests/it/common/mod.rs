@@ -271,6 +271,13 @@ pub fn write_config(dir: &Path, data: &Path, vocab: &Path, tt: bool, extra: &str
     )
 }
 
+/// A run's `report.json`.
+pub fn report_json(run: &Path) -> serde_json::Value {
+    let path = run.join("report.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
 /// `comera synth-criteo` into `dir/name`: `rows` rows of tables of 20,000 rows in all, stream
 /// `stream`.
 pub fn synth_criteo(dir: &Path, name: &str, rows: &str, stream: &str) -> PathBuf {
