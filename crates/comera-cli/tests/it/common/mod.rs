@@ -33,12 +33,13 @@ pub fn records(run: &Path, kind: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
-/// Records without their wall-clock fields (tokens/s, ms/step, seconds), for comparing runs.
+/// Records without their wall-clock and process fields (tokens/s, ms/step, seconds, peak
+/// resident set), for comparing runs.
 pub fn untimed(records: Vec<serde_json::Value>) -> Vec<serde_json::Value> {
     records
         .into_iter()
         .map(|mut r| {
-            for k in ["tokens_per_s", "ms_per_step", "seconds"] {
+            for k in ["tokens_per_s", "ms_per_step", "seconds", "peak_rss_bytes"] {
                 r.as_object_mut().unwrap().remove(k);
             }
             r
