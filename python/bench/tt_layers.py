@@ -11,7 +11,18 @@ Shapes (the paper's BERT-base layers): 768×768 (in modes 12·8·8, out modes 8�
 768×3072 (out modes 16·16·12), rank 30 on every inner bond, input 32 × 128 tokens, rank gates
 applied by every arm that has them (comera, the authors'). Each iteration is
 `y = layer(x); y.backward(dy)` with x requiring grad (dX is computed, as inside a network).
-Arms are interleaved round by round; the table gives the median (and min) ms per iteration.
+Arms are interleaved in blocks: each round runs every arm in turn for `--block` timed
+iterations after `--block-warmup` untimed ones; the table gives the median (and min) ms per
+timed iteration.
+
+Why blocks: torch's OpenMP worker threads keep spinning for several ms after a torch
+operation (libgomp's default spin count; about 7 ms on Zen 3, where `pause` is slow), so an
+arm that follows a torch arm immediately shares the 2 cores with a spinning thread. With
+`--block 1 --block-warmup 0` (round-robin, every iteration right after another arm) comera's
+layer measured about 1.4x slower at 768x768 than in blocks, and the same with
+OMP_WAIT_POLICY=passive as in blocks; the torch arms do not pay it. Blocks measure each layer
+as a loop of that layer sees it; inside a model whose torch operations run between comera's
+layers, set OMP_WAIT_POLICY=passive (or give torch fewer threads) to avoid the contention.
 Not run in CI.
 """
 
@@ -105,6 +116,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--reps", type=int, default=30, help="timed iterations per arm")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--block", type=int, default=5, help="timed iterations of an arm per round")
+    ap.add_argument("--block-warmup", type=int, default=2,
+                    help="untimed iterations of an arm at the start of each of its blocks")
     ap.add_argument("--layers", default=",".join(LAYERS), help="comma-separated: " + ", ".join(LAYERS))
     ap.add_argument("--tltorch-factorized", action="store_true",
                     help="also time tltorch's implementation='factorized' (about 25x slower than "
@@ -117,7 +131,9 @@ def main() -> None:
     print(f"CPU: {cpu_model()}; threads: torch {torch.get_num_threads()}, "
           f"RAYON_NUM_THREADS={os.environ['RAYON_NUM_THREADS']}; torch {torch.__version__}")
     print(f"input {args.batch} x {args.seq} tokens, rank {args.rank}, forward + backward (dX and "
-          f"all parameter gradients), median of {args.reps} after {args.warmup} warm-up\n")
+          f"all parameter gradients), median of {max(1, args.reps // args.block) * args.block} after "
+          f"{args.warmup} warm-up, in blocks of {args.block} (+{args.block_warmup} untimed); "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}\n")
 
     for name in args.layers.split(","):
         in_modes, out_modes = LAYERS[name]
@@ -156,9 +172,12 @@ def main() -> None:
             for _ in range(args.warmup):
                 step(mod, call)
         times: Dict[str, List[float]] = {k: [] for k in arms}
-        for _ in range(args.reps):
+        for _ in range(max(1, args.reps // args.block)):
             for k, (mod, call) in arms.items():
-                times[k].append(step(mod, call))
+                for _ in range(args.block_warmup):
+                    step(mod, call)
+                for _ in range(args.block):
+                    times[k].append(step(mod, call))
 
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         print(f"{name}: comera path {ours.contraction_path(args.batch * args.seq)!r}")

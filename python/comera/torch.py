@@ -19,8 +19,12 @@ gradient. Gates start at 1 (the layer is then the plain TT product). Training th
 penalty (CoMERA's early stage) shrinks the ranks; see ``active_ranks``.
 
 Constraints: CPU, float32 tensors, any leading batch shape. Activations are not copied:
-contiguous CPU float32 inputs are read in place through numpy views, outputs are allocated
-by torch and written by the kernel (a non-contiguous input is made contiguous first). The
+contiguous CPU float32 inputs are read in place through numpy views (a non-contiguous input
+is made contiguous first), and outputs (y, and dx in the backward) are written by the kernel
+into buffers that comera reuses: when the last tensor viewing an output is freed, its memory
+goes back to a cache for the next call of that size, instead of being returned to the
+system and faulted in again (as torch's CUDA allocator caches device memory). The cache
+keeps at most 1 GiB; see ``cached_bytes``, ``empty_cache`` and ``set_cache_limit``. The
 parameters' values (kilobytes) are copied into the Rust layer on every call. The GIL is
 released while a kernel runs.
 
@@ -39,7 +43,14 @@ from torch.autograd.function import once_differentiable
 
 from . import _comera
 
-__all__ = ["TTLinear", "TTMEmbedding", "balanced_modes"]
+__all__ = [
+    "TTLinear",
+    "TTMEmbedding",
+    "balanced_modes",
+    "cached_bytes",
+    "empty_cache",
+    "set_cache_limit",
+]
 
 Rank = Union[int, Sequence[int]]
 
@@ -48,6 +59,31 @@ def balanced_modes(n: int, parts: int = 3) -> List[int]:
     """The most balanced factorisation of ``n`` into ``parts`` factors, largest first
     (comera's default TT layout of a width), e.g. ``balanced_modes(768) == [12, 8, 8]``."""
     return list(_comera.balanced_modes(int(n), int(parts)))
+
+
+def cached_bytes() -> int:
+    """Bytes of freed layer outputs that comera keeps for reuse (see the module doc)."""
+    return int(_comera.cached_bytes())
+
+
+def empty_cache() -> int:
+    """Frees the cached output buffers; returns how many bytes were freed. Outputs still in
+    use are not affected (their memory is freed, or cached, when they are)."""
+    return int(_comera.empty_cache())
+
+
+def set_cache_limit(nbytes: int) -> int:
+    """Sets the most bytes of freed outputs kept for reuse (0: keep none, every output is a
+    fresh allocation); frees what is beyond it. Returns the previous limit (1 GiB at start)."""
+    if isinstance(nbytes, bool) or operator.index(nbytes) < 0:
+        raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+    return int(_comera.set_cache_limit(operator.index(nbytes)))
+
+
+def _output(rows: int, cols: int) -> Tensor:
+    """A rows × cols float32 tensor with undefined values, over a reused buffer when one of
+    that size is cached: only for outputs the kernel overwrites entirely."""
+    return torch.from_numpy(_comera.empty(rows, cols))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +182,7 @@ class _TTLinearFunction(torch.autograd.Function):
         n, m = kernel.in_features, kernel.out_features
         lead = tuple(x.shape[:-1])
         x2 = x.detach().reshape(-1, n).contiguous()
-        y = torch.empty((x2.shape[0], m), dtype=torch.float32)
+        y = _output(x2.shape[0], m)
         fid = kernel.forward(
             x2.numpy(),
             [_view(c) for c in params[:k]],
@@ -166,7 +202,7 @@ class _TTLinearFunction(torch.autograd.Function):
         k = len(kernel.core_shapes)
         n, m = kernel.in_features, kernel.out_features
         dy2 = dy.reshape(-1, m).to(dtype=torch.float32).contiguous()
-        dx = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
+        dx = _output(x2.shape[0], n) if ctx.needs_input_grad[0] else None
         grads = [torch.empty(p.shape, dtype=torch.float32) for p in params]
         db = torch.empty(m, dtype=torch.float32) if bias is not None else None
         kernel.backward(
@@ -437,7 +473,7 @@ class _TTMFunction(torch.autograd.Function):
         d = kernel.embedding_dim
         shape = tuple(ids.shape)
         ids1 = ids.reshape(-1).contiguous()
-        y = torch.empty((ids1.shape[0], d), dtype=torch.float32)
+        y = _output(ids1.shape[0], d)
         fid = kernel.forward(
             ids1.numpy(), [_view(c) for c in params[:p]], [_view(g) for g in params[p:]], y.numpy()
         )

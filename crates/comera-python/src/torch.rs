@@ -19,6 +19,7 @@ use pyo3::prelude::*;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Mutex, MutexGuard};
 
+mod buffers;
 mod linear;
 mod svd;
 mod ttm;
@@ -30,6 +31,11 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(svd::tt_matrix_svd, m)?)?;
     m.add_function(wrap_pyfunction!(svd::ttm_svd, m)?)?;
     m.add_function(wrap_pyfunction!(svd::balanced_modes, m)?)?;
+    m.add_class::<buffers::PooledBuffer>()?;
+    m.add_function(wrap_pyfunction!(buffers::empty, m)?)?;
+    m.add_function(wrap_pyfunction!(buffers::empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(buffers::cached_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(buffers::set_cache_limit, m)?)?;
     Ok(())
 }
 

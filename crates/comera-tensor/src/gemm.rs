@@ -8,7 +8,7 @@
 //! module talks to it. Views are bounds-checked when they are made, so the `unsafe` call below
 //! only ever sees in-bounds pointers.
 
-use crate::narrow;
+use crate::{narrow, outer_sum};
 use faer::{Accum, Par};
 
 /// Products with at most this many multiply-adds skip the backend (its dispatch and packing
@@ -274,7 +274,7 @@ fn use_small(c: &MatMut<'_>, a: &MatRef<'_>, b: &MatRef<'_>) -> bool {
 }
 
 /// `faer` on non-empty views of agreeing shapes, threaded above `PARALLEL_MIN_MACS`.
-fn backend(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, parallel: bool) {
+fn backend(mut c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, parallel: bool) {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let threads = rayon::current_num_threads();
     let parts = if parallel && m * n * k >= PARALLEL_MIN_MACS {
@@ -282,6 +282,12 @@ fn backend(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, parall
     } else {
         1
     };
+    if let Some(s) = outer_sum_form(&mut c, &a, &b, accumulate) {
+        // SAFETY: the views were bounds-checked at construction for their full extents, `c`
+        // is a unique borrow that aliases neither `a` nor `b` (shared borrows).
+        unsafe { outer_sum::compute(s, parts) };
+        return;
+    }
     let stride = |x: usize| x as isize;
     // SAFETY: every view was bounds-checked at construction for its full extent (so every
     // element (i, j) with i < rows, j < cols lies inside its slice), `c` is a unique borrow and
@@ -311,6 +317,57 @@ fn backend(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, parall
         },
         parts,
     );
+}
+
+/// The product as a sum of outer products (`outer_sum`), if it is one those kernels take:
+/// A a transposed view and B rows contiguous (C = Pᵀ·Q with P = Aᵀ and Q = B, both K × ·
+/// row-major, summed over the long inner length K), with A's or B's side narrow and stored
+/// densely (K × r, as the batch's activations are; a narrow side that is itself a strided
+/// view of something wider would have each row tile re-read its lines from afar). With B the
+/// narrow side, Cᵀ = Bᵀ·A is computed instead (C written through swapped strides).
+fn outer_sum_form(
+    c: &mut MatMut<'_>,
+    a: &MatRef<'_>,
+    b: &MatRef<'_>,
+    accumulate: bool,
+) -> Option<outer_sum::OuterSum> {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    if a.rs != 1 || b.cs != 1 {
+        return None;
+    }
+    let (p, q) = (a.data.as_ptr(), b.data.as_ptr());
+    let c_ptr = c.data.as_mut_ptr();
+    if outer_sum::suits(k, m, n) && a.cs == m {
+        Some(outer_sum::OuterSum {
+            k,
+            r: m,
+            w: n,
+            p,
+            p_rs: a.cs,
+            q,
+            q_rs: b.rs,
+            c: c_ptr,
+            c_rs: c.rs,
+            c_cs: c.cs,
+            accumulate,
+        })
+    } else if outer_sum::suits(k, n, m) && b.rs == n {
+        Some(outer_sum::OuterSum {
+            k,
+            r: n,
+            w: m,
+            p: q,
+            p_rs: b.rs,
+            q: p,
+            q_rs: a.cs,
+            c: c_ptr,
+            c_rs: c.cs,
+            c_cs: c.rs,
+            accumulate,
+        })
+    } else {
+        None
+    }
 }
 
 /// Splits C into `parts` blocks (halving its longer side) run with `rayon::join`, each a
@@ -879,6 +936,54 @@ mod tests {
         );
         for (x, y) in c.iter().zip(&want) {
             assert!((x - y).abs() < 1e-4);
+        }
+    }
+
+    /// Gradient-shaped products (C = Pᵀ·Q summed over a long K, `outer_sum`) in both
+    /// orientations (dR = T1ᵀ·dY with P narrow; dL = Xᵀ·U1 with Q narrow, written through
+    /// swapped strides), with row tiles short of 6, a strip short of 16 columns, K not a
+    /// multiple of the block, and accumulation: against f64 sums, and bit-identical on 1 and
+    /// 2 threads.
+    #[test]
+    fn outer_sums_match_f64_and_do_not_depend_on_threads() {
+        for &(k, r, w) in &[(300, 30, 263), (257, 1, 256), (512, 7, 300), (260, 32, 400), (300, 40, 270)] {
+            let p: Vec<f32> = (0..k * r).map(|i| (i as f32 * 0.37).sin()).collect();
+            let q: Vec<f32> = (0..k * w).map(|i| (i as f32 * 0.11).cos()).collect();
+            assert!(outer_sum::suits(k, r, w) || !outer_sum::available());
+            // want[i][j] = Σ_k P[k, i] · Q[k, j]
+            let want: Vec<f64> = (0..r * w)
+                .map(|e| {
+                    let (i, j) = (e / w, e % w);
+                    (0..k).map(|l| p[l * r + i] as f64 * q[l * w + j] as f64).sum()
+                })
+                .collect();
+            let close = |got: f32, want: f64, what: &str| {
+                assert!((got as f64 - want).abs() < 1e-4 * (1.0 + want.abs()), "{what}: {got} vs {want} ({k}×{r}×{w})");
+            };
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                pool.install(|| {
+                    // C = Pᵀ·Q (r × w), then accumulated once more.
+                    let mut c = vec![0.0; r * w];
+                    let (pt, qm) = (MatRef::new(&p, k, r).t(), MatRef::new(&q, k, w));
+                    matmul(MatMut::new(&mut c, r, w), pt, qm, false);
+                    let once = c.clone();
+                    matmul(MatMut::new(&mut c, r, w), pt, qm, true);
+                    // Cᵀ = Qᵀ·P (w × r, the narrow side is B's).
+                    let mut ct = vec![0.0; w * r];
+                    matmul(MatMut::new(&mut ct, w, r), qm.t(), MatRef::new(&p, k, r), false);
+                    (once, c, ct)
+                })
+            };
+            let (once, twice, ct) = run(2);
+            for i in 0..r {
+                for j in 0..w {
+                    close(once[i * w + j], want[i * w + j], "Pᵀ·Q");
+                    close(twice[i * w + j], 2.0 * want[i * w + j], "+= Pᵀ·Q");
+                    close(ct[j * r + i], want[i * w + j], "Qᵀ·P");
+                }
+            }
+            assert_eq!((once, twice, ct), run(1), "bits differ between 1 and 2 threads");
         }
     }
 

@@ -50,6 +50,7 @@ pub mod init;
 pub mod layout;
 pub mod math;
 mod narrow;
+mod outer_sum;
 pub mod permute;
 pub mod simd;
 pub mod ttsvd;

@@ -1,5 +1,12 @@
-//! Merged path: T1 = X·L (B × r_p), Y = T1·R. Batch cost 2·B·r_p·(N + M) per product.
-//! Backward: dR = T1ᵀ·dY, U1 = dY·Rᵀ, dX = U1·Lᵀ, dL = Xᵀ·U1, then peel both chains.
+//! Merged path: T1 = X·L (B × r_p), Y = T1·R + 1·bᵀ. Batch cost 2·B·r_p·(N + M) per product.
+//! Backward: dR = T1ᵀ·dY, db = 1ᵀ·dY, U1 = dY·Rᵀ, dX = U1·Lᵀ, dL = Xᵀ·U1, then peel both
+//! chains.
+//!
+//! The bias rides along as one more rank: T1⁺ = [T1 | 1] (B × (r_p + 1)) and R⁺ = [R ; bᵀ]
+//! ((r_p + 1) × M), so Y = T1⁺·R⁺ and [dR ; dbᵀ] = T1⁺ᵀ·dY are each one product. Adding b and
+//! summing dY as passes of their own read (and for b, wrote) the B × M activations once more
+//! each: at 4,096 tokens × 3,072 that is 50 MB from memory per pass, several ms on 2 cores,
+//! for 1/(r_p + 1) more arithmetic here.
 //!
 //! Two tasks. Below `PAIR_MAX_MACS` the products are thin (r_p = 30 columns or inner length)
 //! and a threaded GEMM keeps the second core partly idle, so the backward's independent pairs
@@ -41,22 +48,26 @@ pub(crate) fn paired(shape: &TtShape, batch: usize) -> bool {
     batch * shape.middle_rank() * wide <= PAIR_MAX_MACS
 }
 
-/// Saved between forward and backward: T1 only (B × r_p). The chains and U1 are scratch
-/// borrowed for each call; the backward rebuilds the chains.
+/// Saved between forward and backward: T1⁺ only (B × (r_p + 1)). The chains, R⁺, [dR ; dbᵀ]
+/// and U1 are scratch borrowed for each call; the backward rebuilds the chains.
 #[derive(Debug)]
 pub(crate) struct Merged {
     chains: LeasedChains,
-    t1: Vec<f32>, // B × r_p
-    u1: Lease,    // [B × r_p]
+    t1: Vec<f32>,  // B × (r_p + 1): T1, then a column of ones
+    r1: Lease,     // [(r_p + 1) × M]: R, then bᵀ (forward)
+    dr1_u1: Lease, // [(r_p + 1) × M, B × r_p]: dR then dbᵀ, and U1 (backward)
 }
 
 impl Merged {
     pub fn new(shape: &TtShape, batch: usize) -> Merged {
-        let rp = shape.middle_rank();
+        let (_, m, rp) = super::sizes(shape);
+        let mut t1 = vec![0.0; batch * (rp + 1)];
+        t1.chunks_exact_mut(rp + 1).for_each(|row| row[rp] = 1.0);
         Merged {
             chains: LeasedChains::new(shape),
-            t1: vec![0.0; batch * rp],
-            u1: Lease::new(vec![batch * rp]),
+            t1,
+            r1: Lease::new(vec![(rp + 1) * m]),
+            dr1_u1: Lease::new(vec![(rp + 1) * m, batch * rp]),
         }
     }
 
@@ -65,36 +76,47 @@ impl Merged {
         4 * self.t1.len()
     }
 
-    /// Bytes borrowed from the thread's pool during a backward call.
+    /// Bytes borrowed from the thread's pool during a call (the larger of forward's and
+    /// backward's).
     pub fn scratch_bytes(&self) -> usize {
-        self.chains.bytes() + self.u1.bytes()
+        self.chains.bytes() + self.r1.bytes().max(self.dr1_u1.bytes())
     }
 
+    /// `y = x·W + bias`.
+    #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
     pub fn forward(
         &mut self,
         shape: &TtShape,
         h: &[Scratch],
         batch: usize,
         x: &[f32],
+        bias: &[f32],
         y: &mut [f32],
     ) {
         let (n, m, rp) = super::sizes(shape);
         let mut built = self.chains.build(shape, h, false);
         let chains = built.lent();
+        let mut r1 = self.r1.acquire();
+        let r1 = &mut r1[0];
+        r1[..rp * m].copy_from_slice(chains.r());
+        r1[rp * m..].copy_from_slice(bias);
+        // T1 into the first r_p columns of T1⁺ (the last stays 1).
         matmul(
-            MatMut::new(&mut self.t1, batch, rp),
+            MatMut::strided(&mut self.t1, batch, rp, rp + 1, 1),
             MatRef::new(x, batch, n),
             MatRef::new(chains.l(), n, rp),
             false,
         );
         matmul(
             MatMut::new(y, batch, m),
-            MatRef::new(&self.t1, batch, rp),
-            MatRef::new(chains.r(), rp, m),
+            MatRef::new(&self.t1, batch, rp + 1),
+            MatRef::new(r1, rp + 1, m),
             false,
         );
     }
 
+    /// The backward of `forward`: dX (when wanted), the gated cores' gradients into `dh`, and
+    /// `db += 1ᵀ·dY`.
     #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
     pub fn backward(
         &mut self,
@@ -105,25 +127,35 @@ impl Merged {
         x: &[f32],
         dy: &[f32],
         dx: Option<&mut [f32]>,
+        db: &mut [f32],
     ) {
         let (n, m, rp) = super::sizes(shape);
         let dy = MatRef::new(dy, batch, m);
         let mut built = self.chains.build(shape, h, true);
         let mut chains = built.lent();
-        let mut u1 = self.u1.acquire();
+        let mut scratch = self.dr1_u1.acquire();
+        let (dr1, u1) = match &mut scratch[..] {
+            [dr1, u1] => (dr1, u1),
+            _ => unreachable!("two buffers leased"),
+        };
         let (l, r, dl, dr) = chains.seed_grads();
         let (l, r) = (MatRef::new(l, n, rp), MatRef::new(r, rp, m));
-        let t1 = MatRef::new(&self.t1, batch, rp);
-        let (pair, u1) = (paired(shape, batch), &mut u1[0]);
-        output_side(pair, t1, dy, r, dr, u1);
+        let t1 = MatRef::new(&self.t1, batch, rp + 1);
+        let pair = paired(shape, batch);
+        output_side(pair, t1, dy, r, dr1, u1);
+        dr.copy_from_slice(&dr1[..rp * m]);
+        for (g, v) in db.iter_mut().zip(&dr1[rp * m..]) {
+            *g += v;
+        }
         let u1 = MatRef::new(u1, batch, rp);
         input_side(pair, x, batch, u1, l, dx, dl);
         chains.peel(shape, h, dh);
     }
 }
 
-/// The output side of the backward, dR = T1ᵀ·dY (r_p × M) and U1 = dY·Rᵀ (B × r_p): two
-/// single-threaded tasks when `pair` (see `paired`), else one threaded product after the other.
+/// The output side of the backward, dR = T1ᵀ·dY (t × M, t = T1's width: r_p, or r_p + 1 with
+/// the bias's column) and U1 = dY·Rᵀ (B × r_p): two single-threaded tasks when `pair` (see
+/// `paired`), else one threaded product after the other.
 pub(crate) fn output_side(
     pair: bool,
     t1: MatRef<'_>,
@@ -133,13 +165,14 @@ pub(crate) fn output_side(
     u1: &mut [f32],
 ) {
     let (rp, m, batch) = (r.rows(), r.cols(), dy.rows());
+    let t = t1.cols();
     if pair {
         rayon::join(
-            || matmul_serial(MatMut::new(dr, rp, m), t1.t(), dy, false),
+            || matmul_serial(MatMut::new(dr, t, m), t1.t(), dy, false),
             || matmul_serial(MatMut::new(u1, batch, rp), dy, r.t(), false),
         );
     } else {
-        matmul(MatMut::new(dr, rp, m), t1.t(), dy, false);
+        matmul(MatMut::new(dr, t, m), t1.t(), dy, false);
         matmul(MatMut::new(u1, batch, rp), dy, r.t(), false);
     }
 }

@@ -477,11 +477,17 @@ impl Layer for TtLinear {
         self.gate_cores(&mut h);
         let s = &self.shape;
         match &mut ws.bufs {
-            PathBuffers::Merged(p) => p.forward(s, &h, b, x, y),
-            PathBuffers::Sequential(p) => p.forward(s, &h, b, x, y),
-            PathBuffers::Dense(p) => p.forward(s, &h, b, x, y),
+            // The merged path adds the bias in its last product (see `merged`).
+            PathBuffers::Merged(p) => p.forward(s, &h, b, x, &self.bias.value, y),
+            PathBuffers::Sequential(p) => {
+                p.forward(s, &h, b, x, y);
+                add_bias(y, &self.bias.value);
+            }
+            PathBuffers::Dense(p) => {
+                p.forward(s, &h, b, x, y);
+                add_bias(y, &self.bias.value);
+            }
         }
-        add_bias(y, &self.bias.value);
     }
 
     fn backward(
@@ -512,13 +518,20 @@ impl Layer for TtLinear {
         let (mut h, mut dh) = (ws.h.acquire(), ws.dh.acquire());
         self.gate_cores(&mut h);
         let s = &self.shape;
+        let db = &mut self.bias.grad;
         match &mut ws.bufs {
-            PathBuffers::Merged(p) => p.backward(s, &h, &mut dh, b, x, dy, dx),
-            PathBuffers::Sequential(p) => p.backward(s, &h, &mut dh, b, dy, dx),
-            PathBuffers::Dense(p) => p.backward(s, &h, &mut dh, b, x, dy, dx),
+            // The merged path sums the bias's gradient in its dR product (see `merged`).
+            PathBuffers::Merged(p) => p.backward(s, &h, &mut dh, b, x, dy, dx, db),
+            PathBuffers::Sequential(p) => {
+                p.backward(s, &h, &mut dh, b, dy, dx);
+                accumulate_bias_grad(dy, db);
+            }
+            PathBuffers::Dense(p) => {
+                p.backward(s, &h, &mut dh, b, x, dy, dx);
+                accumulate_bias_grad(dy, db);
+            }
         }
         self.accumulate_core_grads(&dh);
-        accumulate_bias_grad(dy, &mut self.bias.grad);
     }
 
     fn params(&self) -> Vec<&Param> {
