@@ -429,3 +429,53 @@ def test_activations_are_not_copied():
     ids = torch.tensor([[1, 2], [3, 1]])
     e = table(ids)
     assert e.grad_fn.saved_tensors[0].data_ptr() == ids.data_ptr()
+
+
+def test_outputs_reuse_freed_buffers_and_never_one_in_use():
+    """Outputs (y, dx) come from a cache of freed buffers: a freed output's memory is reused by
+    the next call of that size, an output still referenced is never handed out again, values
+    are right after reuse, and the limit and `empty_cache` govern what is kept."""
+    torch.manual_seed(0)
+    layer = ct.TTLinear([4, 4], [2, 8], 3)
+    ct.empty_cache()
+    old_limit = ct.set_cache_limit(1 << 30)
+    try:
+        x1, x2 = torch.randn(6, 16), torch.randn(6, 16)
+        y1 = layer(x1)
+        want1 = y1.clone()
+        p1 = y1.data_ptr()
+        y2 = layer(x2)  # y1 is alive: y2 must have other memory
+        assert y2.data_ptr() != p1
+        assert torch.equal(y1, want1)
+        del y1
+        assert ct.cached_bytes() == 6 * 16 * 4
+        y3 = layer(x1)  # reuses y1's buffer, stale values overwritten
+        assert y3.data_ptr() == p1 and ct.cached_bytes() == 0
+        assert torch.equal(y3, want1)
+        # Views keep the buffer alive too.
+        v = y3[2:4]
+        del y3
+        assert ct.cached_bytes() == 0
+        assert torch.equal(v, want1[2:4])
+        del v
+        assert ct.cached_bytes() == 6 * 16 * 4
+        # dx comes from the cache as well and is the input's gradient.
+        x = x1.clone().requires_grad_(True)
+        layer(x).sum().backward()  # y is freed after the statement; dx lives on as x.grad
+        g = x.grad.clone()
+        held = ct.cached_bytes()
+        x.grad = None
+        assert ct.cached_bytes() == held + 6 * 16 * 4
+        xr = x1.clone().requires_grad_(True)
+        (xr @ layer.dense_weight() + layer.bias).sum().backward()
+        assert torch.allclose(g, xr.grad, rtol=1e-5, atol=1e-6)
+        assert ct.empty_cache() > 0 and ct.cached_bytes() == 0
+        # Limit 0: nothing is kept.
+        assert ct.set_cache_limit(0) == 1 << 30
+        del y2
+        assert ct.cached_bytes() == 0
+        with pytest.raises(ValueError):
+            ct.set_cache_limit(-1)
+    finally:
+        ct.set_cache_limit(old_limit)
+        ct.empty_cache()

@@ -946,7 +946,13 @@ mod tests {
     /// 2 threads.
     #[test]
     fn outer_sums_match_f64_and_do_not_depend_on_threads() {
-        for &(k, r, w) in &[(300, 30, 263), (257, 1, 256), (512, 7, 300), (260, 32, 400), (300, 40, 270)] {
+        for &(k, r, w) in &[
+            (300, 30, 263),
+            (257, 1, 256),
+            (512, 7, 300),
+            (260, 32, 400),
+            (300, 40, 270),
+        ] {
             let p: Vec<f32> = (0..k * r).map(|i| (i as f32 * 0.37).sin()).collect();
             let q: Vec<f32> = (0..k * w).map(|i| (i as f32 * 0.11).cos()).collect();
             assert!(outer_sum::suits(k, r, w) || !outer_sum::available());
@@ -954,14 +960,22 @@ mod tests {
             let want: Vec<f64> = (0..r * w)
                 .map(|e| {
                     let (i, j) = (e / w, e % w);
-                    (0..k).map(|l| p[l * r + i] as f64 * q[l * w + j] as f64).sum()
+                    (0..k)
+                        .map(|l| p[l * r + i] as f64 * q[l * w + j] as f64)
+                        .sum()
                 })
                 .collect();
             let close = |got: f32, want: f64, what: &str| {
-                assert!((got as f64 - want).abs() < 1e-4 * (1.0 + want.abs()), "{what}: {got} vs {want} ({k}×{r}×{w})");
+                assert!(
+                    (got as f64 - want).abs() < 1e-4 * (1.0 + want.abs()),
+                    "{what}: {got} vs {want} ({k}×{r}×{w})"
+                );
             };
             let run = |threads: usize| {
-                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
                 pool.install(|| {
                     // C = Pᵀ·Q (r × w), then accumulated once more.
                     let mut c = vec![0.0; r * w];
@@ -971,7 +985,12 @@ mod tests {
                     matmul(MatMut::new(&mut c, r, w), pt, qm, true);
                     // Cᵀ = Qᵀ·P (w × r, the narrow side is B's).
                     let mut ct = vec![0.0; w * r];
-                    matmul(MatMut::new(&mut ct, w, r), qm.t(), MatRef::new(&p, k, r), false);
+                    matmul(
+                        MatMut::new(&mut ct, w, r),
+                        qm.t(),
+                        MatRef::new(&p, k, r),
+                        false,
+                    );
                     (once, c, ct)
                 })
             };
@@ -983,7 +1002,11 @@ mod tests {
                     close(ct[j * r + i], want[i * w + j], "Qᵀ·P");
                 }
             }
-            assert_eq!((once, twice, ct), run(1), "bits differ between 1 and 2 threads");
+            assert_eq!(
+                (once, twice, ct),
+                run(1),
+                "bits differ between 1 and 2 threads"
+            );
         }
     }
 

@@ -108,15 +108,14 @@ fn split(s: OuterSum, a: usize, b: usize, parts: usize) {
         // SAFETY: `compute`'s caller vouches for the views; AVX2 and FMA are present
         // (`suits`); the columns of these strips are written by this call only.
         #[cfg(target_arch = "x86_64")]
-        SUMS.with(|sums| unsafe { strips_sum(&s, a * 16, (b * 16).min(s.w), &mut sums.borrow_mut()) });
+        SUMS.with(|sums| unsafe {
+            strips_sum(&s, a * 16, (b * 16).min(s.w), &mut sums.borrow_mut())
+        });
         return;
     }
     let left = parts / 2;
     let at = a + (b - a) * left / parts;
-    rayon::join(
-        || split(s, a, at, left),
-        || split(s, at, b, parts - left),
-    );
+    rayon::join(|| split(s, a, at, left), || split(s, at, b, parts - left));
 }
 
 thread_local! {
@@ -224,7 +223,13 @@ fn lane_mask(width: usize) -> (__m256i, __m256i) {
 /// rows of 16 for k < kn; `acc` has R·16 elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile<const R: usize>(p: *const f32, p_rs: usize, q: *const f32, kn: usize, acc: &mut [f32]) {
+unsafe fn tile<const R: usize>(
+    p: *const f32,
+    p_rs: usize,
+    q: *const f32,
+    kn: usize,
+    acc: &mut [f32],
+) {
     debug_assert_eq!(acc.len(), R * 16);
     let mut lo = [_mm256_setzero_ps(); R];
     let mut hi = [_mm256_setzero_ps(); R];
