@@ -257,6 +257,11 @@ impl RunResults {
             .filter(|(_, r)| !r.is_empty())
             .map(|(t, r)| (t.to_string(), r))
             .collect(),
+            data: match &self.config {
+                AnyRunConfig::Encoder(c) => serde_json::to_string(&c.data),
+                AnyRunConfig::Dlrm(c) => serde_json::to_string(&c.data),
+            }
+            .unwrap_or_default(),
         }
     }
 
@@ -313,6 +318,10 @@ pub struct RunFigures {
     pub compression_series: Vec<(f64, f64)>,
     /// Per-layer ranks at the start, the switch and the end (those known).
     pub ranks: Vec<(String, Vec<LayerRanks>)>,
+    /// The run's `[data]` section (as JSON): runs are compared with a dense run on the same
+    /// data.
+    #[serde(skip)]
+    pub data: String,
 }
 
 impl RunFigures {
@@ -384,8 +393,9 @@ impl PaperTable {
 pub struct ReportOptions {
     /// The page's title.
     pub title: String,
-    /// The arm the time and memory ratios are taken against (by name); default the first
-    /// dense arm without GaLore, else the first run.
+    /// The arm every run's time and memory ratios are taken against (by name); by default
+    /// each run's is the first dense arm (without GaLore) trained on the same data, and a run
+    /// without one has no ratios.
     pub baseline: Option<String>,
     /// The paper's figures to stand beside the tables.
     pub paper: Option<PaperTable>,
@@ -409,9 +419,9 @@ pub fn write_report(runs: &[RunResults], out: &Path, opts: &ReportOptions) -> Re
     }
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, "cannot create directory", e))?;
     let figures: Vec<RunFigures> = runs.iter().map(RunResults::figures).collect();
-    let baseline = match &opts.baseline {
-        Some(name) => Some(
-            figures
+    let baselines: Vec<Option<usize>> = match &opts.baseline {
+        Some(name) => {
+            let b = figures
                 .iter()
                 .position(|f| &f.name == name)
                 .ok_or_else(|| {
@@ -419,9 +429,17 @@ pub fn write_report(runs: &[RunResults], out: &Path, opts: &ReportOptions) -> Re
                         "--baseline: no run is named `{name}` (the runs: {})",
                         names(&figures)
                     ))
-                })?,
-        ),
-        None => figures.iter().position(|f| f.arm == "dense").or(Some(0)),
+                })?;
+            vec![Some(b); figures.len()]
+        }
+        None => figures
+            .iter()
+            .map(|f| {
+                figures
+                    .iter()
+                    .position(|g| g.arm == "dense" && g.data == f.data)
+            })
+            .collect(),
     };
     let plots = vec![
         out.join("score.png"),
@@ -429,7 +447,7 @@ pub fn write_report(runs: &[RunResults], out: &Path, opts: &ReportOptions) -> Re
         out.join("cost.png"),
     ];
     draw(&figures, &plots)?;
-    let md = markdown(&figures, baseline, opts, &plots);
+    let md = markdown(&figures, &baselines, opts, &plots);
     let markdown_path = out.join("report.md");
     crate::files::write_atomic(&markdown_path, md.as_bytes())?;
     let json = out.join("report.json");
@@ -456,7 +474,7 @@ fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
 /// The page (module docs for what is on it).
 fn markdown(
     figures: &[RunFigures],
-    baseline: Option<usize>,
+    baselines: &[Option<usize>],
     opts: &ReportOptions,
     plots: &[PathBuf],
 ) -> String {
@@ -490,15 +508,13 @@ fn markdown(
         );
     }
     // The arms.
-    let base = baseline.map(|b| &figures[b]);
-    let ratio_title = base.map_or(String::new(), |b| format!(" vs {}", b.name));
     let _ = writeln!(
         s,
-        "| run | arm | epochs | held-out | final | best | params | whole-model compression | TT/TTM compression: start → switch → end | time per epoch (median) | time{r} | peak memory | memory{r} | samples/s |",
-        r = ratio_title,
+        "| run | arm | epochs | held-out | final | best | params | whole-model compression | TT/TTM compression: start → switch → end | time per epoch (median) | time vs baseline | peak memory | memory vs baseline | samples/s |",
     );
     let _ = writeln!(s, "|{}", "---|".repeat(14));
-    for f in figures {
+    for (f, base) in figures.iter().zip(baselines) {
+        let base = base.map(|b| &figures[b]);
         let time = f.median_epoch_seconds();
         let base_time = base.and_then(RunFigures::median_epoch_seconds);
         let tt = if f.tt_dense > 0.0 {
@@ -533,7 +549,11 @@ fn markdown(
             f.params,
             opt(f.compression(), |c| format!("{c:.1}×")),
             tt,
-            opt(time, |t| format!("{t:.0} s")),
+            opt(time, |t| if t < 10.0 {
+                format!("{t:.1} s")
+            } else {
+                format!("{t:.0} s")
+            }),
             opt(time.zip(base_time).map(|(t, b)| t / b), |r| format!(
                 "{r:.2}×"
             )),
@@ -550,9 +570,24 @@ fn markdown(
             opt(f.examples_per_s, |v| format!("{v:.1}")),
         );
     }
+    let pairs: Vec<String> = figures
+        .iter()
+        .zip(baselines)
+        .filter_map(|(f, b)| Some(format!("{} → {}", f.name, figures[(*b)?].name)))
+        .collect();
     let _ = writeln!(
         s,
-        "\nTime is training and evaluation per epoch, the median over epochs; memory is the peak resident set of the process; samples/s from the median step. Ratios are each run's figure divided by the baseline's."
+        "\nTime is training and evaluation per epoch, the median over epochs; memory is the peak resident set of the process; samples/s from the median step. Ratios are each run's figure divided by its baseline's ({}: {}).",
+        if opts.baseline.is_some() {
+            "given"
+        } else {
+            "the dense run on the same data"
+        },
+        if pairs.is_empty() {
+            "none".to_string()
+        } else {
+            pairs.join(", ")
+        }
     );
     // The score per epoch.
     let epochs = figures.iter().map(|f| f.per_epoch.len()).max().unwrap_or(0);

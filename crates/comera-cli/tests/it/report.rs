@@ -16,10 +16,16 @@ fn a_report_tables_tiny_runs_from_their_directories() {
         "max_steps_per_epoch = 4\n\n[rank]\nlate_after_steps = 6\ntarget_ratio = 0.5\ntruncate_every = 2\n",
     );
     let (tt, dense, stopped) = (dir.join("tt"), dir.join("dense"), dir.join("stopped"));
+    // Trained on other data (fewer examples): no dense run shares its data.
+    let other = dir.join("other");
     for (out, extra) in [
         (&tt, &["--set", "train.epochs=3"][..]),
         (&dense, &["--set", "train.epochs=3", "--dense"][..]),
         (&stopped, &["--set", "train.stop_after_steps=5"][..]),
+        (
+            &other,
+            &["--set", "train.epochs=1", "--set", "data.max_train=16"][..],
+        ),
     ] {
         let (code, text) = comera(
             &[
@@ -37,6 +43,7 @@ fn a_report_tables_tiny_runs_from_their_directories() {
         s(&tt),
         s(&dense),
         s(&stopped),
+        s(&other),
         "--out",
         s(&out),
         "--paper",
@@ -80,8 +87,20 @@ fn a_report_tables_tiny_runs_from_their_directories() {
         tt_ratio("ranks_end")
     );
     assert!(row("tt").contains(&want), "{want}: {}", row("tt"));
-    // The baseline is the dense run: its ratios are 1.
+    // Each run's baseline is the dense run on its data: the dense run's ratios are 1, and the
+    // run on other data has none.
     assert!(row("dense").contains("| 1.00× |"), "{}", row("dense"));
+    assert!(
+        md.contains("(the dense run on the same data: tt → dense, dense → dense, stopped → dense)"),
+        "{md}"
+    );
+    let other = row("other");
+    let cells: Vec<&str> = other.split('|').map(str::trim).collect();
+    assert_eq!(
+        (cells[11], cells[13]),
+        ("–", "–"),
+        "time and memory ratios: {other}"
+    );
     assert!(row("stopped (stopped)").contains("| 1/6 |"), "{md}");
     assert!(
         md.contains("## Ranks of tt (late stage from step 6)"),
@@ -91,7 +110,7 @@ fn a_report_tables_tiny_runs_from_their_directories() {
     assert!(md.contains("comera train --config run.toml"), "{md}");
     let figures: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
-    assert_eq!(figures.as_array().unwrap().len(), 3);
+    assert_eq!(figures.as_array().unwrap().len(), 4);
     assert_eq!(figures[0]["switch_step"], 6);
     for png in ["score.png", "compression.png", "cost.png"] {
         let bytes = std::fs::read(out.join(png)).unwrap();

@@ -8,6 +8,10 @@
 //! each: at 4,096 tokens × 3,072 that is 50 MB from memory per pass, several ms on 2 cores,
 //! for 1/(r_p + 1) more arithmetic here.
 //!
+//! Three schedules, by batch. Above one block of rows (and for partial gradients of modest
+//! size) every product runs in row lanes, each lane on one thread (`lanes`: the products of
+//! a block of rows back to back while its rows are in cache). Otherwise:
+//!
 //! Two tasks. Below `PAIR_MAX_MACS` the products are thin (r_p = 30 columns or inner length)
 //! and a threaded GEMM keeps the second core partly idle, so the backward's independent pairs
 //! (dR ∥ U1), (dX ∥ dL) run as two rayon tasks of single-threaded products instead (the chains
@@ -23,6 +27,7 @@
 //! (the narrow kernel's rows do not depend on how they are split), so the bits do not change.
 
 use super::chain::LeasedChains;
+use super::lanes;
 use super::pool::{Lease, Scratch};
 use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
 
@@ -49,25 +54,37 @@ pub(crate) fn paired(shape: &TtShape, batch: usize) -> bool {
 }
 
 /// Saved between forward and backward: T1⁺ only (B × (r_p + 1)). The chains, R⁺, [dR ; dbᵀ]
-/// and U1 are scratch borrowed for each call; the backward rebuilds the chains.
+/// and U1 (or the lanes' scratch) are borrowed for each call; the backward rebuilds the
+/// chains.
 #[derive(Debug)]
 pub(crate) struct Merged {
     chains: LeasedChains,
-    t1: Vec<f32>,  // B × (r_p + 1): T1, then a column of ones
-    r1: Lease,     // [(r_p + 1) × M]: R, then bᵀ (forward)
-    dr1_u1: Lease, // [(r_p + 1) × M, B × r_p]: dR then dbᵀ, and U1 (backward)
+    t1: Vec<f32>, // B × (r_p + 1): T1, then a column of ones
+    r1: Lease,    // [(r_p + 1) × M]: R, then bᵀ (forward)
+    // [(r_p + 1) × M, …]: dR then dbᵀ, and U1 (B × r_p), or in lanes their partials and U1
+    // blocks (`lanes::scratch_lens`)
+    dr1_u1: Lease,
+    lanes: bool, // whether the products run in row lanes (`lanes::suits`)
 }
 
 impl Merged {
     pub fn new(shape: &TtShape, batch: usize) -> Merged {
-        let (_, m, rp) = super::sizes(shape);
+        let (n, m, rp) = super::sizes(shape);
         let mut t1 = vec![0.0; batch * (rp + 1)];
         t1.chunks_exact_mut(rp + 1).for_each(|row| row[rp] = 1.0);
+        let lanes = !paired(shape, batch) && lanes::suits(batch, n, m, rp);
+        let mut backward = vec![(rp + 1) * m];
+        if lanes {
+            backward.extend(lanes::scratch_lens(batch, n, m, rp));
+        } else {
+            backward.push(batch * rp);
+        }
         Merged {
             chains: LeasedChains::new(shape),
             t1,
             r1: Lease::new(vec![(rp + 1) * m]),
-            dr1_u1: Lease::new(vec![(rp + 1) * m, batch * rp]),
+            dr1_u1: Lease::new(backward),
+            lanes,
         }
     }
 
@@ -100,6 +117,11 @@ impl Merged {
         let r1 = &mut r1[0];
         r1[..rp * m].copy_from_slice(chains.r());
         r1[rp * m..].copy_from_slice(bias);
+        if self.lanes {
+            let (l, r1) = (MatRef::new(chains.l(), n, rp), MatRef::new(r1, rp + 1, m));
+            lanes::forward(x, l, &mut self.t1, r1, y);
+            return;
+        }
         // T1 into the first r_p columns of T1⁺ (the last stays 1).
         matmul(
             MatMut::strided(&mut self.t1, batch, rp, rp + 1, 1),
@@ -130,25 +152,30 @@ impl Merged {
         db: &mut [f32],
     ) {
         let (n, m, rp) = super::sizes(shape);
-        let dy = MatRef::new(dy, batch, m);
         let mut built = self.chains.build(shape, h, true);
         let mut chains = built.lent();
         let mut scratch = self.dr1_u1.acquire();
-        let (dr1, u1) = match &mut scratch[..] {
-            [dr1, u1] => (dr1, u1),
-            _ => unreachable!("two buffers leased"),
-        };
         let (l, r, dl, dr) = chains.seed_grads();
         let (l, r) = (MatRef::new(l, n, rp), MatRef::new(r, rp, m));
-        let t1 = MatRef::new(&self.t1, batch, rp + 1);
-        let pair = paired(shape, batch);
-        output_side(pair, t1, dy, r, dr1, u1);
+        let dr1 = match &mut scratch[..] {
+            [dr1, partials, u1s] if self.lanes => {
+                lanes::backward(&self.t1, x, dy, l, r, dr1, dl, dx, (partials, u1s));
+                dr1
+            }
+            [dr1, u1] => {
+                let t1 = MatRef::new(&self.t1, batch, rp + 1);
+                let pair = paired(shape, batch);
+                output_side(pair, t1, MatRef::new(dy, batch, m), r, dr1, u1);
+                let u1 = MatRef::new(u1, batch, rp);
+                input_side(pair, x, batch, u1, l, dx, dl);
+                dr1
+            }
+            _ => unreachable!("the buffers leased in `new`"),
+        };
         dr.copy_from_slice(&dr1[..rp * m]);
         for (g, v) in db.iter_mut().zip(&dr1[rp * m..]) {
             *g += v;
         }
-        let u1 = MatRef::new(u1, batch, rp);
-        input_side(pair, x, batch, u1, l, dx, dl);
         chains.peel(shape, h, dh);
     }
 }

@@ -10,6 +10,7 @@
 mod chain;
 mod dense;
 mod ffn;
+mod lanes;
 mod merged;
 pub(crate) mod pool;
 mod sequential;

@@ -338,3 +338,44 @@ fn merged_path_at_small_batches_gives_the_same_bits_on_any_thread_count() {
         );
     }
 }
+
+#[test]
+fn merged_path_in_row_lanes_agrees_with_dense_and_gives_the_same_bits_on_any_thread_count() {
+    // The paper's attention shape at rank 30 and 1,100 rows (above the two-task size): the
+    // merged path runs in row lanes, 8 of 138 rows, the last 134, each in blocks of 128 rows
+    // and a short one. Pruned gates and the bias included.
+    let mut rng = init::rng(37);
+    let ranks = [1, 30, 30, 30, 30, 30, 1];
+    let mut layer = random_tt(&mut rng, &[12, 8, 8], &[8, 8, 12], &ranks, true);
+    for c in &mut layer.cores {
+        init::fill_normal(&mut rng, &mut c.value, 0.2); // outputs of order 10
+    }
+    let batch = 1100;
+    let x = random_vec(&mut rng, batch * 768);
+    let dy = random_vec(&mut rng, batch * 768);
+    let runs: Vec<Grads> = [1usize, 2, 3]
+        .iter()
+        .map(|&n| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap();
+            pool.install(|| run(&layer, TtPath::Merged, batch, &x, &dy))
+        })
+        .collect();
+    for r in &runs[1..] {
+        assert!(r.y == runs[0].y, "forward differs across thread counts");
+        assert!(r.dx == runs[0].dx, "dX differs across thread counts");
+        assert!(
+            r.params == runs[0].params,
+            "parameter gradients differ across thread counts"
+        );
+    }
+    let dense = run(&layer, TtPath::Dense, batch, &x, &dy);
+    let base = &runs[0];
+    assert_close("y", &base.y, &dense.y, 1e-4);
+    assert_close("dx", &base.dx, &dense.dx, 1e-4);
+    for (k, (a, b)) in base.params.iter().zip(&dense.params).enumerate() {
+        assert_close(&format!("param {k}"), a, b, 1e-4);
+    }
+}
