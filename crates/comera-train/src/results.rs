@@ -209,6 +209,24 @@ impl RunResults {
             .max()
             .unwrap_or(0);
         let tt_compression = |s: Option<f64>| s.map(|s| tt_dense / s.max(1.0));
+        let phase_seconds = match &self.config {
+            AnyRunConfig::Encoder(c) if c.train.phases.len() > 1 => {
+                let mut done = epoch_seconds.iter();
+                c.phases()
+                    .iter()
+                    .map(|p| {
+                        let secs: Vec<f64> = done.by_ref().take(p.epochs).copied().collect();
+                        PhaseTime {
+                            seq_len: p.seq_len,
+                            batch_size: p.batch_size,
+                            epochs: secs.len(),
+                            seconds: secs.iter().sum(),
+                        }
+                    })
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
         RunFigures {
             name: self.name.clone(),
             dir: self.dir.clone(),
@@ -257,6 +275,7 @@ impl RunResults {
             .filter(|(_, r)| !r.is_empty())
             .map(|(t, r)| (t.to_string(), r))
             .collect(),
+            phase_seconds,
             data: match &self.config {
                 AnyRunConfig::Encoder(c) => serde_json::to_string(&c.data),
                 AnyRunConfig::Dlrm(c) => serde_json::to_string(&c.data),
@@ -282,6 +301,15 @@ pub enum RunState {
     Stopped,
     /// No report yet: running, or killed (it resumes from its last checkpoint).
     Running,
+}
+
+/// One phase of a run's time.
+#[derive(Clone, Debug, Serialize)]
+pub struct PhaseTime {
+    pub seq_len: usize,
+    pub batch_size: usize,
+    pub epochs: usize,
+    pub seconds: f64,
 }
 
 /// A run's figures, as the tables show them (module docs for the definitions).
@@ -318,6 +346,9 @@ pub struct RunFigures {
     pub compression_series: Vec<(f64, f64)>,
     /// Per-layer ranks at the start, the switch and the end (those known).
     pub ranks: Vec<(String, Vec<LayerRanks>)>,
+    /// Of a run in phases (`[[train.phases]]`): per phase its sequence length, batch size,
+    /// epochs done and their seconds (training and evaluation).
+    pub phase_seconds: Vec<PhaseTime>,
     /// The run's `[data]` section (as JSON): runs are compared with a dense run on the same
     /// data.
     #[serde(skip)]
@@ -589,6 +620,31 @@ fn markdown(
             pairs.join(", ")
         }
     );
+    // Time per phase, for runs in phases.
+    if figures.iter().any(|f| !f.phase_seconds.is_empty()) {
+        let _ = writeln!(
+            s,
+            "\n## Time per phase\n\nTraining and evaluation, summed over the phase's epochs done.\n\n| run | phase | sequence × batch | epochs | seconds | s per epoch |\n|---|---|---|---|---|---|"
+        );
+        for f in figures {
+            for (i, p) in f.phase_seconds.iter().enumerate() {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} × {} | {} | {:.0} | {} |",
+                    f.name,
+                    i + 1,
+                    p.seq_len,
+                    p.batch_size,
+                    p.epochs,
+                    p.seconds,
+                    opt(
+                        (p.epochs > 0).then(|| p.seconds / p.epochs as f64),
+                        |v| format!("{v:.1}")
+                    ),
+                );
+            }
+        }
+    }
     // The score per epoch.
     let epochs = figures.iter().map(|f| f.per_epoch.len()).max().unwrap_or(0);
     if epochs > 0 {
@@ -874,5 +930,32 @@ mod tests {
         assert_eq!(f.best_score, Some(0.5));
         assert_eq!(f.final_score, Some(0.6));
         assert_eq!(f.arm, "dense");
+        assert!(f.phase_seconds.is_empty(), "one phase: no phase table");
+    }
+
+    #[test]
+    fn a_run_in_phases_has_its_time_per_phase() {
+        let mut cfg = crate::RunConfig::builtin();
+        let phase = |seq_len, epochs| crate::config::Phase {
+            seq_len,
+            batch_size: 8,
+            epochs,
+            max_steps_per_epoch: None,
+        };
+        cfg.train.phases = vec![phase(32, 2), phase(64, 2)];
+        let run = RunResults {
+            name: "p".into(),
+            dir: "p".into(),
+            config: AnyRunConfig::Encoder(cfg),
+            summary: None,
+            // Three epochs done (10, 20 and 40 s), the second phase's second not yet.
+            records: vec![eval(1, 0.2, 10.0), eval(2, 0.3, 30.0), eval(3, 0.4, 70.0)],
+        };
+        let p = run.figures().phase_seconds;
+        let got: Vec<_> = p
+            .iter()
+            .map(|p| (p.seq_len, p.epochs, p.seconds))
+            .collect();
+        assert_eq!(got, vec![(32, 2, 30.0), (64, 1, 40.0)]);
     }
 }
