@@ -952,10 +952,7 @@ mod tests {
             records: vec![eval(1, 0.2, 10.0), eval(2, 0.3, 30.0), eval(3, 0.4, 70.0)],
         };
         let p = run.figures().phase_seconds;
-        let got: Vec<_> = p
-            .iter()
-            .map(|p| (p.seq_len, p.epochs, p.seconds))
-            .collect();
+        let got: Vec<_> = p.iter().map(|p| (p.seq_len, p.epochs, p.seconds)).collect();
         assert_eq!(got, vec![(32, 2, 30.0), (64, 1, 40.0)]);
     }
 }
