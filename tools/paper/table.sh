@@ -8,7 +8,8 @@
 #   tools/paper/table.sh pretrain runs/paper
 #
 # COMERA names the binary (default target/release/comera, built if missing); THREADS the
-# threads per run (default 2); REPORT the report's directory (default docs/results/TABLE).
+# threads per run (default 2); REPORT the report's directory (default docs/results/TABLE);
+# REPORT_ONLY=1 writes the report from the arms that exist, training nothing.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 table=${1:?"usage: tools/paper/table.sh six-encoder|dlrm|pretrain RUNS_DIR"}
@@ -24,9 +25,12 @@ names=() dirs=() commands=()
 arm() {
     local name=$1 out="$runs/$table/$1"
     shift
+    if [ -n "${REPORT_ONLY:-}" ] && [ ! -d "$out" ]; then
+        return
+    fi
     names+=("$name") dirs+=("$out")
     commands+=("comera --threads $threads train $* --out $out")
-    if grep -q '"stopped": false' "$out/report.json" 2>/dev/null; then
+    if [ -n "${REPORT_ONLY:-}" ] || grep -q '"stopped": false' "$out/report.json" 2>/dev/null; then
         return
     fi
     echo "== $(date +%T) $table: $name"
