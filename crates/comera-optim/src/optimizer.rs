@@ -11,12 +11,14 @@ use crate::{AdamW, AdamWConfig, GaLore, GaLoreConfig};
 use comera_layers::{Model, Retained};
 use serde_json::json;
 
-/// An optimiser's state as named tensors and JSON scalars.
+/// An optimiser's state as named tensors and JSON scalars. The values are the optimiser's own
+/// buffers, borrowed: a checkpoint of a dense paper-sized model writes 533 MB of moments, which
+/// a copy would add to the run's peak memory.
 #[derive(Clone, Debug, Default)]
-pub struct OptState {
+pub struct OptState<'a> {
     pub scalars: serde_json::Value,
     /// (name, shape, values), in parameter order.
-    pub tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+    pub tensors: Vec<(String, Vec<usize>, &'a [f32])>,
 }
 
 /// Restoring an optimiser from a checkpoint failed.
@@ -103,14 +105,14 @@ impl Optimizer {
     }
 
     /// The state a checkpoint saves: tensors in parameter order, named after the parameters.
-    pub fn state(&self, model: &mut dyn Model) -> OptState {
+    pub fn state(&self, model: &mut dyn Model) -> OptState<'_> {
         let mut tensors = Vec::new();
         let mut i = 0;
         let scalars = match self {
             Optimizer::AdamW(o) => {
                 model.visit_params_mut(&mut |p| {
-                    tensors.push((format!("m/{}", p.name), p.shape.clone(), o.m[i].clone()));
-                    tensors.push((format!("v/{}", p.name), p.shape.clone(), o.v[i].clone()));
+                    tensors.push((format!("m/{}", p.name), p.shape.clone(), &o.m[i][..]));
+                    tensors.push((format!("v/{}", p.name), p.shape.clone(), &o.v[i][..]));
                     i += 1;
                 });
                 json!({"kind": "adamw", "t": o.t})
@@ -120,8 +122,8 @@ impl Optimizer {
                 model.visit_params_mut(&mut |p| {
                     match &o.state[i] {
                         ParamState::Adam { m, v } => {
-                            tensors.push((format!("m/{}", p.name), vec![m.len()], m.clone()));
-                            tensors.push((format!("v/{}", p.name), vec![v.len()], v.clone()));
+                            tensors.push((format!("m/{}", p.name), vec![m.len()], &m[..]));
+                            tensors.push((format!("v/{}", p.name), vec![v.len()], &v[..]));
                         }
                         ParamState::Projected(pr) => {
                             let (a, b) = pr.projected_shape();
@@ -129,10 +131,10 @@ impl Optimizer {
                             tensors.push((
                                 format!("p/{n}"),
                                 vec![pr.p.len() / pr.rank, pr.rank],
-                                pr.p.clone(),
+                                &pr.p[..],
                             ));
-                            tensors.push((format!("m/{n}"), vec![a, b], pr.m[..a * b].to_vec()));
-                            tensors.push((format!("v/{n}"), vec![a, b], pr.v[..a * b].to_vec()));
+                            tensors.push((format!("m/{n}"), vec![a, b], &pr.m[..a * b]));
+                            tensors.push((format!("v/{n}"), vec![a, b], &pr.v[..a * b]));
                             projected.insert(n.clone(), json!([pr.refreshes, pr.refreshed_at]));
                         }
                     }

@@ -23,7 +23,7 @@
 use crate::config::AnyRunConfig;
 use crate::error::{BoxError, Error, IoContext, Result};
 use crate::files::TensorError;
-use crate::files::{digest, le_bytes};
+use crate::files::{digest, f32_payload, NamedPayload};
 use comera_layers::{Model, Param};
 use comera_optim::rank::{LayerRanks, RankController};
 use comera_optim::OptState;
@@ -209,20 +209,24 @@ pub struct RunState<'a> {
 pub fn save(
     run_dir: &Path,
     run: &RunState<'_>,
-    model: &mut dyn Model,
-    opt: &OptState,
+    model: &dyn Model,
+    opt: &OptState<'_>,
     keep: usize,
 ) -> Result<PathBuf> {
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    model.visit_params_mut(&mut |p: &mut Param| {
-        tensors.push((
-            format!("model/{}", p.name),
-            p.shape.clone(),
-            le_bytes(&p.value),
-        ));
-    });
+    // The payloads borrow the values (no copy of a model that may be most of the memory).
+    let params = model.params();
+    let mut tensors: Vec<NamedPayload<'_>> = params
+        .iter()
+        .map(|p| {
+            (
+                format!("model/{}", p.name),
+                &p.shape[..],
+                f32_payload(&p.value),
+            )
+        })
+        .collect();
     for (name, shape, v) in &opt.tensors {
-        tensors.push((format!("opt/{name}"), shape.clone(), le_bytes(v)));
+        tensors.push((format!("opt/{name}"), &shape[..], f32_payload(v)));
     }
     // safetensors orders tensors by name in the file; hash in that order.
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
@@ -239,21 +243,15 @@ pub fn save(
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
-    let sha = digest(
-        meta_items(&meta).chain(
-            tensors
-                .iter()
-                .map(|(n, s, b)| (n.as_str(), s.as_slice(), b.as_slice())),
-        ),
-    );
+    let sha =
+        digest(meta_items(&meta).chain(tensors.iter().map(|(n, s, b)| (n.as_str(), *s, &b[..]))));
     meta.insert("sha256".into(), sha);
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
-        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
+        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.to_vec(), b)?)))
         .collect::<Result<_, safetensors::SafeTensorError>>()?;
-    let bytes = safetensors::serialize(views, Some(meta))?;
     let path = path_for(run_dir, run.progress.step);
-    crate::files::write_atomic_then(&path, &bytes, || {
+    crate::files::write_safetensors_then(&path, views, meta, || {
         // For the kill-during-write test: hold the finished temporary file this long before
         // the rename, so a SIGKILL lands mid-write.
         if let Some(ms) = std::env::var("COMERA_TEST_CHECKPOINT_DELAY_MS")

@@ -13,6 +13,8 @@ use comera_model::{Encoder, EncoderConfig};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -144,6 +146,38 @@ pub fn write_atomic_then(
     bytes: &[u8],
     before_rename: impl FnOnce(),
 ) -> Result<(), WriteError> {
+    write_atomic_by(path, |_, f| f.write_all(bytes), before_rename)
+}
+
+/// Writes a safetensors file atomically as [`write_atomic_then`] does, tensor by tensor: no
+/// buffer the size of the file is made (a dense paper-sized model's checkpoint is 800 MB of
+/// parameters and moments, which `safetensors::serialize` would copy whole before writing).
+pub fn write_safetensors_then<'a>(
+    path: &Path,
+    tensors: Vec<(String, TensorView<'a>)>,
+    meta: HashMap<String, String>,
+    before_rename: impl FnOnce(),
+) -> Result<(), WriteError> {
+    write_atomic_by(
+        path,
+        |tmp, _| {
+            safetensors::serialize_to_file(tensors, Some(meta), tmp).map_err(|e| match e {
+                safetensors::SafeTensorError::IoError(io) => io,
+                other => std::io::Error::other(other),
+            })
+        },
+        before_rename,
+    )
+}
+
+/// The framing of every atomic write: `fill` writes the temporary file (given by path and as
+/// the file comera created new there), which is then flushed to disk, `before_rename` runs,
+/// and it is renamed over `path`; on failure it is removed.
+fn write_atomic_by(
+    path: &Path,
+    fill: impl FnOnce(&Path, &mut std::fs::File) -> std::io::Result<()>,
+    before_rename: impl FnOnce(),
+) -> Result<(), WriteError> {
     check_write_target(path)?;
     let fail = |file: &Path, what: &'static str, source: std::io::Error| WriteError {
         path: path.to_path_buf(),
@@ -164,7 +198,8 @@ pub fn write_atomic_then(
         .open(&tmp)
         .map_err(|e| fail(&tmp, "cannot create", e))
         .and_then(|mut f| {
-            f.write_all(bytes)
+            // fsync flushes the file, whichever handle wrote it.
+            fill(&tmp, &mut f)
                 .and_then(|_| f.sync_all())
                 .map_err(|e| fail(&tmp, "cannot write", e))
         })
@@ -259,25 +294,37 @@ pub fn le_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// A tensor to save: name, shape and safetensors payload ([`f32_payload`]).
+pub type NamedPayload<'a> = (String, &'a [usize], Cow<'a, [u8]>);
+
+/// The safetensors F32 payload of `v` without a copy where the machine is little-endian (its
+/// memory is the payload), else [`le_bytes`].
+pub fn f32_payload(v: &[f32]) -> Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        Cow::Borrowed(bytemuck::cast_slice(v))
+    } else {
+        Cow::Owned(le_bytes(v))
+    }
+}
+
 /// Writes `model.safetensors`: every parameter by name, with `sha256` = [`digest`] of the
 /// tensors in file order as its metadata, atomically. Returns the digest.
 pub fn save_weights(dir: &Path, params: &[&Param]) -> Result<String> {
-    let mut tensors: Vec<(&str, &[usize], Vec<u8>)> = params
+    let mut tensors: Vec<NamedPayload<'_>> = params
         .iter()
-        .map(|p| (p.name.as_str(), p.shape.as_slice(), le_bytes(&p.value)))
+        .map(|p| (p.name.clone(), p.shape.as_slice(), f32_payload(&p.value)))
         .collect();
     // safetensors orders tensors by name in the file; hash in that order.
-    tensors.sort_by(|a, b| a.0.cmp(b.0));
-    let sha = digest(tensors.iter().map(|(n, s, b)| (*n, *s, b.as_slice())));
-    let views: Vec<(&str, TensorView<'_>)> = tensors
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let sha = digest(tensors.iter().map(|(n, s, b)| (n.as_str(), *s, &b[..])));
+    let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
-        .map(|(n, s, b)| Ok((*n, TensorView::new(Dtype::F32, s.to_vec(), b)?)))
+        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.to_vec(), b)?)))
         .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
     // One metadata key: safetensors writes its metadata map in hash order, so a second key
     // would make two saves of the same weights differ in their bytes.
     let meta = [("sha256".to_string(), sha.clone())].into_iter().collect();
-    let data = safetensors::serialize(views, Some(meta))?;
-    write_atomic(&dir.join(MODEL_WEIGHTS), &data)?;
+    write_safetensors_then(&dir.join(MODEL_WEIGHTS), views, meta, || {})?;
     Ok(sha)
 }
 
@@ -813,6 +860,47 @@ mod tests {
     fn tiny_dlrm() -> Dlrm {
         let cfg = comera_dlrm::DlrmConfig::default();
         Dlrm::new(&cfg, 2, &["user".to_string()], &[10], 0).unwrap()
+    }
+
+    #[test]
+    fn a_streamed_safetensors_write_has_the_bytes_of_a_buffered_one_and_leaves_no_temporary() {
+        let dir = std::env::temp_dir().join(format!("comera-files-stream-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let a = [1.5f32, -2.0, 3.25, 0.0, 7.0, -0.5];
+        let b = [0.125f32; 3];
+        let (pa, pb) = (f32_payload(&a), f32_payload(&b));
+        let views = || -> Vec<(String, TensorView<'_>)> {
+            vec![
+                (
+                    "b".into(),
+                    TensorView::new(Dtype::F32, vec![3], &pb).unwrap(),
+                ),
+                (
+                    "a".into(),
+                    TensorView::new(Dtype::F32, vec![2, 3], &pa).unwrap(),
+                ),
+            ]
+        };
+        let meta = || [("k".to_string(), "v".to_string())].into_iter().collect();
+        let path = dir.join("t.safetensors");
+        write_safetensors_then(&path, views(), meta(), || {}).unwrap();
+        let buffered = safetensors::serialize(views(), Some(meta())).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), buffered);
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            1,
+            "a temporary file was left"
+        );
+        // The payload is the values' little-endian bytes, as the reader expects.
+        let st = SafeTensors::deserialize(&buffered).unwrap();
+        assert_eq!(st.tensor("a").unwrap().data(), &le_bytes(&a)[..]);
+        // A target that is not a regular file is refused, and nothing is written.
+        let link = dir.join("link.safetensors");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        let err = write_safetensors_then(&link, views(), meta(), || {}).unwrap_err();
+        assert_eq!(err.what, "refused", "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), buffered);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -669,7 +669,7 @@ impl<'t, T: Task> Loop<'t, T> {
         let path = checkpoint::save(
             &self.cfg.train.out_dir,
             &run,
-            &mut self.model,
+            &self.model,
             &state,
             self.cfg.train.keep_checkpoints,
         )?;
