@@ -8,7 +8,7 @@
 //! module talks to it. Views are bounds-checked when they are made, so the `unsafe` call below
 //! only ever sees in-bounds pointers.
 
-use crate::{narrow, outer_sum};
+use crate::{narrow, outer_sum, wide};
 use faer::{Accum, Par};
 
 /// Products with at most this many multiply-adds skip the backend (its dispatch and packing
@@ -132,6 +132,37 @@ pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
 /// thread count.
 pub fn matmul_serial(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     matmul_on(c, a, b, accumulate, false)
+}
+
+/// `C = A·B` on the calling thread, for a C that the caller writes once and does not read again
+/// soon (a layer's activations, far larger than the caches): where the CPU has AVX-512 and the
+/// product is short and wide (inner length at most 64, C at least 64 columns, C's and B's rows
+/// contiguous) it runs on the `wide` kernel, which writes C with non-temporal stores when C's
+/// rows are 64-byte aligned (saving the read of every line written, and the eviction of what
+/// the caller reads next); anything else is [`matmul_serial`]. The bits depend on the shapes
+/// and the CPU, never on C's alignment.
+pub fn matmul_serial_streamed(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>) {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    if c.cs == 1 && b.cs == 1 && (c.rows, c.cols, b.rows) == (m, n, k) && wide::suits(m, n, k) {
+        let product = wide::Product {
+            m,
+            n,
+            k,
+            a: a.data.as_ptr(),
+            a_rs: a.rs as isize,
+            a_cs: a.cs as isize,
+            b: b.data.as_ptr(),
+            b_rs: b.rs as isize,
+            c: c.data.as_mut_ptr(),
+            c_rs: c.rs as isize,
+        };
+        // SAFETY: the views were bounds-checked at construction for their full extents (every
+        // element they address for these shapes is inside its slice; the shapes agree, checked
+        // above), and `c` is a unique borrow that aliases neither `a` nor `b`.
+        unsafe { wide::compute(&product) };
+        return;
+    }
+    matmul_serial(c, a, b, false);
 }
 
 fn matmul_on(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, parallel: bool) {

@@ -8,6 +8,8 @@
 //!   rank cap or an error target, and the reconstruction back;
 //! - [`math`]: element-wise functions that vectorise (`exp`);
 //! - `narrow`: AVX-512 kernels for tall products at most 16 columns wide (behind [`gemm`]);
+//! - `wide`: an AVX-512 kernel for short, wide products whose output is streamed to memory
+//!   (behind [`gemm::matmul_serial_streamed`]);
 //! - [`permute`]: axis permutations of dense tensors (strided copies);
 //! - [`simd`]: the run-time instruction-set choice of element-wise kernels ([`multiversion!`]);
 //! - [`init`]: seeded, reproducible random initialisation.
@@ -54,6 +56,7 @@ mod outer_sum;
 pub mod permute;
 pub mod simd;
 pub mod ttsvd;
+mod wide;
 
-pub use gemm::{matmul, matmul_serial, DisjointMut, MatMut, MatRef};
+pub use gemm::{matmul, matmul_serial, matmul_serial_streamed, DisjointMut, MatMut, MatRef};
 pub use layout::{ShapeError, TtShape, TtmShape};

@@ -155,11 +155,11 @@ impl Merged {
         let mut built = self.chains.build(shape, h, true);
         let mut chains = built.lent();
         let mut scratch = self.dr1_u1.acquire();
-        let (l, r, dl, dr) = chains.seed_grads();
-        let (l, r) = (MatRef::new(l, n, rp), MatRef::new(r, rp, m));
+        let (l_rows, r, dl, dr) = chains.seed_grads();
+        let (l, r) = (MatRef::new(l_rows, n, rp), MatRef::new(r, rp, m));
         let dr1 = match &mut scratch[..] {
-            [dr1, partials, u1s] if self.lanes => {
-                lanes::backward(&self.t1, x, dy, l, r, dr1, dl, dx, (partials, u1s));
+            [dr1, partials, u1s, lt] if self.lanes => {
+                lanes::backward(&self.t1, x, dy, l_rows, r, dr1, dl, dx, (partials, u1s, lt));
                 dr1
             }
             [dr1, u1] => {
