@@ -158,15 +158,37 @@ def _check_float(x: Any, what: str) -> Tensor:
     return x
 
 
+_F32 = torch.float32
+_STRIDED = torch.strided
+
+
 def _check_params(params: Sequence[Optional[Tensor]], owner: str) -> None:
     for i, p in enumerate(params):
-        if p is not None:
+        # The common case in three attribute reads (this runs on every call); anything else
+        # goes through the full check for its message.
+        if p is not None and not (
+            isinstance(p, Tensor) and p.dtype is _F32 and p.is_cpu and p.layout is _STRIDED
+        ):
             _check_float(p, f"{owner} parameter {i}")
 
 
 def _view(t: Tensor):
     """A numpy view of a CPU float32 tensor's memory (made contiguous first if it is not)."""
     return t.detach().contiguous().numpy()
+
+
+def _param_views(params: Sequence[Tensor], cores: int) -> Tuple[List[Any], List[Any]]:
+    """Numpy views of the cores (the first ``cores`` params) and of the gates (the rest), made
+    once in the forward and kept for the backward: the parameters are saved for backward too,
+    so an in-place change between the two is caught by autograd's version check."""
+    views = [_view(p) for p in params]
+    return views[:cores], views[cores:]
+
+
+def _module_params(*lists: nn.ParameterList) -> List[Tensor]:
+    """The parameters of ParameterLists in order (their registered parameters, read directly:
+    iterating a ParameterList looks each one up by name)."""
+    return [p for lst in lists for p in lst._parameters.values()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,19 +200,16 @@ class _TTLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, kernel: Any, bias: Optional[Tensor], *params: Tensor) -> Tensor:  # type: ignore[override]
-        k = len(kernel.core_shapes)
+        # params: K cores, then K - 1 gates.
         n, m = kernel.in_features, kernel.out_features
         lead = tuple(x.shape[:-1])
         x2 = x.detach().reshape(-1, n).contiguous()
         y = _output(x2.shape[0], m)
-        fid = kernel.forward(
-            x2.numpy(),
-            [_view(c) for c in params[:k]],
-            [_view(g) for g in params[k:]],
-            None if bias is None else _view(bias),
-            y.numpy(),
-        )
+        cores, gates = _param_views(params, (len(params) + 1) // 2)
+        bias_view = None if bias is None else _view(bias)
+        fid = kernel.forward(x2.numpy(), cores, gates, bias_view, y.numpy())
         ctx.kernel, ctx.fid, ctx.lead = kernel, fid, lead
+        ctx.views = cores, gates, bias_view
         ctx.save_for_backward(x2, bias, *params)
         return y.view(*lead, m)
 
@@ -199,18 +218,19 @@ class _TTLinearFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):  # type: ignore[override]
         x2, bias, *params = ctx.saved_tensors
         kernel = ctx.kernel
-        k = len(kernel.core_shapes)
+        k = (len(params) + 1) // 2
         n, m = kernel.in_features, kernel.out_features
         dy2 = dy.reshape(-1, m).to(dtype=torch.float32).contiguous()
         dx = _output(x2.shape[0], n) if ctx.needs_input_grad[0] else None
         grads = [torch.empty(p.shape, dtype=torch.float32) for p in params]
         db = torch.empty(m, dtype=torch.float32) if bias is not None else None
+        cores, gates, bias_view = ctx.views
         kernel.backward(
             ctx.fid,
             x2.numpy(),
-            [_view(c) for c in params[:k]],
-            [_view(g) for g in params[k:]],
-            None if bias is None else _view(bias),
+            cores,
+            gates,
+            bias_view,
             dy2.numpy(),
             None if dx is None else dx.numpy(),
             [g.numpy() for g in grads[:k]],
@@ -329,7 +349,7 @@ class TTLinear(nn.Module):
                 f"TTLinear input: last dimension must be in_features = {self.in_features}, "
                 f"got shape {tuple(x.shape)}"
             )
-        params = [*self.cores, *self.gates]
+        params = _module_params(self.cores, self.gates)
         _check_params([*params, self.bias], "TTLinear")
         return _TTLinearFunction.apply(x, self._kernel, self.bias, *params)
 
@@ -469,15 +489,14 @@ class _TTMFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids: Tensor, kernel: Any, *params: Tensor) -> Tensor:  # type: ignore[override]
-        p = len(kernel.core_shapes)
+        # params: p cores, then p - 1 gates.
         d = kernel.embedding_dim
         shape = tuple(ids.shape)
         ids1 = ids.reshape(-1).contiguous()
         y = _output(ids1.shape[0], d)
-        fid = kernel.forward(
-            ids1.numpy(), [_view(c) for c in params[:p]], [_view(g) for g in params[p:]], y.numpy()
-        )
-        ctx.kernel, ctx.fid = kernel, fid
+        cores, gates = _param_views(params, (len(params) + 1) // 2)
+        fid = kernel.forward(ids1.numpy(), cores, gates, y.numpy())
+        ctx.kernel, ctx.fid, ctx.views = kernel, fid, (cores, gates)
         ctx.save_for_backward(ids1, *params)
         return y.view(*shape, d)
 
@@ -486,14 +505,15 @@ class _TTMFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):  # type: ignore[override]
         ids1, *params = ctx.saved_tensors
         kernel = ctx.kernel
-        p = len(kernel.core_shapes)
+        p = (len(params) + 1) // 2
         dy2 = dy.reshape(-1, kernel.embedding_dim).to(dtype=torch.float32).contiguous()
         grads = [torch.empty(q.shape, dtype=torch.float32) for q in params]
+        cores, gates = ctx.views
         kernel.backward(
             ctx.fid,
             ids1.numpy(),
-            [_view(c) for c in params[:p]],
-            [_view(g) for g in params[p:]],
+            cores,
+            gates,
             dy2.numpy(),
             [g.numpy() for g in grads[:p]],
             [g.numpy() for g in grads[p:]],
@@ -609,7 +629,7 @@ class TTMEmbedding(nn.Module):
             raise TypeError(f"TTMEmbedding ids must be an integer tensor, got {ids.dtype}")
         if ids.dtype != torch.int64:
             ids = ids.to(torch.int64)
-        params = [*self.cores, *self.gates]
+        params = _module_params(self.cores, self.gates)
         _check_params(params, "TTMEmbedding")
         return _TTMFunction.apply(ids, self._kernel, *params)
 
