@@ -49,8 +49,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             );
             for (path, dense) in [(&a.dense, true), (&a.compressed, false)] {
                 if let Some(p) = path {
-                    let bytes = comera_train::files::export_dlrm(&m, &meta, dense)?;
-                    comera_train::write_atomic(p, &bytes)?;
+                    comera_train::files::export_dlrm(p, &m, &meta, dense)?;
                     println!(
                         "wrote {} (DLRM, {} tables)",
                         p.display(),

@@ -23,11 +23,10 @@
 use crate::config::AnyRunConfig;
 use crate::error::{BoxError, Error, IoContext, Result};
 use crate::files::TensorError;
-use crate::files::{digest, f32_payload, NamedPayload};
+use crate::files::{digest, f32_payload, meta_items, write_digested_safetensors, NamedPayload};
 use comera_layers::{Model, Param};
 use comera_optim::rank::{LayerRanks, RankController};
 use comera_optim::OptState;
-use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -134,15 +133,6 @@ pub struct Checkpoint {
     tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
 }
 
-/// The metadata fields the hash covers (all but `sha256`), sorted by key, as hash items
-/// (key, no shape, the value's bytes).
-fn meta_items(meta: &HashMap<String, String>) -> impl Iterator<Item = (&str, &[usize], &[u8])> {
-    let mut keys: Vec<&String> = meta.keys().filter(|k| *k != "sha256").collect();
-    keys.sort();
-    keys.into_iter()
-        .map(move |k| (k.as_str(), &[][..], meta[k].as_bytes()))
-}
-
 /// Path of the checkpoint after `step` steps in `run_dir`.
 pub fn path_for(run_dir: &Path, step: u64) -> PathBuf {
     run_dir
@@ -228,9 +218,7 @@ pub fn save(
     for (name, shape, v) in &opt.tensors {
         tensors.push((format!("opt/{name}"), &shape[..], f32_payload(v)));
     }
-    // safetensors orders tensors by name in the file; hash in that order.
-    tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut meta: HashMap<String, String> = [
+    let meta: HashMap<String, String> = [
         ("format", FORMAT.to_string()),
         ("version", VERSION.to_string()),
         ("config", run.config_toml.to_string()),
@@ -243,15 +231,8 @@ pub fn save(
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
-    let sha =
-        digest(meta_items(&meta).chain(tensors.iter().map(|(n, s, b)| (n.as_str(), *s, &b[..]))));
-    meta.insert("sha256".into(), sha);
-    let views: Vec<(String, TensorView<'_>)> = tensors
-        .iter()
-        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.to_vec(), b)?)))
-        .collect::<Result<_, safetensors::SafeTensorError>>()?;
     let path = path_for(run_dir, run.progress.step);
-    crate::files::write_safetensors_then(&path, views, meta, || {
+    write_digested_safetensors(&path, tensors, meta, || {
         // For the kill-during-write test: hold the finished temporary file this long before
         // the rename, so a SIGKILL lands mid-write.
         if let Some(ms) = std::env::var("COMERA_TEST_CHECKPOINT_DELAY_MS")

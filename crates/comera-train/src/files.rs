@@ -307,25 +307,49 @@ pub fn f32_payload(v: &[f32]) -> Cow<'_, [u8]> {
     }
 }
 
-/// Writes `model.safetensors`: every parameter by name, with `sha256` = [`digest`] of the
-/// tensors in file order as its metadata, atomically. Returns the digest.
-pub fn save_weights(dir: &Path, params: &[&Param]) -> Result<String> {
-    let mut tensors: Vec<NamedPayload<'_>> = params
-        .iter()
-        .map(|p| (p.name.clone(), p.shape.as_slice(), f32_payload(&p.value)))
-        .collect();
-    // safetensors orders tensors by name in the file; hash in that order.
+/// The metadata entries a digest covers (all but `sha256`), sorted by key, as [`digest`] items
+/// (key, no shape, the value's bytes).
+pub(crate) fn meta_items(
+    meta: &HashMap<String, String>,
+) -> impl Iterator<Item = (&str, &[usize], &[u8])> {
+    let mut keys: Vec<&String> = meta.keys().filter(|k| *k != "sha256").collect();
+    keys.sort();
+    keys.into_iter()
+        .map(move |k| (k.as_str(), &[][..], meta[k].as_bytes()))
+}
+
+/// Writes the F32 `tensors` as the safetensors file `path` ([`write_safetensors_then`]:
+/// atomically, streamed from the payloads), with `meta` and one more entry, `sha256`: the
+/// [`digest`] of `meta`'s entries ([`meta_items`]) and then of the tensors in file order
+/// (safetensors orders them by name). Returns the digest.
+pub(crate) fn write_digested_safetensors(
+    path: &Path,
+    mut tensors: Vec<NamedPayload<'_>>,
+    mut meta: HashMap<String, String>,
+    before_rename: impl FnOnce(),
+) -> Result<String> {
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let sha = digest(tensors.iter().map(|(n, s, b)| (n.as_str(), *s, &b[..])));
+    let sha =
+        digest(meta_items(&meta).chain(tensors.iter().map(|(n, s, b)| (n.as_str(), *s, &b[..]))));
+    meta.insert("sha256".into(), sha.clone());
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.to_vec(), b)?)))
         .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
-    // One metadata key: safetensors writes its metadata map in hash order, so a second key
-    // would make two saves of the same weights differ in their bytes.
-    let meta = [("sha256".to_string(), sha.clone())].into_iter().collect();
-    write_safetensors_then(&dir.join(MODEL_WEIGHTS), views, meta, || {})?;
+    write_safetensors_then(path, views, meta, before_rename)?;
     Ok(sha)
+}
+
+/// Writes `model.safetensors`: every parameter by name, with `sha256` = [`digest`] of the
+/// tensors in file order as its metadata, atomically. Returns the digest.
+pub fn save_weights(dir: &Path, params: &[&Param]) -> Result<String> {
+    let tensors = params
+        .iter()
+        .map(|p| (p.name.clone(), p.shape.as_slice(), f32_payload(&p.value)))
+        .collect();
+    // No metadata but the digest: safetensors writes its metadata map in hash order, so a
+    // second key would make two saves of the same weights differ in their bytes.
+    write_digested_safetensors(&dir.join(MODEL_WEIGHTS), tensors, HashMap::new(), || {})
 }
 
 /// The stamp keys that head a `model.toml`, in order; the text after them is what
@@ -711,23 +735,40 @@ impl MetricsLog {
     }
 }
 
-/// A DLRM as one safetensors file, `model.toml` in its metadata (`format` `comera-dlrm`,
-/// `model`): with `dense`, every TTM table reconstructed as its dense V × D matrix (named
-/// `<table>.weight`), the rest as trained; without, the parameters as trained (cores and gates).
-pub fn export_dlrm(model: &Dlrm, meta: &DlrmMeta, dense: bool) -> Result<Vec<u8>> {
-    let as_tensor = |p: &Param| (p.name.clone(), p.shape.clone(), le_bytes(&p.value));
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> =
-        model.bottom.params().into_iter().map(as_tensor).collect();
+/// Writes a DLRM as the safetensors file `path` (atomically, streamed from the parameters'
+/// own memory), `model.toml` in its metadata (`format` `comera-dlrm`, `model`): with `dense`,
+/// every TTM table reconstructed as its dense V × D matrix (named `<table>.weight`), the rest
+/// as trained; without, the parameters as trained (cores and gates).
+pub fn export_dlrm(path: &Path, model: &Dlrm, meta: &DlrmMeta, dense: bool) -> Result<()> {
+    // The dense tables are made first: the payloads below borrow them.
+    let dense_tables: Vec<(String, Vec<usize>, Vec<f32>)> = model
+        .tables
+        .iter()
+        .filter_map(|t| match (t, dense) {
+            (comera_layers::AnyEmbedding::Ttm(e), true) => Some((
+                format!("{}.weight", comera_layers::Compressible::layer_name(e)),
+                vec![t.rows(), t.dim()],
+                e.dense_table(),
+            )),
+            _ => None,
+        })
+        .collect();
+    fn as_payload(p: &Param) -> (String, Vec<usize>, Cow<'_, [u8]>) {
+        (p.name.clone(), p.shape.clone(), f32_payload(&p.value))
+    }
+    let mut tensors: Vec<(String, Vec<usize>, Cow<'_, [u8]>)> =
+        model.bottom.params().into_iter().map(as_payload).collect();
     for t in &model.tables {
-        match (t, dense) {
-            (comera_layers::AnyEmbedding::Ttm(e), true) => {
-                let name = format!("{}.weight", comera_layers::Compressible::layer_name(e));
-                tensors.push((name, vec![t.rows(), t.dim()], le_bytes(&e.dense_table())));
-            }
-            _ => tensors.extend(t.params().into_iter().map(as_tensor)),
+        if !(dense && matches!(t, comera_layers::AnyEmbedding::Ttm(_))) {
+            tensors.extend(t.params().into_iter().map(as_payload));
         }
     }
-    tensors.extend(model.top.params().into_iter().map(as_tensor));
+    tensors.extend(model.top.params().into_iter().map(as_payload));
+    tensors.extend(
+        dense_tables
+            .iter()
+            .map(|(n, s, v)| (n.clone(), s.clone(), f32_payload(v))),
+    );
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
@@ -742,7 +783,8 @@ pub fn export_dlrm(model: &Dlrm, meta: &DlrmMeta, dense: bool) -> Result<Vec<u8>
     ]
     .into_iter()
     .collect();
-    Ok(safetensors::serialize(views, Some(metadata))?)
+    write_safetensors_then(path, views, metadata, || {})?;
+    Ok(())
 }
 
 /// Writes the directory `dir` as one unit: `write` fills a fresh temporary directory beside it

@@ -78,6 +78,7 @@ fn trains_a_ttm_dlrm_on_a_criteo_file_and_reports() {
         metrics.lines().filter(|l| l.contains("\"eval\"")).count(),
         2
     );
+    exports_tables_dense_and_as_trained(&dir, &run);
 
     // The same run with dense tables, and determinism: the same seed gives the same AUC.
     let (code, out) = comera(&[
@@ -145,6 +146,79 @@ fn trains_a_ttm_dlrm_on_a_criteo_file_and_reports() {
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     assert!(metrics.contains("\"truncate\""), "{metrics}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `comera export RUN --dense F --compressed G` of a TTM DLRM: G holds the parameters as
+/// trained, byte for byte those of the run's `model.safetensors`; F the same, except that every
+/// TTM table is one dense `<table>.weight` (rows × embedding_dim) in place of its cores and
+/// gates.
+fn exports_tables_dense_and_as_trained(dir: &Path, run: &Path) {
+    let (dense, compressed) = (
+        dir.join("dense.safetensors"),
+        dir.join("compressed.safetensors"),
+    );
+    let (code, out) = comera(&[
+        "export",
+        s(run),
+        "--dense",
+        s(&dense),
+        "--compressed",
+        s(&compressed),
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let read = |p: &Path| std::fs::read(p).unwrap();
+    let (trained, dense, compressed) = (
+        read(&run.join("model.safetensors")),
+        read(&dense),
+        read(&compressed),
+    );
+    fn open(b: &[u8]) -> safetensors::SafeTensors<'_> {
+        safetensors::SafeTensors::deserialize(b).unwrap()
+    }
+    let (trained, dense_st, compressed_st) = (open(&trained), open(&dense), open(&compressed));
+    let names = |st: &safetensors::SafeTensors<'_>| {
+        let mut n: Vec<String> = st.names().into_iter().map(String::from).collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names(&compressed_st), names(&trained));
+    for name in names(&trained) {
+        assert_eq!(
+            compressed_st.tensor(&name).unwrap().data(),
+            trained.tensor(&name).unwrap().data(),
+            "{name}"
+        );
+    }
+    let tables: Vec<String> = names(&dense_st)
+        .into_iter()
+        .filter(|n| n.starts_with("table.") && n.ends_with(".weight"))
+        .collect();
+    assert!(
+        !tables.is_empty(),
+        "no dense table in {:?}",
+        names(&dense_st)
+    );
+    for name in &tables {
+        let prefix = format!("{}.", name.trim_end_matches(".weight"));
+        assert!(
+            !names(&dense_st)
+                .iter()
+                .any(|n| n != name && n.starts_with(&prefix)),
+            "{prefix}: cores beside its dense table"
+        );
+        assert!(
+            names(&trained).iter().any(|n| n.starts_with(&prefix)),
+            "{prefix}: not a trained table"
+        );
+        let t = dense_st.tensor(name).unwrap();
+        assert_eq!(t.shape()[1], 8, "{name}: embedding_dim");
+        assert_eq!(t.data().len(), 4 * t.shape()[0] * t.shape()[1]);
+        assert!(t.data().chunks(4).any(|b| b != [0; 4]), "{name}: all zero");
+    }
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&dense).unwrap();
+    let meta = meta.metadata().as_ref().unwrap();
+    assert_eq!(meta["format"], "comera-dlrm");
+    assert_eq!(meta["tables"], "dense");
 }
 
 #[test]
