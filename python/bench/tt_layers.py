@@ -12,8 +12,9 @@ Shapes (the paper's BERT-base layers): 768×768 (in modes 12·8·8, out modes 8�
 applied by every arm that has them (comera, the authors'). Each iteration is
 `y = layer(x); y.backward(dy)` with x requiring grad (dX is computed, as inside a network).
 Arms are interleaved in blocks: each round runs every arm in turn for `--block` timed
-iterations after `--block-warmup` untimed ones; the table gives the median (and min) ms per
-timed iteration.
+iterations after `--block-warmup` untimed ones, each round starting one arm later than the
+last (so that no arm always runs right after the same one); the table gives the median (and
+min) ms per timed iteration.
 
 Why blocks: torch's OpenMP worker threads keep spinning for several ms after a torch
 operation (libgomp's default spin count; about 7 ms on Zen 3, where `pause` is slow), so an
@@ -172,8 +173,12 @@ def main() -> None:
             for _ in range(args.warmup):
                 step(mod, call)
         times: Dict[str, List[float]] = {k: [] for k in arms}
-        for _ in range(max(1, args.reps // args.block)):
-            for k, (mod, call) in arms.items():
+        # Each round starts one arm later, so that no arm always follows the same one (the
+        # arm after a torch-heavy one shares the cores with its still-spinning threads).
+        order = list(arms.items())
+        for rnd in range(max(1, args.reps // args.block)):
+            start = rnd % len(order)
+            for k, (mod, call) in order[start:] + order[:start]:
                 for _ in range(args.block_warmup):
                     step(mod, call)
                 for _ in range(args.block):
