@@ -332,12 +332,16 @@ pub(crate) fn write_digested_safetensors(
     let sha =
         digest(meta_items(&meta).chain(tensors.iter().map(|(n, s, b)| (n.as_str(), *s, &b[..]))));
     meta.insert("sha256".into(), sha.clone());
-    let views: Vec<(String, TensorView<'_>)> = tensors
+    write_safetensors_then(path, payload_views(&tensors)?, meta, before_rename)?;
+    Ok(sha)
+}
+
+/// The safetensors F32 views of `tensors`' payloads (no copy).
+fn payload_views<'a>(tensors: &'a [NamedPayload<'_>]) -> Result<Vec<(String, TensorView<'a>)>> {
+    Ok(tensors
         .iter()
         .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.to_vec(), b)?)))
-        .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
-    write_safetensors_then(path, views, meta, before_rename)?;
-    Ok(sha)
+        .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?)
 }
 
 /// Writes `model.safetensors`: every parameter by name, with `sha256` = [`digest`] of the
@@ -753,10 +757,10 @@ pub fn export_dlrm(path: &Path, model: &Dlrm, meta: &DlrmMeta, dense: bool) -> R
             _ => None,
         })
         .collect();
-    fn as_payload(p: &Param) -> (String, Vec<usize>, Cow<'_, [u8]>) {
-        (p.name.clone(), p.shape.clone(), f32_payload(&p.value))
+    fn as_payload(p: &Param) -> NamedPayload<'_> {
+        (p.name.clone(), &p.shape[..], f32_payload(&p.value))
     }
-    let mut tensors: Vec<(String, Vec<usize>, Cow<'_, [u8]>)> =
+    let mut tensors: Vec<NamedPayload<'_>> =
         model.bottom.params().into_iter().map(as_payload).collect();
     for t in &model.tables {
         if !(dense && matches!(t, comera_layers::AnyEmbedding::Ttm(_))) {
@@ -767,12 +771,8 @@ pub fn export_dlrm(path: &Path, model: &Dlrm, meta: &DlrmMeta, dense: bool) -> R
     tensors.extend(
         dense_tables
             .iter()
-            .map(|(n, s, v)| (n.clone(), s.clone(), f32_payload(v))),
+            .map(|(n, s, v)| (n.clone(), &s[..], f32_payload(v))),
     );
-    let views: Vec<(String, TensorView<'_>)> = tensors
-        .iter()
-        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
-        .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
     let metadata = [
         ("format".to_string(), "comera-dlrm".to_string()),
         (
@@ -783,7 +783,7 @@ pub fn export_dlrm(path: &Path, model: &Dlrm, meta: &DlrmMeta, dense: bool) -> R
     ]
     .into_iter()
     .collect();
-    write_safetensors_then(path, views, metadata, || {})?;
+    write_safetensors_then(path, payload_views(&tensors)?, metadata, || {})?;
     Ok(())
 }
 

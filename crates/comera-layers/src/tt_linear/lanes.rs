@@ -114,9 +114,9 @@ struct Lane<'a> {
 }
 
 /// The backward in lanes, from the forward's T1⁺ (`t1`, B × t), the layer input `x` (B × N),
-/// `dy` (B × M), L (N × r_p, row-major) and R (r_p × M): writes [dR ; dbᵀ] into `dr1` (t × M), dL into
-/// `dl` (N × r_p) and dX into `dx` (B × N) when given. `scratch` (partials, U1 blocks, Lᵀ) is
-/// leased with [`scratch_lens`].
+/// `dy` (B × M), L (`l`, N × r_p row-major) and R (r_p × M): writes [dR ; dbᵀ] into `dr1`
+/// (t × M), dL into `dl` (N × r_p) and dX into `dx` (B × N) when given. `scratch` (partials,
+/// U1 blocks, Lᵀ) is leased with [`scratch_lens`].
 #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
 pub(crate) fn backward(
     t1: &[f32],
