@@ -141,7 +141,12 @@ pub fn matmul_serial(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bo
 /// rows are 64-byte aligned (saving the read of every line written, and the eviction of what
 /// the caller reads next); anything else is [`matmul_serial`]. The bits depend on the shapes
 /// and the CPU, never on C's alignment.
-pub fn matmul_serial_streamed(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>) {
+///
+/// `ahead` is memory the caller reads right after this product (at most two slices, e.g. the
+/// next row block of a layer's input): the `wide` kernel prefetches its cache lines into L2,
+/// a few per tile, so that they arrive while it computes instead of stalling the next
+/// product. A hint only: it changes no value, and the other path ignores it.
+pub fn matmul_serial_streamed(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, ahead: &[&[f32]]) {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     if c.cs == 1 && b.cs == 1 && (c.rows, c.cols, b.rows) == (m, n, k) && wide::suits(m, n, k) {
         let product = wide::Product {
@@ -155,10 +160,12 @@ pub fn matmul_serial_streamed(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>) {
             b_rs: b.rs as isize,
             c: c.data.as_mut_ptr(),
             c_rs: c.rs as isize,
+            ahead: wide::Ahead::new(ahead),
         };
         // SAFETY: the views were bounds-checked at construction for their full extents (every
         // element they address for these shapes is inside its slice; the shapes agree, checked
-        // above), and `c` is a unique borrow that aliases neither `a` nor `b`.
+        // above), and `c` is a unique borrow that aliases neither `a` nor `b`. `ahead` holds
+        // live slices (prefetches never fault in any case).
         unsafe { wide::compute(&product) };
         return;
     }

@@ -21,6 +21,11 @@
 //! each end (the columns before the rows' first cache-line boundary, and n's remainder) is
 //! masked and stored with ordinary masked stores.
 //!
+//! While it runs, the kernel can bring in what the caller reads next (`Ahead`: the next row
+//! block's X, or dY): each tile prefetches a share of those cache lines into L2, about one per
+//! FMA step, so they arrive during the arithmetic instead of stalling the next product, which
+//! would otherwise start on lines still in memory (figures in `tt_linear/lanes.rs`).
+//!
 //! Every element is summed in the one order above, whatever its tile or store, so the bits
 //! depend neither on how rows are split between threads nor on C's alignment. Used only where
 //! the CPU has AVX-512 F (`narrow::available`); elsewhere `faer` computes these products.
@@ -49,6 +54,62 @@ pub(crate) struct Product {
     /// C (m × n): element (i, j) at `c[i·c_rs + j]`.
     pub c: *mut f32,
     pub c_rs: isize,
+    /// Memory to prefetch while the product runs.
+    pub ahead: Ahead,
+}
+
+/// Cache lines to prefetch into L2 during a product: up to two address ranges, walked as one
+/// list of lines. Addresses only (a prefetch never faults): nothing is read through them.
+pub(crate) struct Ahead {
+    /// (address of the first line, number of lines) of each range.
+    ranges: [(usize, usize); 2],
+}
+
+impl Ahead {
+    /// The lines covering `slices` (at most two).
+    #[track_caller]
+    pub(crate) fn new(slices: &[&[f32]]) -> Ahead {
+        assert!(slices.len() <= 2, "at most two slices ahead, got {}", slices.len());
+        let mut ranges = [(0, 0); 2];
+        for (range, s) in ranges.iter_mut().zip(slices) {
+            if !s.is_empty() {
+                let first = s.as_ptr() as usize & !63;
+                let end = (s.as_ptr() as usize + 4 * s.len()).next_multiple_of(64);
+                *range = (first, (end - first) / 64);
+            }
+        }
+        Ahead { ranges }
+    }
+
+    fn lines(&self) -> usize {
+        self.ranges[0].1 + self.ranges[1].1
+    }
+
+    /// The address of line `q` of the list (q < `lines()`).
+    #[inline(always)]
+    fn line(&self, q: usize) -> *const i8 {
+        let [(a, n), (b, _)] = self.ranges;
+        (if q < n { a + 64 * q } else { b + 64 * (q - n) }) as *const i8
+    }
+}
+
+/// The lines of an [`Ahead`] still to prefetch, handed out `per_tile` to each tile in turn.
+#[cfg(target_arch = "x86_64")]
+struct Prefetch<'a> {
+    ahead: &'a Ahead,
+    next: usize,
+    per_tile: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Prefetch<'_> {
+    /// The next tile's share of lines: [s, e).
+    #[inline(always)]
+    fn take(&mut self) -> (usize, usize) {
+        let s = self.next;
+        self.next = (s + self.per_tile).min(self.ahead.lines());
+        (s, self.next)
+    }
 }
 
 /// Whether a product of these sizes is computed here (on a CPU that has AVX-512 F).
@@ -95,15 +156,22 @@ unsafe fn panels(p: &Product) {
     } else {
         0
     };
+    // Tiles in all: panels × row tiles (`ROWS` rows, then single rows).
+    let tiles = (usize::from(head > 0) + (p.n - head).div_ceil(64)) * (p.m / ROWS + p.m % ROWS);
+    let mut prefetch = Prefetch {
+        ahead: &p.ahead,
+        next: 0,
+        per_tile: p.ahead.lines().div_ceil(tiles),
+    };
     if head > 0 {
         // SAFETY: columns 0..head are inside C.
-        unsafe { panel(p, 0, head, false) };
+        unsafe { panel(p, 0, head, false, &mut prefetch) };
     }
     let mut j0 = head;
     while j0 < p.n {
         let w = (p.n - j0).min(64);
         // SAFETY: columns j0..j0 + w are inside C; with `lines`, C's rows at j0 are aligned.
-        unsafe { panel(p, j0, w, lines) };
+        unsafe { panel(p, j0, w, lines, &mut prefetch) };
         j0 += w;
     }
     if lines {
@@ -121,16 +189,16 @@ unsafe fn panels(p: &Product) {
 /// C's rows are 64-byte aligned at column j0.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn panel(p: &Product, j0: usize, w: usize, stream: bool) {
+unsafe fn panel(p: &Product, j0: usize, w: usize, stream: bool, pf: &mut Prefetch<'_>) {
     let mut i = 0;
     // SAFETY (the tiles): rows i.., columns j0..j0 + w are inside the views.
     if w == 64 {
         while p.m - i >= ROWS {
-            unsafe { tile::<ROWS, 4>(p, i, j0, 0xFFFF, stream) };
+            unsafe { tile::<ROWS, 4>(p, i, j0, 0xFFFF, stream, pf.take()) };
             i += ROWS;
         }
         while i < p.m {
-            unsafe { tile::<1, 4>(p, i, j0, 0xFFFF, stream) };
+            unsafe { tile::<1, 4>(p, i, j0, 0xFFFF, stream, pf.take()) };
             i += 1;
         }
         return;
@@ -142,17 +210,18 @@ unsafe fn panel(p: &Product, j0: usize, w: usize, stream: bool) {
     };
     while i < p.m {
         let rows = if p.m - i >= ROWS { ROWS } else { 1 };
+        let lines = pf.take();
         // SAFETY: as above.
         unsafe {
             match (rows, w.div_ceil(16)) {
-                (ROWS, 1) => tile::<ROWS, 1>(p, i, j0, last, false),
-                (ROWS, 2) => tile::<ROWS, 2>(p, i, j0, last, false),
-                (ROWS, 3) => tile::<ROWS, 3>(p, i, j0, last, false),
-                (ROWS, _) => tile::<ROWS, 4>(p, i, j0, last, false),
-                (_, 1) => tile::<1, 1>(p, i, j0, last, false),
-                (_, 2) => tile::<1, 2>(p, i, j0, last, false),
-                (_, 3) => tile::<1, 3>(p, i, j0, last, false),
-                _ => tile::<1, 4>(p, i, j0, last, false),
+                (ROWS, 1) => tile::<ROWS, 1>(p, i, j0, last, false, lines),
+                (ROWS, 2) => tile::<ROWS, 2>(p, i, j0, last, false, lines),
+                (ROWS, 3) => tile::<ROWS, 3>(p, i, j0, last, false, lines),
+                (ROWS, _) => tile::<ROWS, 4>(p, i, j0, last, false, lines),
+                (_, 1) => tile::<1, 1>(p, i, j0, last, false, lines),
+                (_, 2) => tile::<1, 2>(p, i, j0, last, false, lines),
+                (_, 3) => tile::<1, 3>(p, i, j0, last, false, lines),
+                _ => tile::<1, 4>(p, i, j0, last, false, lines),
             }
         }
         i += rows;
@@ -161,7 +230,8 @@ unsafe fn panel(p: &Product, j0: usize, w: usize, stream: bool) {
 
 /// Rows i0..i0+R, columns j0..j0+16·V of C (the last register's lanes masked by `last`):
 /// acc = Σ_l A[i, l] · B[l, j0..], then stored (streamed when `stream`, which needs `last`
-/// full and C's rows 64-byte aligned).
+/// full and C's rows 64-byte aligned). Lines [s, e) of `p.ahead` are prefetched on the way,
+/// spread over the steps l (one per step, more when e - s > k).
 ///
 /// # Safety
 /// AVX-512 F is present; rows i0..i0+R of A and C, rows 0..k of B and the columns the tile
@@ -175,6 +245,7 @@ unsafe fn tile<const R: usize, const V: usize>(
     j0: usize,
     last: __mmask16,
     stream: bool,
+    (s, e): (usize, usize),
 ) {
     let mask = |v: usize| if v + 1 == V { last } else { 0xFFFF };
     let mut acc = [[_mm512_setzero_ps(); V]; R];
@@ -184,6 +255,12 @@ unsafe fn tile<const R: usize, const V: usize>(
     // SAFETY: column j0 of B's rows is inside B.
     let b_panel = unsafe { p.b.add(j0) };
     for l in 0..p.k {
+        let mut q = s + l;
+        while q < e {
+            // A prefetch reads nothing and never faults, whatever the address.
+            _mm_prefetch::<_MM_HINT_T1>(p.ahead.line(q));
+            q += p.k;
+        }
         // SAFETY (all loads here): B row l, the tile's columns (masked), and A[i0 + r, l] are
         // inside the views.
         let b_row = unsafe { b_panel.offset(l as isize * p.b_rs) };
@@ -218,7 +295,8 @@ mod tests {
     use crate::{matmul_serial_streamed, MatMut, MatRef};
 
     /// C = A·B through `matmul_serial_streamed` into a buffer whose first row starts `offset`
-    /// floats past a cache line, rows `c_rs` apart; returns C's m × n values.
+    /// floats past a cache line, rows `c_rs` apart, prefetching `ahead`; returns C's m × n
+    /// values.
     #[allow(clippy::too_many_arguments)]
     fn streamed(
         a: &[f32],
@@ -229,6 +307,7 @@ mod tests {
         k: usize,
         offset: usize,
         c_rs: usize,
+        ahead: &[&[f32]],
     ) -> Vec<f32> {
         // A Vec of 16-float (one line) blocks is line-aligned.
         let mut lines = vec![[f32::NAN; 16]; (offset + m * c_rs).div_ceil(16) + 1];
@@ -239,14 +318,14 @@ mod tests {
             MatRef::new(a, m, k)
         };
         let c = MatMut::strided(&mut flat[offset..], m, n, c_rs, 1);
-        matmul_serial_streamed(c, a, MatRef::new(b, k, n));
+        matmul_serial_streamed(c, a, MatRef::new(b, k, n), ahead);
         (0..m)
             .flat_map(|i| flat[offset + i * c_rs..][..n].to_vec())
             .collect()
     }
 
     #[test]
-    fn streamed_products_match_the_sum_in_f64_with_the_same_bits_at_any_alignment() {
+    fn streamed_products_match_the_sum_in_f64_with_the_same_bits_at_any_alignment_and_prefetch() {
         // Shapes of the TT merged path (k = r_p + 1 with the bias, n = 768 or 3,072) and
         // edges: one panel, masked tails, single rows, k = 1 and k = MAX_K; C's rows a whole
         // number of lines apart (streamed after a head panel) or not (ordinary stores).
@@ -271,15 +350,21 @@ mod tests {
                             .sum()
                     })
                     .collect();
-                let first = streamed(&a, a_t, &b, m, n, k, 0, n.next_multiple_of(16));
+                let first = streamed(&a, a_t, &b, m, n, k, 0, n.next_multiple_of(16), &[]);
                 for (c, r) in first.iter().zip(&reference) {
                     assert!(
                         (*c as f64 - r).abs() < 1e-5 * k as f64,
                         "{m}×{n}×{k}: {c} vs {r}"
                     );
                 }
-                for (offset, c_rs) in [(1, n.next_multiple_of(16)), (5, n + 3), (15, n)] {
-                    let other = streamed(&a, a_t, &b, m, n, k, offset, c_rs);
+                // Prefetching (a hint) changes nothing: a slice of any size, or two.
+                let big = vec![0.5f32; 100_000];
+                let aheads: [&[&[f32]]; 3] = [&[], &[&b[1..]], &[&a, &big[3..]]];
+                for (i, (offset, c_rs)) in [(1, n.next_multiple_of(16)), (5, n + 3), (15, n)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let other = streamed(&a, a_t, &b, m, n, k, offset, c_rs, aheads[i]);
                     assert!(
                         other == first,
                         "{m}×{n}×{k}: bits differ at offset {offset}, row stride {c_rs}"
