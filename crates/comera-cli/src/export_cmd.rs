@@ -6,7 +6,7 @@
 
 use anyhow::ensure;
 use comera_import::run::{check_hf_target, load_model_source, write_hf_run};
-use comera_import::{export_compressed, export_dense};
+use comera_import::{save_compressed, save_dense};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -99,14 +99,14 @@ fn export_encoder(
         m.dense_equivalent_params()
     );
     if let Some(p) = dense {
-        comera_train::write_atomic(p, &export_dense(&m)?)?;
+        save_dense(&m, p)?;
         println!(
             "wrote {} (dense export, Hugging Face BERT names)",
             p.display()
         );
     }
     if let Some(p) = compressed {
-        comera_train::write_atomic(p, &export_compressed(&m)?)?;
+        save_compressed(&m, p)?;
         println!("wrote {} (compressed export)", p.display());
     }
     if let Some(dir) = hf_dir {

@@ -32,7 +32,9 @@
 //! export can be compared with `transformers` outside comera.
 
 use crate::bert::{import_dense, BertWeights, HfBertConfig, ImportInfo};
-use crate::export::{densify, hf_tensors, le_bytes, serialize, serialize_typed, NamedTensor};
+use crate::export::{
+    densify, hf_tensors, safetensors_bytes, save_safetensors, write_error, FileData, FileTensor,
+};
 use crate::minilm::Reference;
 use crate::{read_file_limited, zip_member, ImportError, Result, SizeLimit};
 use comera_data::BertTokenizer;
@@ -224,18 +226,20 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
     let ids = tok.special_ids();
     let offset = family.position_offset(ids.pad);
     let positions = family.tensor_name("embeddings.position_embeddings.weight");
-    let mut tensors: Vec<NamedTensor> = hf_tensors(&dense)?
-        .into_iter()
-        .map(|(name, mut shape, mut bytes)| {
-            let name = family.tensor_name(&name);
-            if name == positions && offset > 0 {
-                // Zero rows for the positions RoBERTa never gives a non-padding token.
-                bytes.splice(0..0, vec![0u8; 4 * offset * shape[1]]);
-                shape[0] += offset;
+    let mut tensors: Vec<FileTensor<'_>> = hf_tensors(&dense)?;
+    for t in &mut tensors {
+        t.name = family.tensor_name(&t.name);
+        if t.name == positions && offset > 0 {
+            // Zero rows for the positions RoBERTa never gives a non-padding token.
+            if let FileData::F32(values) = t.data {
+                t.data = FileData::F32AfterZeroRows {
+                    rows: offset,
+                    values,
+                };
+                t.shape[0] += offset;
             }
-            (name, shape, bytes)
-        })
-        .collect();
+        }
+    }
     let mut config = json!({
         "model_type": family.model_type(),
         "vocab_size": cfg.vocab_size,
@@ -295,13 +299,16 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
             // transformers keeps `cls.predictions.decoder.bias` (`lm_head.decoder.bias`) as
             // the same tensor as `cls.predictions.bias` (`lm_head.bias`); both are written.
             let bias = family.tensor_name("cls.predictions.bias");
-            if let Some((_, shape, bytes)) = tensors.iter().find(|(n, _, _)| *n == bias) {
-                let t = (
-                    family.tensor_name("cls.predictions.decoder.bias"),
-                    shape.clone(),
-                    bytes.clone(),
-                );
-                tensors.push(t);
+            let found = tensors.iter().find_map(|t| match t.data {
+                FileData::F32(values) if t.name == bias => Some((t.shape.clone(), values)),
+                _ => None,
+            });
+            if let Some((shape, values)) = found {
+                tensors.push(FileTensor {
+                    name: family.tensor_name("cls.predictions.decoder.bias"),
+                    shape,
+                    data: FileData::F32(values),
+                });
             }
         }
     }
@@ -327,10 +334,9 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
         "cls_token": "[CLS]",
         "mask_token": "[MASK]",
     });
-    let weights = serialize(
-        &tensors,
-        BTreeMap::from([("format".to_string(), "pt".to_string())]),
-    )?;
+    let weights = "model.safetensors";
+    let weights_meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    save_safetensors(&dir.join(weights), tensors, &weights_meta)?;
     let pretty = |v: &Value| serde_json::to_string_pretty(v).expect("JSON values print") + "\n";
     let mut vocab = info.vocab.clone();
     if !vocab.ends_with('\n') {
@@ -338,7 +344,6 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
     }
     let files: Vec<(&str, Vec<u8>)> = vec![
         ("config.json", pretty(&config).into_bytes()),
-        ("model.safetensors", weights),
         ("vocab.txt", vocab.into_bytes()),
         (
             "tokenizer_config.json",
@@ -349,9 +354,11 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
     for (name, bytes) in &files {
         write_file(&dir.join(name), bytes)?;
     }
+    let mut written: Vec<String> = files.iter().map(|(n, _)| n.to_string()).collect();
+    written.insert(1, weights.to_string());
     Ok(HfExport {
         architecture,
-        files: files.iter().map(|(n, _)| n.to_string()).collect(),
+        files: written,
         notes,
     })
 }
@@ -362,12 +369,7 @@ fn short(x: f32) -> f64 {
 }
 
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    comera_train::files::write_atomic(path, bytes).map_err(|e| {
-        ImportError::new(
-            path.display().to_string(),
-            comera_train::error::Chain(&e).to_string(),
-        )
-    })
+    comera_train::files::write_atomic(path, bytes).map_err(|e| write_error(path, &e))
 }
 
 /// A Hugging Face BERT read by [`read_hf`]: the dense model and what a run needs besides it.
@@ -840,26 +842,28 @@ pub fn check_file(
             (mlm_logits(enc, st.hidden(), &flat)?, enc.cfg.vocab_size)
         }
     };
-    let i64s =
-        |v: &[u32]| -> Vec<u8> { v.iter().flat_map(|&x| (x as i64).to_le_bytes()).collect() };
+    let i64s = |name: &str, shape: Vec<usize>, v: &[u32]| FileTensor {
+        name: name.to_string(),
+        shape,
+        data: FileData::I64(v.iter().map(|&x| x as i64).collect()),
+    };
     let mut tensors = vec![
-        ("input_ids".to_string(), "I64", vec![n, t], i64s(ids)),
-        ("attention_mask".to_string(), "I64", vec![n, t], i64s(mask)),
-        ("token_type_ids".to_string(), "I64", vec![n, t], i64s(types)),
-        (
-            "logits".to_string(),
-            "F32",
-            vec![n, width],
-            le_bytes(&logits),
-        ),
+        i64s("input_ids", vec![n, t], ids),
+        i64s("attention_mask", vec![n, t], mask),
+        i64s("token_type_ids", vec![n, t], types),
+        FileTensor {
+            name: "logits".to_string(),
+            shape: vec![n, width],
+            data: FileData::F32Owned(logits),
+        },
     ];
     if let Some(pos) = positions {
         let p: Vec<u32> = pos.iter().map(|&p| p as u32).collect();
-        tensors.push(("positions".to_string(), "I64", vec![n], i64s(&p)));
+        tensors.push(i64s("positions", vec![n], &p));
     }
-    serialize_typed(
-        &tensors,
-        BTreeMap::from([("format".to_string(), "pt".to_string())]),
+    safetensors_bytes(
+        tensors,
+        &BTreeMap::from([("format".to_string(), "pt".to_string())]),
     )
 }
 

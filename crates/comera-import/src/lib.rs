@@ -32,7 +32,9 @@ pub mod run;
 
 pub use bert::{import_dense, load_bert, BertWeights, HfBertConfig};
 pub use compress::{compress, CompressOptions, LayerReport};
-pub use export::{densify, export_compressed, export_dense, load_compressed};
+pub use export::{
+    densify, export_compressed, export_dense, load_compressed, save_compressed, save_dense,
+};
 pub use run::{
     export_run_hf, import_to_run, write_run_dir, HfRunExport, ImportOptions, ImportOutcome,
     ModelSource, TtOptions,

@@ -69,7 +69,11 @@ impl Ahead {
     /// The lines covering `slices` (at most two).
     #[track_caller]
     pub(crate) fn new(slices: &[&[f32]]) -> Ahead {
-        assert!(slices.len() <= 2, "at most two slices ahead, got {}", slices.len());
+        assert!(
+            slices.len() <= 2,
+            "at most two slices ahead, got {}",
+            slices.len()
+        );
         let mut ranges = [(0, 0); 2];
         for (range, s) in ranges.iter_mut().zip(slices) {
             if !s.is_empty() {

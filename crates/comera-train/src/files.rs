@@ -139,6 +139,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(write_atomic_then(path, bytes, || {})?)
 }
 
+/// [`write_atomic`] for contents that `fill` writes into the temporary file itself, piece by
+/// piece: no buffer the size of the file is made.
+pub fn write_atomic_with(
+    path: &Path,
+    fill: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> Result<(), WriteError> {
+    write_atomic_by(path, |_, f| fill(f), || {})
+}
+
 /// [`write_atomic`] with `before_rename` called between the flushed temporary file and the
 /// rename (the window in which a crash must leave the old file intact).
 pub fn write_atomic_then(

@@ -2,7 +2,8 @@
 
 use comera_import::bert::BertWeights;
 use comera_import::{
-    compress, export_compressed, export_dense, import_dense, load_compressed, CompressOptions,
+    compress, export_compressed, export_dense, import_dense, load_compressed, save_compressed,
+    save_dense, CompressOptions,
 };
 use comera_model::Rank;
 use comera_model::{Encoder, EncoderConfig, LayerTt, TtmConfig};
@@ -127,6 +128,25 @@ fn compressed_export_round_trips_exactly() {
     let dense = export_dense(&enc).unwrap();
     let e = load_compressed(&dense, "d.safetensors").unwrap_err();
     assert!(e.to_string().contains("expected `compressed`"), "{e}");
+}
+
+#[test]
+fn saved_exports_are_the_exported_bytes() {
+    // `save_*` stream the file a tensor at a time; it must be the in-memory export exactly.
+    let mut enc = Encoder::new(&small(true), 13).unwrap();
+    randomise(&mut enc, 14);
+    let dir = std::env::temp_dir().join(format!("comera-save-exports-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (d, c) = (dir.join("d.safetensors"), dir.join("c.safetensors"));
+    save_dense(&enc, &d).unwrap();
+    save_compressed(&enc, &c).unwrap();
+    assert!(std::fs::read(&d).unwrap() == export_dense(&enc).unwrap());
+    assert!(std::fs::read(&c).unwrap() == export_compressed(&enc).unwrap());
+    // A target that is not a regular file is refused, and left as it was.
+    let e = save_dense(&enc, &dir).unwrap_err();
+    assert!(e.to_string().contains(&*dir.to_string_lossy()), "{e}");
+    assert!(dir.is_dir());
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
