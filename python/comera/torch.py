@@ -26,7 +26,8 @@ goes back to a cache for the next call of that size, instead of being returned t
 system and faulted in again (as torch's CUDA allocator caches device memory). The cache
 keeps at most 1 GiB; see ``cached_bytes``, ``empty_cache`` and ``set_cache_limit``. The
 parameters' values (kilobytes) are copied into the Rust layer on every call. The GIL is
-released while a kernel runs.
+released while a kernel runs, on comera's own threads: ``set_num_threads`` and
+``get_num_threads`` (torch's do not govern them).
 
 torch is imported by this submodule only; ``import comera`` does not need it.
 """
@@ -50,6 +51,8 @@ __all__ = [
     "cached_bytes",
     "empty_cache",
     "set_cache_limit",
+    "get_num_threads",
+    "set_num_threads",
 ]
 
 Rank = Union[int, Sequence[int]]
@@ -78,6 +81,30 @@ def set_cache_limit(nbytes: int) -> int:
     if isinstance(nbytes, bool) or operator.index(nbytes) < 0:
         raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
     return int(_comera.set_cache_limit(operator.index(nbytes)))
+
+
+def set_num_threads(threads: int) -> None:
+    """Runs comera's kernels on ``threads`` threads from now on (like ``torch.set_num_threads``,
+    which does not govern them). Until it is called they run on ``RAYON_NUM_THREADS`` threads
+    if that is set when they first run, else on every core. On the merged contraction path
+    (``TTLinear.contraction_path(rows) == "merged"``, the planner's pick for large batches) a
+    layer's outputs and gradients are the same bits on any thread count.
+
+    Each call then hands its work to that pool and waits: measured on 2 Zen 4 cores, a
+    768×768 layer's forward + backward took the same time at 4,096 rows (7.5-7.7 ms) and
+    0.17-0.26 ms more at 1 row (0.48-0.57 against 0.31 ms) than on the default threads. For
+    small batches, prefer ``RAYON_NUM_THREADS``."""
+    if isinstance(threads, bool):
+        raise TypeError(f"threads must be an int, got {threads!r}")
+    n = operator.index(threads)
+    if n < 1:
+        raise ValueError(f"threads must be at least 1, got {n}")
+    _comera.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """The number of threads comera's kernels run on (see ``set_num_threads``)."""
+    return int(_comera.get_num_threads())
 
 
 def _output(rows: int, cols: int) -> Tensor:

@@ -401,6 +401,39 @@ def test_concurrent_calls_from_threads():
         assert torch.equal(y, yw) and torch.equal(dx, dxw)
 
 
+def test_kernels_run_on_the_threads_set_with_the_same_bits():
+    """set_num_threads gives the kernels a pool of that many threads; on the merged path the
+    outputs and gradients are the same bits on any thread count (the row lanes of 300 rows)."""
+    before = ct.get_num_threads()
+    torch.manual_seed(13)
+    layer = ct.TTLinear([12, 8, 8], [8, 8, 12], 6)
+    randomise(layer, 14)
+    x = torch.randn(300, 768, requires_grad=True)
+    assert layer.contraction_path(300) == "merged"
+
+    def run():
+        x.grad = None
+        layer.zero_grad()
+        y = layer(x)
+        y.backward(torch.ones_like(y))
+        return [y.detach(), x.grad, *[p.grad for p in layer.parameters()]]
+
+    try:
+        results = []
+        for threads in [1, 3]:
+            ct.set_num_threads(threads)
+            assert ct.get_num_threads() == threads
+            results.append(run())
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+        for bad, err in [(0, ValueError), (-2, ValueError), (True, TypeError), (1.5, TypeError)]:
+            with pytest.raises(err):
+                ct.set_num_threads(bad)
+        assert ct.get_num_threads() == 3
+    finally:
+        ct.set_num_threads(before)
+
+
 def test_size_measures():
     layer = ct.TTLinear([4, 3], [5], [1, 3, 2, 1])
     assert layer.size_l0() == sum(c.numel() for c in layer.cores) == 4 * 3 + 3 * 3 * 2 + 2 * 5

@@ -12,12 +12,17 @@
 //!
 //! Every call releases the GIL while the kernel runs and turns a panic into a Python
 //! `RuntimeError`; bad shapes and values are `ValueError`s, checked before any kernel runs.
+//!
+//! Threads: the kernels run on rayon's global pool (`RAYON_NUM_THREADS` when it starts, else
+//! every core) until `set_num_threads(n)` gives them a pool of their own, which can be changed
+//! at any time, as torch's `set_num_threads` can. The layers' results do not depend on the
+//! thread count on their batched (row-lane) path.
 
 use numpy::{PyReadonlyArray, PyReadwriteArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 mod buffers;
 mod linear;
@@ -36,7 +41,42 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(buffers::empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(buffers::cached_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(buffers::set_cache_limit, m)?)?;
+    m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
     Ok(())
+}
+
+/// The kernels' own thread pool, once `set_num_threads` has made one (else rayon's global pool).
+static POOL: RwLock<Option<Arc<rayon::ThreadPool>>> = RwLock::new(None);
+
+/// The pool the next kernel call runs in (`None`: the global one).
+fn pool() -> Option<Arc<rayon::ThreadPool>> {
+    POOL.read().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+/// Runs the kernels on `threads` threads from now on (a pool of their own; a kernel running
+/// meanwhile finishes on the pool it started on).
+#[pyfunction]
+fn set_num_threads(threads: usize) -> PyResult<()> {
+    if threads == 0 {
+        return Err(PyValueError::new_err("threads must be at least 1, got 0"));
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("comera-torch-{i}"))
+        .build()
+        .map_err(|e| PyRuntimeError::new_err(format!("cannot start {threads} threads: {e}")))?;
+    *POOL.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(pool));
+    Ok(())
+}
+
+/// The number of threads the kernels run on.
+#[pyfunction]
+fn get_num_threads() -> usize {
+    match pool() {
+        Some(p) => p.current_num_threads(),
+        None => rayon::current_num_threads(),
+    }
 }
 
 /// How many workspaces (batch-row counts) a kernel keeps; the least recently used goes first.
@@ -117,14 +157,19 @@ fn lock<L, W>(m: &Mutex<State<L, W>>) -> MutexGuard<'_, State<L, W>> {
     }
 }
 
-/// Runs `f` without the GIL, catching panics: `Err(msg)` becomes a `ValueError`, a panic a
-/// `RuntimeError` naming `what`.
+/// Runs `f` without the GIL (in the kernels' pool when there is one), catching panics:
+/// `Err(msg)` becomes a `ValueError`, a panic a `RuntimeError` naming `what`.
 fn run_kernel<T: Send>(
     py: Python<'_>,
     what: &str,
     f: impl FnOnce() -> Result<T, String> + Send,
 ) -> PyResult<T> {
-    match py.detach(|| std::panic::catch_unwind(AssertUnwindSafe(f))) {
+    let pool = pool();
+    let run = move || match pool {
+        Some(p) => p.install(f),
+        None => f(),
+    };
+    match py.detach(|| std::panic::catch_unwind(AssertUnwindSafe(run))) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(msg)) => Err(PyValueError::new_err(msg)),
         Err(payload) => {
