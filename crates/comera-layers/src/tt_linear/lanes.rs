@@ -35,9 +35,9 @@
 //! lines still in memory. Measured on 2 Zen 4 cores at 768 × 768, B = 4,096, through
 //! `comera.torch.TTLinear` (timers around the kernel calls, the two builds alternated three
 //! times, medians): forward 2.17-2.24 → 2.14-2.15 ms, backward 4.74-4.82 → 4.41-4.45 ms.
-//! `comera bench tt-linear` shows no change within its noise (three alternations: 6.8-7.0
-//! ms before, 6.9-7.2 after); its loop reuses one X and dY (25 MB, which the streamed outputs
-//! may leave in the 32 MB L3: not measured).
+//! `comera bench tt-linear` shows no change within its noise (three alternations: 6.81-7.05
+//! ms before, 6.85-7.15 after); its loop reuses one X and dY (25 MB, which the streamed
+//! outputs may leave in the 32 MB L3: not measured).
 //!
 //! Every lane's work is serial and the lanes are fixed by B, so the bits do not depend on
 //! the thread count. Lane 0 writes its partials straight into dR and dL (0 + a = a exactly),
