@@ -15,8 +15,8 @@
 //!
 //! Threads: the kernels run on rayon's global pool (`RAYON_NUM_THREADS` when it starts, else
 //! every core) until `set_num_threads(n)` gives them a pool of their own, which can be changed
-//! at any time, as torch's `set_num_threads` can. The layers' results do not depend on the
-//! thread count on their batched (row-lane) path.
+//! at any time, as torch's `set_num_threads` can. On the merged contraction path a layer's
+//! results do not depend on the thread count.
 
 use numpy::{PyReadonlyArray, PyReadwriteArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
