@@ -242,33 +242,33 @@ fn header(tensors: &mut [FileTensor<'_>], meta: &BTreeMap<String, String>) -> Re
     Ok(out)
 }
 
-/// Writes `tensors` and `meta` as a safetensors file ([`header`], then each tensor's bytes).
-fn write_safetensors(
+/// A safetensors file: its `header`, then each tensor's bytes in the header's order.
+fn write_contents(
     out: &mut impl Write,
-    mut tensors: Vec<FileTensor<'_>>,
-    meta: &BTreeMap<String, String>,
-) -> Result<()> {
-    let header = header(&mut tensors, meta)?;
-    let io = |e: std::io::Error| ImportError::new("export", e.to_string());
-    out.write_all(&header).map_err(io)?;
-    for t in &tensors {
-        t.data.write(&t.shape, out).map_err(io)?;
+    header: &[u8],
+    tensors: &[FileTensor<'_>],
+) -> std::io::Result<()> {
+    out.write_all(header)?;
+    for t in tensors {
+        t.data.write(&t.shape, out)?;
     }
     Ok(())
 }
 
-/// [`write_safetensors`] into memory.
+/// `tensors` and `meta` as safetensors bytes in memory ([`header`], [`write_contents`]).
 pub(crate) fn safetensors_bytes(
-    tensors: Vec<FileTensor<'_>>,
+    mut tensors: Vec<FileTensor<'_>>,
     meta: &BTreeMap<String, String>,
 ) -> Result<Vec<u8>> {
+    let header = header(&mut tensors, meta)?;
     let mut out = Vec::new();
-    write_safetensors(&mut out, tensors, meta)?;
+    write_contents(&mut out, &header, &tensors)
+        .map_err(|e| ImportError::new("export", e.to_string()))?;
     Ok(out)
 }
 
-/// [`write_safetensors`] into the file `path`, atomically ([`files::write_atomic_with`]) and
-/// streamed: a tensor at a time. The header is checked before anything is written.
+/// [`safetensors_bytes`]'s file written to `path` atomically ([`files::write_atomic_with`])
+/// and streamed: a tensor at a time. The header is checked before anything is written.
 pub(crate) fn save_safetensors(
     path: &Path,
     mut tensors: Vec<FileTensor<'_>>,
@@ -277,10 +277,7 @@ pub(crate) fn save_safetensors(
     let header = header(&mut tensors, meta)?;
     files::write_atomic_with(path, |f| {
         let mut out = std::io::BufWriter::new(f);
-        out.write_all(&header)?;
-        for t in &tensors {
-            t.data.write(&t.shape, &mut out)?;
-        }
+        write_contents(&mut out, &header, &tensors)?;
         out.flush()
     })
     .map_err(|e| write_error(path, &e))

@@ -354,6 +354,7 @@ pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport
     for (name, bytes) in &files {
         write_file(&dir.join(name), bytes)?;
     }
+    // The files in the order a reader expects: the config, the weights, the tokenizer's.
     let mut written: Vec<String> = files.iter().map(|(n, _)| n.to_string()).collect();
     written.insert(1, weights.to_string());
     Ok(HfExport {
