@@ -79,4 +79,4 @@ esac
 args=()
 for c in "${commands[@]}"; do args+=(--command "$c"); done
 "$comera" report "${dirs[@]}" --names "$(IFS=,; echo "${names[*]}")" --paper "$paper" \
-    --title "The $table table" "${args[@]}" --out "$report"
+    --title "The $table table" "${args[@]}" --out "$report" --overwrite

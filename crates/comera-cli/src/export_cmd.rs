@@ -29,13 +29,15 @@ pub struct Args {
     /// run with comera's logits on them, to compare another implementation against.
     #[arg(long, default_value_t = 0)]
     samples: usize,
-    /// With --hf: replace DIR if it holds an earlier comera export (and nothing else). The new
-    /// export is written beside DIR and swapped in whole.
+    /// Replace an earlier comera export at --dense FILE / --compressed FILE, or in --hf DIR
+    /// (which must hold nothing else; the new export is written beside it and swapped in whole).
+    /// Files comera did not export, and a run directory's files, are never replaced.
     #[arg(long)]
     overwrite: bool,
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
+    check_targets(&a)?;
     if a.src.is_dir() {
         if let comera_train::SavedModel::Dlrm(m, meta) = comera_train::load_saved(&a.src)? {
             anyhow::ensure!(
@@ -69,6 +71,41 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         a.overwrite,
     )?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The outputs' paths against the rule of [`comera_train::outputs`], before anything is read or
+/// written: each file absent or an earlier comera export (with --overwrite), none inside a run
+/// directory, no two at one place.
+fn check_targets(a: &Args) -> anyhow::Result<()> {
+    use comera_train::outputs::{self, Output};
+    let mut all = Vec::new();
+    for (flag, path) in [("--dense", &a.dense), ("--compressed", &a.compressed)] {
+        if let Some(p) = path {
+            outputs::check_output_file(p, flag, a.overwrite, outputs::is_comera_export)?;
+            let parent = p.parent().filter(|d| !d.as_os_str().is_empty());
+            if parent.is_some_and(comera_import::run::is_hf_export) {
+                anyhow::bail!(
+                    "{flag}: {} is inside a comera Hugging Face export, which is written and replaced whole (--hf); name a path outside it",
+                    p.display()
+                );
+            }
+            all.push(Output {
+                flag,
+                path: p,
+                is_dir: false,
+            });
+        }
+    }
+    if let Some(dir) = &a.hf {
+        outputs::check_outside_runs(dir, "--hf")?;
+        all.push(Output {
+            flag: "--hf",
+            path: dir,
+            is_dir: true,
+        });
+    }
+    outputs::check_distinct_outputs(&all)?;
+    Ok(())
 }
 
 /// `comera export` of an encoder (a run directory, compressed export or BERT checkpoint).

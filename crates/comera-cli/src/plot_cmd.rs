@@ -16,9 +16,12 @@ pub struct Args {
     /// The x axis: `tokens` (sequence positions trained on) or `step`.
     #[arg(long, default_value = "tokens")]
     x: String,
-    /// Output PNG.
+    /// Output PNG (new; never inside a run directory).
     #[arg(long, default_value = "runs.png")]
     out: PathBuf,
+    /// Replace --out FILE if it is a figure comera drew.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
@@ -28,6 +31,12 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     if !a.names.is_empty() && a.names.len() != a.runs.len() {
         anyhow::bail!("--names: {} names for {} runs", a.names.len(), a.runs.len());
     }
+    comera_train::outputs::check_output_file(
+        &a.out,
+        "--out",
+        a.overwrite,
+        comera_train::plot::is_comera_png,
+    )?;
     let (mut train, mut valid) = (Vec::new(), Vec::new());
     for (i, run) in a.runs.iter().enumerate() {
         let path = run.join("metrics.jsonl");

@@ -10,9 +10,13 @@ pub struct Args {
     /// Run directories, in the order of the tables (finished, stopped or still running).
     #[arg(required = true)]
     runs: Vec<PathBuf>,
-    /// Output directory: report.md, report.json, score.png, compression.png, cost.png.
+    /// Output directory: report.md, report.json, score.png, compression.png, cost.png, written
+    /// as one unit. It must be new or empty (never a run directory or inside one).
     #[arg(long)]
     out: PathBuf,
+    /// Replace --out DIR if it holds an earlier report page (and nothing else).
+    #[arg(long)]
+    overwrite: bool,
     /// Names of the runs in the tables (default: the directories' names).
     #[arg(long, value_delimiter = ',')]
     names: Vec<String>,
@@ -52,6 +56,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let files = write_report(
         &runs,
         &a.out,
+        a.overwrite,
         &ReportOptions {
             title: a.title,
             baseline: a.baseline,

@@ -80,18 +80,33 @@ impl Labels {
 
     /// The mapper that reads one file's label fields.
     fn mapper(&self) -> LabelMapper<'_> {
+        let mut index = ahash::AHashMap::new();
+        if let Labels::Names(names) | Labels::Coded { values: names, .. } = self {
+            for (i, n) in names.iter().enumerate() {
+                index.entry(n.clone()).or_insert(i);
+            }
+        }
         LabelMapper {
             labels: self,
             seen: Vec::new(),
+            index,
         }
     }
 }
 
+/// The most distinct labels a data set may have. A classifier's head, its logits and the
+/// evaluation's per-class counts grow with the label count (its confusion table is kept only
+/// for a few classes, see comera-train's `ClassReport`); beyond this many, a "label" column is
+/// almost always an id or a free-text column named by mistake.
+pub const MAX_LABELS: usize = 100_000;
+
 /// Label fields to class indices for one file: for [`Labels::FromData`] the values in the
-/// order first seen, renumbered in sorted order by [`LabelMapper::finish`].
+/// order first seen (`index` finds a value's position in `seen`), renumbered in sorted order
+/// by [`LabelMapper::finish`]; for given names or codes, `index` holds their positions.
 struct LabelMapper<'a> {
     labels: &'a Labels,
     seen: Vec<String>,
+    index: ahash::AHashMap<String, usize>,
 }
 
 impl LabelMapper<'_> {
@@ -99,21 +114,29 @@ impl LabelMapper<'_> {
     fn map(&mut self, value: &str) -> Result<usize, LabelExpected> {
         let value = value.trim();
         match self.labels {
-            Labels::Names(names) | Labels::Coded { values: names, .. } => names
-                .iter()
-                .position(|n| n == value)
+            Labels::Names(names) | Labels::Coded { values: names, .. } => self
+                .index
+                .get(value)
+                .copied()
                 .ok_or_else(|| LabelExpected::OneOf(names.clone())),
             Labels::FromData => {
                 if value.is_empty() {
                     return Err(LabelExpected::NonEmpty);
                 }
-                Ok(match self.seen.iter().position(|n| n == value) {
-                    Some(i) => i,
-                    None => {
-                        self.seen.push(value.to_string());
-                        self.seen.len() - 1
-                    }
-                })
+                if let Some(&i) = self.index.get(value) {
+                    return Ok(i);
+                }
+                // A label becomes a class name: predict prints it in TSV and the Hugging Face
+                // export writes it as a `label2id` key (the rule of `data.label_names`).
+                if value.chars().any(char::is_control) {
+                    return Err(LabelExpected::NoControl);
+                }
+                if self.seen.len() == MAX_LABELS {
+                    return Err(LabelExpected::AtMost(MAX_LABELS));
+                }
+                self.seen.push(value.to_string());
+                self.index.insert(value.to_string(), self.seen.len() - 1);
+                Ok(self.seen.len() - 1)
             }
             Labels::Above(t) | Labels::AboveNamed(t, _) => match value.parse::<f64>() {
                 Ok(v) if !v.is_nan() => Ok(usize::from(v > *t)),
@@ -128,10 +151,15 @@ impl LabelMapper<'_> {
             return self.labels.label_names();
         }
         let names = sorted_labels(self.seen.clone());
+        let sorted_position: ahash::AHashMap<&str, usize> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.as_str(), i))
+            .collect();
         let new_index: Vec<usize> = self
             .seen
             .iter()
-            .map(|v| names.iter().position(|n| n == v).expect("a seen value"))
+            .map(|v| sorted_position[v.as_str()])
             .collect();
         for e in examples {
             e.label = new_index[e.label];
@@ -157,15 +185,28 @@ pub fn sorted_labels(mut values: Vec<String>) -> Vec<String> {
     values
 }
 
+/// Up to 20 of `names` as a list for an error (`["a", "b", …]` and how many in all beyond).
+fn some_of(names: &[String]) -> String {
+    const SHOWN: usize = 20;
+    if names.len() <= SHOWN {
+        return format!("{names:?}");
+    }
+    format!("{:?} … ({} in all)", &names[..SHOWN], names.len())
+}
+
 /// What a label field should have held (a [`LoadError::BadLabel`] says "label … is not" this).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LabelExpected {
-    #[error("one of {0:?}")]
+    #[error("one of {}", some_of(.0))]
     OneOf(Vec<String>),
     #[error("a number")]
     Number,
     #[error("a non-empty value")]
     NonEmpty,
+    #[error("a label free of control characters (tab, newline, NUL, …), which would break predict's TSV output and the exports' label maps")]
+    NoControl,
+    #[error("one of at most {0} distinct labels (this is one more; is the label column an id or a text column?)")]
+    AtMost(usize),
 }
 
 /// The layout of a table file.
@@ -692,8 +733,8 @@ pub fn load_parquet(
     load_parquet_table(path, &spec)
 }
 
-/// Reads the columns of `spec` from a Parquet file (any compression the `parquet` crate was
-/// built with, here brotli). Labels are matched as text (`Int(3)` is `"3"`).
+/// Reads the columns of `spec` from a Parquet file (uncompressed, or compressed with any codec
+/// common writers use: Snappy, gzip, Brotli, LZ4, Zstandard). Labels are matched as text (`Int(3)` is `"3"`).
 fn load_parquet_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadError> {
     let p = || path.to_path_buf();
     let pq = |e: parquet::errors::ParquetError| LoadError::Parquet {
@@ -711,16 +752,10 @@ fn load_parquet_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadEr
         .schema_descr()
         .root_schema();
     let fields = root.get_fields();
+    // A column named twice is refused as in a CSV header (which of the two is meant?).
+    let names: Vec<String> = fields.iter().map(|f| f.name().to_string()).collect();
     let pick = |name: &str| {
-        fields
-            .iter()
-            .find(|f| f.name() == name)
-            .cloned()
-            .ok_or_else(|| LoadError::MissingColumn {
-                path: p(),
-                column: name.to_string(),
-                header: fields.iter().map(|f| f.name().to_string()).collect(),
-            })
+        column_index(path, &names, name).map(|i| fields[i].clone())
     };
     let mut wanted = vec![pick(&spec.text_a)?, pick(&spec.label)?];
     if let Some(b) = &spec.text_b {

@@ -582,61 +582,31 @@ pub struct HfRunExport {
 /// comera export: a run directory is never an export target, and a folder of the user's is
 /// never replaced.
 pub fn check_hf_target(dir: &Path, src: &Path, overwrite: bool) -> Result<()> {
-    let Ok(meta) = std::fs::symlink_metadata(dir) else {
-        return Ok(());
+    // The rule's refusals name the flag already: keep their reason under ours.
+    let to_import = |e: comera_train::Error| match e {
+        comera_train::Error::Config(c) => ImportError::new("--hf", c.reason),
+        other => ImportError::new("--hf", comera_train::error::Chain(&other).to_string()),
     };
-    if !meta.is_dir() {
+    if comera_train::outputs::resolved(dir) == comera_train::outputs::resolved(src) {
         return Err(ImportError::new(
             "--hf",
             format!(
-                "{} is {}, not a directory; name a new directory",
-                dir.display(),
-                comera_data::regular::file_kind(&meta)
-            ),
-        ));
-    }
-    let same = |a: &Path, b: &Path| matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b);
-    if same(dir, src) || dir.join(comera_train::run_dir::IDENTITY).exists() {
-        return Err(ImportError::new(
-            "--hf",
-            format!(
-                "{} is a comera run directory; export into a directory of its own",
+                "{} is the run being exported; export into a directory of its own",
                 dir.display()
             ),
         ));
     }
-    let names: Vec<String> = std::fs::read_dir(dir)
-        .map_err(|e| ImportError::with_source(dir.display().to_string(), "cannot list", e))?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    if names.is_empty() {
-        return Ok(());
-    }
-    if !overwrite {
-        return Err(ImportError::new(
-            "--hf",
-            format!(
-                "{} is not empty ({}); add --overwrite to replace an earlier comera export, or name a new directory",
-                dir.display(),
-                names.join(", ")
-            ),
-        ));
-    }
-    let is_export = names.iter().all(|n| HF_EXPORT_FILES.contains(&n.as_str()))
-        && comera_data::read_regular_to_string(&dir.join("config.json"))
-            .is_ok_and(|t| t.contains("\"comera_sentence_pair\""));
-    if !is_export {
-        return Err(ImportError::new(
-            "--hf",
-            format!(
-                "--overwrite refused: {} is not an earlier comera export (it holds {}); nothing was removed",
-                dir.display(),
-                names.join(", ")
-            ),
-        ));
-    }
-    Ok(())
+    comera_train::outputs::check_output_dir(dir, "--hf", overwrite, is_hf_export).map_err(to_import)
+}
+
+/// Whether `dir` holds an earlier comera Hugging Face export (its files and nothing else,
+/// with comera's own field in `config.json`).
+pub fn is_hf_export(dir: &Path) -> bool {
+    comera_train::outputs::entry_names(dir).is_ok_and(|names| {
+        names.iter().all(|n| HF_EXPORT_FILES.contains(&n.as_str()))
+            && comera_data::read_regular_to_string(&dir.join("config.json"))
+                .is_ok_and(|t| t.contains("\"comera_sentence_pair\""))
+    })
 }
 
 /// Loads any encoder `comera export` takes: a run directory (with its meta), a compressed

@@ -7,6 +7,8 @@
 //!            + A(B, T)              (the batch state: activations, workspaces)
 //!   P        = Σ layers' parameters (dense: n·m; TT: Σ_k r_{k-1}·n_k·m_k·r_k)
 //!   A(B, T) ≈ B·T·(layers·(10·D + F + H·T) + 4·D) + head
+//!   head     = B·(4·D + 2·C) + 6·C + 2·min(C, 100)²   (classifier over C labels, with the
+//!                                                     evaluation's per-class counts)
 //!
 //! The activation term counts, per block and token, about ten D-wide buffers (input, q, k, v,
 //! context, attention output, residual sums, LayerNorms and their gradients), one F-wide and
@@ -126,8 +128,12 @@ impl EncoderConfig {
         };
         let params = self.layers as f64 * block + word + (t + self.type_vocab as f64) * d + head;
         let per_token = self.layers as f64 * (10.0 * d + f + h * t) + 4.0 * d;
+        let c = self.num_labels as f64;
         let head_state = match self.head {
-            HeadKind::Classifier => b * 4.0 * d,
+            // The pooled rows, the logits and their gradient, and the evaluation's per-class
+            // counts (3·c f64, two f32 words each; its confusion matrix is kept only up to 100
+            // classes, 2·c² words at most 20,000).
+            HeadKind::Classifier => b * (4.0 * d + 2.0 * c) + 6.0 * c + 2.0 * c.min(100.0).powi(2),
             // Logits over the vocabulary on ⌈0.15·T⌉ positions per sequence, and their gradient.
             HeadKind::Mlm => b * (0.15 * t).ceil() * 2.0 * (v + d),
         };

@@ -17,6 +17,7 @@
 //! - [`interrupt`]: the graceful stop (first SIGINT/SIGTERM: checkpoint after the step);
 //! - [`infer`]: evaluation and predictions of a saved model of any kind;
 //! - [`files`]: atomic writes, model files of every kind, the metrics log;
+//! - [`outputs`]: what comera may write and replace outside a run directory (exports, pages);
 //! - [`data`]: the encoder's data (labelled examples, corpora);
 //! - [`inputs`]: data handed over in memory, stored as content-addressed data files;
 //! - [`distributed`]: data-parallel runs over several processes (feature `mpi`);
@@ -36,6 +37,7 @@ pub mod infer;
 pub mod inputs;
 pub mod interrupt;
 pub mod observe;
+pub mod outputs;
 pub mod plot;
 pub mod results;
 pub mod run_dir;

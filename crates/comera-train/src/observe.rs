@@ -271,7 +271,7 @@ pub fn read_metrics(path: &Path) -> crate::Result<Vec<Record>> {
 }
 
 /// `null` (a NaN written by serde_json) as NaN.
-fn f64_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+pub(crate) fn f64_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 

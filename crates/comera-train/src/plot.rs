@@ -666,6 +666,25 @@ fn tick_text(v: f64) -> String {
     }
 }
 
+/// The PNG text chunk every figure of comera's carries (`Software: comera`).
+const SOFTWARE_KEY: &str = "Software";
+const SOFTWARE: &str = "comera";
+
+/// Whether `path` is a PNG that comera drew (its `Software` text chunk says so).
+pub fn is_comera_png(path: &Path) -> bool {
+    let Ok(file) = comera_data::open_regular(path) else {
+        return false;
+    };
+    let Ok(reader) = png::Decoder::new(std::io::BufReader::new(file)).read_info() else {
+        return false;
+    };
+    reader
+        .info()
+        .uncompressed_latin1_text
+        .iter()
+        .any(|t| t.keyword == SOFTWARE_KEY && t.text == SOFTWARE)
+}
+
 /// Encodes `rgb` as a PNG and writes it to `path` atomically ([`crate::files::write_atomic`]:
 /// a temporary file renamed into place, only over an absent path or a regular file).
 fn write_png_atomically(path: &Path, rgb: &[u8], width: u32, height: u32) -> Result<(), PlotError> {
@@ -678,6 +697,10 @@ fn write_png_atomically(path: &Path, rgb: &[u8], width: u32, height: u32) -> Res
         let mut encoder = png::Encoder::new(&mut png_bytes, width, height);
         encoder.set_color(png::ColorType::Rgb);
         encoder.set_depth(png::BitDepth::Eight);
+        // What `plot --out --overwrite` recognises as comera's own figure (is_comera_png).
+        encoder
+            .add_text_chunk(SOFTWARE_KEY.into(), SOFTWARE.into())
+            .map_err(enc_err)?;
         let mut writer = encoder.write_header().map_err(enc_err)?;
         writer.write_image_data(rgb).map_err(enc_err)?;
         writer.finish().map_err(enc_err)?;

@@ -442,15 +442,72 @@ pub struct ReportFiles {
     pub plots: Vec<PathBuf>,
 }
 
-/// Writes `out/report.md`, `out/report.json` (every run's [`RunFigures`]) and the plots for
-/// `runs`, creating `out`. Every file is written atomically.
-pub fn write_report(runs: &[RunResults], out: &Path, opts: &ReportOptions) -> Result<ReportFiles> {
+/// The files of a report page ([`write_report`] writes these and nothing else).
+pub const REPORT_FILES: &[&str] = &[
+    "report.md",
+    "report.json",
+    "score.png",
+    "compression.png",
+    "cost.png",
+];
+
+/// Whether `dir` holds a page [`write_report`] wrote: its files and nothing else, with a
+/// `report.json` that is a list of run figures (each with a `name` and an `arm`).
+pub fn is_report_dir(dir: &Path) -> bool {
+    let names_ok = crate::outputs::entry_names(dir)
+        .is_ok_and(|names| names.iter().all(|n| REPORT_FILES.contains(&n.as_str())));
+    names_ok
+        && comera_data::read_regular_to_string(&dir.join("report.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v.as_array().cloned())
+            .is_some_and(|runs| {
+                runs.iter()
+                    .all(|r| r.get("name").is_some() && r.get("arm").is_some())
+            })
+}
+
+/// Writes the page for `runs` into the directory `out` as one unit: `report.md`,
+/// `report.json` (every run's [`RunFigures`]) and the plots are written into a fresh
+/// directory beside it, which then takes `out`'s place ([`crate::files::replace_dir_atomic`]).
+/// `out` must be absent or empty, or with `overwrite` an earlier page; never a run directory
+/// or inside one, nor a link ([`crate::outputs::check_output_dir`]). The returned paths are
+/// under `out`.
+pub fn write_report(
+    runs: &[RunResults],
+    out: &Path,
+    overwrite: bool,
+    opts: &ReportOptions,
+) -> Result<ReportFiles> {
     if runs.is_empty() {
         return Err(Error::run("a report needs at least one run directory"));
     }
-    std::fs::create_dir_all(out).map_err(|e| Error::io(out, "cannot create directory", e))?;
     let figures: Vec<RunFigures> = runs.iter().map(RunResults::figures).collect();
-    let baselines: Vec<Option<usize>> = match &opts.baseline {
+    let baselines = baselines(&figures, opts)?;
+    crate::outputs::check_output_dir(out, "--out", overwrite, is_report_dir)?;
+    let [markdown_name, json_name, plot_names @ ..] = REPORT_FILES else {
+        unreachable!("REPORT_FILES names the page, its figures and three plots")
+    };
+    crate::files::replace_dir_atomic(out, |dir: &Path| -> Result<()> {
+        let plots: Vec<PathBuf> = plot_names.iter().map(|n| dir.join(n)).collect();
+        draw(&figures, &plots)?;
+        let md = markdown(&figures, &baselines, opts, &plots);
+        crate::files::write_atomic(&dir.join(markdown_name), md.as_bytes())?;
+        let json = serde_json::to_string_pretty(&figures)?;
+        crate::files::write_atomic(&dir.join(json_name), json.as_bytes())?;
+        Ok(())
+    })?;
+    Ok(ReportFiles {
+        markdown: out.join(markdown_name),
+        json: out.join(json_name),
+        plots: plot_names.iter().map(|n| out.join(n)).collect(),
+    })
+}
+
+/// Each run's baseline for the ratios: the run named by `--baseline`, else the first dense
+/// run on the same data (none where there is none).
+fn baselines(figures: &[RunFigures], opts: &ReportOptions) -> Result<Vec<Option<usize>>> {
+    Ok(match &opts.baseline {
         Some(name) => {
             let b = figures
                 .iter()
@@ -458,7 +515,7 @@ pub fn write_report(runs: &[RunResults], out: &Path, opts: &ReportOptions) -> Re
                 .ok_or_else(|| {
                     Error::run(format!(
                         "--baseline: no run is named `{name}` (the runs: {})",
-                        names(&figures)
+                        names(figures)
                     ))
                 })?;
             vec![Some(b); figures.len()]
@@ -471,22 +528,6 @@ pub fn write_report(runs: &[RunResults], out: &Path, opts: &ReportOptions) -> Re
                     .position(|g| g.arm == "dense" && g.data == f.data)
             })
             .collect(),
-    };
-    let plots = vec![
-        out.join("score.png"),
-        out.join("compression.png"),
-        out.join("cost.png"),
-    ];
-    draw(&figures, &plots)?;
-    let md = markdown(&figures, &baselines, opts, &plots);
-    let markdown_path = out.join("report.md");
-    crate::files::write_atomic(&markdown_path, md.as_bytes())?;
-    let json = out.join("report.json");
-    crate::files::write_atomic(&json, serde_json::to_string_pretty(&figures)?.as_bytes())?;
-    Ok(ReportFiles {
-        markdown: markdown_path,
-        json,
-        plots,
     })
 }
 

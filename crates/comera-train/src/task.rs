@@ -80,6 +80,17 @@ impl ClassReport {
             "macro-F1 {:.4}; accuracy {accuracy:.4} against {:.4} for always the majority class\n",
             self.macro_f1, self.majority
         );
+        if self.confusion.is_empty() && !self.per_class.is_empty() {
+            out += &format!(
+                "confusion matrix not kept: {} classes (it is kept for at most {})",
+                self.per_class.len(),
+                ClassReport::CONFUSION_MAX_CLASSES
+            );
+            if self.collapsed {
+                out += "\nwarning: every example is predicted as one class: the model has collapsed to one answer";
+            }
+            return out;
+        }
         out += &format!(
             "confusion (rows: true class, columns: predicted)\n{:<w$}",
             ""
@@ -99,17 +110,35 @@ impl ClassReport {
         out
     }
 
+    /// The most classes whose confusion matrix is kept (and shown): its c² cells would
+    /// outgrow memory and any screen for large label sets, whose per-class figures come from
+    /// [`ClassCounts`] alone.
+    pub const CONFUSION_MAX_CLASSES: usize = 100;
+
     /// The report of a confusion matrix (`c × c`, true × predicted).
     pub fn from_confusion(confusion: Vec<Vec<u64>>) -> ClassReport {
         let c = confusion.len();
-        let total: u64 = confusion.iter().flatten().sum();
-        let predicted = |p: usize| confusion.iter().map(|row| row[p]).sum::<u64>();
+        let mut counts = ClassCounts::new(c);
+        for (t, row) in confusion.iter().enumerate() {
+            for (p, &n) in row.iter().enumerate() {
+                counts.support[t] += n;
+                counts.predicted[p] += n;
+            }
+            counts.correct[t] = row[t];
+        }
+        ClassReport::from_counts(&counts, confusion)
+    }
+
+    /// The report of per-class counts, with `confusion` (`c × c`, or empty where it was not
+    /// kept) as it is.
+    pub fn from_counts(counts: &ClassCounts, confusion: Vec<Vec<u64>>) -> ClassReport {
+        let c = counts.support.len();
+        let total: u64 = counts.support.iter().sum();
         let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
         let per_class: Vec<ClassScores> = (0..c)
             .map(|k| {
-                let tp = confusion[k][k];
-                let support: u64 = confusion[k].iter().sum();
-                let precision = ratio(tp, predicted(k));
+                let (tp, support) = (counts.correct[k], counts.support[k]);
+                let precision = ratio(tp, counts.predicted[k]);
                 let recall = ratio(tp, support);
                 let f1 = if precision + recall > 0.0 {
                     2.0 * precision * recall / (precision + recall)
@@ -129,7 +158,8 @@ impl ClassReport {
             per_class.iter().map(|s| s.support).max().unwrap_or(0),
             total,
         );
-        let collapsed = c > 1 && total > 0 && (0..c).filter(|&p| predicted(p) > 0).count() == 1;
+        let collapsed =
+            c > 1 && total > 0 && counts.predicted.iter().filter(|&&n| n > 0).count() == 1;
         ClassReport {
             labels: Vec::new(),
             confusion,
@@ -137,6 +167,28 @@ impl ClassReport {
             macro_f1,
             majority,
             collapsed,
+        }
+    }
+}
+
+/// A classifier's predictions counted per class: 3·c counts, whatever the number of classes
+/// c (the confusion matrix's c² cells are kept beside them only for a few classes).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ClassCounts {
+    /// Examples whose true class is k.
+    pub support: Vec<u64>,
+    /// Examples predicted as k.
+    pub predicted: Vec<u64>,
+    /// Examples of class k predicted as k.
+    pub correct: Vec<u64>,
+}
+
+impl ClassCounts {
+    pub fn new(classes: usize) -> ClassCounts {
+        ClassCounts {
+            support: vec![0; classes],
+            predicted: vec![0; classes],
+            correct: vec![0; classes],
         }
     }
 }
@@ -242,22 +294,37 @@ pub fn evaluate_classifier_sharded(
     let c = model.cfg.num_labels;
     let mut sums = classifier_sums(model, st, data, procs.shard.range(n))?;
     procs.sum_f64(&mut sums);
-    let confusion = sums[2..]
-        .chunks_exact(c)
-        .map(|row| row.iter().map(|&v| v as u64).collect())
-        .collect();
+    let (counts, confusion) = class_counts_from_sums(&sums[2..], c);
     Ok(EvalStats {
         loss: sums[0] / n as f64,
         accuracy: sums[1] / n as f64,
         examples: n,
         auc: None,
-        classes: Some(ClassReport::from_confusion(confusion)),
+        classes: Some(ClassReport::from_counts(&counts, confusion)),
     })
 }
 
-/// Summed cross-entropy, correct predictions, then the confusion matrix (c × c, true ×
-/// predicted, as counts) over the examples `range` of `data`: all sums, so that processes
-/// add theirs.
+/// The per-class counts and the confusion matrix (empty beyond
+/// [`ClassReport::CONFUSION_MAX_CLASSES`]) from the sums [`classifier_sums`] lays out after
+/// its first two.
+fn class_counts_from_sums(sums: &[f64], c: usize) -> (ClassCounts, Vec<Vec<u64>>) {
+    let counts = |k: usize| sums[k * c..(k + 1) * c].iter().map(|&v| v as u64).collect();
+    let class_counts = ClassCounts {
+        support: counts(0),
+        predicted: counts(1),
+        correct: counts(2),
+    };
+    let confusion = sums[3 * c..]
+        .chunks_exact(c)
+        .map(|row| row.iter().map(|&v| v as u64).collect())
+        .collect();
+    (class_counts, confusion)
+}
+
+/// Summed cross-entropy, correct predictions, then per class (c each) the true examples, the
+/// predictions and the correct ones, then the confusion matrix (c × c, true × predicted, where
+/// c ≤ [`ClassReport::CONFUSION_MAX_CLASSES`]) over the examples `range` of `data`: all sums,
+/// so that processes add theirs.
 fn classifier_sums(
     model: &Encoder,
     st: &mut EncoderState,
@@ -268,7 +335,9 @@ fn classifier_sums(
     let n = range.end;
     let mut batch = Batch::default();
     let (mut loss, mut correct) = (0.0f64, 0usize);
-    let mut confusion = vec![0.0f64; c * c];
+    let mut counts = vec![0.0f64; 3 * c];
+    let keep_confusion = c <= ClassReport::CONFUSION_MAX_CLASSES;
+    let mut confusion = vec![0.0f64; if keep_confusion { c * c } else { 0 }];
     let mut start = range.start;
     while start < n {
         batch.input_ids.clear();
@@ -302,11 +371,17 @@ fn classifier_sums(
             loss += lse - row[label] as f64;
             let predicted = comera_layers::loss::argmax(row);
             correct += (predicted == label) as usize;
-            confusion[label * c + predicted] += 1.0;
+            counts[label] += 1.0;
+            counts[c + predicted] += 1.0;
+            counts[2 * c + label] += (predicted == label) as u8 as f64;
+            if keep_confusion {
+                confusion[label * c + predicted] += 1.0;
+            }
         }
         start += b;
     }
     let mut sums = vec![loss, correct as f64];
+    sums.extend(counts);
     sums.extend(confusion);
     Ok(sums)
 }

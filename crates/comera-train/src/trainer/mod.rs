@@ -46,7 +46,9 @@ pub struct TrainSummary {
     pub tokens: u64,
     /// The last evaluation (for a masked-LM run: held-out MLM loss and masked-token accuracy).
     pub final_valid: EvalStats,
-    /// The best validation AUC (binary tasks) or accuracy over the epochs, and its epoch.
+    /// The best validation AUC (binary tasks) or accuracy over the epochs, and its epoch; NaN
+    /// (written as null) for a run stopped before its first evaluation.
+    #[serde(deserialize_with = "crate::observe::f64_or_nan")]
     pub best_valid: f64,
     pub best_epoch: usize,
     /// Share of the most frequent label (classification runs).
