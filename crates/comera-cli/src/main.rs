@@ -63,6 +63,90 @@ enum Command {
     Export(export_cmd::Args),
 }
 
+/// The system allocator, with a clear last word when memory runs out (see [`out_of_memory`]).
+struct SayingAllocator;
+
+// SAFETY: every call is passed on to the system allocator unchanged; only a failed allocation
+// (a null pointer) is looked at, and then the process ends.
+unsafe impl std::alloc::GlobalAlloc for SayingAllocator {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: the caller's contract is the system allocator's.
+        let p = unsafe { std::alloc::System.alloc(layout) };
+        if p.is_null() {
+            out_of_memory(layout.size());
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: as `alloc`.
+        let p = unsafe { std::alloc::System.alloc_zeroed(layout) };
+        if p.is_null() {
+            out_of_memory(layout.size());
+        }
+        p
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: as `alloc`; `ptr` and `layout` come from this allocator.
+        let p = unsafe { std::alloc::System.realloc(ptr, layout, new_size) };
+        if p.is_null() {
+            out_of_memory(new_size);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: `ptr` and `layout` come from this allocator.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: SayingAllocator = SayingAllocator;
+
+/// Ends the process when an allocation of `bytes` failed: says so on standard error with the
+/// address-space limit (`ulimit -v`) if one is set, and what to do, then exits with status 1.
+/// The standard library's own end is "memory allocation of N bytes failed" and an abort (a
+/// core dump, status 134). Nothing here allocates: the message is formatted into a buffer on
+/// the stack and written with one system call.
+fn out_of_memory(bytes: usize) -> ! {
+    use std::io::Write as _;
+    let mut buf = [0u8; 512];
+    let mut w = &mut buf[..];
+    let mib = |b: f64| b / 1048576.0;
+    let _ = write!(
+        w,
+        "error: out of memory: an allocation of {:.1} MiB failed",
+        mib(bytes as f64)
+    );
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limit into the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } == 0
+        && lim.rlim_cur != libc::RLIM_INFINITY
+    {
+        let _ = write!(
+            w,
+            " under an address-space limit (ulimit -v) of {:.1} MiB",
+            mib(lim.rlim_cur as f64)
+        );
+    }
+    let _ = writeln!(
+        w,
+        "; raise the limit or free memory, or ask for less (fewer --threads, a smaller batch or model)"
+    );
+    let len = 512 - w.len();
+    // SAFETY: writes `len` initialised bytes of `buf` to standard error, then ends the process
+    // without running anything else (which might allocate).
+    unsafe {
+        libc::write(2, buf.as_ptr().cast(), len);
+        libc::_exit(1)
+    }
+}
+
 fn main() -> ExitCode {
     // Like other Unix filters, end quietly when the reader of our output goes away
     // (`comera inspect RUN | head`): Rust ignores SIGPIPE, which turns the next print into a
@@ -76,6 +160,28 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
     silence_output_failures();
+    // The command runs on a thread of its own with a stack of a known size: the main thread's
+    // is whatever `ulimit -s` leaves (64 KiB overflowed in parsing the arguments).
+    let main = std::thread::Builder::new()
+        .name("comera".into())
+        .stack_size(WORKER_STACK_BYTES)
+        .spawn(command_thread);
+    match main {
+        Ok(thread) => thread
+            .join()
+            .unwrap_or_else(|payload| std::panic::resume_unwind(payload)),
+        Err(e) => {
+            report_error(&format!(
+                "cannot start a thread ({} MiB of stack): {e}; is the address-space limit (ulimit -v) or the process limit (ulimit -u) too low?",
+                WORKER_STACK_BYTES >> 20
+            ));
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Everything `comera` does, on the thread [`main`] starts.
+fn command_thread() -> ExitCode {
     let cli = Cli::parse();
     // Under mpirun/srun (feature `mpi`): every process runs the command, data-parallel. Held
     // until the end: MPI is finalised when it drops.

@@ -40,7 +40,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let (mut train, mut valid) = (Vec::new(), Vec::new());
     for (i, run) in a.runs.iter().enumerate() {
         let path = run.join("metrics.jsonl");
-        let text = std::fs::read_to_string(&path)
+        let text = comera_data::read_regular_to_string(&path)
             .map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
         let name = a.names.get(i).cloned().unwrap_or_else(|| {
             run.file_name().map_or(run.display().to_string(), |n| {

@@ -100,28 +100,31 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
             console(a.quiet),
         )?));
     }
+    if a.extend_epochs.is_some() {
+        bail!("--extend-epochs: goes with --resume DIR (it trains a stopped or finished run further)");
+    }
     let settings = a
         .set
         .iter()
         .map(|s| s.parse::<Setting>())
         .collect::<Result<Vec<_>, _>>()?;
-    let mut cfg = match &a.config {
-        Some(p) => AnyRunConfig::from_file_with(p, &settings)?,
-        None => AnyRunConfig::builtin_with(&settings)?,
-    };
-    cfg.apply(&Overrides {
-        epochs: a.epochs,
-        batch_size: a.batch_size,
-        seed: a.seed,
-        out: a.out,
-        max_steps_per_epoch: a.max_steps_per_epoch,
-        stop_after_steps: a.stop_after_steps,
-        init_from: a.init_from,
-        dense: a.dense,
-        data: a.data,
-        valid: a.valid,
-        teacher: a.teacher,
-    })?;
+    let cfg = AnyRunConfig::resolve(
+        a.config.as_deref(),
+        &settings,
+        &Overrides {
+            epochs: a.epochs,
+            batch_size: a.batch_size,
+            seed: a.seed,
+            out: a.out,
+            max_steps_per_epoch: a.max_steps_per_epoch,
+            stop_after_steps: a.stop_after_steps,
+            init_from: a.init_from,
+            dense: a.dense,
+            data: a.data,
+            valid: a.valid,
+            teacher: a.teacher,
+        },
+    )?;
     if a.print_config {
         print!("{}", cfg.to_toml());
         return Ok(ExitCode::SUCCESS);

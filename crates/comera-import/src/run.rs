@@ -213,7 +213,7 @@ pub fn read_model(path: &Path, opts: &ReadOptions) -> Result<ImportedModel> {
     let (encoder, info, import, notes) = if single_file {
         let (enc, ii) = load_bert(path, opts.seq_len, opts.num_labels, opts.seed)?;
         let vocab = path.with_file_name("vocab.txt");
-        let info = std::fs::read_to_string(&vocab).ok().map(|v| ModelInfo {
+        let info = comera_data::read_regular_to_string(&vocab).ok().map(|v| ModelInfo {
             labels: (0..enc.cfg.num_labels)
                 .map(|i| format!("LABEL_{i}"))
                 .collect(),
@@ -429,7 +429,7 @@ pub fn import_to_run(
     };
     let reference: Option<Reference> = match (&opts.reference, builtin) {
         (Some(p), _) => {
-            let bytes = std::fs::read(p)
+            let bytes = comera_data::read_regular(p)
                 .map_err(|e| ImportError::with_source(p.display().to_string(), "cannot read", e))?;
             Some(minilm::parse_reference(&bytes, &p.display().to_string())?)
         }
@@ -616,7 +616,7 @@ pub fn load_model_source(src: &Path) -> Result<(Encoder, Option<ModelMeta>)> {
         let (m, meta) = comera_train::load_model(src)?;
         return Ok((m, Some(meta)));
     }
-    let bytes = std::fs::read(src)
+    let bytes = comera_data::read_regular(src)
         .map_err(|e| ImportError::with_source(src.display().to_string(), "cannot read", e))?;
     if crate::export::format_of(&bytes).is_some_and(|f| f == "compressed") {
         Ok((

@@ -622,7 +622,7 @@ pub struct DistillConfig {
     /// 0 = the embeddings' output, k = block k's output. Empty with hidden_weight > 0: every
     /// student block k is matched to teacher block k·(teacher layers / student layers) (the
     /// map is recorded in the run's config).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "block_pairs")]
     pub layers: Vec<[usize; 2]>,
     /// Start the student's classifier head (pooler and classifier) from the teacher's, when
     /// the run does not get one from `init_from` and the two heads have one layout: the
@@ -657,9 +657,20 @@ impl DistillConfig {
         }
     }
 
-    /// The layer map: the given pairs, or (hidden_weight > 0 and none given) each student
+    /// The layer map: the given pairs (each block number within its model: 0 to S for the
+    /// student, 0 to T for the teacher), or (hidden_weight > 0 and none given) each student
     /// block k on teacher block k·T/S (`s`, `t`: the layer counts; T a multiple of S).
     pub fn layer_map(&self, s: usize, t: usize) -> Result<Vec<(usize, usize)>, ConfigError> {
+        for (k, &[i, j]) in self.layers.iter().enumerate() {
+            if i > s || j > t {
+                return Err(bad(
+                    format!("distill.layers[{k}]"),
+                    format!(
+                        "[{i}, {j}] is out of range: the student has hidden states 0 to {s}, the teacher 0 to {t} (0 = the embeddings, k = block k)"
+                    ),
+                ));
+            }
+        }
         if !self.layers.is_empty() || self.hidden_weight == 0.0 {
             return Ok(self.layers.iter().map(|&[i, j]| (i, j)).collect());
         }
@@ -684,6 +695,28 @@ impl DistillConfig {
             layers,
         }
     }
+}
+
+/// `distill.layers` read strictly: a list of `[student, teacher]` pairs, each exactly two
+/// block numbers (serde's fixed arrays would take the first two of a longer list).
+fn block_pairs<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<[usize; 2]>, D::Error> {
+    let lists = Vec::<Vec<usize>>::deserialize(d)?;
+    lists
+        .into_iter()
+        .enumerate()
+        .map(|(k, pair)| {
+            <[usize; 2]>::try_from(pair.as_slice()).map_err(|_| {
+                serde::de::Error::custom(format!(
+                    "pair {k} is {pair:?}: each pair is [student block, teacher block], two numbers"
+                ))
+            })
+        })
+        .collect()
+}
+
+/// Whether two paths name one place (see [`crate::outputs::resolved`]).
+fn same_place(a: &Path, b: &Path) -> bool {
+    crate::outputs::resolved(a) == crate::outputs::resolved(b)
 }
 
 impl RunConfig {
@@ -805,6 +838,23 @@ impl RunConfig {
                     "distillation trains a classifier; this config trains a masked-LM",
                 ));
             }
+            if ds.teacher.as_ref().is_some_and(|t| t.as_os_str().is_empty()) {
+                return Err(bad(
+                    "distill.teacher",
+                    "is empty; name the teacher's model directory, or leave distill.teacher out to train without one",
+                ));
+            }
+            if let Some(teacher) = &ds.teacher {
+                if same_place(teacher, &self.train.out_dir) {
+                    return Err(bad(
+                        "distill.teacher",
+                        format!(
+                            "{} is this run's own directory (train.out_dir), which the run replaces; train the student into a directory of its own",
+                            teacher.display()
+                        ),
+                    ));
+                }
+            }
             if ds.teacher_sha256.is_some() && ds.teacher.is_none() {
                 return Err(bad(
                     "distill.teacher_sha256",
@@ -818,6 +868,17 @@ impl RunConfig {
                         format!("`{sha}` is not a SHA-256 (64 hex digits)"),
                     ));
                 }
+            }
+        }
+        if let Some(init) = &self.train.init_from {
+            if init.as_os_str().is_empty() || same_place(init, &self.train.out_dir) {
+                return Err(bad(
+                    "train.init_from",
+                    format!(
+                        "`{}` is empty or this run's own directory (train.out_dir), which the run replaces; name the pre-trained model's directory",
+                        init.display()
+                    ),
+                ));
             }
         }
         let d = &self.data;
@@ -1485,6 +1546,33 @@ impl AnyRunConfig {
         Self::from_toml_with(Path::new("(built-in config)"), &builtin.to_toml(), settings)
     }
 
+    /// The config of `comera train`: the file (or the built-in run) with `settings`, then the
+    /// flags of `overrides`. A setting and a flag of the same field are an error naming both;
+    /// `--data FILE` fills in the data table's defaults for the file (its source, columns and
+    /// labels found in it), and a `--set data.…` of a column or label field wins over them.
+    pub fn resolve(
+        config: Option<&Path>,
+        settings: &[Setting],
+        overrides: &Overrides,
+    ) -> crate::Result<AnyRunConfig> {
+        overrides.check_settings(settings)?;
+        let mut cfg = match config {
+            Some(p) => AnyRunConfig::from_file_with(p, settings)?,
+            None => AnyRunConfig::builtin_with(settings)?,
+        };
+        cfg.apply(overrides)?;
+        let data_settings: Vec<Setting> = settings
+            .iter()
+            .filter(|s| s.key[0] == "data")
+            .cloned()
+            .collect();
+        if overrides.data.is_some() && !data_settings.is_empty() {
+            let origin = config.unwrap_or(Path::new("(built-in config)"));
+            cfg = AnyRunConfig::from_toml_with(origin, &cfg.to_toml(), &data_settings)?;
+        }
+        Ok(cfg)
+    }
+
     /// The run directory.
     pub fn out_dir_mut(&mut self) -> &mut PathBuf {
         match self {
@@ -1551,6 +1639,63 @@ pub struct Overrides {
 }
 
 impl Overrides {
+    /// The config fields each flag sets (`--data FILE` sets the data file, its format and
+    /// their digests; `--valid` the validation file).
+    const FIELDS: &'static [(&'static str, &'static [&'static str])] = &[
+        ("--epochs", &["train.epochs"]),
+        ("--batch-size", &["train.batch_size"]),
+        ("--seed", &["train.seed"]),
+        ("--out", &["train.out_dir"]),
+        ("--max-steps-per-epoch", &["train.max_steps_per_epoch"]),
+        ("--stop-after-steps", &["train.stop_after_steps"]),
+        ("--init-from", &["train.init_from"]),
+        ("--teacher", &["distill.teacher"]),
+        (
+            "--data",
+            &[
+                "data.source",
+                "data.train",
+                "data.valid",
+                "data.train_sha256",
+                "data.valid_sha256",
+            ],
+        ),
+        ("--valid", &["data.valid", "data.valid_sha256"]),
+    ];
+
+    /// Whether the flag `flag` was given.
+    fn given(&self, flag: &str) -> bool {
+        match flag {
+            "--epochs" => self.epochs.is_some(),
+            "--batch-size" => self.batch_size.is_some(),
+            "--seed" => self.seed.is_some(),
+            "--out" => self.out.is_some(),
+            "--max-steps-per-epoch" => self.max_steps_per_epoch.is_some(),
+            "--stop-after-steps" => self.stop_after_steps.is_some(),
+            "--init-from" => self.init_from.is_some(),
+            "--teacher" => self.teacher.is_some(),
+            "--data" => self.data.is_some(),
+            "--valid" => self.valid.is_some(),
+            _ => false,
+        }
+    }
+
+    /// Refuses a `--set` of a field that a given flag sets too: which of the two was meant?
+    pub fn check_settings(&self, settings: &[Setting]) -> Result<(), ConfigError> {
+        for s in settings {
+            let field = s.field();
+            for (flag, fields) in Self::FIELDS {
+                if self.given(flag) && fields.contains(&field.as_str()) {
+                    return Err(ConfigError::new(
+                        format!("--set {}", s.text),
+                        format!("{flag} sets {field} too; give one of the two"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Each flag against the [`Bound`] of the field it sets; the error names the flag.
     fn check_bounds(&self) -> Result<(), ConfigError> {
         let u = |v: Option<usize>| v.map(|v| v as u64);
@@ -1701,11 +1846,18 @@ impl std::str::FromStr for Setting {
             ));
         }
         let value = value.trim();
-        let value = format!("v = {value}")
-            .parse::<toml::Table>()
-            .ok()
-            .and_then(|mut t| t.remove("v"))
-            .unwrap_or_else(|| toml::Value::String(value.to_string()));
+        // One TOML value (a number, a string, an array, an inline table), else the text as a
+        // string. Text that parses only as several lines of TOML (`5\nx = 1`) is refused:
+        // its second line would be dropped.
+        let value = match format!("v = {value}").parse::<toml::Table>() {
+            Ok(mut t) if t.len() == 1 => t.remove("v").expect("the one key"),
+            _ if value.contains(['\n', '\r']) => {
+                return Err(bad(
+                    "the value holds a line break; a --set value is one TOML value (quote a string, e.g. data.text_a='\"body\"')",
+                ))
+            }
+            _ => toml::Value::String(value.to_string()),
+        };
         Ok(Setting {
             text: text.to_string(),
             key,

@@ -76,7 +76,7 @@ pub fn sha256_bytes(bytes: &[u8]) -> String {
 
 /// The SHA-256 of the file at `path`, hex.
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).io(path, "read")?;
+    let bytes = comera_data::read_regular(path).io(path, "cannot read")?;
     Ok(sha256_bytes(&bytes))
 }
 

@@ -96,7 +96,7 @@ impl RunResults {
         let config = AnyRunConfig::from_toml(&dir.join("config.toml"), &text)?;
         let records = read_metrics(&dir.join("metrics.jsonl"))?;
         let report = dir.join("report.json");
-        let summary = match std::fs::read_to_string(&report) {
+        let summary = match comera_data::read_regular_to_string(&report) {
             Ok(text) => Some(serde_json::from_str(&text).map_err(|e| Error::Parse {
                 path: report.clone(),
                 source: format!("not a run report: {e}").into(),

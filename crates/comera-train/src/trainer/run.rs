@@ -558,7 +558,7 @@ impl<'t, T: Task> Loop<'t, T> {
                 let vocab = self.cfg.train.out_dir.join(crate::files::RUN_VOCAB);
                 let best_vocab = best.join(crate::files::RUN_VOCAB);
                 if vocab.exists() && !best_vocab.exists() {
-                    let bytes = std::fs::read(&vocab)
+                    let bytes = comera_data::read_regular(&vocab)
                         .map_err(|e| crate::Error::io(&vocab, "cannot read", e))?;
                     crate::files::write_atomic(&best_vocab, &bytes)?;
                 }
@@ -798,7 +798,7 @@ impl<'t, T: Task> Loop<'t, T> {
 /// Refuses to resume a run that ended cleanly (its `report.json` says it was not stopped),
 /// before anything in its directory is touched.
 fn refuse_finished(out: &std::path::Path, epochs: usize, steps: u64) -> crate::Result<()> {
-    let ended = std::fs::read_to_string(out.join("report.json"))
+    let ended = comera_data::read_regular_to_string(&out.join("report.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         .is_some_and(|r| r["stopped"] == false);

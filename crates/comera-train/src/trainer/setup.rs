@@ -98,7 +98,7 @@ fn load_teacher(
             )));
         }
     }
-    let read = |p: &std::path::Path| std::fs::read(p).io(p, "cannot read");
+    let read = |p: &std::path::Path| comera_data::read_regular(p).io(p, "cannot read");
     if read(&meta.vocab)? != read(vocab)? {
         return Err(err(format!(
             "its vocabulary {} is not this run's {}: the teacher must read the same token ids",
@@ -269,7 +269,7 @@ pub(super) fn encoder(
         Some(_) => {
             let own = out.join(crate::files::RUN_VOCAB);
             if !own.exists() {
-                let bytes = std::fs::read(&vocab).io(&vocab, "cannot read")?;
+                let bytes = comera_data::read_regular(&vocab).io(&vocab, "cannot read")?;
                 crate::files::write_atomic(&own, &bytes)?;
             }
             std::path::PathBuf::from(crate::files::RUN_VOCAB)
