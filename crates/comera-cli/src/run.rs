@@ -101,7 +101,9 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
         )?));
     }
     if a.extend_epochs.is_some() {
-        bail!("--extend-epochs: goes with --resume DIR (it trains a stopped or finished run further)");
+        bail!(
+            "--extend-epochs: goes with --resume DIR (it trains a stopped or finished run further)"
+        );
     }
     let settings = a
         .set

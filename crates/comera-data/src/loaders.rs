@@ -754,9 +754,7 @@ fn load_parquet_table(path: &Path, spec: &TableSpec) -> Result<LoadedSet, LoadEr
     let fields = root.get_fields();
     // A column named twice is refused as in a CSV header (which of the two is meant?).
     let names: Vec<String> = fields.iter().map(|f| f.name().to_string()).collect();
-    let pick = |name: &str| {
-        column_index(path, &names, name).map(|i| fields[i].clone())
-    };
+    let pick = |name: &str| column_index(path, &names, name).map(|i| fields[i].clone());
     let mut wanted = vec![pick(&spec.text_a)?, pick(&spec.label)?];
     if let Some(b) = &spec.text_b {
         wanted.push(pick(b)?);

@@ -2,17 +2,24 @@
 //! every codec reads to the same examples as the uncompressed file, and a file with a column
 //! named twice is refused as a CSV header would be.
 
-use comera_data::{load_parquet, LoadError, Labels};
+use comera_data::{load_parquet, Labels, LoadError};
 use std::path::PathBuf;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parquet").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/parquet")
+        .join(name)
 }
 
 #[test]
 fn every_codec_reads_the_same_rows() {
-    let plain = load_parquet(&fixture("reviews-none.parquet"), "text", "label", &Labels::FromData)
-        .unwrap();
+    let plain = load_parquet(
+        &fixture("reviews-none.parquet"),
+        "text",
+        "label",
+        &Labels::FromData,
+    )
+    .unwrap();
     assert_eq!(plain.examples.len(), 48);
     assert_eq!(plain.label_names, ["neg", "pos"]);
     for codec in ["snappy", "gzip", "brotli", "lz4", "zstd"] {

@@ -213,13 +213,15 @@ pub fn read_model(path: &Path, opts: &ReadOptions) -> Result<ImportedModel> {
     let (encoder, info, import, notes) = if single_file {
         let (enc, ii) = load_bert(path, opts.seq_len, opts.num_labels, opts.seed)?;
         let vocab = path.with_file_name("vocab.txt");
-        let info = comera_data::read_regular_to_string(&vocab).ok().map(|v| ModelInfo {
-            labels: (0..enc.cfg.num_labels)
-                .map(|i| format!("LABEL_{i}"))
-                .collect(),
-            vocab: v,
-            pair: false,
-        });
+        let info = comera_data::read_regular_to_string(&vocab)
+            .ok()
+            .map(|v| ModelInfo {
+                labels: (0..enc.cfg.num_labels)
+                    .map(|i| format!("LABEL_{i}"))
+                    .collect(),
+                vocab: v,
+                pair: false,
+            });
         (enc, info, ii, Vec::new())
     } else {
         let m = hf::read_hf(path, opts)?;

@@ -838,7 +838,11 @@ impl RunConfig {
                     "distillation trains a classifier; this config trains a masked-LM",
                 ));
             }
-            if ds.teacher.as_ref().is_some_and(|t| t.as_os_str().is_empty()) {
+            if ds
+                .teacher
+                .as_ref()
+                .is_some_and(|t| t.as_os_str().is_empty())
+            {
                 return Err(bad(
                     "distill.teacher",
                     "is empty; name the teacher's model directory, or leave distill.teacher out to train without one",

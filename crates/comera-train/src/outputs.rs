@@ -279,8 +279,14 @@ mod tests {
         std::fs::create_dir(d.join("a")).unwrap();
         std::os::unix::fs::symlink(d.join("a"), d.join("link")).unwrap();
         assert_eq!(resolved(&d.join("a/x.st")), resolved(&d.join("link/x.st")));
-        assert_eq!(resolved(&d.join("a/../a/./x.st")), resolved(&d.join("a/x.st")));
-        assert_eq!(resolved(&d.join("new/y")), d.canonicalize().unwrap().join("new/y"));
+        assert_eq!(
+            resolved(&d.join("a/../a/./x.st")),
+            resolved(&d.join("a/x.st"))
+        );
+        assert_eq!(
+            resolved(&d.join("new/y")),
+            d.canonicalize().unwrap().join("new/y")
+        );
     }
 
     #[test]
@@ -288,20 +294,22 @@ mod tests {
         let d = tempdir("distinct");
         let f = d.join("f.safetensors");
         let out = |flag, path, is_dir| Output { flag, path, is_dir };
-        let err = check_distinct_outputs(&[
-            out("--dense", &f, false),
-            out("--compressed", &f, false),
-        ])
-        .unwrap_err();
+        let err =
+            check_distinct_outputs(&[out("--dense", &f, false), out("--compressed", &f, false)])
+                .unwrap_err();
         assert!(err.to_string().contains("overlap"), "{err}");
         let hf = d.join("hf");
         let inside = hf.join("model.safetensors");
-        assert!(check_distinct_outputs(&[out("--hf", &hf, true), out("--dense", &hf, false)]).is_err());
+        assert!(
+            check_distinct_outputs(&[out("--hf", &hf, true), out("--dense", &hf, false)]).is_err()
+        );
         assert!(
             check_distinct_outputs(&[out("--hf", &hf, true), out("--dense", &inside, false)])
                 .is_err()
         );
-        assert!(check_distinct_outputs(&[out("--dense", &f, false), out("--hf", &hf, true)]).is_ok());
+        assert!(
+            check_distinct_outputs(&[out("--dense", &f, false), out("--hf", &hf, true)]).is_ok()
+        );
     }
 
     #[test]
@@ -313,7 +321,10 @@ mod tests {
         let no = check_output_file(&f, "--dense", false, |_| true).unwrap_err();
         assert!(no.to_string().contains("add --overwrite"), "{no}");
         let theirs = check_output_file(&f, "--dense", true, |_| false).unwrap_err();
-        assert!(theirs.to_string().contains("not written by comera"), "{theirs}");
+        assert!(
+            theirs.to_string().contains("not written by comera"),
+            "{theirs}"
+        );
         assert!(check_output_file(&f, "--dense", true, |_| true).is_ok());
         std::os::unix::fs::symlink(&f, d.join("link")).unwrap();
         let link = check_output_file(&d.join("link"), "--dense", true, |_| true).unwrap_err();

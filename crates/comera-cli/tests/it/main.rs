@@ -9,6 +9,7 @@ mod dlrm;
 mod hf;
 mod import;
 mod mlm;
+mod outputs;
 mod own_data;
 mod report;
 mod safety;

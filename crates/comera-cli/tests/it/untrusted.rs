@@ -460,6 +460,25 @@ fn an_address_space_limit_too_low_for_the_threads_says_so() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Issue 47, item 10: a small stack (`ulimit -s 64`) is not the command's (it runs on a thread
+/// of its own): `eval` and `inspect` work every time, whatever the start of the stack holds.
+#[test]
+fn a_small_main_thread_stack_does_not_overflow() {
+    let dir = tempdir("untrusted-stack");
+    for i in 0..6 {
+        for cmd in ["eval", "inspect"] {
+            let out = std::fs::File::create(dir.join("out.txt")).unwrap();
+            let (code, text) = run_limited(
+                &[cmd, s(&base().run)],
+                out,
+                Some((libc::RLIMIT_STACK, 64 * 1024)),
+            );
+            assert_eq!(code, 0, "{cmd} #{i} under ulimit -s 64: {text}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn dlrm_predict_and_eval_on_an_empty_file_name_the_file() {
     let dir = tempdir("untrusted-dlrm-empty");
