@@ -64,17 +64,21 @@ pub fn enclosing_run(path: &Path) -> Option<PathBuf> {
 /// Refuses a target inside a run directory (or the run directory itself), whatever
 /// `--overwrite` says.
 pub fn check_outside_runs(path: &Path, flag: &str) -> crate::Result<()> {
-    match enclosing_run(path) {
-        Some(run) => Err(refuse(
-            flag,
-            format!(
-                "{} is inside the run directory {}; a run's directory holds only what its training wrote: name a path outside it",
-                path.display(),
-                run.display()
-            ),
-        )),
-        None => Ok(()),
-    }
+    let Some(run) = enclosing_run(path) else {
+        return Ok(());
+    };
+    let place = if run == resolved(path) {
+        "is a comera run directory".to_string()
+    } else {
+        format!("is inside the run directory {}", run.display())
+    };
+    Err(refuse(
+        flag,
+        format!(
+            "{} {place}; a run's directory holds only what its training wrote: name a path outside it",
+            path.display()
+        ),
+    ))
 }
 
 /// What a file target of `flag` may be (the module's rule): absent, or with `overwrite` a

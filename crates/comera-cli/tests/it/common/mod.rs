@@ -99,11 +99,16 @@ pub fn every_command_works_on(run: &Path, inputs: &[&str], expect: &str) {
     let (code, text) = comera(&[&["predict", r][..], inputs].concat());
     assert_eq!(code, 0, "predict: {text}");
     assert!(text.contains(expect), "predict: {text}");
-    let out = run.join("export.safetensors");
+    // Outputs beside the run: nothing but training writes into a run directory.
+    let beside = |what: &str| {
+        let name = run.file_name().unwrap().to_string_lossy();
+        run.with_file_name(format!("{name}-{what}"))
+    };
+    let out = beside("export.safetensors");
     let (code, text) = comera(&["export", r, "--compressed", out.to_str().unwrap()]);
     assert_eq!(code, 0, "export: {text}");
     assert!(out.exists(), "export: {text}");
-    let fig = run.join("plot.png");
+    let fig = beside("plot.png");
     let (code, text) = comera(&["plot", r, "--out", fig.to_str().unwrap()]);
     assert_eq!(code, 0, "plot: {text}");
     assert!(
