@@ -87,7 +87,7 @@ pub fn import_hf(
             overwrite,
             ..ImportOptions::new(source)
         };
-        py.detach(|| comera_import::import_to_run(opts, |_| {}))
+        py.detach(|| crate::threads::install(|| comera_import::import_to_run(opts, |_| {})))?
             .map_err(to_py)
     })?;
     let d = PyDict::new(py);
@@ -142,8 +142,10 @@ pub fn export_hf(
     overwrite: bool,
 ) -> PyResult<Py<PyAny>> {
     let e = guard(|| {
-        py.detach(|| comera_import::export_run_hf(&run, &dir, samples, overwrite))
-            .map_err(to_py)
+        py.detach(|| {
+            crate::threads::install(|| comera_import::export_run_hf(&run, &dir, samples, overwrite))
+        })?
+        .map_err(to_py)
     })?;
     let d = PyDict::new(py);
     d.set_item("dir", e.dir.display().to_string())?;

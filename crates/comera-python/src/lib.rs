@@ -9,7 +9,8 @@
 //! - [`training`]: `train` and `resume`, with data handed over in memory;
 //! - [`runs`]: a run directory's config, records, predictions and evaluations;
 //! - [`hf`]: Hugging Face models in (`import_hf`, TT-SVD compression) and out (`export_hf`);
-//! - [`torch`]: the kernels of `comera.torch`'s TT layers.
+//! - [`torch`]: the kernels of `comera.torch`'s TT layers;
+//! - [`threads`]: the threads they (and predictions) run on, rebuilt after `fork`.
 
 use pyo3::prelude::*;
 
@@ -17,6 +18,7 @@ mod errors;
 mod events;
 mod hf;
 mod runs;
+mod threads;
 mod torch;
 mod training;
 
@@ -36,5 +38,6 @@ fn _comera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hf::import_hf, m)?)?;
     m.add_function(wrap_pyfunction!(hf::export_hf, m)?)?;
     torch::register(m)?;
+    threads::register(m)?;
     Ok(())
 }
