@@ -219,6 +219,108 @@ def _module_params(*lists: nn.ParameterList) -> List[Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Layouts in the state dict: a layer's ranks (and modes, threshold) travel with its weights as
+# its "extra state", a float64 tensor (so that safetensors, Hugging Face's save_pretrained and
+# ``torch.load(weights_only=True)`` carry it), and loading resizes the cores to them.
+
+#: The version of the extra-state encoding (its first entry).
+_STATE_VERSION = 1
+
+
+def _decode_ints(values: List[float], what: str) -> List[int]:
+    out = []
+    for v in values:
+        if not (math.isfinite(v) and v == int(v) and v >= 1):
+            raise ValueError(f"{what}: {values!r} are not positive integers")
+        out.append(int(v))
+    return out
+
+
+def _state_entries(state: Any, kind: str) -> List[float]:
+    """The entries of a layer's extra state, its version checked."""
+    if not isinstance(state, Tensor) or state.dim() != 1 or state.numel() < 2:
+        raise ValueError(f"not a comera {kind} layout (expected a 1-D float64 tensor, got {state!r})")
+    entries = [float(v) for v in state.detach().cpu().to(torch.float64).tolist()]
+    if entries[0] != _STATE_VERSION:
+        raise ValueError(
+            f"layout version {entries[0]:g}; this comera reads version {_STATE_VERSION} "
+            f"(saved by another comera version?)"
+        )
+    return entries
+
+
+def _take(entries: List[float], at: int, n: int, what: str) -> Tuple[List[float], int]:
+    if n < 0 or at + n > len(entries):
+        raise ValueError(f"a truncated layout (no room for {what})")
+    return entries[at : at + n], at + n
+
+
+def _truncated(
+    cores: Sequence[Tensor], gates: Sequence[Tensor], tau: float, out_axis: int
+) -> Tuple[List[Tensor], List[Tensor], List[int]]:
+    """Cores and gates without the rank slices the gates prune (entries ≤ ``tau``): gate b
+    scales the last axis of core b and the first axis of core b + 1. A bond whose every slice
+    is pruned keeps one, with its gate at 0 (still pruned: the layer stays zero)."""
+    keep = []
+    new_gates = []
+    for g in gates:
+        g = g.detach()
+        idx = torch.nonzero(g > tau).flatten()
+        if idx.numel() == 0:
+            idx = torch.zeros(1, dtype=torch.long)
+            new_gates.append(torch.zeros(1, dtype=g.dtype))
+        else:
+            new_gates.append(g.index_select(0, idx).clone())
+        keep.append(idx)
+    new_cores = []
+    for c, core in enumerate(cores):
+        t = core.detach()
+        if c > 0:
+            t = t.index_select(0, keep[c - 1])
+        if c < len(keep):
+            t = t.index_select(out_axis, keep[c])
+        new_cores.append(t.contiguous().clone())
+    ranks = [1] + [int(i.numel()) for i in keep] + [1]
+    return new_cores, new_gates, ranks
+
+
+def _new_params(shapes: Sequence[Sequence[int]], like: Sequence[Tensor]) -> nn.ParameterList:
+    """Fresh (uninitialised) float32 parameters of ``shapes``, trainable as the ones in
+    ``like`` are."""
+    grad = all(p.requires_grad for p in like) if like else True
+    return nn.ParameterList(
+        [nn.Parameter(torch.empty(tuple(s), dtype=torch.float32), requires_grad=grad) for s in shapes]
+    )
+
+
+class _LayoutInState:
+    """The state-dict side shared by TTLinear and TTMEmbedding: ``get_extra_state`` /
+    ``set_extra_state`` carry the layout, and ``_load_from_state_dict`` adopts it before the
+    cores are copied, so that checkpoints of other ranks load (a mismatch of modes or bias is
+    an error). A checkpoint written before layouts were saved loads as before."""
+
+    def set_extra_state(self, state: Any) -> None:
+        self._adopt_layout(state)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        key = prefix + "_extra_state"
+        if key in state_dict:
+            try:
+                self._adopt_layout(state_dict[key])
+            except ValueError as e:
+                where = prefix.rstrip(".") or "the layer"
+                error_msgs.append(f"{type(self).__name__} {where}: {e}")
+                return
+        super()._load_from_state_dict(  # type: ignore[misc]
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if key not in state_dict and key in missing_keys:
+            missing_keys.remove(key)  # an older checkpoint: sizes are checked as before
+
+
+# ---------------------------------------------------------------------------------------------
 # TT linear layer.
 
 
@@ -274,7 +376,7 @@ class _TTLinearFunction(torch.autograd.Function):
         )
 
 
-class TTLinear(nn.Module):
+class TTLinear(_LayoutInState, nn.Module):
     """A linear layer ``y = x @ W + b`` whose weight is a tensor train, run by comera.
 
     W (``in_features`` × ``out_features``; note: the transpose of ``nn.Linear.weight``) is
@@ -473,6 +575,65 @@ class TTLinear(nn.Module):
         layer.svd_rel_error = float(err)
         return layer
 
+    # --- the layout in the state dict (see _LayoutInState) ---
+
+    def get_extra_state(self) -> Tensor:
+        """The layout as a float64 tensor: version, number of in/out modes, the modes, the
+        ranks, whether there is a bias, the threshold."""
+        return torch.tensor(
+            [_STATE_VERSION, len(self.in_modes), len(self.out_modes), *self.in_modes,
+             *self.out_modes, *self.ranks, float(self.bias is not None), self._threshold],
+            dtype=torch.float64,
+        )
+
+    def _adopt_layout(self, state: Any) -> None:
+        e = _state_entries(state, "TTLinear")
+        p, q = _decode_ints(e[1:3], "mode counts")
+        in_modes, at = _take(e, 3, p, "in_modes")
+        out_modes, at = _take(e, at, q, "out_modes")
+        ranks, at = _take(e, at, p + q + 1, "ranks")
+        rest, at = _take(e, at, 2, "bias and threshold")
+        in_modes = _decode_ints(in_modes, "in_modes")
+        out_modes = _decode_ints(out_modes, "out_modes")
+        ranks = _decode_ints(ranks, "ranks")
+        if (tuple(in_modes), tuple(out_modes)) != (self.in_modes, self.out_modes):
+            raise ValueError(
+                f"the checkpoint's layer has in_modes {in_modes} and out_modes {out_modes}, "
+                f"this one {list(self.in_modes)} and {list(self.out_modes)}"
+            )
+        if bool(rest[0]) != (self.bias is not None):
+            has = "has" if rest[0] else "has no"
+            raise ValueError(f"the checkpoint's layer {has} bias, this one {'has' if self.bias is not None else 'has no'} bias")
+        threshold = _threshold(rest[1])
+        if tuple(ranks) != self.ranks or threshold != self._threshold:
+            self._threshold = threshold
+            self._set_ranks(ranks)
+
+    def _set_ranks(self, ranks: Sequence[int]) -> None:
+        """Takes ``ranks`` ([1, …, 1]): new (uninitialised) cores and gates when they change."""
+        ranks = tuple(_ranks(list(ranks), len(self.in_modes) + len(self.out_modes)))
+        self.ranks = ranks
+        self._kernel = self._make_kernel()
+        if [tuple(c.shape) for c in self.cores] != [tuple(s) for s in self._kernel.core_shapes]:
+            self.cores = _new_params(self._kernel.core_shapes, list(self.cores))
+            self.gates = _new_params([(r,) for r in self.ranks[1:-1]], list(self.gates))
+            with torch.no_grad():
+                for g in self.gates:
+                    g.fill_(1.0)
+
+    def truncate(self) -> List[int]:
+        """Removes the rank slices the gates prune (CoMERA's truncation): the cores shrink to
+        the active ranks, the function stays the same (pruned slices contributed nothing).
+        Returns the new ranks. The parameters are new tensors: make the optimiser after."""
+        cores, gates, ranks = _truncated(list(self.cores), list(self.gates), self._threshold, 2)
+        self._set_ranks(ranks)
+        with torch.no_grad():
+            for p, v in zip(self.cores, cores):
+                p.copy_(v)
+            for p, v in zip(self.gates, gates):
+                p.copy_(v)
+        return list(self.ranks)
+
     def extra_repr(self) -> str:
         return (
             f"in_modes={list(self.in_modes)}, out_modes={list(self.out_modes)}, "
@@ -549,7 +710,7 @@ class _TTMFunction(torch.autograd.Function):
         return (None, None, *[g if needs[2 + i] else None for i, g in enumerate(grads)])
 
 
-class TTMEmbedding(nn.Module):
+class TTMEmbedding(_LayoutInState, nn.Module):
     """An embedding table held as tensor-train-matrix (TTM) cores with rank gates, run by comera.
 
     The table E (``num_embeddings`` × ``embedding_dim``) is the product of p cores over
@@ -734,6 +895,63 @@ class TTMEmbedding(nn.Module):
                 p.copy_(torch.from_numpy(c))
         layer.svd_rel_error = float(err)
         return layer
+
+    # --- the layout in the state dict (see _LayoutInState) ---
+
+    def get_extra_state(self) -> Tensor:
+        """The layout as a float64 tensor: version, number of cores, vocab and dim modes, the
+        ranks, num_embeddings, the threshold."""
+        return torch.tensor(
+            [_STATE_VERSION, len(self.vocab_modes), *self.vocab_modes, *self.dim_modes,
+             *self.ranks, self.num_embeddings, self._threshold],
+            dtype=torch.float64,
+        )
+
+    def _adopt_layout(self, state: Any) -> None:
+        e = _state_entries(state, "TTMEmbedding")
+        (p,) = _decode_ints(e[1:2], "core count")
+        vocab, at = _take(e, 2, p, "vocab_modes")
+        dim, at = _take(e, at, p, "dim_modes")
+        ranks, at = _take(e, at, p + 1, "ranks")
+        rest, at = _take(e, at, 2, "num_embeddings and threshold")
+        vocab = _decode_ints(vocab, "vocab_modes")
+        dim = _decode_ints(dim, "dim_modes")
+        ranks = _decode_ints(ranks, "ranks")
+        (rows,) = _decode_ints(rest[:1], "num_embeddings")
+        if (tuple(vocab), tuple(dim), rows) != (self.vocab_modes, self.dim_modes, self.num_embeddings):
+            raise ValueError(
+                f"the checkpoint's table has vocab_modes {vocab}, dim_modes {dim} and "
+                f"{rows} rows, this one {list(self.vocab_modes)}, {list(self.dim_modes)} and "
+                f"{self.num_embeddings}"
+            )
+        threshold = _threshold(rest[1])
+        if tuple(ranks) != self.ranks or threshold != self._threshold:
+            self._threshold = threshold
+            self._set_ranks(ranks)
+
+    def _set_ranks(self, ranks: Sequence[int]) -> None:
+        """Takes ``ranks`` ([1, …, 1]): new (uninitialised) cores and gates when they change."""
+        ranks = tuple(_ranks(list(ranks), len(self.vocab_modes)))
+        self.ranks = ranks
+        self._kernel = self._make_kernel()
+        if [tuple(c.shape) for c in self.cores] != [tuple(s) for s in self._kernel.core_shapes]:
+            self.cores = _new_params(self._kernel.core_shapes, list(self.cores))
+            self.gates = _new_params([(r,) for r in self.ranks[1:-1]], list(self.gates))
+            with torch.no_grad():
+                for g in self.gates:
+                    g.fill_(1.0)
+
+    def truncate(self) -> List[int]:
+        """Removes the rank slices the gates prune (see ``TTLinear.truncate``); returns the
+        new ranks. The parameters are new tensors: make the optimiser after."""
+        cores, gates, ranks = _truncated(list(self.cores), list(self.gates), self._threshold, 3)
+        self._set_ranks(ranks)
+        with torch.no_grad():
+            for p, v in zip(self.cores, cores):
+                p.copy_(v)
+            for p, v in zip(self.gates, gates):
+                p.copy_(v)
+        return list(self.ranks)
 
     def extra_repr(self) -> str:
         return (
