@@ -581,13 +581,32 @@ class Run:
         *,
         samples: int = 0,
         overwrite: bool = False,
+        compressed: bool = False,
     ) -> Dict[str, Any]:
         """Writes the run's model as a Hugging Face directory that transformers loads with
         ``from_pretrained(dir)`` (config.json, model.safetensors, tokenizer files), as
-        ``comera export RUN --hf DIR`` does. ``samples``: also write that many validation
-        inputs with comera's logits (``comera_check.safetensors``). ``overwrite`` replaces an
-        earlier comera export only. Returns the architecture, files and notes."""
-        return _comera.export_hf(os.fspath(self.path), os.fspath(dir), samples=samples, overwrite=overwrite)
+        ``comera export RUN --hf DIR`` does: BERT (or RoBERTa-PreLayerNorm for a pre-LN
+        model) with every TT/TTM layer multiplied out to a dense one. ``samples``: also write
+        that many validation inputs with comera's logits (``comera_check.safetensors``).
+        ``overwrite`` replaces an earlier comera export only. Returns the architecture, files
+        and notes.
+
+        ``compressed=True`` keeps the TT/TTM layers as they are, as ``comera.torch`` layers
+        with the run's cores (needs torch and transformers): the directory then holds
+        ``comera_model.safetensors`` and a ``modeling_comera.py`` that transformers runs with
+        ``from_pretrained(dir, trust_remote_code=True)`` (or ``comera.torch.from_pretrained(dir)``),
+        and the returned ``params`` is the loaded model's parameter count. Loading it without
+        ``trust_remote_code`` is an error, never a model with random dense layers."""
+        if compressed:
+            try:
+                from .torch import _compress_hf_export
+                import transformers  # noqa: F401
+            except ImportError as e:
+                raise ImportError(f"export_hf(compressed=True) needs torch and transformers ({e})") from None
+        written = _comera.export_hf(os.fspath(self.path), os.fspath(dir), samples=samples, overwrite=overwrite)
+        if compressed:
+            written = _compress_hf_export(self.path, dir, written)
+        return written
 
     def resume(
         self,

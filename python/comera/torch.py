@@ -34,8 +34,11 @@ torch is imported by this submodule only; ``import comera`` does not need it.
 
 from __future__ import annotations
 
+import json
 import math
 import operator
+import os
+import shutil
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -53,6 +56,8 @@ __all__ = [
     "set_cache_limit",
     "get_num_threads",
     "set_num_threads",
+    "save_pretrained",
+    "from_pretrained",
 ]
 
 Rank = Union[int, Sequence[int]]
@@ -968,3 +973,201 @@ class TTMEmbedding(_LayoutInState, nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
         self._kernel = self._make_kernel()
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face models with comera layers.
+
+#: The weights of a model saved by ``save_pretrained`` (not ``model.safetensors``: a loader
+#: that does not know comera's layers finds no weights and stops, rather than loading random
+#: dense layers in their place).
+WEIGHTS_FILE = "comera_model.safetensors"
+#: The loader written beside them, for ``trust_remote_code=True``.
+MODELING_FILE = "modeling_comera.py"
+#: Files of a plain ``save_pretrained`` that would load without the comera layers.
+_DENSE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                       "pytorch_model.bin.index.json")
+_SAVE_VERSION = 1
+_LAYER_KINDS = {"TTLinear": TTLinear, "TTMEmbedding": TTMEmbedding}
+
+
+def _comera_layers(model: nn.Module) -> Dict[str, Dict[str, Any]]:
+    return {
+        name: {"kind": type(m).__name__, "layout": m.get_extra_state().tolist()}
+        for name, m in model.named_modules()
+        if type(m) in (TTLinear, TTMEmbedding)
+    }
+
+
+def save_pretrained(model: nn.Module, save_directory: Union[str, "os.PathLike[str]"]) -> None:
+    """Saves a transformers model whose modules include comera layers (``TTLinear``, e.g.
+    from ``TTLinear.from_linear``, and ``TTMEmbedding``) so that loading gives it back with
+    its cores: ``from_pretrained(dir)`` here, or transformers'
+    ``AutoModel….from_pretrained(dir, trust_remote_code=True)``.
+
+    Writes ``config.json`` (the model's config inside comera's, with the layers' layouts),
+    ``comera_model.safetensors`` (every weight, the TT cores and gates among them) and
+    ``modeling_comera.py`` (the loader transformers runs). Use it instead of the model's own
+    ``save_pretrained``, which writes the cores where a plain ``from_pretrained`` would drop
+    them and load random dense layers; after training under the ``Trainer``, call
+    ``save_pretrained(trainer.model, dir)``. A directory that holds a plain save's weights is
+    refused (they would load without the comera layers); tokenizer files may be there.
+    """
+    from safetensors.torch import save_model
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise TypeError(
+            f"save_pretrained expects a transformers model (with a .config), got {type(model).__name__}; "
+            f"for a plain torch module, torch.save(module.state_dict(), path) keeps the layouts"
+        )
+    layers = _comera_layers(model)
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no comera layers; save it with its own save_pretrained"
+        )
+    os.makedirs(save_directory, exist_ok=True)
+    stale = [f for f in _DENSE_WEIGHT_FILES if os.path.exists(os.path.join(save_directory, f))]
+    if stale:
+        raise ValueError(
+            f"{os.fspath(save_directory)} holds {', '.join(stale)} of another save, which "
+            f"transformers would load without the comera layers; save into another directory "
+            f"or remove them"
+        )
+    base = config.to_dict()
+    save_model(model, os.path.join(save_directory, WEIGHTS_FILE), metadata={"format": "pt"})
+    shutil.copyfile(
+        os.path.join(os.path.dirname(__file__), "_hf_remote.py"),
+        os.path.join(save_directory, MODELING_FILE),
+    )
+    wrapper = {
+        "model_type": "comera",
+        "architectures": [type(model).__name__],
+        "auto_map": {
+            auto: "modeling_comera.ComeraModel"
+            for auto in ("AutoModel", "AutoModelForSequenceClassification", "AutoModelForMaskedLM",
+                         "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
+                         "AutoModelForCausalLM", "AutoModelForPreTraining")
+        },
+        "comera": {
+            "version": _SAVE_VERSION,
+            "architecture": type(model).__name__,
+            "base_config": base,
+            "layers": layers,
+        },
+    }
+    wrapper["auto_map"]["AutoConfig"] = "modeling_comera.ComeraConfig"
+    with open(os.path.join(save_directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(wrapper, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if not hasattr(parent, leaf):
+        raise ValueError(f"the model has no module {name!r} to hold a comera layer")
+    setattr(parent, leaf, module)
+
+
+def _layer_from_layout(kind: str, layout: Sequence[float]) -> nn.Module:
+    """A TTLinear or TTMEmbedding of the layout ``get_extra_state`` gives (values unset)."""
+    if kind not in _LAYER_KINDS:
+        raise ValueError(f"unknown comera layer kind {kind!r} (expected one of {sorted(_LAYER_KINDS)})")
+    e = _state_entries(torch.tensor(layout, dtype=torch.float64), kind)
+    if kind == "TTLinear":
+        p, q = _decode_ints(e[1:3], "mode counts")
+        in_modes, at = _take(e, 3, p, "in_modes")
+        out_modes, at = _take(e, at, q, "out_modes")
+        ranks, at = _take(e, at, p + q + 1, "ranks")
+        rest, _ = _take(e, at, 2, "bias and threshold")
+        return TTLinear(_decode_ints(in_modes, "in_modes"), _decode_ints(out_modes, "out_modes"),
+                        _decode_ints(ranks, "ranks"), bias=bool(rest[0]), threshold=rest[1])
+    (p,) = _decode_ints(e[1:2], "core count")
+    vocab, at = _take(e, 2, p, "vocab_modes")
+    dim, at = _take(e, at, p, "dim_modes")
+    ranks, at = _take(e, at, p + 1, "ranks")
+    rest, _ = _take(e, at, 2, "num_embeddings and threshold")
+    return TTMEmbedding(_decode_ints(vocab, "vocab_modes"), _decode_ints(dim, "dim_modes"),
+                        _decode_ints(ranks, "ranks"), num_embeddings=_decode_ints(rest[:1], "num_embeddings")[0],
+                        threshold=rest[1])
+
+
+def from_pretrained(directory: Union[str, "os.PathLike[str]"]) -> nn.Module:
+    """The model ``save_pretrained`` (or ``Run.export_hf(dir, compressed=True)``) wrote in
+    ``directory``: the saved transformers class with its comera layers and every weight, in
+    eval mode. Any difference between the file's tensors and the model's (a missing or
+    unexpected weight, a shape) is an error; nothing is left at random initialisation."""
+    import transformers
+    from safetensors.torch import load_model
+
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            wrapper = json.load(f)
+    except OSError as e:
+        raise OSError(f"{path}: cannot read the config: {e.strerror or e}") from None
+    saved = wrapper.get("comera") if wrapper.get("model_type") == "comera" else None
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"{path}: not a model saved with comera layers (model_type "
+            f"{wrapper.get('model_type')!r}); load it with transformers' from_pretrained"
+        )
+    if saved.get("version") != _SAVE_VERSION:
+        raise ValueError(
+            f"{path}: saved in comera format version {saved.get('version')!r}; this comera "
+            f"reads version {_SAVE_VERSION}"
+        )
+    base = dict(saved["base_config"])
+    architecture = saved["architecture"]
+    model_class = getattr(transformers, architecture, None)
+    if model_class is None:
+        raise ValueError(f"{path}: transformers {transformers.__version__} has no class {architecture}")
+    model_type = base.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **base)
+    model = model_class(config)
+    for name, entry in saved["layers"].items():
+        _set_module(model, name, _layer_from_layout(entry["kind"], entry["layout"]))
+    load_model(model, os.path.join(directory, WEIGHTS_FILE), strict=True)
+    return model.eval()
+
+
+def _compress_hf_export(run: Union[str, "os.PathLike[str]"], directory: Union[str, "os.PathLike[str]"],
+                        written: Dict[str, Any]) -> Dict[str, Any]:
+    """Turns the dense Hugging Face export of ``run`` in ``directory`` (``written``: what the
+    export returned) into its compressed form: the run's TT/TTM layers as comera.torch layers
+    with the run's cores, saved by ``save_pretrained``. ``Run.export_hf(dir, compressed=True)``."""
+    import transformers
+
+    architecture = written["architecture"]
+    model = getattr(transformers, architecture).from_pretrained(os.fspath(directory)).eval()
+    layers = _comera.run_tt_modules(os.fspath(run))
+    if not layers:
+        raise ValueError(f"{os.fspath(run)}: the run's model has no TT/TTM layers; export it dense")
+    for entry in layers:
+        if entry["kind"] == "linear":
+            layer: nn.Module = TTLinear(entry["in_modes"], entry["out_modes"], entry["ranks"],
+                                        threshold=float(entry["threshold"]))
+        else:
+            layer = TTMEmbedding(entry["vocab_modes"], entry["dim_modes"], entry["ranks"],
+                                 num_embeddings=entry["num_embeddings"], threshold=float(entry["threshold"]))
+        with torch.no_grad():
+            for p, v in zip(layer.cores, entry["cores"]):
+                p.copy_(torch.from_numpy(v))
+            for p, v in zip(layer.gates, entry["gates"]):
+                p.copy_(torch.from_numpy(v))
+            if "bias" in entry:
+                layer.bias.copy_(torch.from_numpy(entry["bias"]))
+        _set_module(model, entry["module"], layer)
+    os.remove(os.path.join(directory, "model.safetensors"))
+    save_pretrained(model, directory)
+    out = dict(written)
+    out["compressed"] = True
+    out["params"] = sum(p.numel() for p in model.parameters())
+    out["files"] = sorted(os.listdir(directory))
+    out["notes"] = [n for n in written["notes"] if not n.startswith("TT/TTM layers reconstructed")] + [
+        f"{len(layers)} TT/TTM layers kept as comera.torch layers ({out['params']} parameters): load with "
+        f"from_pretrained(dir, trust_remote_code=True) or comera.torch.from_pretrained(dir)"
+    ]
+    return out
+
