@@ -64,6 +64,12 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    run_from(std::env::args_os())
+}
+
+/// The whole command for the arguments `args` (the program's name first), as `main` runs
+/// it; the library target (`lib.rs`) exposes it to the Python package's `comera` script.
+pub fn run_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode {
     // Like other Unix filters, end quietly when the reader of our output goes away
     // (`comera inspect RUN | head`): Rust ignores SIGPIPE, which turns the next print into a
     // panic.
@@ -76,7 +82,7 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
     silence_output_failures();
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(args);
     // Under mpirun/srun (feature `mpi`): every process runs the command, data-parallel. Held
     // until the end: MPI is finalised when it drops.
     let _mpi = match comera_train::distributed::init() {

@@ -10,10 +10,12 @@
 //! - [`runs`]: a run directory's config, records, predictions and evaluations;
 //! - [`hf`]: Hugging Face models in (`import_hf`, TT-SVD compression) and out (`export_hf`);
 //! - [`torch`]: the kernels of `comera.torch`'s TT layers;
-//! - [`threads`]: the threads they (and predictions) run on, rebuilt after `fork`.
+//! - [`threads`]: the threads they (and predictions) run on, rebuilt after `fork`;
+//! - [`cli`]: the `comera` command, for the package's console script.
 
 use pyo3::prelude::*;
 
+mod cli;
 mod errors;
 mod events;
 mod hf;
@@ -40,5 +42,6 @@ fn _comera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hf::run_tt_modules, m)?)?;
     torch::register(m)?;
     threads::register(m)?;
+    m.add_function(wrap_pyfunction!(cli::cli_main, m)?)?;
     Ok(())
 }
