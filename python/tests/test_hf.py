@@ -147,9 +147,11 @@ def test_a_mismatching_compressed_checkpoint_is_an_error(tmp_path):
         ct.from_pretrained(tmp_path / "tt")
 
 
-def test_a_compressed_export_loads_in_transformers_with_its_tt_parameters(workdir):
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_a_compressed_export_loads_in_transformers_with_its_tt_parameters(workdir, pre_ln):
     """export_hf(compressed=True): transformers loads the TT layers with the run's cores (the
-    run's parameter count) and gives `comera predict`'s probabilities."""
+    run's parameter count) and gives `comera predict`'s probabilities; post-LN (BERT) and
+    pre-LN (RoBERTa-PreLayerNorm)."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     import json
@@ -158,18 +160,22 @@ def test_a_compressed_export_loads_in_transformers_with_its_tt_parameters(workdi
     from conftest import comera_bin
 
     texts, labels = labelled_texts(120)
-    run = comera.train(classifier_config(workdir, epochs=1), data=(texts, labels), out=workdir / "run",
-                       progress=False)
+    cfg = classifier_config(workdir, epochs=1)
+    cfg["model"]["pre_ln"] = pre_ln
+    run = comera.train(cfg, data=(texts, labels), out=workdir / "run", progress=False)
     out = run.export_hf(workdir / "hf", compressed=True)
     assert out["compressed"] and "comera_model.safetensors" in out["files"]
     assert "model.safetensors" not in out["files"]
     model = transformers.AutoModelForSequenceClassification.from_pretrained(str(workdir / "hf"),
                                                                              trust_remote_code=True)
     params = sum(p.numel() for p in model.parameters())
-    assert params == out["params"] == run.summary["params"], (params, out["params"], run.summary["params"])
+    # RoBERTa's position table has rows before its first position (zeros, never used).
+    unused = (model.config.max_position_embeddings - run.config["model"]["seq_len"]) * model.config.hidden_size
+    assert (unused > 0) == pre_ln
+    assert params == out["params"] == run.summary["params"] + unused, (params, out["params"], run.summary["params"])
     assert params < run.summary["dense_params"]
 
-    tok = transformers.AutoTokenizer.from_pretrained(str(workdir / "hf"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(workdir / "hf"), trust_remote_code=True)
     queries = ["good great dress", "bad awful fit", "the very good shirt was a awful color"]
     enc = tok(queries, padding=True, truncation=True, return_tensors="pt")
     with torch.no_grad():
