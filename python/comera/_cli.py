@@ -7,7 +7,6 @@ from . import _comera
 
 
 def main() -> int:
-    sys.stdout.flush()
     return int(_comera.cli_main(sys.argv))
 
 

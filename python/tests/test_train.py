@@ -288,6 +288,9 @@ def test_run_directory_errors_name_python_arguments(workdir):
     with pytest.raises(ValueError, match="extend_epochs"):
         run.resume(extend_epochs=0)
     comera.train(cfg, data=(texts, labels), out=workdir / "r", progress=False, overwrite=True)
+    with pytest.raises(comera.ConfigError) as e:
+        comera.train(cfg, data=(texts, labels), out=workdir / "z", progress=False, batch_size=0)
+    assert "batch_size" in str(e.value) and "--" not in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("progress", [False, True])

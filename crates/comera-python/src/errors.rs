@@ -102,8 +102,19 @@ fn in_python_words(e: &Error) -> String {
         }
         None => msg,
     };
-    msg.replace("--overwrite", "overwrite=True")
-        .replace("--extend-epochs", "extend_epochs")
+    // The command line's flags that are arguments of comera.train / comera.resume.
+    const ARGUMENTS: [(&str, &str); 7] = [
+        ("--overwrite", "overwrite=True"),
+        ("--extend-epochs", "extend_epochs"),
+        ("--epochs", "epochs"),
+        ("--batch-size", "batch_size"),
+        ("--seed", "seed"),
+        ("--stop-after-steps", "stop_after_steps"),
+        ("--init-from", "init_from"),
+    ];
+    ARGUMENTS
+        .iter()
+        .fold(msg, |m, (flag, argument)| m.replace(flag, argument))
 }
 
 /// Runs `f`, turning a panic into a `ComeraError` (with the panic's text) and a comera error
