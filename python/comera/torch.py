@@ -1093,11 +1093,32 @@ def _layer_from_layout(kind: str, layout: Sequence[float]) -> nn.Module:
                         threshold=rest[1])
 
 
+def _plain_save_layers(weights: str) -> Dict[str, Dict[str, Any]]:
+    """The comera layers of a plain ``save_pretrained`` (a ``Trainer`` checkpoint) of a model
+    with comera layers, found from the layouts its weights file carries (each layer's
+    ``<layer>._extra_state``); the kind from the cores' rank (TTMEmbedding cores are 4-D)."""
+    from safetensors import safe_open
+
+    layers: Dict[str, Dict[str, Any]] = {}
+    with safe_open(weights, framework="pt") as f:
+        keys = set(f.keys())
+        for key in sorted(keys):
+            if not key.endswith("._extra_state") or f"{key[: -len('_extra_state')]}cores.0" not in keys:
+                continue
+            name = key[: -len("._extra_state")]
+            kind = "TTMEmbedding" if len(f.get_slice(f"{name}.cores.0").get_shape()) == 4 else "TTLinear"
+            layers[name] = {"kind": kind, "layout": f.get_tensor(key).tolist()}
+    return layers
+
+
 def from_pretrained(directory: Union[str, "os.PathLike[str]"]) -> nn.Module:
     """The model ``save_pretrained`` (or ``Run.export_hf(dir, compressed=True)``) wrote in
     ``directory``: the saved transformers class with its comera layers and every weight, in
     eval mode. Any difference between the file's tensors and the model's (a missing or
-    unexpected weight, a shape) is an error; nothing is left at random initialisation."""
+    unexpected weight, a shape) is an error; nothing is left at random initialisation.
+
+    A plain ``model.save_pretrained(dir)`` of a model with comera layers (a ``Trainer``
+    checkpoint: one ``model.safetensors``) loads too: the layers' layouts are in its weights."""
     import transformers
     from safetensors.torch import load_model
 
@@ -1107,28 +1128,42 @@ def from_pretrained(directory: Union[str, "os.PathLike[str]"]) -> nn.Module:
             wrapper = json.load(f)
     except OSError as e:
         raise OSError(f"{path}: cannot read the config: {e.strerror or e}") from None
-    saved = wrapper.get("comera") if wrapper.get("model_type") == "comera" else None
-    if not isinstance(saved, dict):
-        raise ValueError(
-            f"{path}: not a model saved with comera layers (model_type "
-            f"{wrapper.get('model_type')!r}); load it with transformers' from_pretrained"
-        )
-    if saved.get("version") != _SAVE_VERSION:
-        raise ValueError(
-            f"{path}: saved in comera format version {saved.get('version')!r}; this comera "
-            f"reads version {_SAVE_VERSION}"
-        )
-    base = dict(saved["base_config"])
-    architecture = saved["architecture"]
-    model_class = getattr(transformers, architecture, None)
+    if wrapper.get("model_type") == "comera":
+        saved = wrapper.get("comera")
+        if not isinstance(saved, dict) or saved.get("version") != _SAVE_VERSION:
+            version = saved.get("version") if isinstance(saved, dict) else None
+            raise ValueError(
+                f"{path}: saved in comera format version {version!r}; this comera reads "
+                f"version {_SAVE_VERSION}"
+            )
+        base = dict(saved["base_config"])
+        architecture = saved["architecture"]
+        layers = saved["layers"]
+        weights = os.path.join(directory, WEIGHTS_FILE)
+    else:
+        base = dict(wrapper)
+        architectures = base.get("architectures") or [None]
+        architecture = architectures[0]
+        weights = os.path.join(directory, "model.safetensors")
+        if not os.path.exists(weights):
+            raise ValueError(
+                f"{os.fspath(directory)}: neither a comera save (config.json of model_type "
+                f"comera) nor a single model.safetensors of a plain save"
+            )
+        layers = _plain_save_layers(weights)
+        if not layers:
+            raise ValueError(
+                f"{weights}: no comera layers in it; load it with transformers' from_pretrained"
+            )
+    model_class = getattr(transformers, architecture or "", None)
     if model_class is None:
         raise ValueError(f"{path}: transformers {transformers.__version__} has no class {architecture}")
     model_type = base.pop("model_type")
     config = transformers.AutoConfig.for_model(model_type, **base)
     model = model_class(config)
-    for name, entry in saved["layers"].items():
+    for name, entry in layers.items():
         _set_module(model, name, _layer_from_layout(entry["kind"], entry["layout"]))
-    load_model(model, os.path.join(directory, WEIGHTS_FILE), strict=True)
+    load_model(model, weights, strict=True)
     return model.eval()
 
 

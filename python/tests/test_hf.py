@@ -121,10 +121,19 @@ def test_tt_layers_survive_save_pretrained_and_from_pretrained(tmp_path):
         transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "tt"))
     with pytest.raises(OSError):
         transformers.BertForSequenceClassification.from_pretrained(str(tmp_path / "tt"))
-    # A directory with a plain save's weights is refused.
+    # A plain save (what the Trainer's checkpoints are) carries the layouts in its weights:
+    # comera.torch.from_pretrained loads it whole; ct.save_pretrained refuses its directory.
     model.save_pretrained(str(tmp_path / "plain"))
+    back = ct.from_pretrained(tmp_path / "plain")
+    assert back.bert.encoder.layer[0].intermediate.dense.ranks == ranks
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, want)
     with pytest.raises(ValueError, match="model.safetensors"):
         ct.save_pretrained(model, tmp_path / "plain")
+    # A plain model without comera layers is not one to load here.
+    transformers.BertForSequenceClassification(model.config).save_pretrained(str(tmp_path / "dense"))
+    with pytest.raises(ValueError, match="no comera layers"):
+        ct.from_pretrained(tmp_path / "dense")
 
 
 def test_a_mismatching_compressed_checkpoint_is_an_error(tmp_path):
