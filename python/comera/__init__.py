@@ -53,6 +53,7 @@ __all__ = [
     "STOP",
 ]
 
+
 class ComeraWarning(UserWarning):
     """A run's warning (a setting that will not do what it says, such as a warm-up longer
     than the run), raised with :func:`warnings.warn` whether or not a progress bar shows."""
@@ -104,12 +105,15 @@ def resolve_config(config: ConfigLike = None) -> Dict[str, Any]:
     return _comera.toml_to_py(_comera.resolve_config(text, origin))
 
 
-def _with_model_of(text: Optional[str], init_from: Union[str, "os.PathLike[str]"]) -> str:
+def _with_model_of(text: Optional[str], init_from: Union[str, "os.PathLike[str]"]) -> Optional[str]:
     """The config ``text`` (None: the built-in run's) completed from the run ``init_from``:
     the model fields it does not set, and the data's vocabulary when it names none (the
     model's token ids are that vocabulary's)."""
+    try:
+        base = Run(init_from).config
+    except RunError:
+        return text  # not a run directory: the training says what is wrong with it
     user = {} if text is None else _comera.toml_to_py(text)
-    base = Run(init_from).config
     model = dict(base.get("model", {}))
     model.update(user.get("model", {}))
     user["model"] = model
@@ -369,10 +373,10 @@ def train(
     step with a checkpoint; an exception it raises does the same and is then raised here.
 
     ``progress``: a bar (tqdm when installed: terminal and Jupyter; else comera's own on a
-    terminal) and the run's messages; False for silence, but for the run's warnings (a
-    setting that will not do what it says), which are :class:`ComeraWarning`\ s either way. Ctrl-C stops the run after its
-    current step with a checkpoint, then raises ``KeyboardInterrupt``; the run resumes with
-    :meth:`Run.resume` or ``comera train --resume``.
+    terminal) and the run's messages; False for silence but for the run's warnings (a setting
+    that will not do what it says), which are :class:`ComeraWarning`\ s either way. Ctrl-C
+    stops the run after its current step with a checkpoint, then raises
+    ``KeyboardInterrupt``; the run resumes with :meth:`Run.resume`.
 
     ``init_from``: start from the weights of this run (e.g. one :func:`import_hf` wrote);
     what the config does not set of its ``model`` table, and the data's ``vocab``, come from
