@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -48,8 +49,15 @@ __all__ = [
     "DataError",
     "RunError",
     "ModelError",
+    "ComeraWarning",
     "STOP",
 ]
+
+
+class ComeraWarning(UserWarning):
+    """A run's warning (a setting that will not do what it says, such as a warm-up longer
+    than the run), raised with :func:`warnings.warn` whether or not a progress bar shows."""
+
 
 #: Return this from a callback to stop the run after the current step (with a checkpoint:
 #: the run can be resumed).
@@ -95,6 +103,25 @@ def resolve_config(config: ConfigLike = None) -> Dict[str, Any]:
     """
     text, origin = _config_text(config)
     return _comera.toml_to_py(_comera.resolve_config(text, origin))
+
+
+def _with_model_of(text: Optional[str], init_from: Union[str, "os.PathLike[str]"]) -> Optional[str]:
+    """The config ``text`` (None: the built-in run's) completed from the run ``init_from``:
+    the model fields it does not set, and the data's vocabulary when it names none (the
+    model's token ids are that vocabulary's)."""
+    try:
+        base = Run(init_from).config
+    except RunError:
+        return text  # not a run directory: the training says what is wrong with it
+    user = {} if text is None else _comera.toml_to_py(text)
+    model = dict(base.get("model", {}))
+    model.update(user.get("model", {}))
+    user["model"] = model
+    data = user.setdefault("data", {})
+    vocab = base.get("data", {}).get("vocab")
+    if vocab is not None and "vocab" not in data:
+        data["vocab"] = vocab
+    return _comera.json_to_toml(json.dumps(user))
 
 
 # --- data ----------------------------------------------------------------------------------
@@ -224,7 +251,15 @@ class _TqdmProgress:
         elif kind == "train" and self.bar is not None:
             self.bar.set_postfix(loss=f"{event['loss']:.4f}", acc=f"{event['accuracy']:.3f}", refresh=False)
         elif kind == "message":
-            (self.tqdm.write if self.bar is not None else _say)(event["text"])
+            text = event["text"]
+            if _is_warning(text):
+                if self.bar is not None:
+                    with self.tqdm.external_write_mode():
+                        _warn(text)
+                else:
+                    _warn(text)
+            else:
+                (self.tqdm.write if self.bar is not None else _say)(text)
         elif kind in ("training_ended", "finished"):
             self.close()
 
@@ -236,6 +271,23 @@ class _TqdmProgress:
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr)
+
+
+_WARNING = "warning: "
+
+
+def _is_warning(text: str) -> bool:
+    return text.startswith(_WARNING)
+
+
+def _warn(text: str) -> None:
+    """A run's ``warning: …`` line as a :class:`ComeraWarning`."""
+    warnings.warn(text[len(_WARNING) :], ComeraWarning, stacklevel=2)
+
+
+def _warn_event(event: Dict[str, Any]) -> None:
+    if event.get("kind") == "message" and _is_warning(event["text"]):
+        _warn(event["text"])
 
 
 def _observers(callback: Optional[Callback], progress: bool) -> Tuple[Optional[Callable], bool]:
@@ -250,9 +302,16 @@ def _observers(callback: Optional[Callback], progress: bool) -> Tuple[Optional[C
             calls.append(_TqdmProgress(tqdm))
         except ImportError:
             if sys.stderr is not None and sys.stderr.isatty():
-                console = True
+                console = True  # it shows the warnings too
             else:
-                calls.append(lambda e: _say(e["text"]) if e.get("kind") == "message" else None)
+                calls.append(
+                    lambda e: (_warn if _is_warning(e["text"]) else _say)(e["text"])
+                    if e.get("kind") == "message"
+                    else None
+                )
+    else:
+        # Silence, except for warnings.
+        calls.append(_warn_event)
     user = _dispatch(callback) if callback is not None else None
 
     def call(event: Dict[str, Any]) -> Any:
@@ -314,17 +373,24 @@ def train(
     step with a checkpoint; an exception it raises does the same and is then raised here.
 
     ``progress``: a bar (tqdm when installed: terminal and Jupyter; else comera's own on a
-    terminal) and the run's messages; False for silence. Ctrl-C stops the run after its
-    current step with a checkpoint, then raises ``KeyboardInterrupt``; the run resumes with
-    :meth:`Run.resume` or ``comera train --resume``.
+    terminal) and the run's messages; False for silence but for the run's warnings (a setting
+    that will not do what it says), which are :class:`ComeraWarning`\ s either way. Ctrl-C
+    stops the run after its current step with a checkpoint, then raises
+    ``KeyboardInterrupt``; the run resumes with :meth:`Run.resume`.
 
-    ``epochs``, ``batch_size``, ``seed``, ``stop_after_steps``, ``init_from``, ``dense`` and
-    ``overwrite`` are the command line's flags of the same names. ``threads``: worker threads
+    ``init_from``: start from the weights of this run (e.g. one :func:`import_hf` wrote);
+    what the config does not set of its ``model`` table, and the data's ``vocab``, come from
+    that run, so ``{"train": {"epochs": 3}}`` fine-tunes an imported model as it is.
+
+    ``epochs``, ``batch_size``, ``seed``, ``stop_after_steps``, ``dense`` and ``overwrite``
+    are the command line's flags of the same names. ``threads``: worker threads
     (default: all cores); the same seed and thread count give the same result, bit for bit.
 
     The GIL is released while the run works.
     """
     text, origin = _config_text(config)
+    if init_from is not None:
+        text = _with_model_of(text, init_from)
     kwargs: Dict[str, Any] = {}
     if data is not None:
         kwargs["train"], order = _labelled(data, "data")
@@ -385,12 +451,21 @@ def resume(
     callback: Optional[Callback] = None,
     progress: bool = True,
     threads: Optional[int] = None,
+    extend_epochs: Optional[int] = None,
 ) -> "Run":
     """Continues the stopped run in ``path`` from its newest checkpoint, to its configured
     end. With the same thread count its losses are bit for bit those of a run never
-    stopped. ``callback`` and ``progress`` as in :func:`train`."""
+    stopped. ``callback`` and ``progress`` as in :func:`train`.
+
+    ``extend_epochs``: first add that many epochs to the run (a finished run trains on; the
+    learning-rate schedule is stretched over the new length), as ``comera train --resume DIR
+    --extend-epochs N`` does."""
+    if extend_epochs is not None and (isinstance(extend_epochs, bool) or not isinstance(extend_epochs, int) or extend_epochs < 1):
+        raise ValueError(f"extend_epochs must be an int of at least 1, got {extend_epochs!r}")
     call, console = _observers(callback, progress)
-    summary = _comera.resume(os.fspath(path), callback=call, console=console, threads=threads)
+    summary = _comera.resume(
+        os.fspath(path), callback=call, console=console, threads=threads, extend_epochs=extend_epochs
+    )
     return Run(summary["out_dir"], _summary=summary)
 
 
@@ -581,13 +656,32 @@ class Run:
         *,
         samples: int = 0,
         overwrite: bool = False,
+        compressed: bool = False,
     ) -> Dict[str, Any]:
         """Writes the run's model as a Hugging Face directory that transformers loads with
         ``from_pretrained(dir)`` (config.json, model.safetensors, tokenizer files), as
-        ``comera export RUN --hf DIR`` does. ``samples``: also write that many validation
-        inputs with comera's logits (``comera_check.safetensors``). ``overwrite`` replaces an
-        earlier comera export only. Returns the architecture, files and notes."""
-        return _comera.export_hf(os.fspath(self.path), os.fspath(dir), samples=samples, overwrite=overwrite)
+        ``comera export RUN --hf DIR`` does: BERT (or RoBERTa-PreLayerNorm for a pre-LN
+        model) with every TT/TTM layer multiplied out to a dense one. ``samples``: also write
+        that many validation inputs with comera's logits (``comera_check.safetensors``).
+        ``overwrite`` replaces an earlier comera export only. Returns the architecture, files
+        and notes.
+
+        ``compressed=True`` keeps the TT/TTM layers as they are, as ``comera.torch`` layers
+        with the run's cores (needs torch and transformers): the directory then holds
+        ``comera_model.safetensors`` and a ``modeling_comera.py`` that transformers runs with
+        ``from_pretrained(dir, trust_remote_code=True)`` (or ``comera.torch.from_pretrained(dir)``),
+        and the returned ``params`` is the loaded model's parameter count. Loading it without
+        ``trust_remote_code`` is an error, never a model with random dense layers."""
+        if compressed:
+            try:
+                from .torch import _compress_hf_export
+                import transformers  # noqa: F401
+            except ImportError as e:
+                raise ImportError(f"export_hf(compressed=True) needs torch and transformers ({e})") from None
+        written = _comera.export_hf(os.fspath(self.path), os.fspath(dir), samples=samples, overwrite=overwrite)
+        if compressed:
+            written = _compress_hf_export(self.path, dir, written)
+        return written
 
     def resume(
         self,
@@ -595,6 +689,10 @@ class Run:
         callback: Optional[Callback] = None,
         progress: bool = True,
         threads: Optional[int] = None,
+        extend_epochs: Optional[int] = None,
     ) -> "Run":
-        """Continues this run from its newest checkpoint (see :func:`resume`)."""
-        return resume(self.path, callback=callback, progress=progress, threads=threads)
+        """Continues this run from its newest checkpoint, or trains a finished one
+        ``extend_epochs`` epochs further (see :func:`resume`)."""
+        return resume(
+            self.path, callback=callback, progress=progress, threads=threads, extend_epochs=extend_epochs
+        )

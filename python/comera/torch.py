@@ -34,8 +34,11 @@ torch is imported by this submodule only; ``import comera`` does not need it.
 
 from __future__ import annotations
 
+import json
 import math
 import operator
+import os
+import shutil
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -53,6 +56,8 @@ __all__ = [
     "set_cache_limit",
     "get_num_threads",
     "set_num_threads",
+    "save_pretrained",
+    "from_pretrained",
 ]
 
 Rank = Union[int, Sequence[int]]
@@ -219,6 +224,108 @@ def _module_params(*lists: nn.ParameterList) -> List[Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Layouts in the state dict: a layer's ranks (and modes, threshold) travel with its weights as
+# its "extra state", a float64 tensor (so that safetensors, Hugging Face's save_pretrained and
+# ``torch.load(weights_only=True)`` carry it), and loading resizes the cores to them.
+
+#: The version of the extra-state encoding (its first entry).
+_STATE_VERSION = 1
+
+
+def _decode_ints(values: List[float], what: str) -> List[int]:
+    out = []
+    for v in values:
+        if not (math.isfinite(v) and v == int(v) and v >= 1):
+            raise ValueError(f"{what}: {values!r} are not positive integers")
+        out.append(int(v))
+    return out
+
+
+def _state_entries(state: Any, kind: str) -> List[float]:
+    """The entries of a layer's extra state, its version checked."""
+    if not isinstance(state, Tensor) or state.dim() != 1 or state.numel() < 2:
+        raise ValueError(f"not a comera {kind} layout (expected a 1-D float64 tensor, got {state!r})")
+    entries = [float(v) for v in state.detach().cpu().to(torch.float64).tolist()]
+    if entries[0] != _STATE_VERSION:
+        raise ValueError(
+            f"layout version {entries[0]:g}; this comera reads version {_STATE_VERSION} "
+            f"(saved by another comera version?)"
+        )
+    return entries
+
+
+def _take(entries: List[float], at: int, n: int, what: str) -> Tuple[List[float], int]:
+    if n < 0 or at + n > len(entries):
+        raise ValueError(f"a truncated layout (no room for {what})")
+    return entries[at : at + n], at + n
+
+
+def _truncated(
+    cores: Sequence[Tensor], gates: Sequence[Tensor], tau: float, out_axis: int
+) -> Tuple[List[Tensor], List[Tensor], List[int]]:
+    """Cores and gates without the rank slices the gates prune (entries ≤ ``tau``): gate b
+    scales the last axis of core b and the first axis of core b + 1. A bond whose every slice
+    is pruned keeps one, with its gate at 0 (still pruned: the layer stays zero)."""
+    keep = []
+    new_gates = []
+    for g in gates:
+        g = g.detach()
+        idx = torch.nonzero(g > tau).flatten()
+        if idx.numel() == 0:
+            idx = torch.zeros(1, dtype=torch.long)
+            new_gates.append(torch.zeros(1, dtype=g.dtype))
+        else:
+            new_gates.append(g.index_select(0, idx).clone())
+        keep.append(idx)
+    new_cores = []
+    for c, core in enumerate(cores):
+        t = core.detach()
+        if c > 0:
+            t = t.index_select(0, keep[c - 1])
+        if c < len(keep):
+            t = t.index_select(out_axis, keep[c])
+        new_cores.append(t.contiguous().clone())
+    ranks = [1] + [int(i.numel()) for i in keep] + [1]
+    return new_cores, new_gates, ranks
+
+
+def _new_params(shapes: Sequence[Sequence[int]], like: Sequence[Tensor]) -> nn.ParameterList:
+    """Fresh (uninitialised) float32 parameters of ``shapes``, trainable as the ones in
+    ``like`` are."""
+    grad = all(p.requires_grad for p in like) if like else True
+    return nn.ParameterList(
+        [nn.Parameter(torch.empty(tuple(s), dtype=torch.float32), requires_grad=grad) for s in shapes]
+    )
+
+
+class _LayoutInState:
+    """The state-dict side shared by TTLinear and TTMEmbedding: ``get_extra_state`` /
+    ``set_extra_state`` carry the layout, and ``_load_from_state_dict`` adopts it before the
+    cores are copied, so that checkpoints of other ranks load (a mismatch of modes or bias is
+    an error). A checkpoint written before layouts were saved loads as before."""
+
+    def set_extra_state(self, state: Any) -> None:
+        self._adopt_layout(state)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        key = prefix + "_extra_state"
+        if key in state_dict:
+            try:
+                self._adopt_layout(state_dict[key])
+            except ValueError as e:
+                where = prefix.rstrip(".") or "the layer"
+                error_msgs.append(f"{type(self).__name__} {where}: {e}")
+                return
+        super()._load_from_state_dict(  # type: ignore[misc]
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if key not in state_dict and key in missing_keys:
+            missing_keys.remove(key)  # an older checkpoint: sizes are checked as before
+
+
+# ---------------------------------------------------------------------------------------------
 # TT linear layer.
 
 
@@ -274,7 +381,7 @@ class _TTLinearFunction(torch.autograd.Function):
         )
 
 
-class TTLinear(nn.Module):
+class TTLinear(_LayoutInState, nn.Module):
     """A linear layer ``y = x @ W + b`` whose weight is a tensor train, run by comera.
 
     W (``in_features`` × ``out_features``; note: the transpose of ``nn.Linear.weight``) is
@@ -473,6 +580,65 @@ class TTLinear(nn.Module):
         layer.svd_rel_error = float(err)
         return layer
 
+    # --- the layout in the state dict (see _LayoutInState) ---
+
+    def get_extra_state(self) -> Tensor:
+        """The layout as a float64 tensor: version, number of in/out modes, the modes, the
+        ranks, whether there is a bias, the threshold."""
+        return torch.tensor(
+            [_STATE_VERSION, len(self.in_modes), len(self.out_modes), *self.in_modes,
+             *self.out_modes, *self.ranks, float(self.bias is not None), self._threshold],
+            dtype=torch.float64,
+        )
+
+    def _adopt_layout(self, state: Any) -> None:
+        e = _state_entries(state, "TTLinear")
+        p, q = _decode_ints(e[1:3], "mode counts")
+        in_modes, at = _take(e, 3, p, "in_modes")
+        out_modes, at = _take(e, at, q, "out_modes")
+        ranks, at = _take(e, at, p + q + 1, "ranks")
+        rest, at = _take(e, at, 2, "bias and threshold")
+        in_modes = _decode_ints(in_modes, "in_modes")
+        out_modes = _decode_ints(out_modes, "out_modes")
+        ranks = _decode_ints(ranks, "ranks")
+        if (tuple(in_modes), tuple(out_modes)) != (self.in_modes, self.out_modes):
+            raise ValueError(
+                f"the checkpoint's layer has in_modes {in_modes} and out_modes {out_modes}, "
+                f"this one {list(self.in_modes)} and {list(self.out_modes)}"
+            )
+        if bool(rest[0]) != (self.bias is not None):
+            has = "has" if rest[0] else "has no"
+            raise ValueError(f"the checkpoint's layer {has} bias, this one {'has' if self.bias is not None else 'has no'} bias")
+        threshold = _threshold(rest[1])
+        if tuple(ranks) != self.ranks or threshold != self._threshold:
+            self._threshold = threshold
+            self._set_ranks(ranks)
+
+    def _set_ranks(self, ranks: Sequence[int]) -> None:
+        """Takes ``ranks`` ([1, …, 1]): new (uninitialised) cores and gates when they change."""
+        ranks = tuple(_ranks(list(ranks), len(self.in_modes) + len(self.out_modes)))
+        self.ranks = ranks
+        self._kernel = self._make_kernel()
+        if [tuple(c.shape) for c in self.cores] != [tuple(s) for s in self._kernel.core_shapes]:
+            self.cores = _new_params(self._kernel.core_shapes, list(self.cores))
+            self.gates = _new_params([(r,) for r in self.ranks[1:-1]], list(self.gates))
+            with torch.no_grad():
+                for g in self.gates:
+                    g.fill_(1.0)
+
+    def truncate(self) -> List[int]:
+        """Removes the rank slices the gates prune (CoMERA's truncation): the cores shrink to
+        the active ranks, the function stays the same (pruned slices contributed nothing).
+        Returns the new ranks. The parameters are new tensors: make the optimiser after."""
+        cores, gates, ranks = _truncated(list(self.cores), list(self.gates), self._threshold, 2)
+        self._set_ranks(ranks)
+        with torch.no_grad():
+            for p, v in zip(self.cores, cores):
+                p.copy_(v)
+            for p, v in zip(self.gates, gates):
+                p.copy_(v)
+        return list(self.ranks)
+
     def extra_repr(self) -> str:
         return (
             f"in_modes={list(self.in_modes)}, out_modes={list(self.out_modes)}, "
@@ -549,7 +715,7 @@ class _TTMFunction(torch.autograd.Function):
         return (None, None, *[g if needs[2 + i] else None for i, g in enumerate(grads)])
 
 
-class TTMEmbedding(nn.Module):
+class TTMEmbedding(_LayoutInState, nn.Module):
     """An embedding table held as tensor-train-matrix (TTM) cores with rank gates, run by comera.
 
     The table E (``num_embeddings`` × ``embedding_dim``) is the product of p cores over
@@ -735,6 +901,63 @@ class TTMEmbedding(nn.Module):
         layer.svd_rel_error = float(err)
         return layer
 
+    # --- the layout in the state dict (see _LayoutInState) ---
+
+    def get_extra_state(self) -> Tensor:
+        """The layout as a float64 tensor: version, number of cores, vocab and dim modes, the
+        ranks, num_embeddings, the threshold."""
+        return torch.tensor(
+            [_STATE_VERSION, len(self.vocab_modes), *self.vocab_modes, *self.dim_modes,
+             *self.ranks, self.num_embeddings, self._threshold],
+            dtype=torch.float64,
+        )
+
+    def _adopt_layout(self, state: Any) -> None:
+        e = _state_entries(state, "TTMEmbedding")
+        (p,) = _decode_ints(e[1:2], "core count")
+        vocab, at = _take(e, 2, p, "vocab_modes")
+        dim, at = _take(e, at, p, "dim_modes")
+        ranks, at = _take(e, at, p + 1, "ranks")
+        rest, at = _take(e, at, 2, "num_embeddings and threshold")
+        vocab = _decode_ints(vocab, "vocab_modes")
+        dim = _decode_ints(dim, "dim_modes")
+        ranks = _decode_ints(ranks, "ranks")
+        (rows,) = _decode_ints(rest[:1], "num_embeddings")
+        if (tuple(vocab), tuple(dim), rows) != (self.vocab_modes, self.dim_modes, self.num_embeddings):
+            raise ValueError(
+                f"the checkpoint's table has vocab_modes {vocab}, dim_modes {dim} and "
+                f"{rows} rows, this one {list(self.vocab_modes)}, {list(self.dim_modes)} and "
+                f"{self.num_embeddings}"
+            )
+        threshold = _threshold(rest[1])
+        if tuple(ranks) != self.ranks or threshold != self._threshold:
+            self._threshold = threshold
+            self._set_ranks(ranks)
+
+    def _set_ranks(self, ranks: Sequence[int]) -> None:
+        """Takes ``ranks`` ([1, …, 1]): new (uninitialised) cores and gates when they change."""
+        ranks = tuple(_ranks(list(ranks), len(self.vocab_modes)))
+        self.ranks = ranks
+        self._kernel = self._make_kernel()
+        if [tuple(c.shape) for c in self.cores] != [tuple(s) for s in self._kernel.core_shapes]:
+            self.cores = _new_params(self._kernel.core_shapes, list(self.cores))
+            self.gates = _new_params([(r,) for r in self.ranks[1:-1]], list(self.gates))
+            with torch.no_grad():
+                for g in self.gates:
+                    g.fill_(1.0)
+
+    def truncate(self) -> List[int]:
+        """Removes the rank slices the gates prune (see ``TTLinear.truncate``); returns the
+        new ranks. The parameters are new tensors: make the optimiser after."""
+        cores, gates, ranks = _truncated(list(self.cores), list(self.gates), self._threshold, 3)
+        self._set_ranks(ranks)
+        with torch.no_grad():
+            for p, v in zip(self.cores, cores):
+                p.copy_(v)
+            for p, v in zip(self.gates, gates):
+                p.copy_(v)
+        return list(self.ranks)
+
     def extra_repr(self) -> str:
         return (
             f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
@@ -750,3 +973,236 @@ class TTMEmbedding(nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
         self._kernel = self._make_kernel()
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face models with comera layers.
+
+#: The weights of a model saved by ``save_pretrained`` (not ``model.safetensors``: a loader
+#: that does not know comera's layers finds no weights and stops, rather than loading random
+#: dense layers in their place).
+WEIGHTS_FILE = "comera_model.safetensors"
+#: The loader written beside them, for ``trust_remote_code=True``.
+MODELING_FILE = "modeling_comera.py"
+#: Files of a plain ``save_pretrained`` that would load without the comera layers.
+_DENSE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                       "pytorch_model.bin.index.json")
+_SAVE_VERSION = 1
+_LAYER_KINDS = {"TTLinear": TTLinear, "TTMEmbedding": TTMEmbedding}
+
+
+def _comera_layers(model: nn.Module) -> Dict[str, Dict[str, Any]]:
+    return {
+        name: {"kind": type(m).__name__, "layout": m.get_extra_state().tolist()}
+        for name, m in model.named_modules()
+        if type(m) in (TTLinear, TTMEmbedding)
+    }
+
+
+def save_pretrained(model: nn.Module, save_directory: Union[str, "os.PathLike[str]"]) -> None:
+    """Saves a transformers model whose modules include comera layers (``TTLinear``, e.g.
+    from ``TTLinear.from_linear``, and ``TTMEmbedding``) so that loading gives it back with
+    its cores: ``from_pretrained(dir)`` here, or transformers'
+    ``AutoModel….from_pretrained(dir, trust_remote_code=True)``.
+
+    Writes ``config.json`` (the model's config inside comera's, with the layers' layouts),
+    ``comera_model.safetensors`` (every weight, the TT cores and gates among them) and
+    ``modeling_comera.py`` (the loader transformers runs). Use it instead of the model's own
+    ``save_pretrained``, which writes the cores where a plain ``from_pretrained`` would drop
+    them and load random dense layers; after training under the ``Trainer``, call
+    ``save_pretrained(trainer.model, dir)``. A directory that holds a plain save's weights is
+    refused (they would load without the comera layers); tokenizer files may be there.
+    """
+    from safetensors.torch import save_model
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise TypeError(
+            f"save_pretrained expects a transformers model (with a .config), got {type(model).__name__}; "
+            f"for a plain torch module, torch.save(module.state_dict(), path) keeps the layouts"
+        )
+    layers = _comera_layers(model)
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no comera layers; save it with its own save_pretrained"
+        )
+    os.makedirs(save_directory, exist_ok=True)
+    stale = [f for f in _DENSE_WEIGHT_FILES if os.path.exists(os.path.join(save_directory, f))]
+    if stale:
+        raise ValueError(
+            f"{os.fspath(save_directory)} holds {', '.join(stale)} of another save, which "
+            f"transformers would load without the comera layers; save into another directory "
+            f"or remove them"
+        )
+    base = config.to_dict()
+    save_model(model, os.path.join(save_directory, WEIGHTS_FILE), metadata={"format": "pt"})
+    shutil.copyfile(
+        os.path.join(os.path.dirname(__file__), "_hf_remote.py"),
+        os.path.join(save_directory, MODELING_FILE),
+    )
+    wrapper = {
+        "model_type": "comera",
+        "architectures": [type(model).__name__],
+        "auto_map": {
+            auto: "modeling_comera.ComeraModel"
+            for auto in ("AutoModel", "AutoModelForSequenceClassification", "AutoModelForMaskedLM",
+                         "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
+                         "AutoModelForCausalLM", "AutoModelForPreTraining")
+        },
+        "comera": {
+            "version": _SAVE_VERSION,
+            "architecture": type(model).__name__,
+            "base_config": base,
+            "layers": layers,
+        },
+    }
+    wrapper["auto_map"]["AutoConfig"] = "modeling_comera.ComeraConfig"
+    with open(os.path.join(save_directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(wrapper, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if not hasattr(parent, leaf):
+        raise ValueError(f"the model has no module {name!r} to hold a comera layer")
+    setattr(parent, leaf, module)
+
+
+def _layer_from_layout(kind: str, layout: Sequence[float]) -> nn.Module:
+    """A TTLinear or TTMEmbedding of the layout ``get_extra_state`` gives (values unset)."""
+    if kind not in _LAYER_KINDS:
+        raise ValueError(f"unknown comera layer kind {kind!r} (expected one of {sorted(_LAYER_KINDS)})")
+    e = _state_entries(torch.tensor(layout, dtype=torch.float64), kind)
+    if kind == "TTLinear":
+        p, q = _decode_ints(e[1:3], "mode counts")
+        in_modes, at = _take(e, 3, p, "in_modes")
+        out_modes, at = _take(e, at, q, "out_modes")
+        ranks, at = _take(e, at, p + q + 1, "ranks")
+        rest, _ = _take(e, at, 2, "bias and threshold")
+        return TTLinear(_decode_ints(in_modes, "in_modes"), _decode_ints(out_modes, "out_modes"),
+                        _decode_ints(ranks, "ranks"), bias=bool(rest[0]), threshold=rest[1])
+    (p,) = _decode_ints(e[1:2], "core count")
+    vocab, at = _take(e, 2, p, "vocab_modes")
+    dim, at = _take(e, at, p, "dim_modes")
+    ranks, at = _take(e, at, p + 1, "ranks")
+    rest, _ = _take(e, at, 2, "num_embeddings and threshold")
+    return TTMEmbedding(_decode_ints(vocab, "vocab_modes"), _decode_ints(dim, "dim_modes"),
+                        _decode_ints(ranks, "ranks"), num_embeddings=_decode_ints(rest[:1], "num_embeddings")[0],
+                        threshold=rest[1])
+
+
+def _plain_save_layers(weights: str) -> Dict[str, Dict[str, Any]]:
+    """The comera layers of a plain ``save_pretrained`` (a ``Trainer`` checkpoint) of a model
+    with comera layers, found from the layouts its weights file carries (each layer's
+    ``<layer>._extra_state``); the kind from the cores' rank (TTMEmbedding cores are 4-D)."""
+    from safetensors import safe_open
+
+    layers: Dict[str, Dict[str, Any]] = {}
+    with safe_open(weights, framework="pt") as f:
+        keys = set(f.keys())
+        for key in sorted(keys):
+            if not key.endswith("._extra_state") or f"{key[: -len('_extra_state')]}cores.0" not in keys:
+                continue
+            name = key[: -len("._extra_state")]
+            kind = "TTMEmbedding" if len(f.get_slice(f"{name}.cores.0").get_shape()) == 4 else "TTLinear"
+            layers[name] = {"kind": kind, "layout": f.get_tensor(key).tolist()}
+    return layers
+
+
+def from_pretrained(directory: Union[str, "os.PathLike[str]"]) -> nn.Module:
+    """The model ``save_pretrained`` (or ``Run.export_hf(dir, compressed=True)``) wrote in
+    ``directory``: the saved transformers class with its comera layers and every weight, in
+    eval mode. Any difference between the file's tensors and the model's (a missing or
+    unexpected weight, a shape) is an error; nothing is left at random initialisation.
+
+    A plain ``model.save_pretrained(dir)`` of a model with comera layers (a ``Trainer``
+    checkpoint: one ``model.safetensors``) loads too: the layers' layouts are in its weights."""
+    import transformers
+    from safetensors.torch import load_model
+
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            wrapper = json.load(f)
+    except OSError as e:
+        raise OSError(f"{path}: cannot read the config: {e.strerror or e}") from None
+    if wrapper.get("model_type") == "comera":
+        saved = wrapper.get("comera")
+        if not isinstance(saved, dict) or saved.get("version") != _SAVE_VERSION:
+            version = saved.get("version") if isinstance(saved, dict) else None
+            raise ValueError(
+                f"{path}: saved in comera format version {version!r}; this comera reads "
+                f"version {_SAVE_VERSION}"
+            )
+        base = dict(saved["base_config"])
+        architecture = saved["architecture"]
+        layers = saved["layers"]
+        weights = os.path.join(directory, WEIGHTS_FILE)
+    else:
+        base = dict(wrapper)
+        architectures = base.get("architectures") or [None]
+        architecture = architectures[0]
+        weights = os.path.join(directory, "model.safetensors")
+        if not os.path.exists(weights):
+            raise ValueError(
+                f"{os.fspath(directory)}: neither a comera save (config.json of model_type "
+                f"comera) nor a single model.safetensors of a plain save"
+            )
+        layers = _plain_save_layers(weights)
+        if not layers:
+            raise ValueError(
+                f"{weights}: no comera layers in it; load it with transformers' from_pretrained"
+            )
+    model_class = getattr(transformers, architecture or "", None)
+    if model_class is None:
+        raise ValueError(f"{path}: transformers {transformers.__version__} has no class {architecture}")
+    model_type = base.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **base)
+    model = model_class(config)
+    for name, entry in layers.items():
+        _set_module(model, name, _layer_from_layout(entry["kind"], entry["layout"]))
+    load_model(model, weights, strict=True)
+    return model.eval()
+
+
+def _compress_hf_export(run: Union[str, "os.PathLike[str]"], directory: Union[str, "os.PathLike[str]"],
+                        written: Dict[str, Any]) -> Dict[str, Any]:
+    """Turns the dense Hugging Face export of ``run`` in ``directory`` (``written``: what the
+    export returned) into its compressed form: the run's TT/TTM layers as comera.torch layers
+    with the run's cores, saved by ``save_pretrained``. ``Run.export_hf(dir, compressed=True)``."""
+    import transformers
+
+    architecture = written["architecture"]
+    model = getattr(transformers, architecture).from_pretrained(os.fspath(directory)).eval()
+    layers = _comera.run_tt_modules(os.fspath(run))
+    if not layers:
+        raise ValueError(f"{os.fspath(run)}: the run's model has no TT/TTM layers; export it dense")
+    for entry in layers:
+        if entry["kind"] == "linear":
+            layer: nn.Module = TTLinear(entry["in_modes"], entry["out_modes"], entry["ranks"],
+                                        threshold=float(entry["threshold"]))
+        else:
+            layer = TTMEmbedding(entry["vocab_modes"], entry["dim_modes"], entry["ranks"],
+                                 num_embeddings=entry["num_embeddings"], threshold=float(entry["threshold"]))
+        with torch.no_grad():
+            for p, v in zip(layer.cores, entry["cores"]):
+                p.copy_(torch.from_numpy(v))
+            for p, v in zip(layer.gates, entry["gates"]):
+                p.copy_(torch.from_numpy(v))
+            if "bias" in entry:
+                layer.bias.copy_(torch.from_numpy(entry["bias"]))
+        _set_module(model, entry["module"], layer)
+    os.remove(os.path.join(directory, "model.safetensors"))
+    save_pretrained(model, directory)
+    out = dict(written)
+    out["compressed"] = True
+    out["params"] = sum(p.numel() for p in model.parameters())
+    out["files"] = sorted(os.listdir(directory))
+    out["notes"] = [n for n in written["notes"] if not n.startswith("TT/TTM layers reconstructed")] + [
+        f"{len(layers)} TT/TTM layers kept as comera.torch layers ({out['params']} parameters): load with "
+        f"from_pretrained(dir, trust_remote_code=True) or comera.torch.from_pretrained(dir)"
+    ]
+    return out
+

@@ -512,3 +512,94 @@ def test_outputs_reuse_freed_buffers_and_never_one_in_use():
     finally:
         ct.set_cache_limit(old_limit)
         ct.empty_cache()
+
+
+# --- ranks and shapes in the state dict ------------------------------------------------------
+
+
+def _pruned_compressed_model(seed=0):
+    """Two TTLinear from TT-SVD of random Linears (non-uniform ranks), a gate entry pruned and
+    truncated away in the first, a TTMEmbedding in front."""
+    torch.manual_seed(seed)
+    emb = ct.TTMEmbedding.from_embedding(torch.nn.Embedding(60, 64), [4, 4, 4], [4, 4, 4], rank=6)
+    first = ct.TTLinear.from_linear(torch.nn.Linear(64, 128), rank=6)
+    second = ct.TTLinear.from_linear(torch.nn.Linear(128, 64), rank=5, in_modes=[8, 4, 4], out_modes=[4, 4, 4])
+    with torch.no_grad():
+        first.gates[1][0] = 0.0  # pruned
+        first.gates[1][2] = 0.5
+        emb.gates[0][1] = -1.0
+    return torch.nn.Sequential(emb, first, torch.nn.GELU(), second)
+
+
+def test_state_dict_carries_the_ranks_after_from_linear_pruning_and_truncation():
+    model = _pruned_compressed_model()
+    ids = torch.randint(0, 60, (3, 7))
+    before = model(ids)
+    first_ranks, emb_ranks = list(model[1].ranks), list(model[0].ranks)
+    assert model[1].truncate() == first_ranks[:2] + [first_ranks[2] - 1] + first_ranks[3:]
+    assert model[0].truncate() == [1, emb_ranks[1] - 1] + emb_ranks[2:]
+    after = model(ids)
+    assert torch.allclose(before, after, atol=1e-5), (before - after).abs().max()
+    assert model[1].gates[1].numel() == first_ranks[2] - 1
+
+    fresh = torch.nn.Sequential(
+        ct.TTMEmbedding([4, 4, 4], [4, 4, 4], rank=8, num_embeddings=60),
+        ct.TTLinear([4, 4, 4], [8, 4, 4], rank=8),
+        torch.nn.GELU(),
+        ct.TTLinear([8, 4, 4], [4, 4, 4], rank=8),
+    )
+    assert fresh[1].ranks != model[1].ranks
+    fresh.load_state_dict(model.state_dict())
+    for a, b in zip(model, fresh):
+        if hasattr(a, "ranks"):
+            assert a.ranks == b.ranks and a.threshold == b.threshold
+    assert torch.equal(fresh(ids), after)
+    # The new parameters train: gradients reach them.
+    fresh(ids).sum().backward()
+    assert all(p.grad is not None for p in fresh[1].cores)
+
+
+def test_a_whole_state_survives_torch_save_and_load_with_weights_only(tmp_path):
+    model = _pruned_compressed_model(1)
+    model[1].truncate()
+    ids = torch.randint(0, 60, (2, 5))
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    fresh = _pruned_compressed_model(2)  # other values, and the first layer's untruncated ranks
+    assert fresh[1].ranks != model[1].ranks
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh(ids), model(ids))
+    # The whole module pickled (the kernels are rebuilt on load).
+    torch.save(model, tmp_path / "model.pt")
+    again = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert torch.equal(again(ids), model(ids))
+
+
+def test_a_mismatching_checkpoint_is_an_error():
+    source = ct.TTLinear([4, 4, 4], [4, 4, 4], rank=3)
+    with pytest.raises(RuntimeError, match=r"in_modes \[4, 4, 4\] and out_modes \[4, 4, 4\], this one \[8, 8\]"):
+        ct.TTLinear([8, 8], [4, 4, 4], rank=3).load_state_dict(source.state_dict())
+    with pytest.raises(RuntimeError, match="has bias, this one has no bias"):
+        ct.TTLinear([4, 4, 4], [4, 4, 4], rank=3, bias=False).load_state_dict(source.state_dict())
+    table = ct.TTMEmbedding([4, 4], [4, 4], rank=2, num_embeddings=10)
+    with pytest.raises(RuntimeError, match="10 rows, this one"):
+        ct.TTMEmbedding([4, 4], [4, 4], rank=2).load_state_dict(table.state_dict())
+    bad = source.state_dict()
+    bad["_extra_state"] = torch.tensor([9.0, 1.0])
+    with pytest.raises(RuntimeError, match="layout version 9"):
+        ct.TTLinear([4, 4, 4], [4, 4, 4], rank=3).load_state_dict(bad)
+    # A dense layer's weights are not a TT layer's.
+    with pytest.raises(RuntimeError, match="Missing key"):
+        ct.TTLinear([4, 4, 4], [4, 4, 4], rank=3).load_state_dict(torch.nn.Linear(64, 64).state_dict())
+
+
+def test_a_state_without_layouts_loads_as_before():
+    """A checkpoint of a layer saved before layouts were saved: same ranks load strictly."""
+    source = ct.TTLinear([4, 4], [4, 4], rank=3)
+    old = {k: v for k, v in source.state_dict().items() if not k.endswith("_extra_state")}
+    target = ct.TTLinear([4, 4], [4, 4], rank=3)
+    target.load_state_dict(old)
+    x = torch.randn(5, 16)
+    assert torch.equal(target(x), source(x))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        ct.TTLinear([4, 4], [4, 4], rank=2).load_state_dict(old)

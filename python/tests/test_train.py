@@ -267,3 +267,71 @@ def test_ctrl_c_stops_after_a_checkpoint_and_raises_keyboard_interrupt(workdir):
     assert list((run.path / "checkpoints").iterdir()), "a checkpoint was written"
     done = run.resume(progress=False)
     assert not done.summary["stopped"]
+
+
+def test_run_directory_errors_name_python_arguments(workdir):
+    """A RunError raised in Python names overwrite=True / comera.resume, not CLI flags."""
+    texts, labels = labelled_texts(30)
+    cfg = classifier_config(workdir, epochs=1)
+    run = comera.train(cfg, data=(texts, labels), out=workdir / "r", progress=False)
+    with pytest.raises(comera.RunError) as e:
+        comera.train(cfg, data=(texts, labels), out=workdir / "r", progress=False)
+    msg = str(e.value)
+    assert "overwrite=True" in msg and "comera.resume(" in msg and "out=" in msg, msg
+    assert "--" not in msg, msg
+    with pytest.raises(comera.RunError) as e:
+        run.resume(progress=False)
+    msg = str(e.value)
+    assert "extend_epochs=N" in msg and "--" not in msg, msg
+    longer = run.resume(progress=False, extend_epochs=1)
+    assert longer.config["train"]["epochs"] == 2 and not longer.summary["stopped"]
+    with pytest.raises(ValueError, match="extend_epochs"):
+        run.resume(extend_epochs=0)
+    comera.train(cfg, data=(texts, labels), out=workdir / "r", progress=False, overwrite=True)
+    with pytest.raises(comera.ConfigError) as e:
+        comera.train(cfg, data=(texts, labels), out=workdir / "z", progress=False, batch_size=0)
+    assert "batch_size" in str(e.value) and "--" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_a_warmup_longer_than_the_run_is_clamped_with_a_warning(workdir, progress):
+    texts, labels = labelled_texts(40)
+    cfg = classifier_config(workdir, epochs=1, warmup_steps=100)  # 32 examples / 8: 4 steps
+    with pytest.warns(comera.ComeraWarning, match=r"train.warmup_steps = 100 is not shorter than the run \(4 steps\)"):
+        comera.train(cfg, data=(texts, labels), out=workdir / "w", progress=progress)
+
+
+def test_the_command_line_warns_of_a_warmup_longer_than_the_run(workdir):
+    texts, labels = labelled_texts(40)
+    csv = workdir / "d.csv"
+    csv.write_text("text,label\n" + "".join(f"{t},{l}\n" for t, l in zip(texts, labels)))
+    cfg = classifier_config(workdir, epochs=1, warmup_steps=100)
+    toml = comera._comera.json_to_toml(json.dumps(cfg))
+    (workdir / "c.toml").write_text(toml)
+    done = subprocess.run(
+        [comera_bin(), "--threads", "1", "train", "--config", str(workdir / "c.toml"), "--data", str(csv),
+         "--out", str(workdir / "cli"), "--quiet"],
+        capture_output=True, text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "warning: train.warmup_steps = 100 is not shorter than the run" in done.stderr, done.stderr
+
+
+def test_fine_tuning_an_imported_model_with_a_partial_config(workdir):
+    """The imported model's sizes (and vocabulary) fill in what the config does not set."""
+    texts, labels = labelled_texts(120)
+    source = comera.train(classifier_config(workdir, epochs=1), data=(texts, labels), out=workdir / "src",
+                          progress=False)
+    source.export_hf(workdir / "hf")
+    imported = comera.import_hf(workdir / "hf", workdir / "imported", seq_len=12)
+    partial = {"data": {"cache_dir": str(workdir / "cache")},
+               "train": {"epochs": 1, "batch_size": 8, "warmup_steps": 2}}
+    run = comera.train(partial, data=(texts, labels), init_from=imported, out=workdir / "tuned", progress=False)
+    model = run.config["model"]
+    assert (model["d_model"], model["ffn"], model["layers"]) == (16, 32, 1)
+    assert run.config["data"]["vocab"] == imported.config["data"]["vocab"]
+    assert run.summary["final_valid"]["accuracy"] > 0.5
+    # A field the config does set wins.
+    with pytest.raises(comera.ComeraError, match="d_model|heads"):
+        comera.train({**partial, "model": {"d_model": 24}}, data=(texts, labels), init_from=imported,
+                     out=workdir / "other", progress=False)

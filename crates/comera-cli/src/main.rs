@@ -102,6 +102,9 @@ unsafe impl std::alloc::GlobalAlloc for SayingAllocator {
     }
 }
 
+// Also the allocator of the Python package's extension, which links this file as a library
+// (lib.rs) for its `comera` script: there too a failed allocation ends the process, as the
+// standard library's abort would, but with these words.
 #[global_allocator]
 static ALLOCATOR: SayingAllocator = SayingAllocator;
 
@@ -136,7 +139,7 @@ fn out_of_memory(bytes: usize) -> ! {
     }
     let _ = writeln!(
         w,
-        "; raise the limit or free memory, or ask for less (fewer --threads, a smaller batch or model)"
+        "; raise the limit or free memory, or ask for less (fewer threads, a smaller batch or model)"
     );
     let len = 512 - w.len();
     // SAFETY: writes `len` initialised bytes of `buf` to standard error, then ends the process
@@ -148,6 +151,12 @@ fn out_of_memory(bytes: usize) -> ! {
 }
 
 fn main() -> ExitCode {
+    run_from(std::env::args_os())
+}
+
+/// The whole command for the arguments `args` (the program's name first), as `main` runs
+/// it; the library target (`lib.rs`) exposes it to the Python package's `comera` script.
+pub fn run_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode {
     // Like other Unix filters, end quietly when the reader of our output goes away
     // (`comera inspect RUN | head`): Rust ignores SIGPIPE, which turns the next print into a
     // panic.
@@ -162,10 +171,11 @@ fn main() -> ExitCode {
     silence_output_failures();
     // The command runs on a thread of its own with a stack of a known size: the main thread's
     // is whatever `ulimit -s` leaves (64 KiB overflowed in parsing the arguments).
+    let args: Vec<std::ffi::OsString> = args.into_iter().collect();
     let main = std::thread::Builder::new()
         .name("comera".into())
         .stack_size(WORKER_STACK_BYTES)
-        .spawn(command_thread);
+        .spawn(move || command_thread(args));
     match main {
         Ok(thread) => thread
             .join()
@@ -180,9 +190,9 @@ fn main() -> ExitCode {
     }
 }
 
-/// Everything `comera` does, on the thread [`main`] starts.
-fn command_thread() -> ExitCode {
-    let cli = Cli::parse();
+/// Everything `comera` does for `args`, on the thread [`run_from`] starts.
+fn command_thread(args: Vec<std::ffi::OsString>) -> ExitCode {
+    let cli = Cli::parse_from(args);
     // Under mpirun/srun (feature `mpi`): every process runs the command, data-parallel. Held
     // until the end: MPI is finalised when it drops.
     let _mpi = match comera_train::distributed::init() {

@@ -183,6 +183,13 @@ impl Family {
     }
 }
 
+/// The name that [`export_hf`] gives comera's parameter `comera_name` of a model of `cfg`
+/// (e.g. `encoder.0.ffn.up.bias` → `bert.encoder.layer.0.intermediate.dense.bias`); `None`
+/// for a name the export does not write.
+pub fn hf_export_name(cfg: &EncoderConfig, comera_name: &str) -> Option<String> {
+    crate::bert::hf_name(comera_name).map(|h| Family::of(cfg).tensor_name(&h.name))
+}
+
 /// Writes `enc` as a Hugging Face directory, BERT (post-LN) or RoBERTa-PreLayerNorm (pre-LN)
 /// (see the module docs).
 pub fn export_hf(enc: &Encoder, info: &ModelInfo, dir: &Path) -> Result<HfExport> {

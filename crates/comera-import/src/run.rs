@@ -558,6 +558,11 @@ pub const HF_EXPORT_FILES: &[&str] = &[
     "tokenizer_config.json",
     "special_tokens_map.json",
     "comera_check.safetensors",
+    // The compressed form that the Python package makes of an export
+    // (`Run.export_hf(dir, compressed=True)`: comera.torch layers, loaded with
+    // `trust_remote_code=True`).
+    "comera_model.safetensors",
+    "modeling_comera.py",
 ];
 
 /// The name of the check file [`write_hf_run`] writes with `samples`.

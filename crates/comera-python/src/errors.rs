@@ -50,9 +50,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// A comera error as the Python exception of its kind.
+/// A comera error as the Python exception of its kind, in Python's words where the command
+/// line's would name its flags (`--overwrite`, `comera train --resume`).
 pub fn to_py(e: Error) -> PyErr {
-    let msg = comera_train::error::Chain(&e).to_string();
+    let msg = in_python_words(&e);
     match e {
         Error::Config(_) | Error::ModelConfig(_) | Error::Parse { .. } | Error::TomlSer(_) => {
             ConfigError::new_err(msg)
@@ -77,6 +78,43 @@ pub fn to_py(e: Error) -> PyErr {
         | Error::Memory(_) => RunError::new_err(msg),
         _ => ComeraError::new_err(msg),
     }
+}
+
+/// The error's message (the error and its sources), with what the command line says in flags
+/// said in `comera.train` / `comera.resume` arguments.
+fn in_python_words(e: &Error) -> String {
+    use comera_train::run_dir::RunDirError;
+    if let Error::RunDir(d) = e {
+        if let RunDirError::Occupied { path, what } = d.as_ref() {
+            return format!(
+                "{}: {what}; continue it with comera.resume({:?}) (or Run.resume()), replace it with overwrite=True, or choose another out=",
+                path.display(),
+                path.display().to_string()
+            );
+        }
+    }
+    let msg = comera_train::error::Chain(e).to_string();
+    // A finished run: `... To train it further: comera train --resume DIR --extend-epochs N`.
+    let msg = match msg.split_once("To train it further: comera train --resume ") {
+        Some((head, tail)) => {
+            let dir = tail.strip_suffix(" --extend-epochs N").unwrap_or(tail);
+            format!("{head}To train it further: comera.resume({dir:?}, extend_epochs=N)")
+        }
+        None => msg,
+    };
+    // The command line's flags that are arguments of comera.train / comera.resume.
+    const ARGUMENTS: [(&str, &str); 7] = [
+        ("--overwrite", "overwrite=True"),
+        ("--extend-epochs", "extend_epochs"),
+        ("--epochs", "epochs"),
+        ("--batch-size", "batch_size"),
+        ("--seed", "seed"),
+        ("--stop-after-steps", "stop_after_steps"),
+        ("--init-from", "init_from"),
+    ];
+    ARGUMENTS
+        .iter()
+        .fold(msg, |m, (flag, argument)| m.replace(flag, argument))
 }
 
 /// Runs `f`, turning a panic into a `ComeraError` (with the panic's text) and a comera error

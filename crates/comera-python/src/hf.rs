@@ -87,7 +87,7 @@ pub fn import_hf(
             overwrite,
             ..ImportOptions::new(source)
         };
-        py.detach(|| comera_import::import_to_run(opts, |_| {}))
+        py.detach(|| crate::threads::install(|| comera_import::import_to_run(opts, |_| {})))?
             .map_err(to_py)
     })?;
     let d = PyDict::new(py);
@@ -142,8 +142,10 @@ pub fn export_hf(
     overwrite: bool,
 ) -> PyResult<Py<PyAny>> {
     let e = guard(|| {
-        py.detach(|| comera_import::export_run_hf(&run, &dir, samples, overwrite))
-            .map_err(to_py)
+        py.detach(|| {
+            crate::threads::install(|| comera_import::export_run_hf(&run, &dir, samples, overwrite))
+        })?
+        .map_err(to_py)
     })?;
     let d = PyDict::new(py);
     d.set_item("dir", e.dir.display().to_string())?;
@@ -152,4 +154,75 @@ pub fn export_hf(
     d.set_item("notes", e.notes.clone())?;
     d.set_item("checked", e.checked)?;
     Ok(d.into_any().unbind())
+}
+
+/// The TT and TTM layers of a run's model with the names of the modules that hold them in its
+/// Hugging Face export (`run.export_hf(dir, compressed=True)` puts comera.torch layers
+/// there): per layer a dict with `module`, `kind` (`linear` or `embedding`), the modes, ranks,
+/// gate `threshold`, and the `cores`, `gates` (and a linear's `bias`) as float32 arrays. A
+/// TT output projection of a masked LM (its columns padded past the vocabulary) is not
+/// listed: the export keeps it dense.
+#[pyfunction]
+pub fn run_tt_modules(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyAny>> {
+    use comera_model::{AnyEmbedding, AnyLinear, Head};
+    use numpy::{PyArray1, PyArrayMethods};
+    let (saved, _) =
+        guard(|| comera_train::infer::load_run(&path, None).map_err(crate::errors::to_py))?;
+    let comera_train::files::SavedModel::Encoder(enc, _) = saved else {
+        return Err(ModelError::new_err(format!(
+            "{}: a DLRM; only text encoders have a Hugging Face export",
+            path.display()
+        )));
+    };
+    let threshold = enc.cfg.threshold;
+    let module = |param: &str, leaf: &str| -> PyResult<String> {
+        comera_import::hf::hf_export_name(&enc.cfg, param)
+            .and_then(|n| n.strip_suffix(leaf).map(str::to_string))
+            .ok_or_else(|| ModelError::new_err(format!("{param}: no Hugging Face name")))
+    };
+    let array = |p: &comera_layers::Param| -> PyResult<Py<PyAny>> {
+        Ok(PyArray1::from_slice(py, &p.value)
+            .reshape(p.shape.clone())?
+            .into_any()
+            .unbind())
+    };
+    let arrays = |ps: &[comera_layers::Param]| -> PyResult<Vec<Py<PyAny>>> {
+        ps.iter().map(array).collect()
+    };
+    let out = PyList::empty(py);
+    if let AnyEmbedding::Ttm(t) = &enc.word {
+        let d = PyDict::new(py);
+        d.set_item("module", module("embeddings.word.weight", ".weight")?)?;
+        d.set_item("kind", "embedding")?;
+        d.set_item("vocab_modes", t.shape().vocab_modes().to_vec())?;
+        d.set_item("dim_modes", t.shape().dim_modes().to_vec())?;
+        d.set_item("num_embeddings", t.shape().num_embeddings())?;
+        d.set_item("ranks", t.shape().ranks().to_vec())?;
+        d.set_item("threshold", threshold)?;
+        d.set_item("cores", arrays(&t.cores)?)?;
+        d.set_item("gates", arrays(&t.gates)?)?;
+        out.append(d)?;
+    }
+    let mut linears: Vec<&AnyLinear> = Vec::new();
+    for b in &enc.blocks {
+        linears.extend([&b.q, &b.k, &b.v, &b.o, &b.up, &b.down]);
+    }
+    if let Head::Classifier(h) = &enc.head {
+        linears.extend([&h.pool, &h.classifier]);
+    }
+    for l in linears {
+        let AnyLinear::Tt(t) = l else { continue };
+        let d = PyDict::new(py);
+        d.set_item("module", module(&t.bias.name, ".bias")?)?;
+        d.set_item("kind", "linear")?;
+        d.set_item("in_modes", t.shape().in_modes().to_vec())?;
+        d.set_item("out_modes", t.shape().out_modes().to_vec())?;
+        d.set_item("ranks", t.shape().ranks().to_vec())?;
+        d.set_item("threshold", threshold)?;
+        d.set_item("cores", arrays(&t.cores)?)?;
+        d.set_item("gates", arrays(&t.gates)?)?;
+        d.set_item("bias", array(&t.bias)?)?;
+        out.append(d)?;
+    }
+    Ok(out.into_any().unbind())
 }

@@ -9,14 +9,18 @@
 //! - [`training`]: `train` and `resume`, with data handed over in memory;
 //! - [`runs`]: a run directory's config, records, predictions and evaluations;
 //! - [`hf`]: Hugging Face models in (`import_hf`, TT-SVD compression) and out (`export_hf`);
-//! - [`torch`]: the kernels of `comera.torch`'s TT layers.
+//! - [`torch`]: the kernels of `comera.torch`'s TT layers;
+//! - [`threads`]: the threads they (and predictions) run on, rebuilt after `fork`;
+//! - [`cli`]: the `comera` command, for the package's console script.
 
 use pyo3::prelude::*;
 
+mod cli;
 mod errors;
 mod events;
 mod hf;
 mod runs;
+mod threads;
 mod torch;
 mod training;
 
@@ -35,6 +39,9 @@ fn _comera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runs::run_evaluate, m)?)?;
     m.add_function(wrap_pyfunction!(hf::import_hf, m)?)?;
     m.add_function(wrap_pyfunction!(hf::export_hf, m)?)?;
+    m.add_function(wrap_pyfunction!(hf::run_tt_modules, m)?)?;
     torch::register(m)?;
+    threads::register(m)?;
+    m.add_function(wrap_pyfunction!(cli::cli_main, m)?)?;
     Ok(())
 }

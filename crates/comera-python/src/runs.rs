@@ -50,8 +50,10 @@ pub fn run_predict<'py>(
         };
         let probs = py
             .detach(|| {
-                comera_train::infer::predict_probabilities(&model, &meta, &texts, batch_size)
-            })
+                crate::threads::install(|| {
+                    comera_train::infer::predict_probabilities(&model, &meta, &texts, batch_size)
+                })
+            })?
             .py_err()?;
         Ok((probs, meta.labels))
     })?;
@@ -79,14 +81,16 @@ pub fn run_evaluate(
 ) -> PyResult<Py<PyAny>> {
     let (kind, stats) = guard(|| {
         py.detach(|| {
-            evaluate(
-                &path,
-                texts,
-                file.as_deref(),
-                batch_size,
-                checkpoint.as_deref(),
-            )
-        })
+            crate::threads::install(|| {
+                evaluate(
+                    &path,
+                    texts,
+                    file.as_deref(),
+                    batch_size,
+                    checkpoint.as_deref(),
+                )
+            })
+        })?
         .py_err()
     })?;
     let mut v = serde_json::to_value(stats).unwrap_or(serde_json::Value::Null);

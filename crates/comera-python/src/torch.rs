@@ -13,16 +13,15 @@
 //! Every call releases the GIL while the kernel runs and turns a panic into a Python
 //! `RuntimeError`; bad shapes and values are `ValueError`s, checked before any kernel runs.
 //!
-//! Threads: the kernels run on rayon's global pool (`RAYON_NUM_THREADS` when it starts, else
-//! every core) until `set_num_threads(n)` gives them a pool of their own, which can be changed
-//! at any time, as torch's `set_num_threads` can. On the merged contraction path a layer's
-//! results do not depend on the thread count.
+//! Threads: the kernels run on the pool of [`crate::threads`] (rayon's global pool until
+//! `set_num_threads(n)` gives them one of their own; rebuilt in a child after `fork`). On the
+//! merged contraction path a layer's results do not depend on the thread count.
 
 use numpy::{PyReadonlyArray, PyReadwriteArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Mutex, MutexGuard};
 
 mod buffers;
 mod linear;
@@ -41,42 +40,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(buffers::empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(buffers::cached_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(buffers::set_cache_limit, m)?)?;
-    m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
-    m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
     Ok(())
-}
-
-/// The kernels' own thread pool, once `set_num_threads` has made one (else rayon's global pool).
-static POOL: RwLock<Option<Arc<rayon::ThreadPool>>> = RwLock::new(None);
-
-/// The pool the next kernel call runs in (`None`: the global one).
-fn pool() -> Option<Arc<rayon::ThreadPool>> {
-    POOL.read().unwrap_or_else(|p| p.into_inner()).clone()
-}
-
-/// Runs the kernels on `threads` threads from now on (a pool of their own; a kernel running
-/// meanwhile finishes on the pool it started on).
-#[pyfunction]
-fn set_num_threads(threads: usize) -> PyResult<()> {
-    if threads == 0 {
-        return Err(PyValueError::new_err("threads must be at least 1, got 0"));
-    }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|i| format!("comera-torch-{i}"))
-        .build()
-        .map_err(|e| PyRuntimeError::new_err(format!("cannot start {threads} threads: {e}")))?;
-    *POOL.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(pool));
-    Ok(())
-}
-
-/// The number of threads the kernels run on.
-#[pyfunction]
-fn get_num_threads() -> usize {
-    match pool() {
-        Some(p) => p.current_num_threads(),
-        None => rayon::current_num_threads(),
-    }
 }
 
 /// How many workspaces (batch-row counts) a kernel keeps; the least recently used goes first.
@@ -157,21 +121,18 @@ fn lock<L, W>(m: &Mutex<State<L, W>>) -> MutexGuard<'_, State<L, W>> {
     }
 }
 
-/// Runs `f` without the GIL (in the kernels' pool when there is one), catching panics:
-/// `Err(msg)` becomes a `ValueError`, a panic a `RuntimeError` naming `what`.
+/// Runs `f` without the GIL (in the kernels' pool, [`crate::threads::install`]), catching
+/// panics: `Err(msg)` becomes a `ValueError`, a panic a `RuntimeError` naming `what`.
 fn run_kernel<T: Send>(
     py: Python<'_>,
     what: &str,
     f: impl FnOnce() -> Result<T, String> + Send,
 ) -> PyResult<T> {
-    let pool = pool();
-    let run = move || match pool {
-        Some(p) => p.install(f),
-        None => f(),
-    };
+    let run = move || crate::threads::install(f);
     match py.detach(|| std::panic::catch_unwind(AssertUnwindSafe(run))) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(msg)) => Err(PyValueError::new_err(msg)),
+        Ok(Ok(Ok(v))) => Ok(v),
+        Ok(Ok(Err(msg))) => Err(PyValueError::new_err(msg)),
+        Ok(Err(e)) => Err(e),
         Err(payload) => {
             let msg = payload
                 .downcast_ref::<&str>()

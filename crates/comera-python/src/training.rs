@@ -425,20 +425,30 @@ pub fn train<'py>(
     summary_py(py, &summary)
 }
 
-/// Continues the run in `path` from its newest checkpoint; returns its summary.
+/// Continues the run in `path` from its newest checkpoint (extended first by
+/// `extend_epochs` epochs when given); returns its summary.
 #[pyfunction]
-#[pyo3(signature = (path, *, callback=None, console=false, threads=None))]
+#[pyo3(signature = (path, *, callback=None, console=false, threads=None, extend_epochs=None))]
 pub fn resume(
     py: Python<'_>,
     path: PathBuf,
     callback: Option<Py<PyAny>>,
     console: bool,
     threads: Option<usize>,
+    extend_epochs: Option<usize>,
 ) -> PyResult<Py<PyAny>> {
     let summary = guard(|| {
-        run_with(py, threads, callback, console, false, move |opts| {
-            comera_train::resume_with(&path, opts)
-        })
+        run_with(
+            py,
+            threads,
+            callback,
+            console,
+            false,
+            move |opts| match extend_epochs {
+                Some(n) => comera_train::extend_with(&path, n, opts),
+                None => comera_train::resume_with(&path, opts),
+            },
+        )
     })?;
     summary_py(py, &summary)
 }

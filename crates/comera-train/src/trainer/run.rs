@@ -142,8 +142,12 @@ impl<'t, T: Task> Loop<'t, T> {
                 rep.say(w);
             }
         }
+        let (warmup, warmup_warning) = warmup_for_run(cfg.train.warmup_steps, total);
+        if let Some(w) = warmup_warning.filter(|_| resume.is_none()) {
+            rep.say(w);
+        }
         let schedule = Schedule {
-            warmup: cfg.train.warmup_steps.min(total.unwrap_or(u64::MAX)),
+            warmup,
             total: total.unwrap_or(u64::MAX),
             decay: cfg.train.decay,
         };
@@ -795,6 +799,24 @@ impl<'t, T: Task> Loop<'t, T> {
     }
 }
 
+/// The warm-up the learning-rate schedule uses for a run of `total` steps: `warmup_steps`, or,
+/// when that is not shorter than the run (its learning rate would never reach its peak), a
+/// tenth of the run, with a warning that says so.
+fn warmup_for_run(warmup_steps: u64, total: Option<u64>) -> (u64, Option<String>) {
+    match total {
+        Some(total) if warmup_steps > 0 && warmup_steps >= total => {
+            let clamped = total / 10;
+            (
+                clamped,
+                Some(format!(
+                    "warning: train.warmup_steps = {warmup_steps} is not shorter than the run ({total} steps): the learning rate would never reach its peak; warming up over {clamped} steps (a tenth of the run) instead"
+                )),
+            )
+        }
+        _ => (warmup_steps, None),
+    }
+}
+
 /// Refuses to resume a run that ended cleanly (its `report.json` says it was not stopped),
 /// before anything in its directory is touched.
 fn refuse_finished(out: &std::path::Path, epochs: usize, steps: u64) -> crate::Result<()> {
@@ -903,7 +925,7 @@ fn rank_schedule_warnings(rank: &rank::RankConfig, total: u64, epochs: usize) ->
 
 #[cfg(test)]
 mod tests {
-    use super::rank_schedule_warnings;
+    use super::{rank_schedule_warnings, warmup_for_run};
     use comera_optim::rank::RankConfig;
 
     #[test]
@@ -935,5 +957,19 @@ mod tests {
         };
         let w = rank_schedule_warnings(&late, 168, 3);
         assert!(w[0].contains("rank.late_after_steps = 200"), "{w:?}");
+    }
+
+    #[test]
+    fn a_warmup_not_shorter_than_the_run_is_a_tenth_of_it_with_a_warning() {
+        let (w, said) = warmup_for_run(100, Some(9));
+        assert_eq!(w, 0);
+        let said = said.expect("a warning");
+        assert!(said.starts_with("warning: train.warmup_steps = 100") && said.contains("9 steps"));
+        let (w, said) = warmup_for_run(100, Some(100));
+        assert_eq!((w, said.is_some()), (10, true));
+        assert_eq!(warmup_for_run(100, Some(101)), (100, None));
+        assert_eq!(warmup_for_run(0, Some(5)), (0, None));
+        // A streamed run (length unknown) keeps its warm-up.
+        assert_eq!(warmup_for_run(100, None), (100, None));
     }
 }
