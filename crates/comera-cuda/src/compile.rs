@@ -154,6 +154,12 @@ pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
 /// Compiles one source to a CUBIN for `arch`. A compile error is
 /// [`CudaError::KernelCompile`] with NVRTC's log.
 pub fn compile(src: &KernelSource, arch: Arch) -> Result<Vec<u8>, CudaError> {
+    compile_with_log(src, arch).map(|(cubin, _)| cubin)
+}
+
+/// [`compile`], also returning NVRTC's log of a successful compilation (its warnings; empty
+/// when there are none).
+pub fn compile_with_log(src: &KernelSource, arch: Arch) -> Result<(Vec<u8>, String), CudaError> {
     let version = nvrtc_version()?;
     if version.0 < 13 {
         return Err(CudaError::NvrtcTooOld { found: version });
@@ -163,15 +169,16 @@ pub fn compile(src: &KernelSource, arch: Arch) -> Result<Vec<u8>, CudaError> {
     let prog = result::create_program(&text, Some(&name)).map_err(nvrtc("nvrtcCreateProgram"))?;
     // SAFETY: `prog` was just created and is destroyed below, once; `text` and `name` outlive it.
     let compiled = unsafe { result::compile_program(prog, &options(arch)) };
+    // SAFETY: `prog` is live (destroyed below).
+    let log = unsafe { result::get_program_log(prog) }
+        .map(|log| c_chars_to_string(&log))
+        .unwrap_or_else(|e| format!("(no log: {e})"));
     let out = match compiled {
-        Ok(()) => cubin(prog),
+        Ok(()) => cubin(prog).map(|bin| (bin, log)),
         Err(_) => Err(CudaError::KernelCompile {
             kernel: src.name,
             arch,
-            // SAFETY: `prog` is live (destroyed below).
-            log: unsafe { result::get_program_log(prog) }
-                .map(|log| c_chars_to_string(&log))
-                .unwrap_or_else(|e| format!("(no log: {e})")),
+            log,
         }),
     };
     // SAFETY: `prog` is live and not used after this.
