@@ -805,11 +805,15 @@ impl Device {
     ) -> Result<(), CudaError> {
         check("ttm meta", meta.len(), layout.meta.len())?;
         check("ttm cores", cores.len(), layout.core_len)?;
-        check(
-            "ttm gates",
-            gates.len(),
-            layout.gate_len.max(gates.len().min(1)),
-        )?;
+        // A one-core table has no gates; its (unread) gate buffer may hold one dummy value,
+        // as cudarc has no zero-length device buffer to pass.
+        if !(gates.len() == layout.gate_len || (layout.gate_len == 0 && gates.len() <= 1)) {
+            return Err(CudaError::Shape {
+                name: "ttm gates",
+                expected: layout.gate_len,
+                got: gates.len(),
+            });
+        }
         let count = ids.len();
         check("ttm rows", rows.len(), count * layout.dim)?;
         let (c, chain) = (count as i32, layout.chain as i32);
@@ -935,7 +939,7 @@ impl Device {
     ) -> Result<(), CudaError> {
         let cores = modes.len();
         check("rank bonds", bond_len.len(), cores.saturating_sub(1))?;
-        if cores < 2 || cores > 65 {
+        if !(2..=65).contains(&cores) {
             return Err(CudaError::Shape {
                 name: "rank chain cores (2..=65)",
                 expected: 65,
@@ -1017,7 +1021,7 @@ mod tests {
         assert_eq!(l.gate_len, 96);
         assert_eq!(&l.meta[..5], &[4, 16, 20, 10, 10]);
         // A chain that does not fit in shared memory is refused.
-        assert!(TtmLayout::new(&[10, 10], &[64, 64], &[1, 64, 1]).is_err());
+        assert!(TtmLayout::new(&[10, 10], &[128, 64], &[1, 64, 1]).is_err());
     }
 
     #[test]

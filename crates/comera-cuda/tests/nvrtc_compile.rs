@@ -36,17 +36,35 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
             let (cubin, log) =
                 compile::compile_with_log(src, arch).unwrap_or_else(|e| panic!("{e}"));
             // No warnings either: a warning in a kernel is a bug waiting on a GPU.
-            assert!(log.trim().is_empty(), "{} for {arch}: NVRTC says\n{log}", src.name);
+            assert!(
+                log.trim().is_empty(),
+                "{} for {arch}: NVRTC says\n{log}",
+                src.name
+            );
             // An ELF image (CUBIN), not PTX text.
-            assert_eq!(&cubin[..4], b"\x7fELF", "{} for {arch}: not a CUBIN", src.name);
+            assert_eq!(
+                &cubin[..4],
+                b"\x7fELF",
+                "{} for {arch}: not a CUBIN",
+                src.name
+            );
             // `extern "C"` kernels keep their names in the ELF's symbol table.
             for k in src.kernels {
-                let found = cubin.windows(k.len() + 1).any(|w| {
-                    &w[..k.len()] == k.as_bytes() && w[k.len()] == 0
-                });
-                assert!(found, "{} for {arch}: kernel `{k}` not in the CUBIN", src.name);
+                let found = cubin
+                    .windows(k.len() + 1)
+                    .any(|w| &w[..k.len()] == k.as_bytes() && w[k.len()] == 0);
+                assert!(
+                    found,
+                    "{} for {arch}: kernel `{k}` not in the CUBIN",
+                    src.name
+                );
             }
-            println!("{} for {arch}: {} bytes, kernels {:?}", src.name, cubin.len(), src.kernels);
+            println!(
+                "{} for {arch}: {} bytes, kernels {:?}",
+                src.name,
+                cubin.len(),
+                src.kernels
+            );
         }
     }
 }
@@ -67,7 +85,10 @@ fn a_broken_kernel_reports_the_nvrtc_log() {
         Err(e @ CudaError::KernelCompile { .. }) => {
             let msg = e.to_string();
             assert!(msg.contains("broken.cu") && msg.contains("sm_90"), "{msg}");
-            assert!(msg.contains("broken.cu(2)"), "the log names the line: {msg}");
+            assert!(
+                msg.contains("broken.cu(2)"),
+                "the log names the line: {msg}"
+            );
             assert!(msg.contains("undefined_name"), "{msg}");
         }
         other => panic!("expected a compile error, got {other:?}"),
