@@ -7,7 +7,7 @@
 
 use crate::compile::{self, Arch};
 use crate::error::{driver, CudaError, MIN_DRIVER_VERSION};
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, DriverError};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaGraph, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -121,6 +121,11 @@ impl Device {
     pub fn open(ordinal: usize) -> Result<Device, CudaError> {
         let info = probe(ordinal)?;
         let ctx = CudaContext::new(ordinal).map_err(driver("creating the CUDA context"))?;
+        // SAFETY: a `Device` queues all its work on its one stream (`stream` below), in order,
+        // and its buffers are made, used and freed on that stream; cudarc's per-buffer events
+        // (which order uses of a buffer across streams) are then not needed, and they would add
+        // an event record and a wait to every launch and get in the way of graph capture.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(driver("creating a CUDA stream"))?;
         let mut kernels = HashMap::new();
         for (src, cubin) in compile::compile_all(info.arch)? {
@@ -173,6 +178,33 @@ impl Device {
     pub fn ensure_fits(&self, what: &str, needed: usize) -> Result<(), CudaError> {
         let (free, total) = self.memory()?;
         check_fits(self.info.ordinal, what, needed, free, total)
+    }
+
+    /// Captures what `record` queues on the device's stream as a CUDA graph (nothing runs
+    /// while capturing), to be replayed with [`CudaGraph::launch`]. Capture is thread-local:
+    /// other threads' CUDA calls neither join nor break it. Buffers must be allocated before
+    /// (a captured step allocates nothing), and values that change from step to step must be
+    /// read by the kernels from device memory (the dropout step counter, the clip factor, the
+    /// step's learning-rate scalars), since a replay repeats the captured launch arguments.
+    pub fn capture(
+        &self,
+        record: impl FnOnce(&Device) -> Result<(), CudaError>,
+    ) -> Result<CudaGraph, CudaError> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver("beginning a stream capture"))?;
+        let recorded = record(self);
+        // End the capture whether or not recording succeeded, so the stream is usable again.
+        let ended = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(driver("ending a stream capture"));
+        recorded?;
+        ended?.ok_or(CudaError::Shape {
+            name: "captured graph (nothing was recorded)",
+            expected: 1,
+            got: 0,
+        })
     }
 
     /// A cuBLAS handle on the engine's stream ([`CudaError::NoCublas`] if the library cannot

@@ -769,3 +769,35 @@ fn wrong_shapes_are_refused_before_launch() {
         "{e}"
     );
 }
+
+/// A captured graph replays with new values where kernels read them from the device: the
+/// dropout mask of each replay is the next step's, because the graph advances the step counter
+/// on the device. (Its own device handle: capture takes over a stream, and the other tests
+/// share theirs.)
+#[test]
+fn a_captured_graph_replays_with_the_next_steps_mask() {
+    if device().is_none() {
+        return;
+    }
+    let dev = Device::open(0).unwrap();
+    let (n, p, seed, step0) = (5000, 0.3f32, 42u64, 10u64);
+    let mut step = up(&dev, &[step0]);
+    let mut mask = zeros::<f32>(&dev, n);
+    let graph = dev
+        .capture(|d| {
+            d.dropout_mask(&mut mask, p, seed, &step)?;
+            d.step_advance(&mut step)
+        })
+        .unwrap();
+    // Capturing ran nothing.
+    assert_eq!(down(&dev, &step), vec![step0]);
+    let drop = comera_layers::dropout::Dropout::new(p, seed);
+    for r in 0..3 {
+        graph.launch().unwrap();
+        let cpu: Vec<f32> = (0..n)
+            .map(|i| drop.keep(step0 + r, i) as u8 as f32)
+            .collect();
+        same_bits(&format!("graph replay {r}: mask"), &down(&dev, &mask), &cpu);
+        assert_eq!(down(&dev, &step), vec![step0 + r + 1]);
+    }
+}
