@@ -60,3 +60,34 @@ extern "C" __global__ void gate_columns(const float* __restrict__ core,
         h[i] = core[i] * (d > tau ? d : 0.0f);
     }
 }
+
+// The backward of h = core diag(g(d)) (gates.rs accumulate_gated_grads), from dh (rows, r):
+//   core_grad[.., j] += dh[.., j] d_j  and  gate_grad[j] += sum_{rows, in order} dh[.., j] core[.., j]
+// for active entries j (d_j > tau) only. Without a gate (the last core of a chain, gate null):
+// core_grad += dh. Two kernels: the core (grid-stride over rows r) and the gate (one thread per
+// j, rows in order, the CPU's order).
+extern "C" __global__ void gated_grads_core(const float* __restrict__ dh,
+                                            const float* __restrict__ gate, long long rows,
+                                            int r, float tau, float* __restrict__ core_grad) {
+    const long long n = rows * r;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        if (!gate) {
+            core_grad[i] += dh[i];
+        } else {
+            const float d = gate[i % r];
+            if (d > tau) core_grad[i] += dh[i] * d;
+        }
+    }
+}
+
+extern "C" __global__ void gated_grads_gate(const float* __restrict__ dh,
+                                            const float* __restrict__ core,
+                                            const float* __restrict__ gate, long long rows, int r,
+                                            float tau, float* __restrict__ gate_grad) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= r || !(gate[j] > tau)) return;
+    float acc = gate_grad[j];
+    for (long long row = 0; row < rows; ++row) acc += dh[row * r + j] * core[row * r + j];
+    gate_grad[j] = acc;
+}

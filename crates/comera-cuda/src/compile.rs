@@ -100,7 +100,13 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "embedding.cu",
         source: include_str!("../kernels/embedding.cu"),
-        kernels: &["gather_rows", "segment_sum_rows", "ttm_rows"],
+        kernels: &[
+            "gather_rows",
+            "segment_sum_rows",
+            "ttm_rows",
+            "ttm_slab_grads",
+            "ttm_core_grad_sums",
+        ],
     },
     KernelSource {
         name: "optim.cu",
@@ -110,7 +116,12 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "rank.cu",
         source: include_str!("../kernels/rank.cu"),
-        kernels: &["rank_size_l1_grad", "gate_columns"],
+        kernels: &[
+            "rank_size_l1_grad",
+            "gate_columns",
+            "gated_grads_core",
+            "gated_grads_gate",
+        ],
     },
 ];
 

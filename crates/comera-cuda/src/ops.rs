@@ -114,14 +114,69 @@ impl Segments {
 pub struct TtmLayout {
     /// [p, v.., e.., r_0..r_p, core offsets.., gate offsets..] (the kernel's `meta`).
     pub meta: Vec<i32>,
-    /// Floats of each of the two shared ping-pong buffers: max_k E_k·r_{k+1}.
+    /// Floats of each shared chain buffer (two forward, three backward): max_k E_k·r_{k+1}.
     pub chain: usize,
     pub core_len: usize,
     pub gate_len: usize,
     pub dim: usize,
+    /// Per core k: (r_k, v_k, e_k, r_{k+1}), its offset in the cores, its gate's offset in the
+    /// gates (bond k + 1; `None` for the last core), its slab gradients' offset in a row of
+    /// `ttm_slab_grads`' output.
+    pub cores: Vec<TtmCore>,
+    /// Floats of one distinct id's slab gradients: Σ_k r_k·e_k·r_{k+1}.
+    pub slab_total: usize,
 }
 
-/// Most dynamic shared memory `ttm_rows` may ask for (the default limit without opting in).
+/// One core of a [`TtmLayout`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TtmCore {
+    pub shape: [usize; 4],
+    pub offset: usize,
+    pub gate_offset: Option<usize>,
+    pub slab_offset: usize,
+}
+
+impl TtmCore {
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// For the TTM backward: per core k, the batch's distinct ids (by their index u among the
+/// ascending distinct ids) grouped by their digit k, ascending u within a digit: `order`
+/// (distinct) and `start` (v_k + 1), as `segment_sum_rows` reads segments.
+pub fn ttm_digit_segments(layout: &TtmLayout, distinct_ids: &[u32]) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let p = layout.cores.len();
+    let vmodes: Vec<usize> = layout.cores.iter().map(|c| c.shape[1]).collect();
+    (0..p)
+        .map(|k| {
+            let stride: usize = vmodes[k + 1..].iter().product();
+            let digit = |id: u32| (id as usize / stride) % vmodes[k];
+            let mut start = vec![0u32; vmodes[k] + 1];
+            for &id in distinct_ids {
+                start[digit(id) + 1] += 1;
+            }
+            for i in 0..vmodes[k] {
+                start[i + 1] += start[i];
+            }
+            let mut next = start.clone();
+            let mut order = vec![0u32; distinct_ids.len()];
+            for (u, &id) in distinct_ids.iter().enumerate() {
+                let d = digit(id);
+                order[next[d] as usize] = u as u32;
+                next[d] += 1;
+            }
+            (order, start)
+        })
+        .collect()
+}
+
+/// Most dynamic shared memory `ttm_rows` / `ttm_slab_grads` may ask for (the default limit
+/// without opting in to more).
 pub const TTM_SHARED_MAX: usize = 48 << 10;
 
 impl TtmLayout {
@@ -147,10 +202,11 @@ impl TtmLayout {
                 gate_len += ranks[k];
             }
         }
-        if 2 * chain * 4 > TTM_SHARED_MAX {
+        // The backward holds three chain buffers (A_{k-1}, dA_k, dA_{k-1}), the forward two.
+        if 3 * chain * 4 > TTM_SHARED_MAX {
             return Err(CudaError::Shape {
                 name: "TTM chain (shared-memory floats of ttm_rows)",
-                expected: TTM_SHARED_MAX / 8,
+                expected: TTM_SHARED_MAX / 12,
                 got: chain,
             });
         }
@@ -161,12 +217,30 @@ impl TtmLayout {
         meta.extend(as_i32(ranks));
         meta.extend(core_off);
         meta.extend(gate_off);
+        let mut cores = Vec::with_capacity(p);
+        let (mut off, mut goff, mut soff) = (0usize, 0usize, 0usize);
+        for k in 0..p {
+            let shape = [ranks[k], vocab_modes[k], dim_modes[k], ranks[k + 1]];
+            cores.push(TtmCore {
+                shape,
+                offset: off,
+                gate_offset: (k + 1 < p).then_some(goff),
+                slab_offset: soff,
+            });
+            off += shape.iter().product::<usize>();
+            if k + 1 < p {
+                goff += ranks[k + 1];
+            }
+            soff += ranks[k] * dim_modes[k] * ranks[k + 1];
+        }
         Ok(TtmLayout {
             meta,
             chain,
             core_len,
             gate_len,
             dim: rows,
+            cores,
+            slab_total: soff,
         })
     }
 }
@@ -837,6 +911,216 @@ impl Device {
         Ok(())
     }
 
+    /// `embedding.cu` + `rank.cu`: the TTM table's backward for one batch. From dy (tokens, D)
+    /// and the batch's [`Segments`] on the device (`order`, `start`, `distinct` ids), and per
+    /// core the digit segments of [`ttm_digit_segments`] on the device: sums dy per distinct id
+    /// into `drows` (≥ distinct·D), the slab gradients of each distinct id into `slab_grads`
+    /// (≥ distinct·slab_total), then per core the sums over ids sharing a digit into `dh` (≥ the
+    /// largest core) and through the gates: *accumulates* `core_grads` (the cores back to
+    /// back) and `gate_grads` (the gates back to back), as `TtmEmbedding::backward` does.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ttm_backward(
+        &self,
+        layout: &TtmLayout,
+        meta: &CudaSlice<i32>,
+        cores: &CudaSlice<f32>,
+        gates: &CudaSlice<f32>,
+        tau: f32,
+        dy: &CudaSlice<f32>,
+        order: &CudaSlice<u32>,
+        start: &CudaSlice<u32>,
+        distinct: &CudaSlice<u32>,
+        digit_segments: &[(CudaSlice<u32>, CudaSlice<u32>)],
+        drows: &mut CudaSlice<f32>,
+        slab_grads: &mut CudaSlice<f32>,
+        dh: &mut CudaSlice<f32>,
+        core_grads: &mut CudaSlice<f32>,
+        gate_grads: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let (u, d) = (distinct.len(), layout.dim);
+        check("ttm start", start.len(), u + 1)?;
+        check("ttm meta", meta.len(), layout.meta.len())?;
+        check("ttm cores", cores.len(), layout.core_len)?;
+        check("ttm core grads", core_grads.len(), layout.core_len)?;
+        check("ttm gates", gates.len(), layout.gate_len)?;
+        check("ttm gate grads", gate_grads.len(), layout.gate_len)?;
+        check(
+            "ttm digit segments",
+            digit_segments.len(),
+            layout.cores.len(),
+        )?;
+        for (name, len, need) in [
+            ("ttm drows", drows.len(), u * d),
+            ("ttm slab grads", slab_grads.len(), u * layout.slab_total),
+            (
+                "ttm dh",
+                dh.len(),
+                layout.cores.iter().map(TtmCore::len).max().unwrap_or(0),
+            ),
+        ] {
+            if len < need {
+                return Err(CudaError::Shape {
+                    name,
+                    expected: need,
+                    got: len,
+                });
+            }
+        }
+        self.segment_sum_rows_into(dy, order, start, d, &mut drows.slice_mut(..u * d))?;
+        let s = self.stream();
+        let (count, chain) = (u as i32, layout.chain as i32);
+        let total = layout.slab_total as i32;
+        {
+            let drows_u = drows.slice(..u * d);
+            let mut l = s.launch_builder(self.kernel("ttm_slab_grads"));
+            l.arg(cores).arg(gates).arg(meta).arg(&tau);
+            l.arg(distinct)
+                .arg(&count)
+                .arg(&chain)
+                .arg(&drows_u)
+                .arg(&mut *slab_grads);
+            let cfg = LaunchConfig {
+                shared_mem_bytes: (3 * layout.chain * 4) as u32,
+                ..grid(u as u32, 1, BLOCK)
+            };
+            // SAFETY: arguments match the kernel; three chain buffers of dynamic shared memory
+            // (within 48 KiB, checked by `TtmLayout::new`); drows holds u·D and slab_grads
+            // u·slab_total floats (checked above); ids are the batch's distinct ids (< the
+            // table's rows, checked by the caller).
+            unsafe { l.launch(cfg) }.map_err(driver("ttm_slab_grads"))?;
+        }
+        for (core, (dorder, dstart)) in layout.cores.iter().zip(digit_segments) {
+            let [ra, vk, ek, rb] = core.shape;
+            check("ttm digit order", dorder.len(), u)?;
+            check("ttm digit start", dstart.len(), vk + 1)?;
+            let n = core.len();
+            let soff = core.slab_offset as i32;
+            let [ra_, vk_, ek_, rb_] = core.shape.map(|x| x as i32);
+            {
+                let mut dhv = dh.slice_mut(..n);
+                let mut l = s.launch_builder(self.kernel("ttm_core_grad_sums"));
+                l.arg(&*slab_grads)
+                    .arg(&total)
+                    .arg(&soff)
+                    .arg(dorder)
+                    .arg(dstart);
+                l.arg(&ra_).arg(&vk_).arg(&ek_).arg(&rb_).arg(&mut dhv);
+                // SAFETY: arguments match the kernel; dh holds the core's n floats; the digit
+                // segments index the u rows of slab_grads.
+                unsafe { l.launch(grid_stride(n)) }.map_err(driver("ttm_core_grad_sums"))?;
+            }
+            let dhv = dh.slice(..n);
+            let rows = (ra * vk * ek) as i64;
+            let gate_view = core.gate_offset.map(|g| gates.slice(g..g + rb));
+            {
+                let mut cg = core_grads.slice_mut(core.offset..core.offset + n);
+                let mut l = s.launch_builder(self.kernel("gated_grads_core"));
+                l.arg(&dhv);
+                match &gate_view {
+                    Some(g) => l.arg(g),
+                    None => l.arg(&NULL),
+                };
+                l.arg(&rows).arg(&rb_).arg(&tau).arg(&mut cg);
+                // SAFETY: arguments match the kernel; dh and the core gradient hold
+                // rows·r_{k+1} floats, the gate r_{k+1}.
+                unsafe { l.launch(grid_stride(n)) }.map_err(driver("gated_grads_core"))?;
+            }
+            if let (Some(g), Some(goff)) = (&gate_view, core.gate_offset) {
+                let cv = cores.slice(core.offset..core.offset + n);
+                let mut gg = gate_grads.slice_mut(goff..goff + rb);
+                let mut l = s.launch_builder(self.kernel("gated_grads_gate"));
+                l.arg(&dhv)
+                    .arg(&cv)
+                    .arg(g)
+                    .arg(&rows)
+                    .arg(&rb_)
+                    .arg(&tau)
+                    .arg(&mut gg);
+                // SAFETY: as above; one thread per gate entry.
+                unsafe { l.launch(grid((rb as u32).div_ceil(BLOCK), 1, BLOCK)) }
+                    .map_err(driver("gated_grads_gate"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `segment_sum_rows` into row u of a view (no accumulation): the per-id gradient sums.
+    fn segment_sum_rows_into(
+        &self,
+        dy: &CudaSlice<f32>,
+        order: &CudaSlice<u32>,
+        start: &CudaSlice<u32>,
+        dim: usize,
+        dst: &mut cudarc::driver::CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        let segments = start.len().saturating_sub(1);
+        check("segment dy", dy.len(), order.len() * dim)?;
+        check("segment dst", dst.len(), segments * dim)?;
+        let (sg, d, acc) = (segments as i32, dim as i32, 0i32);
+        let mut l = self
+            .stream()
+            .launch_builder(self.kernel("segment_sum_rows"));
+        l.arg(dy)
+            .arg(order)
+            .arg(start)
+            .arg(&NULL)
+            .arg(&sg)
+            .arg(&d)
+            .arg(&acc)
+            .arg(dst);
+        // SAFETY: arguments match the kernel; dst holds segments·dim floats (checked).
+        unsafe { l.launch(grid(segments as u32, 1, BLOCK)) }.map_err(driver("segment_sum_rows"))?;
+        Ok(())
+    }
+
+    /// `rank.cu`: the backward of h = core·diag(g(gate)) from dh (rows, r): *accumulates*
+    /// core_grad (rows, r) and gate_grad (r), active entries only (gates.rs
+    /// `accumulate_gated_grads`).
+    pub fn gated_grads(
+        &self,
+        core: &CudaSlice<f32>,
+        gate: &CudaSlice<f32>,
+        dh: &CudaSlice<f32>,
+        tau: f32,
+        core_grad: &mut CudaSlice<f32>,
+        gate_grad: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let r = gate.len();
+        if r == 0 || !core.len().is_multiple_of(r) {
+            return Err(CudaError::Shape {
+                name: "gated_grads core (rows of the gate length)",
+                expected: r,
+                got: core.len(),
+            });
+        }
+        check("gated_grads dh", dh.len(), core.len())?;
+        check("gated_grads core_grad", core_grad.len(), core.len())?;
+        check("gated_grads gate_grad", gate_grad.len(), r)?;
+        let (rows, ri) = ((core.len() / r) as i64, r as i32);
+        let s = self.stream();
+        let mut l = s.launch_builder(self.kernel("gated_grads_core"));
+        l.arg(dh)
+            .arg(gate)
+            .arg(&rows)
+            .arg(&ri)
+            .arg(&tau)
+            .arg(core_grad);
+        // SAFETY: arguments match the kernel; lengths checked above.
+        unsafe { l.launch(grid_stride(core.len())) }.map_err(driver("gated_grads_core"))?;
+        let mut l = s.launch_builder(self.kernel("gated_grads_gate"));
+        l.arg(dh)
+            .arg(core)
+            .arg(gate)
+            .arg(&rows)
+            .arg(&ri)
+            .arg(&tau)
+            .arg(gate_grad);
+        // SAFETY: as above; one thread per gate entry.
+        unsafe { l.launch(grid((r as u32).div_ceil(BLOCK), 1, BLOCK)) }
+            .map_err(driver("gated_grads_gate"))?;
+        Ok(())
+    }
+
     /// Floats of the partial buffer of [`Device::grad_norm`] for a gradient of `n` elements.
     pub fn grad_norm_partial_len(n: usize) -> usize {
         n.div_ceil(GRAD_NORM_PER_BLOCK).max(1)
@@ -1022,6 +1306,19 @@ mod tests {
         assert_eq!(&l.meta[..5], &[4, 16, 20, 10, 10]);
         // A chain that does not fit in shared memory is refused.
         assert!(TtmLayout::new(&[10, 10], &[128, 64], &[1, 64, 1]).is_err());
+    }
+
+    #[test]
+    fn ttm_digit_segments_group_ids_by_digit() {
+        let l = TtmLayout::new(&[4, 5, 3], &[2, 3, 2], &[1, 3, 3, 1]).unwrap();
+        assert_eq!(l.slab_total, 2 * 3 + 3 * 3 * 3 + 3 * 2);
+        assert_eq!(l.cores[1].gate_offset, Some(3));
+        assert_eq!(l.cores[2].gate_offset, None);
+        // ids 7 = (0, 2, 1), 16 = (1, 0, 1), 40 = (2, 3, 1), 44 = (2, 4, 2)
+        let segs = ttm_digit_segments(&l, &[7, 16, 40, 44]);
+        assert_eq!(segs[0], (vec![0, 1, 2, 3], vec![0, 1, 2, 4, 4]));
+        assert_eq!(segs[1], (vec![1, 0, 2, 3], vec![0, 1, 1, 2, 3, 4]));
+        assert_eq!(segs[2], (vec![0, 1, 2, 3], vec![0, 0, 3, 4]));
     }
 
     #[test]

@@ -19,7 +19,7 @@
 #![cfg(feature = "cuda")]
 
 use comera_cuda::cudarc::driver::CudaSlice;
-use comera_cuda::ops::{AdamConsts, AdamTensor, Segments, TtmLayout};
+use comera_cuda::ops::{ttm_digit_segments, AdamConsts, AdamTensor, Segments, TtmLayout};
 use comera_cuda::{CudaError, Device};
 use comera_layers::{Layer, Param, ParamKind};
 use std::sync::OnceLock;
@@ -799,5 +799,126 @@ fn a_captured_graph_replays_with_the_next_steps_mask() {
             .collect();
         same_bits(&format!("graph replay {r}: mask"), &down(&dev, &mask), &cpu);
         assert_eq!(down(&dev, &step), vec![step0 + r + 1]);
+    }
+}
+
+#[test]
+fn gated_core_gradients_are_the_cpus_bit_for_bit() {
+    let Some(dev) = device() else { return };
+    let rule = comera_layers::RankGates::default();
+    let (rows, r) = (45, 30);
+    let core = normal(150, rows * r, 1.0);
+    let dh = normal(151, rows * r, 1.0);
+    let gate: Vec<f32> = (0..r)
+        .map(|j| {
+            if j % 4 == 2 {
+                0.004
+            } else {
+                0.1 + 0.05 * j as f32
+            }
+        })
+        .collect();
+    let (mut cg, mut gg) = (normal(152, rows * r, 1.0), normal(153, r, 1.0));
+    let (gcg0, ggg0) = (up(dev, &cg), up(dev, &gg));
+    rule.accumulate_gated_grads(&core, &mut cg, &gate, &mut gg, &dh);
+    let (gcore, ggate, gdh) = (up(dev, &core), up(dev, &gate), up(dev, &dh));
+    let (mut gcg, mut ggg) = (gcg0, ggg0);
+    dev.gated_grads(&gcore, &ggate, &gdh, rule.threshold, &mut gcg, &mut ggg)
+        .unwrap();
+    same_bits("gated core gradient", &down(dev, &gcg), &cg);
+    same_bits("gate gradient", &down(dev, &ggg), &gg);
+}
+
+#[test]
+fn ttm_backward_matches_the_cpu() {
+    let Some(dev) = device() else { return };
+    use comera_layers::{EmbeddingLayer, RankGates, TtmEmbedding};
+    use comera_tensor::TtmShape;
+    for (vm, dm, rank, v, tokens) in [
+        (vec![4, 5, 3], vec![2, 3, 2], 3, 55usize, 90usize),
+        (vec![16, 20, 10, 10], vec![4, 4, 8, 6], 32, 30522, 300),
+    ] {
+        let shape = TtmShape::uniform(&vm, &dm, rank, v).unwrap();
+        let mut rng = comera_tensor::init::rng(161);
+        let base =
+            TtmEmbedding::new("ttm", shape.clone(), RankGates::default(), 1.0, &mut rng).unwrap();
+        let cores: Vec<Vec<f32>> = base.cores.iter().map(|c| c.value.clone()).collect();
+        let gates: Vec<Vec<f32>> = base
+            .gates
+            .iter()
+            .enumerate()
+            .map(|(b, g)| {
+                (0..g.len())
+                    .map(|j| {
+                        if (j + 2 * b) % 5 == 0 {
+                            0.002
+                        } else {
+                            0.3 + j as f32 * 0.05
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut table = TtmEmbedding::from_parts(
+            "ttm",
+            shape.clone(),
+            RankGates::default(),
+            cores.clone(),
+            gates.clone(),
+        )
+        .unwrap();
+        // Ids with repeats (a Zipf-like head), so segments hold several tokens.
+        let ids: Vec<u32> = (0..tokens as u64)
+            .map(|t| ((t * t * 2654435761) % 97 * 7919 % v as u64) as u32)
+            .collect();
+        let dy = normal(162, tokens * table.dim(), 1.0);
+        let mut ws = table.workspace(tokens);
+        let mut y = vec![0.0; tokens * table.dim()];
+        table.forward(&mut ws, &ids, &mut y).unwrap();
+        table.backward(&mut ws, &ids, &dy);
+        let cpu_cores: Vec<f32> = table.cores.iter().flat_map(|c| c.grad.clone()).collect();
+        let cpu_gates: Vec<f32> = table.gates.iter().flat_map(|g| g.grad.clone()).collect();
+
+        let layout = TtmLayout::new(&vm, &dm, shape.ranks()).unwrap();
+        let seg = Segments::of(&ids);
+        let u = seg.distinct();
+        let digits = ttm_digit_segments(&layout, &seg.ids);
+        let gdigits: Vec<_> = digits
+            .iter()
+            .map(|(o, s)| (up(dev, o), up(dev, s)))
+            .collect();
+        let (meta, gcores, ggates) = (
+            up(dev, &layout.meta),
+            up(dev, &cores.concat()),
+            up(dev, &gates.concat()),
+        );
+        let (gdy, gorder, gstart, gdistinct) = (
+            up(dev, &dy),
+            up(dev, &seg.order),
+            up(dev, &seg.start),
+            up(dev, &seg.ids),
+        );
+        let mut drows = zeros(dev, u * layout.dim);
+        let mut slabs = zeros(dev, u * layout.slab_total);
+        let mut dh = zeros(dev, layout.cores.iter().map(|c| c.len()).max().unwrap());
+        let (mut cg, mut gg) = (zeros(dev, layout.core_len), zeros(dev, layout.gate_len));
+        dev.ttm_backward(
+            &layout, &meta, &gcores, &ggates, 0.01, &gdy, &gorder, &gstart, &gdistinct, &gdigits,
+            &mut drows, &mut slabs, &mut dh, &mut cg, &mut gg,
+        )
+        .unwrap();
+        let tag = format!("TTM backward {vm:?}x{dm:?} rank {rank}, {u} distinct of {tokens}");
+        close(
+            &format!("{tag}: core gradients"),
+            &down(dev, &cg),
+            &cpu_cores,
+            1e-5,
+        );
+        close(
+            &format!("{tag}: gate gradients"),
+            &down(dev, &gg),
+            &cpu_gates,
+            1e-5,
+        );
     }
 }
