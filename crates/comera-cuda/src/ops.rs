@@ -1121,6 +1121,49 @@ impl Device {
         Ok(())
     }
 
+    /// cuBLAS SGEMM in row-major terms (the layout of every comera buffer):
+    /// c (m, n) = alpha·op(a)·op(b) + beta·c with op(a) (m, k) and op(b) (k, n); `a` is stored
+    /// (m, k), or (k, m) when `trans_a`; `b` (k, n), or (n, k) when `trans_b`. cuBLAS is
+    /// column-major, so this asks it for cᵀ = op(b)ᵀ·op(a)ᵀ, which is c read row by row.
+    /// Full fp32 (cuBLAS' default math mode, no TF32).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        blas: &cudarc::cublas::CudaBlas,
+        (m, n, k): (usize, usize, usize),
+        a: &CudaSlice<f32>,
+        trans_a: bool,
+        b: &CudaSlice<f32>,
+        trans_b: bool,
+        alpha: f32,
+        beta: f32,
+        c: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        use cudarc::cublas::{sys::cublasOperation_t as Op, Gemm, GemmConfig};
+        check("matmul a", a.len(), m * k)?;
+        check("matmul b", b.len(), k * n)?;
+        check("matmul c", c.len(), m * n)?;
+        let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
+        let cfg = GemmConfig {
+            transa: op(trans_b),
+            transb: op(trans_a),
+            m: n as i32,
+            n: m as i32,
+            k: k as i32,
+            alpha,
+            lda: (if trans_b { k } else { n }) as i32,
+            ldb: (if trans_a { m } else { k }) as i32,
+            beta,
+            ldc: n as i32,
+        };
+        // SAFETY: the sizes were checked above against the (m, n, k) and transposes given, and
+        // the leading dimensions are those of the row-major buffers seen as column-major.
+        unsafe { blas.gemm(cfg, b, a, c) }.map_err(|source| CudaError::Cublas {
+            context: "cublasSgemm",
+            source,
+        })
+    }
+
     /// Floats of the partial buffer of [`Device::grad_norm`] for a gradient of `n` elements.
     pub fn grad_norm_partial_len(n: usize) -> usize {
         n.div_ceil(GRAD_NORM_PER_BLOCK).max(1)

@@ -922,3 +922,35 @@ fn ttm_backward_matches_the_cpu() {
         );
     }
 }
+
+/// cuBLAS in row-major terms, each transpose combination, against an f64 product.
+#[test]
+fn cublas_matmul_in_row_major_terms() {
+    let Some(dev) = device() else { return };
+    let blas = dev.cublas().unwrap();
+    let (m, n, k) = (37, 29, 51);
+    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+        let a = normal(170, m * k, 1.0);
+        let b = normal(171, k * n, 1.0);
+        let c0 = normal(172, m * n, 1.0);
+        let at = |i: usize, l: usize| if ta { a[l * m + i] } else { a[i * k + l] };
+        let bt = |l: usize, j: usize| if tb { b[j * k + l] } else { b[l * n + j] };
+        let (alpha, beta) = (0.75f32, 0.5f32);
+        let expect: Vec<f32> = (0..m * n)
+            .map(|ij| {
+                let (i, j) = (ij / n, ij % n);
+                let dot: f64 = (0..k).map(|l| at(i, l) as f64 * bt(l, j) as f64).sum();
+                (alpha as f64 * dot + beta as f64 * c0[ij] as f64) as f32
+            })
+            .collect();
+        let (ga, gb, mut gc) = (up(dev, &a), up(dev, &b), up(dev, &c0));
+        dev.matmul(&blas, (m, n, k), &ga, ta, &gb, tb, alpha, beta, &mut gc)
+            .unwrap();
+        close(
+            &format!("cuBLAS row-major (ta {ta}, tb {tb})"),
+            &down(dev, &gc),
+            &expect,
+            1e-5,
+        );
+    }
+}
