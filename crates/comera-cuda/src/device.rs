@@ -200,11 +200,7 @@ impl Device {
             .end_capture(sys::CUgraphInstantiate_flags(0))
             .map_err(driver("ending a stream capture"));
         recorded?;
-        ended?.ok_or(CudaError::Shape {
-            name: "captured graph (nothing was recorded)",
-            expected: 1,
-            got: 0,
-        })
+        ended?.ok_or(CudaError::NothingCaptured)
     }
 
     /// A cuBLAS handle on the engine's stream ([`CudaError::NoCublas`] if the library cannot

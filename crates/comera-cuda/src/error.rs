@@ -96,6 +96,9 @@ pub enum CudaError {
         got: usize,
     },
 
+    #[error("a CUDA graph capture recorded no work (a bug in comera: please report it)")]
+    NothingCaptured,
+
     #[error("CUDA driver call failed ({context}): {source}")]
     Driver {
         context: &'static str,
