@@ -1,0 +1,90 @@
+// The update half of a step (comera-optim lib.rs): the global gradient norm and its clip
+// factor, computed and applied on the device (no host round trip), then AdamW over every
+// parameter tensor in one launch with per-tensor learning rate and weight decay.
+//
+// Global norm: ||g|| = sqrt(sum_i g_i^2) over all gradients, summed in double: stage 1 each
+// block sums a fixed contiguous chunk (grad_sum_squares), stage 2 one block sums the blocks'
+// partials (grad_norm_finish). Clip factor c = max_norm / ||g|| if max_norm > 0 and
+// ||g|| > max_norm, else 1; c = NaN when ||g|| is not finite (the update then leaves every
+// parameter as it was and the host reports the divergence after the step).
+//
+// AdamW, element-wise with g' = c g (the clip factor read from the device):
+//   m <- b1 m + (1 - b1) g',   v <- b2 v + (1 - b2) g' g',
+//   w <- w - lr ((m / bc1) / (sqrt(v / bc2) + eps) + decay w),
+//   lr = lr_group lr_scale, bc1 = 1 - b1^t, bc2 = 1 - b2^t;
+// rank-gate entries at or below the freezing threshold are pruned: not updated, moments zeroed.
+
+// partial[first_partial + blockIdx.x] = sum of g_i^2 over this block's chunk of `per_block`
+// elements of g (n elements). Several gradient buffers write disjoint partial ranges.
+extern "C" __global__ void grad_sum_squares(const float* __restrict__ g, long long n,
+                                            long long per_block, int first_partial,
+                                            double* __restrict__ partial) {
+    __shared__ double shared[32];
+    const long long i0 = blockIdx.x * per_block;
+    const long long i1 = min(n, i0 + per_block);
+    double s = 0.0;
+    for (long long i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+        const double x = (double)g[i];
+        s += x * x;
+    }
+    s = block_sum(s, shared);
+    if (threadIdx.x == 0) partial[first_partial + blockIdx.x] = s;
+}
+
+// norm_out[0] = ||g||, clip_out[0] = c (see the top). One block.
+extern "C" __global__ void grad_norm_finish(const double* __restrict__ partial, int parts,
+                                            float max_norm, double* __restrict__ norm_out,
+                                            float* __restrict__ clip_out) {
+    __shared__ double shared[32];
+    double s = 0.0;
+    for (int i = threadIdx.x; i < parts; i += blockDim.x) s += partial[i];
+    s = block_sum(s, shared);
+    if (threadIdx.x == 0) {
+        const double norm = sqrt(s);
+        norm_out[0] = norm;
+        float c = 1.0f;
+        if (!isfinite(norm)) {
+            c = __int_as_float(0x7fc00000);  // NaN: skip the update
+        } else if (max_norm > 0.0f && norm > (double)max_norm) {
+            c = (float)((double)max_norm / norm);
+        }
+        clip_out[0] = c;
+    }
+}
+
+// One AdamW step over `tensors` parameter tensors laid out in flat buffers w, g, m, v: tensor j
+// is elements offset[j] .. offset[j] + len[j]. lr[j] (group rate, before the schedule),
+// decay[j], gate[j] (1 for a rank gate: frozen at or below freeze_tau when freeze_tau >= 0).
+// step_scalars = (lr_scale, bc1, bc2) for this step, written by the host before the step;
+// clip = the factor from grad_norm_finish (or null for 1). Grid: (ceil(max len / blockDim.x),
+// tensors); a block past its tensor's end does nothing.
+extern "C" __global__ void adamw_update(float* __restrict__ w, const float* __restrict__ g,
+                                        float* __restrict__ m, float* __restrict__ v,
+                                        const long long* __restrict__ offset,
+                                        const long long* __restrict__ len,
+                                        const float* __restrict__ lr,
+                                        const float* __restrict__ decay,
+                                        const int* __restrict__ gate,
+                                        const float* __restrict__ step_scalars,
+                                        const float* __restrict__ clip, float beta1, float beta2,
+                                        float eps, float freeze_tau) {
+    const int j = blockIdx.y;
+    const long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (k >= len[j]) return;
+    const float gs = clip ? clip[0] : 1.0f;
+    if (isnan(gs)) return;
+    const long long i = offset[j] + k;
+    if (gate[j] && freeze_tau >= 0.0f && w[i] <= freeze_tau) {
+        m[i] = 0.0f;
+        v[i] = 0.0f;
+        return;
+    }
+    const float step_lr = lr[j] * step_scalars[0];
+    const float bc1 = step_scalars[1], bc2 = step_scalars[2];
+    const float gi = g[i] * gs;
+    const float mi = beta1 * m[i] + (1.0f - beta1) * gi;
+    const float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    w[i] -= step_lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + decay[j] * w[i]);
+}

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds comera-cuda's test binaries here (a machine without a GPU will do) and copies them,
+# with stable names, into one folder that tools/gpu/check.sh runs on a GPU machine:
+#
+#   tools/gpu/bundle.sh [OUTDIR]        (default: target/gpu-bundle)
+#
+# Produces OUTDIR/comera_cuda (the unit tests), OUTDIR/gpu_kernels (every kernel against the
+# CPU engine) and OUTDIR/nvrtc_compile (every kernel through NVRTC for sm_80 and sm_90).
+# These are the binaries `cargo test --release -p comera-cuda --no-run` prints; this script
+# only finds them in cargo's JSON messages and copies them.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out="${1:-target/gpu-bundle}"
+mkdir -p "$out"
+cargo test --release -p comera-cuda --no-run --message-format=json-render-diagnostics \
+    | python3 -c '
+import json, shutil, sys, os
+out = sys.argv[1]
+copied = []
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+        if m["package_id"].split("#")[0].rstrip("/").endswith("comera-cuda") or "comera-cuda" in m["package_id"]:
+            name = m["target"]["name"].replace("-", "_")
+            shutil.copy2(m["executable"], os.path.join(out, name))
+            copied.append(name)
+if not copied:
+    sys.exit("no test binaries of comera-cuda in cargo output")
+print("copied to %s: %s" % (out, " ".join(sorted(copied))))
+' "$out"

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Runs comera-cuda's GPU checks from prebuilt test binaries, building nothing:
+#
+#   tools/gpu/check.sh BUNDLE_DIR            (a folder made by tools/gpu/bundle.sh)
+#   tools/gpu/check.sh BINARY [BINARY...]    (test binaries from
+#                                             `cargo test --release -p comera-cuda --no-run`)
+#
+# On the GPU machine it needs the NVIDIA driver (R580+, CUDA 13.0) and NVRTC 13 (libnvrtc.so.13:
+# the CUDA 13 toolkit's lib64, or `pip install nvidia-cuda-nvrtc==13.0.88` and its
+# nvidia/cu13/lib folder); the script looks for it in the usual places and on LD_LIBRARY_PATH.
+# COMERA_REQUIRE_GPU=1 and COMERA_REQUIRE_NVRTC=1 are set, so a test that cannot reach the GPU
+# fails instead of saying "skipped".
+#
+# Results: one log per binary and summary.txt under $OUT when set (else ./gpu-check-<time>/).
+# Exit status 0 only when every binary passed. Each binary is limited to 5 minutes.
+# Not here yet: the step benchmarks of issue 48 (the engine is not on the GPU yet).
+set -uo pipefail
+if [ $# -eq 0 ]; then
+    sed -n '2,9p' "$0" >&2
+    exit 2
+fi
+bins=()
+for a in "$@"; do
+    if [ -d "$a" ]; then
+        for f in "$a"/*; do
+            [ -f "$f" ] && [ -x "$f" ] && bins+=("$f")
+        done
+    elif [ -f "$a" ] && [ -x "$a" ]; then
+        bins+=("$a")
+    else
+        echo "check.sh: $a is neither a folder nor an executable test binary" >&2
+        exit 2
+    fi
+done
+[ ${#bins[@]} -gt 0 ] || { echo "check.sh: no test binaries in $*" >&2; exit 2; }
+
+out="${OUT:-gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}"
+mkdir -p "$out"
+summary="$out/summary.txt"
+
+# NVRTC: keep LD_LIBRARY_PATH, then add the first folder found that holds libnvrtc.so.13.
+for d in ${CUDA_HOME:+"$CUDA_HOME/lib64"} /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 \
+    /usr/lib/x86_64-linux-gnu $(python3 -c 'import nvidia, os; [print(os.path.join(p, "cu13", "lib")) for p in nvidia.__path__]' 2>/dev/null); do
+    if [ -e "$d/libnvrtc.so.13" ]; then
+        export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+        break
+    fi
+done
+export COMERA_REQUIRE_GPU=1 COMERA_REQUIRE_NVRTC=1
+
+{
+    echo "comera GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), host $(hostname)"
+    echo "commit: $(git -C "$(dirname "$0")" rev-parse HEAD 2>/dev/null || echo unknown)"
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+    else
+        echo "nvidia-smi: not available"
+    fi
+    echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+} | tee "$summary"
+
+failed=0
+for b in "${bins[@]}"; do
+    name="$(basename "$b")"
+    start=$(date +%s)
+    timeout 300 "$b" --nocapture >"$out/$name.log" 2>&1
+    rc=$?
+    secs=$(( $(date +%s) - start ))
+    if [ $rc -eq 0 ]; then
+        status=pass
+    else
+        status="FAIL (exit $rc)"
+        failed=1
+    fi
+    echo "$name: $status, ${secs}s, $(grep -E '^test result' "$out/$name.log" | tail -1)" | tee -a "$summary"
+done
+echo "logs: $out" | tee -a "$summary"
+exit $failed
