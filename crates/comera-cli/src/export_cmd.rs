@@ -126,7 +126,7 @@ fn export_encoder(
         "--samples: goes with --hf DIR"
     );
     if let Some(dir) = hf_dir {
-        check_hf_target(dir, src, overwrite)?;
+        check_hf_target(dir, overwrite)?;
     }
     let (m, meta) = load_model_source(src)?;
     println!(

@@ -588,21 +588,12 @@ pub struct HfRunExport {
 /// Refuses an `export --hf` target that is not absent, empty, or (with `overwrite`) an earlier
 /// comera export: a run directory is never an export target, and a folder of the user's is
 /// never replaced.
-pub fn check_hf_target(dir: &Path, src: &Path, overwrite: bool) -> Result<()> {
+pub fn check_hf_target(dir: &Path, overwrite: bool) -> Result<()> {
     // The rule's refusals name the flag already: keep their reason under ours.
     let to_import = |e: comera_train::Error| match e {
         comera_train::Error::Config(c) => ImportError::new("--hf", c.reason),
         other => ImportError::new("--hf", comera_train::error::Chain(&other).to_string()),
     };
-    if comera_train::outputs::resolved(dir) == comera_train::outputs::resolved(src) {
-        return Err(ImportError::new(
-            "--hf",
-            format!(
-                "{} is the run being exported; export into a directory of its own",
-                dir.display()
-            ),
-        ));
-    }
     comera_train::outputs::check_output_dir(dir, "--hf", overwrite, is_hf_export).map_err(to_import)
 }
 
@@ -694,7 +685,7 @@ pub fn export_run_hf(
     samples: usize,
     overwrite: bool,
 ) -> Result<HfRunExport> {
-    check_hf_target(dir, src, overwrite)?;
+    check_hf_target(dir, overwrite)?;
     let (model, meta) = load_model_source(src)?;
     write_hf_run(src, &model, meta.as_ref(), dir, samples)
 }
