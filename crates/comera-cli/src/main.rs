@@ -161,17 +161,27 @@ pub fn run_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode 
     // (`comera inspect RUN | head`): Rust ignores SIGPIPE, which turns the next print into a
     // panic.
     #[cfg(unix)]
-    // SAFETY: restoring a signal's default disposition before any thread starts.
+    // SAFETY: restoring two signals' dispositions and setting malloc's arena count, before any
+    // thread starts.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         // A file growing past `ulimit -f` would kill the process with SIGXFSZ and no word;
         // ignored, the write fails with EFBIG ("File too large") and the error names the file.
         libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+        // One malloc arena for every thread: glibc reserves 64 MiB of address space for each
+        // thread's own arena, which under `ulimit -v` made even a small `eval` run out (with
+        // 2 threads, 300 MB was not enough). The engine allocates nothing inside a step, so the
+        // threads never contend for it there.
+        libc::mallopt(libc::M_ARENA_MAX, 1);
     }
     silence_output_failures();
     // The command runs on a thread of its own with a stack of a known size: the main thread's
     // is whatever `ulimit -s` leaves (64 KiB overflowed in parsing the arguments).
     let args: Vec<std::ffi::OsString> = args.into_iter().collect();
+    if !room_for_threads(1) {
+        report_error("cannot start the command's thread: not enough address space left; is the address-space limit (ulimit -v) too low?");
+        return ExitCode::from(1);
+    }
     let main = std::thread::Builder::new()
         .name("comera".into())
         .stack_size(WORKER_STACK_BYTES)
@@ -190,6 +200,15 @@ pub fn run_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> ExitCode 
     }
 }
 
+/// Whether the address space left (under `ulimit -v`) holds `threads` more threads: each
+/// takes its stack and, as the standard library starts it, a signal stack and the allocator's
+/// first pages. A thread that cannot get those aborts the process from inside, so this is
+/// checked first (with a MiB a thread to spare).
+fn room_for_threads(threads: usize) -> bool {
+    let per_thread = (WORKER_STACK_BYTES + (1 << 20)) as f64;
+    comera_train::trainer::available_memory_bytes() >= threads as f64 * per_thread
+}
+
 /// Everything `comera` does for `args`, on the thread [`run_from`] starts.
 fn command_thread(args: Vec<std::ffi::OsString>) -> ExitCode {
     let cli = Cli::parse_from(args);
@@ -202,20 +221,26 @@ fn command_thread(args: Vec<std::ffi::OsString>) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let n = cli.threads.map_or_else(
+        || std::thread::available_parallelism().map_or(1, |n| n.get()),
+        |t| t.max(1),
+    );
+    let cannot_start = |why: &dyn std::fmt::Display| {
+        report_error(&format!(
+            "cannot start {n} worker thread(s) ({} MiB of stack each): {why}; is the address-space limit (ulimit -v) or the process limit (ulimit -u) too low?",
+            WORKER_STACK_BYTES >> 20
+        ));
+        ExitCode::from(1)
+    };
+    if !room_for_threads(n) {
+        return cannot_start(&"not enough address space left");
+    }
     let mut pool = rayon::ThreadPoolBuilder::new().stack_size(WORKER_STACK_BYTES);
     if let Some(t) = cli.threads {
         pool = pool.num_threads(t.max(1));
     }
     if let Err(e) = pool.build_global() {
-        let n = cli.threads.map_or_else(
-            || std::thread::available_parallelism().map_or(1, |n| n.get()),
-            |t| t.max(1),
-        );
-        report_error(&format!(
-            "cannot start {n} worker thread(s) ({} MiB of stack each): {e}; is the address-space limit (ulimit -v) or the process limit (ulimit -u) too low?",
-            WORKER_STACK_BYTES >> 20
-        ));
-        return ExitCode::from(1);
+        return cannot_start(&e);
     }
     // The command runs on a worker of the pool, not on this thread: a `rayon::join` made
     // outside the pool is injected into it while this thread sleeps until a worker has run it

@@ -479,6 +479,39 @@ fn a_small_main_thread_stack_does_not_overflow() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Issue 47, item 10: under any address-space limit (`ulimit -v`) a command ends with its
+/// result or an error that says what ran out (status 1), never an abort or a crash.
+#[test]
+fn an_address_space_limit_ends_in_a_result_or_an_error_never_an_abort() {
+    let dir = tempdir("untrusted-as-range");
+    let binary = std::fs::metadata(env!("CARGO_BIN_EXE_comera"))
+        .unwrap()
+        .len();
+    let mut succeeded = false;
+    // Every MiB over the first 48 (where the threads' stacks and the allocator's reservations
+    // run out one after another: today's main aborted at 18-20 MiB over the binary), then a
+    // few larger limits.
+    for extra_mib in (8u64..=48).chain([64, 96, 128, 192, 256, 384]) {
+        let limit = binary + (extra_mib << 20);
+        for cmd in ["eval", "inspect"] {
+            let out = std::fs::File::create(dir.join("out.txt")).unwrap();
+            let (code, text) =
+                run_limited(&[cmd, s(&base().run)], out, Some((libc::RLIMIT_AS, limit)));
+            let case = format!("{cmd} under ulimit -v of the binary + {extra_mib} MiB");
+            match code {
+                0 => succeeded = true,
+                1 => assert!(text.contains("error: "), "{case}: {text}"),
+                _ => panic!("{case}: status {code} (a signal or abort): {text}"),
+            }
+        }
+    }
+    assert!(
+        succeeded,
+        "no limit up to the binary + 384 MiB let a command run"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn dlrm_predict_and_eval_on_an_empty_file_name_the_file() {
     let dir = tempdir("untrusted-dlrm-empty");
