@@ -23,6 +23,8 @@ pub mod compile;
 #[cfg(feature = "cuda")]
 pub mod device;
 #[cfg(feature = "cuda")]
+pub mod engine;
+#[cfg(feature = "cuda")]
 pub mod error;
 #[cfg(feature = "cuda")]
 pub mod ops;

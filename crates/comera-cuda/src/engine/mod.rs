@@ -1,0 +1,23 @@
+//! The CUDA step engine: the encoder's training step as a static plan on device buffers
+//! (every buffer allocated once for a fixed batch, sequence length and ranks), queued as
+//! kernel launches and cuBLAS products on the device's one stream, with no host round trip
+//! inside a step, so that the whole step can be captured once with [`Device::capture`] and
+//! replayed.
+//!
+//! - [`raw`]: buffers addressed by raw pointers, launches and row-major SGEMM on them;
+//! - [`arena`]: every parameter, gradient and AdamW moment in four flat buffers, by the CPU
+//!   model's names and shapes (upload and download: the seam for checkpoints and export);
+//! - [`tt`]: a TT linear layer, merged path, forward and backward to cores and gates;
+//! - [`encoder`]: the classifier encoder's whole step ([`EncoderPlan`]).
+//!
+//! [`Device::capture`]: crate::Device::capture
+
+pub mod arena;
+pub mod encoder;
+pub mod raw;
+pub mod tt;
+
+pub use arena::{ParamArena, Tensor, Which};
+pub use encoder::{DeviceStepStats, EncoderPlan, StepConfig};
+pub use raw::{Buf, Gemm};
+pub use tt::{Slot, TtDims, TtLayer};
