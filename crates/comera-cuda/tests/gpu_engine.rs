@@ -26,16 +26,12 @@ use std::sync::OnceLock;
 
 /// The device every test shares and a cuBLAS handle on its stream, or `None` here.
 fn device() -> Option<&'static (Device, CudaBlas)> {
-    struct Shared((Device, CudaBlas));
-    // SAFETY-free wrapper: the handle is used from one test at a time (a Mutex below).
-    unsafe impl Sync for Shared {}
-    unsafe impl Send for Shared {}
-    static DEVICE: OnceLock<Result<Shared, String>> = OnceLock::new();
+    static DEVICE: OnceLock<Result<(Device, CudaBlas), String>> = OnceLock::new();
     let required = std::env::var("COMERA_REQUIRE_GPU").is_ok_and(|v| v == "1");
     match DEVICE.get_or_init(|| match Device::open(0) {
         Ok(d) => {
             let blas = d.cublas().unwrap_or_else(|e| panic!("cuBLAS: {e}"));
-            Ok(Shared((d, blas)))
+            Ok((d, blas))
         }
         Err(
             e @ (CudaError::NoDriver
@@ -45,7 +41,7 @@ fn device() -> Option<&'static (Device, CudaBlas)> {
         ) => Err(e.to_string()),
         Err(other) => panic!("cuda:0 is present but could not be opened: {other}"),
     }) {
-        Ok(s) => Some(&s.0),
+        Ok(s) => Some(s),
         Err(why) => {
             assert!(!required, "COMERA_REQUIRE_GPU=1 but no CUDA device: {why}");
             println!("skipped: no CUDA device ({why})");
@@ -242,4 +238,228 @@ fn arena_round_trips_parameters_by_name() {
     fewer.pop();
     let e = p.arena.upload(dev, &fewer).unwrap_err();
     assert!(e.to_string().contains("l.bias"), "{e}");
+}
+
+mod encoder_step {
+    //! One training step of a small TT/TTM classifier on the device against the CPU engine,
+    //! from the same parameters and batch (dropout on, clipping on, AdamW's three groups).
+    //!
+    //! Tolerances. The device computes the same formulas in f32 but sums in other orders
+    //! (cuBLAS' blocking, tree reductions in LayerNorm and softmax, expf/tanhf against the
+    //! CPU's exp/tanh). One reordered f32 sum of L terms differs by at most L·2⁻²⁴ of the sum
+    //! of its terms' magnitudes; the widest sums here have L ≤ 64 terms (4e-6). First-order
+    //! errors add along a chain: the forward to the logits is ≈ 25 such operations (2 blocks
+    //! × (q/k/v chains, 2 attention products, softmax, o, 2 LN, up, down) + embeddings +
+    //! head), ≤ 1e-4 of the logits' magnitude in the worst case. The loss (f64 reduction on
+    //! both sides) is compared at 1e-4 relative; each parameter's gradient, whose chain is
+    //! about twice as long and passes LayerNorm's 1/σ, at 1e-3 of that tensor's largest
+    //! gradient (SPEC §6's form); the gradient norm at 1e-4 relative (a sum of squares
+    //! dominated by the largest entries).
+    //!
+    //! Parameters after the update: AdamW's first step moves each entry by
+    //! lr·ĝ/(|ĝ| + ε) ≈ ±lr (m̂ = g, v̂ = g²), so an entry whose gradient agrees in sign moves
+    //! the same to rounding, while an entry whose gradient is within the gradient tolerance of
+    //! zero may flip sign on the other device and move by up to 2·lr the other way. The check
+    //! is exactly that: |Δw| ≤ 1e-6·max(|w|, 1) where |g_cpu| > the gradient tolerance, and
+    //! |Δw| ≤ 2·lr + 1e-6·max(|w|, 1) elsewhere. A wrong index, layout or sign fails all of
+    //! these by orders of magnitude.
+    use super::*;
+    use comera_cuda::engine::{EncoderPlan, StepConfig};
+    use comera_layers::ParamKind;
+    use comera_model::config::{LayerTt, Rank, TtmConfig};
+    use comera_model::{Encoder, EncoderConfig};
+
+    const SEED: u64 = 11;
+    const STEP: u64 = 5;
+
+    fn config() -> EncoderConfig {
+        EncoderConfig {
+            vocab_size: 200,
+            seq_len: 16,
+            d_model: 32,
+            heads: 4,
+            ffn: 64,
+            layers: 2,
+            num_labels: 3,
+            type_vocab: 2,
+            dropout: 0.1,
+            attn_tt: LayerTt::uniform(&[4, 8], &[8, 4], 3),
+            ffn_up_tt: LayerTt::uniform(&[4, 8], &[8, 8], 3),
+            ffn_down_tt: LayerTt::uniform(&[8, 8], &[4, 8], 3),
+            word_ttm: TtmConfig {
+                vocab_modes: vec![5, 8, 5],
+                dim_modes: vec![2, 4, 4],
+                rank: Rank::Uniform(4),
+            },
+            ..EncoderConfig::default()
+        }
+    }
+
+    /// Three sequences of 16 tokens: repeated ids (the embeddings' segment sums), two token
+    /// types, padding at the end of the second sequence.
+    fn batch() -> (Vec<u32>, Vec<u32>, Vec<u32>, Vec<usize>) {
+        let (b, t) = (3, 16);
+        let ids = (0..b * t)
+            .map(|i| ((i * 37) % 61 + (i % 3) * 50) as u32 % 200)
+            .collect();
+        let types = (0..b * t).map(|i| ((i % t) >= t / 2) as u32).collect();
+        let mask = (0..b * t)
+            .map(|i| !(i / t == 1 && i % t >= 12) as u32)
+            .collect();
+        (ids, types, mask, vec![2, 0, 1])
+    }
+
+    fn step_config() -> StepConfig {
+        StepConfig {
+            lr_cores: 1e-3,
+            lr_gates: 1e-2,
+            lr_other: 5e-4,
+            max_grad_norm: 1.0,
+            ..StepConfig::paper()
+        }
+    }
+
+    fn model() -> Encoder {
+        let mut enc = Encoder::new(&config(), SEED).unwrap();
+        // Gates away from 1, one entry pruned (≤ τ) in a TT layer and in the TTM table.
+        let mut i = 0u64;
+        enc.visit_params_mut(&mut |p| {
+            if p.kind == ParamKind::RankGate {
+                p.value = normal(500 + i, p.len(), 0.3)
+                    .iter()
+                    .map(|v| 1.0 + v)
+                    .collect();
+                i += 1;
+            }
+            if p.name == "encoder.0.attn.q.gate.1" || p.name == "embeddings.word.gate.2" {
+                p.value[1] = 0.004;
+            }
+            if p.name.ends_with(".bias") || p.name.ends_with(".beta") {
+                p.value = normal(600 + i, p.len(), 0.05);
+                i += 1;
+            }
+        });
+        enc
+    }
+
+    /// The CPU step: loss, gradient norm, gradients (before the update) and parameters after.
+    fn cpu_step(enc: &mut Encoder) -> (f64, f64, Vec<Param>, Vec<Param>) {
+        let (ids, types, mask, labels) = batch();
+        let mut st = enc.state(3);
+        st.load(&ids, &types, &mask, &labels).unwrap();
+        enc.zero_grad();
+        let stats = enc.forward(&mut st, true, STEP).unwrap();
+        enc.backward(&mut st);
+        let grads: Vec<Param> = enc.params().into_iter().cloned().collect();
+        let sc = step_config();
+        let (scale, norm) = comera_optim::clip_scale(sc.max_grad_norm, |f| enc.visit_params_mut(f));
+        let cfg = comera_optim::AdamWConfig {
+            lr_cores: sc.lr_cores,
+            lr_gates: sc.lr_gates,
+            lr_other: sc.lr_other,
+            weight_decay: sc.weight_decay,
+            beta1: sc.beta1,
+            beta2: sc.beta2,
+            eps: sc.eps,
+            ..Default::default()
+        };
+        let mut opt = comera_optim::AdamW::new(cfg, |f| enc.visit_params_mut(f));
+        opt.step(1.0, scale, |f| enc.visit_params_mut(f));
+        let after: Vec<Param> = enc.params().into_iter().cloned().collect();
+        (stats.loss, norm, grads, after)
+    }
+
+    fn device_plan(dev: &Device, enc: &Encoder) -> EncoderPlan {
+        let (ids, types, mask, labels) = batch();
+        let mut plan = EncoderPlan::new(dev, enc, SEED, 3, 16, step_config()).unwrap();
+        plan.load(dev, &ids, &types, &mask, &labels).unwrap();
+        plan.set_step(dev, STEP, 1, 1.0).unwrap();
+        plan
+    }
+
+    #[test]
+    fn one_step_matches_the_cpu_engine() {
+        let Some((dev, _)) = device() else { return };
+        let _l = lock();
+        let enc = model();
+        let mut cpu = enc.clone();
+        let (loss, norm, grads, after) = cpu_step(&mut cpu);
+        let plan = device_plan(dev, &enc);
+        plan.record_step(dev).unwrap();
+        let stats = plan.stats(dev).unwrap();
+        println!(
+            "loss {} (CPU {loss}), grad norm {} (CPU {norm})",
+            stats.loss, stats.grad_norm
+        );
+        assert!((stats.loss - loss).abs() <= 1e-4 * loss.abs(), "loss");
+        assert!(
+            (stats.grad_norm - norm).abs() <= 1e-4 * norm,
+            "gradient norm"
+        );
+        assert_eq!(stats.count, 3.0);
+        let mut got = enc.clone();
+        plan.arena
+            .download(dev, true, |f| got.visit_params_mut(f))
+            .unwrap();
+        let sc = step_config();
+        for ((g, c), a) in got.params().iter().zip(&grads).zip(&after) {
+            assert_eq!(g.name, c.name);
+            let gmax = c.grad.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let gtol = 1e-3 * gmax.max(1e-6);
+            assert_close(&format!("grad {}", c.name), &g.grad, &c.grad, 1e-3);
+            let lr = match c.kind {
+                ParamKind::TtCore => sc.lr_cores,
+                ParamKind::RankGate => sc.lr_gates,
+                ParamKind::Other => sc.lr_other,
+            };
+            for (i, ((&w, &want), &gc)) in g.value.iter().zip(&a.value).zip(&c.grad).enumerate() {
+                let slack = 1e-6 * want.abs().max(1.0);
+                let allowed = if gc.abs() > gtol {
+                    slack
+                } else {
+                    2.0 * lr + slack
+                };
+                assert!(
+                    (w - want).abs() <= allowed,
+                    "{}[{i}] after the update: {w} vs the CPU's {want} (gradient {gc})",
+                    c.name
+                );
+            }
+        }
+    }
+
+    /// The whole step captured as one CUDA graph and replayed gives the uncaptured step's
+    /// loss, gradient norm, parameters and moments bit for bit.
+    #[test]
+    fn a_captured_step_replays_bit_for_bit() {
+        let Some((dev, _)) = device() else { return };
+        let _l = lock();
+        let enc = model();
+        let mut plan = device_plan(dev, &enc);
+        plan.record_step(dev).unwrap();
+        let read = |plan: &EncoderPlan| {
+            let s = plan.stats(dev).unwrap();
+            let flat = |w| plan.arena.download_flat(dev, w).unwrap();
+            (
+                s.loss.to_bits(),
+                s.grad_norm.to_bits(),
+                flat(Which::Value),
+                flat(Which::Grad),
+                flat(Which::M),
+                flat(Which::V),
+            )
+        };
+        let want = read(&plan);
+        // Back to the same start (parameters from the model, zero moments and gradients).
+        plan.arena.upload(dev, &enc.params()).unwrap();
+        plan.set_step(dev, STEP, 1, 1.0).unwrap();
+        let graph = dev.capture(|d| plan.record_step(d)).unwrap();
+        graph.launch().unwrap();
+        dev.stream().synchronize().unwrap();
+        let got = read(&plan);
+        assert!(got.0 == want.0 && got.1 == want.1, "loss or norm differ");
+        assert!(got.2 == want.2, "parameters differ");
+        assert!(got.3 == want.3, "gradients differ");
+        assert!(got.4 == want.4 && got.5 == want.5, "moments differ");
+    }
 }

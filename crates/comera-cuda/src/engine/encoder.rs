@@ -82,7 +82,7 @@ pub struct DeviceStepStats {
 
 /// A linear layer on the device: TT (merged path) or dense.
 enum Lin {
-    Tt(TtLayer),
+    Tt(Box<TtLayer>),
     Dense {
         n: usize,
         m: usize,
@@ -107,14 +107,14 @@ impl Lin {
             g: arena.g(n),
         };
         Ok(match l {
-            AnyLinear::Tt(t) => Lin::Tt(TtLayer::new(
+            AnyLinear::Tt(t) => Lin::Tt(Box::new(TtLayer::new(
                 dev,
                 TtDims::from_shape(t.shape()),
                 rows,
                 tau,
                 slot,
                 name,
-            )?),
+            )?)),
             AnyLinear::Dense(d) => {
                 let [n, m] = [d.weight.shape[0], d.weight.shape[1]];
                 Lin::Dense {
@@ -433,22 +433,23 @@ struct BlockPlan {
 
 /// The word embedding on the device.
 enum Word {
-    Dense {
-        table: Slot,
-    },
-    Ttm {
-        layout: TtmLayout,
-        meta: Buf<i32>,
-        cores: Slot,
-        gates: Slot,
-        /// The batch's distinct ids, padded to N with id 0 (rows computed, never read).
-        distinct: Buf<u32>,
-        rows: Buf<f32>, // N × D: the rows of the distinct ids
-        slab: Buf<f32>, // N × slab_total: their slab gradients
-        dh: Buf<f32>,   // the largest core: one core's gradient before the gates
-        /// Per core: the distinct ids grouped by digit (order padded to N, start v_k + 1).
-        digits: Vec<(Buf<u32>, Buf<u32>)>,
-    },
+    Dense { table: Slot },
+    Ttm(Box<Ttm>),
+}
+
+/// A TTM word embedding's device state.
+struct Ttm {
+    layout: TtmLayout,
+    meta: Buf<i32>,
+    cores: Slot,
+    gates: Slot,
+    /// The batch's distinct ids, padded to N with id 0 (rows computed, never read).
+    distinct: Buf<u32>,
+    rows: Buf<f32>, // N × D: the rows of the distinct ids
+    slab: Buf<f32>, // N × slab_total: their slab gradients
+    dh: Buf<f32>,   // the largest core: one core's gradient before the gates
+    /// Per core: the distinct ids grouped by digit (order padded to N, start v_k + 1).
+    digits: Vec<(Buf<u32>, Buf<u32>)>,
 }
 
 /// The whole step's plan. See the module doc.
@@ -459,6 +460,7 @@ pub struct EncoderPlan {
     heads: usize,
     ffn: usize,
     labels: usize,
+    vocab: usize,
     tau: f32,
     pub arena: ParamArena,
     table: AdamTable,
@@ -524,7 +526,15 @@ pub struct EncoderPlan {
     clip: Buf<f32>,
     scalars: Buf<f32>, // (lr_scale, 1 − β1^t, 1 − β2^t)
     step: Buf<u64>,    // the dropout step
+    /// The plan's cuBLAS handle on the device's stream, with a workspace of its own so that
+    /// no cuBLAS call allocates inside a capture (declared before the workspace: dropped
+    /// first).
+    blas: CudaBlas,
+    _workspace: Buf<u8>,
 }
+
+/// Bytes of the cuBLAS workspace (NVIDIA's recommendation for Hopper).
+const CUBLAS_WORKSPACE: usize = 32 << 20;
 
 /// The dropout seeds of comera-model's `Encoder::new` for model seed `seed` (its
 /// `dseed`, the sites `dseed + 1 + 2l` after attention and `dseed + 2 + 2l` after the FFN,
@@ -653,7 +663,7 @@ impl EncoderPlan {
                     "the TTM embedding's slab gradients",
                     4 * n * layout.slab_total,
                 )?;
-                Word::Ttm {
+                Word::Ttm(Box::new(Ttm {
                     meta: Buf::from_host(dev, &layout.meta)?,
                     cores,
                     gates,
@@ -663,7 +673,7 @@ impl EncoderPlan {
                     dh: Buf::zeros(dev, max_core)?,
                     digits,
                     layout,
-                }
+                }))
             }
         };
         let (demb, dblocks, dhead) = dropout_seeds(seed, cfg.layers);
@@ -715,13 +725,32 @@ impl EncoderPlan {
             eps: opt.eps,
             freeze_gates_at: opt.freeze_gates_at,
         };
+        let blas = dev.cublas()?;
+        let workspace = Buf::<u8>::zeros(dev, CUBLAS_WORKSPACE)?;
+        // SAFETY: the workspace lives as long as the handle (both owned by the plan, the
+        // handle dropped first); every call on the handle is on the device's stream.
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                workspace.ptr() as *mut std::ffi::c_void,
+                CUBLAS_WORKSPACE,
+            )
+            .result()
+            .map_err(|source| CudaError::Cublas {
+                context: "cublasSetWorkspace",
+                source,
+            })?
+        };
         Ok(EncoderPlan {
+            blas,
+            _workspace: workspace,
             b,
             t,
             d,
             heads,
             ffn,
             labels,
+            vocab: cfg.vocab_size,
             tau,
             table,
             consts,
@@ -799,9 +828,8 @@ impl EncoderPlan {
         types: &[u32],
         mask: &[u32],
         labels: &[usize],
-        vocab: usize,
-        type_vocab: usize,
     ) -> Result<(), CudaError> {
+        let (vocab, type_vocab) = (self.vocab, self.type_start.len() - 1);
         let n = self.b * self.t;
         for (what, len, want) in [
             ("input_ids", ids.len(), n),
@@ -849,12 +877,13 @@ impl EncoderPlan {
                 s.memcpy_htod(&pad(seg.ids.clone(), n, 0), self.seg_dst.slice_mut())
                     .map_err(e())?;
             }
-            Word::Ttm {
-                layout,
-                distinct,
-                digits,
-                ..
-            } => {
+            Word::Ttm(w) => {
+                let Ttm {
+                    layout,
+                    distinct,
+                    digits,
+                    ..
+                } = &mut **w;
                 s.memcpy_htod(&seg.slot, self.slot.slice_mut())
                     .map_err(e())?;
                 s.memcpy_htod(&pad(seg.ids.clone(), n, 0), distinct.slice_mut())
@@ -931,7 +960,8 @@ impl EncoderPlan {
 
     /// Queues one whole training step: gradients zeroed, forward, loss, backward, gradient
     /// norm and clip factor, AdamW. Nothing waits on the host, nothing is allocated.
-    pub fn record_step(&self, dev: &Device, blas: &CudaBlas) -> Result<(), CudaError> {
+    pub fn record_step(&self, dev: &Device) -> Result<(), CudaError> {
+        let blas = &self.blas;
         // SAFETY: the arena's gradient buffer holds `total` floats.
         unsafe { raw::zero(dev, self.arena.g.ptr(), self.arena.total())? };
         self.forward(dev, blas)?;
@@ -1020,15 +1050,16 @@ impl EncoderPlan {
             Word::Dense { table } => {
                 self.gather(dev, table.w, self.slot.ptr(), n, self.emb.ptr())?
             }
-            Word::Ttm {
-                layout,
-                meta,
-                cores,
-                gates,
-                distinct,
-                rows,
-                ..
-            } => {
+            Word::Ttm(w) => {
+                let Ttm {
+                    layout,
+                    meta,
+                    cores,
+                    gates,
+                    distinct,
+                    rows,
+                    ..
+                } = &**w;
                 let (c, chain) = (n as i32, layout.chain as i32);
                 let (mp, ids, out) = (meta.ptr(), distinct.ptr(), rows.ptr());
                 let cfg = LaunchConfig {
@@ -1421,17 +1452,18 @@ impl EncoderPlan {
                 true,
                 table.g,
             )?,
-            Word::Ttm {
-                layout,
-                meta,
-                cores,
-                gates,
-                distinct,
-                rows,
-                slab,
-                dh,
-                digits,
-            } => {
+            Word::Ttm(w) => {
+                let Ttm {
+                    layout,
+                    meta,
+                    cores,
+                    gates,
+                    distinct,
+                    rows,
+                    slab,
+                    dh,
+                    digits,
+                } = &**w;
                 // Per distinct id, its tokens' gradients summed in token order (padding: 0).
                 self.segment_sum(
                     dev,
