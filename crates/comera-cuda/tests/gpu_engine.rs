@@ -256,13 +256,14 @@ mod encoder_step {
     //! gradient (SPEC §6's form); the gradient norm at 1e-4 relative (a sum of squares
     //! dominated by the largest entries).
     //!
-    //! Parameters after the update: AdamW's first step moves each entry by
-    //! lr·ĝ/(|ĝ| + ε) ≈ ±lr (m̂ = g, v̂ = g²), so an entry whose gradient agrees in sign moves
-    //! the same to rounding, while an entry whose gradient is within the gradient tolerance of
-    //! zero may flip sign on the other device and move by up to 2·lr the other way. The check
-    //! is exactly that: |Δw| ≤ 1e-6·max(|w|, 1) where |g_cpu| > the gradient tolerance, and
-    //! |Δw| ≤ 2·lr + 1e-6·max(|w|, 1) elsewhere. A wrong index, layout or sign fails all of
-    //! these by orders of magnitude.
+    //! Parameters after the update: AdamW's first step with clip factor c moves each entry by
+    //! lr·u(g), u(g) = c·g/(c·|g| + ε) (m̂ = c·g, √v̂ = c·|g|), ≈ ±lr. With the gradient
+    //! known to within δ (the gradient tolerance above) and |g| − δ = g_lo > 0, the sign is
+    //! certain and |u(g) − u(g')| ≤ c·δ·ε/(c·g_lo + ε)² (u's slope), plus 1e-4 for the clip
+    //! factors' own difference; where |g| ≤ δ the sign may flip and the entry may move by up
+    //! to 2·lr the other way. The check is lr times that bound (at most 2) plus
+    //! 1e-6·max(|w|, 1) for the rounding of w − lr·u. A wrong index, layout or sign fails it
+    //! by orders of magnitude.
     use super::*;
     use comera_cuda::engine::{EncoderPlan, StepConfig};
     use comera_layers::ParamKind;
@@ -343,7 +344,7 @@ mod encoder_step {
     }
 
     /// The CPU step: loss, gradient norm, gradients (before the update) and parameters after.
-    fn cpu_step(enc: &mut Encoder) -> (f64, f64, Vec<Param>, Vec<Param>) {
+    fn cpu_step(enc: &mut Encoder) -> (f64, f64, f32, Vec<Param>, Vec<Param>) {
         let (ids, types, mask, labels) = batch();
         let mut st = enc.state(3);
         st.load(&ids, &types, &mask, &labels).unwrap();
@@ -366,7 +367,7 @@ mod encoder_step {
         let mut opt = comera_optim::AdamW::new(cfg, |f| enc.visit_params_mut(f));
         opt.step(1.0, scale, |f| enc.visit_params_mut(f));
         let after: Vec<Param> = enc.params().into_iter().cloned().collect();
-        (stats.loss, norm, grads, after)
+        (stats.loss, norm, scale, grads, after)
     }
 
     fn device_plan(dev: &Device, enc: &Encoder) -> EncoderPlan {
@@ -383,7 +384,7 @@ mod encoder_step {
         let _l = lock();
         let enc = model();
         let mut cpu = enc.clone();
-        let (loss, norm, grads, after) = cpu_step(&mut cpu);
+        let (loss, norm, clip, grads, after) = cpu_step(&mut cpu);
         let plan = device_plan(dev, &enc);
         plan.record_step(dev).unwrap();
         let stats = plan.stats(dev).unwrap();
@@ -413,15 +414,17 @@ mod encoder_step {
                 ParamKind::Other => sc.lr_other,
             };
             for (i, ((&w, &want), &gc)) in g.value.iter().zip(&a.value).zip(&c.grad).enumerate() {
-                let slack = 1e-6 * want.abs().max(1.0);
-                let allowed = if gc.abs() > gtol {
-                    slack
+                let (c_, eps) = (clip as f64, sc.eps as f64);
+                let g_lo = (gc.abs() as f64 - gtol as f64).max(0.0);
+                let du = if g_lo == 0.0 {
+                    2.0
                 } else {
-                    2.0 * lr + slack
+                    (c_ * gtol as f64 * eps / (c_ * g_lo + eps).powi(2) + 1e-4).min(2.0)
                 };
+                let allowed = lr as f64 * du + 1e-6 * (want.abs() as f64).max(1.0);
                 assert!(
-                    (w - want).abs() <= allowed,
-                    "{}[{i}] after the update: {w} vs the CPU's {want} (gradient {gc})",
+                    ((w - want).abs() as f64) <= allowed,
+                    "{}[{i}] after the update: {w} vs the CPU's {want} (gradient {gc}, allowed {allowed:.2e})",
                     c.name
                 );
             }
