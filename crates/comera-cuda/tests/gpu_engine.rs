@@ -17,20 +17,22 @@
 
 #![cfg(feature = "cuda")]
 
-use comera_cuda::cudarc::cublas::CudaBlas;
-use comera_cuda::engine::{raw, Buf, ParamArena, Slot, TtDims, TtLayer, Which};
+use comera_cuda::engine::{raw, Blas, Buf, ParamArena, Slot, TtDims, TtLayer, Which};
 use comera_cuda::{CudaError, Device};
 use comera_layers::{Layer, Param, RankGates, TtLinear};
 use comera_tensor::{init, TtShape};
 use std::sync::OnceLock;
 
 /// The device every test shares and a cuBLAS handle on its stream, or `None` here.
-fn device() -> Option<&'static (Device, CudaBlas)> {
-    static DEVICE: OnceLock<Result<(Device, CudaBlas), String>> = OnceLock::new();
+fn device() -> Option<(
+    &'static Device,
+    &'static comera_cuda::cudarc::cublas::CudaBlas,
+)> {
+    static DEVICE: OnceLock<Result<(Device, Blas), String>> = OnceLock::new();
     let required = std::env::var("COMERA_REQUIRE_GPU").is_ok_and(|v| v == "1");
     match DEVICE.get_or_init(|| match Device::open(0) {
         Ok(d) => {
-            let blas = d.cublas().unwrap_or_else(|e| panic!("cuBLAS: {e}"));
+            let blas = Blas::new(&d).unwrap_or_else(|e| panic!("cuBLAS: {e}"));
             Ok((d, blas))
         }
         Err(
@@ -41,7 +43,7 @@ fn device() -> Option<&'static (Device, CudaBlas)> {
         ) => Err(e.to_string()),
         Err(other) => panic!("cuda:0 is present but could not be opened: {other}"),
     }) {
-        Ok(s) => Some(s),
+        Ok((d, b)) => Some((d, &b.handle)),
         Err(why) => {
             assert!(!required, "COMERA_REQUIRE_GPU=1 but no CUDA device: {why}");
             println!("skipped: no CUDA device ({why})");
@@ -464,5 +466,66 @@ mod encoder_step {
         assert!(got.2 == want.2, "parameters differ");
         assert!(got.3 == want.3, "gradients differ");
         assert!(got.4 == want.4 && got.5 == want.5, "moments differ");
+    }
+
+    /// Two steps on two different batches through the session: replaying the captured graph
+    /// (the second replay must read the second batch, step and scalars from device memory)
+    /// gives the same bits as queuing the launches eagerly; and the parameters and moments
+    /// downloaded by name resume a fresh session that then takes the same third step.
+    #[test]
+    fn session_replays_new_batches_and_resumes_by_name() {
+        if device().is_none() {
+            return;
+        }
+        let _l = lock();
+        use comera_cuda::engine::EncoderSession;
+        let enc = model();
+        let (ids, types, mask, labels) = batch();
+        let ids2: Vec<u32> = ids.iter().map(|&i| (i * 7 + 3) % 200).collect();
+        let labels2 = vec![1, 2, 0];
+        let run = |graph: bool, steps: usize| {
+            let mut s = EncoderSession::new(0, &enc, SEED, 3, 16, step_config()).unwrap();
+            s.use_graph = graph;
+            let mut losses = Vec::new();
+            for k in 0..steps {
+                let (i, l) = if k % 2 == 0 {
+                    (&ids, &labels)
+                } else {
+                    (&ids2, &labels2)
+                };
+                let st = s.step((i, &types, &mask, l), STEP + k as u64, 1.0).unwrap();
+                losses.push((st.loss.to_bits(), st.grad_norm.to_bits()));
+            }
+            (s, losses)
+        };
+        let (g, lg) = run(true, 2);
+        let (e, le) = run(false, 2);
+        assert_eq!(lg, le, "graph and eager losses");
+        assert_ne!(lg[0], lg[1], "the second step saw another batch");
+        let flat = |s: &EncoderSession, w| s.plan().arena.download_flat(s.device(), w).unwrap();
+        assert!(
+            flat(&g, Which::Value) == flat(&e, Which::Value),
+            "parameters"
+        );
+        assert!(flat(&g, Which::M) == flat(&e, Which::M), "moments");
+        // Resume: parameters and moments by name into a fresh session, then a third step.
+        let mut host = enc.clone();
+        g.download_into(&mut host).unwrap();
+        let (moments, t) = g.moments().unwrap();
+        assert_eq!(t, 2);
+        let mut r = EncoderSession::new(0, &host, SEED, 3, 16, step_config()).unwrap();
+        r.resume(&host, &moments, t).unwrap();
+        let mut g = g;
+        let a = g
+            .step((&ids, &types, &mask, &labels), STEP + 2, 1.0)
+            .unwrap();
+        let b = r
+            .step((&ids, &types, &mask, &labels), STEP + 2, 1.0)
+            .unwrap();
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "resumed loss");
+        assert!(
+            flat(&g, Which::Value) == flat(&r, Which::Value),
+            "resumed parameters"
+        );
     }
 }

@@ -27,7 +27,7 @@
 //! the rank objective (γ·Ŝ and the late stage) and rank truncation.
 
 use super::arena::ParamArena;
-use super::raw::{self, grid, grid_stride, launch, Buf, Gemm, BLOCK};
+use super::raw::{self, grid, grid_stride, launch, Blas, Buf, Gemm, BLOCK};
 use super::tt::{Slot, TtDims, TtLayer};
 use crate::device::Device;
 use crate::error::{driver, CudaError};
@@ -526,15 +526,9 @@ pub struct EncoderPlan {
     clip: Buf<f32>,
     scalars: Buf<f32>, // (lr_scale, 1 − β1^t, 1 − β2^t)
     step: Buf<u64>,    // the dropout step
-    /// The plan's cuBLAS handle on the device's stream, with a workspace of its own so that
-    /// no cuBLAS call allocates inside a capture (declared before the workspace: dropped
-    /// first).
-    blas: CudaBlas,
-    _workspace: Buf<u8>,
+    /// The plan's cuBLAS handle and workspace.
+    blas: Blas,
 }
-
-/// Bytes of the cuBLAS workspace (NVIDIA's recommendation for Hopper).
-const CUBLAS_WORKSPACE: usize = 32 << 20;
 
 /// The dropout seeds of comera-model's `Encoder::new` for model seed `seed` (its
 /// `dseed`, the sites `dseed + 1 + 2l` after attention and `dseed + 2 + 2l` after the FFN,
@@ -725,25 +719,9 @@ impl EncoderPlan {
             eps: opt.eps,
             freeze_gates_at: opt.freeze_gates_at,
         };
-        let blas = dev.cublas()?;
-        let workspace = Buf::<u8>::zeros(dev, CUBLAS_WORKSPACE)?;
-        // SAFETY: the workspace lives as long as the handle (both owned by the plan, the
-        // handle dropped first); every call on the handle is on the device's stream.
-        unsafe {
-            cudarc::cublas::sys::cublasSetWorkspace_v2(
-                *blas.handle(),
-                workspace.ptr() as *mut std::ffi::c_void,
-                CUBLAS_WORKSPACE,
-            )
-            .result()
-            .map_err(|source| CudaError::Cublas {
-                context: "cublasSetWorkspace",
-                source,
-            })?
-        };
+        let blas = Blas::new(dev)?;
         Ok(EncoderPlan {
             blas,
-            _workspace: workspace,
             b,
             t,
             d,
@@ -961,7 +939,7 @@ impl EncoderPlan {
     /// Queues one whole training step: gradients zeroed, forward, loss, backward, gradient
     /// norm and clip factor, AdamW. Nothing waits on the host, nothing is allocated.
     pub fn record_step(&self, dev: &Device) -> Result<(), CudaError> {
-        let blas = &self.blas;
+        let blas = &self.blas.handle;
         // SAFETY: the arena's gradient buffer holds `total` floats.
         unsafe { raw::zero(dev, self.arena.g.ptr(), self.arena.total())? };
         self.forward(dev, blas)?;

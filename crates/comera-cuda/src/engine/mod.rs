@@ -8,16 +8,20 @@
 //! - [`arena`]: every parameter, gradient and AdamW moment in four flat buffers, by the CPU
 //!   model's names and shapes (upload and download: the seam for checkpoints and export);
 //! - [`tt`]: a TT linear layer, merged path, forward and backward to cores and gates;
-//! - [`encoder`]: the classifier encoder's whole step ([`EncoderPlan`]).
+//! - [`encoder`]: the classifier encoder's whole step ([`EncoderPlan`]);
+//! - [`session`]: the seam the training loop will call ([`EncoderSession`]): device, plan and
+//!   captured graph; host batches in, statistics and parameters out.
 //!
 //! [`Device::capture`]: crate::Device::capture
 
 pub mod arena;
 pub mod encoder;
 pub mod raw;
+pub mod session;
 pub mod tt;
 
 pub use arena::{ParamArena, Tensor, Which};
 pub use encoder::{DeviceStepStats, EncoderPlan, StepConfig};
-pub use raw::{Buf, Gemm};
+pub use raw::{Blas, Buf, Gemm};
+pub use session::EncoderSession;
 pub use tt::{Slot, TtDims, TtLayer};

@@ -330,3 +330,39 @@ pub unsafe fn copy(dev: &Device, dst: u64, src: u64, len: usize) -> Result<(), C
             .map_err(driver("cuMemcpyDtoDAsync"))
     }
 }
+
+/// Bytes of a [`Blas`] workspace (NVIDIA's recommendation for Hopper).
+pub const CUBLAS_WORKSPACE: usize = 32 << 20;
+
+/// A cuBLAS handle on the device's stream with a workspace of its own, so that no cuBLAS call
+/// allocates while a step is captured as a graph (the handle is declared before the workspace:
+/// dropped first).
+pub struct Blas {
+    pub handle: CudaBlas,
+    _workspace: Buf<u8>,
+}
+
+impl Blas {
+    pub fn new(dev: &Device) -> Result<Blas, CudaError> {
+        let handle = dev.cublas()?;
+        let workspace = Buf::<u8>::zeros(dev, CUBLAS_WORKSPACE)?;
+        // SAFETY: the workspace lives as long as the handle (both owned here, the handle
+        // dropped first); every call on the handle is queued on the device's stream.
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *handle.handle(),
+                workspace.ptr() as *mut std::ffi::c_void,
+                CUBLAS_WORKSPACE,
+            )
+            .result()
+            .map_err(|source| CudaError::Cublas {
+                context: "cublasSetWorkspace",
+                source,
+            })?
+        };
+        Ok(Blas {
+            handle,
+            _workspace: workspace,
+        })
+    }
+}
