@@ -438,3 +438,44 @@ impl TtLayer {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use comera_layers::{Layer, RankGates, TtLinear};
+    use comera_tensor::{init, TtShape};
+
+    /// The device layer's tensors are the CPU layer's, by name, shape, kind and order: the
+    /// parameter seam (upload and download by name) depends on it.
+    #[test]
+    fn device_tensors_are_the_cpu_layers() {
+        for (i, o, r) in [
+            (&[4usize, 4, 3][..], &[3usize, 4, 4][..], 5),
+            (&[12, 8, 8], &[8, 8, 12], 30),
+            (&[6], &[2, 5], 2),
+        ] {
+            let shape = TtShape::uniform(i, o, r).unwrap();
+            let cpu = TtLinear::new(
+                "x.y",
+                shape.clone(),
+                RankGates::new(0.01),
+                &mut init::rng(1),
+            )
+            .unwrap();
+            let want: Vec<_> = cpu
+                .params()
+                .iter()
+                .map(|p| (p.name.clone(), p.shape.clone(), p.kind))
+                .collect();
+            let dims = TtDims::from_shape(&shape);
+            assert_eq!(dims.params("x.y"), want);
+            assert_eq!(
+                (dims.n(), dims.m()),
+                (cpu.in_features(), cpu.out_features())
+            );
+            for c in 0..dims.k() {
+                assert_eq!(dims.core_len(c), shape.core_len(c));
+            }
+        }
+    }
+}
