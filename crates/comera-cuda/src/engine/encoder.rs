@@ -334,15 +334,15 @@ impl Ln {
 
 /// One dropout site: its seed and keep threshold (dropout.cu, the CPU's counter hash).
 #[derive(Clone, Copy)]
-struct Drop {
+struct DropSite {
     seed: u64,
     threshold: u64,
     scale: f32,
 }
 
-impl Drop {
-    fn new(p: f32, seed: u64) -> Drop {
-        Drop {
+impl DropSite {
+    fn new(p: f32, seed: u64) -> DropSite {
+        DropSite {
             seed,
             threshold: ops::dropout_threshold(p),
             scale: 1.0 / (1.0 - p),
@@ -413,8 +413,8 @@ struct BlockPlan {
     down: Lin,
     ln1: Ln,
     ln2: Ln,
-    drop_attn: Drop,
-    drop_ffn: Drop,
+    drop_attn: DropSite,
+    drop_ffn: DropSite,
     /// Rows past q/k/v (N, or B on the [CLS] rows).
     rows: usize,
     qh: Buf<f32>,       // (B, H, T, dh)
@@ -470,11 +470,11 @@ pub struct EncoderPlan {
     pos: Slot,
     types: Slot,
     ln_emb: Ln,
-    drop_emb: Drop,
+    drop_emb: DropSite,
     blocks: Vec<BlockPlan>,
     pool: Lin,
     cls: Lin,
-    drop_head: Drop,
+    drop_head: DropSite,
     // The batch, copied in by `load` (fixed buffers, read by the captured step).
     slot: Buf<u32>, // N: the word-embedding row of each token (a distinct-id row for TTM, the id for dense)
     seg_order: Buf<u32>, // N: tokens sorted by word id
@@ -691,8 +691,8 @@ impl EncoderPlan {
                 down: lin(&blk.down, "ffn.down", rows)?,
                 ln1: Ln::new(dev, &arena, &format!("{pre}.ln1"), rows, d, eps)?,
                 ln2: Ln::new(dev, &arena, &format!("{pre}.ln2"), rows, d, eps)?,
-                drop_attn: Drop::new(p, dblocks[l].0),
-                drop_ffn: Drop::new(p, dblocks[l].1),
+                drop_attn: DropSite::new(p, dblocks[l].0),
+                drop_ffn: DropSite::new(p, dblocks[l].1),
                 rows,
                 qh: z(nd)?,
                 kh: z(nd)?,
@@ -737,10 +737,10 @@ impl EncoderPlan {
             pos: slot("embeddings.position.weight"),
             types: slot("embeddings.token_type.weight"),
             ln_emb: Ln::new(dev, &arena, "embeddings.ln", n, d, eps)?,
-            drop_emb: Drop::new(p, demb),
+            drop_emb: DropSite::new(p, demb),
             pool: Lin::new(dev, &arena, &head.pool, "pooler", b, tau)?,
             cls: Lin::new(dev, &arena, &head.classifier, "classifier", b, tau)?,
-            drop_head: Drop::new(p, dhead),
+            drop_head: DropSite::new(p, dhead),
             blocks,
             slot: zu(n)?,
             seg_order: zu(n)?,
