@@ -15,7 +15,10 @@
 //! already on the device (the step's batch upload and the host's index work happen before;
 //! `host_load_ms` reports them separately). Memory: device memory in use (total − free, as
 //! `nvidia-smi` sees it for this process's context) after the plan is built and after the
-//! replays, and its growth over the context alone.
+//! replays, and its growth over the context alone (measured after the kernels are loaded).
+//! The plan allocates every buffer up front (cuBLAS workspace included) and a step allocates
+//! nothing, so the growth after the replays is the step's peak; it is comparable to, though
+//! not the same measure as, PyTorch's `max_memory_allocated` (which counts tensors only).
 
 use comera_cuda::engine::{EncoderPlan, StepConfig};
 use comera_cuda::Device;
