@@ -5,7 +5,10 @@
 #   tools/gpu/bundle.sh [OUTDIR]        (default: target/gpu-bundle)
 #
 # Produces OUTDIR/comera_cuda (the unit tests), OUTDIR/gpu_kernels (every kernel against the
-# CPU engine) and OUTDIR/nvrtc_compile (every kernel through NVRTC for sm_80 and sm_90).
+# CPU engine), OUTDIR/gpu_engine (the device TT layer, the parameter seam, one encoder step
+# against the CPU engine and its captured replay), OUTDIR/nvrtc_compile (every kernel through
+# NVRTC for sm_80 and sm_90), and OUTDIR/bench/step_bench (the step benchmark, an example
+# binary: check.sh runs it after the tests).
 # These are the binaries `cargo test --release -p comera-cuda --no-run` prints; this script
 # only finds them in cargo's JSON messages and copies them.
 set -euo pipefail
@@ -31,3 +34,7 @@ if not copied:
     sys.exit("no test binaries of comera-cuda in cargo output")
 print("copied to %s: %s" % (out, " ".join(sorted(copied))))
 ' "$out"
+cargo build --release -p comera-cuda --example step_bench
+mkdir -p "$out/bench"
+cp target/release/examples/step_bench "$out/bench/step_bench"
+echo "copied to $out/bench: step_bench"

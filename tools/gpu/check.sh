@@ -13,15 +13,20 @@
 #
 # Results: one log per binary and summary.txt under $OUT when set (else ./gpu-check-<time>/).
 # Exit status 0 only when every binary passed. Each binary is limited to 5 minutes.
-# Not here yet: the step benchmarks of issue 48 (the engine is not on the GPU yet).
+# Then, when BUNDLE_DIR/bench/step_bench exists (bundle.sh puts it there), the step benchmark:
+# the paper model's captured step, TT/TTM and dense, batch 1 and 32 (its table in
+# step_bench.log, its JSON lines in step_bench.json; 4 minutes at most). Set
+# COMERA_BENCH_ARGS to pass it other arguments (e.g. "--replays 100").
 set -uo pipefail
 if [ $# -eq 0 ]; then
     sed -n '2,9p' "$0" >&2
     exit 2
 fi
 bins=()
+bench=""
 for a in "$@"; do
     if [ -d "$a" ]; then
+        [ -x "$a/bench/step_bench" ] && bench="$a/bench/step_bench"
         for f in "$a"/*; do
             [ -f "$f" ] && [ -x "$f" ] && bins+=("$f")
         done
@@ -46,6 +51,17 @@ for d in ${CUDA_HOME:+"$CUDA_HOME/lib64"} /usr/local/cuda/lib64 /usr/local/cuda-
         break
     fi
 done
+# cuBLAS (libcublas.so.13), used by the engine's products: the same places, and pip's
+# nvidia-cublas (its nvidia/cu13/lib), if not found on LD_LIBRARY_PATH already.
+if ! ldconfig -p 2>/dev/null | grep -q 'libcublas.so.13' ; then
+    for d in ${CUDA_HOME:+"$CUDA_HOME/lib64"} /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 \
+        $(python3 -c 'import nvidia, os; [print(os.path.join(p, "cu13", "lib")) for p in nvidia.__path__]' 2>/dev/null); do
+        if [ -e "$d/libcublas.so.13" ]; then
+            case ":${LD_LIBRARY_PATH:-}:" in *":$d:"*) ;; *) export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d" ;; esac
+            break
+        fi
+    done
+fi
 export COMERA_REQUIRE_GPU=1 COMERA_REQUIRE_NVRTC=1
 
 {
@@ -74,5 +90,19 @@ for b in "${bins[@]}"; do
     fi
     echo "$name: $status, ${secs}s, $(grep -E '^test result' "$out/$name.log" | tail -1)" | tee -a "$summary"
 done
+if [ -n "$bench" ]; then
+    start=$(date +%s)
+    # shellcheck disable=SC2086
+    timeout 240 "$bench" --json "$out/step_bench.json" ${COMERA_BENCH_ARGS:-} >"$out/step_bench.log" 2>&1
+    rc=$?
+    secs=$(( $(date +%s) - start ))
+    if [ $rc -eq 0 ]; then
+        echo "step_bench: pass, ${secs}s" | tee -a "$summary"
+        grep -E '^ *(tt|dense) ' "$out/step_bench.log" | tee -a "$summary"
+    else
+        echo "step_bench: FAIL (exit $rc), ${secs}s; see step_bench.log" | tee -a "$summary"
+        failed=1
+    fi
+fi
 echo "logs: $out" | tee -a "$summary"
 exit $failed

@@ -114,6 +114,11 @@ pub const SOURCES: &[KernelSource] = &[
         kernels: &["grad_sum_squares", "grad_norm_finish", "adamw_update"],
     },
     KernelSource {
+        name: "encoder.cu",
+        source: include_str!("../kernels/encoder.cu"),
+        kernels: &["heads_permute", "tanh_forward", "tanh_backward"],
+    },
+    KernelSource {
         name: "rank.cu",
         source: include_str!("../kernels/rank.cu"),
         kernels: &[

@@ -96,6 +96,9 @@ pub enum CudaError {
         got: usize,
     },
 
+    #[error("the device plan: {0}")]
+    Plan(String),
+
     #[error("a CUDA graph capture recorded no work (a bug in comera: please report it)")]
     NothingCaptured,
 

@@ -11,9 +11,13 @@
 //! - `ops`: one typed launch per kernel, shapes checked on the host.
 //! - `error`: [`CudaError`], a message per failure that says what to do.
 //!
-//! Status: the host side. The kernels compile (CI compiles each for sm_80 and sm_90); their
-//! correctness tests against the CPU engine run wherever a GPU is present. The engine that
-//! strings them into a captured step graph is not built yet (see `docs/gpu.md`).
+//! - `engine` (feature `cuda`): the classifier encoder's whole training step on device
+//!   buffers (`EncoderPlan`), capturable as one CUDA graph, and the seam the loop will call
+//!   (`EncoderSession`).
+//!
+//! Status: the kernels compile (CI compiles each for sm_80 and sm_90); the engine's step is
+//! written and compiles. Their correctness tests against the CPU engine and the step
+//! benchmark run wherever a GPU is present and have not run yet (see `docs/gpu.md`).
 
 pub mod spec;
 pub use spec::{DeviceSpec, ParseDeviceError};
@@ -22,6 +26,8 @@ pub use spec::{DeviceSpec, ParseDeviceError};
 pub mod compile;
 #[cfg(feature = "cuda")]
 pub mod device;
+#[cfg(feature = "cuda")]
+pub mod engine;
 #[cfg(feature = "cuda")]
 pub mod error;
 #[cfg(feature = "cuda")]

@@ -1,0 +1,277 @@
+//! Every trainable tensor of a plan in four flat device buffers — values, gradients and
+//! AdamW's two moments — each tensor at a fixed offset, under the CPU model's name and shape
+//! (the seam for checkpoints, evaluation and export: the run format stays host tensors with
+//! the same names on both devices).
+
+use super::raw::Buf;
+use crate::device::Device;
+use crate::error::CudaError;
+use crate::ops::{AdamTable, AdamTensor};
+use comera_layers::{Param, ParamKind};
+use std::collections::HashMap;
+
+/// One tensor of a [`ParamArena`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub kind: ParamKind,
+    /// Offset (floats) in the flat buffers.
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// Parameters (w), gradients (g) and AdamW moments (m, v), flat, same layout; plus the
+/// tensors' table.
+pub struct ParamArena {
+    pub tensors: Vec<Tensor>,
+    index: HashMap<String, usize>,
+    pub w: Buf<f32>,
+    pub g: Buf<f32>,
+    pub m: Buf<f32>,
+    pub v: Buf<f32>,
+    total: usize,
+}
+
+/// Floats of each tensor rounded up to this, so that every tensor starts 128-byte aligned
+/// (cuBLAS and vector loads prefer it; the padding is zero and never read as a tensor).
+const ALIGN: usize = 32;
+
+impl ParamArena {
+    /// Lays out `params` (name, shape, kind) back to back in the order given, zeroed.
+    pub fn new(
+        dev: &Device,
+        params: &[(String, Vec<usize>, ParamKind)],
+    ) -> Result<Self, CudaError> {
+        let mut tensors = Vec::with_capacity(params.len());
+        let mut index = HashMap::new();
+        let mut at = 0usize;
+        for (name, shape, kind) in params {
+            let len: usize = shape.iter().product();
+            if index.insert(name.clone(), tensors.len()).is_some() {
+                return Err(CudaError::Plan(format!("parameter `{name}` appears twice")));
+            }
+            tensors.push(Tensor {
+                name: name.clone(),
+                shape: shape.clone(),
+                kind: *kind,
+                offset: at,
+                len,
+            });
+            at += len.div_ceil(ALIGN) * ALIGN;
+        }
+        dev.ensure_fits(
+            "the model's parameters, gradients and AdamW moments",
+            16 * at,
+        )?;
+        Ok(ParamArena {
+            tensors,
+            index,
+            w: Buf::zeros(dev, at)?,
+            g: Buf::zeros(dev, at)?,
+            m: Buf::zeros(dev, at)?,
+            v: Buf::zeros(dev, at)?,
+            total: at,
+        })
+    }
+
+    /// Floats of each flat buffer (with the alignment padding).
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    /// The tensor named `name`.
+    pub fn get(&self, name: &str) -> Result<&Tensor, CudaError> {
+        self.index
+            .get(name)
+            .map(|&i| &self.tensors[i])
+            .ok_or_else(|| CudaError::Plan(format!("the plan has no parameter `{name}`")))
+    }
+
+    /// The value's address of tensor `name`.
+    pub fn w(&self, name: &str) -> u64 {
+        let t = self.get(name).expect("a tensor the plan laid out");
+        self.w.at(t.offset, t.len)
+    }
+
+    /// The gradient's address of tensor `name`.
+    pub fn g(&self, name: &str) -> u64 {
+        let t = self.get(name).expect("a tensor the plan laid out");
+        self.g.at(t.offset, t.len)
+    }
+
+    /// Copies every host parameter into the tensor of its name: names and shapes must match
+    /// one to one (a missing, extra or differently shaped tensor is an error naming it, and
+    /// nothing is half-copied: everything is checked before the copy). Moments and gradients
+    /// are zeroed (a fresh optimiser; moments are uploaded with [`ParamArena::upload_moments`]).
+    pub fn upload(&mut self, dev: &Device, params: &[&Param]) -> Result<(), CudaError> {
+        self.check_names(params.iter().map(|p| (p.name.as_str(), p.shape.as_slice())))?;
+        let mut host = vec![0.0f32; self.total];
+        for p in params {
+            let t = self.get(&p.name)?;
+            host[t.offset..t.offset + t.len].copy_from_slice(&p.value);
+        }
+        let s = dev.stream();
+        let err = || crate::error::driver("uploading parameters");
+        s.memcpy_htod(&host, self.w.slice_mut()).map_err(err())?;
+        let zero = vec![0.0f32; self.total];
+        s.memcpy_htod(&zero, self.g.slice_mut()).map_err(err())?;
+        s.memcpy_htod(&zero, self.m.slice_mut()).map_err(err())?;
+        s.memcpy_htod(&zero, self.v.slice_mut()).map_err(err())?;
+        Ok(())
+    }
+
+    /// Sets AdamW's moments of tensor `name` (resuming a run: the CPU optimiser's state by
+    /// parameter name).
+    pub fn upload_moments(
+        &mut self,
+        dev: &Device,
+        name: &str,
+        m: &[f32],
+        v: &[f32],
+    ) -> Result<(), CudaError> {
+        let t = self.get(name)?.clone();
+        if m.len() != t.len || v.len() != t.len {
+            return Err(CudaError::Plan(format!(
+                "moments of `{name}`: {} and {} values for a tensor of {}",
+                m.len(),
+                v.len(),
+                t.len
+            )));
+        }
+        let s = dev.stream();
+        let err = || crate::error::driver("uploading AdamW moments");
+        let range = t.offset..t.offset + t.len;
+        s.memcpy_htod(m, &mut self.m.slice_mut().slice_mut(range.clone()))
+            .map_err(err())?;
+        s.memcpy_htod(v, &mut self.v.slice_mut().slice_mut(range))
+            .map_err(err())?;
+        Ok(())
+    }
+
+    fn check_names<'a>(
+        &self,
+        given: impl Iterator<Item = (&'a str, &'a [usize])>,
+    ) -> Result<(), CudaError> {
+        let mut seen = vec![false; self.tensors.len()];
+        for (name, shape) in given {
+            let i = *self.index.get(name).ok_or_else(|| {
+                CudaError::Plan(format!("parameter `{name}` is not in the device plan"))
+            })?;
+            let t = &self.tensors[i];
+            if t.shape != shape {
+                return Err(CudaError::Plan(format!(
+                    "parameter `{name}`: shape {shape:?}, the device plan's {:?}",
+                    t.shape
+                )));
+            }
+            seen[i] = true;
+        }
+        if let Some(i) = seen.iter().position(|s| !s) {
+            return Err(CudaError::Plan(format!(
+                "parameter `{}` of the device plan was not given",
+                self.tensors[i].name
+            )));
+        }
+        Ok(())
+    }
+
+    /// The whole flat buffer `which` (values, gradients or a moment) on the host.
+    pub fn download_flat(&self, dev: &Device, which: Which) -> Result<Vec<f32>, CudaError> {
+        let buf = match which {
+            Which::Value => &self.w,
+            Which::Grad => &self.g,
+            Which::M => &self.m,
+            Which::V => &self.v,
+        };
+        dev.stream()
+            .clone_dtoh(buf.slice())
+            .map_err(crate::error::driver("downloading parameters"))
+    }
+
+    /// Copies every tensor's value (and, with `grads`, its gradient) back into the host
+    /// parameter of its name, through `visit` (e.g. `Encoder::visit_params_mut`): names and
+    /// shapes must match as for [`ParamArena::upload`].
+    pub fn download(
+        &self,
+        dev: &Device,
+        grads: bool,
+        visit: impl FnOnce(&mut dyn FnMut(&mut Param)),
+    ) -> Result<(), CudaError> {
+        let w = self.download_flat(dev, Which::Value)?;
+        let g = if grads {
+            Some(self.download_flat(dev, Which::Grad)?)
+        } else {
+            None
+        };
+        let mut err = None;
+        let mut seen = 0usize;
+        visit(&mut |p: &mut Param| {
+            if err.is_some() {
+                return;
+            }
+            match self.get(&p.name) {
+                Ok(t) if t.shape == p.shape => {
+                    p.value.copy_from_slice(&w[t.offset..t.offset + t.len]);
+                    if let Some(g) = &g {
+                        p.grad.copy_from_slice(&g[t.offset..t.offset + t.len]);
+                    }
+                    seen += 1;
+                }
+                Ok(t) => {
+                    err = Some(CudaError::Plan(format!(
+                        "parameter `{}`: shape {:?}, the device plan's {:?}",
+                        p.name, p.shape, t.shape
+                    )))
+                }
+                Err(e) => err = Some(e),
+            }
+        });
+        if let Some(e) = err {
+            return Err(e);
+        }
+        if seen != self.tensors.len() {
+            return Err(CudaError::Plan(format!(
+                "{seen} host parameters for the device plan's {}",
+                self.tensors.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// AdamW's per-tensor table for learning rates by group (`lr(kind)`), no weight decay
+    /// (the authors' setting) unless `decay(kind)` says otherwise; gates marked as gates.
+    pub fn adam_table(
+        &self,
+        dev: &Device,
+        lr: impl Fn(ParamKind) -> f32,
+        decay: impl Fn(ParamKind) -> f32,
+    ) -> Result<AdamTable, CudaError> {
+        // The table's tensors tile the flat buffers: each takes its padded length (the padding
+        // is zero and its gradient zero, so AdamW leaves it zero).
+        let rows: Vec<AdamTensor> = self
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let end = self.tensors.get(i + 1).map_or(self.total, |n| n.offset);
+                AdamTensor {
+                    len: end - t.offset,
+                    lr: lr(t.kind),
+                    decay: decay(t.kind),
+                    is_gate: t.kind == ParamKind::RankGate,
+                }
+            })
+            .collect();
+        dev.adam_table(&rows)
+    }
+}
+
+/// Which flat buffer of a [`ParamArena`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Which {
+    Value,
+    Grad,
+    M,
+    V,
+}

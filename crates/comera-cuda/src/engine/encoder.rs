@@ -1,0 +1,1607 @@
+//! The classifier encoder's training step on the device (post-LN, the paper's model family):
+//! a plan built once from a CPU [`Encoder`] for a fixed batch B and sequence length T, every
+//! buffer allocated in [`EncoderPlan::new`], and one step queued by
+//! [`EncoderPlan::record_step`] as kernel launches and cuBLAS products on the device's stream:
+//! no allocation, no host round trip, so the whole step can be captured once
+//! ([`crate::Device::capture`]) and replayed. Per step the host only copies the batch and
+//! three scalars in ([`EncoderPlan::load`], [`EncoderPlan::set_step`]) and, when it wants
+//! them, reads the loss and gradient norm back ([`EncoderPlan::stats`]).
+//!
+//! It mirrors comera-model's encoder (`encoder/mod.rs`, `block.rs`, `head.rs`) layer for
+//! layer, with the same parameter names, dropout seeds and mask indices:
+//!
+//! ```text
+//! x0 = Dropout(LN(word[ids] + pos[t] + type[types]))
+//! block l:  q, k, v = Q(x), K(x), V(x) → heads (B, H, T, dh);  P = softmax(s·Q·Kᵀ, padding)
+//!           att = merge(P·V);  r1 = x + Dropout(O(att));  x1 = LN1(r1)
+//!           r2 = x1 + Dropout(Down(GELU(Up(x1))));  out = LN2(r2)
+//! head:     logits = C(Dropout(tanh(P(h_cls))));  L = mean CE
+//! ```
+//! As on the CPU, the last block runs past q/k/v on the B [CLS] rows only (its attention
+//! is computed for every row and its first rows taken: the same values), so its dropout
+//! masks are drawn over B·D elements exactly as the CPU draws them.
+//!
+//! Then the backward (block.rs' formulas), the global gradient norm and clip factor, and one
+//! AdamW step over the flat parameter arena (per-group learning rates, gate freezing), all on
+//! the device. What the step does not do yet (see docs/gpu.md): pre-LN, the masked-LM head,
+//! the rank objective (γ·Ŝ and the late stage) and rank truncation.
+
+use super::arena::ParamArena;
+use super::raw::{self, grid, grid_stride, launch, Blas, Buf, Gemm, BLOCK};
+use super::tt::{Slot, TtDims, TtLayer};
+use crate::device::Device;
+use crate::error::{driver, CudaError};
+use crate::ops::{self, AdamConsts, AdamTable, Segments, TtmLayout};
+use comera_layers::any::{AnyEmbedding, AnyLinear};
+use comera_layers::ParamKind;
+use comera_model::{Encoder, Head};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::LaunchConfig;
+
+/// The optimiser settings of a device step (the CPU's `AdamWConfig` and clipping).
+#[derive(Clone, Copy, Debug)]
+pub struct StepConfig {
+    pub lr_cores: f32,
+    pub lr_gates: f32,
+    pub lr_other: f32,
+    pub weight_decay: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Global gradient-norm clipping (0: none).
+    pub max_grad_norm: f32,
+    /// Rank gates at or below this are frozen (the CPU's `freeze_gates_at`).
+    pub freeze_gates_at: Option<f32>,
+}
+
+impl StepConfig {
+    /// The authors' transformer settings (SPEC §3) without clipping.
+    pub fn paper() -> StepConfig {
+        StepConfig {
+            lr_cores: 1e-4,
+            lr_gates: 1e-3,
+            lr_other: 5e-5,
+            weight_decay: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            max_grad_norm: 0.0,
+            freeze_gates_at: None,
+        }
+    }
+}
+
+/// What one step reports (read back after the step; reading it waits for the stream).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceStepStats {
+    pub loss: f64,
+    pub correct: f64,
+    pub count: f64,
+    pub grad_norm: f64,
+}
+
+/// A linear layer on the device: TT (merged path) or dense.
+enum Lin {
+    Tt(Box<TtLayer>),
+    Dense {
+        n: usize,
+        m: usize,
+        rows: usize,
+        w: Slot,
+        b: Slot,
+        partial: Buf<f32>,
+    },
+}
+
+impl Lin {
+    fn new(
+        dev: &Device,
+        arena: &ParamArena,
+        l: &AnyLinear,
+        name: &str,
+        rows: usize,
+        tau: f32,
+    ) -> Result<Lin, CudaError> {
+        let slot = |n: &str| Slot {
+            w: arena.w(n),
+            g: arena.g(n),
+        };
+        Ok(match l {
+            AnyLinear::Tt(t) => Lin::Tt(Box::new(TtLayer::new(
+                dev,
+                TtDims::from_shape(t.shape()),
+                rows,
+                tau,
+                slot,
+                name,
+            )?)),
+            AnyLinear::Dense(d) => {
+                let [n, m] = [d.weight.shape[0], d.weight.shape[1]];
+                Lin::Dense {
+                    n,
+                    m,
+                    rows,
+                    w: slot(&format!("{name}.weight")),
+                    b: slot(&format!("{name}.bias")),
+                    partial: Buf::zeros(dev, ops::chunks(rows) * m)?,
+                }
+            }
+        })
+    }
+
+    /// y (rows × M) = x (rows × N)·W + b.
+    fn forward(&self, dev: &Device, blas: &CudaBlas, x: u64, y: u64) -> Result<(), CudaError> {
+        match self {
+            Lin::Tt(t) => t.forward(dev, blas, x, y),
+            Lin::Dense {
+                n, m, rows, w, b, ..
+            } => {
+                // SAFETY: x holds rows·N floats, y rows·M, the weight N·M, the bias M.
+                unsafe {
+                    Gemm::new(*rows, *m, *n, false, false).run(blas, x, w.w, y)?;
+                    let (r, wi) = (*rows as i64, *m as i32);
+                    launch(
+                        dev,
+                        "add_bias_rows",
+                        grid_stride(rows * m),
+                        &[&y, &b.w, &r, &wi],
+                    )
+                }
+            }
+        }
+    }
+
+    /// Accumulates the layer's gradients from dy (rows × M); writes (or with `add`, adds to)
+    /// dx (rows × N) when given.
+    fn backward(
+        &self,
+        dev: &Device,
+        blas: &CudaBlas,
+        x: u64,
+        dy: u64,
+        dx: Option<(u64, bool)>,
+    ) -> Result<(), CudaError> {
+        match self {
+            Lin::Tt(t) => t.backward(dev, blas, x, dy, dx),
+            Lin::Dense {
+                n,
+                m,
+                rows,
+                w,
+                b,
+                partial,
+            } => {
+                // SAFETY: as in `forward`; dW (N × M) += xᵀ·dy, dx = dy·Wᵀ.
+                unsafe {
+                    Gemm::new(*n, *m, *rows, true, false)
+                        .acc()
+                        .run(blas, x, dy, w.g)?;
+                    if let Some((dx, add)) = dx {
+                        let g = Gemm::new(*rows, *n, *m, false, true);
+                        (if add { g.acc() } else { g }).run(blas, dy, w.w, dx)?;
+                    }
+                }
+                column_sum(dev, dy, *rows, *m, partial.ptr(), b.g)
+            }
+        }
+    }
+}
+
+/// out (W) += Σ_rows x (rows × W), the CPU's row chunks (elementwise.cu).
+fn column_sum(
+    dev: &Device,
+    x: u64,
+    rows: usize,
+    w: usize,
+    part: u64,
+    out: u64,
+) -> Result<(), CudaError> {
+    let (r, wi) = (rows as i32, w as i32);
+    let (per, nc) = (ops::rows_per_chunk(rows) as i32, ops::chunks(rows) as i32);
+    let cols = (w as u32).div_ceil(BLOCK);
+    let one = 1i32;
+    // SAFETY: x holds rows·W floats, part chunks·W, out W.
+    unsafe {
+        launch(
+            dev,
+            "column_sum_partials",
+            grid(cols, nc as u32, BLOCK),
+            &[&x, &r, &wi, &per, &part],
+        )?;
+        launch(
+            dev,
+            "column_sum_finish",
+            grid(cols, 1, BLOCK),
+            &[&part, &nc, &wi, &wi, &one, &out],
+        )
+    }
+}
+
+/// A LayerNorm's parameters and its saved statistics for `rows` rows.
+struct Ln {
+    gamma: Slot,
+    beta: Slot,
+    rows: usize,
+    dim: usize,
+    eps: f32,
+    mean: Buf<f32>,
+    rstd: Buf<f32>,
+    partial: Buf<f32>,
+}
+
+impl Ln {
+    fn new(
+        dev: &Device,
+        arena: &ParamArena,
+        name: &str,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<Ln, CudaError> {
+        Ok(Ln {
+            gamma: Slot {
+                w: arena.w(&format!("{name}.gamma")),
+                g: arena.g(&format!("{name}.gamma")),
+            },
+            beta: Slot {
+                w: arena.w(&format!("{name}.beta")),
+                g: arena.g(&format!("{name}.beta")),
+            },
+            rows,
+            dim,
+            eps,
+            mean: Buf::zeros(dev, rows)?,
+            rstd: Buf::zeros(dev, rows)?,
+            partial: Buf::zeros(dev, Device::layer_norm_partial_len(rows, dim))?,
+        })
+    }
+
+    /// y = LN(x) (layernorm.cu), saving μ and 1/σ.
+    fn forward(&self, dev: &Device, x: u64, y: u64) -> Result<(), CudaError> {
+        let (r, d) = (self.rows as i32, self.dim as i32);
+        let (mean, rstd) = (self.mean.ptr(), self.rstd.ptr());
+        // SAFETY: x, y hold rows·D floats; γ, β D; μ, 1/σ rows.
+        unsafe {
+            launch(
+                dev,
+                "layer_norm_forward",
+                grid(self.rows as u32, 1, BLOCK),
+                &[
+                    &x,
+                    &self.gamma.w,
+                    &self.beta.w,
+                    &self.eps,
+                    &r,
+                    &d,
+                    &y,
+                    &mean,
+                    &rstd,
+                ],
+            )
+        }
+    }
+
+    /// dx = LN'ᵀ(dy + extra) (extra: 0 for none), dγ, dβ accumulated.
+    fn backward(
+        &self,
+        dev: &Device,
+        x: u64,
+        dy: u64,
+        extra: u64,
+        dx: u64,
+    ) -> Result<(), CudaError> {
+        let (r, d) = (self.rows as i32, self.dim as i32);
+        let (mean, rstd) = (self.mean.ptr(), self.rstd.ptr());
+        let (per, nc) = (
+            ops::rows_per_chunk(self.rows) as i32,
+            ops::chunks(self.rows) as i32,
+        );
+        let part = self.partial.ptr();
+        let cols = (self.dim as u32).div_ceil(BLOCK);
+        let (stride, one) = (2 * d, 1i32);
+        let part_beta = part + 4 * self.dim as u64;
+        // SAFETY: x, dy, extra (when not null), dx hold rows·D floats; the partials
+        // (chunks, 2D); the finishing sums read columns < D of rows of stride 2D, from the
+        // start (γ) and from column D (β).
+        unsafe {
+            launch(
+                dev,
+                "layer_norm_backward_dx",
+                grid(self.rows as u32, 1, BLOCK),
+                &[&x, &dy, &extra, &mean, &rstd, &self.gamma.w, &r, &d, &dx],
+            )?;
+            launch(
+                dev,
+                "layer_norm_param_partials",
+                grid(cols, nc as u32, BLOCK),
+                &[&x, &dy, &extra, &mean, &rstd, &r, &d, &per, &part],
+            )?;
+            launch(
+                dev,
+                "column_sum_finish",
+                grid(cols, 1, BLOCK),
+                &[&part, &nc, &d, &stride, &one, &self.gamma.g],
+            )?;
+            launch(
+                dev,
+                "column_sum_finish",
+                grid(cols, 1, BLOCK),
+                &[&part_beta, &nc, &d, &stride, &one, &self.beta.g],
+            )
+        }
+    }
+}
+
+/// One dropout site: its seed and keep threshold (dropout.cu, the CPU's counter hash).
+#[derive(Clone, Copy)]
+struct DropSite {
+    seed: u64,
+    threshold: u64,
+    scale: f32,
+}
+
+impl DropSite {
+    fn new(p: f32, seed: u64) -> DropSite {
+        DropSite {
+            seed,
+            threshold: ops::dropout_threshold(p),
+            scale: 1.0 / (1.0 - p),
+        }
+    }
+
+    /// out = mask ⊙ x / (1 − p) over n elements (in place allowed); also its own backward.
+    fn apply(&self, dev: &Device, step: u64, x: u64, out: u64, n: usize) -> Result<(), CudaError> {
+        let nn = n as i64;
+        // SAFETY: x and out hold n floats, step one u64.
+        unsafe {
+            launch(
+                dev,
+                "dropout_apply",
+                grid_stride(n),
+                &[
+                    &x,
+                    &out,
+                    &nn,
+                    &self.seed,
+                    &step,
+                    &self.threshold,
+                    &self.scale,
+                ],
+            )
+        }
+    }
+
+    /// out = x + mask ⊙ branch / (1 − p).
+    fn add(
+        &self,
+        dev: &Device,
+        step: u64,
+        x: u64,
+        branch: u64,
+        out: u64,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let nn = n as i64;
+        // SAFETY: x, branch and out hold n floats, step one u64.
+        unsafe {
+            launch(
+                dev,
+                "dropout_add",
+                grid_stride(n),
+                &[
+                    &x,
+                    &branch,
+                    &out,
+                    &nn,
+                    &self.seed,
+                    &step,
+                    &self.threshold,
+                    &self.scale,
+                ],
+            )
+        }
+    }
+}
+
+/// One block's layers and saved activations. Rows R = N, or B for the last block past q/k/v.
+struct BlockPlan {
+    q: Lin,
+    k: Lin,
+    v: Lin,
+    o: Lin,
+    up: Lin,
+    down: Lin,
+    ln1: Ln,
+    ln2: Ln,
+    drop_attn: DropSite,
+    drop_ffn: DropSite,
+    /// Rows past q/k/v (N, or B on the [CLS] rows).
+    rows: usize,
+    qh: Buf<f32>,       // (B, H, T, dh)
+    kh: Buf<f32>,       // (B, H, T, dh)
+    vh: Buf<f32>,       // (B, H, T, dh)
+    p: Buf<f32>,        // (B·H, T, T): the attention probabilities
+    att: Buf<f32>,      // N × D: the attention context (all rows)
+    x_rows: Buf<f32>,   // R × D: the residual rows (the [CLS] rows' input; unused when R = N)
+    att_rows: Buf<f32>, // R × D: the context of the rows past q/k/v (= att when R = N)
+    r1: Buf<f32>,       // R × D
+    x1: Buf<f32>,       // R × D
+    h: Buf<f32>,        // R × F: Up(x1)
+    r2: Buf<f32>,       // R × D
+    out: Buf<f32>,      // R × D: the block output (the next block's input)
+}
+
+/// The word embedding on the device.
+enum Word {
+    Dense { table: Slot },
+    Ttm(Box<Ttm>),
+}
+
+/// A TTM word embedding's device state.
+struct Ttm {
+    layout: TtmLayout,
+    meta: Buf<i32>,
+    cores: Slot,
+    gates: Slot,
+    /// The batch's distinct ids, padded to N with id 0 (rows computed, never read).
+    distinct: Buf<u32>,
+    rows: Buf<f32>, // N × D: the rows of the distinct ids
+    slab: Buf<f32>, // N × slab_total: their slab gradients
+    dh: Buf<f32>,   // the largest core: one core's gradient before the gates
+    /// Per core: the distinct ids grouped by digit (order padded to N, start v_k + 1).
+    digits: Vec<(Buf<u32>, Buf<u32>)>,
+}
+
+/// The whole step's plan. See the module doc.
+pub struct EncoderPlan {
+    pub b: usize,
+    pub t: usize,
+    d: usize,
+    heads: usize,
+    ffn: usize,
+    labels: usize,
+    vocab: usize,
+    tau: f32,
+    pub arena: ParamArena,
+    table: AdamTable,
+    consts: AdamConsts,
+    max_norm: f32,
+    word: Word,
+    pos: Slot,
+    types: Slot,
+    ln_emb: Ln,
+    drop_emb: DropSite,
+    blocks: Vec<BlockPlan>,
+    pool: Lin,
+    cls: Lin,
+    drop_head: DropSite,
+    // The batch, copied in by `load` (fixed buffers, read by the captured step).
+    slot: Buf<u32>, // N: the word-embedding row of each token (a distinct-id row for TTM, the id for dense)
+    seg_order: Buf<u32>, // N: tokens sorted by word id
+    seg_start: Buf<u32>, // N + 1: segment starts, padded with N (empty segments)
+    seg_dst: Buf<u32>, // N: the table row of each segment (dense word; padded with 0)
+    types_ids: Buf<u32>, // N
+    type_order: Buf<u32>,
+    type_start: Buf<u32>, // type_vocab + 1
+    pos_ids: Buf<u32>,    // N: t of each token (fixed)
+    pos_order: Buf<u32>,  // N: tokens by position (fixed)
+    pos_start: Buf<u32>,  // T + 1 (fixed)
+    allow: Buf<f32>,      // B × T: 1 for a real token
+    label: Buf<i32>,      // B
+    cls_slot: Buf<u32>,   // B: b·T, the [CLS] rows (fixed)
+    seq_order: Buf<u32>,  // B: 0..B (fixed)
+    seq_start: Buf<u32>,  // B + 1: 0..=B (fixed)
+    // Activations and scratch.
+    emb: Buf<f32>, // N × D: word + pos + type
+    x0: Buf<f32>,  // N × D
+    tmp: Buf<f32>, // N × D
+    tq: Buf<f32>,  // N × D: a q/k/v projection in rows, or its gradient
+    oh: Buf<f32>,  // (B, H, T, dh): P·V, or ∂L/∂O
+    dqh: Buf<f32>, // (B, H, T, dh) ×3: ∂L/∂Q, ∂L/∂K, ∂L/∂V
+    dkh: Buf<f32>,
+    dvh: Buf<f32>,
+    dp: Buf<f32>,    // (B·H, T, T)
+    g: Buf<f32>,     // N × F: GELU(h)
+    dg: Buf<f32>,    // N × F
+    dhh: Buf<f32>,   // N × F
+    f: Buf<f32>,     // N × D
+    dflow: Buf<f32>, // N × D: the flowing gradient
+    dt1: Buf<f32>,   // N × D
+    dt2: Buf<f32>,
+    dt3: Buf<f32>,
+    datt: Buf<f32>,   // N × D
+    hcls: Buf<f32>,   // B × D
+    pre: Buf<f32>,    // B × D
+    pooled: Buf<f32>, // B × D
+    logits: Buf<f32>, // B × C
+    dlogits: Buf<f32>,
+    dpooled: Buf<f32>,
+    dcls: Buf<f32>,
+    ce_count: Buf<i32>,
+    ce_row_loss: Buf<f64>,
+    ce_row_hit: Buf<f32>,
+    ce_out: Buf<f64>, // [mean loss, loss sum, counted rows, correct]
+    norm_partial: Buf<f64>,
+    norm: Buf<f64>,
+    clip: Buf<f32>,
+    scalars: Buf<f32>, // (lr_scale, 1 − β1^t, 1 − β2^t)
+    step: Buf<u64>,    // the dropout step
+    /// The plan's cuBLAS handle and workspace.
+    blas: Blas,
+}
+
+/// The dropout seeds of comera-model's `Encoder::new` for model seed `seed` (its
+/// `dseed`, the sites `dseed + 1 + 2l` after attention and `dseed + 2 + 2l` after the FFN,
+/// `dseed + 2³²` in the head). Kept in step with comera-model by the GPU test that compares
+/// a step with dropout on.
+fn dropout_seeds(seed: u64, layers: usize) -> (u64, Vec<(u64, u64)>, u64) {
+    let dseed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let blocks = (0..layers as u64)
+        .map(|l| (dseed.wrapping_add(1 + 2 * l), dseed.wrapping_add(2 + 2 * l)))
+        .collect();
+    (dseed, blocks, dseed.wrapping_add(1 << 32))
+}
+
+impl EncoderPlan {
+    /// The plan of `enc` (a classifier, post-LN; its current ranks) for batches of `b`
+    /// sequences of `t ≤ cfg.seq_len` tokens, its dropout seeded as `Encoder::new(cfg, seed)`
+    /// seeds it. Parameters are uploaded from `enc`; AdamW's moments start at zero.
+    pub fn new(
+        dev: &Device,
+        enc: &Encoder,
+        seed: u64,
+        b: usize,
+        t: usize,
+        opt: StepConfig,
+    ) -> Result<EncoderPlan, CudaError> {
+        let cfg = &enc.cfg;
+        let bad = |m: String| Err(CudaError::Plan(m));
+        if cfg.pre_ln {
+            return bad("pre-LN encoders are not on the device yet (post-LN only)".into());
+        }
+        let Head::Classifier(head) = &enc.head else {
+            return bad("the masked-LM head is not on the device yet (classifier only)".into());
+        };
+        if t == 0 || t > cfg.seq_len || b == 0 {
+            return bad(format!(
+                "batch {b} × {t} tokens (1..={} tokens)",
+                cfg.seq_len
+            ));
+        }
+        let (d, heads, ffn, labels) = (cfg.d_model, cfg.heads, cfg.ffn, cfg.num_labels);
+        let (n, tau, eps) = (b * t, cfg.threshold, cfg.ln_eps);
+        let params: Vec<_> = enc
+            .params()
+            .iter()
+            .map(|p| (p.name.clone(), p.shape.clone(), p.kind))
+            .collect();
+        let mut arena = ParamArena::new(dev, &params)?;
+        arena.upload(dev, &enc.params())?;
+        let decay = |kind: ParamKind, shape_len: usize| {
+            if kind == ParamKind::RankGate || shape_len < 2 {
+                0.0
+            } else {
+                opt.weight_decay
+            }
+        };
+        // Decay by tensor: the table takes it per group, so look the shape up per kind and
+        // name through a closure over the arena's tensors.
+        let table = {
+            let rows: Vec<crate::ops::AdamTensor> = arena
+                .tensors
+                .iter()
+                .enumerate()
+                .map(|(i, tn)| {
+                    let end = arena
+                        .tensors
+                        .get(i + 1)
+                        .map_or(arena.total(), |nx| nx.offset);
+                    crate::ops::AdamTensor {
+                        len: end - tn.offset,
+                        lr: match tn.kind {
+                            ParamKind::TtCore => opt.lr_cores,
+                            ParamKind::RankGate => opt.lr_gates,
+                            ParamKind::Other => opt.lr_other,
+                        },
+                        decay: decay(tn.kind, tn.shape.len()),
+                        is_gate: tn.kind == ParamKind::RankGate,
+                    }
+                })
+                .collect();
+            dev.adam_table(&rows)?
+        };
+        let slot = |name: &str| Slot {
+            w: arena.w(name),
+            g: arena.g(name),
+        };
+        let word = match &enc.word {
+            AnyEmbedding::Dense(_) => Word::Dense {
+                table: slot("embeddings.word.weight"),
+            },
+            AnyEmbedding::Ttm(e) => {
+                let s = e.shape();
+                let mut layout = TtmLayout::new(s.vocab_modes(), s.dim_modes(), s.ranks())?;
+                // The arena pads each tensor: offsets relative to the first core and gate.
+                let p = s.vocab_modes().len();
+                let core_at = |k: usize| arena.get(&format!("embeddings.word.core.{}", k + 1));
+                let gate_at = |k: usize| arena.get(&format!("embeddings.word.gate.{k}"));
+                let c0 = core_at(0)?.offset;
+                let g0 = if p > 1 { gate_at(1)?.offset } else { 0 };
+                let meta_cores = 1 + 2 * p + (p + 1);
+                for k in 0..p {
+                    let off = core_at(k)?.offset - c0;
+                    layout.meta[meta_cores + k] = off as i32;
+                    layout.cores[k].offset = off;
+                    if k + 1 < p {
+                        let goff = gate_at(k + 1)?.offset - g0;
+                        layout.meta[meta_cores + p + k + 1] = goff as i32;
+                        layout.cores[k].gate_offset = Some(goff);
+                    }
+                }
+                let cores = Slot {
+                    w: arena.w("embeddings.word.core.1"),
+                    g: arena.g("embeddings.word.core.1"),
+                };
+                let gates = if p > 1 {
+                    slot("embeddings.word.gate.1")
+                } else {
+                    cores
+                };
+                let max_core = layout.cores.iter().map(|c| c.len()).max().unwrap_or(0);
+                let digits = layout
+                    .cores
+                    .iter()
+                    .map(|c| Ok((Buf::zeros(dev, n)?, Buf::zeros(dev, c.shape[1] + 1)?)))
+                    .collect::<Result<Vec<_>, CudaError>>()?;
+                dev.ensure_fits(
+                    "the TTM embedding's slab gradients",
+                    4 * n * layout.slab_total,
+                )?;
+                Word::Ttm(Box::new(Ttm {
+                    meta: Buf::from_host(dev, &layout.meta)?,
+                    cores,
+                    gates,
+                    distinct: Buf::zeros(dev, n)?,
+                    rows: Buf::zeros(dev, n * d)?,
+                    slab: Buf::zeros(dev, n * layout.slab_total)?,
+                    dh: Buf::zeros(dev, max_core)?,
+                    digits,
+                    layout,
+                }))
+            }
+        };
+        let (demb, dblocks, dhead) = dropout_seeds(seed, cfg.layers);
+        let p = cfg.dropout;
+        let nd = n * d;
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for (l, blk) in enc.blocks.iter().enumerate() {
+            let last = l + 1 == cfg.layers;
+            let rows = if last { b } else { n };
+            let pre = format!("encoder.{l}");
+            let lin = |x: &AnyLinear, name: &str, r: usize| {
+                Lin::new(dev, &arena, x, &format!("{pre}.{name}"), r, tau)
+            };
+            let z = |len: usize| Buf::<f32>::zeros(dev, len);
+            blocks.push(BlockPlan {
+                q: lin(&blk.q, "attn.q", n)?,
+                k: lin(&blk.k, "attn.k", n)?,
+                v: lin(&blk.v, "attn.v", n)?,
+                o: lin(&blk.o, "attn.o", rows)?,
+                up: lin(&blk.up, "ffn.up", rows)?,
+                down: lin(&blk.down, "ffn.down", rows)?,
+                ln1: Ln::new(dev, &arena, &format!("{pre}.ln1"), rows, d, eps)?,
+                ln2: Ln::new(dev, &arena, &format!("{pre}.ln2"), rows, d, eps)?,
+                drop_attn: DropSite::new(p, dblocks[l].0),
+                drop_ffn: DropSite::new(p, dblocks[l].1),
+                rows,
+                qh: z(nd)?,
+                kh: z(nd)?,
+                vh: z(nd)?,
+                p: z(b * heads * t * t)?,
+                att: z(nd)?,
+                x_rows: z(if last { rows * d } else { 1 })?,
+                att_rows: z(if last { rows * d } else { 1 })?,
+                r1: z(rows * d)?,
+                x1: z(rows * d)?,
+                h: z(rows * ffn)?,
+                r2: z(rows * d)?,
+                out: z(rows * d)?,
+            });
+        }
+        let z = |len: usize| Buf::<f32>::zeros(dev, len);
+        let zu = |len: usize| Buf::<u32>::zeros(dev, len);
+        let (t32, b32) = (t as u32, b as u32);
+        let pos_ids: Vec<u32> = (0..n as u32).map(|i| i % t32).collect();
+        let pos_seg = Segments::of(&pos_ids);
+        let consts = AdamConsts {
+            beta1: opt.beta1,
+            beta2: opt.beta2,
+            eps: opt.eps,
+            freeze_gates_at: opt.freeze_gates_at,
+        };
+        let blas = Blas::new(dev)?;
+        Ok(EncoderPlan {
+            blas,
+            b,
+            t,
+            d,
+            heads,
+            ffn,
+            labels,
+            vocab: cfg.vocab_size,
+            tau,
+            table,
+            consts,
+            max_norm: opt.max_grad_norm,
+            word,
+            pos: slot("embeddings.position.weight"),
+            types: slot("embeddings.token_type.weight"),
+            ln_emb: Ln::new(dev, &arena, "embeddings.ln", n, d, eps)?,
+            drop_emb: DropSite::new(p, demb),
+            pool: Lin::new(dev, &arena, &head.pool, "pooler", b, tau)?,
+            cls: Lin::new(dev, &arena, &head.classifier, "classifier", b, tau)?,
+            drop_head: DropSite::new(p, dhead),
+            blocks,
+            slot: zu(n)?,
+            seg_order: zu(n)?,
+            seg_start: zu(n + 1)?,
+            seg_dst: zu(n)?,
+            types_ids: zu(n)?,
+            type_order: zu(n)?,
+            type_start: zu(cfg.type_vocab + 1)?,
+            pos_ids: Buf::from_host(dev, &pos_ids)?,
+            pos_order: Buf::from_host(dev, &pos_seg.order)?,
+            pos_start: Buf::from_host(dev, &pos_seg.start)?,
+            allow: z(n)?,
+            label: Buf::zeros(dev, b)?,
+            cls_slot: Buf::from_host(dev, &(0..b32).map(|i| i * t32).collect::<Vec<_>>())?,
+            seq_order: Buf::from_host(dev, &(0..b32).collect::<Vec<_>>())?,
+            seq_start: Buf::from_host(dev, &(0..=b32).collect::<Vec<_>>())?,
+            emb: z(nd)?,
+            x0: z(nd)?,
+            tmp: z(nd)?,
+            tq: z(nd)?,
+            oh: z(nd)?,
+            dqh: z(nd)?,
+            dkh: z(nd)?,
+            dvh: z(nd)?,
+            dp: z(b * heads * t * t)?,
+            g: z(n * ffn)?,
+            dg: z(n * ffn)?,
+            dhh: z(n * ffn)?,
+            f: z(nd)?,
+            dflow: z(nd)?,
+            dt1: z(nd)?,
+            dt2: z(nd)?,
+            dt3: z(nd)?,
+            datt: z(nd)?,
+            hcls: z(b * d)?,
+            pre: z(b * d)?,
+            pooled: z(b * d)?,
+            logits: z(b * labels)?,
+            dlogits: z(b * labels)?,
+            dpooled: z(b * d)?,
+            dcls: z(b * d)?,
+            ce_count: Buf::zeros(dev, 1)?,
+            ce_row_loss: Buf::zeros(dev, b)?,
+            ce_row_hit: z(b)?,
+            ce_out: Buf::zeros(dev, 4)?,
+            norm_partial: Buf::zeros(dev, Device::grad_norm_partial_len(arena.total()))?,
+            norm: Buf::zeros(dev, 1)?,
+            clip: z(1)?,
+            scalars: Buf::from_host(dev, &[1.0f32, 1.0, 1.0])?,
+            step: Buf::zeros(dev, 1)?,
+            arena,
+        })
+    }
+
+    /// Copies one batch in (host index work: the word ids' segments, and for a TTM table the
+    /// distinct ids and their digit groups): ids, token types and attention mask (B × T, mask
+    /// 1 = real token), one label per sequence. Checked as the CPU's `EncoderState::load`
+    /// checks them (lengths, ids below the vocabulary, types below the type vocabulary).
+    pub fn load(
+        &mut self,
+        dev: &Device,
+        ids: &[u32],
+        types: &[u32],
+        mask: &[u32],
+        labels: &[usize],
+    ) -> Result<(), CudaError> {
+        let (vocab, type_vocab) = (self.vocab, self.type_start.len() - 1);
+        let n = self.b * self.t;
+        for (what, len, want) in [
+            ("input_ids", ids.len(), n),
+            ("token_type_ids", types.len(), n),
+            ("attention_mask", mask.len(), n),
+            ("labels", labels.len(), self.b),
+        ] {
+            if len != want {
+                return Err(CudaError::Plan(format!(
+                    "{what}: {len} values, the plan takes {want}"
+                )));
+            }
+        }
+        if let Some(&id) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(CudaError::Plan(format!(
+                "token id {id} ≥ the vocabulary ({vocab})"
+            )));
+        }
+        if let Some(&ty) = types.iter().find(|&&i| i as usize >= type_vocab) {
+            return Err(CudaError::Plan(format!("token type {ty} ≥ {type_vocab}")));
+        }
+        if let Some(&l) = labels.iter().find(|&&l| l >= self.labels) {
+            return Err(CudaError::Plan(format!(
+                "label {l} ≥ {} labels",
+                self.labels
+            )));
+        }
+        let s = dev.stream();
+        let e = || driver("copying a batch to the device");
+        let seg = Segments::of(ids);
+        let pad = |mut v: Vec<u32>, len: usize, with: u32| {
+            v.resize(len, with);
+            v
+        };
+        s.memcpy_htod(&seg.order, self.seg_order.slice_mut())
+            .map_err(e())?;
+        s.memcpy_htod(
+            &pad(seg.start.clone(), n + 1, n as u32),
+            self.seg_start.slice_mut(),
+        )
+        .map_err(e())?;
+        match &mut self.word {
+            Word::Dense { .. } => {
+                s.memcpy_htod(ids, self.slot.slice_mut()).map_err(e())?;
+                s.memcpy_htod(&pad(seg.ids.clone(), n, 0), self.seg_dst.slice_mut())
+                    .map_err(e())?;
+            }
+            Word::Ttm(w) => {
+                let Ttm {
+                    layout,
+                    distinct,
+                    digits,
+                    ..
+                } = &mut **w;
+                s.memcpy_htod(&seg.slot, self.slot.slice_mut())
+                    .map_err(e())?;
+                s.memcpy_htod(&pad(seg.ids.clone(), n, 0), distinct.slice_mut())
+                    .map_err(e())?;
+                for ((order, start), (o, st)) in ops::ttm_digit_segments(layout, &seg.ids)
+                    .into_iter()
+                    .zip(digits.iter_mut())
+                {
+                    s.memcpy_htod(&pad(order, n, 0), o.slice_mut())
+                        .map_err(e())?;
+                    s.memcpy_htod(&start, st.slice_mut()).map_err(e())?;
+                }
+            }
+        }
+        s.memcpy_htod(types, self.types_ids.slice_mut())
+            .map_err(e())?;
+        // Token types by row of the type table: every row a segment (empty ones add nothing).
+        let tv = self.type_start.len() - 1;
+        let mut order: Vec<u32> = (0..n as u32).collect();
+        order.sort_by_key(|&i| types[i as usize]);
+        let mut start = vec![0u32; tv + 1];
+        for &ty in types {
+            start[ty as usize + 1] += 1;
+        }
+        for i in 0..tv {
+            start[i + 1] += start[i];
+        }
+        s.memcpy_htod(&order, self.type_order.slice_mut())
+            .map_err(e())?;
+        s.memcpy_htod(&start, self.type_start.slice_mut())
+            .map_err(e())?;
+        let allow: Vec<f32> = mask.iter().map(|&m| (m != 0) as u32 as f32).collect();
+        s.memcpy_htod(&allow, self.allow.slice_mut()).map_err(e())?;
+        let lab: Vec<i32> = labels.iter().map(|&l| l as i32).collect();
+        s.memcpy_htod(&lab, self.label.slice_mut()).map_err(e())?;
+        Ok(())
+    }
+
+    /// Sets the step's dropout counter and AdamW's scalars for optimiser step `t_adam`
+    /// (1-based, the CPU's count) at learning-rate scale `lr_scale` (the schedule).
+    pub fn set_step(
+        &mut self,
+        dev: &Device,
+        step: u64,
+        t_adam: i32,
+        lr_scale: f32,
+    ) -> Result<(), CudaError> {
+        let s = dev.stream();
+        let e = || driver("copying the step's scalars to the device");
+        let sc = [
+            lr_scale,
+            1.0 - self.consts.beta1.powi(t_adam),
+            1.0 - self.consts.beta2.powi(t_adam),
+        ];
+        s.memcpy_htod(&sc, self.scalars.slice_mut()).map_err(e())?;
+        s.memcpy_htod(&[step], self.step.slice_mut()).map_err(e())?;
+        Ok(())
+    }
+
+    /// The loss, correct count, counted rows and gradient norm of the last step (waits for
+    /// the stream).
+    pub fn stats(&self, dev: &Device) -> Result<DeviceStepStats, CudaError> {
+        let s = dev.stream();
+        let e = || driver("reading the step's statistics");
+        let out = s.clone_dtoh(self.ce_out.slice()).map_err(e())?;
+        let norm = s.clone_dtoh(self.norm.slice()).map_err(e())?;
+        Ok(DeviceStepStats {
+            loss: out[0],
+            correct: out[3],
+            count: out[2],
+            grad_norm: norm[0],
+        })
+    }
+
+    /// Queues one whole training step: gradients zeroed, forward, loss, backward, gradient
+    /// norm and clip factor, AdamW. Nothing waits on the host, nothing is allocated.
+    pub fn record_step(&self, dev: &Device) -> Result<(), CudaError> {
+        let blas = &self.blas.handle;
+        // SAFETY: the arena's gradient buffer holds `total` floats.
+        unsafe { raw::zero(dev, self.arena.g.ptr(), self.arena.total())? };
+        self.forward(dev, blas)?;
+        self.backward(dev, blas)?;
+        self.update(dev)
+    }
+
+    fn step_ptr(&self) -> u64 {
+        self.step.ptr()
+    }
+
+    /// Token rows gathered from a table: out[i] = src[slot[i]] (embedding.cu).
+    fn gather(
+        &self,
+        dev: &Device,
+        src: u64,
+        slot: u64,
+        rows: usize,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        let (r, d) = (rows as i32, self.d as i32);
+        // SAFETY: slot holds `rows` indices below src's rows; out rows·D floats.
+        unsafe {
+            launch(
+                dev,
+                "gather_rows",
+                grid(rows as u32, 1, BLOCK),
+                &[&src, &slot, &r, &d, &out],
+            )
+        }
+    }
+
+    /// dst[row u] (+)= Σ_{tokens of segment u, in token order} dy[token] (embedding.cu).
+    #[allow(clippy::too_many_arguments)]
+    fn segment_sum(
+        &self,
+        dev: &Device,
+        dy: u64,
+        order: u64,
+        start: u64,
+        dst_row: u64,
+        segments: usize,
+        accumulate: bool,
+        dst: u64,
+    ) -> Result<(), CudaError> {
+        let (sg, d, acc) = (segments as i32, self.d as i32, accumulate as i32);
+        // SAFETY: order/start describe `segments` segments of rows of dy; dst_row (or row u
+        // when null) addresses rows of dst.
+        unsafe {
+            launch(
+                dev,
+                "segment_sum_rows",
+                grid(segments as u32, 1, BLOCK),
+                &[&dy, &order, &start, &dst_row, &sg, &d, &acc, &dst],
+            )
+        }
+    }
+
+    /// The head layout of one projection in rows (`to_heads`) or back.
+    fn permute(&self, dev: &Device, src: u64, dst: u64, to_heads: bool) -> Result<(), CudaError> {
+        let (b, t, h, dh, w) = (
+            self.b as i32,
+            self.t as i32,
+            self.heads as i32,
+            (self.d / self.heads) as i32,
+            self.d as i32,
+        );
+        let (zero, dir) = (0i32, to_heads as i32);
+        // SAFETY: both sides hold B·T·D floats.
+        unsafe {
+            launch(
+                dev,
+                "heads_permute",
+                grid_stride(self.b * self.t * self.d),
+                &[&src, &dst, &b, &t, &h, &dh, &w, &zero, &dir],
+            )
+        }
+    }
+
+    fn forward(&self, dev: &Device, blas: &CudaBlas) -> Result<(), CudaError> {
+        let (b, t, d, n) = (self.b, self.t, self.d, self.b * self.t);
+        let nd = n * d;
+        let step = self.step_ptr();
+        // Embeddings: word rows (TTM: the distinct ids' rows, then gathered), + pos + type.
+        match &self.word {
+            Word::Dense { table } => {
+                self.gather(dev, table.w, self.slot.ptr(), n, self.emb.ptr())?
+            }
+            Word::Ttm(w) => {
+                let Ttm {
+                    layout,
+                    meta,
+                    cores,
+                    gates,
+                    distinct,
+                    rows,
+                    ..
+                } = &**w;
+                let (c, chain) = (n as i32, layout.chain as i32);
+                let (mp, ids, out) = (meta.ptr(), distinct.ptr(), rows.ptr());
+                let cfg = LaunchConfig {
+                    shared_mem_bytes: (2 * layout.chain * 4) as u32,
+                    ..grid(n as u32, 1, BLOCK)
+                };
+                // SAFETY: cores and gates laid out as the patched meta says; N distinct ids
+                // (padded with id 0) below the table's rows; rows holds N·D floats; two chain
+                // buffers of shared memory (≤ 48 KiB, checked by TtmLayout::new).
+                unsafe {
+                    launch(
+                        dev,
+                        "ttm_rows",
+                        cfg,
+                        &[&cores.w, &gates.w, &mp, &self.tau, &ids, &c, &chain, &out],
+                    )?
+                };
+                self.gather(dev, out, self.slot.ptr(), n, self.emb.ptr())?;
+            }
+        }
+        let (emb, tmp) = (self.emb.ptr(), self.tmp.ptr());
+        let nn = nd as i64;
+        self.gather(dev, self.pos.w, self.pos_ids.ptr(), n, tmp)?;
+        // SAFETY: emb and tmp hold N·D floats.
+        unsafe { launch(dev, "add_into", grid_stride(nd), &[&emb, &tmp, &nn])? };
+        self.gather(dev, self.types.w, self.types_ids.ptr(), n, tmp)?;
+        // SAFETY: as above.
+        unsafe { launch(dev, "add_into", grid_stride(nd), &[&emb, &tmp, &nn])? };
+        let x0 = self.x0.ptr();
+        self.ln_emb.forward(dev, emb, x0)?;
+        self.drop_emb.apply(dev, step, x0, x0, nd)?;
+        // Blocks.
+        let (h, dh) = (self.heads, d / self.heads);
+        let units = b * h;
+        let scale = 1.0 / (dh as f32).sqrt();
+        let mut x = x0;
+        for blk in &self.blocks {
+            let tq = self.tq.ptr();
+            for (lin, dst) in [(&blk.q, &blk.qh), (&blk.k, &blk.kh), (&blk.v, &blk.vh)] {
+                lin.forward(dev, blas, x, tq)?;
+                self.permute(dev, tq, dst.ptr(), true)?;
+            }
+            // SAFETY: (B·H) units of T × dh heads and T × T scores, packed.
+            unsafe {
+                Gemm::new(t, t, dh, false, true).run_batched(
+                    blas,
+                    blk.qh.ptr(),
+                    t * dh,
+                    blk.kh.ptr(),
+                    t * dh,
+                    blk.p.ptr(),
+                    t * t,
+                    units,
+                )?;
+            }
+            let (u, hh, tt, causal, null) = (units as i32, h as i32, t as i32, 0i32, 0u64);
+            let (pp, al) = (blk.p.ptr(), self.allow.ptr());
+            // SAFETY: P holds units·T·T floats, allow B·T; no stats.
+            unsafe {
+                launch(
+                    dev,
+                    "softmax_rows_forward",
+                    grid(((units * t) as u32).div_ceil(BLOCK / 32), 1, BLOCK),
+                    &[&pp, &al, &u, &hh, &tt, &scale, &causal, &null],
+                )?;
+                Gemm::new(t, dh, t, false, false).run_batched(
+                    blas,
+                    pp,
+                    t * t,
+                    blk.vh.ptr(),
+                    t * dh,
+                    self.oh.ptr(),
+                    t * dh,
+                    units,
+                )?;
+            }
+            self.permute(dev, self.oh.ptr(), blk.att.ptr(), false)?;
+            // The row-wise part on R rows (the [CLS] rows of the last block).
+            let r = blk.rows;
+            let (xr, att) = if r == n {
+                (x, blk.att.ptr())
+            } else {
+                self.gather(dev, x, self.cls_slot.ptr(), r, blk.x_rows.ptr())?;
+                self.gather(
+                    dev,
+                    blk.att.ptr(),
+                    self.cls_slot.ptr(),
+                    r,
+                    blk.att_rows.ptr(),
+                )?;
+                (blk.x_rows.ptr(), blk.att_rows.ptr())
+            };
+            let o = self.tmp.ptr();
+            blk.o.forward(dev, blas, att, o)?;
+            blk.drop_attn.add(dev, step, xr, o, blk.r1.ptr(), r * d)?;
+            blk.ln1.forward(dev, blk.r1.ptr(), blk.x1.ptr())?;
+            blk.up.forward(dev, blas, blk.x1.ptr(), blk.h.ptr())?;
+            let (hp, gp, rf) = (blk.h.ptr(), self.g.ptr(), (r * self.ffn) as i64);
+            // SAFETY: h and g hold R·F floats.
+            unsafe {
+                launch(
+                    dev,
+                    "gelu_forward",
+                    grid_stride(r * self.ffn),
+                    &[&hp, &gp, &rf],
+                )?
+            };
+            let f = self.f.ptr();
+            blk.down.forward(dev, blas, gp, f)?;
+            blk.drop_ffn
+                .add(dev, step, blk.x1.ptr(), f, blk.r2.ptr(), r * d)?;
+            blk.ln2.forward(dev, blk.r2.ptr(), blk.out.ptr())?;
+            x = blk.out.ptr();
+        }
+        // Head on the [CLS] rows (the last block already ran on them only).
+        let hcls = self.hcls.ptr();
+        let last_rows = self.blocks.last().map_or(n, |l| l.rows);
+        if last_rows == n {
+            self.gather(dev, x, self.cls_slot.ptr(), b, hcls)?;
+        } else {
+            // SAFETY: both hold B·D floats.
+            unsafe { raw::copy(dev, hcls, x, b * d)? };
+        }
+        let (pre, pooled) = (self.pre.ptr(), self.pooled.ptr());
+        self.pool.forward(dev, blas, hcls, pre)?;
+        let bd = (b * d) as i64;
+        // SAFETY: pre and pooled hold B·D floats.
+        unsafe {
+            launch(
+                dev,
+                "tanh_forward",
+                grid_stride(b * d),
+                &[&pre, &pooled, &bd],
+            )?
+        };
+        self.drop_head.apply(dev, step, pooled, pooled, b * d)?;
+        self.cls.forward(dev, blas, pooled, self.logits.ptr())?;
+        // Cross-entropy (mean over the B rows, no ignored label) and ∂L/∂logits.
+        let (rows, classes, ignore, write) = (b as i32, self.labels as i32, i32::MIN, 1i32);
+        let (lg, lb, cnt, dl) = (
+            self.logits.ptr(),
+            self.label.ptr(),
+            self.ce_count.ptr(),
+            self.dlogits.ptr(),
+        );
+        let (rl, rh, out) = (
+            self.ce_row_loss.ptr(),
+            self.ce_row_hit.ptr(),
+            self.ce_out.ptr(),
+        );
+        // SAFETY: logits and their gradient hold B·C floats, labels B, row buffers B, out 4.
+        unsafe {
+            launch(
+                dev,
+                "cross_entropy_count",
+                grid(1, 1, 1024),
+                &[&lb, &rows, &ignore, &cnt],
+            )?;
+            launch(
+                dev,
+                "cross_entropy_rows",
+                grid(b as u32, 1, BLOCK),
+                &[
+                    &lg, &lb, &rows, &classes, &ignore, &cnt, &write, &dl, &rl, &rh,
+                ],
+            )?;
+            launch(
+                dev,
+                "cross_entropy_reduce",
+                grid(1, 1, 1024),
+                &[&rl, &rh, &rows, &cnt, &out],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn backward(&self, dev: &Device, blas: &CudaBlas) -> Result<(), CudaError> {
+        let (b, t, d, n) = (self.b, self.t, self.d, self.b * self.t);
+        let nd = n * d;
+        let step = self.step_ptr();
+        // Head.
+        let (pooled, dpooled, pre, hcls, dcls) = (
+            self.pooled.ptr(),
+            self.dpooled.ptr(),
+            self.pre.ptr(),
+            self.hcls.ptr(),
+            self.dcls.ptr(),
+        );
+        self.cls.backward(
+            dev,
+            blas,
+            pooled,
+            self.dlogits.ptr(),
+            Some((dpooled, false)),
+        )?;
+        self.drop_head.apply(dev, step, dpooled, dpooled, b * d)?;
+        let bd = (b * d) as i64;
+        // SAFETY: pre and dpooled hold B·D floats.
+        unsafe {
+            launch(
+                dev,
+                "tanh_backward",
+                grid_stride(b * d),
+                &[&pre, &dpooled, &bd],
+            )?
+        };
+        self.pool
+            .backward(dev, blas, hcls, dpooled, Some((dcls, false)))?;
+        // ∂L/∂(last block output): its B rows are the [CLS] rows (or scattered into N rows).
+        let dflow = self.dflow.ptr();
+        let last_rows = self.blocks.last().map_or(n, |l| l.rows);
+        if last_rows == n {
+            // SAFETY: dflow holds N·D floats.
+            unsafe { raw::zero(dev, dflow, nd)? };
+            self.segment_sum(
+                dev,
+                dcls,
+                self.seq_order.ptr(),
+                self.seq_start.ptr(),
+                self.cls_slot.ptr(),
+                b,
+                false,
+                dflow,
+            )?;
+        } else {
+            // SAFETY: both hold B·D floats.
+            unsafe { raw::copy(dev, dflow, dcls, b * d)? };
+        }
+        let (h, dh) = (self.heads, d / self.heads);
+        let units = b * h;
+        let scale = 1.0 / (dh as f32).sqrt();
+        for (l, blk) in self.blocks.iter().enumerate().rev() {
+            let r = blk.rows;
+            let x = if l == 0 {
+                self.x0.ptr()
+            } else {
+                self.blocks[l - 1].out.ptr()
+            };
+            let att = if r == n {
+                blk.att.ptr()
+            } else {
+                blk.att_rows.ptr()
+            };
+            let (dt1, dt2, dt3) = (self.dt1.ptr(), self.dt2.ptr(), self.dt3.ptr());
+            // g_r2 = LN2'ᵀ g_out; g_f = D(g_r2).
+            blk.ln2.backward(dev, blk.r2.ptr(), dflow, 0, dt1)?;
+            blk.drop_ffn.apply(dev, step, dt1, dt2, r * d)?;
+            // FFN: g = GELU(h) again for Down's backward; g_h = (Downᵀ g_f) ⊙ GELU'(h).
+            let (hp, gp, dgp, dhp) = (blk.h.ptr(), self.g.ptr(), self.dg.ptr(), self.dhh.ptr());
+            let rf = (r * self.ffn) as i64;
+            // SAFETY: h, g, dg and dhh hold at least R·F floats.
+            unsafe {
+                launch(
+                    dev,
+                    "gelu_forward",
+                    grid_stride(r * self.ffn),
+                    &[&hp, &gp, &rf],
+                )?
+            };
+            blk.down.backward(dev, blas, gp, dt2, Some((dgp, false)))?;
+            // SAFETY: as above.
+            unsafe {
+                launch(
+                    dev,
+                    "gelu_backward",
+                    grid_stride(r * self.ffn),
+                    &[&hp, &dgp, &dhp, &rf],
+                )?
+            };
+            blk.up
+                .backward(dev, blas, blk.x1.ptr(), dhp, Some((dt3, false)))?;
+            // g_r1 = LN1'ᵀ (g_r2 + Upᵀ…); g_o = D(g_r1).
+            blk.ln1.backward(dev, blk.r1.ptr(), dt1, dt3, dt2)?;
+            blk.drop_attn.apply(dev, step, dt2, dt3, r * d)?;
+            // g_att = Oᵀ g_o (R rows), into N rows for the attention backward.
+            let datt = self.datt.ptr();
+            if r == n {
+                blk.o.backward(dev, blas, att, dt3, Some((datt, false)))?;
+            } else {
+                blk.o.backward(dev, blas, att, dt3, Some((dt1, false)))?;
+                // SAFETY: datt holds N·D floats.
+                unsafe { raw::zero(dev, datt, nd)? };
+                self.segment_sum(
+                    dev,
+                    dt1,
+                    self.seq_order.ptr(),
+                    self.seq_start.ptr(),
+                    self.cls_slot.ptr(),
+                    b,
+                    false,
+                    datt,
+                )?;
+            }
+            // Attention: dV = Pᵀ·dO, dP = dO·Vᵀ, dS = softmax'(dP), dQ = dS·K, dK = dSᵀ·Q.
+            let doh = self.oh.ptr();
+            self.permute(dev, datt, doh, true)?;
+            let (pp, dpp) = (blk.p.ptr(), self.dp.ptr());
+            let (u, tt) = (units as i32, t as i32);
+            // SAFETY: (B·H) units of T × dh heads and T × T probabilities, packed.
+            unsafe {
+                Gemm::new(t, dh, t, true, false).run_batched(
+                    blas,
+                    pp,
+                    t * t,
+                    doh,
+                    t * dh,
+                    self.dvh.ptr(),
+                    t * dh,
+                    units,
+                )?;
+                Gemm::new(t, t, dh, false, true).run_batched(
+                    blas,
+                    doh,
+                    t * dh,
+                    blk.vh.ptr(),
+                    t * dh,
+                    dpp,
+                    t * t,
+                    units,
+                )?;
+                launch(
+                    dev,
+                    "softmax_rows_backward",
+                    grid(((units * t) as u32).div_ceil(BLOCK / 32), 1, BLOCK),
+                    &[&pp, &dpp, &u, &tt, &scale],
+                )?;
+                Gemm::new(t, dh, t, false, false).run_batched(
+                    blas,
+                    dpp,
+                    t * t,
+                    blk.kh.ptr(),
+                    t * dh,
+                    self.dqh.ptr(),
+                    t * dh,
+                    units,
+                )?;
+                Gemm::new(t, dh, t, true, false).run_batched(
+                    blas,
+                    dpp,
+                    t * t,
+                    blk.qh.ptr(),
+                    t * dh,
+                    self.dkh.ptr(),
+                    t * dh,
+                    units,
+                )?;
+            }
+            // The residual's share of g_x (g_r1, R rows) is kept in dt2 until the end.
+            let tq = self.tq.ptr();
+            let mut first = true;
+            for (lin, dsrc) in [
+                (&blk.q, &self.dqh),
+                (&blk.k, &self.dkh),
+                (&blk.v, &self.dvh),
+            ] {
+                self.permute(dev, dsrc.ptr(), tq, false)?;
+                lin.backward(dev, blas, x, tq, Some((dflow, !first)))?;
+                first = false;
+            }
+            let nn = nd as i64;
+            if r == n {
+                // SAFETY: both hold N·D floats.
+                unsafe { launch(dev, "add_into", grid_stride(nd), &[&dflow, &dt2, &nn])? };
+            } else {
+                self.segment_sum(
+                    dev,
+                    dt2,
+                    self.seq_order.ptr(),
+                    self.seq_start.ptr(),
+                    self.cls_slot.ptr(),
+                    b,
+                    true,
+                    dflow,
+                )?;
+            }
+        }
+        // Embeddings.
+        self.drop_emb.apply(dev, step, dflow, dflow, nd)?;
+        let demb = self.dt1.ptr();
+        self.ln_emb.backward(dev, self.emb.ptr(), dflow, 0, demb)?;
+        let null = 0u64;
+        match &self.word {
+            Word::Dense { table } => self.segment_sum(
+                dev,
+                demb,
+                self.seg_order.ptr(),
+                self.seg_start.ptr(),
+                self.seg_dst.ptr(),
+                n,
+                true,
+                table.g,
+            )?,
+            Word::Ttm(w) => {
+                let Ttm {
+                    layout,
+                    meta,
+                    cores,
+                    gates,
+                    distinct,
+                    rows,
+                    slab,
+                    dh,
+                    digits,
+                } = &**w;
+                // Per distinct id, its tokens' gradients summed in token order (padding: 0).
+                self.segment_sum(
+                    dev,
+                    demb,
+                    self.seg_order.ptr(),
+                    self.seg_start.ptr(),
+                    null,
+                    n,
+                    false,
+                    rows.ptr(),
+                )?;
+                let (c, chain, total) = (n as i32, layout.chain as i32, layout.slab_total as i32);
+                let (mp, ids, dr, sl) = (meta.ptr(), distinct.ptr(), rows.ptr(), slab.ptr());
+                let cfg = LaunchConfig {
+                    shared_mem_bytes: (3 * layout.chain * 4) as u32,
+                    ..grid(n as u32, 1, BLOCK)
+                };
+                // SAFETY: as ttm_rows; drows N·D and slab N·slab_total floats.
+                unsafe {
+                    launch(
+                        dev,
+                        "ttm_slab_grads",
+                        cfg,
+                        &[
+                            &cores.w, &gates.w, &mp, &self.tau, &ids, &c, &chain, &dr, &sl,
+                        ],
+                    )?
+                };
+                for (core, (dorder, dstart)) in layout.cores.iter().zip(digits) {
+                    let [ra, vk, ek, rb] = core.shape.map(|x| x as i32);
+                    let len = core.len();
+                    let soff = core.slab_offset as i32;
+                    let (o, st, dhp) = (dorder.ptr(), dstart.ptr(), dh.ptr());
+                    let cw = cores.w + 4 * core.offset as u64;
+                    let cg = cores.g + 4 * core.offset as u64;
+                    let rows = (core.shape[0] * core.shape[1] * core.shape[2]) as i64;
+                    // SAFETY: dh holds the largest core; the digit segments index the real
+                    // distinct ids' rows of slab; core and gate addresses follow the patched
+                    // layout inside the arena.
+                    unsafe {
+                        launch(
+                            dev,
+                            "ttm_core_grad_sums",
+                            grid_stride(len),
+                            &[&sl, &total, &soff, &o, &st, &ra, &vk, &ek, &rb, &dhp],
+                        )?;
+                        let (gw, gg) = match core.gate_offset {
+                            Some(g) => (gates.w + 4 * g as u64, gates.g + 4 * g as u64),
+                            None => (0, 0),
+                        };
+                        launch(
+                            dev,
+                            "gated_grads_core",
+                            grid_stride(len),
+                            &[&dhp, &gw, &rows, &rb, &self.tau, &cg],
+                        )?;
+                        if gw != 0 {
+                            launch(
+                                dev,
+                                "gated_grads_gate",
+                                grid((rb as u32).div_ceil(BLOCK), 1, BLOCK),
+                                &[&dhp, &cw, &gw, &rows, &rb, &self.tau, &gg],
+                            )?;
+                        }
+                    }
+                }
+            }
+        }
+        self.segment_sum(
+            dev,
+            demb,
+            self.pos_order.ptr(),
+            self.pos_start.ptr(),
+            null,
+            t,
+            true,
+            self.pos.g,
+        )?;
+        self.segment_sum(
+            dev,
+            demb,
+            self.type_order.ptr(),
+            self.type_start.ptr(),
+            null,
+            self.type_start.len() - 1,
+            true,
+            self.types.g,
+        )
+    }
+
+    /// Gradient norm and clip factor, then AdamW over the whole arena (optim.cu).
+    fn update(&self, dev: &Device) -> Result<(), CudaError> {
+        let total = self.arena.total();
+        let parts = Device::grad_norm_partial_len(total);
+        let (g, part, norm, clip) = (
+            self.arena.g.ptr(),
+            self.norm_partial.ptr(),
+            self.norm.ptr(),
+            self.clip.ptr(),
+        );
+        let (nn, per, first) = (total as i64, ops::GRAD_NORM_PER_BLOCK as i64, 0i32);
+        let p = parts as i32;
+        let tau = self.consts.freeze_gates_at.unwrap_or(-1.0);
+        let t = &self.table;
+        let (off, len, lr, decay, gate) = (
+            raw_ptr(&t.offset, dev),
+            raw_ptr(&t.len, dev),
+            raw_ptr(&t.lr, dev),
+            raw_ptr(&t.decay, dev),
+            raw_ptr(&t.gate, dev),
+        );
+        let (w, m, v, sc) = (
+            self.arena.w.ptr(),
+            self.arena.m.ptr(),
+            self.arena.v.ptr(),
+            self.scalars.ptr(),
+        );
+        let (b1, b2, eps) = (self.consts.beta1, self.consts.beta2, self.consts.eps);
+        let max_len = self
+            .arena
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, tn)| self.arena.tensors.get(i + 1).map_or(total, |nx| nx.offset) - tn.offset)
+            .max()
+            .unwrap_or(0);
+        let tensors = self.arena.tensors.len() as u32;
+        // SAFETY: g holds `total` floats and the partials one per chunk of
+        // GRAD_NORM_PER_BLOCK; norm and clip one value each; AdamW's table tiles 0..total of
+        // the four flat buffers (built in `new`), scalars 3.
+        unsafe {
+            launch(
+                dev,
+                "grad_sum_squares",
+                grid(parts as u32, 1, BLOCK),
+                &[&g, &nn, &per, &first, &part],
+            )?;
+            launch(
+                dev,
+                "grad_norm_finish",
+                grid(1, 1, 1024),
+                &[&part, &p, &self.max_norm, &norm, &clip],
+            )?;
+            let clip_arg = if self.max_norm > 0.0 { clip } else { 0u64 };
+            launch(
+                dev,
+                "adamw_update",
+                grid((max_len as u32).div_ceil(BLOCK), tensors, BLOCK),
+                &[
+                    &w, &g, &m, &v, &off, &len, &lr, &decay, &gate, &sc, &clip_arg, &b1, &b2, &eps,
+                    &tau,
+                ],
+            )
+        }
+    }
+}
+
+/// The device address of a cudarc buffer the plan owns for its whole life.
+fn raw_ptr<T>(s: &cudarc::driver::CudaSlice<T>, dev: &Device) -> u64 {
+    use cudarc::driver::DevicePtr;
+    let (p, _sync) = s.device_ptr(dev.stream());
+    p
+}

@@ -1,0 +1,27 @@
+//! The CUDA step engine: the encoder's training step as a static plan on device buffers
+//! (every buffer allocated once for a fixed batch, sequence length and ranks), queued as
+//! kernel launches and cuBLAS products on the device's one stream, with no host round trip
+//! inside a step, so that the whole step can be captured once with [`Device::capture`] and
+//! replayed.
+//!
+//! - [`raw`]: buffers addressed by raw pointers, launches and row-major SGEMM on them;
+//! - [`arena`]: every parameter, gradient and AdamW moment in four flat buffers, by the CPU
+//!   model's names and shapes (upload and download: the seam for checkpoints and export);
+//! - [`tt`]: a TT linear layer, merged path, forward and backward to cores and gates;
+//! - [`encoder`]: the classifier encoder's whole step ([`EncoderPlan`]);
+//! - [`session`]: the seam the training loop will call ([`EncoderSession`]): device, plan and
+//!   captured graph; host batches in, statistics and parameters out.
+//!
+//! [`Device::capture`]: crate::Device::capture
+
+pub mod arena;
+pub mod encoder;
+pub mod raw;
+pub mod session;
+pub mod tt;
+
+pub use arena::{ParamArena, Tensor, Which};
+pub use encoder::{DeviceStepStats, EncoderPlan, StepConfig};
+pub use raw::{Blas, Buf, Gemm};
+pub use session::EncoderSession;
+pub use tt::{Slot, TtDims, TtLayer};

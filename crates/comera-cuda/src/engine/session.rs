@@ -1,0 +1,129 @@
+//! The seam the training loop will call (comera-train, not wired yet; see docs/gpu.md): one
+//! object that owns the device, the plan and its captured step, takes host batches and
+//! returns host statistics, and moves parameters and AdamW moments between the device and
+//! the CPU model by name (checkpoints, evaluation, export, resuming on either device).
+
+use super::arena::Which;
+use super::encoder::{DeviceStepStats, EncoderPlan, StepConfig};
+use crate::device::Device;
+use crate::error::CudaError;
+use comera_model::Encoder;
+use cudarc::driver::CudaGraph;
+
+/// AdamW's state of one parameter: its name, first and second moments.
+pub type Moments = (String, Vec<f32>, Vec<f32>);
+
+/// A classifier encoder training on one GPU: [`EncoderPlan`] plus its CUDA graph, captured
+/// on the first step and replayed after.
+pub struct EncoderSession {
+    // Field order is drop order: the graph, then the plan's buffers, then the device.
+    graph: Option<CudaGraph>,
+    plan: EncoderPlan,
+    dev: Device,
+    /// Optimiser steps taken (AdamW's t; the next step is t + 1).
+    t_adam: i32,
+    /// Replay the captured graph (true) or queue the launches one by one (false: the same
+    /// launches, for comparison and debugging).
+    pub use_graph: bool,
+}
+
+impl EncoderSession {
+    /// Opens `cuda:ordinal` and plans `enc`'s step for batches of `b` × `t` tokens (dropout
+    /// seeded from `seed`, as `Encoder::new(cfg, seed)`); parameters are uploaded from `enc`.
+    pub fn new(
+        ordinal: usize,
+        enc: &Encoder,
+        seed: u64,
+        b: usize,
+        t: usize,
+        opt: StepConfig,
+    ) -> Result<EncoderSession, CudaError> {
+        let dev = Device::open(ordinal)?;
+        let plan = EncoderPlan::new(&dev, enc, seed, b, t, opt)?;
+        Ok(EncoderSession {
+            graph: None,
+            plan,
+            dev,
+            t_adam: 0,
+            use_graph: true,
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    pub fn plan(&self) -> &EncoderPlan {
+        &self.plan
+    }
+
+    /// One training step on a batch (B × T ids, types, mask; B labels) at dropout step `step`
+    /// and learning-rate scale `lr_scale`; returns the loss and gradient norm (the one host
+    /// wait of a step).
+    pub fn step(
+        &mut self,
+        (ids, types, mask, labels): (&[u32], &[u32], &[u32], &[usize]),
+        step: u64,
+        lr_scale: f32,
+    ) -> Result<DeviceStepStats, CudaError> {
+        self.plan.load(&self.dev, ids, types, mask, labels)?;
+        self.plan
+            .set_step(&self.dev, step, self.t_adam + 1, lr_scale)?;
+        if self.use_graph {
+            if self.graph.is_none() {
+                let plan = &self.plan;
+                self.graph = Some(self.dev.capture(|d| plan.record_step(d))?);
+            }
+            if let Some(g) = &self.graph {
+                g.launch()
+                    .map_err(crate::error::driver("replaying the step graph"))?;
+            }
+        } else {
+            self.plan.record_step(&self.dev)?;
+        }
+        self.t_adam += 1;
+        self.plan.stats(&self.dev)
+    }
+
+    /// Copies the device's parameters into `enc` (same names and shapes): for a checkpoint,
+    /// an evaluation on the CPU, an export.
+    pub fn download_into(&self, enc: &mut Encoder) -> Result<(), CudaError> {
+        self.plan
+            .arena
+            .download(&self.dev, false, |f| enc.visit_params_mut(f))
+    }
+
+    /// AdamW's moments by parameter name (for a checkpoint's optimiser state), and t.
+    pub fn moments(&self) -> Result<(Vec<Moments>, i32), CudaError> {
+        let a = &self.plan.arena;
+        let (m, v) = (
+            a.download_flat(&self.dev, Which::M)?,
+            a.download_flat(&self.dev, Which::V)?,
+        );
+        let rows = a
+            .tensors
+            .iter()
+            .map(|t| {
+                let r = t.offset..t.offset + t.len;
+                (t.name.clone(), m[r.clone()].to_vec(), v[r].to_vec())
+            })
+            .collect();
+        Ok((rows, self.t_adam))
+    }
+
+    /// Resumes from host state: parameters from `enc`, then the moments by name and AdamW's t
+    /// (a run started on the CPU, or on another GPU).
+    pub fn resume(
+        &mut self,
+        enc: &Encoder,
+        moments: &[Moments],
+        t_adam: i32,
+    ) -> Result<(), CudaError> {
+        self.plan.arena.upload(&self.dev, &enc.params())?;
+        for (name, m, v) in moments {
+            self.plan.arena.upload_moments(&self.dev, name, m, v)?;
+        }
+        self.t_adam = t_adam;
+        Ok(())
+    }
+}

@@ -1,0 +1,531 @@
+//! The step engine's pieces on a GPU against the CPU engine (comera-layers), and the parameter
+//! seam (upload, download by name).
+//!
+//! Runs where a CUDA device and cuBLAS can be opened; elsewhere each test prints
+//! `skipped: no CUDA device (why)` and passes — unless `COMERA_REQUIRE_GPU=1`
+//! (`tools/gpu/check.sh` sets it), where a missing device fails every test.
+//!
+//! Tolerance of the TT layer (forward y, dX, every core, gate and bias gradient), checked as
+//! SPEC §6 checks the reference cases, max|got − exp| ≤ tol · max(max|exp|, 1e-6), tol = 1e-4:
+//! both sides compute the same products in f32 but cuBLAS sums in another order (and its own
+//! blocking) than comera's GEMM. Every value here is a chain of at most K = 6 nested f32 dot
+//! products, each of at most L = 64 terms (the largest inner length: N, M, B or s·r). A
+//! reordered sum of L terms differs by at most γ_L·Σ|terms| with γ_L ≈ L·2⁻²⁴ ≈ 4e-6;
+//! compounded over 6 levels that is ≤ 2.3e-5 of the terms' magnitudes, and random-sign data
+//! makes Σ|terms| a few times |Σ| at most for the largest entries, which the tolerance is
+//! relative to. 1e-4 leaves that margin; a wrong index, transpose or missed gate is O(1).
+
+#![cfg(feature = "cuda")]
+
+use comera_cuda::engine::{raw, Blas, Buf, ParamArena, Slot, TtDims, TtLayer, Which};
+use comera_cuda::{CudaError, Device};
+use comera_layers::{Layer, Param, RankGates, TtLinear};
+use comera_tensor::{init, TtShape};
+use std::sync::OnceLock;
+
+/// The device every test shares and a cuBLAS handle on its stream, or `None` here.
+fn device() -> Option<(
+    &'static Device,
+    &'static comera_cuda::cudarc::cublas::CudaBlas,
+)> {
+    static DEVICE: OnceLock<Result<(Device, Blas), String>> = OnceLock::new();
+    let required = std::env::var("COMERA_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match DEVICE.get_or_init(|| match Device::open(0) {
+        Ok(d) => {
+            let blas = Blas::new(&d).unwrap_or_else(|e| panic!("cuBLAS: {e}"));
+            Ok((d, blas))
+        }
+        Err(
+            e @ (CudaError::NoDriver
+            | CudaError::NoDevice
+            | CudaError::DriverTooOld { .. }
+            | CudaError::NoNvrtc),
+        ) => Err(e.to_string()),
+        Err(other) => panic!("cuda:0 is present but could not be opened: {other}"),
+    }) {
+        Ok((d, b)) => Some((d, &b.handle)),
+        Err(why) => {
+            assert!(!required, "COMERA_REQUIRE_GPU=1 but no CUDA device: {why}");
+            println!("skipped: no CUDA device ({why})");
+            None
+        }
+    }
+}
+
+/// One test at a time on the shared stream and handle.
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    static L: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    L.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn normal(seed: u64, n: usize, std: f32) -> Vec<f32> {
+    let mut rng = init::rng(seed);
+    let mut v = vec![0.0; n];
+    init::fill_normal(&mut rng, &mut v, std);
+    v
+}
+
+/// SPEC §6's check.
+fn assert_close(what: &str, got: &[f32], exp: &[f32], tol: f64) {
+    assert_eq!(got.len(), exp.len(), "{what}: length");
+    let scale = exp
+        .iter()
+        .fold(0f64, |m, &e| m.max(e.abs() as f64))
+        .max(1e-6);
+    let err = got
+        .iter()
+        .zip(exp)
+        .fold(0f64, |m, (&g, &e)| m.max((g as f64 - e as f64).abs()));
+    assert!(
+        err <= tol * scale,
+        "{what}: max error {err:.3e} > {tol:.0e} × {scale:.3e}"
+    );
+}
+
+/// A CPU TT layer (input modes [4, 4, 3], output [3, 4, 4], rank 5, one gate entry pruned on
+/// the middle bond and one on an output bond, a random bias) and its device twin over an arena.
+struct Pair {
+    cpu: TtLinear,
+    arena: ParamArena,
+    dev_layer: TtLayer,
+}
+
+const TAU: f32 = 0.01;
+
+fn pair(dev: &Device, rows: usize) -> Pair {
+    let shape = TtShape::uniform(&[4, 4, 3], &[3, 4, 4], 5).unwrap();
+    let mut rng = init::rng(7);
+    let mut cpu = TtLinear::new("l", shape.clone(), RankGates::new(TAU), &mut rng).unwrap();
+    for (i, g) in cpu.gates.iter_mut().enumerate() {
+        g.value = normal(100 + i as u64, g.len(), 0.5)
+            .iter()
+            .map(|v| 1.0 + v)
+            .collect();
+    }
+    cpu.gates[2].value[1] = 0.005; // pruned (≤ τ): its slice contributes nothing
+    cpu.gates[3].value[4] = -0.3; // negative: also inactive
+    cpu.bias.value = normal(9, cpu.bias.len(), 0.1);
+    let dims = TtDims::from_shape(&shape);
+    let mut arena = ParamArena::new(dev, &dims.params("l")).unwrap();
+    arena.upload(dev, &cpu.params()).unwrap();
+    let slot = |n: &str| Slot {
+        w: arena.w(n),
+        g: arena.g(n),
+    };
+    let dev_layer = TtLayer::new(dev, dims, rows, TAU, slot, "l").unwrap();
+    Pair {
+        cpu,
+        arena,
+        dev_layer,
+    }
+}
+
+fn grads_by_name(dev: &Device, arena: &ParamArena) -> Vec<(String, Vec<f32>)> {
+    let g = arena.download_flat(dev, Which::Grad).unwrap();
+    arena
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), g[t.offset..t.offset + t.len].to_vec()))
+        .collect()
+}
+
+#[test]
+fn tt_layer_matches_the_cpu_forward_and_backward() {
+    let Some((dev, blas)) = device() else { return };
+    let _l = lock();
+    let rows = 37;
+    let mut p = pair(dev, rows);
+    let (n, m) = (p.cpu.in_features(), p.cpu.out_features());
+    let x = normal(1, rows * n, 1.0);
+    let dy = normal(2, rows * m, 1.0);
+    // CPU.
+    let mut ws = p.cpu.workspace(rows);
+    let mut y = vec![0.0; rows * m];
+    p.cpu.forward(&mut ws, &x, &mut y);
+    p.cpu.zero_grad();
+    let mut dx = vec![0.0; rows * n];
+    p.cpu.backward(&mut ws, &x, &dy, Some(&mut dx));
+    // Device.
+    let (xd, dyd) = (
+        Buf::from_host(dev, &x).unwrap(),
+        Buf::from_host(dev, &dy).unwrap(),
+    );
+    let (yd, dxd) = (
+        Buf::<f32>::zeros(dev, rows * m).unwrap(),
+        Buf::<f32>::zeros(dev, rows * n).unwrap(),
+    );
+    p.dev_layer.forward(dev, blas, xd.ptr(), yd.ptr()).unwrap();
+    p.dev_layer
+        .backward(dev, blas, xd.ptr(), dyd.ptr(), Some((dxd.ptr(), false)))
+        .unwrap();
+    let s = dev.stream();
+    assert_close("y", &s.clone_dtoh(yd.slice()).unwrap(), &y, 1e-4);
+    assert_close("dx", &s.clone_dtoh(dxd.slice()).unwrap(), &dx, 1e-4);
+    let cpu: Vec<&Param> = p.cpu.params();
+    for (name, g) in grads_by_name(dev, &p.arena) {
+        let c = cpu.iter().find(|q| q.name == name).unwrap();
+        assert_close(&format!("grad {name}"), &g, &c.grad, 1e-4);
+    }
+    // The pruned entries pass no gradient, exactly.
+    let g = grads_by_name(dev, &p.arena);
+    let gate3 = &g.iter().find(|(n, _)| n == "l.gate.3").unwrap().1;
+    assert_eq!(gate3[1], 0.0);
+}
+
+/// The layer's forward and backward (gradients zeroed first) captured as a CUDA graph and
+/// replayed twice give the uncaptured launches' bits exactly: same kernels, same cuBLAS
+/// calls, same order, on the same buffers.
+#[test]
+fn tt_layer_replayed_from_a_graph_gives_the_same_bits() {
+    let Some((dev, blas)) = device() else { return };
+    let _l = lock();
+    let rows = 37;
+    let p = pair(dev, rows);
+    let (n, m) = (p.dev_layer.dims.n(), p.dev_layer.dims.m());
+    let x = Buf::from_host(dev, &normal(3, rows * n, 1.0)).unwrap();
+    let dy = Buf::from_host(dev, &normal(4, rows * m, 1.0)).unwrap();
+    let y = Buf::<f32>::zeros(dev, rows * m).unwrap();
+    let dx = Buf::<f32>::zeros(dev, rows * n).unwrap();
+    let total = p.arena.total();
+    let step = |d: &Device| -> Result<(), CudaError> {
+        // SAFETY: the arena's gradient buffer holds `total` floats.
+        unsafe { raw::zero(d, p.arena.g.ptr(), total)? };
+        p.dev_layer.forward(d, blas, x.ptr(), y.ptr())?;
+        p.dev_layer
+            .backward(d, blas, x.ptr(), dy.ptr(), Some((dx.ptr(), false)))
+    };
+    let s = dev.stream();
+    step(dev).unwrap();
+    let want = (
+        s.clone_dtoh(y.slice()).unwrap(),
+        s.clone_dtoh(dx.slice()).unwrap(),
+        p.arena.download_flat(dev, Which::Grad).unwrap(),
+    );
+    // Scribble over the outputs so that a replay that does nothing cannot pass.
+    // SAFETY: the buffers hold these many floats.
+    unsafe {
+        raw::zero(dev, y.ptr(), rows * m).unwrap();
+        raw::zero(dev, p.arena.g.ptr(), total).unwrap();
+    }
+    let graph = dev.capture(|d| step(d)).unwrap();
+    for replay in 0..2 {
+        graph.launch().unwrap();
+        s.synchronize().unwrap();
+        let got = (
+            s.clone_dtoh(y.slice()).unwrap(),
+            s.clone_dtoh(dx.slice()).unwrap(),
+            p.arena.download_flat(dev, Which::Grad).unwrap(),
+        );
+        assert!(got == want, "replay {replay} differs from the launches");
+    }
+}
+
+/// Upload then download returns every value bit for bit, by name; a host set with a
+/// missing or reshaped parameter is refused before anything is copied.
+#[test]
+fn arena_round_trips_parameters_by_name() {
+    let Some((dev, _)) = device() else { return };
+    let _l = lock();
+    let mut p = pair(dev, 4);
+    let want: Vec<Param> = p.cpu.params().into_iter().cloned().collect();
+    p.cpu.visit_params_mut(&mut |q| q.value.fill(f32::NAN));
+    p.arena
+        .download(dev, false, |f| p.cpu.visit_params_mut(f))
+        .unwrap();
+    for (got, want) in p.cpu.params().iter().zip(&want) {
+        assert_eq!(got.name, want.name);
+        assert!(got.value == want.value, "{}", got.name);
+    }
+    let mut fewer: Vec<&Param> = want.iter().collect();
+    fewer.pop();
+    let e = p.arena.upload(dev, &fewer).unwrap_err();
+    assert!(e.to_string().contains("l.bias"), "{e}");
+}
+
+mod encoder_step {
+    //! One training step of a small TT/TTM classifier on the device against the CPU engine,
+    //! from the same parameters and batch (dropout on, clipping on, AdamW's three groups).
+    //!
+    //! Tolerances. The device computes the same formulas in f32 but sums in other orders
+    //! (cuBLAS' blocking, tree reductions in LayerNorm and softmax, expf/tanhf against the
+    //! CPU's exp/tanh). One reordered f32 sum of L terms differs by at most L·2⁻²⁴ of the sum
+    //! of its terms' magnitudes; the widest sums here have L ≤ 64 terms (4e-6). First-order
+    //! errors add along a chain: the forward to the logits is ≈ 25 such operations (2 blocks
+    //! × (q/k/v chains, 2 attention products, softmax, o, 2 LN, up, down) + embeddings +
+    //! head), ≤ 1e-4 of the logits' magnitude in the worst case. The loss (f64 reduction on
+    //! both sides) is compared at 1e-4 relative; each parameter's gradient, whose chain is
+    //! about twice as long and passes LayerNorm's 1/σ, at 1e-3 of that tensor's largest
+    //! gradient (SPEC §6's form); the gradient norm at 1e-4 relative (a sum of squares
+    //! dominated by the largest entries).
+    //!
+    //! Parameters after the update: AdamW's first step with clip factor c moves each entry by
+    //! lr·u(g), u(g) = c·g/(c·|g| + ε) (m̂ = c·g, √v̂ = c·|g|), ≈ ±lr. With the gradient
+    //! known to within δ (the gradient tolerance above) and |g| − δ = g_lo > 0, the sign is
+    //! certain and |u(g) − u(g')| ≤ c·δ·ε/(c·g_lo + ε)² (u's slope), plus 1e-4 for the clip
+    //! factors' own difference; where |g| ≤ δ the sign may flip and the entry may move by up
+    //! to 2·lr the other way. The check is lr times that bound (at most 2) plus
+    //! 1e-6·max(|w|, 1) for the rounding of w − lr·u. A wrong index, layout or sign fails it
+    //! by orders of magnitude.
+    use super::*;
+    use comera_cuda::engine::{EncoderPlan, StepConfig};
+    use comera_layers::ParamKind;
+    use comera_model::config::{LayerTt, Rank, TtmConfig};
+    use comera_model::{Encoder, EncoderConfig};
+
+    const SEED: u64 = 11;
+    const STEP: u64 = 5;
+
+    fn config() -> EncoderConfig {
+        EncoderConfig {
+            vocab_size: 200,
+            seq_len: 16,
+            d_model: 32,
+            heads: 4,
+            ffn: 64,
+            layers: 2,
+            num_labels: 3,
+            type_vocab: 2,
+            dropout: 0.1,
+            attn_tt: LayerTt::uniform(&[4, 8], &[8, 4], 3),
+            ffn_up_tt: LayerTt::uniform(&[4, 8], &[8, 8], 3),
+            ffn_down_tt: LayerTt::uniform(&[8, 8], &[4, 8], 3),
+            word_ttm: TtmConfig {
+                vocab_modes: vec![5, 8, 5],
+                dim_modes: vec![2, 4, 4],
+                rank: Rank::Uniform(4),
+            },
+            ..EncoderConfig::default()
+        }
+    }
+
+    /// Three sequences of 16 tokens: repeated ids (the embeddings' segment sums), two token
+    /// types, padding at the end of the second sequence.
+    fn batch() -> (Vec<u32>, Vec<u32>, Vec<u32>, Vec<usize>) {
+        let (b, t) = (3, 16);
+        let ids = (0..b * t)
+            .map(|i| ((i * 37) % 61 + (i % 3) * 50) as u32 % 200)
+            .collect();
+        let types = (0..b * t).map(|i| ((i % t) >= t / 2) as u32).collect();
+        let mask = (0..b * t)
+            .map(|i| !(i / t == 1 && i % t >= 12) as u32)
+            .collect();
+        (ids, types, mask, vec![2, 0, 1])
+    }
+
+    fn step_config() -> StepConfig {
+        StepConfig {
+            lr_cores: 1e-3,
+            lr_gates: 1e-2,
+            lr_other: 5e-4,
+            max_grad_norm: 1.0,
+            ..StepConfig::paper()
+        }
+    }
+
+    fn model() -> Encoder {
+        let mut enc = Encoder::new(&config(), SEED).unwrap();
+        // Gates away from 1, one entry pruned (≤ τ) in a TT layer and in the TTM table.
+        let mut i = 0u64;
+        enc.visit_params_mut(&mut |p| {
+            if p.kind == ParamKind::RankGate {
+                p.value = normal(500 + i, p.len(), 0.3)
+                    .iter()
+                    .map(|v| 1.0 + v)
+                    .collect();
+                i += 1;
+            }
+            if p.name == "encoder.0.attn.q.gate.1" || p.name == "embeddings.word.gate.2" {
+                p.value[1] = 0.004;
+            }
+            if p.name.ends_with(".bias") || p.name.ends_with(".beta") {
+                p.value = normal(600 + i, p.len(), 0.05);
+                i += 1;
+            }
+        });
+        enc
+    }
+
+    /// The CPU step: loss, gradient norm, gradients (before the update) and parameters after.
+    fn cpu_step(enc: &mut Encoder) -> (f64, f64, f32, Vec<Param>, Vec<Param>) {
+        let (ids, types, mask, labels) = batch();
+        let mut st = enc.state(3);
+        st.load(&ids, &types, &mask, &labels).unwrap();
+        enc.zero_grad();
+        let stats = enc.forward(&mut st, true, STEP).unwrap();
+        enc.backward(&mut st);
+        let grads: Vec<Param> = enc.params().into_iter().cloned().collect();
+        let sc = step_config();
+        let (scale, norm) = comera_optim::clip_scale(sc.max_grad_norm, |f| enc.visit_params_mut(f));
+        let cfg = comera_optim::AdamWConfig {
+            lr_cores: sc.lr_cores,
+            lr_gates: sc.lr_gates,
+            lr_other: sc.lr_other,
+            weight_decay: sc.weight_decay,
+            beta1: sc.beta1,
+            beta2: sc.beta2,
+            eps: sc.eps,
+            ..Default::default()
+        };
+        let mut opt = comera_optim::AdamW::new(cfg, |f| enc.visit_params_mut(f));
+        opt.step(1.0, scale, |f| enc.visit_params_mut(f));
+        let after: Vec<Param> = enc.params().into_iter().cloned().collect();
+        (stats.loss, norm, scale, grads, after)
+    }
+
+    fn device_plan(dev: &Device, enc: &Encoder) -> EncoderPlan {
+        let (ids, types, mask, labels) = batch();
+        let mut plan = EncoderPlan::new(dev, enc, SEED, 3, 16, step_config()).unwrap();
+        plan.load(dev, &ids, &types, &mask, &labels).unwrap();
+        plan.set_step(dev, STEP, 1, 1.0).unwrap();
+        plan
+    }
+
+    #[test]
+    fn one_step_matches_the_cpu_engine() {
+        let Some((dev, _)) = device() else { return };
+        let _l = lock();
+        let enc = model();
+        let mut cpu = enc.clone();
+        let (loss, norm, clip, grads, after) = cpu_step(&mut cpu);
+        let plan = device_plan(dev, &enc);
+        plan.record_step(dev).unwrap();
+        let stats = plan.stats(dev).unwrap();
+        println!(
+            "loss {} (CPU {loss}), grad norm {} (CPU {norm})",
+            stats.loss, stats.grad_norm
+        );
+        assert!((stats.loss - loss).abs() <= 1e-4 * loss.abs(), "loss");
+        assert!(
+            (stats.grad_norm - norm).abs() <= 1e-4 * norm,
+            "gradient norm"
+        );
+        assert_eq!(stats.count, 3.0);
+        let mut got = enc.clone();
+        plan.arena
+            .download(dev, true, |f| got.visit_params_mut(f))
+            .unwrap();
+        let sc = step_config();
+        for ((g, c), a) in got.params().iter().zip(&grads).zip(&after) {
+            assert_eq!(g.name, c.name);
+            let gmax = c.grad.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let gtol = 1e-3 * gmax.max(1e-6);
+            assert_close(&format!("grad {}", c.name), &g.grad, &c.grad, 1e-3);
+            let lr = match c.kind {
+                ParamKind::TtCore => sc.lr_cores,
+                ParamKind::RankGate => sc.lr_gates,
+                ParamKind::Other => sc.lr_other,
+            };
+            for (i, ((&w, &want), &gc)) in g.value.iter().zip(&a.value).zip(&c.grad).enumerate() {
+                let (c_, eps) = (clip as f64, sc.eps as f64);
+                let g_lo = (gc.abs() as f64 - gtol as f64).max(0.0);
+                let du = if g_lo == 0.0 {
+                    2.0
+                } else {
+                    (c_ * gtol as f64 * eps / (c_ * g_lo + eps).powi(2) + 1e-4).min(2.0)
+                };
+                let allowed = lr as f64 * du + 1e-6 * (want.abs() as f64).max(1.0);
+                assert!(
+                    ((w - want).abs() as f64) <= allowed,
+                    "{}[{i}] after the update: {w} vs the CPU's {want} (gradient {gc}, allowed {allowed:.2e})",
+                    c.name
+                );
+            }
+        }
+    }
+
+    /// The whole step captured as one CUDA graph and replayed gives the uncaptured step's
+    /// loss, gradient norm, parameters and moments bit for bit.
+    #[test]
+    fn a_captured_step_replays_bit_for_bit() {
+        let Some((dev, _)) = device() else { return };
+        let _l = lock();
+        let enc = model();
+        let mut plan = device_plan(dev, &enc);
+        plan.record_step(dev).unwrap();
+        let read = |plan: &EncoderPlan| {
+            let s = plan.stats(dev).unwrap();
+            let flat = |w| plan.arena.download_flat(dev, w).unwrap();
+            (
+                s.loss.to_bits(),
+                s.grad_norm.to_bits(),
+                flat(Which::Value),
+                flat(Which::Grad),
+                flat(Which::M),
+                flat(Which::V),
+            )
+        };
+        let want = read(&plan);
+        // Back to the same start (parameters from the model, zero moments and gradients).
+        plan.arena.upload(dev, &enc.params()).unwrap();
+        plan.set_step(dev, STEP, 1, 1.0).unwrap();
+        let graph = dev.capture(|d| plan.record_step(d)).unwrap();
+        graph.launch().unwrap();
+        dev.stream().synchronize().unwrap();
+        let got = read(&plan);
+        assert!(got.0 == want.0 && got.1 == want.1, "loss or norm differ");
+        assert!(got.2 == want.2, "parameters differ");
+        assert!(got.3 == want.3, "gradients differ");
+        assert!(got.4 == want.4 && got.5 == want.5, "moments differ");
+    }
+
+    /// Two steps on two different batches through the session: replaying the captured graph
+    /// (the second replay must read the second batch, step and scalars from device memory)
+    /// gives the same bits as queuing the launches eagerly; and the parameters and moments
+    /// downloaded by name resume a fresh session that then takes the same third step.
+    #[test]
+    fn session_replays_new_batches_and_resumes_by_name() {
+        if device().is_none() {
+            return;
+        }
+        let _l = lock();
+        use comera_cuda::engine::EncoderSession;
+        let enc = model();
+        let (ids, types, mask, labels) = batch();
+        let ids2: Vec<u32> = ids.iter().map(|&i| (i * 7 + 3) % 200).collect();
+        let labels2 = vec![1, 2, 0];
+        let run = |graph: bool, steps: usize| {
+            let mut s = EncoderSession::new(0, &enc, SEED, 3, 16, step_config()).unwrap();
+            s.use_graph = graph;
+            let mut losses = Vec::new();
+            for k in 0..steps {
+                let (i, l) = if k % 2 == 0 {
+                    (&ids, &labels)
+                } else {
+                    (&ids2, &labels2)
+                };
+                let st = s.step((i, &types, &mask, l), STEP + k as u64, 1.0).unwrap();
+                losses.push((st.loss.to_bits(), st.grad_norm.to_bits()));
+            }
+            (s, losses)
+        };
+        let (g, lg) = run(true, 2);
+        let (e, le) = run(false, 2);
+        assert_eq!(lg, le, "graph and eager losses");
+        assert_ne!(lg[0], lg[1], "the second step saw another batch");
+        let flat = |s: &EncoderSession, w| s.plan().arena.download_flat(s.device(), w).unwrap();
+        assert!(
+            flat(&g, Which::Value) == flat(&e, Which::Value),
+            "parameters"
+        );
+        assert!(flat(&g, Which::M) == flat(&e, Which::M), "moments");
+        // Resume: parameters and moments by name into a fresh session, then a third step.
+        let mut host = enc.clone();
+        g.download_into(&mut host).unwrap();
+        let (moments, t) = g.moments().unwrap();
+        assert_eq!(t, 2);
+        let mut r = EncoderSession::new(0, &host, SEED, 3, 16, step_config()).unwrap();
+        r.resume(&host, &moments, t).unwrap();
+        let mut g = g;
+        let a = g
+            .step((&ids, &types, &mask, &labels), STEP + 2, 1.0)
+            .unwrap();
+        let b = r
+            .step((&ids, &types, &mask, &labels), STEP + 2, 1.0)
+            .unwrap();
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "resumed loss");
+        assert!(
+            flat(&g, Which::Value) == flat(&r, Which::Value),
+            "resumed parameters"
+        );
+    }
+}
