@@ -1351,13 +1351,6 @@ impl DlrmRunConfig {
             r.validate()?;
         }
         let d = &self.data;
-        let known = ["movielens", "adult", "criteo", "synthetic"];
-        if !known.contains(&d.source.as_str()) {
-            return Err(bad(
-                "data.source",
-                format!("`{}` is not one of {known:?}", d.source),
-            ));
-        }
         if !(0.0..1.0).contains(&d.valid_fraction) {
             return Err(bad(
                 "data.valid_fraction",
@@ -1370,7 +1363,7 @@ impl DlrmRunConfig {
                 format!("`{}` is not `hash` or `modulo`", d.mapping),
             ));
         }
-        if d.source == "criteo" && d.train.is_none() {
+        if d.source == comera_dlrm::CtrSource::Criteo && d.train.is_none() {
             return Err(bad("data.train", "the criteo source needs a training file"));
         }
         if !d.table_sizes.is_empty() && d.table_sizes.len() != comera_data::ctr::CRITEO_CATS {
@@ -2203,6 +2196,64 @@ mod tests {
         })
         .unwrap();
         assert!(cfg.to_toml().contains("seed = 9223372036854775807"));
+    }
+
+    /// A DLRM's `data.source` outside its set is refused as an encoder's is: by the parser,
+    /// with the file's line, or naming the `--set` that gave it, and listing the names.
+    #[test]
+    fn an_unknown_data_source_is_refused_alike_for_encoder_and_dlrm() {
+        let parser_says = |e: Error| match e {
+            Error::Parse { path, source } => {
+                let t = source.downcast_ref::<toml::de::Error>().expect("a TOML error");
+                (path, t.span().map(|s| s.start), t.message().to_string())
+            }
+            other => panic!("not a parse error: {other}"),
+        };
+        let (encoder_file, dlrm_file) = (Path::new("c.toml"), Path::new("d.toml"));
+        let encoder = parser_says(
+            RunConfig::from_toml(encoder_file, "[data]\nsource = \"bogus\"\n").unwrap_err(),
+        );
+        let dlrm = parser_says(
+            DlrmRunConfig::from_toml(dlrm_file, "[dlrm]\n[data]\nsource = \"bogus\"\n")
+                .unwrap_err(),
+        );
+        let names = |kinds: &str| format!("unknown variant `bogus`, expected one of {kinds}");
+        assert_eq!(
+            encoder,
+            (encoder_file.into(), Some(16), names("`reviews`, `movie-snippets`, `trec`, `mnli`, `tsv`, `csv`, `jsonl`, `parquet`, `corpus`"))
+        );
+        assert_eq!(
+            dlrm,
+            (dlrm_file.into(), Some(23), names("`movielens`, `adult`, `criteo`, `synthetic`"))
+        );
+        let set: Setting = "data.source=bogus".parse().unwrap();
+        for (text, kinds) in [
+            ("[data]\n", "`reviews`, `movie-snippets`"),
+            ("[dlrm]\n", "`movielens`, `adult`, `criteo`, `synthetic`"),
+        ] {
+            let msg = AnyRunConfig::from_toml_with(Path::new("x.toml"), text, &[set.clone()])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                msg.starts_with("--set data.source=bogus: unknown variant `bogus`, expected one of ")
+                    && msg.contains(kinds),
+                "{msg}"
+            );
+        }
+        // Every name reads back as itself, as run configs on disk spell it.
+        for source in [
+            comera_dlrm::CtrSource::Movielens,
+            comera_dlrm::CtrSource::Adult,
+            comera_dlrm::CtrSource::Criteo,
+            comera_dlrm::CtrSource::Synthetic,
+        ] {
+            let mut cfg = DlrmRunConfig::default();
+            cfg.data.source = source;
+            cfg.data.train = Some("t.tsv".into());
+            let text = cfg.to_toml();
+            assert!(text.contains(&format!("source = \"{source}\"")), "{text}");
+            assert_eq!(DlrmRunConfig::from_toml(dlrm_file, &text).unwrap(), cfg);
+        }
     }
 
     #[test]
