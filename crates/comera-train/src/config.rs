@@ -832,47 +832,7 @@ impl RunConfig {
             g.validate()?;
         }
         if let Some(ds) = &self.distill {
-            if self.model.head == comera_model::HeadKind::Mlm {
-                return Err(bad(
-                    "distill",
-                    "distillation trains a classifier; this config trains a masked-LM",
-                ));
-            }
-            if ds
-                .teacher
-                .as_ref()
-                .is_some_and(|t| t.as_os_str().is_empty())
-            {
-                return Err(bad(
-                    "distill.teacher",
-                    "is empty; name the teacher's model directory, or leave distill.teacher out to train without one",
-                ));
-            }
-            if let Some(teacher) = &ds.teacher {
-                if same_place(teacher, &self.train.out_dir) {
-                    return Err(bad(
-                        "distill.teacher",
-                        format!(
-                            "{} is this run's own directory (train.out_dir), which the run replaces; train the student into a directory of its own",
-                            teacher.display()
-                        ),
-                    ));
-                }
-            }
-            if ds.teacher_sha256.is_some() && ds.teacher.is_none() {
-                return Err(bad(
-                    "distill.teacher_sha256",
-                    "checks a teacher, and distill.teacher names none",
-                ));
-            }
-            if let Some(sha) = &ds.teacher_sha256 {
-                if sha.len() != 64 || !sha.chars().all(|c| c.is_ascii_hexdigit()) {
-                    return Err(bad(
-                        "distill.teacher_sha256",
-                        format!("`{sha}` is not a SHA-256 (64 hex digits)"),
-                    ));
-                }
-            }
+            self.check_distill(ds)?;
         }
         if let Some(init) = &self.train.init_from {
             if init.as_os_str().is_empty() || same_place(init, &self.train.out_dir) {
@@ -885,6 +845,60 @@ impl RunConfig {
                 ));
             }
         }
+        self.check_data()?;
+        self.check_phases()
+    }
+
+    /// The `[distill]` table: a classifier's, a teacher that is not this run's own directory,
+    /// a well-formed digest of one.
+    fn check_distill(&self, ds: &DistillConfig) -> Result<(), ConfigError> {
+        if self.model.head == comera_model::HeadKind::Mlm {
+            return Err(bad(
+                "distill",
+                "distillation trains a classifier; this config trains a masked-LM",
+            ));
+        }
+        if ds
+            .teacher
+            .as_ref()
+            .is_some_and(|t| t.as_os_str().is_empty())
+        {
+            return Err(bad(
+                "distill.teacher",
+                "is empty; name the teacher's model directory, or leave distill.teacher out to train without one",
+            ));
+        }
+        if let Some(teacher) = &ds.teacher {
+            if same_place(teacher, &self.train.out_dir) {
+                return Err(bad(
+                    "distill.teacher",
+                    format!(
+                        "{} is this run's own directory (train.out_dir), which the run replaces; train the student into a directory of its own",
+                        teacher.display()
+                    ),
+                ));
+            }
+        }
+        if ds.teacher_sha256.is_some() && ds.teacher.is_none() {
+            return Err(bad(
+                "distill.teacher_sha256",
+                "checks a teacher, and distill.teacher names none",
+            ));
+        }
+        if let Some(sha) = &ds.teacher_sha256 {
+            if !is_sha256(sha) {
+                return Err(bad(
+                    "distill.teacher_sha256",
+                    format!("`{sha}` is not a SHA-256 (64 hex digits)"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The `[data]` table: its source fits the head, the fields of the other kind of run are
+    /// absent, digests check files that are read, label names are usable.
+    fn check_data(&self) -> Result<(), ConfigError> {
         let d = &self.data;
         if !(0.0..1.0).contains(&d.valid_fraction) {
             return Err(bad(
@@ -924,7 +938,7 @@ impl RunConfig {
                         "checks a data file of a file source (data.train / data.valid); remove it",
                     ));
                 }
-                if sha.len() != 64 || !sha.chars().all(|c| c.is_ascii_hexdigit()) {
+                if !is_sha256(sha) {
                     return Err(bad(
                         format!("data.{field}"),
                         format!("`{sha}` is not a SHA-256 (64 hex digits)"),
@@ -938,6 +952,12 @@ impl RunConfig {
         if let Some(names) = &d.label_names {
             check_names("data.label_names", names)?;
         }
+        Ok(())
+    }
+
+    /// Every `[[train.phases]]` entry: its sequence fits the position table, and its batch
+    /// splits into the accumulation steps.
+    fn check_phases(&self) -> Result<(), ConfigError> {
         let t = &self.train;
         for (i, ph) in t.phases.iter().enumerate() {
             let f = |k: &str| format!("train.phases[{i}].{k}");
@@ -1963,6 +1983,11 @@ fn set<T>(field: &mut T, v: Option<T>) {
     }
 }
 
+/// Whether `text` is a SHA-256 digest as the run files write one: 64 hex digits.
+fn is_sha256(text: &str) -> bool {
+    text.len() == 64 && text.chars().all(|c| c.is_ascii_hexdigit())
+}
+
 /// The text of a config file; the error names it.
 fn read_config(path: &Path) -> crate::Result<String> {
     comera_data::regular::read_regular_to_string(path).io(path, "cannot read config")
@@ -2204,7 +2229,9 @@ mod tests {
     fn an_unknown_data_source_is_refused_alike_for_encoder_and_dlrm() {
         let parser_says = |e: Error| match e {
             Error::Parse { path, source } => {
-                let t = source.downcast_ref::<toml::de::Error>().expect("a TOML error");
+                let t = source
+                    .downcast_ref::<toml::de::Error>()
+                    .expect("a TOML error");
                 (path, t.span().map(|s| s.start), t.message().to_string())
             }
             other => panic!("not a parse error: {other}"),
@@ -2224,7 +2251,11 @@ mod tests {
         );
         assert_eq!(
             dlrm,
-            (dlrm_file.into(), Some(23), names("`movielens`, `adult`, `criteo`, `synthetic`"))
+            (
+                dlrm_file.into(),
+                Some(23),
+                names("`movielens`, `adult`, `criteo`, `synthetic`")
+            )
         );
         let set: Setting = "data.source=bogus".parse().unwrap();
         for (text, kinds) in [
@@ -2235,8 +2266,9 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(
-                msg.starts_with("--set data.source=bogus: unknown variant `bogus`, expected one of ")
-                    && msg.contains(kinds),
+                msg.starts_with(
+                    "--set data.source=bogus: unknown variant `bogus`, expected one of "
+                ) && msg.contains(kinds),
                 "{msg}"
             );
         }
