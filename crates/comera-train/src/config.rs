@@ -2262,9 +2262,10 @@ mod tests {
             ("[data]\n", "`reviews`, `movie-snippets`"),
             ("[dlrm]\n", "`movielens`, `adult`, `criteo`, `synthetic`"),
         ] {
-            let msg = AnyRunConfig::from_toml_with(Path::new("x.toml"), text, &[set.clone()])
-                .unwrap_err()
-                .to_string();
+            let msg =
+                AnyRunConfig::from_toml_with(Path::new("x.toml"), text, std::slice::from_ref(&set))
+                    .unwrap_err()
+                    .to_string();
             assert!(
                 msg.starts_with(
                     "--set data.source=bogus: unknown variant `bogus`, expected one of "
