@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The distillation table of the README from run directories.
+"""The distillation tables of docs/results/pretrained-compression.md from run directories.
 
     python3 tools/distill-table/table.py RUNS/trec RUNS/reviews
 

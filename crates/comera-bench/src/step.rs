@@ -321,34 +321,7 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
     // The machine's GEMM rate in this run, next to each step's achieved rate.
     let cal_gflops = gemm_calibration_gflops(CAL_N, 7);
     if !a.json {
-        let c = config(&a, &a.models[0])?;
-        println!(
-            "training step (forward+loss, backward, clip, AdamW); {} layers, d {}, ffn {}, heads {}, \
-             seq {}; {} timed steps after {WARMUP} warm-up × {} rounds (one process per model and round); \
-             {threads} threads",
-            c.layers, c.d_model, c.ffn, c.heads, c.seq_len, a.steps, a.rounds
-        );
-        println!(
-            "{}",
-            TABLE.line(&[
-                "model",
-                "batch",
-                "median_ms",
-                "fwd_ms",
-                "bwd_ms",
-                "opt_ms",
-                "tokens/s",
-                "params",
-                "rss_MB",
-                "param+g_MB",
-                "adam_MB",
-                "state_MB",
-                "engine_MB",
-                "GFLOP/step",
-                "GFLOP/s",
-                "%cal",
-            ])
-        );
+        print_step_header(&a, threads)?;
     }
     for &batch in &a.batch {
         anyhow::ensure!(batch >= 1, "--batch must be at least 1");
@@ -359,92 +332,174 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
             }
         }
         let merged: Vec<Merged> = per_model.into_iter().map(merge).collect();
-        let find = |name: &str| merged.iter().find(|m| m.r.model == name);
-        let (dense, tt) = (find("dense"), find("tt"));
-        for m in &merged {
-            let r = &m.r;
-            let tokens_per_s = (r.batch * r.seq_len) as f64 / (m.median_ms / 1e3);
-            let engine = r.param_bytes + r.optimizer_bytes + r.state_bytes;
-            let rate = gflops(r.step_flops, m.median_ms);
-            if a.json {
-                let mut rec = serde_json::json!({
-                    "model": r.model, "batch": r.batch, "seq_len": r.seq_len,
-                    "median_ms": m.median_ms, "fwd_ms": m.fwd, "bwd_ms": m.bwd, "opt_ms": m.opt,
-                    "tokens_per_s": tokens_per_s, "peak_rss_bytes": m.rss,
-                    "params": r.params, "dense_equivalent_params": r.dense_equivalent_params,
-                    "param_bytes": r.param_bytes, "state_bytes": r.state_bytes,
-                    "optimizer_bytes": r.optimizer_bytes, "engine_bytes": engine,
-                    "steps": a.steps * a.rounds, "loss": r.loss, "threads": r.threads,
-                    "step_flops": r.step_flops, "gflops": rate,
-                    "calibration_gflops": cal_gflops,
-                });
-                if let (Some(d), "tt") = (dense, r.model.as_str()) {
-                    rec["speedup_vs_dense"] = (d.median_ms / m.median_ms).into();
-                    rec["rss_ratio_vs_dense"] = (d.rss as f64 / m.rss.max(1) as f64).into();
-                }
-                println!("{rec}");
-            } else {
-                let row = [
-                    r.model.clone(),
-                    r.batch.to_string(),
-                    format!("{:.2}", m.median_ms),
-                    format!("{:.2}", m.fwd),
-                    format!("{:.2}", m.bwd),
-                    format!("{:.2}", m.opt),
-                    format!("{tokens_per_s:.0}"),
-                    r.params.to_string(),
-                    format!("{:.1}", m.rss as f64 / MB),
-                    format!("{:.1}", r.param_bytes as f64 / MB),
-                    format!("{:.1}", r.optimizer_bytes as f64 / MB),
-                    format!("{:.1}", r.state_bytes as f64 / MB),
-                    format!("{:.1}", engine as f64 / MB),
-                    format!("{:.2}", r.step_flops / 1e9),
-                    format!("{rate:.1}"),
-                    format!("{:.0}", 100.0 * rate / cal_gflops),
-                ];
-                println!("{}", TABLE.line(&row));
-            }
-        }
-        if let (Some(d), Some(t), false) = (dense, tt, a.json) {
-            let eng = |m: &Merged| (m.r.param_bytes + m.r.optimizer_bytes + m.r.state_bytes) as f64;
-            println!(
-                "batch {batch}: TT speedup {:.2}x (dense {:.2} ms / TT {:.2} ms); peak RSS dense/TT {:.2}x \
-                 ({:.0} / {:.0} MB); engine bytes dense/TT {:.2}x; params dense/TT {:.1}x",
-                d.median_ms / t.median_ms,
-                d.median_ms,
-                t.median_ms,
-                d.rss as f64 / t.rss.max(1) as f64,
-                d.rss as f64 / MB,
-                t.rss as f64 / MB,
-                eng(d) / eng(t),
-                d.r.params as f64 / t.r.params as f64
-            );
-        }
+        print_batch(&a, batch, &merged, cal_gflops);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The step table's title line (the model's sizes, steps, rounds, threads) and its header.
+fn print_step_header(a: &StepArgs, threads: usize) -> anyhow::Result<()> {
+    let c = config(a, &a.models[0])?;
+    println!(
+        "training step (forward+loss, backward, clip, AdamW); {} layers, d {}, ffn {}, heads {}, \
+         seq {}; {} timed steps after {WARMUP} warm-up × {} rounds (one process per model and round); \
+         {threads} threads",
+        c.layers, c.d_model, c.ffn, c.heads, c.seq_len, a.steps, a.rounds
+    );
+    println!(
+        "{}",
+        TABLE.line(&[
+            "model",
+            "batch",
+            "median_ms",
+            "fwd_ms",
+            "bwd_ms",
+            "opt_ms",
+            "tokens/s",
+            "params",
+            "rss_MB",
+            "param+g_MB",
+            "adam_MB",
+            "state_MB",
+            "engine_MB",
+            "GFLOP/step",
+            "GFLOP/s",
+            "%cal",
+        ])
+    );
+    Ok(())
+}
+
+/// One batch size's rows (JSON lines with `--json`), and with both a dense and a TT model
+/// the comparison line; `cal_gflops`: the GEMM calibration rate.
+fn print_batch(a: &StepArgs, batch: usize, merged: &[Merged], cal_gflops: f64) {
+    let find = |name: &str| merged.iter().find(|m| m.r.model == name);
+    let (dense, tt) = (find("dense"), find("tt"));
+    for m in merged {
+        let r = &m.r;
+        let tokens_per_s = (r.batch * r.seq_len) as f64 / (m.median_ms / 1e3);
+        let engine = r.param_bytes + r.optimizer_bytes + r.state_bytes;
+        let rate = gflops(r.step_flops, m.median_ms);
+        if a.json {
+            let mut rec = serde_json::json!({
+                "model": r.model, "batch": r.batch, "seq_len": r.seq_len,
+                "median_ms": m.median_ms, "fwd_ms": m.fwd, "bwd_ms": m.bwd, "opt_ms": m.opt,
+                "tokens_per_s": tokens_per_s, "peak_rss_bytes": m.rss,
+                "params": r.params, "dense_equivalent_params": r.dense_equivalent_params,
+                "param_bytes": r.param_bytes, "state_bytes": r.state_bytes,
+                "optimizer_bytes": r.optimizer_bytes, "engine_bytes": engine,
+                "steps": a.steps * a.rounds, "loss": r.loss, "threads": r.threads,
+                "step_flops": r.step_flops, "gflops": rate,
+                "calibration_gflops": cal_gflops,
+            });
+            if let (Some(d), "tt") = (dense, r.model.as_str()) {
+                rec["speedup_vs_dense"] = (d.median_ms / m.median_ms).into();
+                rec["rss_ratio_vs_dense"] = (d.rss as f64 / m.rss.max(1) as f64).into();
+            }
+            println!("{rec}");
+        } else {
+            let row = [
+                r.model.clone(),
+                r.batch.to_string(),
+                format!("{:.2}", m.median_ms),
+                format!("{:.2}", m.fwd),
+                format!("{:.2}", m.bwd),
+                format!("{:.2}", m.opt),
+                format!("{tokens_per_s:.0}"),
+                r.params.to_string(),
+                format!("{:.1}", m.rss as f64 / MB),
+                format!("{:.1}", r.param_bytes as f64 / MB),
+                format!("{:.1}", r.optimizer_bytes as f64 / MB),
+                format!("{:.1}", r.state_bytes as f64 / MB),
+                format!("{:.1}", engine as f64 / MB),
+                format!("{:.2}", r.step_flops / 1e9),
+                format!("{rate:.1}"),
+                format!("{:.0}", 100.0 * rate / cal_gflops),
+            ];
+            println!("{}", TABLE.line(&row));
+        }
+    }
+    if let (Some(d), Some(t), false) = (dense, tt, a.json) {
+        let eng = |m: &Merged| (m.r.param_bytes + m.r.optimizer_bytes + m.r.state_bytes) as f64;
+        println!(
+            "batch {batch}: TT speedup {:.2}x (dense {:.2} ms / TT {:.2} ms); peak RSS dense/TT {:.2}x \
+             ({:.0} / {:.0} MB); engine bytes dense/TT {:.2}x; params dense/TT {:.1}x",
+            d.median_ms / t.median_ms,
+            d.median_ms,
+            t.median_ms,
+            d.rss as f64 / t.rss.max(1) as f64,
+            d.rss as f64 / MB,
+            t.rss as f64 / MB,
+            eng(d) / eng(t),
+            d.r.params as f64 / t.r.params as f64
+        );
+    }
 }
 
 /// `--ops`: each operation of a TT/TTM training step timed on its own, as the encoder runs it
 /// (fused q/k/v and FFN where the planner allows), with counted FLOPs (the layers' own
 /// formulas) and achieved GFLOP/s, and a 1024³ GEMM through the engine as the reference rate.
 fn ops(a: &StepArgs) -> anyhow::Result<()> {
-    use comera_layers::activation::Gelu;
-    use comera_layers::attention::Attention;
-    use comera_layers::elementwise::mul_into;
-    use comera_layers::norm::LayerNorm;
-    use comera_layers::tt_linear::{FusedFfn, SharedInput};
-    use comera_layers::{EmbeddingLayer, Layer, RankGates, TtLinear, TtmEmbedding};
-    use comera_tensor::TtShape;
     let b = a.batch[0];
     let cfg = config(a, "tt")?;
-    let (t, d, f, nl) = (cfg.seq_len, cfg.d_model, cfg.ffn, cfg.layers);
-    let n = b * t;
-    let reps = a.steps.max(5);
+    let n = b * cfg.seq_len;
+    let mut times = OpTimes {
+        reps: a.steps.max(5),
+        rows: Vec::new(),
+    };
+    // One generator for every layer and input, drawn from in this order.
     let mut rng = init::rng(SEED);
-    // (operation, ms per call, calls per step, counted FLOPs per call; 0: not counted).
-    let mut rows: Vec<(String, f64, usize, f64)> = Vec::new();
-    let rule = RankGates::new(cfg.threshold);
     let lay = cfg.validate()?;
+    let ffn_fused = time_tt_linears(&mut times, &mut rng, &cfg, &lay, n)?;
+    time_attention_and_norm(&mut times, &mut rng, &cfg, b);
+    if !ffn_fused {
+        time_gelu(&mut times, &mut rng, n, cfg.ffn, cfg.layers);
+    }
+    time_ttm(&mut times, &mut rng, &cfg, &lay, n)?;
+    time_optimizer(&mut times, &cfg)?;
+    // The machine's GEMM rate in this run: a 1024³ product through the engine's one GEMM.
+    let cal = gemm_calibration_gflops(CAL_N, times.reps);
+    println!(
+        "per-operation medians, batch {b} ({n} tokens), {} threads; GEMM calibration \
+         ({CAL_N}³ product): {cal:.1} GFLOP/s",
+        rayon::current_num_threads(),
+    );
+    print_op_table(&times.rows, cal);
+    Ok(())
+}
+
+/// The rows of `--ops`: (operation, ms per call, calls per step, counted FLOPs per call; 0:
+/// not counted).
+struct OpTimes {
+    reps: usize,
+    rows: Vec<(String, f64, usize, f64)>,
+}
+
+impl OpTimes {
+    /// Times `f` (the median of `reps` calls) as the row `name`.
+    fn time(&mut self, name: impl Into<String>, calls: usize, flops: f64, f: impl FnMut()) {
+        let name = name.into();
+        let ms = median_ms(self.reps, f);
+        self.rows.push((name, ms, calls, flops));
+    }
+}
+
+/// The TT linear layers of a step: q/k/v and the FFN fused when the planner puts them on the
+/// merged path (as the encoder does: one product for q, k, v; Up → bias+GELU → Down in row
+/// blocks), each layer on its own otherwise, and the attention output. Whether the FFN is
+/// fused.
+fn time_tt_linears(
+    times: &mut OpTimes,
+    rng: &mut init::Rng,
+    cfg: &EncoderConfig,
+    lay: &comera_model::config::Layouts,
+    n: usize,
+) -> anyhow::Result<bool> {
+    use comera_layers::tt_linear::{FusedFfn, SharedInput};
+    use comera_layers::{Layer, RankGates, TtLinear};
+    use comera_tensor::TtShape;
+    let (d, nl) = (cfg.d_model, cfg.layers);
+    let rule = RankGates::new(cfg.threshold);
     let tt = |s: &Option<TtShape>| {
         s.clone()
             .ok_or_else(|| anyhow::anyhow!("the tt arm has TT layers"))
@@ -452,13 +507,11 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
     let new_tt = |rng: &mut init::Rng, name: &str, shape: &TtShape| {
         TtLinear::new(name, shape.clone(), rule, rng)
     };
-    // q, k, v: one fused product when the planner puts all three on the merged path (as the
-    // encoder does); the FFN likewise (Up → bias+GELU → Down in row blocks).
     let attn_shape = tt(&lay.attn)?;
     let mut qkv_layers = [
-        new_tt(&mut rng, "q", &attn_shape)?,
-        new_tt(&mut rng, "k", &attn_shape)?,
-        new_tt(&mut rng, "v", &attn_shape)?,
+        new_tt(rng, "q", &attn_shape)?,
+        new_tt(rng, "k", &attn_shape)?,
+        new_tt(rng, "v", &attn_shape)?,
     ];
     let mut singles: Vec<(&str, TtShape, usize)> = vec![("tt o", attn_shape.clone(), nl)];
     let fused_qkv = {
@@ -467,36 +520,38 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
     };
     match fused_qkv {
         Some(mut w) => {
-            let x = normal_vec(&mut rng, n * d);
-            let dy = normal_vec(&mut rng, n * 3 * d);
+            let x = normal_vec(rng, n * d);
+            let dy = normal_vec(rng, n * 3 * d);
             let mut y = vec![0.0; n * 3 * d];
             let mut dx = vec![0.0; n * d];
             let (ff, fb) = w.flops();
             let refs = [&qkv_layers[0], &qkv_layers[1], &qkv_layers[2]];
-            let ms = median_ms(reps, || w.forward(&refs, &x, &mut y));
-            rows.push(("tt q/k/v fused fwd [merged]".into(), ms, nl, ff));
+            times.time("tt q/k/v fused fwd [merged]", nl, ff, || {
+                w.forward(&refs, &x, &mut y)
+            });
             let [q, k, v] = &mut qkv_layers;
-            let ms = median_ms(reps, || {
+            times.time("tt q/k/v fused bwd", nl, fb, || {
                 w.backward(&mut [&mut *q, &mut *k, &mut *v], &x, &dy, &mut dx)
             });
-            rows.push(("tt q/k/v fused bwd".into(), ms, nl, fb));
         }
         None => singles.push(("tt q/k/v", attn_shape.clone(), 3 * nl)),
     }
     let (up_shape, down_shape) = (tt(&lay.ffn_up)?, tt(&lay.ffn_down)?);
-    let mut up = new_tt(&mut rng, "up", &up_shape)?;
-    let mut down = new_tt(&mut rng, "down", &down_shape)?;
+    let mut up = new_tt(rng, "up", &up_shape)?;
+    let mut down = new_tt(rng, "down", &down_shape)?;
     let ffn_fused = match FusedFfn::new(&up, &down, n) {
         Some(mut w) => {
-            let x = normal_vec(&mut rng, n * d);
-            let dy = normal_vec(&mut rng, n * d);
+            let x = normal_vec(rng, n * d);
+            let dy = normal_vec(rng, n * d);
             let mut y = vec![0.0; n * d];
             let mut dx = vec![0.0; n * d];
             let (ff, fb) = w.flops();
-            let ms = median_ms(reps, || w.forward(&up, &down, &x, &mut y));
-            rows.push(("tt ffn up+gelu+down fused fwd".into(), ms, nl, ff));
-            let ms = median_ms(reps, || w.backward(&mut up, &mut down, &x, &dy, &mut dx));
-            rows.push(("tt ffn up+gelu+down fused bwd".into(), ms, nl, fb));
+            times.time("tt ffn up+gelu+down fused fwd", nl, ff, || {
+                w.forward(&up, &down, &x, &mut y)
+            });
+            times.time("tt ffn up+gelu+down fused bwd", nl, fb, || {
+                w.backward(&mut up, &mut down, &x, &dy, &mut dx)
+            });
             true
         }
         None => {
@@ -506,168 +561,149 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         }
     };
     for (name, shape, count) in singles {
-        let mut layer = new_tt(&mut rng, name, &shape)?;
+        let mut layer = new_tt(rng, name, &shape)?;
         let mut ws = layer.workspace(n);
-        let x = normal_vec(&mut rng, n * layer.in_features());
-        let dy = normal_vec(&mut rng, n * layer.out_features());
+        let x = normal_vec(rng, n * layer.in_features());
+        let dy = normal_vec(rng, n * layer.out_features());
         let mut y = vec![0.0; n * layer.out_features()];
         let mut dx = vec![0.0; n * layer.in_features()];
         let (ff, fb) = ws.flops();
-        rows.push((
-            format!(
-                "{name} fwd [{}; ws {:.2} MB]",
-                ws.path(),
-                ws.bytes() as f64 / MB
-            ),
-            median_ms(reps, || layer.forward(&mut ws, &x, &mut y)),
-            count,
-            ff,
-        ));
-        rows.push((
-            format!("{name} bwd"),
-            median_ms(reps, || layer.backward(&mut ws, &x, &dy, Some(&mut dx))),
-            count,
-            fb,
-        ));
+        let fwd = format!(
+            "{name} fwd [{}; ws {:.2} MB]",
+            ws.path(),
+            ws.bytes() as f64 / MB
+        );
+        times.time(fwd, count, ff, || layer.forward(&mut ws, &x, &mut y));
+        times.time(format!("{name} bwd"), count, fb, || {
+            layer.backward(&mut ws, &x, &dy, Some(&mut dx))
+        });
     }
+    Ok(ffn_fused)
+}
+
+/// Attention as the encoder runs it (P kept, or recomputed in the backward at larger
+/// batches), and LayerNorm.
+fn time_attention_and_norm(
+    times: &mut OpTimes,
+    rng: &mut init::Rng,
+    cfg: &EncoderConfig,
+    b: usize,
+) {
+    use comera_layers::attention::Attention;
+    use comera_layers::norm::LayerNorm;
+    use comera_layers::Layer;
+    let (t, d, nl) = (cfg.seq_len, cfg.d_model, cfg.layers);
+    let n = b * t;
     let attn = Attention::new(d, cfg.heads);
-    // As the encoder runs it: P kept, or recomputed in the backward at larger batches.
     let mut aws = attn.workspace_for(b, t);
-    let qkv = normal_vec(&mut rng, 3 * n * d);
-    let dout = normal_vec(&mut rng, n * d);
+    let qkv = normal_vec(rng, 3 * n * d);
+    let dout = normal_vec(rng, n * d);
     let mut out = vec![0.0; n * d];
     let mut dqkv = vec![0.0; 3 * n * d];
     let mask: Vec<u8> = (0..n).map(|i| (i % t < t - t / 10) as u8).collect();
-    rows.push((
-        "attention fwd".into(),
-        median_ms(reps, || attn.forward(&mut aws, &qkv, Some(&mask), &mut out)),
-        nl,
-        attn.forward_flops(b, t),
-    ));
-    rows.push((
-        if aws.recomputes() {
-            "attention bwd (P recomputed)"
-        } else {
-            "attention bwd (P kept)"
-        }
-        .into(),
-        median_ms(reps, || attn.backward(&mut aws, &qkv, &dout, &mut dqkv)),
-        nl,
-        attn.backward_flops(&aws),
-    ));
+    times.time("attention fwd", nl, attn.forward_flops(b, t), || {
+        attn.forward(&mut aws, &qkv, Some(&mask), &mut out)
+    });
+    let bwd = if aws.recomputes() {
+        "attention bwd (P recomputed)"
+    } else {
+        "attention bwd (P kept)"
+    };
+    let bwd_flops = attn.backward_flops(&aws);
+    times.time(bwd, nl, bwd_flops, || {
+        attn.backward(&mut aws, &qkv, &dout, &mut dqkv)
+    });
     let mut ln = LayerNorm::new("ln", d);
     let mut lws = ln.workspace(n);
-    let x = normal_vec(&mut rng, n * d);
+    let x = normal_vec(rng, n * d);
     let mut y = vec![0.0; n * d];
-    rows.push((
-        "layernorm fwd".into(),
-        median_ms(reps, || ln.forward(&mut lws, &x, &mut y)),
-        2 * nl + 1,
-        0.0,
-    ));
-    rows.push((
-        "layernorm bwd".into(),
-        median_ms(reps, || ln.backward(&mut lws, &x, &dout, Some(&mut y))),
-        2 * nl + 1,
-        0.0,
-    ));
-    if !ffn_fused {
-        // As the encoder runs an unfused FFN: up to KEEP_GELU_MAX_ROWS rows the forward keeps
-        // g and GELU'(h) from one pass and the backward multiplies; above, the forward gives g
-        // alone and the backward evaluates both again, then multiplies.
-        let mut h = normal_vec(&mut rng, n * f);
-        let (mut g, mut dg) = (vec![0.0; n * f], normal_vec(&mut rng, n * f));
-        let ones = vec![1.0; n * f]; // a derivative that keeps dg's values (no underflow)
-        let kept = n <= comera_model::KEEP_GELU_MAX_ROWS;
-        rows.push(if kept {
-            (
-                "gelu fwd (g and GELU' kept)".into(),
-                median_ms(reps, || Gelu.forward_and_grad_in_place(&mut h, &mut g)),
-                nl,
-                0.0,
-            )
-        } else {
-            (
-                "gelu fwd".into(),
-                median_ms(reps, || Gelu.forward(&h, &mut g)),
-                nl,
-                0.0,
-            )
+    times.time("layernorm fwd", 2 * nl + 1, 0.0, || {
+        ln.forward(&mut lws, &x, &mut y)
+    });
+    times.time("layernorm bwd", 2 * nl + 1, 0.0, || {
+        ln.backward(&mut lws, &x, &dout, Some(&mut y))
+    });
+}
+
+/// GELU as the encoder runs an unfused FFN (`n` rows of `ffn` hidden values): up to
+/// KEEP_GELU_MAX_ROWS rows the forward keeps g and GELU'(h) from one pass and the backward
+/// multiplies; above, the forward gives g alone and the backward evaluates both again, then
+/// multiplies.
+fn time_gelu(times: &mut OpTimes, rng: &mut init::Rng, n: usize, ffn: usize, layers: usize) {
+    use comera_layers::activation::Gelu;
+    use comera_layers::elementwise::mul_into;
+    let mut h = normal_vec(rng, n * ffn);
+    let (mut g, mut dg) = (vec![0.0; n * ffn], normal_vec(rng, n * ffn));
+    let ones = vec![1.0; n * ffn]; // a derivative that keeps dg's values (no underflow)
+    if n <= comera_model::KEEP_GELU_MAX_ROWS {
+        times.time("gelu fwd (g and GELU' kept)", layers, 0.0, || {
+            Gelu.forward_and_grad_in_place(&mut h, &mut g)
         });
-        rows.push(if kept {
-            (
-                "gelu bwd (dg ⊙ GELU')".into(),
-                median_ms(reps, || mul_into(&mut dg, &ones)),
-                nl,
-                0.0,
-            )
-        } else {
-            (
-                "gelu bwd (recomputed)".into(),
-                median_ms(reps, || {
-                    Gelu.forward_and_grad_in_place(&mut h, &mut g);
-                    mul_into(&mut dg, &ones);
-                }),
-                nl,
-                0.0,
-            )
+        times.time("gelu bwd (dg ⊙ GELU')", layers, 0.0, || {
+            mul_into(&mut dg, &ones)
+        });
+    } else {
+        times.time("gelu fwd", layers, 0.0, || Gelu.forward(&h, &mut g));
+        times.time("gelu bwd (recomputed)", layers, 0.0, || {
+            Gelu.forward_and_grad_in_place(&mut h, &mut g);
+            mul_into(&mut dg, &ones);
         });
     }
+}
+
+/// The TTM word table's lookup and its backward.
+fn time_ttm(
+    times: &mut OpTimes,
+    rng: &mut init::Rng,
+    cfg: &EncoderConfig,
+    lay: &comera_model::config::Layouts,
+    n: usize,
+) -> anyhow::Result<()> {
+    use comera_layers::{EmbeddingLayer, RankGates, TtmEmbedding};
+    let d = cfg.d_model;
     let shape = lay
         .word
         .clone()
         .ok_or_else(|| anyhow::anyhow!("the tt arm has a TTM table"))?;
-    let mut emb = TtmEmbedding::new("word", shape, rule, 1.0, &mut rng)?;
+    let mut emb = TtmEmbedding::new("word", shape, RankGates::new(cfg.threshold), 1.0, rng)?;
     let mut ews = emb.workspace(n);
     let ids: Vec<u32> = (0..n as u32)
         .map(|i| (i * 7919) % cfg.vocab_size as u32)
         .collect();
     let mut ey = vec![0.0; n * d];
-    let dey = normal_vec(&mut rng, n * d);
-    rows.push((
-        format!("ttm fwd [ws {:.2} MB]", ews.bytes() as f64 / MB),
-        median_ms(reps, || {
-            emb.forward(&mut ews, &ids, &mut ey).expect("ids < V")
-        }),
-        1,
-        0.0,
-    ));
-    rows.push((
-        "ttm bwd".into(),
-        median_ms(reps, || emb.backward(&mut ews, &ids, &dey)),
-        1,
-        0.0,
-    ));
-    let mut enc = Encoder::new(&cfg, SEED)?;
+    let dey = normal_vec(rng, n * d);
+    let fwd = format!("ttm fwd [ws {:.2} MB]", ews.bytes() as f64 / MB);
+    times.time(fwd, 1, 0.0, || {
+        emb.forward(&mut ews, &ids, &mut ey).expect("ids < V")
+    });
+    times.time("ttm bwd", 1, 0.0, || emb.backward(&mut ews, &ids, &dey));
+    Ok(())
+}
+
+/// The step's work over all parameters: gradient clipping, AdamW's update, zeroing the
+/// gradients.
+fn time_optimizer(times: &mut OpTimes, cfg: &EncoderConfig) -> anyhow::Result<()> {
+    let mut enc = Encoder::new(cfg, SEED)?;
     let ocfg = AdamWConfig::default();
     let mut opt = AdamW::new(ocfg, |f| enc.visit_params_mut(f));
-    rows.push((
+    times.time(
         format!("clip norm ({} params)", enc.num_params()),
-        median_ms(reps, || {
+        1,
+        0.0,
+        || {
             clip_scale(1.0, |f| enc.visit_params_mut(f));
-        }),
-        1,
-        0.0,
-    ));
-    rows.push((
-        "adamw".into(),
-        median_ms(reps, || opt.step(1.0, 1.0, |f| enc.visit_params_mut(f))),
-        1,
-        0.0,
-    ));
-    rows.push((
-        "zero grad".into(),
-        median_ms(reps, || enc.zero_grad()),
-        1,
-        0.0,
-    ));
-    // The machine's GEMM rate in this run: a 1024³ product through the engine's one GEMM.
-    let cal = gemm_calibration_gflops(CAL_N, reps);
-    println!(
-        "per-operation medians, batch {b} ({n} tokens), {} threads; GEMM calibration \
-         ({CAL_N}³ product): {cal:.1} GFLOP/s",
-        rayon::current_num_threads(),
+        },
     );
+    times.time("adamw", 1, 0.0, || {
+        opt.step(1.0, 1.0, |f| enc.visit_params_mut(f))
+    });
+    times.time("zero grad", 1, 0.0, || enc.zero_grad());
+    Ok(())
+}
+
+/// The `--ops` table: per operation its time per call and per step, counted GFLOP per step,
+/// the rate and its share of the GEMM calibration `cal`; then the sums.
+fn print_op_table(rows: &[(String, f64, usize, f64)], cal: f64) {
     let table = TextTable(&[44, 10, 6, 10, 10, 9, 6]);
     println!(
         "{}",
@@ -682,7 +718,7 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         ])
     );
     let (mut total, mut total_flops, mut counted_ms) = (0.0, 0.0, 0.0);
-    for (name, ms, count, flops) in &rows {
+    for (name, ms, count, flops) in rows {
         let per_step = ms * *count as f64;
         total += per_step;
         let (fl, rate, pct) = if *flops > 0.0 {
@@ -726,5 +762,4 @@ fn ops(a: &StepArgs) -> anyhow::Result<()> {
         100.0 * gflops(total_flops, total) / cal,
         total_flops / cal / 1e6
     );
-    Ok(())
 }

@@ -148,13 +148,46 @@ impl DlrmConfig {
     }
 }
 
+/// Where a DLRM run's examples come from (`data.source`); a name outside the set is refused
+/// when the config is read, as the encoder's `data.source` is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CtrSource {
+    /// MovieLens-100K (fetched; click = rating ≥ `click_threshold`).
+    Movielens,
+    /// The Adult census set (fetched; label income > 50K).
+    Adult,
+    /// Criteo-format files (`train` streamed, `valid` read into memory).
+    Criteo,
+    /// Generated Criteo-format rows.
+    Synthetic,
+}
+
+impl CtrSource {
+    /// The name in a config file.
+    pub fn name(self) -> &'static str {
+        match self {
+            CtrSource::Movielens => "movielens",
+            CtrSource::Adult => "adult",
+            CtrSource::Criteo => "criteo",
+            CtrSource::Synthetic => "synthetic",
+        }
+    }
+}
+
+impl std::fmt::Display for CtrSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Where the examples come from (`[data]` table).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CtrDataConfig {
     /// `movielens` (fetched ml-100k), `adult` (fetched), `criteo` (files `train`/`valid`) or
     /// `synthetic` (generated Criteo-format rows).
-    pub source: String,
+    pub source: CtrSource,
     /// Criteo training file (streamed in file order).
     pub train: Option<PathBuf>,
     /// Criteo validation file (read into memory, at most `max_valid` rows).
@@ -189,7 +222,7 @@ pub struct CtrDataConfig {
 impl Default for CtrDataConfig {
     fn default() -> Self {
         CtrDataConfig {
-            source: "movielens".into(),
+            source: CtrSource::Movielens,
             train: None,
             valid: None,
             valid_fraction: 0.1,

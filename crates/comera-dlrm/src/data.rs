@@ -1,7 +1,7 @@
 //! Where a DLRM run's batches come from: an in-memory set shuffled each epoch (MovieLens,
 //! Adult), a Criteo file streamed in file order, or the synthetic Criteo generator.
 
-use crate::config::CtrDataConfig;
+use crate::config::{CtrDataConfig, CtrSource};
 use comera_data::ctr::{
     load_adult, load_movielens, shuffle, CatMapping, CriteoReader, CriteoSpec, CtrBatch, CtrData,
     CtrError, SynthCriteo, SynthSpec, UnknownMapping, CRITEO_CATS, CRITEO_DENSE,
@@ -207,8 +207,8 @@ pub fn prepare(cfg: &CtrDataConfig, seed: u64) -> Result<Prepared, DataError> {
             },
         }
     };
-    match cfg.source.as_str() {
-        "movielens" => {
+    match cfg.source {
+        CtrSource::Movielens => {
             let inter = fetch("ml-100k-inter", &cache)?;
             let user = fetch("ml-100k-user", &cache)?;
             let item = fetch("ml-100k-item", &cache)?;
@@ -218,12 +218,12 @@ pub fn prepare(cfg: &CtrDataConfig, seed: u64) -> Result<Prepared, DataError> {
                 "MovieLens-100K (click = rating ≥ threshold)",
             ))
         }
-        "adult" => {
+        CtrSource::Adult => {
             let path = fetch("adult", &cache)?;
             let all = load_adult(&path, "income")?;
             Ok(in_memory(all, "Adult (label income > 50K)"))
         }
-        "criteo" => {
+        CtrSource::Criteo => {
             let Some(train) = cfg.train.clone() else {
                 return Err(DataError::Field {
                     field: "train",
@@ -270,7 +270,7 @@ pub fn prepare(cfg: &CtrDataConfig, seed: u64) -> Result<Prepared, DataError> {
                 },
             })
         }
-        "synthetic" => {
+        CtrSource::Synthetic => {
             let sizes = criteo_sizes(cfg);
             let spec = SynthSpec {
                 table_sizes: sizes.clone(),
@@ -311,9 +311,5 @@ pub fn prepare(cfg: &CtrDataConfig, seed: u64) -> Result<Prepared, DataError> {
                 },
             })
         }
-        other => Err(DataError::Field {
-            field: "source",
-            reason: format!("unknown source `{other}`"),
-        }),
     }
 }

@@ -13,5 +13,5 @@ pub mod data;
 pub mod loss;
 pub mod model;
 
-pub use config::{DlrmConfig, TableKind};
+pub use config::{CtrSource, DlrmConfig, TableKind};
 pub use model::{propose_ttm_shape, Dlrm, DlrmError, DlrmState};

@@ -832,47 +832,7 @@ impl RunConfig {
             g.validate()?;
         }
         if let Some(ds) = &self.distill {
-            if self.model.head == comera_model::HeadKind::Mlm {
-                return Err(bad(
-                    "distill",
-                    "distillation trains a classifier; this config trains a masked-LM",
-                ));
-            }
-            if ds
-                .teacher
-                .as_ref()
-                .is_some_and(|t| t.as_os_str().is_empty())
-            {
-                return Err(bad(
-                    "distill.teacher",
-                    "is empty; name the teacher's model directory, or leave distill.teacher out to train without one",
-                ));
-            }
-            if let Some(teacher) = &ds.teacher {
-                if same_place(teacher, &self.train.out_dir) {
-                    return Err(bad(
-                        "distill.teacher",
-                        format!(
-                            "{} is this run's own directory (train.out_dir), which the run replaces; train the student into a directory of its own",
-                            teacher.display()
-                        ),
-                    ));
-                }
-            }
-            if ds.teacher_sha256.is_some() && ds.teacher.is_none() {
-                return Err(bad(
-                    "distill.teacher_sha256",
-                    "checks a teacher, and distill.teacher names none",
-                ));
-            }
-            if let Some(sha) = &ds.teacher_sha256 {
-                if sha.len() != 64 || !sha.chars().all(|c| c.is_ascii_hexdigit()) {
-                    return Err(bad(
-                        "distill.teacher_sha256",
-                        format!("`{sha}` is not a SHA-256 (64 hex digits)"),
-                    ));
-                }
-            }
+            self.check_distill(ds)?;
         }
         if let Some(init) = &self.train.init_from {
             if init.as_os_str().is_empty() || same_place(init, &self.train.out_dir) {
@@ -885,6 +845,60 @@ impl RunConfig {
                 ));
             }
         }
+        self.check_data()?;
+        self.check_phases()
+    }
+
+    /// The `[distill]` table: a classifier's, a teacher that is not this run's own directory,
+    /// a well-formed digest of one.
+    fn check_distill(&self, ds: &DistillConfig) -> Result<(), ConfigError> {
+        if self.model.head == comera_model::HeadKind::Mlm {
+            return Err(bad(
+                "distill",
+                "distillation trains a classifier; this config trains a masked-LM",
+            ));
+        }
+        if ds
+            .teacher
+            .as_ref()
+            .is_some_and(|t| t.as_os_str().is_empty())
+        {
+            return Err(bad(
+                "distill.teacher",
+                "is empty; name the teacher's model directory, or leave distill.teacher out to train without one",
+            ));
+        }
+        if let Some(teacher) = &ds.teacher {
+            if same_place(teacher, &self.train.out_dir) {
+                return Err(bad(
+                    "distill.teacher",
+                    format!(
+                        "{} is this run's own directory (train.out_dir), which the run replaces; train the student into a directory of its own",
+                        teacher.display()
+                    ),
+                ));
+            }
+        }
+        if ds.teacher_sha256.is_some() && ds.teacher.is_none() {
+            return Err(bad(
+                "distill.teacher_sha256",
+                "checks a teacher, and distill.teacher names none",
+            ));
+        }
+        if let Some(sha) = &ds.teacher_sha256 {
+            if !is_sha256(sha) {
+                return Err(bad(
+                    "distill.teacher_sha256",
+                    format!("`{sha}` is not a SHA-256 (64 hex digits)"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The `[data]` table: its source fits the head, the fields of the other kind of run are
+    /// absent, digests check files that are read, label names are usable.
+    fn check_data(&self) -> Result<(), ConfigError> {
         let d = &self.data;
         if !(0.0..1.0).contains(&d.valid_fraction) {
             return Err(bad(
@@ -924,7 +938,7 @@ impl RunConfig {
                         "checks a data file of a file source (data.train / data.valid); remove it",
                     ));
                 }
-                if sha.len() != 64 || !sha.chars().all(|c| c.is_ascii_hexdigit()) {
+                if !is_sha256(sha) {
                     return Err(bad(
                         format!("data.{field}"),
                         format!("`{sha}` is not a SHA-256 (64 hex digits)"),
@@ -938,6 +952,12 @@ impl RunConfig {
         if let Some(names) = &d.label_names {
             check_names("data.label_names", names)?;
         }
+        Ok(())
+    }
+
+    /// Every `[[train.phases]]` entry: its sequence fits the position table, and its batch
+    /// splits into the accumulation steps.
+    fn check_phases(&self) -> Result<(), ConfigError> {
         let t = &self.train;
         for (i, ph) in t.phases.iter().enumerate() {
             let f = |k: &str| format!("train.phases[{i}].{k}");
@@ -1351,13 +1371,6 @@ impl DlrmRunConfig {
             r.validate()?;
         }
         let d = &self.data;
-        let known = ["movielens", "adult", "criteo", "synthetic"];
-        if !known.contains(&d.source.as_str()) {
-            return Err(bad(
-                "data.source",
-                format!("`{}` is not one of {known:?}", d.source),
-            ));
-        }
         if !(0.0..1.0).contains(&d.valid_fraction) {
             return Err(bad(
                 "data.valid_fraction",
@@ -1370,7 +1383,7 @@ impl DlrmRunConfig {
                 format!("`{}` is not `hash` or `modulo`", d.mapping),
             ));
         }
-        if d.source == "criteo" && d.train.is_none() {
+        if d.source == comera_dlrm::CtrSource::Criteo && d.train.is_none() {
             return Err(bad("data.train", "the criteo source needs a training file"));
         }
         if !d.table_sizes.is_empty() && d.table_sizes.len() != comera_data::ctr::CRITEO_CATS {
@@ -1970,6 +1983,11 @@ fn set<T>(field: &mut T, v: Option<T>) {
     }
 }
 
+/// Whether `text` is a SHA-256 digest as the run files write one: 64 hex digits.
+fn is_sha256(text: &str) -> bool {
+    text.len() == 64 && text.chars().all(|c| c.is_ascii_hexdigit())
+}
+
 /// The text of a config file; the error names it.
 fn read_config(path: &Path) -> crate::Result<String> {
     comera_data::regular::read_regular_to_string(path).io(path, "cannot read config")
@@ -2203,6 +2221,72 @@ mod tests {
         })
         .unwrap();
         assert!(cfg.to_toml().contains("seed = 9223372036854775807"));
+    }
+
+    /// A DLRM's `data.source` outside its set is refused as an encoder's is: by the parser,
+    /// with the file's line, or naming the `--set` that gave it, and listing the names.
+    #[test]
+    fn an_unknown_data_source_is_refused_alike_for_encoder_and_dlrm() {
+        let parser_says = |e: Error| match e {
+            Error::Parse { path, source } => {
+                let t = source
+                    .downcast_ref::<toml::de::Error>()
+                    .expect("a TOML error");
+                (path, t.span().map(|s| s.start), t.message().to_string())
+            }
+            other => panic!("not a parse error: {other}"),
+        };
+        let (encoder_file, dlrm_file) = (Path::new("c.toml"), Path::new("d.toml"));
+        let encoder = parser_says(
+            RunConfig::from_toml(encoder_file, "[data]\nsource = \"bogus\"\n").unwrap_err(),
+        );
+        let dlrm = parser_says(
+            DlrmRunConfig::from_toml(dlrm_file, "[dlrm]\n[data]\nsource = \"bogus\"\n")
+                .unwrap_err(),
+        );
+        let names = |kinds: &str| format!("unknown variant `bogus`, expected one of {kinds}");
+        assert_eq!(
+            encoder,
+            (encoder_file.into(), Some(16), names("`reviews`, `movie-snippets`, `trec`, `mnli`, `tsv`, `csv`, `jsonl`, `parquet`, `corpus`"))
+        );
+        assert_eq!(
+            dlrm,
+            (
+                dlrm_file.into(),
+                Some(23),
+                names("`movielens`, `adult`, `criteo`, `synthetic`")
+            )
+        );
+        let set: Setting = "data.source=bogus".parse().unwrap();
+        for (text, kinds) in [
+            ("[data]\n", "`reviews`, `movie-snippets`"),
+            ("[dlrm]\n", "`movielens`, `adult`, `criteo`, `synthetic`"),
+        ] {
+            let msg =
+                AnyRunConfig::from_toml_with(Path::new("x.toml"), text, std::slice::from_ref(&set))
+                    .unwrap_err()
+                    .to_string();
+            assert!(
+                msg.starts_with(
+                    "--set data.source=bogus: unknown variant `bogus`, expected one of "
+                ) && msg.contains(kinds),
+                "{msg}"
+            );
+        }
+        // Every name reads back as itself, as run configs on disk spell it.
+        for source in [
+            comera_dlrm::CtrSource::Movielens,
+            comera_dlrm::CtrSource::Adult,
+            comera_dlrm::CtrSource::Criteo,
+            comera_dlrm::CtrSource::Synthetic,
+        ] {
+            let mut cfg = DlrmRunConfig::default();
+            cfg.data.source = source;
+            cfg.data.train = Some("t.tsv".into());
+            let text = cfg.to_toml();
+            assert!(text.contains(&format!("source = \"{source}\"")), "{text}");
+            assert_eq!(DlrmRunConfig::from_toml(dlrm_file, &text).unwrap(), cfg);
+        }
     }
 
     #[test]

@@ -233,23 +233,7 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedDa
         )
         .into());
     }
-    let label_names = match &cfg.label_names {
-        Some(names) if names.len() != train_set.label_names.len() => {
-            return Err(ConfigError::new(
-                "data.label_names",
-                format!(
-                    "{} names for the {} labels of source `{}` ({:?})",
-                    names.len(),
-                    train_set.label_names.len(),
-                    cfg.source,
-                    train_set.label_names
-                ),
-            )
-            .into())
-        }
-        Some(names) => names.clone(),
-        None => train_set.label_names.clone(),
-    };
+    let label_names = label_names(cfg, &train_set.label_names)?;
     let train_set_labels = train_set.label_names.clone();
     let dropped = train_set.dropped + valid_set.as_ref().map_or(0, |v| v.dropped);
     let (mut train, mut valid): (Vec<Example>, Vec<Example>) = match valid_set {
@@ -297,19 +281,7 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedDa
         dropped,
         train_enc.truncated
     );
-    // What the run records: the columns and labels it read, and the files' digests (a file
-    // that changes under a stopped run is refused when it resumes).
-    if data.source.reads_files() {
-        if data.source != DataSource::Mnli && data.labels.is_none() {
-            data.labels = Some(train_set_labels);
-        }
-        if let (None, Some(p)) = (&data.train_sha256, &data.train) {
-            data.train_sha256 = Some(crate::inputs::sha256_file(p)?);
-        }
-        if let (None, Some(p)) = (&data.valid_sha256, &data.valid) {
-            data.valid_sha256 = Some(crate::inputs::sha256_file(p)?);
-        }
-    }
+    record_inputs(&mut data, train_set_labels)?;
     Ok(PreparedData {
         data,
         tokenizer,
@@ -320,6 +292,44 @@ pub fn prepare(cfg: &DataConfig, seq_len: usize, seed: u64) -> Result<PreparedDa
         pair,
         summary,
     })
+}
+
+/// The names the labels are shown by: `data.label_names`, one for each label found (`found`),
+/// or the labels themselves.
+fn label_names(cfg: &DataConfig, found: &[String]) -> Result<Vec<String>> {
+    match &cfg.label_names {
+        Some(names) if names.len() != found.len() => Err(ConfigError::new(
+            "data.label_names",
+            format!(
+                "{} names for the {} labels of source `{}` ({:?})",
+                names.len(),
+                found.len(),
+                cfg.source,
+                found
+            ),
+        )
+        .into()),
+        Some(names) => Ok(names.clone()),
+        None => Ok(found.to_vec()),
+    }
+}
+
+/// What the run records of a file source: the labels it read (`found`) and the files'
+/// digests, so that a file that changes under a stopped run is refused when it resumes.
+fn record_inputs(data: &mut DataConfig, found: Vec<String>) -> Result<()> {
+    if !data.source.reads_files() {
+        return Ok(());
+    }
+    if data.source != DataSource::Mnli && data.labels.is_none() {
+        data.labels = Some(found);
+    }
+    if let (None, Some(p)) = (&data.train_sha256, &data.train) {
+        data.train_sha256 = Some(crate::inputs::sha256_file(p)?);
+    }
+    if let (None, Some(p)) = (&data.valid_sha256, &data.valid) {
+        data.valid_sha256 = Some(crate::inputs::sha256_file(p)?);
+    }
+    Ok(())
 }
 
 /// Masked-LM data: a corpus, its tokenizer and masker, packed per sequence length on demand

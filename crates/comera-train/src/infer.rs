@@ -12,7 +12,7 @@ use crate::task::{evaluate_classifier, evaluate_ctr, evaluate_mlm, EvalStats};
 use crate::trainer::available_memory_bytes;
 use comera_data::ctr::{CatMapping, CriteoReader, CriteoSpec, CtrData, MovieLensFeatures};
 use comera_data::BertTokenizer;
-use comera_dlrm::config::CtrDataConfig;
+use comera_dlrm::config::{CtrDataConfig, CtrSource};
 use comera_dlrm::loss::sigmoid;
 use comera_dlrm::Dlrm;
 use comera_layers::Model;
@@ -335,8 +335,8 @@ pub fn read_click_rows(
     path: &Path,
     labelled: bool,
 ) -> Result<CtrData> {
-    match cfg.source.as_str() {
-        "movielens" => {
+    match cfg.source {
+        CtrSource::Movielens => {
             let cache = cfg
                 .cache_dir
                 .clone()
@@ -360,10 +360,11 @@ pub fn read_click_rows(
             }
             Ok(data)
         }
-        "criteo" | "synthetic" => read_criteo(model, &cfg.mapping, path),
-        other => Err(Error::model(format!(
-            "{}: a DLRM trained on `{other}` data scores no file (only criteo, synthetic and movielens models do)",
-            path.display()
+        CtrSource::Criteo | CtrSource::Synthetic => read_criteo(model, &cfg.mapping, path),
+        CtrSource::Adult => Err(Error::model(format!(
+            "{}: a DLRM trained on `{}` data scores no file (only criteo, synthetic and movielens models do)",
+            path.display(),
+            cfg.source
         ))),
     }
 }

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -272,9 +273,7 @@ where
     Y::CoordDescType: ValueFormatter<f64>,
 {
     let (w, h) = area.dim_in_pixel();
-    let small = h < 260;
-    let caption_size = if small { 16 } else { 20 };
-    let label_size = if small { 12 } else { 14 };
+    let text = TextSizes::for_height(h);
     let named: Vec<&Prepared> = series.iter().filter(|s| !s.name.is_empty()).collect();
     // Many series: the legend gets its own column right of the chart, so it covers no line.
     let beside = named.len() > LEGEND_INSIDE_MAX;
@@ -284,7 +283,7 @@ where
             .map(|s| s.name.chars().count())
             .max()
             .unwrap_or(0);
-        let legend_w = (longest as u32 * (label_size as u32 * 6 / 10) + 60).min(w / 3);
+        let legend_w = (longest as u32 * (text.label as u32 * 6 / 10) + 60).min(w / 3);
         let (a, b) = area.split_horizontally(w.saturating_sub(legend_w));
         (a, Some(b))
     } else {
@@ -294,10 +293,10 @@ where
     let mut chart = ChartBuilder::on(&area)
         .caption(
             &panel.title,
-            (FONT, caption_size).into_font().style(FontStyle::Bold),
+            (FONT, text.caption).into_font().style(FontStyle::Bold),
         )
         .margin(12)
-        .x_label_area_size(if small { 34 } else { 42 })
+        .x_label_area_size(if text.small { 34 } else { 42 })
         .y_label_area_size(72)
         .build_cartesian_2d(x_range, y_spec)
         .map_err(err_text)?;
@@ -324,8 +323,8 @@ where
         .axis_style(BLACK)
         .x_desc(panel.x_label.as_str())
         .y_desc(panel.y_label.as_str())
-        .label_style((FONT, label_size))
-        .axis_desc_style((FONT, label_size + 1))
+        .label_style((FONT, text.label))
+        .axis_desc_style((FONT, text.label + 1))
         .x_label_formatter(&x_text)
         .y_label_formatter(&|v| tick_text(*v))
         .x_labels(if x_names.is_empty() {
@@ -337,11 +336,60 @@ where
         .draw()
         .map_err(err_text)?;
 
+    draw_marks(&mut chart, &area, &panel.marks, text.label)?;
+    let any_label = draw_series(&mut chart, panel, series, beside)?;
+    if any_label {
+        chart
+            .configure_series_labels()
+            .position(legend_pos)
+            .margin(10)
+            .legend_area_size(28)
+            .label_font((FONT, text.label))
+            .background_style(WHITE.mix(0.85))
+            .border_style(GREY)
+            .draw()
+            .map_err(err_text)?;
+    }
+    if let Some(legend) = legend_area {
+        draw_legend_beside(&legend, &named, panel.bars.is_some(), text)?;
+    }
+    Ok(())
+}
+
+/// A panel's chart: x linear, y on the scale `Y` (linear or logarithmic).
+type Chart<'a, 'b, Y> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, Y>>;
+
+/// Font sizes of a panel: smaller in a short panel.
+#[derive(Clone, Copy)]
+struct TextSizes {
+    small: bool,
+    caption: i32,
+    label: i32,
+}
+
+impl TextSizes {
+    fn for_height(h: u32) -> TextSizes {
+        let small = h < 260;
+        TextSizes {
+            small,
+            caption: if small { 16 } else { 20 },
+            label: if small { 12 } else { 14 },
+        }
+    }
+}
+
+/// The panel's marks (a dashed vertical line and its label at the top) inside the x range.
+fn draw_marks<Y: Ranged<ValueType = f64>>(
+    chart: &mut Chart<'_, '_, Y>,
+    area: &Area,
+    marks: &[(f64, String)],
+    label_size: i32,
+) -> Result<(), String> {
     let (y_lo, y_hi) = {
         let r = chart.y_range();
         (r.start, r.end)
     };
-    for (x, label) in &panel.marks {
+    for (x, label) in marks {
         if !chart.x_range().contains(x) {
             continue;
         }
@@ -364,7 +412,17 @@ where
         ))
         .map_err(err_text)?;
     }
+    Ok(())
+}
 
+/// Every series as bars, or as a line with markers when it has few points; with the legend
+/// inside the chart (not `beside`), each named series' entry. Whether any entry was made.
+fn draw_series<Y: Ranged<ValueType = f64>>(
+    chart: &mut Chart<'_, '_, Y>,
+    panel: &Panel,
+    series: &[Prepared],
+    beside: bool,
+) -> Result<bool, String> {
     let mut any_label = false;
     for s in series {
         let (color, dashed) = (s.color, s.dashed);
@@ -384,15 +442,10 @@ where
         .map_err(err_text)?;
         if !s.name.is_empty() && !beside {
             any_label = true;
-            let label = if s.points.is_empty() {
-                format!("{} (no data)", s.name)
-            } else {
-                s.name.to_string()
-            };
             // Inside the chart only up to LEGEND_INSIDE_MAX series, all solid: a line sample
             // (a thick one for bars).
             let width = if panel.bars.is_some() { 10 } else { 3 };
-            drawn.label(label).legend(move |(x, y)| {
+            drawn.label(legend_label(s)).legend(move |(x, y)| {
                 PathElement::new(vec![(x, y), (x + 22, y)], color.stroke_width(width))
             });
         }
@@ -402,44 +455,38 @@ where
                 .map_err(err_text)?;
         }
     }
+    Ok(any_label)
+}
 
-    if any_label {
-        chart
-            .configure_series_labels()
-            .position(legend_pos)
-            .margin(10)
-            .legend_area_size(28)
-            .label_font((FONT, label_size))
-            .background_style(WHITE.mix(0.85))
-            .border_style(GREY)
-            .draw()
-            .map_err(err_text)?;
+/// A series' name in the legend, marked when it has nothing to draw.
+fn legend_label(s: &Prepared) -> String {
+    if s.points.is_empty() {
+        format!("{} (no data)", s.name)
+    } else {
+        s.name.to_string()
     }
-    if let Some(legend) = legend_area {
-        let row = i32::from(label_size as u16) + 6;
-        let top = 12 + caption_size + 10;
-        for (k, s) in named.iter().enumerate() {
-            let y = top + k as i32 * row;
-            let label = if s.points.is_empty() {
-                format!("{} (no data)", s.name)
-            } else {
-                s.name.to_string()
-            };
-            draw_legend_sample(
-                &legend,
-                (8, y + row / 2 - 3),
-                s.color,
-                s.dashed,
-                panel.bars.is_some(),
-            )?;
-            legend
-                .draw(&Text::new(
-                    label,
-                    (40, y),
-                    (FONT, label_size).into_font().color(&BLACK),
-                ))
-                .map_err(err_text)?;
-        }
+}
+
+/// The legend in its own column (`legend`, right of the chart): a sample and the name of each
+/// named series, one a row.
+fn draw_legend_beside(
+    legend: &Area,
+    named: &[&Prepared],
+    bars: bool,
+    text: TextSizes,
+) -> Result<(), String> {
+    let row = i32::from(text.label as u16) + 6;
+    let top = 12 + text.caption + 10;
+    for (k, s) in named.iter().enumerate() {
+        let y = top + k as i32 * row;
+        draw_legend_sample(legend, (8, y + row / 2 - 3), s.color, s.dashed, bars)?;
+        legend
+            .draw(&Text::new(
+                legend_label(s),
+                (40, y),
+                (FONT, text.label).into_font().color(&BLACK),
+            ))
+            .map_err(err_text)?;
     }
     Ok(())
 }

@@ -26,7 +26,7 @@
 //! - peak memory = the largest resident set (VmHWM) any sitting of the run reported.
 
 use crate::config::AnyRunConfig;
-use crate::observe::{read_metrics, EvalRecord, Record};
+use crate::observe::{read_metrics, EvalRecord, Record, TrainRecord};
 use crate::plot::{plot_panels, Bars, Panel, Series};
 use crate::rank::{rank_table, LayerRanks};
 use crate::run_dir::RunIdentity;
@@ -119,11 +119,110 @@ impl RunResults {
 
     /// The figures of the tables.
     pub fn figures(&self) -> RunFigures {
-        let score = match &self.config {
+        let score = self.score();
+        let (per_epoch, epoch_seconds) = self.epoch_ends(score);
+        let trains: Vec<&TrainRecord> = self
+            .records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Train(t) => Some(t),
+                _ => None,
+            })
+            .collect();
+        let (params, dense_params) = match (&self.summary, trains.last()) {
+            (Some(s), _) => (s.params, s.dense_params),
+            (None, Some(t)) => (t.params, (t.params as f64 * t.compression).round() as usize),
+            (None, None) => (0, 0),
+        };
+        let RankPoints {
+            start,
+            switch,
+            end,
+            switch_step,
+        } = self.rank_points();
+        // Dense parameters of the TT/TTM layers (the same at every point).
+        let tt_dense: f64 = [Some(&start), switch.as_ref(), Some(&end)]
+            .into_iter()
+            .flatten()
+            .find(|r| !r.is_empty())
+            .map_or(0.0, |r| r.iter().map(|l| l.dense as f64).sum());
+        let size = |ranks: &[LayerRanks]| -> Option<f64> {
+            (!ranks.is_empty()).then(|| ranks.iter().map(|l| l.size).sum())
+        };
+        // The size now of a run without a truncation yet: its last logged S.
+        let size_end = size(&end).or_else(|| trains.last().and_then(|t| t.size));
+        let has_tt = tt_dense > 0.0 || trains.iter().any(|t| t.size.is_some());
+        let tt_compression = |s: Option<f64>| s.map(|s| tt_dense / s.max(1.0));
+        RunFigures {
+            name: self.name.clone(),
+            dir: self.dir.clone(),
+            arm: self.arm(has_tt, &trains),
+            state: match &self.summary {
+                Some(s) if !s.stopped => RunState::Ended,
+                Some(_) => RunState::Stopped,
+                None => RunState::Running,
+            },
+            epochs_planned: self.config.epochs(),
+            score,
+            per_epoch: per_epoch.clone(),
+            final_score: per_epoch.last().map(|p| p.1),
+            best_score: per_epoch
+                .iter()
+                .map(|p| p.1)
+                .reduce(|a, b| score.better(a, b)),
+            steps: trains.last().map_or(0, |t| t.step),
+            params,
+            dense_params,
+            tt_dense,
+            tt_compression_start: tt_compression(size(&start)),
+            tt_compression_switch: tt_compression(switch.as_deref().and_then(size)),
+            tt_compression_end: tt_compression(size_end),
+            switch_step,
+            phase_seconds: self.phase_seconds(&epoch_seconds),
+            epoch_seconds,
+            peak_rss_bytes: self.peak_rss_bytes(),
+            median_step_ms: self.summary.as_ref().map(|s| s.median_step_ms),
+            examples_per_s: self.summary.as_ref().map(|s| s.examples_per_s),
+            machine: self.summary.as_ref().map(|s| s.machine.clone()),
+            tt_compression_series: trains
+                .iter()
+                .filter_map(|t| Some((t.step as f64, tt_dense / t.size?.max(1.0))))
+                .filter(|_| tt_dense > 0.0)
+                .collect(),
+            compression_series: trains
+                .iter()
+                .map(|t| (t.step as f64, t.compression))
+                .collect(),
+            ranks: [
+                ("start", start),
+                ("switch", switch.unwrap_or_default()),
+                ("end", end),
+            ]
+            .into_iter()
+            .filter(|(_, r)| !r.is_empty())
+            .map(|(t, r)| (t.to_string(), r))
+            .collect(),
+            data: match &self.config {
+                AnyRunConfig::Encoder(c) => serde_json::to_string(&c.data),
+                AnyRunConfig::Dlrm(c) => serde_json::to_string(&c.data),
+            }
+            .unwrap_or_default(),
+        }
+    }
+
+    /// The held-out figure the run is judged by: a masked-LM's loss, a click model's AUC,
+    /// else accuracy.
+    fn score(&self) -> Score {
+        match &self.config {
             AnyRunConfig::Encoder(c) if c.model.head == HeadKind::Mlm => Score::MlmLoss,
             _ if self.evals().any(|e| e.valid_auc.is_some()) => Score::Auc,
             _ => Score::Accuracy,
-        };
+        }
+    }
+
+    /// At the end of each epoch done, the score and the seconds the epoch took (training and
+    /// evaluation).
+    fn epoch_ends(&self, score: Score) -> (Vec<(usize, f64)>, Vec<f64>) {
         // The last evaluation of each epoch (a run may evaluate inside an epoch too).
         let mut by_epoch: BTreeMap<usize, &EvalRecord> = BTreeMap::new();
         for e in self.evals() {
@@ -137,19 +236,12 @@ impl RunResults {
             epoch_seconds.push(e.seconds - before);
             before = e.seconds;
         }
-        let trains: Vec<_> = self
-            .records
-            .iter()
-            .filter_map(|r| match r {
-                Record::Train(t) => Some(t),
-                _ => None,
-            })
-            .collect();
-        let (params, dense_params) = match (&self.summary, trains.last()) {
-            (Some(s), _) => (s.params, s.dense_params),
-            (None, Some(t)) => (t.params, (t.params as f64 * t.compression).round() as usize),
-            (None, None) => (0, 0),
-        };
+        (per_epoch, epoch_seconds)
+    }
+
+    /// The per-layer ranks at the start, the switch and the end: from `report.json` once the
+    /// run has one, else the latest records (a run not ended yet).
+    fn rank_points(&self) -> RankPoints {
         let (mut start, mut switch, mut end) = (Vec::new(), None, Vec::new());
         let mut switch_step = None;
         for r in &self.records {
@@ -172,17 +264,16 @@ impl RunResults {
             switch = s.ranks_switch.clone().or(switch);
             end = s.ranks_end.clone();
         }
-        // Dense parameters of the TT/TTM layers (the same at every point).
-        let tt_dense: f64 = [Some(&start), switch.as_ref(), Some(&end)]
-            .into_iter()
-            .flatten()
-            .find(|r| !r.is_empty())
-            .map_or(0.0, |r| r.iter().map(|l| l.dense as f64).sum());
-        let size = |ranks: &[LayerRanks]| -> Option<f64> {
-            (!ranks.is_empty()).then(|| ranks.iter().map(|l| l.size).sum())
-        };
-        // The size now of a run without a truncation yet: its last logged S.
-        let size_end = size(&end).or_else(|| trains.last().and_then(|t| t.size));
+        RankPoints {
+            start,
+            switch,
+            end,
+            switch_step,
+        }
+    }
+
+    /// What was trained (`has_tt`: the model has TT/TTM layers).
+    fn arm(&self, has_tt: bool, trains: &[&TrainRecord]) -> String {
         let rank_adaptive = self
             .summary
             .as_ref()
@@ -190,26 +281,31 @@ impl RunResults {
         let galore = matches!(&self.config, AnyRunConfig::Encoder(c) if c.galore.is_some());
         let distilled = matches!(&self.config, AnyRunConfig::Encoder(c)
             if c.distill.as_ref().is_some_and(|d| d.teacher.is_some()));
-        let has_tt = tt_dense > 0.0 || trains.iter().any(|t| t.size.is_some());
         let arm = match (has_tt, rank_adaptive, galore) {
             (true, true, _) => "CoMERA: TT/TTM, rank-adaptive",
             (true, false, _) => "TT/TTM, fixed ranks",
             (false, _, true) => "dense, GaLore",
             (false, _, false) => "dense",
         };
-        let arm = if distilled {
+        if distilled {
             format!("{arm}, distilled")
         } else {
             arm.to_string()
-        };
-        let peak_rss_bytes = self
-            .evals()
+        }
+    }
+
+    /// The largest resident set any sitting reported.
+    fn peak_rss_bytes(&self) -> u64 {
+        self.evals()
             .filter_map(|e| e.peak_rss_bytes)
             .chain(self.summary.as_ref().map(|s| s.peak_rss_bytes))
             .max()
-            .unwrap_or(0);
-        let tt_compression = |s: Option<f64>| s.map(|s| tt_dense / s.max(1.0));
-        let phase_seconds = match &self.config {
+            .unwrap_or(0)
+    }
+
+    /// Of a run in phases, each phase's time from the seconds of the epochs done.
+    fn phase_seconds(&self, epoch_seconds: &[f64]) -> Vec<PhaseTime> {
+        match &self.config {
             AnyRunConfig::Encoder(c) if c.train.phases.len() > 1 => {
                 let mut done = epoch_seconds.iter();
                 c.phases()
@@ -226,61 +322,6 @@ impl RunResults {
                     .collect()
             }
             _ => Vec::new(),
-        };
-        RunFigures {
-            name: self.name.clone(),
-            dir: self.dir.clone(),
-            arm,
-            state: match &self.summary {
-                Some(s) if !s.stopped => RunState::Ended,
-                Some(_) => RunState::Stopped,
-                None => RunState::Running,
-            },
-            epochs_planned: self.config.epochs(),
-            score,
-            per_epoch: per_epoch.clone(),
-            final_score: per_epoch.last().map(|p| p.1),
-            best_score: per_epoch
-                .iter()
-                .map(|p| p.1)
-                .reduce(|a, b| score.better(a, b)),
-            steps: trains.last().map_or(0, |t| t.step),
-            params,
-            dense_params,
-            tt_dense,
-            tt_compression_start: tt_compression(size(&start)),
-            tt_compression_switch: tt_compression(switch.as_deref().and_then(size)),
-            tt_compression_end: tt_compression(size_end),
-            switch_step,
-            epoch_seconds,
-            peak_rss_bytes,
-            median_step_ms: self.summary.as_ref().map(|s| s.median_step_ms),
-            examples_per_s: self.summary.as_ref().map(|s| s.examples_per_s),
-            machine: self.summary.as_ref().map(|s| s.machine.clone()),
-            tt_compression_series: trains
-                .iter()
-                .filter_map(|t| Some((t.step as f64, tt_dense / t.size?.max(1.0))))
-                .filter(|_| tt_dense > 0.0)
-                .collect(),
-            compression_series: trains
-                .iter()
-                .map(|t| (t.step as f64, t.compression))
-                .collect(),
-            ranks: [
-                ("start", start),
-                ("switch", switch.unwrap_or_default()),
-                ("end", end),
-            ]
-            .into_iter()
-            .filter(|(_, r)| !r.is_empty())
-            .map(|(t, r)| (t.to_string(), r))
-            .collect(),
-            phase_seconds,
-            data: match &self.config {
-                AnyRunConfig::Encoder(c) => serde_json::to_string(&c.data),
-                AnyRunConfig::Dlrm(c) => serde_json::to_string(&c.data),
-            }
-            .unwrap_or_default(),
         }
     }
 
@@ -290,6 +331,15 @@ impl RunResults {
             _ => None,
         })
     }
+}
+
+/// A run's per-layer ranks at the start, at the switch to the late stage (and its step) and at
+/// the end, those known.
+struct RankPoints {
+    start: Vec<LayerRanks>,
+    switch: Option<Vec<LayerRanks>>,
+    end: Vec<LayerRanks>,
+    switch_step: Option<u64>,
 }
 
 /// Where a run is.
@@ -543,7 +593,7 @@ fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
     v.filter(|v| v.is_finite()).map_or("–".into(), f)
 }
 
-/// The page (module docs for what is on it).
+/// The page (module docs for what is on it), one section after the other.
 fn markdown(
     figures: &[RunFigures],
     baselines: &[Option<usize>],
@@ -551,10 +601,27 @@ fn markdown(
     plots: &[PathBuf],
 ) -> String {
     let mut s = String::new();
-    let title = if opts.title.is_empty() {
+    heading(&mut s, figures, &opts.title);
+    arms(&mut s, figures, baselines);
+    ratios_note(&mut s, figures, baselines, opts.baseline.is_some());
+    phase_times(&mut s, figures);
+    scores_per_epoch(&mut s, figures);
+    rank_tables(&mut s, figures);
+    if let Some(p) = opts.paper {
+        paper_figures(&mut s, p);
+    }
+    plot_links(&mut s, plots);
+    commands(&mut s, &opts.commands);
+    run_list(&mut s, figures);
+    s
+}
+
+/// The title, the machines measured on, and the runs not ended.
+fn heading(s: &mut String, figures: &[RunFigures], title: &str) {
+    let title = if title.is_empty() {
         "Runs side by side"
     } else {
-        &opts.title
+        title
     };
     let _ = writeln!(s, "# {title}\n");
     let mut machines: Vec<String> = figures
@@ -579,69 +646,81 @@ fn markdown(
             unfinished.join(", ")
         );
     }
-    // The arms.
+}
+
+/// The arms' table: one row per run.
+fn arms(s: &mut String, figures: &[RunFigures], baselines: &[Option<usize>]) {
     let _ = writeln!(
         s,
         "| run | arm | epochs | held-out | final | best | params | whole-model compression | TT/TTM compression: start → switch → end | time per epoch (median) | time vs baseline | peak memory | memory vs baseline | samples/s |",
     );
     let _ = writeln!(s, "|{}", "---|".repeat(14));
     for (f, base) in figures.iter().zip(baselines) {
-        let base = base.map(|b| &figures[b]);
-        let time = f.median_epoch_seconds();
-        let base_time = base.and_then(RunFigures::median_epoch_seconds);
-        let tt = if f.tt_dense > 0.0 {
-            [
-                f.tt_compression_start,
-                f.tt_compression_switch,
-                f.tt_compression_end,
-            ]
-            .iter()
-            .map(|c| opt(*c, |c| format!("{c:.1}×")))
-            .collect::<Vec<_>>()
-            .join(" → ")
+        arm_row(s, f, base.map(|b| &figures[b]));
+    }
+}
+
+/// One run's row of the arms' table, its ratios against `base`.
+fn arm_row(s: &mut String, f: &RunFigures, base: Option<&RunFigures>) {
+    let time = f.median_epoch_seconds();
+    let base_time = base.and_then(RunFigures::median_epoch_seconds);
+    let tt = if f.tt_dense > 0.0 {
+        [
+            f.tt_compression_start,
+            f.tt_compression_switch,
+            f.tt_compression_end,
+        ]
+        .iter()
+        .map(|c| opt(*c, |c| format!("{c:.1}×")))
+        .collect::<Vec<_>>()
+        .join(" → ")
+    } else {
+        "–".into()
+    };
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    let _ = writeln!(
+        s,
+        "| {}{} | {} | {}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+        f.name,
+        match f.state {
+            RunState::Ended => "",
+            RunState::Stopped => " (stopped)",
+            RunState::Running => " (not ended)",
+        },
+        f.arm,
+        f.per_epoch.len(),
+        f.epochs_planned,
+        f.score.label(),
+        opt(f.final_score, |v| format!("{v:.4}")),
+        opt(f.best_score, |v| format!("{v:.4}")),
+        f.params,
+        opt(f.compression(), |c| format!("{c:.1}×")),
+        tt,
+        opt(time, |t| if t < 10.0 {
+            format!("{t:.1} s")
+        } else {
+            format!("{t:.0} s")
+        }),
+        opt(time.zip(base_time).map(|(t, b)| t / b), |r| format!(
+            "{r:.2}×"
+        )),
+        if f.peak_rss_bytes > 0 {
+            format!("{:.0} MiB", mib(f.peak_rss_bytes))
         } else {
             "–".into()
-        };
-        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
-        let _ = writeln!(
-            s,
-            "| {}{} | {} | {}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            f.name,
-            match f.state {
-                RunState::Ended => "",
-                RunState::Stopped => " (stopped)",
-                RunState::Running => " (not ended)",
-            },
-            f.arm,
-            f.per_epoch.len(),
-            f.epochs_planned,
-            f.score.label(),
-            opt(f.final_score, |v| format!("{v:.4}")),
-            opt(f.best_score, |v| format!("{v:.4}")),
-            f.params,
-            opt(f.compression(), |c| format!("{c:.1}×")),
-            tt,
-            opt(time, |t| if t < 10.0 {
-                format!("{t:.1} s")
-            } else {
-                format!("{t:.0} s")
-            }),
-            opt(time.zip(base_time).map(|(t, b)| t / b), |r| format!(
-                "{r:.2}×"
-            )),
-            if f.peak_rss_bytes > 0 {
-                format!("{:.0} MiB", mib(f.peak_rss_bytes))
-            } else {
-                "–".into()
-            },
-            match base.map(|b| b.peak_rss_bytes) {
-                Some(b) if b > 0 && f.peak_rss_bytes > 0 =>
-                    format!("{:.2}×", f.peak_rss_bytes as f64 / b as f64),
-                _ => "–".into(),
-            },
-            opt(f.examples_per_s, |v| format!("{v:.1}")),
-        );
-    }
+        },
+        match base.map(|b| b.peak_rss_bytes) {
+            Some(b) if b > 0 && f.peak_rss_bytes > 0 =>
+                format!("{:.2}×", f.peak_rss_bytes as f64 / b as f64),
+            _ => "–".into(),
+        },
+        opt(f.examples_per_s, |v| format!("{v:.1}")),
+    );
+}
+
+/// What the arms' figures are, and which run each run's ratios are taken against
+/// (`given`: named by `--baseline`).
+fn ratios_note(s: &mut String, figures: &[RunFigures], baselines: &[Option<usize>], given: bool) {
     let pairs: Vec<String> = figures
         .iter()
         .zip(baselines)
@@ -650,7 +729,7 @@ fn markdown(
     let _ = writeln!(
         s,
         "\nTime is training and evaluation per epoch, the median over epochs; memory is the peak resident set of the process; samples/s from the median step. Ratios are each run's figure divided by its baseline's ({}: {}).",
-        if opts.baseline.is_some() {
+        if given {
             "given"
         } else {
             "the dense run on the same data"
@@ -661,63 +740,74 @@ fn markdown(
             pairs.join(", ")
         }
     );
-    // Time per phase, for runs in phases.
-    if figures.iter().any(|f| !f.phase_seconds.is_empty()) {
-        let _ = writeln!(
-            s,
-            "\n## Time per phase\n\nTraining and evaluation, summed over the phase's epochs done.\n\n| run | phase | sequence × batch | epochs | seconds | s per epoch |\n|---|---|---|---|---|---|"
-        );
-        for f in figures {
-            for (i, p) in f.phase_seconds.iter().enumerate() {
-                let _ = writeln!(
-                    s,
-                    "| {} | {} | {} × {} | {} | {:.0} | {} |",
-                    f.name,
-                    i + 1,
-                    p.seq_len,
-                    p.batch_size,
-                    p.epochs,
-                    p.seconds,
-                    opt(
-                        (p.epochs > 0).then(|| p.seconds / p.epochs as f64),
-                        |v| format!("{v:.1}")
-                    ),
-                );
-            }
+}
+
+/// Time per phase, for runs in phases.
+fn phase_times(s: &mut String, figures: &[RunFigures]) {
+    if figures.iter().all(|f| f.phase_seconds.is_empty()) {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "\n## Time per phase\n\nTraining and evaluation, summed over the phase's epochs done.\n\n| run | phase | sequence × batch | epochs | seconds | s per epoch |\n|---|---|---|---|---|---|"
+    );
+    for f in figures {
+        for (i, p) in f.phase_seconds.iter().enumerate() {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} × {} | {} | {:.0} | {} |",
+                f.name,
+                i + 1,
+                p.seq_len,
+                p.batch_size,
+                p.epochs,
+                p.seconds,
+                opt(
+                    (p.epochs > 0).then(|| p.seconds / p.epochs as f64),
+                    |v| format!("{v:.1}")
+                ),
+            );
         }
     }
-    // The score per epoch.
+}
+
+/// The held-out score after each epoch, a column per run.
+fn scores_per_epoch(s: &mut String, figures: &[RunFigures]) {
     let epochs = figures.iter().map(|f| f.per_epoch.len()).max().unwrap_or(0);
-    if epochs > 0 {
-        let _ = writeln!(
-            s,
-            "\n## Held-out score after each epoch\n\nEach run's own: {}.\n\n| epoch | {} |\n|---|{}",
-            figures
-                .iter()
-                .map(|f| format!("{} {}", f.name, f.score.label()))
-                .collect::<Vec<_>>()
-                .join(", "),
-            figures
-                .iter()
-                .map(|f| f.name.as_str())
-                .collect::<Vec<_>>()
-                .join(" | "),
-            "---|".repeat(figures.len())
-        );
-        for e in 1..=epochs {
-            let cells: Vec<String> = figures
-                .iter()
-                .map(|f| {
-                    f.per_epoch
-                        .iter()
-                        .find(|p| p.0 == e)
-                        .map_or("–".into(), |p| format!("{:.4}", p.1))
-                })
-                .collect();
-            let _ = writeln!(s, "| {e} | {} |", cells.join(" | "));
-        }
+    if epochs == 0 {
+        return;
     }
-    // Ranks.
+    let _ = writeln!(
+        s,
+        "\n## Held-out score after each epoch\n\nEach run's own: {}.\n\n| epoch | {} |\n|---|{}",
+        figures
+            .iter()
+            .map(|f| format!("{} {}", f.name, f.score.label()))
+            .collect::<Vec<_>>()
+            .join(", "),
+        figures
+            .iter()
+            .map(|f| f.name.as_str())
+            .collect::<Vec<_>>()
+            .join(" | "),
+        "---|".repeat(figures.len())
+    );
+    for e in 1..=epochs {
+        let cells: Vec<String> = figures
+            .iter()
+            .map(|f| {
+                f.per_epoch
+                    .iter()
+                    .find(|p| p.0 == e)
+                    .map_or("–".into(), |p| format!("{:.4}", p.1))
+            })
+            .collect();
+        let _ = writeln!(s, "| {e} | {} |", cells.join(" | "));
+    }
+}
+
+/// Each rank-adaptive run's per-layer ranks at the points known (more than one).
+fn rank_tables(s: &mut String, figures: &[RunFigures]) {
     for f in figures.iter().filter(|f| f.ranks.len() > 1) {
         let points: Vec<(&str, &[LayerRanks])> = f
             .ranks
@@ -734,32 +824,46 @@ fn markdown(
             rank_table(&points)
         );
     }
-    if let Some(p) = opts.paper {
-        let _ = writeln!(
-            s,
-            "\n## The paper's figures (GPU; not measured here)\n\n| figure | paper |\n|---|---|"
-        );
-        for (k, v) in p.rows() {
-            let _ = writeln!(s, "| {k} | {v} |");
-        }
+}
+
+/// The paper's own figures for the table, labelled as such.
+fn paper_figures(s: &mut String, paper: PaperTable) {
+    let _ = writeln!(
+        s,
+        "\n## The paper's figures (GPU; not measured here)\n\n| figure | paper |\n|---|---|"
+    );
+    for (k, v) in paper.rows() {
+        let _ = writeln!(s, "| {k} | {v} |");
     }
+}
+
+/// The plots, by their file names beside the page.
+fn plot_links(s: &mut String, plots: &[PathBuf]) {
     let _ = writeln!(s, "\n## Plots\n");
     for p in plots {
         let name = p.file_name().map_or("".into(), |n| n.to_string_lossy());
         let _ = writeln!(s, "![{name}]({name})");
     }
-    if !opts.commands.is_empty() {
-        let _ = writeln!(s, "\n## Commands\n\n```sh");
-        for c in &opts.commands {
-            let _ = writeln!(s, "{c}");
-        }
-        let _ = writeln!(s, "```");
+}
+
+/// The commands that made the runs, as given (nothing without them).
+fn commands(s: &mut String, commands: &[String]) {
+    if commands.is_empty() {
+        return;
     }
+    let _ = writeln!(s, "\n## Commands\n\n```sh");
+    for c in commands {
+        let _ = writeln!(s, "{c}");
+    }
+    let _ = writeln!(s, "```");
+}
+
+/// Each run's directory and steps.
+fn run_list(s: &mut String, figures: &[RunFigures]) {
     let _ = writeln!(s, "\n## Runs\n");
     for f in figures {
         let _ = writeln!(s, "- {}: `{}`, {} steps", f.name, f.dir.display(), f.steps);
     }
-    s
 }
 
 /// The three figures (module docs).

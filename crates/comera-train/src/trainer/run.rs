@@ -111,22 +111,8 @@ impl<'t, T: Task> Loop<'t, T> {
         let initial_params = model.num_params();
         // The learning rate shown in log lines: the TT cores' (the rest scale alike).
         let lr_cores = optim.lr_cores;
-        let total = epochs
-            .iter()
-            .map(|e| e.1.map(|n| n as u64))
-            .sum::<Option<u64>>();
-        // Fractions of the run become step counts now that its length is known.
-        let rank_cfg = match total {
-            Some(total) => rank_cfg.resolved(total),
-            None if rank_cfg.enabled && rank_cfg.has_fractions() => {
-                return Err(crate::config::ConfigError::new(
-                    "rank",
-                    "late_after_fraction / gates_after_fraction need the run's length, which streamed data does not give before the run; set late_after_epochs / gates_after_steps",
-                )
-                .into())
-            }
-            None => rank_cfg,
-        };
+        let total = total_steps(&epochs);
+        let rank_cfg = resolve_rank_schedule(rank_cfg, total)?;
         let (optimizer, rank, prog) =
             restore(&mut model, optim, galore, &rank_cfg, resume.as_ref())?;
         rep.dense_params = model.dense_equivalent_params();
@@ -137,20 +123,14 @@ impl<'t, T: Task> Loop<'t, T> {
             rep.ratio(&model)
         ));
         let phases = task.phases().to_vec();
-        if let Some(total) = total.filter(|_| rank_cfg.enabled && resume.is_none()) {
-            for w in rank_schedule_warnings(&rank_cfg, total, epochs.len()) {
-                rep.say(w);
-            }
-        }
-        let (warmup, warmup_warning) = warmup_for_run(cfg.train.warmup_steps, total);
-        if let Some(w) = warmup_warning.filter(|_| resume.is_none()) {
-            rep.say(w);
-        }
-        let schedule = Schedule {
-            warmup,
-            total: total.unwrap_or(u64::MAX),
-            decay: cfg.train.decay,
-        };
+        let schedule = lr_schedule(
+            &cfg.train,
+            &rank_cfg,
+            total,
+            epochs.len(),
+            resume.is_none(),
+            &mut rep,
+        );
         let mut stepper = Stepper::new(optimizer, rank, schedule, clip_norm, gate_threshold);
         // Data-parallel (several processes): process 0 alone writes the run directory.
         stepper.data_parallel =
@@ -796,6 +776,59 @@ impl<'t, T: Task> Loop<'t, T> {
         self.run_dir.as_ref().map_or(Ok(()), RunDir::keep_new_run)?;
         self.rep.event(&Event::Finished(&summary));
         Ok(summary)
+    }
+}
+
+/// The run's length in steps: known when every epoch's is (streamed data gives none).
+fn total_steps(epochs: &[(usize, Option<usize>)]) -> Option<u64> {
+    epochs
+        .iter()
+        .map(|e| e.1.map(|n| n as u64))
+        .sum::<Option<u64>>()
+}
+
+/// The rank schedule with fractions of the run made step counts, now that its length (`total`
+/// steps, unknown for streamed data) is known.
+fn resolve_rank_schedule(
+    rank_cfg: rank::RankConfig,
+    total: Option<u64>,
+) -> crate::Result<rank::RankConfig> {
+    Ok(match total {
+        Some(total) => rank_cfg.resolved(total),
+        None if rank_cfg.enabled && rank_cfg.has_fractions() => {
+            return Err(crate::config::ConfigError::new(
+                "rank",
+                "late_after_fraction / gates_after_fraction need the run's length, which streamed data does not give before the run; set late_after_epochs / gates_after_steps",
+            )
+            .into())
+        }
+        None => rank_cfg,
+    })
+}
+
+/// The learning rate's schedule over `total` steps; a fresh run (not resumed) is warned of a
+/// warm-up or a rank schedule that does not fit its length.
+fn lr_schedule(
+    train: &crate::config::LoopFields,
+    rank_cfg: &rank::RankConfig,
+    total: Option<u64>,
+    epochs: usize,
+    fresh: bool,
+    rep: &mut Reporter,
+) -> Schedule {
+    if let Some(total) = total.filter(|_| rank_cfg.enabled && fresh) {
+        for w in rank_schedule_warnings(rank_cfg, total, epochs) {
+            rep.say(w);
+        }
+    }
+    let (warmup, warmup_warning) = warmup_for_run(train.warmup_steps, total);
+    if let Some(w) = warmup_warning.filter(|_| fresh) {
+        rep.say(w);
+    }
+    Schedule {
+        warmup,
+        total: total.unwrap_or(u64::MAX),
+        decay: train.decay,
     }
 }
 

@@ -135,28 +135,8 @@ pub(super) fn encoder(
     let phases = cfg.phases();
     check_encoder_fits(cfg, &phases, rep)?;
     let data = encoder_data(cfg, &phases, rep)?;
-    let (vocab_size, vocab) = match &data {
-        EncoderData::Classify(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
-        EncoderData::Mlm(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
-    };
-    let mut mcfg = cfg.model.clone();
-    if mcfg.vocab_size != vocab_size {
-        return Err(ConfigError::new(
-            "model.vocab_size",
-            format!(
-                "{} but the vocabulary {} has {vocab_size} tokens",
-                mcfg.vocab_size,
-                vocab.display()
-            ),
-        )
-        .into());
-    }
-    let mut resolved = cfg.clone();
-    if let EncoderData::Classify(d) = &data {
-        mcfg.num_labels = d.label_names.len();
-        resolved.data = d.data.clone();
-    }
-    resolved.model = mcfg.clone();
+    let (mut resolved, vocab) = resolve_for_data(cfg, &data)?;
+    let mcfg = resolved.model.clone();
     let teacher = match &cfg.distill {
         Some(ds) if ds.teacher.is_some() => {
             Some(load_teacher(ds, &mcfg, &data, &vocab, &mut resolved, rep)?)
@@ -183,66 +163,11 @@ pub(super) fn encoder(
     let mut model = Encoder::new(&mcfg, cfg.train.seed)?;
     let mut head_given = false;
     if let (None, Some(dir)) = (start.checkpoint(), &cfg.train.init_from) {
-        let init_err = |e: crate::error::BoxError| {
-            Error::model_with(format!("train.init_from: {}", dir.display()), e)
-        };
-        let (pre, meta) = crate::files::load_model(dir).map_err(|e| init_err(e.into()))?;
-        model.init_body_from(&pre).map_err(|e| init_err(e.into()))?;
-        rep.say(format!(
-            "init  encoder from {} ({} parameters)",
-            dir.display(),
-            pre.num_params()
-        ));
-        // A classifier of the same labels goes on with its head too; of other labels, its
-        // head cannot serve this data: a fresh one is trained, and that is said.
-        if let (EncoderData::Classify(d), comera_model::HeadKind::Classifier) =
-            (&data, pre.cfg.head)
-        {
-            if meta.labels == d.label_names && mcfg.head == pre.cfg.head {
-                model.init_head_from(&pre).map_err(|e| init_err(e.into()))?;
-                head_given = true;
-                rep.say(format!(
-                    "init  classifier head from {} (the same labels {:?})",
-                    dir.display(),
-                    meta.labels
-                ));
-            } else {
-                // With a teacher of this data's labels the head comes from it (said below).
-                let instead = match (&teacher, &cfg.distill) {
-                    (Some((t, _)), Some(ds))
-                        if ds.init_head
-                            && ds.logit_weight > 0.0
-                            && t.cfg.num_labels == d.label_names.len() =>
-                    {
-                        "its head is not used"
-                    }
-                    _ => "a fresh head is trained on its encoder",
-                };
-                rep.say(format!(
-                    "note  {}'s classifier head is for the labels {:?}, this data's are {:?}: {instead}",
-                    dir.display(),
-                    meta.labels,
-                    d.label_names
-                ));
-            }
-        }
+        head_given = init_from_run(&mut model, dir, cfg, &data, teacher.as_ref(), rep)?;
     }
     if let (Some((t, _)), Some(ds)) = (&teacher, &cfg.distill) {
-        let same_labels = match &data {
-            EncoderData::Classify(d) => {
-                t.cfg.num_labels == d.label_names.len() && ds.logit_weight > 0.0
-            }
-            EncoderData::Mlm(_) => false,
-        };
-        if ds.init_head && !head_given && same_labels && start.checkpoint().is_none() {
-            let dir = ds.teacher.as_ref().expect("a teacher").display();
-            match model.init_head_from(t) {
-                Ok(()) => rep.say(format!("init  classifier head from the teacher {dir}")),
-                Err(e) => rep.say(format!(
-                    "note  the teacher's head has another layout ({}: {}): the student's head starts fresh",
-                    e.field, e.msg
-                )),
-            }
+        if !head_given && start.checkpoint().is_none() {
+            init_head_from_teacher(&mut model, t, ds, &data, rep);
         }
     }
     if let Some((t, loss)) = &teacher {
@@ -263,17 +188,8 @@ pub(super) fn encoder(
     }
     cfg.rank.check_layers(&model).map_err(ConfigError::from)?;
     let (run_dir, resume) = start.open(&out, &config_toml)?;
-    // The run keeps its own copy of the vocabulary (`model.toml` names it by its place in the
-    // run): a run directory copied elsewhere predicts without the file it was trained from.
     let vocab = match &run_dir {
-        Some(_) => {
-            let own = out.join(crate::files::RUN_VOCAB);
-            if !own.exists() {
-                let bytes = comera_data::read_regular(&vocab).io(&vocab, "cannot read")?;
-                crate::files::write_atomic(&own, &bytes)?;
-            }
-            std::path::PathBuf::from(crate::files::RUN_VOCAB)
-        }
+        Some(_) => own_vocab(&out, &vocab)?,
         None => vocab,
     };
     let t = &cfg.train;
@@ -301,6 +217,154 @@ pub(super) fn encoder(
     })
 }
 
+/// The config as the data resolves it (the labels found, the model's label count) and the
+/// vocabulary file; refuses a `model.vocab_size` other than the vocabulary's.
+fn resolve_for_data(
+    cfg: &RunConfig,
+    data: &EncoderData,
+) -> crate::Result<(RunConfig, std::path::PathBuf)> {
+    let (vocab_size, vocab) = match data {
+        EncoderData::Classify(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
+        EncoderData::Mlm(d) => (d.tokenizer.vocab_size(), d.vocab.clone()),
+    };
+    let mut mcfg = cfg.model.clone();
+    if mcfg.vocab_size != vocab_size {
+        return Err(ConfigError::new(
+            "model.vocab_size",
+            format!(
+                "{} but the vocabulary {} has {vocab_size} tokens",
+                mcfg.vocab_size,
+                vocab.display()
+            ),
+        )
+        .into());
+    }
+    let mut resolved = cfg.clone();
+    if let EncoderData::Classify(d) = data {
+        mcfg.num_labels = d.label_names.len();
+        resolved.data = d.data.clone();
+    }
+    resolved.model = mcfg;
+    Ok((resolved, vocab))
+}
+
+/// `train.init_from`: the encoder's body from the run in `dir`, and its classifier head when
+/// it was trained on the same labels (whether it was; otherwise what the head will be is
+/// said).
+fn init_from_run(
+    model: &mut Encoder,
+    dir: &std::path::Path,
+    cfg: &RunConfig,
+    data: &EncoderData,
+    teacher: Option<&(Arc<Encoder>, comera_model::DistillLoss)>,
+    rep: &mut Reporter,
+) -> crate::Result<bool> {
+    let init_err = |e: crate::error::BoxError| {
+        Error::model_with(format!("train.init_from: {}", dir.display()), e)
+    };
+    let (pre, meta) = crate::files::load_model(dir).map_err(|e| init_err(e.into()))?;
+    model.init_body_from(&pre).map_err(|e| init_err(e.into()))?;
+    rep.say(format!(
+        "init  encoder from {} ({} parameters)",
+        dir.display(),
+        pre.num_params()
+    ));
+    // A classifier of the same labels goes on with its head too; of other labels, its
+    // head cannot serve this data: a fresh one is trained, and that is said.
+    let (EncoderData::Classify(d), comera_model::HeadKind::Classifier) = (data, pre.cfg.head)
+    else {
+        return Ok(false);
+    };
+    if meta.labels == d.label_names && model.cfg.head == pre.cfg.head {
+        model.init_head_from(&pre).map_err(|e| init_err(e.into()))?;
+        rep.say(format!(
+            "init  classifier head from {} (the same labels {:?})",
+            dir.display(),
+            meta.labels
+        ));
+        return Ok(true);
+    }
+    // With a teacher of this data's labels the head comes from it (said below).
+    let instead = match (teacher, &cfg.distill) {
+        (Some((t, _)), Some(ds))
+            if ds.init_head && ds.logit_weight > 0.0 && t.cfg.num_labels == d.label_names.len() =>
+        {
+            "its head is not used"
+        }
+        _ => "a fresh head is trained on its encoder",
+    };
+    rep.say(format!(
+        "note  {}'s classifier head is for the labels {:?}, this data's are {:?}: {instead}",
+        dir.display(),
+        meta.labels,
+        d.label_names
+    ));
+    Ok(false)
+}
+
+/// `distill.init_head`: a fresh student's classifier head from the teacher's, when the teacher
+/// predicts this data's labels and its logits are distilled.
+fn init_head_from_teacher(
+    model: &mut Encoder,
+    teacher: &Encoder,
+    ds: &DistillConfig,
+    data: &EncoderData,
+    rep: &mut Reporter,
+) {
+    let same_labels = match data {
+        EncoderData::Classify(d) => {
+            teacher.cfg.num_labels == d.label_names.len() && ds.logit_weight > 0.0
+        }
+        EncoderData::Mlm(_) => false,
+    };
+    if !(ds.init_head && same_labels) {
+        return;
+    }
+    let dir = ds.teacher.as_ref().expect("a teacher").display();
+    match model.init_head_from(teacher) {
+        Ok(()) => rep.say(format!("init  classifier head from the teacher {dir}")),
+        Err(e) => rep.say(format!(
+            "note  the teacher's head has another layout ({}: {}): the student's head starts fresh",
+            e.field, e.msg
+        )),
+    }
+}
+
+/// The run's own copy of the vocabulary in `out`, written once; `model.toml` names it by its
+/// place in the run, so a run directory copied elsewhere predicts without the file it was
+/// trained from.
+fn own_vocab(out: &std::path::Path, vocab: &std::path::Path) -> crate::Result<std::path::PathBuf> {
+    let own = out.join(crate::files::RUN_VOCAB);
+    if !own.exists() {
+        let bytes = comera_data::read_regular(vocab).io(vocab, "cannot read")?;
+        crate::files::write_atomic(&own, &bytes)?;
+    }
+    Ok(std::path::PathBuf::from(crate::files::RUN_VOCAB))
+}
+
+/// Refuses a DLRM whose training memory (estimated before the model is built) exceeds what
+/// the machine has.
+fn check_dlrm_fits(
+    cfg: &DlrmRunConfig,
+    prepared: &comera_dlrm::data::Prepared,
+) -> crate::Result<()> {
+    let batch = cfg.train.batch_size;
+    let need = cfg
+        .dlrm
+        .estimate_memory_bytes(prepared.n_dense, &prepared.table_sizes, batch);
+    let available = available_memory_bytes();
+    if need > available {
+        const GIB: f64 = (1u64 << 30) as f64;
+        return Err(Error::run(format!(
+            "training the DLRM at batch {} needs about {:.1} GiB, but {:.1} GiB are available; reduce dlrm.embedding_dim, dlrm.ttm_rank, the MLP widths or train.batch_size",
+            batch,
+            need / GIB,
+            available / GIB
+        )));
+    }
+    Ok(())
+}
+
 /// A DLRM run on click-through data.
 pub(super) fn dlrm(
     cfg: &DlrmRunConfig,
@@ -322,19 +386,7 @@ pub(super) fn dlrm(
         None => cfg.to_toml(),
     };
     let t = &cfg.train;
-    let need =
-        cfg.dlrm
-            .estimate_memory_bytes(prepared.n_dense, &prepared.table_sizes, t.batch_size);
-    let available = available_memory_bytes();
-    if need > available {
-        const GIB: f64 = (1u64 << 30) as f64;
-        return Err(Error::run(format!(
-            "training the DLRM at batch {} needs about {:.1} GiB, but {:.1} GiB are available; reduce dlrm.embedding_dim, dlrm.ttm_rank, the MLP widths or train.batch_size",
-            t.batch_size,
-            need / GIB,
-            available / GIB
-        )));
-    }
+    check_dlrm_fits(cfg, &prepared)?;
     let model = Dlrm::new(
         &cfg.dlrm,
         prepared.n_dense,
