@@ -3,42 +3,11 @@
 //! or aborted, and asserts that it is now refused with a clear error (and nothing changed), or
 //! gives the right result.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{comera, s, tempdir, write_config, write_data};
-
-/// Every file under `dir` (recursively, the lock aside) with its bytes.
-fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.file_name().unwrap() == ".lock" {
-                continue;
-            }
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                out.insert(p.to_path_buf(), std::fs::read(&p).unwrap());
-            }
-        }
-    }
-    out
-}
-
-/// A finished small TT run (3 steps) in `dir/NAME`; returns (dir, config, run).
-fn small_run(tag: &str) -> (PathBuf, PathBuf, PathBuf) {
-    let dir = tempdir(tag);
-    let (data, vocab) = write_data(&dir);
-    let cfg = write_config(&dir, &data, &vocab, true, "max_steps_per_epoch = 3");
-    let (code, text) = comera(&["train", "--config", s(&cfg), "--quiet", "--epochs", "1"]);
-    assert_eq!(code, 0, "{text}");
-    (dir.clone(), cfg, dir.join("run"))
-}
+use crate::common::{comera, s, small_run, snapshot, tempdir, write_config, write_data};
 
 /// The small run's config with no label set: the labels are the values found in the data.
 fn config_finding_labels(tag: &str) -> (PathBuf, PathBuf) {
@@ -74,7 +43,7 @@ fn file_exports_replace_only_comera_exports_and_never_a_runs_files() {
     let (code, text) = comera(&["export", s(&run), "--hf", s(&hf)]);
     assert_eq!(code, 0, "{text}");
     let hf_before = snapshot(&hf);
-    let mut targets: Vec<PathBuf> = before.keys().cloned().collect();
+    let mut targets: Vec<PathBuf> = before.keys().map(|k| run.join(k)).collect();
     targets.push(run.join("new.safetensors"));
     targets.push(run.join("checkpoints/new.safetensors"));
     targets.push(hf.join("model.safetensors"));

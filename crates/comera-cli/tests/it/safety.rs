@@ -3,47 +3,14 @@
 //! it is now refused (and nothing changed), or, for a stop by signal, that nothing is lost.
 //! Special files are only ever ones these tests create in their own temporary directories.
 
-use std::collections::BTreeMap;
 use std::os::unix::fs::FileTypeExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{assert_same_run, checkpoints, comera, s, tempdir, write_config, write_data};
-
-/// Every file under `dir` (recursively, the lock aside) with its bytes: what "nothing changed"
-/// compares.
-fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.file_name().unwrap() == ".lock" {
-                continue;
-            }
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                out.insert(
-                    p.strip_prefix(dir).unwrap().to_path_buf(),
-                    std::fs::read(&p).unwrap(),
-                );
-            }
-        }
-    }
-    out
-}
-
-/// A finished small TT run in `dir/run` (3 steps); returns (dir, config, run).
-fn small_run(tag: &str) -> (PathBuf, PathBuf, PathBuf) {
-    let dir = tempdir(tag);
-    let (data, vocab) = write_data(&dir);
-    let cfg = write_config(&dir, &data, &vocab, true, "max_steps_per_epoch = 3");
-    let (code, text) = comera(&["train", "--config", s(&cfg), "--quiet", "--epochs", "1"]);
-    assert_eq!(code, 0, "{text}");
-    (dir.clone(), cfg, dir.join("run"))
-}
+use crate::common::{
+    assert_same_run, checkpoints, comera, s, small_run, snapshot, tempdir, write_config, write_data,
+};
 
 fn mkfifo(path: &Path) {
     let c = std::ffi::CString::new(s(path)).unwrap();

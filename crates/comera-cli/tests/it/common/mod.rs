@@ -1,6 +1,7 @@
 //! Helpers shared by the CLI's end-to-end tests.
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -349,3 +350,37 @@ pub fn checkpoints(run: &Path) -> Vec<PathBuf> {
 
 /// Rank-adaptive settings that make a short run switch stage and truncate.
 pub const RANK_EXTRA: &str = "checkpoint_every = 4\nkeep_checkpoints = 2\n\n[rank]\nlate_after_epochs = 1\ntarget_ratio = 0.5\ntarget_loss = 0.2\ntruncate_every = 3";
+
+/// Every file under `dir` (recursively, the lock aside) with its bytes: what "nothing changed"
+/// compares.
+pub fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.file_name().unwrap() == ".lock" {
+                continue;
+            }
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.insert(
+                    p.strip_prefix(dir).unwrap().to_path_buf(),
+                    std::fs::read(&p).unwrap(),
+                );
+            }
+        }
+    }
+    out
+}
+
+/// A finished small TT run in `dir/run` (3 steps); returns (dir, config, run).
+pub fn small_run(tag: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let dir = tempdir(tag);
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, true, "max_steps_per_epoch = 3");
+    let (code, text) = comera(&["train", "--config", s(&cfg), "--quiet", "--epochs", "1"]);
+    assert_eq!(code, 0, "{text}");
+    (dir.clone(), cfg, dir.join("run"))
+}
