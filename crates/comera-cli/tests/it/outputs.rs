@@ -4,10 +4,12 @@
 //! gives the right result.
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-use crate::common::{comera, s, small_run, snapshot, tempdir, write_config, write_data};
+use crate::common::{
+    comera, comera_within, mkfifo, s, small_run, snapshot, tempdir, write_config, write_data,
+};
 
 /// The small run's config with no label set: the labels are the values found in the data.
 fn config_finding_labels(tag: &str) -> (PathBuf, PathBuf) {
@@ -281,26 +283,9 @@ fn a_fifo_in_place_of_a_stopped_runs_data_is_refused_on_resume() {
     ]);
     assert_eq!(code, 0, "{text}");
     std::fs::remove_file(&data).unwrap();
-    let c = std::ffi::CString::new(s(&data)).unwrap();
-    // SAFETY: a NUL-terminated path.
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_comera"))
-        .args(["train", "--resume", s(&run)])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t0.elapsed() > Duration::from_secs(60) {
-            child.kill().unwrap();
-            panic!("--resume waited on the FIFO");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let out = child.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{text}");
+    mkfifo(&data);
+    let (code, text) = comera_within(&["train", "--resume", s(&run)], Duration::from_secs(60));
+    assert_eq!(code, 1, "{text}");
     assert!(
         text.contains("FIFO") && text.contains("train.tsv"),
         "{text}"

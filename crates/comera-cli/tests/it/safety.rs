@@ -9,14 +9,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::{
-    assert_same_run, checkpoints, comera, s, small_run, snapshot, tempdir, write_config, write_data,
+    assert_same_run, checkpoints, comera, comera_within, mkfifo, s, small_run, snapshot, tempdir,
+    write_config, write_data,
 };
-
-fn mkfifo(path: &Path) {
-    let c = std::ffi::CString::new(s(path)).unwrap();
-    // SAFETY: a NUL-terminated path.
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
-}
 
 /// A character device node like /dev/null (1, 3), made in the test's own directory; false
 /// where this process may not make one (not root).
@@ -24,28 +19,6 @@ fn mknod_null(path: &Path) -> bool {
     let c = std::ffi::CString::new(s(path)).unwrap();
     // SAFETY: a NUL-terminated path.
     unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) == 0 }
-}
-
-/// `comera ARGS` that must end within `limit` (a hang fails the test instead of blocking it).
-fn comera_within(args: &[&str], limit: Duration) -> (i32, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_comera"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t0.elapsed() > limit {
-            child.kill().unwrap();
-            panic!("`comera {}` hung (killed after {limit:?})", args.join(" "));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let out = child.wait_with_output().unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.code().unwrap_or(-1), text)
 }
 
 /// Item 1: an export (or plot) over a device node, a FIFO or a symlink is refused, and the node

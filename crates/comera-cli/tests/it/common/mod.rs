@@ -3,7 +3,8 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// Runs the `comera` binary; (exit code, stdout + stderr).
 pub fn comera(args: &[&str]) -> (i32, String) {
@@ -383,4 +384,33 @@ pub fn small_run(tag: &str) -> (PathBuf, PathBuf, PathBuf) {
     let (code, text) = comera(&["train", "--config", s(&cfg), "--quiet", "--epochs", "1"]);
     assert_eq!(code, 0, "{text}");
     (dir.clone(), cfg, dir.join("run"))
+}
+
+/// Makes a FIFO (named pipe) at `path`.
+pub fn mkfifo(path: &Path) {
+    let c = std::ffi::CString::new(s(path)).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+}
+
+/// `comera ARGS` that must end within `limit` (a hang fails the test instead of blocking it).
+pub fn comera_within(args: &[&str], limit: Duration) -> (i32, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_comera"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > limit {
+            child.kill().unwrap();
+            panic!("`comera {}` hung (killed after {limit:?})", args.join(" "));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = child.wait_with_output().unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
 }
