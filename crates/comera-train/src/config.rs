@@ -1656,53 +1656,60 @@ pub struct Overrides {
 }
 
 impl Overrides {
-    /// The config fields each flag sets (`--data FILE` sets the data file, its format and
-    /// their digests; `--valid` the validation file).
-    const FIELDS: &'static [(&'static str, &'static [&'static str])] = &[
-        ("--epochs", &["train.epochs"]),
-        ("--batch-size", &["train.batch_size"]),
-        ("--seed", &["train.seed"]),
-        ("--out", &["train.out_dir"]),
-        ("--max-steps-per-epoch", &["train.max_steps_per_epoch"]),
-        ("--stop-after-steps", &["train.stop_after_steps"]),
-        ("--init-from", &["train.init_from"]),
-        ("--teacher", &["distill.teacher"]),
-        (
-            "--data",
-            &[
-                "data.source",
-                "data.train",
-                "data.valid",
-                "data.train_sha256",
-                "data.valid_sha256",
-            ],
-        ),
-        ("--valid", &["data.valid", "data.valid_sha256"]),
-    ];
-
-    /// Whether the flag `flag` was given.
-    fn given(&self, flag: &str) -> bool {
-        match flag {
-            "--epochs" => self.epochs.is_some(),
-            "--batch-size" => self.batch_size.is_some(),
-            "--seed" => self.seed.is_some(),
-            "--out" => self.out.is_some(),
-            "--max-steps-per-epoch" => self.max_steps_per_epoch.is_some(),
-            "--stop-after-steps" => self.stop_after_steps.is_some(),
-            "--init-from" => self.init_from.is_some(),
-            "--teacher" => self.teacher.is_some(),
-            "--data" => self.data.is_some(),
-            "--valid" => self.valid.is_some(),
-            _ => false,
-        }
+    /// The flags given, each with the config fields it sets (`--data FILE` sets the data file,
+    /// its format and their digests; `--valid` the validation file).
+    fn given_flags(&self) -> Vec<(&'static str, &'static [&'static str])> {
+        let data: &'static [&'static str] = &[
+            "data.source",
+            "data.train",
+            "data.valid",
+            "data.train_sha256",
+            "data.valid_sha256",
+        ];
+        [
+            ("--epochs", self.epochs.is_some(), &["train.epochs"][..]),
+            (
+                "--batch-size",
+                self.batch_size.is_some(),
+                &["train.batch_size"],
+            ),
+            ("--seed", self.seed.is_some(), &["train.seed"]),
+            ("--out", self.out.is_some(), &["train.out_dir"]),
+            (
+                "--max-steps-per-epoch",
+                self.max_steps_per_epoch.is_some(),
+                &["train.max_steps_per_epoch"],
+            ),
+            (
+                "--stop-after-steps",
+                self.stop_after_steps.is_some(),
+                &["train.stop_after_steps"],
+            ),
+            (
+                "--init-from",
+                self.init_from.is_some(),
+                &["train.init_from"],
+            ),
+            ("--teacher", self.teacher.is_some(), &["distill.teacher"]),
+            ("--data", self.data.is_some(), data),
+            (
+                "--valid",
+                self.valid.is_some(),
+                &["data.valid", "data.valid_sha256"],
+            ),
+        ]
+        .into_iter()
+        .filter(|&(_, given, _)| given)
+        .map(|(flag, _, fields)| (flag, fields))
+        .collect()
     }
 
     /// Refuses a `--set` of a field that a given flag sets too: which of the two was meant?
     pub fn check_settings(&self, settings: &[Setting]) -> Result<(), ConfigError> {
         for s in settings {
             let field = s.field();
-            for (flag, fields) in Self::FIELDS {
-                if self.given(flag) && fields.contains(&field.as_str()) {
+            for (flag, fields) in self.given_flags() {
+                if fields.contains(&field.as_str()) {
                     return Err(ConfigError::new(
                         format!("--set {}", s.text),
                         format!("{flag} sets {field} too; give one of the two"),

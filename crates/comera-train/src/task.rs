@@ -86,22 +86,19 @@ impl ClassReport {
                 self.per_class.len(),
                 ClassReport::CONFUSION_MAX_CLASSES
             );
-            if self.collapsed {
-                out += "\nwarning: every example is predicted as one class: the model has collapsed to one answer";
+        } else {
+            out += &format!(
+                "confusion (rows: true class, columns: predicted)\n{:<w$}",
+                ""
+            );
+            for k in 0..self.confusion.len() {
+                out += &format!("  {:>8}", name(k));
             }
-            return out;
-        }
-        out += &format!(
-            "confusion (rows: true class, columns: predicted)\n{:<w$}",
-            ""
-        );
-        for k in 0..self.confusion.len() {
-            out += &format!("  {:>8}", name(k));
-        }
-        for (k, row) in self.confusion.iter().enumerate() {
-            out += &format!("\n{:<w$}", name(k));
-            for v in row {
-                out += &format!("  {v:>8}");
+            for (k, row) in self.confusion.iter().enumerate() {
+                out += &format!("\n{:<w$}", name(k));
+                for v in row {
+                    out += &format!("  {v:>8}");
+                }
             }
         }
         if self.collapsed {
