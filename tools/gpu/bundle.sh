@@ -8,7 +8,8 @@
 # CPU engine), OUTDIR/gpu_engine (the device TT layer, the parameter seam, one encoder step
 # against the CPU engine and its captured replay), OUTDIR/nvrtc_compile (every kernel through
 # NVRTC for sm_80 and sm_90), and OUTDIR/bench/step_bench (the step benchmark, an example
-# binary: check.sh runs it after the tests).
+# binary: check.sh runs it after the tests), and OUTDIR/bin/comera (the command line, for
+# tools/gpu/e2e.sh: a run trained on the GPU and moved to the CPU and back).
 # These are the binaries `cargo test --release -p comera-cuda --no-run` prints; this script
 # only finds them in cargo's JSON messages and copies them.
 set -euo pipefail
@@ -38,3 +39,7 @@ cargo build --release -p comera-cuda --example step_bench
 mkdir -p "$out/bench"
 cp target/release/examples/step_bench "$out/bench/step_bench"
 echo "copied to $out/bench: step_bench"
+cargo build --release -p comera-cli
+mkdir -p "$out/bin"
+cp target/release/comera "$out/bin/comera"
+echo "copied to $out/bin: comera"

@@ -17,6 +17,8 @@
 # the paper model's captured step, TT/TTM and dense, batch 1 and 32 (its table in
 # step_bench.log, its JSON lines in step_bench.json; 4 minutes at most). Set
 # COMERA_BENCH_ARGS to pass it other arguments (e.g. "--replays 100").
+# Last, when BUNDLE_DIR/bin/comera exists: tools/gpu/e2e.sh, a small run trained on the GPU and
+# on the CPU and moved between them through checkpoints, compared (under e2e/; 4 minutes at most).
 set -uo pipefail
 if [ $# -eq 0 ]; then
     sed -n '2,9p' "$0" >&2
@@ -24,9 +26,11 @@ if [ $# -eq 0 ]; then
 fi
 bins=()
 bench=""
+cli=""
 for a in "$@"; do
     if [ -d "$a" ]; then
         [ -x "$a/bench/step_bench" ] && bench="$a/bench/step_bench"
+        [ -x "$a/bin/comera" ] && cli="$a/bin/comera"
         for f in "$a"/*; do
             [ -f "$f" ] && [ -x "$f" ] && bins+=("$f")
         done
@@ -103,6 +107,19 @@ if [ -n "$bench" ]; then
         echo "step_bench: FAIL (exit $rc), ${secs}s; see step_bench.log" | tee -a "$summary"
         failed=1
     fi
+fi
+if [ -n "$cli" ]; then
+    start=$(date +%s)
+    timeout 240 "$(dirname "$0")/e2e.sh" "$cli" "$out/e2e" >"$out/e2e.log" 2>&1
+    rc=$?
+    secs=$(( $(date +%s) - start ))
+    if [ $rc -eq 0 ]; then
+        echo "e2e (train on the GPU, resume across devices): pass, ${secs}s" | tee -a "$summary"
+    else
+        echo "e2e: FAIL (exit $rc), ${secs}s; see e2e.log and e2e/commands.log" | tee -a "$summary"
+        failed=1
+    fi
+    cat "$out/e2e.log" >>"$summary"
 fi
 echo "logs: $out" | tee -a "$summary"
 exit $failed

@@ -264,10 +264,11 @@ fn command_thread(args: Vec<std::ffi::OsString>) -> ExitCode {
         },
     };
     // Exit status: 0 success, 1 an error of the run (bad input, refused files, failures),
-    // 2 a usage error (clap's).
+    // 2 a usage error (clap's) or a device that is missing or cannot take the run.
     match result {
         Ok(code) => code,
         Err(e) => {
+            let status = if is_device_error(&e) { 2 } else { 1 };
             let (p, n) = comera_train::distributed::processes();
             if n > 1 {
                 // The other processes may be waiting for this one: end them all.
@@ -280,9 +281,20 @@ fn command_thread(args: Vec<std::ffi::OsString>) -> ExitCode {
             } else {
                 report_error(&Chain(e.as_ref()).to_string());
             }
-            ExitCode::from(1)
+            ExitCode::from(status)
         }
     }
+}
+
+/// Whether `e` is the device's (`--device`, `train.device`): none there, a driver too old, a
+/// kernel that does not compile, out of its memory, or a run it does not take yet.
+fn is_device_error(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<comera_train::Error>(),
+            Some(comera_train::Error::Device(_))
+        ) || c.is::<comera_train::device::DeviceError>()
+    })
 }
 
 /// `error: MESSAGE` on standard error; if standard error itself cannot be written, there is

@@ -79,6 +79,11 @@ pub struct TrainArgs {
     /// table's, or `--set distill.temperature=4`, …).
     #[arg(long, value_name = "DIR")]
     teacher: Option<PathBuf>,
+    /// Train on this device: `cpu`, `cuda` (the first GPU) or `cuda:N` (sets `train.device`;
+    /// with --resume, where the run goes on: a run moves between devices through its
+    /// checkpoints). docs/gpu.md says what trains on a GPU yet.
+    #[arg(long, value_name = "DEVICE")]
+    device: Option<comera_train::DeviceSpec>,
 }
 
 pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
@@ -93,6 +98,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
         let how = comera_train::Continue {
             extend_epochs: a.extend_epochs,
             stop_after_steps: a.stop_after_steps,
+            device: a.device,
         };
         return Ok(report(&comera_train::continue_run(
             dir,
@@ -125,6 +131,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<ExitCode> {
             data: a.data,
             valid: a.valid,
             teacher: a.teacher,
+            device: a.device,
         },
     )?;
     if a.print_config {

@@ -147,8 +147,8 @@ fn tt_layer_matches_the_cpu_forward_and_backward() {
     p.cpu.backward(&mut ws, &x, &dy, Some(&mut dx));
     // Device.
     let (xd, dyd) = (
-        Buf::from_host(dev, &x).unwrap(),
-        Buf::from_host(dev, &dy).unwrap(),
+        Buf::copy_from_host(dev, &x).unwrap(),
+        Buf::copy_from_host(dev, &dy).unwrap(),
     );
     let (yd, dxd) = (
         Buf::<f32>::zeros(dev, rows * m).unwrap(),
@@ -182,8 +182,8 @@ fn tt_layer_replayed_from_a_graph_gives_the_same_bits() {
     let rows = 37;
     let p = pair(dev, rows);
     let (n, m) = (p.dev_layer.dims.n(), p.dev_layer.dims.m());
-    let x = Buf::from_host(dev, &normal(3, rows * n, 1.0)).unwrap();
-    let dy = Buf::from_host(dev, &normal(4, rows * m, 1.0)).unwrap();
+    let x = Buf::copy_from_host(dev, &normal(3, rows * n, 1.0)).unwrap();
+    let dy = Buf::copy_from_host(dev, &normal(4, rows * m, 1.0)).unwrap();
     let y = Buf::<f32>::zeros(dev, rows * m).unwrap();
     let dx = Buf::<f32>::zeros(dev, rows * n).unwrap();
     let total = p.arena.total();
@@ -430,6 +430,70 @@ mod encoder_step {
                     c.name
                 );
             }
+        }
+    }
+
+    /// Without the rank schedule the gates are constants, as on the CPU (`RankController::apply`
+    /// zeroes their gradients before clipping): after a step they hold their values bit for
+    /// bit, with zero gradients and moments, and the gradient norm is the CPU's over the rest.
+    #[test]
+    fn gates_stay_constant_without_the_rank_schedule() {
+        let Some((dev, _)) = device() else { return };
+        let _l = lock();
+        let enc = model();
+        let mut cpu = enc.clone();
+        let (ids, types, mask, labels) = batch();
+        let mut st = cpu.state(3);
+        st.load(&ids, &types, &mask, &labels).unwrap();
+        cpu.zero_grad();
+        cpu.forward(&mut st, true, STEP).unwrap();
+        cpu.backward(&mut st);
+        cpu.visit_params_mut(&mut |p| {
+            if p.kind == ParamKind::RankGate {
+                p.grad.fill(0.0);
+            }
+        });
+        let (_, norm) = comera_optim::clip_scale(0.0, |f| cpu.visit_params_mut(f));
+        let opt = StepConfig {
+            train_gates: false,
+            ..step_config()
+        };
+        let mut plan = EncoderPlan::new(dev, &enc, SEED, 3, 16, opt).unwrap();
+        plan.load(dev, &ids, &types, &mask, &labels).unwrap();
+        plan.set_step(dev, STEP, 1, 1.0).unwrap();
+        plan.record_step(dev).unwrap();
+        let stats = plan.stats(dev).unwrap();
+        assert!(
+            (stats.grad_norm - norm).abs() <= 1e-4 * norm,
+            "gradient norm {} vs the CPU's {norm} without the gates",
+            stats.grad_norm
+        );
+        let mut got = enc.clone();
+        plan.arena
+            .download(dev, true, |f| got.visit_params_mut(f))
+            .unwrap();
+        for (g, before) in got.params().iter().zip(enc.params()) {
+            if g.kind == ParamKind::RankGate {
+                assert_eq!(g.value, before.value, "{} moved", g.name);
+                assert!(
+                    g.grad.iter().all(|&v| v == 0.0),
+                    "{} has a gradient",
+                    g.name
+                );
+            }
+        }
+        let m = plan.arena.download_flat(dev, Which::M).unwrap();
+        for t in plan
+            .arena
+            .tensors
+            .iter()
+            .filter(|t| t.kind == ParamKind::RankGate)
+        {
+            assert!(
+                m[t.offset..t.offset + t.len].iter().all(|&v| v == 0.0),
+                "{} moments",
+                t.name
+            );
         }
     }
 

@@ -44,6 +44,19 @@ pub enum StepError {
     },
 }
 
+impl StepError {
+    /// `what` (the loss, the gradient norm) is `value`, not finite, at step `step`: with the
+    /// hint of what to change (a device's step reports it as the CPU's does).
+    pub fn diverged(what: &'static str, value: f64, step: u64) -> StepError {
+        StepError::Diverged {
+            what,
+            value,
+            step,
+            hint: diverged_hint(step),
+        }
+    }
+}
+
 /// What to change when step `step` is not finite.
 fn diverged_hint(step: u64) -> &'static str {
     if step == 0 {

@@ -398,6 +398,7 @@ pub fn train<'py>(
             data: None,
             valid: None,
             teacher: None,
+            device: None,
         })
         .py_err()?;
         // What was stored from memory is said first, as the loop says its own lines.

@@ -1,6 +1,7 @@
 //! The run configuration: one TOML file with `[data]`, `[model]`, `[optim]` and `[train]`
 //! tables. Every field is documented in `configs/reviews-small.toml`; unknown fields are errors.
 
+use comera_cuda::DeviceSpec;
 use comera_model::Rank;
 use comera_model::{EncoderConfig, LayerTt, TtmConfig};
 use comera_optim::galore::GaLoreConfig;
@@ -532,6 +533,19 @@ pub struct TrainConfig {
     /// put the rank schedule's switch at a phase boundary.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub phases: Vec<Phase>,
+    /// Where the steps run: `cpu` (the default) or `cuda` / `cuda:N` (docs/gpu.md says what
+    /// trains on a GPU yet). Not part of what a run stores: a run moves between devices
+    /// through its checkpoints (`comera train --resume DIR --device cpu`).
+    #[serde(default, skip_serializing_if = "is_cpu")]
+    pub device: DeviceSpec,
+}
+
+/// Why a DLRM run refuses a GPU.
+const DLRM_ON_CPU: &str = "DLRM runs train on the CPU only (docs/gpu.md: what is on the GPU)";
+
+/// Whether `d` is the CPU (the default, left out of a written config).
+fn is_cpu(d: &DeviceSpec) -> bool {
+    *d == DeviceSpec::Cpu
 }
 
 impl Default for TrainConfig {
@@ -553,6 +567,7 @@ impl Default for TrainConfig {
             early_stopping: None,
             accumulate_steps: 1,
             phases: Vec::new(),
+            device: DeviceSpec::Cpu,
         }
     }
 }
@@ -1653,6 +1668,8 @@ pub struct Overrides {
     /// Distil from this teacher (`distill.teacher`; a `[distill]` table with its defaults
     /// when the config has none).
     pub teacher: Option<PathBuf>,
+    /// Train on this device (`train.device`).
+    pub device: Option<DeviceSpec>,
 }
 
 impl Overrides {
@@ -1691,6 +1708,7 @@ impl Overrides {
                 &["train.init_from"],
             ),
             ("--teacher", self.teacher.is_some(), &["distill.teacher"]),
+            ("--device", self.device.is_some(), &["train.device"]),
             ("--data", self.data.is_some(), data),
             (
                 "--valid",
@@ -1743,6 +1761,18 @@ impl Overrides {
 }
 
 impl AnyRunConfig {
+    /// Where a resumed run goes on (`--resume DIR --device D`); DLRM runs stay on the CPU.
+    pub fn set_device(&mut self, device: DeviceSpec) -> Result<(), ConfigError> {
+        match self {
+            AnyRunConfig::Encoder(cfg) => cfg.train.device = device,
+            AnyRunConfig::Dlrm(_) if device.is_cuda() => {
+                return Err(ConfigError::new("--device", DLRM_ON_CPU));
+            }
+            AnyRunConfig::Dlrm(_) => {}
+        }
+        Ok(())
+    }
+
     /// Applies `o` and checks the result; errors name the flag or field.
     pub fn apply(&mut self, o: &Overrides) -> crate::Result<()> {
         o.check_bounds()?;
@@ -1780,6 +1810,7 @@ impl AnyRunConfig {
                 set(&mut t.out_dir, o.out.clone());
                 set(&mut t.max_steps_per_epoch, o.max_steps_per_epoch);
                 set(&mut t.stop_after_steps, o.stop_after_steps);
+                set(&mut t.device, o.device);
                 if let Some(v) = &o.init_from {
                     t.init_from = Some(v.clone());
                 }
@@ -1808,6 +1839,9 @@ impl AnyRunConfig {
                         "a DLRM run has no pre-trained encoder to start from",
                     )
                     .into());
+                }
+                if o.device.is_some_and(DeviceSpec::is_cuda) {
+                    return Err(bad("--device", DLRM_ON_CPU).into());
                 }
                 if o.teacher.is_some() {
                     return Err(bad(

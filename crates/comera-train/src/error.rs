@@ -76,6 +76,10 @@ pub enum Error {
     /// A training step that could not be taken (diverged, data ended, a bad batch).
     #[error(transparent)]
     Step(#[from] comera_optim::StepError),
+    /// The device of `train.device` / `--device`: missing, failed, or not doing what the run
+    /// asks for yet (the CLI's exit status 2).
+    #[error(transparent)]
+    Device(#[from] crate::device::DeviceError),
     /// A model config that cannot build a model (names the field).
     #[error(transparent)]
     ModelConfig(#[from] comera_model::ConfigError),

@@ -18,6 +18,7 @@
 //! - [`infer`]: evaluation and predictions of a saved model of any kind;
 //! - [`files`]: atomic writes, model files of every kind, the metrics log;
 //! - [`outputs`]: what comera may write and replace outside a run directory (exports, pages);
+//! - [`device`]: the seam between the loop and the device its steps run on (CPU, CUDA);
 //! - [`data`]: the encoder's data (labelled examples, corpora);
 //! - [`inputs`]: data handed over in memory, stored as content-addressed data files;
 //! - [`distributed`]: data-parallel runs over several processes (feature `mpi`);
@@ -30,6 +31,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod console;
 pub mod data;
+pub mod device;
 pub mod distributed;
 pub mod error;
 pub mod files;
@@ -44,6 +46,7 @@ pub mod run_dir;
 pub mod task;
 pub mod trainer;
 
+pub use comera_cuda::DeviceSpec;
 pub use comera_optim::rank;
 pub use config::{AnyRunConfig, DataConfig, DlrmRunConfig, Overrides, RunConfig, TrainConfig};
 pub use error::{BoxError, Error, Result};

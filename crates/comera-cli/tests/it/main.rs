@@ -4,6 +4,7 @@
 mod bounds;
 mod cli;
 mod common;
+mod device;
 mod distill;
 mod dlrm;
 mod hf;

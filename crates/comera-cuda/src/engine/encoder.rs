@@ -52,6 +52,11 @@ pub struct StepConfig {
     pub max_grad_norm: f32,
     /// Rank gates at or below this are frozen (the CPU's `freeze_gates_at`).
     pub freeze_gates_at: Option<f32>,
+    /// Whether the rank gates learn. Without the rank schedule they are constants (the CPU's
+    /// `RankController::apply` drops ∂/∂gate before clipping): their gradients are zeroed
+    /// after the backward, so they take no part in the norm, and AdamW moves them by exactly 0
+    /// with zero moments.
+    pub train_gates: bool,
 }
 
 impl StepConfig {
@@ -67,6 +72,7 @@ impl StepConfig {
             eps: 1e-8,
             max_grad_norm: 0.0,
             freeze_gates_at: None,
+            train_gates: true,
         }
     }
 }
@@ -465,6 +471,8 @@ pub struct EncoderPlan {
     pub arena: ParamArena,
     table: AdamTable,
     consts: AdamConsts,
+    /// [`StepConfig::train_gates`].
+    train_gates: bool,
     max_norm: f32,
     word: Word,
     pos: Slot,
@@ -658,7 +666,7 @@ impl EncoderPlan {
                     4 * n * layout.slab_total,
                 )?;
                 Word::Ttm(Box::new(Ttm {
-                    meta: Buf::from_host(dev, &layout.meta)?,
+                    meta: Buf::copy_from_host(dev, &layout.meta)?,
                     cores,
                     gates,
                     distinct: Buf::zeros(dev, n)?,
@@ -732,6 +740,7 @@ impl EncoderPlan {
             tau,
             table,
             consts,
+            train_gates: opt.train_gates,
             max_norm: opt.max_grad_norm,
             word,
             pos: slot("embeddings.position.weight"),
@@ -749,14 +758,14 @@ impl EncoderPlan {
             types_ids: zu(n)?,
             type_order: zu(n)?,
             type_start: zu(cfg.type_vocab + 1)?,
-            pos_ids: Buf::from_host(dev, &pos_ids)?,
-            pos_order: Buf::from_host(dev, &pos_seg.order)?,
-            pos_start: Buf::from_host(dev, &pos_seg.start)?,
+            pos_ids: Buf::copy_from_host(dev, &pos_ids)?,
+            pos_order: Buf::copy_from_host(dev, &pos_seg.order)?,
+            pos_start: Buf::copy_from_host(dev, &pos_seg.start)?,
             allow: z(n)?,
             label: Buf::zeros(dev, b)?,
-            cls_slot: Buf::from_host(dev, &(0..b32).map(|i| i * t32).collect::<Vec<_>>())?,
-            seq_order: Buf::from_host(dev, &(0..b32).collect::<Vec<_>>())?,
-            seq_start: Buf::from_host(dev, &(0..=b32).collect::<Vec<_>>())?,
+            cls_slot: Buf::copy_from_host(dev, &(0..b32).map(|i| i * t32).collect::<Vec<_>>())?,
+            seq_order: Buf::copy_from_host(dev, &(0..b32).collect::<Vec<_>>())?,
+            seq_start: Buf::copy_from_host(dev, &(0..=b32).collect::<Vec<_>>())?,
             emb: z(nd)?,
             x0: z(nd)?,
             tmp: z(nd)?,
@@ -789,7 +798,7 @@ impl EncoderPlan {
             norm_partial: Buf::zeros(dev, Device::grad_norm_partial_len(arena.total()))?,
             norm: Buf::zeros(dev, 1)?,
             clip: z(1)?,
-            scalars: Buf::from_host(dev, &[1.0f32, 1.0, 1.0])?,
+            scalars: Buf::copy_from_host(dev, &[1.0f32, 1.0, 1.0])?,
             step: Buf::zeros(dev, 1)?,
             arena,
         })
@@ -944,6 +953,17 @@ impl EncoderPlan {
         unsafe { raw::zero(dev, self.arena.g.ptr(), self.arena.total())? };
         self.forward(dev, blas)?;
         self.backward(dev, blas)?;
+        if !self.train_gates {
+            for t in self
+                .arena
+                .tensors
+                .iter()
+                .filter(|t| t.kind == ParamKind::RankGate)
+            {
+                // SAFETY: a tensor of the arena: `len` floats at `offset` of the gradient buffer.
+                unsafe { raw::zero(dev, self.arena.g.ptr() + 4 * t.offset as u64, t.len)? };
+            }
+        }
         self.update(dev)
     }
 

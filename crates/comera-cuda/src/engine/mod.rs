@@ -23,5 +23,5 @@ pub mod tt;
 pub use arena::{ParamArena, Tensor, Which};
 pub use encoder::{DeviceStepStats, EncoderPlan, StepConfig};
 pub use raw::{Blas, Buf, Gemm};
-pub use session::EncoderSession;
+pub use session::{EncoderSession, Moments};
 pub use tt::{Slot, TtDims, TtLayer};

@@ -39,7 +39,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
 
 impl<T: DeviceRepr> Buf<T> {
     /// A buffer holding a copy of `v`.
-    pub fn from_host(dev: &Device, v: &[T]) -> Result<Buf<T>, CudaError> {
+    pub fn copy_from_host(dev: &Device, v: &[T]) -> Result<Buf<T>, CudaError> {
         let slice = dev
             .stream()
             .clone_htod(v)

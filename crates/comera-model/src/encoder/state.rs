@@ -40,6 +40,15 @@ pub enum BatchError {
     OutOfRange { position: u32, n: usize },
 }
 
+/// A classifier batch as the state holds it ([`EncoderState::classifier_batch`]).
+#[derive(Clone, Copy, Debug)]
+pub struct ClassifierBatch<'a> {
+    pub ids: &'a [u32],    // B × T
+    pub types: &'a [u32],  // B × T
+    pub mask: &'a [u8],    // B × T: 1 = real token
+    pub labels: &'a [i32], // B
+}
+
 /// Everything a step of an [`Encoder`] needs for a fixed (batch, seq_len).
 #[derive(Debug)]
 pub struct EncoderState {
@@ -412,6 +421,20 @@ impl EncoderState {
     /// Sequence length T of this state.
     pub fn seq_len(&self) -> usize {
         self.t
+    }
+
+    /// The classifier batch loaded last ([`EncoderState::load`]); `None` for a masked-LM
+    /// state. A step engine on another device takes its batch from here.
+    pub fn classifier_batch(&self) -> Option<ClassifierBatch<'_>> {
+        match &self.head {
+            HeadState::Classifier(h) => Some(ClassifierBatch {
+                ids: &self.ids,
+                types: &self.types,
+                mask: &self.mask,
+                labels: &h.labels,
+            }),
+            HeadState::Mlm(_) => None,
+        }
     }
 
     /// Copies one batch in: ids, token types and attention mask (batch × seq_len each, mask

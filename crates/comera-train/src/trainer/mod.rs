@@ -205,7 +205,7 @@ struct Setup<T: Task> {
 }
 
 /// A run's model and settings, ready for the loop.
-struct RunSetup<M> {
+struct RunSetup<M: comera_layers::Trainable> {
     model: M,
     /// The optimiser's settings (it is made once the model has its final shape: a resumed
     /// model takes the checkpoint's truncated ranks first).
@@ -219,6 +219,8 @@ struct RunSetup<M> {
     /// The run directory, locked until the run ends (None on the processes of a data-parallel
     /// run other than process 0, which do not write).
     run_dir: Option<RunDir>,
+    /// The step engine on `train.device` (None: the CPU's, the stepper over the model).
+    device: Option<Box<dyn crate::device::DeviceStep<M>>>,
 }
 
 /// How a run starts.
@@ -271,6 +273,9 @@ pub struct Continue {
     /// Stop again (with a checkpoint) once the run has done this many steps in all; `None`:
     /// run to the end.
     pub stop_after_steps: Option<u64>,
+    /// Go on on this device (`None`: the run config's `train.device`); the run's config.toml
+    /// keeps what it was started with.
+    pub device: Option<comera_cuda::DeviceSpec>,
 }
 
 /// Extends the run in `run_dir` by `epochs` epochs (added to `train.epochs`, or to the last of
@@ -283,7 +288,7 @@ pub struct Continue {
 pub fn extend_with(run_dir: &Path, epochs: usize, opts: RunOptions) -> crate::Result<TrainSummary> {
     let how = Continue {
         extend_epochs: Some(epochs),
-        stop_after_steps: None,
+        ..Continue::default()
     };
     continue_run(run_dir, how, opts)
 }
@@ -345,6 +350,9 @@ pub fn continue_run(
     // A resumed run runs to the configured end (the stop is what interrupted it), or to the
     // stop asked for now.
     *cfg.stop_after_steps_mut() = how.stop_after_steps.unwrap_or(0);
+    if let Some(device) = how.device {
+        cfg.set_device(device)?;
+    }
     rep.say(format!(
         "resume {} (step {})",
         ck.path.display(),

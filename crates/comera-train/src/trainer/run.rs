@@ -12,6 +12,7 @@ use super::report::{mean_ranks, write_rank_report, Reporter};
 use super::{median, peak_rss_bytes, LoopSettings, RunSetup, Setup, TrainSummary};
 use crate::checkpoint::{self, Progress};
 use crate::config::Phase;
+use crate::device::DeviceStep;
 use crate::error::Error;
 use crate::observe::{
     EarlyStopRecord, EvalRecord, Event, Record, StageRecord, TrainRecord, TruncateRecord,
@@ -21,7 +22,7 @@ use crate::task::{EpochBatches, EvalStats, Task};
 use comera_layers::{LossTerms, Model, StepStats, Trainable};
 use comera_optim::rank::{self, Branch, RankController, RankEvent, Stage};
 use comera_optim::{Optimizer, Schedule, StepReport, Stepper};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The batch state of a task's model.
 type State<T> = <<T as Task>::Model as Trainable>::State;
@@ -85,6 +86,11 @@ struct Loop<'t, T: Task> {
     initial_params: usize,
     /// Whether the run resumed from a checkpoint.
     resumed: bool,
+    /// The step engine on a device (None: the CPU's), and whether the host model and
+    /// optimiser hold what the device holds (false after a device step until
+    /// [`Loop::host_current`] copies it back).
+    device: Option<Box<dyn DeviceStep<T::Model>>>,
+    host_in_step: bool,
 }
 
 impl<'t, T: Task> Loop<'t, T> {
@@ -106,6 +112,7 @@ impl<'t, T: Task> Loop<'t, T> {
             settings: cfg,
             resume,
             run_dir,
+            mut device,
         } = setup;
         let t0 = Instant::now();
         let initial_params = model.num_params();
@@ -132,6 +139,10 @@ impl<'t, T: Task> Loop<'t, T> {
             &mut rep,
         );
         let mut stepper = Stepper::new(optimizer, rank, schedule, clip_norm, gate_threshold);
+        if let (Some(dev), true) = (device.as_mut(), resume.is_some()) {
+            // The checkpoint's parameters, moments and step count, onto the device.
+            dev.copy_from_host(&model, &stepper.optimizer)?;
+        }
         // Data-parallel (several processes): process 0 alone writes the run directory.
         stepper.data_parallel =
             crate::distributed::collective().map(comera_optim::DataParallel::new);
@@ -186,6 +197,8 @@ impl<'t, T: Task> Loop<'t, T> {
             resumed,
             model,
             cfg,
+            device,
+            host_in_step: true,
         })
     }
 
@@ -318,6 +331,24 @@ impl<'t, T: Task> Loop<'t, T> {
         i: usize,
     ) -> crate::Result<Option<StepReport>> {
         let ts = Instant::now();
+        if let Some(dev) = self.device.as_mut() {
+            let r = device_step(
+                dev.as_mut(),
+                &mut self.stepper,
+                &mut self.model,
+                &self.st,
+                self.prog.step,
+            )
+            .map_err(|e| match e {
+                Error::Step(e) => Error::run_with(format!("epoch {}", epoch + 1), e),
+                e => e,
+            })?;
+            self.host_in_step = false;
+            self.step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
+            self.prog.step += 1;
+            self.prog.batch_in_epoch = i;
+            return Ok(Some(r));
+        }
         let mut load_next = |st: &mut _| batches.next_into(st).map_err(Into::into);
         let r = match self.stepper.step_accumulated(
             &mut self.model,
@@ -458,6 +489,7 @@ impl<'t, T: Task> Loop<'t, T> {
         epoch_end: bool,
         seconds: f64,
     ) -> crate::Result<bool> {
+        self.host_current()?;
         let valid = self.task.evaluate(&self.model, &mut self.st, phase)?;
         // Training figures over the epoch so far.
         let p = &self.prog;
@@ -642,6 +674,7 @@ impl<'t, T: Task> Loop<'t, T> {
         if !self.writer {
             return Ok(());
         }
+        self.host_current()?;
         let state = self.stepper.optimizer.state(&mut self.model);
         let run = checkpoint::RunState {
             run_id: &self.run_id,
@@ -663,6 +696,16 @@ impl<'t, T: Task> Loop<'t, T> {
             step: self.prog.step,
             path: &path,
         });
+        Ok(())
+    }
+
+    /// The device's parameters and moments into the host model and optimiser, if a device
+    /// step ran since they were last copied (before whatever reads the host model).
+    fn host_current(&mut self) -> crate::Result<()> {
+        if let (Some(dev), false) = (self.device.as_mut(), self.host_in_step) {
+            dev.copy_to_host(&mut self.model, &mut self.stepper.optimizer)?;
+            self.host_in_step = true;
+        }
         Ok(())
     }
 
@@ -707,6 +750,7 @@ impl<'t, T: Task> Loop<'t, T> {
     /// The end: `ranks.md` (a rank-adaptive run that was not stopped), `report.json`, the
     /// previous run's removal under `--overwrite`, and the summary.
     fn finish(mut self, end: End) -> crate::Result<TrainSummary> {
+        self.host_current()?;
         self.rep.event(&Event::TrainingEnded);
         let stopped = end == End::Stopped;
         let ranks_end = rank::layer_ranks(&self.model);
@@ -780,6 +824,42 @@ impl<'t, T: Task> Loop<'t, T> {
 }
 
 /// The run's length in steps: known when every epoch's is (streamed data gives none).
+/// One step on a device ([`DeviceStep`]) on the batch loaded in `st`, reported as the CPU's
+/// stepper reports its steps: the learning-rate scale from the stepper's schedule; the rank
+/// objective's figures from the host's rank controller (inactive on a device, so they only
+/// restate the loss and the constant gates' size); the step's time as its first phase (the
+/// device runs it as one graph).
+fn device_step<M: Trainable>(
+    dev: &mut dyn DeviceStep<M>,
+    stepper: &mut Stepper,
+    model: &mut M,
+    st: &M::State,
+    step: u64,
+) -> crate::Result<StepReport> {
+    let t0 = Instant::now();
+    let lr_scale = stepper.schedule.scale(step);
+    let s = dev.step(st, step, lr_scale)?;
+    for (what, value) in [("loss", s.loss), ("gradient norm", s.grad_norm)] {
+        if !value.is_finite() {
+            return Err(comera_optim::StepError::diverged(what, value, step).into());
+        }
+    }
+    let objective = stepper.rank.apply(model, s.loss, step);
+    Ok(StepReport {
+        stats: StepStats {
+            loss: s.loss,
+            correct: s.correct,
+            count: s.count,
+            terms: None,
+        },
+        objective,
+        grad_norm: s.grad_norm,
+        lr_scale,
+        phases: [t0.elapsed(), Duration::ZERO, Duration::ZERO],
+        comm: Duration::ZERO,
+    })
+}
+
 fn total_steps(epochs: &[(usize, Option<usize>)]) -> Option<u64> {
     epochs
         .iter()

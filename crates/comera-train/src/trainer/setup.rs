@@ -7,6 +7,7 @@ use super::{available_memory_bytes, LoopSettings, RunSetup, Setup, Start};
 use crate::config::ConfigError;
 use crate::config::{AnyRunConfig, DistillConfig, DlrmRunConfig, Phase, RunConfig};
 use crate::data::{prepare, CorpusData, PreparedData};
+use crate::device::{check_run, CudaEncoder, DeviceRun, DeviceStep, RunShape};
 use crate::error::{Error, IoContext};
 use crate::files::DlrmMeta;
 use crate::task::{CtrTask, EncoderData, EncoderTask};
@@ -187,6 +188,7 @@ pub(super) fn encoder(
         );
     }
     cfg.rank.check_layers(&model).map_err(ConfigError::from)?;
+    let device = encoder_device(cfg, &phases, &model, teacher.is_some(), rep)?;
     let (run_dir, resume) = start.open(&out, &config_toml)?;
     let vocab = match &run_dir {
         Some(_) => own_vocab(&out, &vocab)?,
@@ -213,8 +215,51 @@ pub(super) fn encoder(
             settings: LoopSettings::new(t.loop_fields(), config_toml),
             resume,
             run_dir,
+            device,
         },
     })
+}
+
+/// The encoder's step engine on `train.device` when that is not the CPU: what the device does
+/// not do yet is refused, the device opened and the step planned there, before the run
+/// directory is touched.
+fn encoder_device(
+    cfg: &RunConfig,
+    phases: &[Phase],
+    model: &Encoder,
+    teacher: bool,
+    rep: &mut Reporter,
+) -> crate::Result<Option<Box<dyn DeviceStep<Encoder>>>> {
+    let device = cfg.train.device;
+    if !device.is_cuda() {
+        return Ok(None);
+    }
+    check_run(
+        device,
+        RunShape {
+            rank_active: comera_optim::rank::RankController::new(&cfg.rank, model).active(),
+            galore: cfg.galore.is_some(),
+            accumulate_steps: cfg.train.accumulate_steps,
+            phases: phases.len(),
+            processes: crate::distributed::processes().1,
+            teacher,
+        },
+    )?;
+    let phase = &phases[0];
+    let run = DeviceRun {
+        device,
+        optim: cfg.optim.clone(),
+        clip_norm: cfg.optim.clip_norm,
+        batch: phase.batch_size,
+        seq_len: phase.seq_len,
+        seed: cfg.train.seed,
+    };
+    let engine = CudaEncoder::new(&run, model)?;
+    rep.say(format!(
+        "device {}: the whole step as one CUDA graph",
+        engine.describe()
+    ));
+    Ok(Some(Box::new(engine)))
 }
 
 /// The config as the data resolves it (the labels found, the model's label count) and the
@@ -453,6 +498,7 @@ pub(super) fn dlrm(
             settings: LoopSettings::new(t.loop_fields(), config_toml),
             resume,
             run_dir,
+            device: None,
         },
     })
 }

@@ -1,0 +1,165 @@
+//! `--device` and `train.device` (issue 48's host side): what a device cannot do, or a device
+//! that is not there, ends the command with status 2 and a message that names it, before
+//! anything is written; `cpu` is the default and changes nothing. These tests hold on a
+//! machine with a GPU too: where one answers, the run either trains or is refused for a named
+//! reason, never anything else.
+
+use std::path::Path;
+
+use crate::common::{comera, s, small_run, snapshot, tempdir, write_config, write_data};
+
+/// `text` ends the command as a device error: status 2, `error: device cuda:N…`, and `wanted`.
+fn assert_device_error(code: i32, text: &str, wanted: &str, case: &str) {
+    assert_eq!(code, 2, "{case}: {text}");
+    assert!(text.contains("error: device cuda:"), "{case}: {text}");
+    assert!(
+        text.contains(wanted),
+        "{case}: expected `{wanted}` in: {text}"
+    );
+}
+
+/// Train args of the tests' small TT classifier into `out`, on `device`.
+fn train<'a>(cfg: &'a Path, out: &'a Path, device: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "train",
+        "--config",
+        s(cfg),
+        "--quiet",
+        "--epochs",
+        "1",
+        "--out",
+        s(out),
+    ];
+    args.extend_from_slice(&["--device", device]);
+    args.extend_from_slice(extra);
+    args
+}
+
+/// What the GPU does not do yet is refused by name, with or without a GPU, and nothing is
+/// created: the rank schedule (on in this config), gradient accumulation.
+#[test]
+fn what_the_gpu_does_not_do_yet_is_refused_by_name_before_anything_is_written() {
+    let dir = tempdir("device-not-yet");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, true, "max_steps_per_epoch = 2");
+    let out = dir.join("gpu-run");
+    for (device, extra, wanted) in [
+        ("cuda", &[][..], "the rank schedule (rank.enabled"),
+        (
+            "cuda:0",
+            &[
+                "--set",
+                "rank.enabled=false",
+                "--set",
+                "train.accumulate_steps=2",
+            ][..],
+            "gradient accumulation (train.accumulate_steps)",
+        ),
+    ] {
+        let (code, text) = comera(&train(&cfg, &out, device, extra));
+        assert_device_error(code, &text, wanted, &format!("{device} {extra:?}"));
+        assert!(text.contains("--device cpu"), "says what to do: {text}");
+        assert!(
+            !out.exists(),
+            "{device} {extra:?}: created {}",
+            out.display()
+        );
+    }
+}
+
+/// With the rank schedule off, the classifier's step is what the GPU takes: without a GPU
+/// the command ends with status 2 naming what is missing (driver, device or NVRTC) and writes
+/// nothing; with one it trains, and the run reads back on the CPU.
+#[test]
+fn a_gpu_run_trains_or_names_what_is_missing() {
+    let dir = tempdir("device-missing");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, true, "max_steps_per_epoch = 2");
+    let out = dir.join("gpu-run");
+    let (code, text) = comera(&train(&cfg, &out, "cuda", &["--set", "rank.enabled=false"]));
+    if code == 0 {
+        println!("a GPU answered: {text}");
+        let (code, text) = comera(&["eval", s(&out)]);
+        assert_eq!(code, 0, "eval on the CPU of a GPU run: {text}");
+        return;
+    }
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("error: device cuda:0"), "{text}");
+    let named = [
+        "NVIDIA driver",
+        "driver",
+        "no CUDA device",
+        "NVRTC",
+        "libnvrtc",
+        "cuBLAS",
+        "memory",
+    ];
+    assert!(
+        named.iter().any(|n| text.contains(n)),
+        "names what is missing: {text}"
+    );
+    assert!(!out.exists(), "created {}", out.display());
+}
+
+/// A stopped CPU run resumed on a GPU: refused for what is missing (or for the rank
+/// schedule) with status 2, every file of the run as it was; it then resumes on the CPU.
+#[test]
+fn resuming_on_a_missing_gpu_leaves_the_run_as_it_was() {
+    let dir = tempdir("device-resume");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, true, "max_steps_per_epoch = 4");
+    let run = dir.join("run");
+    let (code, text) = comera(&[
+        "train",
+        "--config",
+        s(&cfg),
+        "--quiet",
+        "--epochs",
+        "1",
+        "--stop-after-steps",
+        "2",
+    ]);
+    assert_eq!(code, 0, "{text}");
+    let before = snapshot(&run);
+    let (code, text) = comera(&["train", "--resume", s(&run), "--device", "cuda", "--quiet"]);
+    assert_device_error(code, &text, "not on the GPU yet", "resume on cuda");
+    assert!(snapshot(&run) == before, "the run directory changed");
+    let (code, text) = comera(&["train", "--resume", s(&run), "--device", "cpu", "--quiet"]);
+    assert_eq!(code, 0, "resume on the CPU: {text}");
+}
+
+/// The device string: a bad one is a usage error that says how GPUs are named; a flag and a
+/// setting of the same field are refused; `cpu` is the default and left out of the config.
+#[test]
+fn device_strings_flags_and_settings() {
+    let (dir, cfg, _) = small_run("device-strings");
+    let (code, text) = comera(&["train", "--config", s(&cfg), "--device", "gpu"]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("GPUs are named `cuda`"), "{text}");
+    let (code, text) = comera(&[
+        "train",
+        "--config",
+        s(&cfg),
+        "--device",
+        "cpu",
+        "--set",
+        "train.device=cuda",
+    ]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("--device sets train.device too"), "{text}");
+    let print = |extra: &[&str]| {
+        let mut args = vec!["train", "--config", s(&cfg), "--print-config"];
+        args.extend_from_slice(extra);
+        let (code, text) = comera(&args);
+        assert_eq!(code, 0, "{text}");
+        text
+    };
+    assert!(!print(&[]).contains("\ndevice ="), "cpu is written out");
+    assert!(!print(&["--device", "cpu"]).contains("\ndevice ="));
+    assert!(print(&["--device", "cuda:1"]).contains("device = \"cuda:1\""));
+    assert!(print(&["--set", "train.device=cuda"]).contains("device = \"cuda:0\""));
+    let (code, text) = comera(&["train", "--config", s(&cfg), "--set", "train.device=tpu"]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("train.device"), "names the field: {text}");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -1,0 +1,353 @@
+//! The seam between the training loop and the device its steps run on.
+//!
+//! The loop takes each step through one of two engines and sees nothing else of the device:
+//!
+//! - the CPU (`train.device = "cpu"`, the default): `comera_optim::Stepper` over the model's
+//!   own buffers, as it always has;
+//! - a [`DeviceStep`]: the whole step (forward, backward, clipping, AdamW) on the device, with
+//!   parameters and moments kept there. The loop hands it the batch it loaded into the host
+//!   state and gets the loss back; whenever it needs the model on the host (an evaluation, a
+//!   checkpoint, model files, the end of the run) it calls [`DeviceStep::copy_to_host`], which
+//!   copies parameters and AdamW's moments back by name. The run directory, the metrics log,
+//!   checkpoints and model files are therefore the same on both devices: a run started on
+//!   one resumes on the other (`comera train --resume DIR --device cpu`).
+//!
+//! What a device does not do yet is refused before the run directory is touched, with
+//! [`DeviceError::NotYet`] naming it; the CLI ends such a run with status 2. On CUDA today
+//! (docs/gpu.md): the text classifier (post-LN, TT/TTM or dense), dropout, AdamW with its
+//! parameter groups, clipping and the learning-rate schedule, with the rank schedule off (the
+//! gates are then constants, as on the CPU).
+
+use comera_cuda::engine::{EncoderSession, Moments, StepConfig};
+use comera_cuda::{CudaError, DeviceSpec};
+use comera_layers::Trainable;
+use comera_model::{Encoder, EncoderState};
+use comera_optim::{AdamWConfig, Optimizer};
+
+/// A device that cannot take this run, or that failed under it.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// The device's own failure (no driver, no GPU, a kernel that does not compile, out of
+    /// memory), whose message says what is missing and what to do.
+    #[error("device {device}")]
+    Cuda {
+        device: DeviceSpec,
+        #[source]
+        source: CudaError,
+    },
+    /// Something this run asks for that the device does not do yet.
+    #[error("device {device}: {what} is not on the GPU yet; train this run on the CPU (--device cpu); docs/gpu.md lists what is")]
+    NotYet { device: DeviceSpec, what: String },
+}
+
+/// What one step on a device gives back (the one wait for the device in a step).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceStats {
+    /// Mean loss over the counted predictions.
+    pub loss: f64,
+    pub correct: usize,
+    pub count: usize,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+}
+
+/// The training step of model kind `M` on a device other than the CPU.
+pub trait DeviceStep<M: Trainable> {
+    /// The device, as messages name it (`cuda:0 (NVIDIA H200)`).
+    fn describe(&self) -> String;
+    /// One step on the batch loaded in `st` at 0-based step `step` (which seeds dropout) and
+    /// learning-rate scale `lr_scale`: forward, backward, clipping, the optimiser.
+    fn step(&mut self, st: &M::State, step: u64, lr_scale: f32)
+        -> Result<DeviceStats, DeviceError>;
+    /// Parameters into `model` and AdamW's moments and step count into `optimizer`, by name.
+    fn copy_to_host(&mut self, model: &mut M, optimizer: &mut Optimizer) -> Result<(), DeviceError>;
+    /// Parameters, moments and step count from the host (a run resumed from a checkpoint).
+    fn copy_from_host(&mut self, model: &M, optimizer: &Optimizer) -> Result<(), DeviceError>;
+}
+
+/// What the device engine needs of a run besides its model.
+#[derive(Clone, Debug)]
+pub struct DeviceRun {
+    pub device: DeviceSpec,
+    pub optim: AdamWConfig,
+    /// Clip the global gradient norm to this (0: no clipping).
+    pub clip_norm: f32,
+    /// Sequences per step, and tokens per sequence.
+    pub batch: usize,
+    pub seq_len: usize,
+    /// The run's seed (dropout's masks derive from it, as `Encoder::new` derives them).
+    pub seed: u64,
+}
+
+/// How the run is set up, as far as a device engine cares (checked by [`check_run`]).
+#[derive(Clone, Copy, Debug)]
+pub struct RunShape {
+    /// Whether the rank schedule acts (enabled, and the model has TT/TTM layers).
+    pub rank_active: bool,
+    pub galore: bool,
+    pub accumulate_steps: usize,
+    pub phases: usize,
+    pub processes: usize,
+    pub teacher: bool,
+}
+
+/// Refuses, before anything is written, what no device engine does yet.
+pub fn check_run(device: DeviceSpec, run: RunShape) -> Result<(), DeviceError> {
+    let not_yet = |what: &str| {
+        Err(DeviceError::NotYet {
+            device,
+            what: what.into(),
+        })
+    };
+    if run.rank_active {
+        return not_yet("the rank schedule (rank.enabled; set rank.enabled = false to train the TT/TTM ranks as they are)");
+    }
+    if run.galore {
+        return not_yet("GaLore ([galore])");
+    }
+    if run.accumulate_steps > 1 {
+        return not_yet("gradient accumulation (train.accumulate_steps)");
+    }
+    if run.phases > 1 {
+        return not_yet("a run of several phases ([[train.phases]])");
+    }
+    if run.processes > 1 {
+        return not_yet("data-parallel training over several processes");
+    }
+    if run.teacher {
+        return not_yet("distillation ([distill])");
+    }
+    Ok(())
+}
+
+const MLM: &str = "masked-LM pre-training (the masked-LM head)";
+
+/// The text classifier's step on a CUDA GPU ([`EncoderSession`]: the whole step captured once
+/// as a CUDA graph and replayed).
+pub struct CudaEncoder {
+    session: EncoderSession,
+    device: DeviceSpec,
+    /// The host batch in the device's types: mask as 0/1 words, labels as indices.
+    mask: Vec<u32>,
+    labels: Vec<usize>,
+}
+
+impl CudaEncoder {
+    /// Opens the GPU of `run.device`, plans `model`'s step for `run`'s batch shape and uploads
+    /// the parameters (checked against the GPU's free memory before anything is allocated).
+    pub fn new(run: &DeviceRun, model: &Encoder) -> Result<CudaEncoder, DeviceError> {
+        let device = run.device;
+        let not_yet = |what: &str| DeviceError::NotYet {
+            device,
+            what: what.into(),
+        };
+        let ordinal = device
+            .cuda_ordinal()
+            .ok_or_else(|| not_yet("the CPU through the device seam"))?;
+        if model.cfg.pre_ln {
+            return Err(not_yet("a pre-LN encoder (model.pre_ln)"));
+        }
+        if matches!(model.head, comera_model::Head::Mlm(_)) {
+            return Err(not_yet(MLM));
+        }
+        let o = &run.optim;
+        let opt = StepConfig {
+            lr_cores: o.lr_cores,
+            lr_gates: o.lr_gates,
+            lr_other: o.lr_other,
+            weight_decay: o.weight_decay,
+            beta1: o.beta1,
+            beta2: o.beta2,
+            eps: o.eps,
+            max_grad_norm: run.clip_norm,
+            // The rank schedule is off (check_run): the gates are constants, nothing freezes.
+            freeze_gates_at: None,
+            train_gates: false,
+        };
+        let session = EncoderSession::new(ordinal, model, run.seed, run.batch, run.seq_len, opt)
+            .map_err(|source| DeviceError::Cuda { device, source })?;
+        let n = run.batch * run.seq_len;
+        Ok(CudaEncoder {
+            session,
+            device,
+            mask: Vec::with_capacity(n),
+            labels: Vec::with_capacity(run.batch),
+        })
+    }
+
+    fn not_yet_galore(&self) -> DeviceError {
+        DeviceError::NotYet {
+            device: self.device,
+            what: "GaLore ([galore])".into(),
+        }
+    }
+
+    /// The host optimiser's AdamW state (GaLore is refused by [`check_run`]).
+    fn adamw<'o>(
+        &self,
+        optimizer: &'o mut Optimizer,
+    ) -> Result<&'o mut comera_optim::AdamW, DeviceError> {
+        match optimizer {
+            Optimizer::AdamW(adam) => Ok(adam),
+            Optimizer::GaLore(_) => Err(self.not_yet_galore()),
+        }
+    }
+
+    fn cuda(&self) -> impl Fn(CudaError) -> DeviceError + '_ {
+        |source| DeviceError::Cuda {
+            device: self.device,
+            source,
+        }
+    }
+}
+
+impl DeviceStep<Encoder> for CudaEncoder {
+    fn describe(&self) -> String {
+        let dev = self.session.device();
+        format!("{} ({})", self.device, dev.info().name)
+    }
+
+    fn step(
+        &mut self,
+        st: &EncoderState,
+        step: u64,
+        lr_scale: f32,
+    ) -> Result<DeviceStats, DeviceError> {
+        let Some(batch) = st.classifier_batch() else {
+            return Err(DeviceError::NotYet {
+                device: self.device,
+                what: MLM.into(),
+            });
+        };
+        self.mask.clear();
+        self.mask.extend(batch.mask.iter().map(|&m| m as u32));
+        self.labels.clear();
+        self.labels.extend(batch.labels.iter().map(|&l| l as usize));
+        let s = self
+            .session
+            .step(
+                (batch.ids, batch.types, &self.mask, &self.labels),
+                step,
+                lr_scale,
+            )
+            .map_err(self.cuda())?;
+        Ok(DeviceStats {
+            loss: s.loss,
+            correct: s.correct as usize,
+            count: s.count as usize,
+            grad_norm: s.grad_norm,
+        })
+    }
+
+    fn copy_to_host(
+        &mut self,
+        model: &mut Encoder,
+        optimizer: &mut Optimizer,
+    ) -> Result<(), DeviceError> {
+        self.session.download_into(model).map_err(self.cuda())?;
+        let (moments, t) = self.session.moments().map_err(self.cuda())?;
+        let adam = self.adamw(optimizer)?;
+        // The arena holds the model's parameters in the model's order (`EncoderPlan::new`).
+        for (i, (name, m, v)) in moments.into_iter().enumerate() {
+            match (adam.m.get_mut(i), adam.v.get_mut(i)) {
+                (Some(am), Some(av)) if am.len() == m.len() && av.len() == v.len() => {
+                    am.copy_from_slice(&m);
+                    av.copy_from_slice(&v);
+                }
+                _ => {
+                    return Err(self.cuda()(CudaError::Plan(format!(
+                        "the device's moments of `{name}` do not match the host optimiser's"
+                    ))))
+                }
+            }
+        }
+        adam.t = t as u64;
+        Ok(())
+    }
+
+    fn copy_from_host(&mut self, model: &Encoder, optimizer: &Optimizer) -> Result<(), DeviceError> {
+        let adam = match optimizer {
+            Optimizer::AdamW(adam) => adam,
+            Optimizer::GaLore(_) => return Err(self.not_yet_galore()),
+        };
+        let moments: Vec<Moments> = model
+            .params()
+            .iter()
+            .zip(adam.m.iter().zip(&adam.v))
+            .map(|(p, (m, v))| (p.name.clone(), m.clone(), v.clone()))
+            .collect();
+        let t = i32::try_from(adam.t).unwrap_or(i32::MAX);
+        self.session.resume(model, &moments, t).map_err(self.cuda())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plain() -> RunShape {
+        RunShape {
+            rank_active: false,
+            galore: false,
+            accumulate_steps: 1,
+            phases: 1,
+            processes: 1,
+            teacher: false,
+        }
+    }
+
+    #[test]
+    fn check_run_takes_a_plain_run_and_names_each_thing_it_refuses() {
+        let dev = DeviceSpec::Cuda(1);
+        assert!(check_run(dev, plain()).is_ok());
+        for (shape, named) in [
+            (
+                RunShape {
+                    rank_active: true,
+                    ..plain()
+                },
+                "rank.enabled",
+            ),
+            (
+                RunShape {
+                    galore: true,
+                    ..plain()
+                },
+                "[galore]",
+            ),
+            (
+                RunShape {
+                    accumulate_steps: 2,
+                    ..plain()
+                },
+                "train.accumulate_steps",
+            ),
+            (
+                RunShape {
+                    phases: 2,
+                    ..plain()
+                },
+                "[[train.phases]]",
+            ),
+            (
+                RunShape {
+                    processes: 2,
+                    ..plain()
+                },
+                "several processes",
+            ),
+            (
+                RunShape {
+                    teacher: true,
+                    ..plain()
+                },
+                "[distill]",
+            ),
+        ] {
+            let e = check_run(dev, shape).unwrap_err().to_string();
+            assert!(e.starts_with("device cuda:1: "), "{e}");
+            assert!(e.contains(named), "{named}: {e}");
+            assert!(e.contains("--device cpu"), "says what to do: {e}");
+        }
+    }
+}
