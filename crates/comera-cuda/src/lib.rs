@@ -11,6 +11,7 @@
 //! - `ops`: one typed launch per kernel, shapes checked on the host.
 //! - `error`: [`CudaError`], a message per failure that says what to do.
 //!
+//! - `bench` (feature `cuda`): the device step benchmark (`comera bench step --device cuda`).
 //! - `engine` (feature `cuda`): the classifier encoder's whole training step on device
 //!   buffers (`EncoderPlan`), capturable as one CUDA graph, and the seam the loop will call
 //!   (`EncoderSession`).
@@ -22,6 +23,8 @@
 pub mod spec;
 pub use spec::{DeviceSpec, ParseDeviceError};
 
+#[cfg(feature = "cuda")]
+pub mod bench;
 #[cfg(feature = "cuda")]
 pub mod compile;
 #[cfg(feature = "cuda")]

@@ -60,7 +60,8 @@ pub trait DeviceStep<M: Trainable> {
     fn step(&mut self, st: &M::State, step: u64, lr_scale: f32)
         -> Result<DeviceStats, DeviceError>;
     /// Parameters into `model` and AdamW's moments and step count into `optimizer`, by name.
-    fn copy_to_host(&mut self, model: &mut M, optimizer: &mut Optimizer) -> Result<(), DeviceError>;
+    fn copy_to_host(&mut self, model: &mut M, optimizer: &mut Optimizer)
+        -> Result<(), DeviceError>;
     /// Parameters, moments and step count from the host (a run resumed from a checkpoint).
     fn copy_from_host(&mut self, model: &M, optimizer: &Optimizer) -> Result<(), DeviceError>;
 }
@@ -265,7 +266,11 @@ impl DeviceStep<Encoder> for CudaEncoder {
         Ok(())
     }
 
-    fn copy_from_host(&mut self, model: &Encoder, optimizer: &Optimizer) -> Result<(), DeviceError> {
+    fn copy_from_host(
+        &mut self,
+        model: &Encoder,
+        optimizer: &Optimizer,
+    ) -> Result<(), DeviceError> {
         let adam = match optimizer {
             Optimizer::AdamW(adam) => adam,
             Optimizer::GaLore(_) => return Err(self.not_yet_galore()),

@@ -1,0 +1,226 @@
+//! The device step benchmark (`comera bench step --device cuda`, and the `step_bench`
+//! example that `tools/gpu/check.sh` runs): the paper model's training step (SPEC §5: 6
+//! post-LN encoders, d 768, 12 heads, FFN 3072, seq 128, TT rank 30, TTM rank 32, classifier
+//! head; `EncoderConfig::default()`, as the CPU step benchmark builds it) and its dense
+//! counterpart, captured once as a CUDA graph and replayed.
+//!
+//! What is timed: `graph.launch()` then a stream synchronise, per replay, with the batch
+//! already on the device (the step's batch upload and the host's index work happen before;
+//! `host_load_ms` reports them separately); the uncaptured (eager) step beside it. Memory:
+//! device memory in use (total − free, as `nvidia-smi` sees it for this process's context)
+//! after the plan is built and after the replays, and its growth over the context alone
+//! (measured after the kernels are loaded). The plan allocates every buffer up front (cuBLAS
+//! workspace included) and a step allocates nothing, so the growth after the replays is the
+//! step's peak; it is comparable to, though not the same measure as, PyTorch's
+//! `max_memory_allocated` (which counts tensors only).
+
+use crate::device::Device;
+use crate::engine::{EncoderPlan, StepConfig};
+use crate::error::CudaError;
+use comera_model::{Encoder, EncoderConfig};
+use std::time::Instant;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct StepBenchArgs {
+    /// The GPU's ordinal.
+    pub ordinal: usize,
+    pub batches: Vec<usize>,
+    /// Timed replays per model and batch (their median is the figure).
+    pub replays: usize,
+    /// Timed eager steps per model and batch.
+    pub eager: usize,
+    /// The dense model too (the TT/TTM model's 2× baseline).
+    pub dense: bool,
+}
+
+impl Default for StepBenchArgs {
+    fn default() -> Self {
+        StepBenchArgs {
+            ordinal: 0,
+            batches: vec![1, 32],
+            replays: 50,
+            eager: 5,
+            dense: true,
+        }
+    }
+}
+
+/// One model at one batch size.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StepBenchRow {
+    /// `tt` or `dense`.
+    pub model: &'static str,
+    pub batch: usize,
+    pub seq_len: usize,
+    pub gpu: String,
+    pub arch: String,
+    pub driver_cuda: i32,
+    pub graph_ms_median: f64,
+    pub graph_ms_min: f64,
+    pub graph_ms_max: f64,
+    pub replays: usize,
+    pub eager_ms_median: f64,
+    pub capture_ms: f64,
+    pub host_load_ms: f64,
+    pub device_mib_in_use: f64,
+    pub device_mib_over_context: f64,
+    pub device_mib_plan: f64,
+    pub params: usize,
+    /// The last replay's loss, and whether it and the gradient norm were finite.
+    pub loss: f64,
+    pub finite: bool,
+}
+
+/// Runs the benchmark; `on_row` sees each row as it is measured (to print it).
+pub fn step_bench(
+    a: &StepBenchArgs,
+    mut on_row: impl FnMut(&StepBenchRow),
+) -> Result<Vec<StepBenchRow>, CudaError> {
+    let dev = Device::open(a.ordinal)?;
+    let (free0, total) = dev.memory()?;
+    let base_used = total - free0;
+    let mut models = vec![("tt", EncoderConfig::default())];
+    if a.dense {
+        models.push((
+            "dense",
+            EncoderConfig {
+                tt_linear: false,
+                ttm_embedding: false,
+                ..EncoderConfig::default()
+            },
+        ));
+    }
+    let mut rows = Vec::new();
+    for (kind, cfg) in &models {
+        let enc = Encoder::new(cfg, 0).map_err(|e| CudaError::Plan(format!("{kind}: {e}")))?;
+        for &b in &a.batches {
+            let row = one(&dev, a, kind, &enc, b, (base_used, total))?;
+            on_row(&row);
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
+/// `kind`'s step at batch `b`: planned, timed eager, captured, replayed.
+fn one(
+    dev: &Device,
+    a: &StepBenchArgs,
+    kind: &'static str,
+    enc: &Encoder,
+    b: usize,
+    (base_used, total): (usize, usize),
+) -> Result<StepBenchRow, CudaError> {
+    let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
+    let cfg = &enc.cfg;
+    let t = cfg.seq_len;
+    let mut plan = EncoderPlan::new(dev, enc, 0, b, t, StepConfig::paper())?;
+    let used_plan = total - dev.memory()?.0;
+    let (ids, types, mask, labels) = batch(cfg, b);
+    let sync = |d: &Device| {
+        d.stream()
+            .synchronize()
+            .map_err(crate::error::driver("cuStreamSynchronize"))
+    };
+    let t0 = Instant::now();
+    plan.load(dev, &ids, &types, &mask, &labels)?;
+    sync(dev)?;
+    let host_load_ms = ms(t0);
+    plan.set_step(dev, 1, 1, 1.0)?;
+    // Eager: the same launches, queued one by one from the host (the first one warms up).
+    let mut eager = Vec::new();
+    for i in 0..a.eager + 1 {
+        let t0 = Instant::now();
+        plan.record_step(dev)?;
+        sync(dev)?;
+        if i > 0 {
+            eager.push(ms(t0));
+        }
+    }
+    let t0 = Instant::now();
+    let graph = dev.capture(|d| plan.record_step(d))?;
+    let capture_ms = ms(t0);
+    let launch = || {
+        graph
+            .launch()
+            .map_err(crate::error::driver("cuGraphLaunch"))
+    };
+    for _ in 0..3 {
+        launch()?;
+    }
+    sync(dev)?;
+    let mut times = Vec::with_capacity(a.replays);
+    for _ in 0..a.replays.max(1) {
+        let t0 = Instant::now();
+        launch()?;
+        sync(dev)?;
+        times.push(ms(t0));
+    }
+    let used_after = total - dev.memory()?.0;
+    let s = plan.stats(dev)?;
+    let (med, min, max) = median_min_max(times);
+    let info = dev.info();
+    Ok(StepBenchRow {
+        model: kind,
+        batch: b,
+        seq_len: t,
+        gpu: info.name.clone(),
+        arch: info.arch.to_string(),
+        driver_cuda: info.driver_version,
+        graph_ms_median: med,
+        graph_ms_min: min,
+        graph_ms_max: max,
+        replays: a.replays.max(1),
+        eager_ms_median: if eager.is_empty() {
+            f64::NAN
+        } else {
+            median_min_max(eager).0
+        },
+        capture_ms,
+        host_load_ms,
+        device_mib_in_use: mib(used_after),
+        device_mib_over_context: mib(used_after - base_used),
+        device_mib_plan: mib(used_plan - base_used),
+        params: enc.num_params(),
+        loss: s.loss,
+        finite: s.loss.is_finite() && s.grad_norm.is_finite(),
+    })
+}
+
+fn ms(t0: Instant) -> f64 {
+    t0.elapsed().as_secs_f64() * 1e3
+}
+
+/// A deterministic batch: ids spread over the vocabulary, two segments, the last 10% of
+/// positions padded in every other sequence, labels cycling (comera-bench's `ClassBatch`
+/// shape, without its RNG).
+fn batch(cfg: &EncoderConfig, b: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>, Vec<usize>) {
+    let t = cfg.seq_len;
+    let n = b * t;
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let ids = (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % cfg.vocab_size as u64) as u32
+        })
+        .collect();
+    let types = (0..n).map(|i| ((i % t) >= t / 2) as u32).collect();
+    let pad = t / 10;
+    let mask = (0..n)
+        .map(|i| {
+            let (s, p) = (i / t, i % t);
+            (s % 2 == 0 || p == 0 || p < t - pad) as u32
+        })
+        .collect();
+    let labels = (0..b).map(|i| i % cfg.num_labels).collect();
+    (ids, types, mask, labels)
+}
+
+/// (median, min, max) of a non-empty sample.
+fn median_min_max(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
