@@ -22,13 +22,37 @@ pub struct Buf<T> {
     base: u64,
 }
 
+/// A failed allocation of `bytes` for `what`: [`CudaError::OutOfMemory`] (with the device's
+/// free and total memory now) when the driver ran out of memory, else the driver's error. The
+/// plan allocates everything before its first step, and the run directory is opened only
+/// after the plan is built, so running out here writes nothing.
+fn out_of_memory(
+    dev: &Device,
+    e: cudarc::driver::DriverError,
+    what: &str,
+    bytes: usize,
+) -> CudaError {
+    if e.0 != cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        return driver("allocating a step buffer")(e);
+    }
+    let (free, total) = dev.memory().unwrap_or((0, dev.info().total_memory));
+    CudaError::OutOfMemory {
+        ordinal: dev.info().ordinal,
+        what: what.to_string(),
+        needed: bytes,
+        free,
+        total,
+    }
+}
+
 impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
     /// `len` zeroed elements (at least one, so that every buffer has an address).
     pub fn zeros(dev: &Device, len: usize) -> Result<Buf<T>, CudaError> {
+        let bytes = len.max(1) * std::mem::size_of::<T>();
         let slice = dev
             .stream()
             .alloc_zeros::<T>(len.max(1))
-            .map_err(driver("allocating a step buffer"))?;
+            .map_err(|e| out_of_memory(dev, e, "a step buffer", bytes))?;
         let base = {
             let (base, _sync) = slice.device_ptr(dev.stream());
             base
@@ -43,7 +67,7 @@ impl<T: DeviceRepr> Buf<T> {
         let slice = dev
             .stream()
             .clone_htod(v)
-            .map_err(driver("copying to the device"))?;
+            .map_err(|e| out_of_memory(dev, e, "a step buffer", std::mem::size_of_val(v)))?;
         let base = {
             let (base, _sync) = slice.device_ptr(dev.stream());
             base
