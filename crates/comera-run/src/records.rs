@@ -477,8 +477,6 @@ impl Machine {
     }
 }
 
-/// Peak resident set size of this process (`VmHWM` in /proc/self/status), bytes.
-
 /// The median of `v` (0 when empty).
 pub fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {

@@ -33,6 +33,7 @@ use std::path::Path;
 use comera_run::records::{median, Machine, TrainSummary};
 pub use comera_run::run_dir::BEST_DIR;
 
+/// Peak resident set size of this process (`VmHWM` in /proc/self/status), bytes.
 pub fn peak_rss_bytes() -> u64 {
     let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
         return 0;
