@@ -20,7 +20,7 @@ use comera_model::{Encoder, EncoderConfig, EncoderState};
 use std::ops::Range;
 use std::path::PathBuf;
 
-pub use comera_run::records::{ClassCounts, ClassReport, ClassScores, EvalStats};
+pub use comera_run::records::{ClassCounts, ClassReport, EvalStats};
 
 /// One epoch's batches: loads the next one into the state.
 pub trait EpochBatches<S> {
