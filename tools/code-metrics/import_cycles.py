@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""File-level imports inside one crate, and the circles they form.
+"""File-level imports inside crates, and the circles they form.
 
-Usage: tools/code-metrics/import_cycles.py [CRATE_SRC]   (default crates/comera-train/src)
+Usage: tools/code-metrics/import_cycles.py [CRATE_SRC...]
+       (default: the sources of comera-run, comera-report and comera-train, each on its own)
 
 A file imports a module when its code (comments and `#[cfg(test)]` modules left out) names
 `crate::MODULE`. A directory module (`trainer/mod.rs` and its files) counts as one node: its
@@ -26,8 +27,19 @@ def strip_tests(text):
     out.append(text[i:])
     return ''.join(out)
 
+DEFAULT = ['crates/comera-run/src', 'crates/comera-report/src', 'crates/comera-train/src']
+
 def main():
-    src = sys.argv[1] if len(sys.argv) > 1 else 'crates/comera-train/src'
+    srcs = sys.argv[1:] or DEFAULT
+    total = 0
+    for src in srcs:
+        print(f'## {src}')
+        total += crate(src)
+        print()
+    print(f'circles in all: {total}')
+
+def crate(src):
+    """Prints one crate's module imports and circles; returns the number of circles."""
     files = {}
     for root, _, names in os.walk(src):
         for n in names:
@@ -89,6 +101,7 @@ def main():
         for v in c:
             inside = sorted(w for w in edges[v] if w in c)
             print(f'    {v} → {", ".join(inside)}')
+    return len(circles)
 
 if __name__ == '__main__':
     main()

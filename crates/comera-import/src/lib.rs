@@ -71,6 +71,13 @@ pub enum ImportError {
     Train(#[from] comera_train::Error),
 }
 
+/// Run storage's error (comera-run's), as comera-train's same variant.
+impl From<comera_run::Error> for ImportError {
+    fn from(e: comera_run::Error) -> ImportError {
+        ImportError::Train(e.into())
+    }
+}
+
 impl ImportError {
     /// [`ImportError::Fault`] without a source.
     pub fn new(what: impl Into<String>, msg: impl Into<String>) -> ImportError {

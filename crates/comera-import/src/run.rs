@@ -590,8 +590,8 @@ pub struct HfRunExport {
 /// never replaced.
 pub fn check_hf_target(dir: &Path, overwrite: bool) -> Result<()> {
     // The rule's refusals name the flag already: keep their reason under ours.
-    let to_import = |e: comera_train::Error| match e {
-        comera_train::Error::Config(c) => ImportError::new("--hf", c.reason),
+    let to_import = |e: comera_run::Error| match e {
+        comera_run::Error::Config(c) => ImportError::new("--hf", c.reason),
         other => ImportError::new("--hf", comera_train::error::Chain(&other).to_string()),
     };
     comera_train::outputs::check_output_dir(dir, "--hf", overwrite, is_hf_export).map_err(to_import)

@@ -52,7 +52,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 /// A comera error as the Python exception of its kind, in Python's words where the command
 /// line's would name its flags (`--overwrite`, `comera train --resume`).
-pub fn to_py(e: Error) -> PyErr {
+pub fn to_py(e: impl Into<Error>) -> PyErr {
+    let e = e.into();
     let msg = in_python_words(&e);
     match e {
         Error::Config(_) | Error::ModelConfig(_) | Error::Parse { .. } | Error::TomlSer(_) => {
@@ -135,12 +136,13 @@ pub fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     }
 }
 
-/// `Result<T, comera_train::Error>` into a `PyResult`.
+/// `Result<T, comera_train::Error>` (or an error that becomes one, such as comera-run's) into a
+/// `PyResult`.
 pub trait IntoPy<T> {
     fn py_err(self) -> PyResult<T>;
 }
 
-impl<T> IntoPy<T> for Result<T, Error> {
+impl<T, E: Into<Error>> IntoPy<T> for Result<T, E> {
     fn py_err(self) -> PyResult<T> {
         self.map_err(to_py)
     }

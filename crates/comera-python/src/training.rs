@@ -33,7 +33,7 @@ pub fn json_to_toml(json: &str) -> PyResult<String> {
 /// `None` is the built-in run.
 fn parse(text: Option<&str>, origin: &str) -> comera_train::Result<AnyRunConfig> {
     match text {
-        Some(t) => AnyRunConfig::from_toml(Path::new(origin), t),
+        Some(t) => Ok(AnyRunConfig::from_toml(Path::new(origin), t)?),
         None => Ok(AnyRunConfig::Encoder(comera_train::RunConfig::builtin())),
     }
 }

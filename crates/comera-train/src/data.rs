@@ -52,13 +52,9 @@ fn required<'a, T>(v: &'a Option<T>, field: &str, source: DataSource) -> Result<
     })
 }
 
-/// The text column a file source uses when `data.text_a` does not name one: the first of these
-/// the file has.
-pub const TEXT_COLUMNS: &[&str] = &["text", "sentence", "sentence1"];
-/// The second text of a sentence pair, when `data.text_a` and `data.text_b` are not set.
-pub const PAIR_COLUMNS: &[&str] = &["text_pair", "sentence2"];
-/// The label column, when `data.label` does not name one.
-pub const LABEL_COLUMN: &str = "label";
+/// The columns a file source uses when `data.text_a`, `data.text_b` and `data.label` name none
+/// (defined beside the writer of data files, [`crate::inputs`]).
+pub use crate::inputs::{LABEL_COLUMN, PAIR_COLUMNS, TEXT_COLUMNS};
 
 /// The table format of a file source.
 fn table_format(source: DataSource) -> Option<TableFormat> {
@@ -626,7 +622,10 @@ fn save_cached(p: &PackedCorpus, train: &Path, valid: &Path, stats: &Path) -> Re
     p.valid.save(valid)?;
     let s = &p.stats;
     let json = serde_json::json!({"files": s.files, "documents": s.documents, "bytes": s.bytes, "skipped_files": s.skipped_files, "skipped_lines": s.skipped_lines});
-    crate::files::write_atomic(stats, json.to_string().as_bytes())
+    Ok(crate::files::write_atomic(
+        stats,
+        json.to_string().as_bytes(),
+    )?)
 }
 
 impl CorpusData {

@@ -312,7 +312,11 @@ pub fn check_same_ranks(
 
 /// The data-parallel figures of `report.json`: processes, gradient bytes all-reduced per step
 /// (of the last step: truncation shrinks it), and the steps' time in collectives vs the rest.
-pub fn report(summary: &mut crate::TrainSummary, dp: &comera_optim::DataParallel, step_ms: &[f64]) {
+pub fn report(
+    summary: &mut comera_run::records::TrainSummary,
+    dp: &comera_optim::DataParallel,
+    step_ms: &[f64],
+) {
     let steps_s = step_ms.iter().sum::<f64>() / 1e3;
     let comm_s = dp.comm_time.as_secs_f64();
     let extra = &mut summary.extra;

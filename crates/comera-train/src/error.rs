@@ -4,14 +4,10 @@
 
 use std::path::{Path, PathBuf};
 
-pub use crate::checkpoint::CheckpointError;
-pub use crate::config::ConfigError;
-pub use crate::files::{TensorError, WriteError};
-pub use crate::plot::PlotError;
-pub use crate::run_dir::RunDirError;
-
-/// Any error, kept typed as the source of one of ours (a lower crate's error, a parser's).
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+pub use comera_report::plot::PlotError;
+pub use comera_run::error::{
+    BoxError, Chain, CheckpointError, ConfigError, IoContext, RunDirError, TensorError, WriteError,
+};
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -218,35 +214,40 @@ impl Error {
     }
 }
 
-/// An error and its sources, `message: source: source…` (as `{:#}` of the command line prints
-/// a chain), for a message that shows an error in the middle of its text. A source whose text
-/// the previous message already holds (an I/O error quoted by its wrapper) is said once.
-pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
-
-impl std::fmt::Display for Chain<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut said = self.0.to_string();
-        f.write_str(&said)?;
-        let mut next = self.0.source();
-        while let Some(e) = next {
-            let text = e.to_string();
-            if !text.is_empty() && !said.contains(&text) {
-                write!(f, ": {text}")?;
-            }
-            said = text;
-            next = e.source();
+/// A run storage error (comera-run's) as the same variant of ours.
+impl From<comera_run::Error> for Error {
+    fn from(e: comera_run::Error) -> Error {
+        use comera_run::Error as Run;
+        match e {
+            Run::Config(e) => Error::Config(e),
+            Run::Io {
+                path,
+                action,
+                source,
+            } => Error::Io {
+                path,
+                action,
+                source,
+            },
+            Run::Write(e) => Error::Write(e),
+            Run::Parse { path, source } => Error::Parse { path, source },
+            Run::Checkpoint(e) => Error::Checkpoint(e),
+            Run::RunDir(e) => Error::RunDir(e),
+            Run::Model { what, source } => Error::Model { what, source },
+            Run::Run { what, source } => Error::Run { what, source },
+            Run::SafeTensors(e) => Error::SafeTensors(e),
+            Run::TomlSer(e) => Error::TomlSer(e),
+            Run::Json(e) => Error::Json(e),
         }
-        Ok(())
     }
 }
 
-/// `.io(path, "cannot read")` on an I/O result: the error names the path and the action.
-pub trait IoContext<T> {
-    fn io(self, path: &Path, action: &'static str) -> Result<T>;
-}
-
-impl<T> IoContext<T> for std::io::Result<T> {
-    fn io(self, path: &Path, action: &'static str) -> Result<T> {
-        self.map_err(|e| Error::io(path, action, e))
+/// A report's error (comera-report's) as the same variant of ours.
+impl From<comera_report::Error> for Error {
+    fn from(e: comera_report::Error) -> Error {
+        match e {
+            comera_report::Error::Run(e) => e.into(),
+            comera_report::Error::Plot(e) => Error::Plot(e),
+        }
     }
 }

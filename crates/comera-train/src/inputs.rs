@@ -11,11 +11,18 @@
 //!   `data.text_docs = "paragraphs"`);
 //! - click logs: Criteo-format TSV (label, 13 integer features, 26 categorical ids in hex).
 
-use crate::data::{LABEL_COLUMN, PAIR_COLUMNS, TEXT_COLUMNS};
 use crate::error::{Error, IoContext, Result};
 use comera_data::ctr::{CRITEO_CATS, CRITEO_DENSE};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
+
+/// The text column a file source uses when `data.text_a` does not name one: the first of these
+/// the file has.
+pub const TEXT_COLUMNS: &[&str] = &["text", "sentence", "sentence1"];
+/// The second text of a sentence pair, when `data.text_a` and `data.text_b` are not set.
+pub const PAIR_COLUMNS: &[&str] = &["text_pair", "sentence2"];
+/// The label column, when `data.label` does not name one.
+pub const LABEL_COLUMN: &str = "label";
 
 /// A data file written from memory.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -107,7 +114,7 @@ fn store(cache: &Path, ext: &str, bytes: &[u8], rows: usize) -> Result<StoredInp
 }
 
 /// Stores labelled texts as CSV (`text`, `text_pair`, `label`: the columns a file source finds
-/// by convention, [`crate::data::TEXT_COLUMNS`]); `what` names them in errors
+/// by convention, [`TEXT_COLUMNS`]); `what` names them in errors
 /// (`training data`).
 pub fn store_labelled_texts(cache: &Path, t: &LabelledTexts, what: &str) -> Result<StoredInput> {
     t.check(what)?;

@@ -24,107 +24,14 @@ use crate::checkpoint::Checkpoint;
 use crate::config::{AnyRunConfig, ConfigError, DlrmRunConfig, LoopFields, RunConfig};
 use crate::observe::Observer;
 use crate::run_dir::RunDir;
-use crate::task::{EvalStats, Task};
-use comera_optim::rank::{LayerRanks, RankConfig};
+use crate::task::Task;
+use comera_optim::rank::RankConfig;
 use comera_optim::{AdamWConfig, GaLoreConfig};
 use report::Reporter;
-use serde::{Deserialize, Serialize};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-/// What a finished (or stopped) run reports; also written to `report.json` (and read back by
-/// [`crate::results`]).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct TrainSummary {
-    pub out_dir: PathBuf,
-    pub epochs: usize,
-    pub steps: u64,
-    /// Examples per step in the last phase.
-    pub batch_size: usize,
-    /// Examples per step of each phase, in order (one entry without `[[train.phases]]`).
-    pub phase_batch_sizes: Vec<usize>,
-    /// Sequence positions (or examples, for tabular data) trained on.
-    pub tokens: u64,
-    /// The last evaluation (for a masked-LM run: held-out MLM loss and masked-token accuracy).
-    pub final_valid: EvalStats,
-    /// The best validation AUC (binary tasks) or accuracy over the epochs, and its epoch; NaN
-    /// (written as null) for a run stopped before its first evaluation.
-    #[serde(deserialize_with = "crate::observe::f64_or_nan")]
-    pub best_valid: f64,
-    pub best_epoch: usize,
-    /// Share of the most frequent label (classification runs).
-    pub majority_accuracy: Option<f64>,
-    /// Trainable parameters at the end (after truncations) and at the start.
-    pub params: usize,
-    pub initial_params: usize,
-    pub dense_params: usize,
-    pub seconds: f64,
-    /// Median wall time of the steps of this process (ms) and the examples/s it gives.
-    pub median_step_ms: f64,
-    pub examples_per_s: f64,
-    /// Peak resident set of the process (VmHWM), bytes; 0 where /proc is unavailable. A
-    /// resumed run's is its last sitting's (each evaluation record has the peak so far).
-    pub peak_rss_bytes: u64,
-    /// The machine the run ended on (its figures of time are this machine's).
-    #[serde(default)]
-    pub machine: Machine,
-    /// The engine's own accounting: parameters + gradients, optimiser state, batch state.
-    pub param_bytes: usize,
-    pub optimizer_bytes: usize,
-    pub state_bytes: usize,
-    /// Per-layer ranks of the TT/TTM layers at the start, at the switch to the late stage (if
-    /// any) and at the end.
-    pub ranks_start: Vec<LayerRanks>,
-    pub ranks_switch: Option<Vec<LayerRanks>>,
-    pub ranks_end: Vec<LayerRanks>,
-    /// Whether the rank schedule was active, and its stage at the end.
-    pub rank_active: bool,
-    pub rank_stage: String,
-    /// Whether the run stopped early at `train.stop_after_steps` or on a signal (resumable).
-    pub stopped: bool,
-    /// The signal (SIGINT, SIGTERM) that stopped the run after a step, with a checkpoint
-    /// ([`crate::interrupt`]).
-    pub interrupted: Option<i32>,
-    /// Whether early stopping ended the run (the best model is in `best/`).
-    #[serde(default)]
-    pub early_stopped: bool,
-    /// Task-specific figures (a DLRM's table sizes).
-    #[serde(flatten)]
-    pub extra: serde_json::Map<String, serde_json::Value>,
-}
-
-impl TrainSummary {
-    pub fn compression(&self) -> f64 {
-        self.dense_params as f64 / self.params as f64
-    }
-}
-
-/// The machine a run's time was measured on.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Machine {
-    /// The CPU's model name (`model name` in /proc/cpuinfo; empty where unavailable).
-    pub cpu: String,
-    /// Threads of this process's pool (`--threads`).
-    pub threads: usize,
-}
-
-impl Machine {
-    /// This machine, now.
-    pub fn this() -> Machine {
-        let cpu = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("model name"))
-                    .and_then(|v| v.split_once(':'))
-                    .map(|(_, v)| v.trim().to_string())
-            })
-            .unwrap_or_default();
-        Machine {
-            cpu,
-            threads: rayon::current_num_threads(),
-        }
-    }
-}
+use comera_run::records::{median, Machine, TrainSummary};
+pub use comera_run::run_dir::BEST_DIR;
 
 /// Peak resident set size of this process (`VmHWM` in /proc/self/status), bytes.
 pub fn peak_rss_bytes() -> u64 {
@@ -162,20 +69,6 @@ pub fn available_memory_bytes() -> f64 {
     }
     let used = kib("/proc/self/status", "VmSize:").map_or(0.0, |k| k * 1024.0);
     free.min((lim.rlim_cur as f64 - used).max(0.0))
-}
-
-/// The median of `v` (0 when empty).
-pub(crate) fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        0.5 * (v[n / 2 - 1] + v[n / 2])
-    }
 }
 
 /// The loop's settings, the same for every kind of run: the `[train]` fields they share, and
@@ -406,6 +299,3 @@ impl Start {
         }
     }
 }
-
-/// The directory of the best model under early stopping.
-pub const BEST_DIR: &str = "best";

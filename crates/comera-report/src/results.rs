@@ -9,7 +9,7 @@
 //!   compression at the start, at the switch to the late stage and at the end, time per epoch,
 //!   peak memory and speed, and time and memory as ratios to a baseline arm;
 //! - the held-out score after each epoch of every arm;
-//! - each rank-adaptive arm's per-layer ranks (start → switch → end, [`crate::rank::rank_table`]);
+//! - each rank-adaptive arm's per-layer ranks (start → switch → end, [`rank_table`]);
 //! - the paper's own figures for the table, labelled as the paper's (GPU) figures;
 //! - `score.png` (score per epoch), `compression.png` (TT/TTM and whole-model compression over
 //!   the steps, each arm's switch to the late stage marked) and `cost.png` (time per epoch and
@@ -25,14 +25,16 @@
 //!   (training and evaluation, summed over sittings), reported as the median over epochs;
 //! - peak memory = the largest resident set (VmHWM) any sitting of the run reported.
 
-use crate::config::AnyRunConfig;
-use crate::observe::{read_metrics, EvalRecord, Record, TrainRecord};
 use crate::plot::{plot_panels, Bars, Panel, Series};
-use crate::rank::{rank_table, LayerRanks};
-use crate::run_dir::RunIdentity;
-use crate::trainer::TrainSummary;
-use crate::{Error, Result};
+use crate::Result;
 use comera_model::HeadKind;
+use comera_optim::rank::{rank_table, LayerRanks};
+use comera_run::config::AnyRunConfig;
+use comera_run::records::{
+    median, read_metrics, EvalRecord, Machine, Record, TrainRecord, TrainSummary,
+};
+use comera_run::run_dir::RunIdentity;
+use comera_run::Error;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -102,7 +104,7 @@ impl RunResults {
                 source: format!("not a run report: {e}").into(),
             })?),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => return Err(Error::io(&report, "cannot read", e)),
+            Err(e) => return Err(Error::io(&report, "cannot read", e).into()),
         };
         let name = name.map(str::to_string).unwrap_or_else(|| {
             dir.file_name()
@@ -390,7 +392,7 @@ pub struct RunFigures {
     pub peak_rss_bytes: u64,
     pub median_step_ms: Option<f64>,
     pub examples_per_s: Option<f64>,
-    pub machine: Option<crate::trainer::Machine>,
+    pub machine: Option<Machine>,
     /// (step, TT/TTM compression) and (step, whole-model compression) at each logging window.
     pub tt_compression_series: Vec<(f64, f64)>,
     pub compression_series: Vec<(f64, f64)>,
@@ -413,7 +415,7 @@ impl RunFigures {
     /// The median time per epoch, seconds.
     pub fn median_epoch_seconds(&self) -> Option<f64> {
         let mut v = self.epoch_seconds.clone();
-        (!v.is_empty()).then(|| crate::trainer::median(&mut v))
+        (!v.is_empty()).then(|| median(&mut v))
     }
 }
 
@@ -504,7 +506,7 @@ pub const REPORT_FILES: &[&str] = &[
 /// Whether `dir` holds a page [`write_report`] wrote: its files and nothing else, with a
 /// `report.json` that is a list of run figures (each with a `name` and an `arm`).
 pub fn is_report_dir(dir: &Path) -> bool {
-    let names_ok = crate::outputs::entry_names(dir)
+    let names_ok = comera_run::outputs::entry_names(dir)
         .is_ok_and(|names| names.iter().all(|n| REPORT_FILES.contains(&n.as_str())));
     names_ok
         && comera_data::read_regular_to_string(&dir.join("report.json"))
@@ -519,9 +521,9 @@ pub fn is_report_dir(dir: &Path) -> bool {
 
 /// Writes the page for `runs` into the directory `out` as one unit: `report.md`,
 /// `report.json` (every run's [`RunFigures`]) and the plots are written into a fresh
-/// directory beside it, which then takes `out`'s place ([`crate::files::replace_dir_atomic`]).
+/// directory beside it, which then takes `out`'s place ([`comera_run::files::replace_dir_atomic`]).
 /// `out` must be absent or empty, or with `overwrite` an earlier page; never a run directory
-/// or inside one, nor a link ([`crate::outputs::check_output_dir`]). The returned paths are
+/// or inside one, nor a link ([`comera_run::outputs::check_output_dir`]). The returned paths are
 /// under `out`.
 pub fn write_report(
     runs: &[RunResults],
@@ -530,21 +532,21 @@ pub fn write_report(
     opts: &ReportOptions,
 ) -> Result<ReportFiles> {
     if runs.is_empty() {
-        return Err(Error::run("a report needs at least one run directory"));
+        return Err(Error::run("a report needs at least one run directory").into());
     }
     let figures: Vec<RunFigures> = runs.iter().map(RunResults::figures).collect();
     let baselines = baselines(&figures, opts)?;
-    crate::outputs::check_output_dir(out, "--out", overwrite, is_report_dir)?;
+    comera_run::outputs::check_output_dir(out, "--out", overwrite, is_report_dir)?;
     let [markdown_name, json_name, plot_names @ ..] = REPORT_FILES else {
         unreachable!("REPORT_FILES names the page, its figures and three plots")
     };
-    crate::files::replace_dir_atomic(out, |dir: &Path| -> Result<()> {
+    comera_run::files::replace_dir_atomic(out, |dir: &Path| -> Result<()> {
         let plots: Vec<PathBuf> = plot_names.iter().map(|n| dir.join(n)).collect();
         draw(&figures, &plots)?;
         let md = markdown(&figures, &baselines, opts, &plots);
-        crate::files::write_atomic(&dir.join(markdown_name), md.as_bytes())?;
+        comera_run::files::write_atomic(&dir.join(markdown_name), md.as_bytes())?;
         let json = serde_json::to_string_pretty(&figures)?;
-        crate::files::write_atomic(&dir.join(json_name), json.as_bytes())?;
+        comera_run::files::write_atomic(&dir.join(json_name), json.as_bytes())?;
         Ok(())
     })?;
     Ok(ReportFiles {
@@ -963,7 +965,7 @@ fn draw(figures: &[RunFigures], paths: &[PathBuf]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::observe::{StageRecord, TrainRecord};
+    use comera_run::records::{StageRecord, TrainRecord};
 
     fn eval(epoch: usize, acc: f64, seconds: f64) -> Record {
         Record::Eval(EvalRecord {
@@ -1021,7 +1023,7 @@ mod tests {
         let run = RunResults {
             name: "a".into(),
             dir: "a".into(),
-            config: AnyRunConfig::Encoder(crate::RunConfig::builtin()),
+            config: AnyRunConfig::Encoder(comera_run::config::RunConfig::builtin()),
             summary: None,
             records: vec![
                 train(5, 100.0),
@@ -1060,7 +1062,7 @@ mod tests {
 
     #[test]
     fn a_masked_lm_is_judged_by_its_lowest_loss() {
-        let mut cfg = crate::RunConfig::builtin();
+        let mut cfg = comera_run::config::RunConfig::builtin();
         cfg.model.head = HeadKind::Mlm;
         let run = RunResults {
             name: "m".into(),
@@ -1080,8 +1082,8 @@ mod tests {
 
     #[test]
     fn a_run_in_phases_has_its_time_per_phase() {
-        let mut cfg = crate::RunConfig::builtin();
-        let phase = |seq_len, epochs| crate::config::Phase {
+        let mut cfg = comera_run::config::RunConfig::builtin();
+        let phase = |seq_len, epochs| comera_run::config::Phase {
             seq_len,
             batch_size: 8,
             epochs,

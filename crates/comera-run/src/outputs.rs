@@ -14,42 +14,13 @@
 //! nothing. Errors name the flag and say what to do.
 
 use crate::config::ConfigError;
-use crate::run_dir::{RunIdentity, IDENTITY};
-use std::path::{Component, Path, PathBuf};
+use crate::files::resolved;
+use crate::identity::{RunIdentity, IDENTITY};
+use std::path::{Path, PathBuf};
 
 /// The refusal of a target, naming its flag.
 fn refuse(flag: &str, reason: String) -> crate::Error {
     ConfigError::new(flag, reason).into()
-}
-
-/// `path` made absolute with symbolic links resolved as far as it exists (the rest appended
-/// as given, `..` and `.` taken lexically): two spellings of one place compare equal.
-pub fn resolved(path: &Path) -> PathBuf {
-    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    let mut lexical = PathBuf::new();
-    for c in absolute.components() {
-        match c {
-            Component::ParentDir => {
-                lexical.pop();
-            }
-            Component::CurDir => {}
-            other => lexical.push(other),
-        }
-    }
-    let mut existing = lexical.as_path();
-    let mut rest = Vec::new();
-    loop {
-        if let Ok(real) = existing.canonicalize() {
-            return rest.iter().rev().fold(real, |p, c| p.join(c));
-        }
-        match (existing.parent(), existing.file_name()) {
-            (Some(parent), Some(name)) => {
-                rest.push(name.to_os_string());
-                existing = parent;
-            }
-            _ => return lexical,
-        }
-    }
 }
 
 /// The run directory `path` lies in (`path` itself or the nearest ancestor holding a

@@ -732,7 +732,7 @@ pub fn is_comera_png(path: &Path) -> bool {
         .any(|t| t.keyword == SOFTWARE_KEY && t.text == SOFTWARE)
 }
 
-/// Encodes `rgb` as a PNG and writes it to `path` atomically ([`crate::files::write_atomic`]:
+/// Encodes `rgb` as a PNG and writes it to `path` atomically ([`comera_run::files::write_atomic`]:
 /// a temporary file renamed into place, only over an absent path or a regular file).
 fn write_png_atomically(path: &Path, rgb: &[u8], width: u32, height: u32) -> Result<(), PlotError> {
     let enc_err = |e: png::EncodingError| PlotError::Encode {
@@ -752,7 +752,7 @@ fn write_png_atomically(path: &Path, rgb: &[u8], width: u32, height: u32) -> Res
         writer.write_image_data(rgb).map_err(enc_err)?;
         writer.finish().map_err(enc_err)?;
     }
-    crate::files::write_atomic_then(path, &png_bytes, || {}).map_err(|e| PlotError::Io {
+    comera_run::files::write_atomic_then(path, &png_bytes, || {}).map_err(|e| PlotError::Io {
         path: path.to_path_buf(),
         file: e.file,
         source: e.source,

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 
 /// Why an atomic write failed: the target, the file the failing operation was on (the
 /// temporary file or the target) and the I/O error.
@@ -32,6 +32,11 @@ pub struct WriteError {
     #[source]
     pub source: std::io::Error,
 }
+
+/// A file that is not a whole safetensors file.
+#[derive(Debug, thiserror::Error)]
+#[error("not a complete safetensors file (truncated or corrupt?)")]
+pub struct Incomplete(#[source] pub safetensors::SafeTensorError);
 
 /// A tensor of a saved file (model weights, checkpoint) that the model cannot take.
 #[derive(Debug, thiserror::Error)]
@@ -281,6 +286,41 @@ pub enum SavedModel {
     Dlrm(Dlrm, DlrmMeta),
 }
 
+/// `path` made absolute with symbolic links resolved as far as it exists (the rest appended
+/// as given, `..` and `.` taken lexically): two spellings of one place compare equal.
+pub fn resolved(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut lexical = PathBuf::new();
+    for c in absolute.components() {
+        match c {
+            Component::ParentDir => {
+                lexical.pop();
+            }
+            Component::CurDir => {}
+            other => lexical.push(other),
+        }
+    }
+    let mut existing = lexical.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = existing.canonicalize() {
+            return rest.iter().rev().fold(real, |p, c| p.join(c));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            _ => return lexical,
+        }
+    }
+}
+
+/// SHA-256 of a text, hex.
+pub fn sha256_hex(text: &str) -> String {
+    digest(std::iter::once(("", &[][..], text.as_bytes())))
+}
+
 /// Hash of (name, shape, bytes) of every tensor, in the given order (hex SHA-256). Lengths are
 /// hashed before each field, so no two different sequences share a preimage.
 pub fn digest<'a>(items: impl Iterator<Item = (&'a str, &'a [usize], &'a [u8])>) -> String {
@@ -399,10 +439,7 @@ pub fn save_model_files(
         text.push_str(&format!("run_id = \"{id}\"\n"));
     }
     text.push_str(&format!("weights_sha256 = \"{sha}\"\n"));
-    text.push_str(&format!(
-        "meta_sha256 = \"{}\"\n",
-        crate::run_dir::sha256_hex(meta_toml)
-    ));
+    text.push_str(&format!("meta_sha256 = \"{}\"\n", sha256_hex(meta_toml)));
     text.push_str(meta_toml);
     write_atomic(&dir.join(MODEL_META), text.as_bytes())
 }
@@ -426,7 +463,7 @@ pub fn save_model(dir: &Path, model: &Encoder, meta: &ModelMeta) -> Result<()> {
 
 /// The run id of the run directory `dir` (from its `run.toml`), if it is one.
 fn meta_run_id(dir: &Path) -> Option<String> {
-    crate::run_dir::RunIdentity::read(dir).ok().map(|r| r.id)
+    crate::identity::RunIdentity::read(dir).ok().map(|r| r.id)
 }
 
 /// Loads an encoder saved by [`save_model`]; every parameter must be present with its shape.
@@ -478,7 +515,7 @@ pub fn load_saved(dir: &Path) -> Result<SavedModel> {
             "{}: no `meta_sha256` (written by an older comera?); the file cannot be checked",
             meta_path.display()
         ))),
-        Some(sha) if sha != crate::run_dir::sha256_hex(body) => return Err(Error::model(format!(
+        Some(sha) if sha != sha256_hex(body) => return Err(Error::model(format!(
             "{}: model.toml does not match its digest (meta_sha256): it was edited after comera wrote it; restore it (a checkpoint holds the model's settings too)",
             meta_path.display()
         ))),
@@ -491,13 +528,13 @@ pub fn load_saved(dir: &Path) -> Result<SavedModel> {
             meta_path.display()
         )));
     };
-    if let (Some(id), Ok(own)) = (run_id, crate::run_dir::RunIdentity::read(dir)) {
+    if let (Some(id), Ok(own)) = (run_id, crate::identity::RunIdentity::read(dir)) {
         if id != own.id {
             return Err(Error::model(format!(
                 "{}: written by run {id}, but the directory is run {} ({}); the model files belong to another run",
                 meta_path.display(),
                 own.id,
-                dir.join(crate::run_dir::IDENTITY).display()
+                dir.join(crate::identity::IDENTITY).display()
             )));
         }
     }
@@ -586,8 +623,7 @@ pub fn load_weights(
 ) -> Result<()> {
     let bytes = comera_data::read_regular(wpath).io(wpath, "cannot read")?;
     let named = |e: BoxError| Error::model_with(wpath.display().to_string(), e);
-    let incomplete =
-        |e: safetensors::SafeTensorError| named(Box::new(crate::checkpoint::Defect::Incomplete(e)));
+    let incomplete = |e: safetensors::SafeTensorError| named(Box::new(Incomplete(e)));
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(incomplete)?;
     let st = SafeTensors::deserialize(&bytes).map_err(incomplete)?;
     let saved_sha = header

@@ -18,45 +18,13 @@
 use crate::checkpoint::{self, Checkpoint};
 use crate::config::ConfigError;
 use crate::error::{Chain, Error, IoContext, Result};
-use serde::{Deserialize, Serialize};
+pub use crate::files::sha256_hex;
+pub use crate::identity::{Extension, RunIdentity, IDENTITY};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// The identity file of a run directory.
-pub const IDENTITY: &str = "run.toml";
 /// The lock file of a run directory.
 pub const LOCK: &str = ".lock";
-
-/// What `run.toml` holds.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RunIdentity {
-    /// Unique per run (32 hex digits).
-    pub id: String,
-    /// SHA-256 of the run's resolved config (`config.toml`).
-    pub config_sha256: String,
-    /// When the run was created (seconds since the Unix epoch).
-    pub created_unix: u64,
-    /// The comera version that created it.
-    pub comera_version: String,
-    /// Each time the run was extended (`comera train --resume DIR --extend-epochs N`), oldest
-    /// first: its checkpoints from before an extension belong to it too.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub extensions: Vec<Extension>,
-}
-
-/// One extension of a run: its config's epochs raised after step `at_step`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Extension {
-    /// The step of the checkpoint the extended run continues from.
-    pub at_step: u64,
-    /// The run's epochs before and after.
-    pub from_epochs: usize,
-    pub to_epochs: usize,
-    /// SHA-256 of `config.toml` before the extension.
-    pub previous_config_sha256: String,
-}
 
 /// A run directory that cannot be started, continued or replaced.
 #[derive(Debug, thiserror::Error)]
@@ -117,14 +85,6 @@ fn skipped_list(skipped: &[(PathBuf, Error)]) -> String {
 }
 
 impl RunIdentity {
-    /// Reads `dir/run.toml`.
-    pub fn read(dir: &Path) -> Result<RunIdentity> {
-        let path = dir.join(IDENTITY);
-        let text = comera_data::read_regular_to_string(&path)
-            .io(&path, "cannot read the run's identity")?;
-        toml::from_str(&text).map_err(|e| Error::parse(&path, e))
-    }
-
     /// The text of `dir/config.toml`, checked against the sha256 this identity names.
     pub fn verified_config(&self, dir: &Path) -> Result<String> {
         let config = dir.join("config.toml");
@@ -142,11 +102,6 @@ impl RunIdentity {
         }
         Ok(text)
     }
-}
-
-/// SHA-256 of a text, hex.
-pub fn sha256_hex(text: &str) -> String {
-    crate::files::digest(std::iter::once(("", &[][..], text.as_bytes())))
 }
 
 /// A new run id: a hash of the time, the process id and the config, so two runs started at
@@ -170,6 +125,9 @@ fn new_run_id(config_toml: &str) -> String {
 /// new run fails before that (or was killed: the next open of the directory restores it).
 pub const REPLACED: &str = ".replaced-run";
 
+/// The directory of the best model under early stopping.
+pub const BEST_DIR: &str = "best";
+
 /// The names a run directory may hold besides the ones listed here: what `train`, `import` and
 /// early stopping write. `--overwrite` replaces a directory only if it holds nothing else.
 pub const RUN_FILES: &[&str] = &[
@@ -184,7 +142,7 @@ pub const RUN_FILES: &[&str] = &[
     "ranks.png",
     "ranks.md",
     "report.json",
-    crate::trainer::BEST_DIR,
+    BEST_DIR,
 ];
 
 /// A run directory locked for writing.

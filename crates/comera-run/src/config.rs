@@ -11,6 +11,8 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, IoContext};
+use crate::records::EvalStats;
+pub use crate::records::StopMetric;
 
 /// A config field or a command-line flag with a value the run cannot use: `FILE:LINE:COLUMN:
 /// FIELD: REASON` (the file, and the line and column where the file sets the field, when
@@ -729,9 +731,9 @@ fn block_pairs<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<[usize; 2]>
         .collect()
 }
 
-/// Whether two paths name one place (see [`crate::outputs::resolved`]).
+/// Whether two paths name one place (see [`crate::files::resolved`]).
 fn same_place(a: &Path, b: &Path) -> bool {
-    crate::outputs::resolved(a) == crate::outputs::resolved(b)
+    crate::files::resolved(a) == crate::files::resolved(b)
 }
 
 impl RunConfig {
@@ -1126,7 +1128,7 @@ fn is_one(v: &usize) -> bool {
 }
 
 /// The `[train]` fields every kind of run has (encoder and DLRM alike): what the loop reads
-/// ([`crate::trainer::LoopSettings::new`]) and what [`LoopFields::validate`] checks, once for
+/// (comera-train's `LoopSettings::new`) and what [`LoopFields::validate`] checks, once for
 /// both kinds.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoopFields {
@@ -1260,16 +1262,6 @@ pub struct EarlyStopping {
     pub min_delta: f64,
 }
 
-/// The validation figure early stopping watches.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum StopMetric {
-    #[default]
-    ValidLoss,
-    ValidAccuracy,
-    ValidAuc,
-}
-
 /// Whether lower or higher is better.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -1300,7 +1292,7 @@ impl EarlyStopping {
     }
 
     /// The watched figure of an evaluation (None: AUC of a task that has none).
-    pub fn value(&self, s: &crate::task::EvalStats) -> Option<f64> {
+    pub fn value(&self, s: &EvalStats) -> Option<f64> {
         match self.metric {
             StopMetric::ValidLoss => Some(s.loss),
             StopMetric::ValidAccuracy => Some(s.accuracy),
