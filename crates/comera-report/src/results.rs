@@ -630,7 +630,10 @@ fn heading(s: &mut String, figures: &[RunFigures], title: &str) {
         .iter()
         .filter_map(|f| f.machine.as_ref())
         .filter(|m| !m.cpu.is_empty())
-        .map(|m| format!("{} ({} threads)", m.cpu, m.threads))
+        .map(|m| match &m.gpu {
+            Some(gpu) => format!("{gpu}, host {} ({} threads)", m.cpu, m.threads),
+            None => format!("{} ({} threads)", m.cpu, m.threads),
+        })
         .collect();
     machines.dedup();
     if !machines.is_empty() {

@@ -456,6 +456,10 @@ pub struct Machine {
     pub cpu: String,
     /// Threads of this process's pool (`--threads`).
     pub threads: usize,
+    /// The GPU the steps ran on, as `cuda:N (NAME)`; absent for the CPU (and in reports of
+    /// runs from before there was a choice).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<String>,
 }
 
 impl Machine {
@@ -473,6 +477,7 @@ impl Machine {
         Machine {
             cpu,
             threads: rayon::current_num_threads(),
+            gpu: None,
         }
     }
 }

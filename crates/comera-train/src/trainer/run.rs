@@ -794,7 +794,10 @@ impl<'t, T: Task> Loop<'t, T> {
                 0.0
             },
             peak_rss_bytes: peak_rss_bytes(),
-            machine: super::Machine::this(),
+            machine: super::Machine {
+                gpu: self.device.as_ref().map(|d| d.describe()),
+                ..super::Machine::this()
+            },
             param_bytes: bytes.params + bytes.grads,
             optimizer_bytes: self.stepper.optimizer.bytes(),
             state_bytes: bytes.state,
