@@ -290,12 +290,14 @@ struct Merged {
     fwd: f64,
     bwd: f64,
     opt: f64,
+    /// The other workers' idle ms per step ([`comera_optim::StepReport::pool_idle`]).
+    idle: f64,
     rss: u64,
 }
 
 fn merge(reports: Vec<ChildReport>) -> Merged {
     let rss = reports.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0);
-    let [median_ms, fwd, bwd, opt] = StepTimes::pooled(reports.iter().map(|r| &r.times));
+    let [median_ms, fwd, bwd, opt, idle] = StepTimes::pooled(reports.iter().map(|r| &r.times));
     let r = reports.into_iter().next().expect("at least one round");
     Merged {
         r,
@@ -303,6 +305,7 @@ fn merge(reports: Vec<ChildReport>) -> Merged {
         fwd,
         bwd,
         opt,
+        idle,
         rss,
     }
 }
@@ -395,7 +398,7 @@ fn print_batch(a: &StepArgs, batch: usize, merged: &[Merged], cal_gflops: f64) {
             let mut rec = serde_json::json!({
                 "model": r.model, "batch": r.batch, "seq_len": r.seq_len,
                 "median_ms": m.median_ms, "fwd_ms": m.fwd, "bwd_ms": m.bwd, "opt_ms": m.opt,
-                "tokens_per_s": tokens_per_s, "peak_rss_bytes": m.rss,
+                "idle_ms": m.idle, "tokens_per_s": tokens_per_s, "peak_rss_bytes": m.rss,
                 "params": r.params, "dense_equivalent_params": r.dense_equivalent_params,
                 "param_bytes": r.param_bytes, "state_bytes": r.state_bytes,
                 "optimizer_bytes": r.optimizer_bytes, "engine_bytes": engine,
@@ -800,7 +803,7 @@ fn scaling(a: &StepArgs) -> anyhow::Result<ExitCode> {
         counts.iter().all(|&t| t >= 1),
         "--threads-list: thread counts are at least 1"
     );
-    let table = TextTable(&[6, 5, 8, 10, 9, 9, 9, 9, 11]);
+    let table = TextTable(&[6, 5, 8, 10, 9, 9, 9, 9, 9, 11]);
     if !a.json {
         let c = config(a, &a.models[0])?;
         println!(
@@ -844,7 +847,8 @@ fn scaling(a: &StepArgs) -> anyhow::Result<ExitCode> {
                         "model": m.r.model, "batch": batch, "seq_len": m.r.seq_len,
                         "threads": t, "child_threads": m.r.threads,
                         "median_ms": m.median_ms, "fwd_ms": m.fwd, "bwd_ms": m.bwd,
-                        "opt_ms": m.opt, "speedup": speedup, "efficiency": eff,
+                        "opt_ms": m.opt, "idle_ms": m.idle, "speedup": speedup,
+                        "efficiency": eff,
                         "steps": a.steps * a.rounds, "loss": m.r.loss,
                     });
                     println!("{rec}");
@@ -857,6 +861,7 @@ fn scaling(a: &StepArgs) -> anyhow::Result<ExitCode> {
                         format!("{:.2}", m.fwd),
                         format!("{:.2}", m.bwd),
                         format!("{:.2}", m.opt),
+                        format!("{:.2}", m.idle),
                         format!("{speedup:.2}"),
                         format!("{:.0}%", 100.0 * eff),
                     ];
