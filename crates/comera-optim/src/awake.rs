@@ -82,15 +82,17 @@ fn poll(me: usize, stop: &AtomicBool) {
     if rayon::current_thread_index() == Some(me) {
         return;
     }
-    // When this poller last found the queues empty (None: it has been working since).
+    // Since when this poller has found the queues empty (None: it has just worked). A stretch
+    // ends where the call that found work began (`asked`), not where that work ended.
     let mut idle_since: Option<Instant> = None;
     let mut idle = Duration::ZERO;
     while !stop.load(Ordering::Acquire) {
+        let asked = Instant::now();
         if let Some(rayon::Yield::Idle) = rayon::yield_now() {
-            idle_since.get_or_insert_with(Instant::now);
+            idle_since.get_or_insert(asked);
             std::hint::spin_loop();
         } else if let Some(t) = idle_since.take() {
-            idle += t.elapsed();
+            idle += asked - t;
         }
     }
     if let Some(t) = idle_since {
