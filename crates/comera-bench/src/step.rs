@@ -821,6 +821,7 @@ fn scaling(a: &StepArgs) -> anyhow::Result<ExitCode> {
                 "fwd_ms",
                 "bwd_ms",
                 "opt_ms",
+                "idle_ms",
                 "speedup",
                 "efficiency"
             ])
