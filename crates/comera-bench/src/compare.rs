@@ -403,7 +403,8 @@ struct Timing {
 }
 
 fn merge(reports: Vec<TimeReport>) -> Timing {
-    let [median_ms, fwd_ms, bwd_ms, opt_ms] = StepTimes::pooled(reports.iter().map(|r| &r.times));
+    let [median_ms, fwd_ms, bwd_ms, opt_ms, _] =
+        StepTimes::pooled(reports.iter().map(|r| &r.times));
     let refresh_ms = pooled_median(reports.iter().map(|r| &r.refresh.step_ms[..]));
     let refresh_opt_ms = pooled_median(reports.iter().map(|r| &r.refresh.opt_ms[..]));
     let rss = reports.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0);

@@ -144,6 +144,10 @@ pub struct StepTimes {
     pub fwd_ms: Vec<f64>,
     pub bwd_ms: Vec<f64>,
     pub opt_ms: Vec<f64>,
+    /// The other workers' idle time in each step, summed over them
+    /// ([`comera_optim::StepReport::pool_idle`]).
+    #[serde(default)]
+    pub idle_ms: Vec<f64>,
 }
 
 impl StepTimes {
@@ -155,10 +159,12 @@ impl StepTimes {
         self.fwd_ms.push(ms(f));
         self.bwd_ms.push(ms(b));
         self.opt_ms.push(ms(o));
+        self.idle_ms.push(ms(r.pool_idle));
     }
 
-    /// Medians over every step of every round: `[step, fwd, bwd, opt]` ms (NaN where empty).
-    pub fn pooled<'a>(rounds: impl Iterator<Item = &'a StepTimes> + Clone) -> [f64; 4] {
+    /// Medians over every step of every round: `[step, fwd, bwd, opt, idle]` ms (NaN where
+    /// empty).
+    pub fn pooled<'a>(rounds: impl Iterator<Item = &'a StepTimes> + Clone) -> [f64; 5] {
         let of =
             |f: fn(&StepTimes) -> &[f64]| pooled_median(rounds.clone().map(f)).unwrap_or(f64::NAN);
         [
@@ -166,6 +172,7 @@ impl StepTimes {
             of(|t| &t.fwd_ms),
             of(|t| &t.bwd_ms),
             of(|t| &t.opt_ms),
+            of(|t| &t.idle_ms),
         ]
     }
 }

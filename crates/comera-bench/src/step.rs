@@ -60,6 +60,14 @@ pub struct StepArgs {
     /// operation's counted FLOPs and GFLOP/s next to a GEMM-rate calibration.
     #[arg(long)]
     ops: bool,
+    /// Run each model at 1, 2, 4, … threads up to the machine's cores (the cores themselves
+    /// last when not a power of two), interleaved in each round, and print each count's median
+    /// step time, speed-up over 1 thread and parallel efficiency (speed-up / threads).
+    #[arg(long)]
+    scaling: bool,
+    /// With --scaling: these thread counts instead of 1, 2, 4, … up to the cores.
+    #[arg(long, value_delimiter = ',')]
+    threads_list: Vec<usize>,
 }
 
 /// What one child process measured.
@@ -282,12 +290,14 @@ struct Merged {
     fwd: f64,
     bwd: f64,
     opt: f64,
+    /// The other workers' idle ms per step ([`comera_optim::StepReport::pool_idle`]).
+    idle: f64,
     rss: u64,
 }
 
 fn merge(reports: Vec<ChildReport>) -> Merged {
     let rss = reports.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0);
-    let [median_ms, fwd, bwd, opt] = StepTimes::pooled(reports.iter().map(|r| &r.times));
+    let [median_ms, fwd, bwd, opt, idle] = StepTimes::pooled(reports.iter().map(|r| &r.times));
     let r = reports.into_iter().next().expect("at least one round");
     Merged {
         r,
@@ -295,6 +305,7 @@ fn merge(reports: Vec<ChildReport>) -> Merged {
         fwd,
         bwd,
         opt,
+        idle,
         rss,
     }
 }
@@ -316,6 +327,9 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(!a.models.is_empty(), "--models: nothing to measure");
     for m in &a.models {
         config(&a, m)?; // fail early, in the parent, on a bad configuration
+    }
+    if a.scaling {
+        return scaling(&a);
     }
     let threads = rayon::current_num_threads();
     // The machine's GEMM rate in this run, next to each step's achieved rate.
@@ -384,7 +398,7 @@ fn print_batch(a: &StepArgs, batch: usize, merged: &[Merged], cal_gflops: f64) {
             let mut rec = serde_json::json!({
                 "model": r.model, "batch": r.batch, "seq_len": r.seq_len,
                 "median_ms": m.median_ms, "fwd_ms": m.fwd, "bwd_ms": m.bwd, "opt_ms": m.opt,
-                "tokens_per_s": tokens_per_s, "peak_rss_bytes": m.rss,
+                "idle_ms": m.idle, "tokens_per_s": tokens_per_s, "peak_rss_bytes": m.rss,
                 "params": r.params, "dense_equivalent_params": r.dense_equivalent_params,
                 "param_bytes": r.param_bytes, "state_bytes": r.state_bytes,
                 "optimizer_bytes": r.optimizer_bytes, "engine_bytes": engine,
@@ -762,4 +776,100 @@ fn print_op_table(rows: &[(String, f64, usize, f64)], cal: f64) {
         100.0 * gflops(total_flops, total) / cal,
         total_flops / cal / 1e6
     );
+}
+
+/// The thread counts `--scaling` measures: `--threads-list`, or 1, 2, 4, … below the machine's
+/// cores (`available_parallelism`) and the cores themselves.
+fn scaling_counts(a: &StepArgs) -> Vec<usize> {
+    if !a.threads_list.is_empty() {
+        return a.threads_list.clone();
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut v: Vec<usize> = std::iter::successors(Some(1usize), |t| Some(t * 2))
+        .take_while(|&t| t < cores)
+        .collect();
+    v.push(cores);
+    v
+}
+
+/// `--scaling`: every (model, batch) at each thread count, one child process per (count,
+/// round), the counts interleaved within each round (so a burst of load on the machine falls on
+/// all of them), medians over every timed step; speed-up T₁/T_p and efficiency T₁/(p·T_p)
+/// against the 1-thread median (or the first count's, scaled by its threads, when 1 is not
+/// measured).
+fn scaling(a: &StepArgs) -> anyhow::Result<ExitCode> {
+    let counts = scaling_counts(a);
+    anyhow::ensure!(
+        counts.iter().all(|&t| t >= 1),
+        "--threads-list: thread counts are at least 1"
+    );
+    let table = TextTable(&[6, 5, 8, 10, 9, 9, 9, 9, 9, 11]);
+    if !a.json {
+        let c = config(a, &a.models[0])?;
+        println!(
+            "scaling of the training step; {} layers, d {}, seq {}; {} timed steps after \
+             {WARMUP} warm-up × {} rounds per thread count (interleaved); threads {counts:?}",
+            c.layers, c.d_model, c.seq_len, a.steps, a.rounds
+        );
+        println!(
+            "{}",
+            table.line(&[
+                "model",
+                "batch",
+                "threads",
+                "median_ms",
+                "fwd_ms",
+                "bwd_ms",
+                "opt_ms",
+                "idle_ms",
+                "speedup",
+                "efficiency"
+            ])
+        );
+    }
+    for &batch in &a.batch {
+        anyhow::ensure!(batch >= 1, "--batch must be at least 1");
+        for m in &a.models {
+            let mut per_count: Vec<Vec<ChildReport>> = counts.iter().map(|_| Vec::new()).collect();
+            for r in 0..a.rounds {
+                // Round r starts at a different count, so none always runs first.
+                for i in (0..counts.len()).map(|j| (r + j) % counts.len()) {
+                    per_count[i].push(spawn(a, m, batch, counts[i])?);
+                }
+            }
+            let merged: Vec<Merged> = per_count.into_iter().map(merge).collect();
+            // The 1-thread time (or the first count's, as if it scaled perfectly to it).
+            let base = merged[0].median_ms * counts[0] as f64;
+            for (m, &t) in merged.iter().zip(&counts) {
+                let speedup = base / m.median_ms;
+                let eff = speedup / t as f64;
+                if a.json {
+                    let rec = serde_json::json!({
+                        "model": m.r.model, "batch": batch, "seq_len": m.r.seq_len,
+                        "threads": t, "child_threads": m.r.threads,
+                        "median_ms": m.median_ms, "fwd_ms": m.fwd, "bwd_ms": m.bwd,
+                        "opt_ms": m.opt, "idle_ms": m.idle, "speedup": speedup,
+                        "efficiency": eff,
+                        "steps": a.steps * a.rounds, "loss": m.r.loss,
+                    });
+                    println!("{rec}");
+                } else {
+                    let row = [
+                        m.r.model.clone(),
+                        batch.to_string(),
+                        t.to_string(),
+                        format!("{:.2}", m.median_ms),
+                        format!("{:.2}", m.fwd),
+                        format!("{:.2}", m.bwd),
+                        format!("{:.2}", m.opt),
+                        format!("{:.2}", m.idle),
+                        format!("{speedup:.2}"),
+                        format!("{:.0}%", 100.0 * eff),
+                    ];
+                    println!("{}", table.line(&row));
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -112,7 +112,7 @@ pub trait Layer {
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
 
     fn zero_grad(&mut self) {
-        self.visit_params_mut(&mut |p| p.grad.fill(0.0));
+        self.visit_params_mut(&mut |p| crate::elementwise::zero(&mut p.grad));
     }
 
     /// Number of trainable scalars.

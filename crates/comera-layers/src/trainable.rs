@@ -64,7 +64,7 @@ pub trait Trainable: Model {
     type Error: std::error::Error + Send + Sync + 'static;
 
     fn zero_grad(&mut self) {
-        self.visit_params_mut(&mut |p| p.grad.fill(0.0));
+        self.visit_params_mut(&mut |p| crate::elementwise::zero(&mut p.grad));
     }
 
     /// Forward on the batch loaded in `st` to the mean loss and task statistics. With `train`,

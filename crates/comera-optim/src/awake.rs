@@ -12,7 +12,21 @@
 //! medians): rank 30 21.67 → 20.04 ms, rank 15 13.82 → 13.22 ms; batch 32 unchanged (a few
 //! sections of 10+ ms each); the default review run bit-identical.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Nanoseconds the pollers have found no work, summed over every poller since the process
+/// started: the time the pool's other workers waited (at the step's serial parts and at its
+/// barriers) instead of computing. Shared by every step in the process; a benchmark reads it
+/// around one step at a time ([`pool_idle`]).
+static IDLE_NS: AtomicU64 = AtomicU64::new(0);
+
+/// The pollers' idle time so far (see `IDLE_NS`); the difference over one step is the time
+/// its other workers waited, summed over them (a perfectly parallel step: zero; a serial one:
+/// (threads − 1) × its length).
+pub(crate) fn pool_idle() -> Duration {
+    Duration::from_nanos(IDLE_NS.load(Ordering::Relaxed))
+}
 
 /// Runs `f` on this worker while the pool's other workers poll for its parallel work instead
 /// of going to sleep between its parallel sections. Just runs `f` when `wanted` is false, off a
@@ -68,11 +82,23 @@ fn poll(me: usize, stop: &AtomicBool) {
     if rayon::current_thread_index() == Some(me) {
         return;
     }
+    // Since when this poller has found the queues empty (None: it has just worked). A stretch
+    // ends where the call that found work began (`asked`), not where that work ended.
+    let mut idle_since: Option<Instant> = None;
+    let mut idle = Duration::ZERO;
     while !stop.load(Ordering::Acquire) {
+        let asked = Instant::now();
         if let Some(rayon::Yield::Idle) = rayon::yield_now() {
+            idle_since.get_or_insert(asked);
             std::hint::spin_loop();
+        } else if let Some(t) = idle_since.take() {
+            idle += asked - t;
         }
     }
+    if let Some(t) = idle_since {
+        idle += t.elapsed();
+    }
+    IDLE_NS.fetch_add(idle.as_nanos() as u64, Ordering::Relaxed);
 }
 
 /// A value (the step closure, its result) that `rayon::join` only ever moves within the

@@ -82,6 +82,11 @@ pub struct StepReport {
     pub phases: [std::time::Duration; 3],
     /// Of which in collectives (data-parallel runs; zero otherwise).
     pub comm: std::time::Duration,
+    /// The time the pool's other workers found no work during the step, summed over them
+    /// (zero with one thread, or when they are not kept polling: see `awake.rs`). With p
+    /// threads and a step of wall time W, the other workers computed (p − 1)·W − idle.
+    /// Counted process-wide, so it is the step's own only while no other step runs.
+    pub pool_idle: std::time::Duration,
 }
 
 /// Everything a step needs besides the model and its batch state.
@@ -179,9 +184,12 @@ impl Stepper {
         // Not with several processes: they may share this machine's cores, and a poller would
         // spin on a core another process computes on.
         let keep_awake = self.data_parallel.is_none();
-        crate::awake::with_workers_awake(keep_awake, || {
+        let idle0 = crate::awake::pool_idle();
+        let mut r = crate::awake::with_workers_awake(keep_awake, || {
             self.step_body(model, st, step, micro, load_next)
-        })
+        })?;
+        r.pool_idle = crate::awake::pool_idle().saturating_sub(idle0);
+        Ok(r)
     }
 
     /// [`Stepper::step_accumulated`]'s work: forward and backward of each micro-batch, the
@@ -291,6 +299,7 @@ impl Stepper {
             lr_scale,
             phases: [forward, (t2 - t0).saturating_sub(forward), t3 - t2],
             comm: self.comm_time() - comm0,
+            pool_idle: std::time::Duration::ZERO, // set by the caller, around the pollers
         })
     }
 

@@ -384,7 +384,7 @@ impl Encoder {
     }
 
     pub fn zero_grad(&mut self) {
-        self.visit_params_mut(&mut |p| p.grad.fill(0.0));
+        self.visit_params_mut(&mut |p| comera_layers::elementwise::zero(&mut p.grad));
     }
 
     /// Trainable scalars.
