@@ -860,6 +860,8 @@ fn device_step<M: Trainable>(
         lr_scale,
         phases: [t0.elapsed(), Duration::ZERO, Duration::ZERO],
         comm: Duration::ZERO,
+        // The CPU pool does not take part in a device step.
+        pool_idle: Duration::ZERO,
     })
 }
 
