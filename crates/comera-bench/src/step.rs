@@ -68,6 +68,77 @@ pub struct StepArgs {
     /// With --scaling: these thread counts instead of 1, 2, 4, … up to the cores.
     #[arg(long, value_delimiter = ',')]
     threads_list: Vec<usize>,
+    /// `cuda` or `cuda:N`: the paper model's step on that GPU, captured once as a CUDA graph
+    /// and replayed (`--batch`, `--models` and `--json` apply; `--steps` timed replays, at
+    /// least 20; the shape flags, `--ops` and `--scaling` are the CPU's). Default `cpu`.
+    #[arg(long, default_value = "cpu")]
+    device: comera_train::DeviceSpec,
+}
+
+/// `bench step --device cuda:N`: the device step benchmark ([`comera_cuda::bench`]), a line
+/// per model and batch (or its JSON), then TT/TTM against dense at each batch.
+fn on_gpu(a: &StepArgs, ordinal: usize) -> anyhow::Result<ExitCode> {
+    let cpu_only = [
+        ("--seq-len", a.seq_len.is_some()),
+        ("--layers", a.layers.is_some()),
+        ("--d-model", a.d_model.is_some()),
+        ("--ffn", a.ffn.is_some()),
+        ("--heads", a.heads.is_some()),
+        ("--rank", a.rank.is_some()),
+        ("--ops", a.ops),
+        ("--scaling", a.scaling),
+    ];
+    if let Some((flag, _)) = cpu_only.iter().find(|f| f.1) {
+        anyhow::bail!("{flag}: the GPU step benchmark runs the paper model's shape only (--batch, --models, --steps, --json)");
+    }
+    for m in &a.models {
+        anyhow::ensure!(
+            m == "tt" || m == "dense",
+            "--models: `{m}` is neither tt nor dense"
+        );
+    }
+    let args = comera_cuda::bench::StepBenchArgs {
+        ordinal,
+        batches: a.batch.clone(),
+        replays: a.steps.max(20),
+        eager: 5,
+        tt: a.models.iter().any(|m| m == "tt"),
+        dense: a.models.iter().any(|m| m == "dense"),
+    };
+    let print = |r: &comera_cuda::bench::StepBenchRow| {
+        if a.json {
+            println!("{}", serde_json::to_string(r).unwrap_or_default());
+        } else {
+            println!(
+                "{:>5}  batch {:>3}  {:9.3} ms (min {:.3}, max {:.3}, {} replays)  eager {:9.3} ms  {:8.1} MiB  {}",
+                r.model,
+                r.batch,
+                r.graph_ms_median,
+                r.graph_ms_min,
+                r.graph_ms_max,
+                r.replays,
+                r.eager_ms_median,
+                r.device_mib_over_context,
+                r.gpu
+            );
+        }
+    };
+    let device = comera_train::DeviceSpec::Cuda(ordinal);
+    let rows = comera_cuda::bench::step_bench(&args, print)
+        .map_err(|source| comera_train::device::DeviceError::Cuda { device, source })?;
+    if !a.json {
+        for &b in &a.batch {
+            let ms = |m: &str| {
+                rows.iter()
+                    .find(|r| r.model == m && r.batch == b)
+                    .map(|r| r.graph_ms_median)
+            };
+            if let (Some(tt), Some(dense)) = (ms("tt"), ms("dense")) {
+                println!("batch {b}: TT/TTM {:.2}x faster than dense", dense / tt);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// What one child process measured.
@@ -314,6 +385,9 @@ fn merge(reports: Vec<ChildReport>) -> Merged {
 const TABLE: TextTable = TextTable(&[6, 5, 10, 9, 9, 9, 10, 11, 9, 10, 10, 10, 10, 11, 8, 6]);
 
 pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
+    if let Some(ordinal) = a.device.cuda_ordinal() {
+        return on_gpu(&a, ordinal);
+    }
     if a.ops {
         rayon::scope(|_| ops(&a))?;
         return Ok(ExitCode::SUCCESS);

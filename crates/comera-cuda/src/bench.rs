@@ -30,7 +30,8 @@ pub struct StepBenchArgs {
     pub replays: usize,
     /// Timed eager steps per model and batch.
     pub eager: usize,
-    /// The dense model too (the TT/TTM model's 2× baseline).
+    /// The TT/TTM model, and the dense one (its 2× baseline).
+    pub tt: bool,
     pub dense: bool,
 }
 
@@ -41,6 +42,7 @@ impl Default for StepBenchArgs {
             batches: vec![1, 32],
             replays: 50,
             eager: 5,
+            tt: true,
             dense: true,
         }
     }
@@ -80,7 +82,10 @@ pub fn step_bench(
     let dev = Device::open(a.ordinal)?;
     let (free0, total) = dev.memory()?;
     let base_used = total - free0;
-    let mut models = vec![("tt", EncoderConfig::default())];
+    let mut models = Vec::new();
+    if a.tt {
+        models.push(("tt", EncoderConfig::default()));
+    }
     if a.dense {
         models.push((
             "dense",

@@ -163,3 +163,22 @@ fn device_strings_flags_and_settings() {
     assert!(text.contains("train.device"), "names the field: {text}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `bench step --device cuda`: the paper model's step on the GPU, or, without one, status 2
+/// naming what is missing; the CPU benchmark's shape flags are refused there.
+#[test]
+fn the_step_benchmark_on_a_gpu_runs_or_names_what_is_missing() {
+    let (code, text) = comera(&["bench", "step", "--device", "cuda", "--seq-len", "64"]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("--seq-len: the GPU step benchmark"), "{text}");
+    let (code, text) = comera(&[
+        "bench", "step", "--device", "cuda", "--batch", "1", "--models", "tt", "--json",
+    ]);
+    if code == 0 {
+        println!("a GPU answered: {text}");
+        assert!(text.contains("\"graph_ms_median\""), "{text}");
+        return;
+    }
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("error: device cuda:0"), "{text}");
+}
