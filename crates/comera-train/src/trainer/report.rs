@@ -82,6 +82,17 @@ impl Reporter {
         self.event(&Event::Message(&msg));
     }
 
+    /// Takes the model's dense-equivalent size (for [`Reporter::ratio`]) and says its size.
+    pub(super) fn model_size(&mut self, model: &dyn Model) {
+        self.dense_params = model.dense_equivalent_params();
+        self.say(format!(
+            "      {} parameters ({} dense, {:.1}x compression)",
+            model.num_params(),
+            self.dense_params,
+            self.ratio(model)
+        ));
+    }
+
     /// The whole model's compression against its dense equivalent.
     pub(super) fn ratio(&self, model: &dyn Model) -> f64 {
         self.dense_params as f64 / model.num_params() as f64

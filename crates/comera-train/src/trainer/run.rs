@@ -120,15 +120,10 @@ impl<'t, T: Task> Loop<'t, T> {
         let lr_cores = optim.lr_cores;
         let total = total_steps(&epochs);
         let rank_cfg = resolve_rank_schedule(rank_cfg, total)?;
+        let ck = resume.as_ref();
         let (optimizer, rank, prog) =
-            restore(&mut model, optim, galore, &rank_cfg, resume.as_ref())?;
-        rep.dense_params = model.dense_equivalent_params();
-        rep.say(format!(
-            "      {} parameters ({} dense, {:.1}x compression)",
-            model.num_params(),
-            rep.dense_params,
-            rep.ratio(&model)
-        ));
+            restore(&mut model, optim, galore, &rank_cfg, ck, device.as_mut())?;
+        rep.model_size(&model);
         let phases = task.phases().to_vec();
         let schedule = lr_schedule(
             &cfg.train,
@@ -139,10 +134,6 @@ impl<'t, T: Task> Loop<'t, T> {
             &mut rep,
         );
         let mut stepper = Stepper::new(optimizer, rank, schedule, clip_norm, gate_threshold);
-        if let (Some(dev), true) = (device.as_mut(), resume.is_some()) {
-            // The checkpoint's parameters, moments and step count, onto the device.
-            dev.copy_from_host(&model, &stepper.optimizer)?;
-        }
         // Data-parallel (several processes): process 0 alone writes the run directory.
         stepper.data_parallel =
             crate::distributed::collective().map(comera_optim::DataParallel::new);
@@ -954,13 +945,14 @@ fn refuse_finished(out: &std::path::Path, epochs: usize, steps: u64) -> crate::R
 
 /// The optimiser and the rank schedule, fresh or as `resume` left them (the checkpoint's
 /// possibly truncated ranks are loaded first: the optimiser's state follows them), and the
-/// progress to go on from.
+/// progress to go on from; a device engine gets the checkpoint's state too.
 fn restore<M: Trainable>(
     model: &mut M,
     optim: comera_optim::AdamWConfig,
     galore: Option<comera_optim::GaLoreConfig>,
     rank_cfg: &comera_optim::rank::RankConfig,
     resume: Option<&checkpoint::Checkpoint>,
+    device: Option<&mut Box<dyn DeviceStep<M>>>,
 ) -> crate::Result<(Optimizer, RankController, Progress)> {
     if let Some(ck) = resume {
         ck.load_params(model)?;
@@ -971,6 +963,10 @@ fn restore<M: Trainable>(
             optimizer
                 .restore(&ck.optimizer, &mut |n, b| ck.opt_fill(n, b), model)
                 .map_err(|e| Error::run_with(ck.path.display().to_string(), e))?;
+            if let Some(dev) = device {
+                // The checkpoint's parameters, moments and step count, onto the device.
+                dev.copy_from_host(model, &optimizer)?;
+            }
             (optimizer, ck.rank.clone(), ck.progress.clone())
         }
         None => {
