@@ -1,5 +1,5 @@
 //! The integration tests of this crate as one test binary, a module a file: one link of
-//! the engine instead of one a file (the release build links each test binary with LTO).
+//! the engine instead of one a file (each test binary links the whole engine).
 
 mod common;
 mod fused_ffn;
