@@ -70,9 +70,8 @@ pub trait DeviceStep<M: Trainable> {
 #[derive(Clone, Debug)]
 pub struct DeviceRun {
     pub device: DeviceSpec,
+    /// The optimiser's settings, its clipping (`clip_norm`) among them.
     pub optim: AdamWConfig,
-    /// Clip the global gradient norm to this (0: no clipping).
-    pub clip_norm: f32,
     /// Sequences per step, and tokens per sequence.
     pub batch: usize,
     pub seq_len: usize,
@@ -160,7 +159,7 @@ impl CudaEncoder {
             beta1: o.beta1,
             beta2: o.beta2,
             eps: o.eps,
-            max_grad_norm: run.clip_norm,
+            max_grad_norm: o.clip_norm,
             // The rank schedule is off (check_run): the gates are constants, nothing freezes.
             freeze_gates_at: None,
             train_gates: false,

@@ -249,7 +249,6 @@ fn encoder_device(
     let run = DeviceRun {
         device,
         optim: cfg.optim.clone(),
-        clip_norm: cfg.optim.clip_norm,
         batch: phase.batch_size,
         seq_len: phase.seq_len,
         seed: cfg.train.seed,
