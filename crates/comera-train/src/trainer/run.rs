@@ -322,34 +322,37 @@ impl<'t, T: Task> Loop<'t, T> {
         i: usize,
     ) -> crate::Result<Option<StepReport>> {
         let ts = Instant::now();
-        if let Some(dev) = self.device.as_mut() {
-            let r = device_step(
-                dev.as_mut(),
-                &mut self.stepper,
-                &mut self.model,
-                &self.st,
-                self.prog.step,
-            )
-            .map_err(|e| match e {
-                Error::Step(e) => Error::run_with(format!("epoch {}", epoch + 1), e),
-                e => e,
-            })?;
-            self.host_in_step = false;
-            self.step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
-            self.prog.step += 1;
-            self.prog.batch_in_epoch = i;
-            return Ok(Some(r));
-        }
-        let mut load_next = |st: &mut _| batches.next_into(st).map_err(Into::into);
-        let r = match self.stepper.step_accumulated(
-            &mut self.model,
-            &mut self.st,
-            self.prog.step,
-            self.cfg.train.accumulate_steps,
-            &mut load_next,
-        ) {
-            Err(comera_optim::StepError::EndOfData) => return Ok(None),
-            r => r.map_err(|e| Error::run_with(format!("epoch {}", epoch + 1), e))?,
+        let in_epoch = |e| Error::run_with(format!("epoch {}", epoch + 1), e);
+        let r = match self.device.as_mut() {
+            Some(dev) => {
+                let step = self.prog.step;
+                let r = device_step(
+                    dev.as_mut(),
+                    &mut self.stepper,
+                    &mut self.model,
+                    &self.st,
+                    step,
+                )
+                .map_err(|e| match e {
+                    Error::Step(e) => in_epoch(e),
+                    e => e,
+                })?;
+                self.host_in_step = false;
+                r
+            }
+            None => {
+                let mut load_next = |st: &mut _| batches.next_into(st).map_err(Into::into);
+                match self.stepper.step_accumulated(
+                    &mut self.model,
+                    &mut self.st,
+                    self.prog.step,
+                    self.cfg.train.accumulate_steps,
+                    &mut load_next,
+                ) {
+                    Err(comera_optim::StepError::EndOfData) => return Ok(None),
+                    r => r.map_err(in_epoch)?,
+                }
+            }
         };
         self.step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
         self.window.1 += r.comm.as_secs_f64();
