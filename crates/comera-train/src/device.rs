@@ -182,17 +182,6 @@ impl CudaEncoder {
         }
     }
 
-    /// The host optimiser's AdamW state (GaLore is refused by [`check_run`]).
-    fn adamw<'o>(
-        &self,
-        optimizer: &'o mut Optimizer,
-    ) -> Result<&'o mut comera_optim::AdamW, DeviceError> {
-        match optimizer {
-            Optimizer::AdamW(adam) => Ok(adam),
-            Optimizer::GaLore(_) => Err(self.not_yet_galore()),
-        }
-    }
-
     fn cuda(&self) -> impl Fn(CudaError) -> DeviceError + '_ {
         |source| DeviceError::Cuda {
             device: self.device,
@@ -246,7 +235,10 @@ impl DeviceStep<Encoder> for CudaEncoder {
     ) -> Result<(), DeviceError> {
         self.session.download_into(model).map_err(self.cuda())?;
         let (moments, t) = self.session.moments().map_err(self.cuda())?;
-        let adam = self.adamw(optimizer)?;
+        let adam = match optimizer {
+            Optimizer::AdamW(adam) => adam,
+            Optimizer::GaLore(_) => return Err(self.not_yet_galore()),
+        };
         // The arena holds the model's parameters in the model's order (`EncoderPlan::new`).
         for (i, (name, m, v)) in moments.into_iter().enumerate() {
             match (adam.m.get_mut(i), adam.v.get_mut(i)) {
