@@ -100,6 +100,25 @@ impl<'a> MatRef<'a> {
     pub fn cols(&self) -> usize {
         self.cols
     }
+
+    /// Rows `[a, b)` of this view (any strides; no copy).
+    pub fn row_range(self, a: usize, b: usize) -> Self {
+        assert!(
+            a <= b && b <= self.rows,
+            "rows {a}..{b} of a {}-row view",
+            self.rows
+        );
+        if a == b {
+            return MatRef { rows: 0, ..self };
+        }
+        MatRef::strided(
+            &self.data[a * self.rs..],
+            b - a,
+            self.cols,
+            self.rs,
+            self.cs,
+        )
+    }
 }
 
 impl<'a> MatMut<'a> {

@@ -9,13 +9,59 @@
 //! Backward peels dH_c off dL and dR through the saved chain entries:
 //!   dH_c = left[c-1]ᵀ·dL_c,  dL_{c-1} = dL_c·H_cᵀ   (dL_c viewed as P_c × n_c·r_{c+1})
 //!   dH_c = dR_c·right[c+1]ᵀ, dR_{c+1} = H_cᵀ·dR_c   (dR_c viewed as r_c·s_c × Q_{c+1})
-//! The two chains (and the two peels) are independent: they run as two rayon tasks, each
-//! product on its task's thread (`matmul_serial`). Their products are small (at most
-//! N·r² multiply-adds), too small to thread one by one, so side by side is how they use two
-//! cores; the bits do not depend on the thread count.
+//! The two chains (and the two peels) are independent: they run as two rayon tasks. Their
+//! products are small (at most N·r² multiply-adds), too small to thread one by one, but the
+//! chains are lopsided: for the paper's 768 → 3,072 layer the right chain's last product
+//! (480 × 30 · 30 × 192, 2.8 M multiply-adds) is 3.6× the whole left chain, so with one task
+//! a chain the second core idled for most of it. So each product is also cut into row pieces
+//! of about `PIECE_MACS` multiply-adds (`product`), and a peel's two products per core run as
+//! two tasks: the work a layer call forks is then a dozen pieces of similar size, which two or
+//! more cores share evenly. Every piece is single-threaded (`matmul_serial`) and the cut
+//! depends on the shapes alone, so the bits do not depend on the thread count.
 
 use super::pool::{Lease, Lent, Scratch};
 use comera_tensor::{matmul_serial, MatMut, MatRef, TtShape};
+use rayon::prelude::*;
+
+/// Multiply-adds of one row piece of a chain product (see the module doc): large enough that
+/// a piece outweighs the fork that hands it to another core (a few µs with the step's pool
+/// awake), small enough that a 2.8 M product makes four.
+const PIECE_MACS: usize = 1 << 19;
+
+/// Most pieces one chain product is cut into.
+const MAX_PIECES: usize = 4;
+
+/// C = A·B into the first A.rows × B.cols elements of `c` (row-major), its rows cut into
+/// pieces of about [`PIECE_MACS`] multiply-adds (at most [`MAX_PIECES`], fixed by the shapes)
+/// that run as rayon tasks, each single-threaded. Each row of C is one piece's, computed the
+/// same way whichever thread runs it.
+fn product(c: &mut [f32], a: MatRef<'_>, b: MatRef<'_>) {
+    let (m, n) = (a.rows(), b.cols());
+    let c = &mut c[..m * n];
+    let pieces = (m * a.cols() * n)
+        .div_ceil(PIECE_MACS)
+        .clamp(1, MAX_PIECES.min(m.max(1)));
+    if pieces == 1 {
+        matmul_serial(MatMut::new(c, m, n), a, b, false);
+        return;
+    }
+    let rows = m.div_ceil(pieces);
+    c.par_chunks_mut(rows * n).enumerate().for_each(|(i, c)| {
+        let (r0, r) = (i * rows, c.len() / n);
+        matmul_serial(MatMut::new(c, r, n), a.row_range(r0, r0 + r), b, false);
+    });
+}
+
+/// Two products that read the same operands, as two tasks when together they make more than
+/// one piece (a peel's dH_c and the next gradient).
+fn both(macs: usize, first: impl FnOnce() + Send, second: impl FnOnce() + Send) {
+    if macs > PIECE_MACS {
+        rayon::join(first, second);
+    } else {
+        first();
+        second();
+    }
+}
 
 /// The chain layout of one layer: the lengths of its chain products and of their gradient
 /// scratch (ping-pong pairs), which its owner lends from the thread's scratch pool for a call
@@ -125,6 +171,12 @@ impl Chains {
         }
     }
 
+    /// How many of the chain products are the left chain's (p; the right chain's follow, R
+    /// first).
+    pub fn left_len(&self) -> usize {
+        self.pre.len() - 1
+    }
+
     /// Lengths of the chain products (for `build`).
     pub fn product_lens(&self) -> &[usize] {
         &self.products
@@ -142,7 +194,7 @@ impl Chains {
         products: &'a mut [Scratch],
         grads: &'a mut [Scratch],
     ) -> LentChains<'a> {
-        let (left, right) = products.split_at_mut(self.pre.len() - 1);
+        let (left, right) = products.split_at_mut(self.left_len());
         let (dl, dr) = grads.split_at_mut(grads.len() / 2);
         LentChains {
             pre: &self.pre,
@@ -206,11 +258,10 @@ fn build_left(shape: &TtShape, h: &[Scratch], pre: &[usize], left: &mut [Scratch
     for c in 1..p {
         let (done, rest) = left.split_at_mut(c);
         let w = shape.mode(c) * r[c + 1];
-        matmul_serial(
-            MatMut::new(&mut rest[0], pre[c], w),
+        product(
+            &mut rest[0],
             MatRef::new(&done[c - 1], pre[c], r[c]),
             MatRef::new(&h[c], r[c], w),
-            false,
         );
     }
 }
@@ -222,11 +273,10 @@ fn build_right(shape: &TtShape, h: &[Scratch], right: &mut [Scratch]) {
     for c in (p..k - 1).rev() {
         let (head, tail) = right.split_at_mut(c + 1 - p);
         let qn = q_of(shape, c + 1);
-        matmul_serial(
-            MatMut::new(&mut head[c - p], r[c] * shape.mode(c), qn),
+        product(
+            &mut head[c - p],
             MatRef::new(&h[c], r[c] * shape.mode(c), r[c + 1]),
             MatRef::new(&tail[0], r[c + 1], qn),
-            false,
         );
     }
 }
@@ -246,17 +296,11 @@ fn peel_left(
     for c in (1..p).rev() {
         let w = shape.mode(c) * r[c + 1];
         let dlc = MatRef::new(&cur[..pre[c] * w], pre[c], w);
-        matmul_serial(
-            MatMut::new(&mut dh_in[c], r[c], w),
-            MatRef::new(&left[c - 1], pre[c], r[c]).t(),
-            dlc,
-            false,
-        );
-        matmul_serial(
-            MatMut::new(&mut next[..pre[c] * r[c]], pre[c], r[c]),
-            dlc,
-            MatRef::new(&h[c], r[c], w).t(),
-            false,
+        let (dhc, next_dl) = (&mut dh_in[c], &mut **next);
+        both(
+            2 * pre[c] * r[c] * w,
+            || product(dhc, MatRef::new(&left[c - 1], pre[c], r[c]).t(), dlc),
+            || product(next_dl, dlc, MatRef::new(&h[c], r[c], w).t()),
         );
         std::mem::swap(&mut cur, &mut next);
     }
@@ -280,17 +324,11 @@ fn peel_right(
         let qn = q_of(shape, c + 1);
         let drc = MatRef::new(&cur[..rows * qn], rows, qn);
         let right_next = MatRef::new(&right[c + 1 - p], r[c + 1], qn);
-        matmul_serial(
-            MatMut::new(&mut dh_out[c - p], rows, r[c + 1]),
-            drc,
-            right_next.t(),
-            false,
-        );
-        matmul_serial(
-            MatMut::new(&mut next[..r[c + 1] * qn], r[c + 1], qn),
-            MatRef::new(&h[c], rows, r[c + 1]).t(),
-            drc,
-            false,
+        let (dhc, next_dr) = (&mut dh_out[c - p], &mut **next);
+        both(
+            2 * rows * r[c + 1] * qn,
+            || product(dhc, drc, right_next.t()),
+            || product(next_dr, MatRef::new(&h[c], rows, r[c + 1]).t(), drc),
         );
         std::mem::swap(&mut cur, &mut next);
     }

@@ -306,8 +306,8 @@ fn size_surrogate_gradient_matches_finite_differences() {
 
 #[test]
 fn merged_path_at_small_batches_gives_the_same_bits_on_any_thread_count() {
-    // The paper's attention shape at 128 rows: the chains, their peels and the backward's
-    // independent products run as two single-threaded tasks, whatever the pool size.
+    // The paper's attention shape at 128 rows and small ranks: the chains, their peels and the
+    // backward's independent products run as two single-threaded tasks, whatever the pool size.
     let mut rng = init::rng(31);
     let layer = random_tt(
         &mut rng,
@@ -320,6 +320,29 @@ fn merged_path_at_small_batches_gives_the_same_bits_on_any_thread_count() {
     let x = random_vec(&mut rng, batch * 768);
     let dy = random_vec(&mut rng, batch * 768);
     merged_on_any_thread_count(&layer, batch, &x, &dy);
+}
+
+#[test]
+fn chains_cut_into_row_pieces_agree_with_dense_and_give_the_same_bits_on_any_thread_count() {
+    // The paper's FFN up shape (768 → 3,072) at rank 30 and 128 rows: the right chain's last
+    // product (480 × 30 · 30 × 192) and its peel run in four row pieces each, the left
+    // chain's last (96 × 30 · 30 × 240) in two, on whichever threads take them.
+    let mut rng = init::rng(41);
+    let ranks = [1, 30, 30, 30, 30, 30, 1];
+    let mut layer = random_tt(&mut rng, &[12, 8, 8], &[16, 16, 12], &ranks, true);
+    for c in &mut layer.cores {
+        init::fill_normal(&mut rng, &mut c.value, 0.2);
+    }
+    let batch = 128;
+    let x = random_vec(&mut rng, batch * 768);
+    let dy = random_vec(&mut rng, batch * 3072);
+    let base = merged_on_any_thread_count(&layer, batch, &x, &dy);
+    let dense = run(&layer, TtPath::Dense, batch, &x, &dy);
+    assert_close("y", &base.y, &dense.y, 1e-4);
+    assert_close("dx", &base.dx, &dense.dx, 1e-4);
+    for (k, (a, b)) in base.params.iter().zip(&dense.params).enumerate() {
+        assert_close(&format!("param {k}"), a, b, 1e-4);
+    }
 }
 
 #[test]
