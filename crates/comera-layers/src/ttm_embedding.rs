@@ -31,7 +31,8 @@ use crate::compress;
 use crate::embedding::{check_ids, EmbeddingError, EmbeddingLayer};
 use crate::{LayerError, Param, ParamKind, RankGates};
 use comera_tensor::permute::permute;
-use comera_tensor::{init, matmul, MatMut, MatRef, TtmShape};
+use comera_tensor::{init, matmul, matmul_serial, MatMut, MatRef, TtmShape};
+use rayon::prelude::*;
 
 /// Which lookup a workspace runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -391,7 +392,7 @@ impl Layout {
             let (prev, cur) = rec.split_at_mut(self.lofs[k]);
             let rows = self.eprefix[k];
             let w = e[k] * r[k + 1];
-            matmul(
+            matmul_serial(
                 MatMut::new(&mut cur[..rows * w], rows, w),
                 MatRef::new(&prev[self.lofs[k - 1]..], rows, r[k]),
                 MatRef::new(self.slab(h, k, self.digit(id, k)), r[k], w),
@@ -414,7 +415,7 @@ impl Layout {
             let (head, tail) = rec.split_at_mut(self.rofs[k + 1 - s]);
             let cols = self.esuffix[k + 1];
             let o = self.rofs[k - s];
-            matmul(
+            matmul_serial(
                 MatMut::new(&mut head[o..o + r[k] * e[k] * cols], r[k] * e[k], cols),
                 MatRef::new(self.slab(h, k, self.digit(id, k)), r[k] * e[k], r[k + 1]),
                 MatRef::new(tail, r[k + 1], cols),
@@ -463,7 +464,8 @@ impl Layout {
         }
     }
 
-    /// Backward of `right_chain`: from dB_split in `d[0]`, accumulates into the slabs of dH.
+    /// Backward of `right_chain`: from dB_split in `d[0]`, accumulates into the slabs of dH of
+    /// cores split..p (`dh`, core k at index k − split).
     fn right_chain_back(
         &self,
         h: &[Vec<f32>],
@@ -487,7 +489,11 @@ impl Layout {
             let o = self.rofs[k + 1 - s];
             let b_next = MatRef::new(&rec[o..], r[k + 1], cols);
             matmul(
-                MatMut::new(&mut dh[k][i * slab_len..(i + 1) * slab_len], rows, r[k + 1]),
+                MatMut::new(
+                    &mut dh[k - s][i * slab_len..(i + 1) * slab_len],
+                    rows,
+                    r[k + 1],
+                ),
                 db,
                 b_next.t(),
                 true,
@@ -502,7 +508,7 @@ impl Layout {
         }
         let i = self.digit(id, p - 1);
         let n = self.slab[p - 1];
-        for (g, v) in dh[p - 1][i * n..(i + 1) * n].iter_mut().zip(cur.iter()) {
+        for (g, v) in dh[p - 1 - s][i * n..(i + 1) * n].iter_mut().zip(cur.iter()) {
             *g += v;
         }
     }
@@ -565,6 +571,9 @@ struct Optimized {
     left_ids: Vec<u32>,  // a representative id per left slot
     right_ids: Vec<u32>, // a representative id per right slot
     rorder: Vec<u64>,    // right key << 32 | unique index, sorted
+    lseg: Vec<u32>,      // left slot j holds uniques lseg[j]..lseg[j+1] (uleft is sorted)
+    rseg: Vec<u32>,      // right slot j holds the uniques of rorder[rseg[j]..rseg[j+1]]
+    token_u: Vec<u32>,   // the unique index of each token
     rrec_at: usize,      // offset of the right records in `rec` (left slots × lper)
     rows: Vec<f32>,      // unique × D
     drows: Vec<f32>,     // unique × D
@@ -595,7 +604,8 @@ pub struct TtmWorkspace {
     h: Vec<Vec<f32>>,
     dh: Vec<Vec<f32>>,
     scratch_core: Vec<f32>,
-    d: [Vec<f32>; 2],
+    /// Gradient ping-pong scratch of the chain backward, one pair per half (left, right).
+    d: [[Vec<f32>; 2]; 2],
     /// Chain records, saved for the backward: naive: tokens × lper (split = p); optimised:
     /// left slots × lper, then right slots × rper. One buffer, sized for the larger.
     rec: Vec<f32>,
@@ -656,6 +666,9 @@ impl TtmWorkspace {
                     left_ids: Vec::with_capacity(n_left),
                     right_ids: Vec::with_capacity(n_right),
                     rorder: Vec::with_capacity(unique),
+                    lseg: Vec::with_capacity(n_left + 1),
+                    rseg: Vec::with_capacity(n_right + 1),
+                    token_u: Vec::with_capacity(tokens),
                     rrec_at: n_left * layout.lper,
                     rows: vec![0.0; unique * d],
                     drows: vec![0.0; unique * d],
@@ -679,7 +692,7 @@ impl TtmWorkspace {
             dh: h.clone(),
             h,
             scratch_core: vec![0.0; maxcore],
-            d: [vec![0.0; dmax], vec![0.0; dmax]],
+            d: std::array::from_fn(|_| [vec![0.0; dmax], vec![0.0; dmax]]),
             rec: vec![0.0; naive_rec.max(opt_rec)],
             opt,
         }
@@ -713,13 +726,14 @@ impl TtmWorkspace {
         let mut f = v(&self.h)
             + v(&self.dh)
             + self.scratch_core.capacity()
-            + v(&self.d)
+            + self.d.iter().map(|d| v(d)).sum::<usize>()
             + self.rec.capacity();
         let mut pairs = 0;
         if let Some(o) = &self.opt {
             f += o.rows.capacity() + o.drows.capacity() + o.dlp.capacity() + o.drp.capacity();
             f += o.uniq.capacity() + o.seg.capacity() + o.uleft.capacity() + o.uright.capacity();
-            f += o.left_ids.capacity() + o.right_ids.capacity();
+            f += o.left_ids.capacity() + o.right_ids.capacity() + o.token_u.capacity();
+            f += o.lseg.capacity() + o.rseg.capacity();
             pairs += o.order.capacity() + o.rorder.capacity();
         }
         4 * f + 8 * pairs
@@ -747,18 +761,28 @@ impl Optimized {
             }
         }
         self.seg.push(self.order.len() as u32);
+        self.token_u.clear();
+        self.token_u.resize(self.order.len(), 0);
+        for (u, w) in self.seg.windows(2).enumerate() {
+            for &entry in &self.order[w[0] as usize..w[1] as usize] {
+                self.token_u[token_of(entry)] = u as u32;
+            }
+        }
         // Left keys are non-decreasing along sorted ids.
         self.uleft.clear();
         self.left_ids.clear();
+        self.lseg.clear();
         let mut last_key = usize::MAX;
-        for &id in &self.uniq {
+        for (u, &id) in self.uniq.iter().enumerate() {
             let (lk, _) = layout.keys(id as usize);
             if lk != last_key {
                 self.left_ids.push(id);
+                self.lseg.push(u as u32);
                 last_key = lk;
             }
             self.uleft.push((self.left_ids.len() - 1) as u32);
         }
+        self.lseg.push(self.uniq.len() as u32);
         // Right keys: sort (key, unique index) pairs.
         self.rorder.clear();
         self.rorder.extend(
@@ -771,15 +795,18 @@ impl Optimized {
         self.uright.clear();
         self.uright.resize(self.uniq.len(), 0);
         self.right_ids.clear();
+        self.rseg.clear();
         let mut last_key = u64::MAX;
-        for &entry in &self.rorder {
+        for (at, &entry) in self.rorder.iter().enumerate() {
             let (rk, u) = (entry >> 32, entry & 0xffff_ffff);
             if rk != last_key {
                 self.right_ids.push(self.uniq[u as usize]);
+                self.rseg.push(at as u32);
                 last_key = rk;
             }
             self.uright[u as usize] = (self.right_ids.len() - 1) as u32;
         }
+        self.rseg.push(self.rorder.len() as u32);
     }
 }
 
@@ -831,44 +858,57 @@ impl EmbeddingLayer for TtmEmbedding {
                 }
             }
         };
+        let h = &ws.h;
         if ws.chosen == Lookup::Naive {
             let l = &ws.naive_layout;
-            for ((rec, row), &id) in ws
-                .rec
-                .chunks_exact_mut(l.lper)
-                .zip(y.chunks_exact_mut(d))
+            ws.rec[..ids.len() * l.lper]
+                .par_chunks_exact_mut(l.lper)
+                .zip(y.par_chunks_exact_mut(d))
                 .zip(ids)
-            {
-                l.left_chain(&ws.h, id as usize, rec);
-                row.copy_from_slice(l.lp(rec));
-            }
+                .for_each(|((rec, row), &id)| {
+                    l.left_chain(h, id as usize, rec);
+                    row.copy_from_slice(l.lp(rec));
+                });
             return Ok(());
         }
         let (l, o) = (&ws.layout, ws.opt.as_mut().expect("an optimised workspace"));
         let (lrec, rrec) = ws.rec.split_at_mut(o.rrec_at);
-        for (rec, &id) in lrec.chunks_exact_mut(l.lper).zip(&o.left_ids) {
-            l.left_chain(&ws.h, id as usize, rec);
-        }
-        for (rec, &id) in rrec.chunks_exact_mut(l.rper).zip(&o.right_ids) {
-            l.right_chain(&ws.h, id as usize, rec);
-        }
+        let (lrec, rrec) = (
+            &mut lrec[..o.left_ids.len() * l.lper],
+            &mut rrec[..o.right_ids.len() * l.rper],
+        );
+        // Every distinct half once, each on one thread (they write their own records).
+        rayon::join(
+            || {
+                (lrec.par_chunks_exact_mut(l.lper).zip(&o.left_ids))
+                    .for_each(|(rec, &id)| l.left_chain(h, id as usize, rec))
+            },
+            || {
+                (rrec.par_chunks_exact_mut(l.rper).zip(&o.right_ids))
+                    .for_each(|(rec, &id)| l.right_chain(h, id as usize, rec))
+            },
+        );
         let s = l.split;
         let (el, er, rs) = (l.eprefix[s], l.esuffix[s], l.r[s]);
-        for u in 0..o.uniq.len() {
-            let lrec = &lrec[o.uleft[u] as usize * l.lper..][..l.lper];
-            let rrec = &rrec[o.uright[u] as usize * l.rper..][..l.rper];
-            let row = &mut o.rows[u * d..(u + 1) * d];
-            matmul(
-                MatMut::new(row, el, er),
-                MatRef::new(l.lp(lrec), el, rs),
-                MatRef::new(l.rp(rrec), rs, er),
-                false,
-            );
-            for &entry in &o.order[o.seg[u] as usize..o.seg[u + 1] as usize] {
-                let t = token_of(entry);
-                y[t * d..(t + 1) * d].copy_from_slice(row);
-            }
-        }
+        let (lrec, rrec) = (&*lrec, &*rrec);
+        let (uleft, uright) = (&o.uleft, &o.uright);
+        o.rows[..uleft.len() * d]
+            .par_chunks_exact_mut(d)
+            .enumerate()
+            .for_each(|(u, row)| {
+                let lrec = &lrec[uleft[u] as usize * l.lper..][..l.lper];
+                let rrec = &rrec[uright[u] as usize * l.rper..][..l.rper];
+                matmul_serial(
+                    MatMut::new(row, el, er),
+                    MatRef::new(l.lp(lrec), el, rs),
+                    MatRef::new(l.rp(rrec), rs, er),
+                    false,
+                );
+            });
+        let rows = &o.rows;
+        y.par_chunks_exact_mut(d)
+            .zip(&o.token_u)
+            .for_each(|(out, &u)| out.copy_from_slice(&rows[u as usize * d..][..d]));
         Ok(())
     }
 
@@ -894,8 +934,8 @@ impl EmbeddingLayer for TtmEmbedding {
         if ws.chosen == Lookup::Naive {
             let l = &ws.naive_layout;
             for ((rec, g), &id) in ws.rec.chunks_exact(l.lper).zip(dy.chunks_exact(d)).zip(ids) {
-                ws.d[0][..d].copy_from_slice(g);
-                l.left_chain_back(&ws.h, &mut ws.dh, id as usize, rec, &mut ws.d);
+                ws.d[0][0][..d].copy_from_slice(g);
+                l.left_chain_back(&ws.h, &mut ws.dh, id as usize, rec, &mut ws.d[0]);
             }
         } else {
             let l = &ws.layout;
@@ -903,65 +943,81 @@ impl EmbeddingLayer for TtmEmbedding {
             let (lrec, rrec) = ws.rec.split_at(o.rrec_at);
             let s = l.split;
             let (el, er, rs) = (l.eprefix[s], l.esuffix[s], l.r[s]);
-            let nu = o.uniq.len();
+            let (seg, order) = (&o.seg, &o.order);
             // dRow_u = Σ_{tokens of u} dY[t], in token order.
-            for u in 0..nu {
-                let acc = &mut o.drows[u * d..(u + 1) * d];
-                acc.fill(0.0);
-                for &entry in &o.order[o.seg[u] as usize..o.seg[u + 1] as usize] {
-                    let t = token_of(entry);
-                    for (a, g) in acc.iter_mut().zip(&dy[t * d..(t + 1) * d]) {
-                        *a += g;
+            o.drows[..o.uniq.len() * d]
+                .par_chunks_exact_mut(d)
+                .enumerate()
+                .for_each(|(u, acc)| {
+                    acc.fill(0.0);
+                    for &entry in &order[seg[u] as usize..seg[u + 1] as usize] {
+                        let t = token_of(entry);
+                        for (a, g) in acc.iter_mut().zip(&dy[t * d..(t + 1) * d]) {
+                            *a += g;
+                        }
                     }
-                }
-            }
-            // dLp += dRow·Rpᵀ, dRp += Lpᵀ·dRow, in unique-id order.
+                });
+            // dLp = Σ dRow·Rpᵀ over the uniques of each left slot and dRp = Σ Lpᵀ·dRow over
+            // those of each right slot, each slot on one thread summing in unique-id order.
             let (nl, nr) = (o.left_ids.len(), o.right_ids.len());
-            o.dlp[..nl * el * rs].fill(0.0);
-            o.drp[..nr * rs * er].fill(0.0);
-            for u in 0..nu {
-                let (ls, rsl) = (o.uleft[u] as usize, o.uright[u] as usize);
-                let drow = MatRef::new(&o.drows[u * d..(u + 1) * d], el, er);
-                let lp = MatRef::new(l.lp(&lrec[ls * l.lper..][..l.lper]), el, rs);
-                let rp = MatRef::new(l.rp(&rrec[rsl * l.rper..][..l.rper]), rs, er);
-                matmul(
-                    MatMut::new(&mut o.dlp[ls * el * rs..(ls + 1) * el * rs], el, rs),
-                    drow,
-                    rp.t(),
-                    true,
-                );
-                if s < l.p {
-                    matmul(
-                        MatMut::new(&mut o.drp[rsl * rs * er..(rsl + 1) * rs * er], rs, er),
-                        lp.t(),
-                        drow,
-                        true,
-                    );
-                }
-            }
-            for (slot, &id) in o.left_ids.iter().enumerate() {
-                ws.d[0][..el * rs].copy_from_slice(&o.dlp[slot * el * rs..(slot + 1) * el * rs]);
-                l.left_chain_back(
-                    &ws.h,
-                    &mut ws.dh,
-                    id as usize,
-                    &lrec[slot * l.lper..][..l.lper],
-                    &mut ws.d,
-                );
-            }
-            if s < l.p {
-                for (slot, &id) in o.right_ids.iter().enumerate() {
-                    ws.d[0][..rs * er]
-                        .copy_from_slice(&o.drp[slot * rs * er..(slot + 1) * rs * er]);
-                    l.right_chain_back(
-                        &ws.h,
-                        &mut ws.dh,
-                        id as usize,
-                        &rrec[slot * l.rper..][..l.rper],
-                        &mut ws.d,
-                    );
-                }
-            }
+            let (drows, uleft, uright) = (&o.drows, &o.uleft, &o.uright);
+            let drow = |u: usize| MatRef::new(&drows[u * d..(u + 1) * d], el, er);
+            let lp = |ls: usize| MatRef::new(l.lp(&lrec[ls * l.lper..][..l.lper]), el, rs);
+            let rp = |rsl: usize| MatRef::new(l.rp(&rrec[rsl * l.rper..][..l.rper]), rs, er);
+            let (lseg, rseg, rorder) = (&o.lseg, &o.rseg, &o.rorder);
+            let (dlp, drp) = (&mut o.dlp[..nl * el * rs], &mut o.drp[..nr * rs * er]);
+            rayon::join(
+                || {
+                    dlp.par_chunks_exact_mut(el * rs)
+                        .enumerate()
+                        .for_each(|(ls, dlp)| {
+                            let uniques = lseg[ls] as usize..lseg[ls + 1] as usize;
+                            for (i, u) in uniques.enumerate() {
+                                let out = MatMut::new(dlp, el, rs);
+                                matmul_serial(out, drow(u), rp(uright[u] as usize).t(), i > 0);
+                            }
+                        })
+                },
+                || {
+                    if s == l.p {
+                        return; // no right half
+                    }
+                    drp.par_chunks_exact_mut(rs * er)
+                        .enumerate()
+                        .for_each(|(rsl, drp)| {
+                            let entries = &rorder[rseg[rsl] as usize..rseg[rsl + 1] as usize];
+                            for (i, &entry) in entries.iter().enumerate() {
+                                let u = (entry & 0xffff_ffff) as usize;
+                                let out = MatMut::new(drp, rs, er);
+                                matmul_serial(out, lp(uleft[u] as usize).t(), drow(u), i > 0);
+                            }
+                        })
+                },
+            );
+            // Through the chains into the slabs: the left halves touch cores 0..s and the right
+            // halves cores s..p, so the two sides run side by side (each in slot order).
+            let (dh_left, dh_right) = ws.dh.split_at_mut(s);
+            let [d_left, d_right] = &mut ws.d;
+            let h = &ws.h;
+            rayon::join(
+                || {
+                    for (slot, &id) in o.left_ids.iter().enumerate() {
+                        d_left[0][..el * rs].copy_from_slice(&dlp[slot * el * rs..][..el * rs]);
+                        let rec = &lrec[slot * l.lper..][..l.lper];
+                        l.left_chain_back(h, dh_left, id as usize, rec, d_left);
+                    }
+                },
+                || {
+                    if s == l.p {
+                        return; // no right half
+                    }
+                    for (slot, &id) in o.right_ids.iter().enumerate() {
+                        d_right[0][..rs * er].copy_from_slice(&drp[slot * rs * er..][..rs * er]);
+                        let rec = &rrec[slot * l.rper..][..l.rper];
+                        l.right_chain_back(h, dh_right, id as usize, rec, d_right);
+                    }
+                },
+            );
         }
         self.accumulate_core_grads(ws);
     }
