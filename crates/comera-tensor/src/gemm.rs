@@ -138,6 +138,56 @@ impl<'a> MatMut<'a> {
             cs,
         }
     }
+
+    /// Rows `[0, at)` and `[at, rows)` as two views. A row's elements must lie before the next
+    /// row's (row-major with any row stride, `(cols − 1)·cs < rs`): panics otherwise.
+    pub fn split_rows(self, at: usize) -> (MatMut<'a>, MatMut<'a>) {
+        let MatMut {
+            data,
+            rows,
+            cols,
+            rs,
+            cs,
+        } = self;
+        assert!(at <= rows, "row {at} of a {rows}-row view");
+        assert!(
+            rows < 2 || cols == 0 || (cols - 1) * cs < rs,
+            "split_rows needs rows that do not interleave (cols {cols}, strides {rs},{cs})"
+        );
+        let (first, second) = data.split_at_mut((at * rs).min(data.len()));
+        (
+            MatMut::strided(first, at, cols, rs, cs),
+            MatMut::strided(second, rows - at, cols, rs, cs),
+        )
+    }
+}
+
+/// `C = A·B` (or `C +=`) with C's rows cut into blocks of `rows_per_piece` rows (the last may
+/// be shorter) that run as rayon tasks, each on one thread ([`matmul_serial`]). The cut depends
+/// on `rows_per_piece` alone, so the bits do not depend on the thread count. For few rows and
+/// a short inner dimension, which the threaded backend splits poorly: 128 × 31 · 31 × 768 on
+/// 2 Zen 4 cores took 44 µs threaded and 35 µs in four pieces of 32 rows (one thread: 58 µs).
+/// C's rows must not interleave (see [`MatMut::split_rows`]).
+pub fn matmul_row_pieces(
+    c: MatMut<'_>,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    accumulate: bool,
+    rows_per_piece: usize,
+) {
+    let per = rows_per_piece.max(1);
+    if c.rows <= per {
+        matmul_serial(c, a, b, accumulate);
+        return;
+    }
+    // Half of the pieces (rounded down) on each side, so every cut falls on a piece boundary.
+    let at = c.rows.div_ceil(per) / 2 * per;
+    let (c0, c1) = c.split_rows(at);
+    let (a0, a1) = (a.row_range(0, at), a.row_range(at, a.rows));
+    rayon::join(
+        || matmul_row_pieces(c0, a0, b, accumulate, per),
+        || matmul_row_pieces(c1, a1, b, accumulate, per),
+    );
 }
 
 /// `C = A·B`, or `C += A·B` when `accumulate` is set. Shapes must agree (panics otherwise:

@@ -58,5 +58,7 @@ pub mod simd;
 pub mod ttsvd;
 mod wide;
 
-pub use gemm::{matmul, matmul_serial, matmul_serial_streamed, DisjointMut, MatMut, MatRef};
+pub use gemm::{
+    matmul, matmul_row_pieces, matmul_serial, matmul_serial_streamed, DisjointMut, MatMut, MatRef,
+};
 pub use layout::{ShapeError, TtShape, TtmShape};

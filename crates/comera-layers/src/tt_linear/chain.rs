@@ -16,12 +16,11 @@
 //! a chain the second core idled for most of it. So each product is also cut into row pieces
 //! of about `PIECE_MACS` multiply-adds (`product`), and a peel's two products per core run as
 //! two tasks: the work a layer call forks is then a dozen pieces of similar size, which two or
-//! more cores share evenly. Every piece is single-threaded (`matmul_serial`) and the cut
+//! more cores share evenly. Every piece is single-threaded and the cut
 //! depends on the shapes alone, so the bits do not depend on the thread count.
 
 use super::pool::{Lease, Lent, Scratch};
-use comera_tensor::{matmul_serial, MatMut, MatRef, TtShape};
-use rayon::prelude::*;
+use comera_tensor::{matmul_row_pieces, MatMut, MatRef, TtShape};
 
 /// Multiply-adds of one row piece of a chain product (see the module doc): large enough that
 /// a piece outweighs the fork that hands it to another core (a few µs with the step's pool
@@ -33,23 +32,19 @@ const MAX_PIECES: usize = 4;
 
 /// C = A·B into the first A.rows × B.cols elements of `c` (row-major), its rows cut into
 /// pieces of about [`PIECE_MACS`] multiply-adds (at most [`MAX_PIECES`], fixed by the shapes)
-/// that run as rayon tasks, each single-threaded. Each row of C is one piece's, computed the
-/// same way whichever thread runs it.
+/// that run as rayon tasks, each single-threaded (`matmul_row_pieces`).
 fn product(c: &mut [f32], a: MatRef<'_>, b: MatRef<'_>) {
     let (m, n) = (a.rows(), b.cols());
-    let c = &mut c[..m * n];
     let pieces = (m * a.cols() * n)
         .div_ceil(PIECE_MACS)
         .clamp(1, MAX_PIECES.min(m.max(1)));
-    if pieces == 1 {
-        matmul_serial(MatMut::new(c, m, n), a, b, false);
-        return;
-    }
-    let rows = m.div_ceil(pieces);
-    c.par_chunks_mut(rows * n).enumerate().for_each(|(i, c)| {
-        let (r0, r) = (i * rows, c.len() / n);
-        matmul_serial(MatMut::new(c, r, n), a.row_range(r0, r0 + r), b, false);
-    });
+    matmul_row_pieces(
+        MatMut::new(&mut c[..m * n], m, n),
+        a,
+        b,
+        false,
+        m.div_ceil(pieces),
+    );
 }
 
 /// Two products that read the same operands, as two tasks when together they make more than

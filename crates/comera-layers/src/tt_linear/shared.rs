@@ -18,7 +18,7 @@
 //! by one.
 
 use super::chain::{Chains, LentChains};
-use super::merged::{input_side, paired};
+use super::merged::{forward_out, input_side, paired};
 use super::pool::{Lease, Scratch};
 use super::TtLinear;
 use crate::{accumulate_bias_grad, add_bias, check_len, Layer};
@@ -175,6 +175,7 @@ impl SharedInput {
         );
         check_len("SharedInput x", x.len(), b * n);
         check_len("SharedInput y", y.len(), b * w);
+        let pair = self.paired();
         let (mut cat, mut h) = (self.cat.acquire(), self.h.acquire());
         let mut products = self.products.acquire();
         for (i, l) in layers.iter().enumerate() {
@@ -190,11 +191,11 @@ impl SharedInput {
         for (i, l) in layers.iter().enumerate() {
             let (r0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
             let (m0, m) = (self.mcol[i], self.mcol[i + 1] - self.mcol[i]);
-            matmul(
+            forward_out(
+                pair,
                 MatMut::strided(&mut y[m0..], b, m, w, 1),
                 MatRef::strided(&self.t1[r0..], b, rp, s, 1),
                 MatRef::new(self.members[i].chains(&mut products, &mut []).r(), rp, m),
-                false,
             );
             self.bias[m0..m0 + m].copy_from_slice(&l.bias.value);
         }
