@@ -11,7 +11,7 @@ use crate::harness::{
     run_child, ClassBatch, StepTimes, TextTable, MB,
 };
 use comera_model::{Encoder, EncoderConfig};
-use comera_optim::{clip_scale, AdamW, AdamWConfig, Optimizer, Stepper};
+use comera_optim::{clip_scale_par, AdamW, AdamWConfig, Optimizer, ParamSums, Stepper};
 use comera_tensor::{factor::balanced_factorisations, init};
 use serde::{Deserialize, Serialize};
 use std::process::ExitCode;
@@ -774,17 +774,17 @@ fn time_optimizer(times: &mut OpTimes, cfg: &EncoderConfig) -> anyhow::Result<()
     let mut enc = Encoder::new(cfg, SEED)?;
     let ocfg = AdamWConfig::default();
     let mut opt = AdamW::new(ocfg, |f| enc.visit_params_mut(f));
+    let mut sums = ParamSums::default();
+    // As the step runs them: over the model's parallel visit.
     times.time(
         format!("clip norm ({} params)", enc.num_params()),
         1,
         0.0,
         || {
-            clip_scale(1.0, |f| enc.visit_params_mut(f));
+            clip_scale_par(1.0, &mut enc, &mut sums);
         },
     );
-    times.time("adamw", 1, 0.0, || {
-        opt.step(1.0, 1.0, |f| enc.visit_params_mut(f))
-    });
+    times.time("adamw", 1, 0.0, || opt.step_par(1.0, 1.0, &mut enc));
     times.time("zero grad", 1, 0.0, || enc.zero_grad());
     Ok(())
 }

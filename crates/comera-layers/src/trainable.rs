@@ -44,6 +44,17 @@ impl MemoryBreakdown {
 pub trait Model {
     /// Calls `f` on every parameter in a fixed order (stable names), without allocating.
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
+    /// Calls `f(i, p)` on every parameter `p`, `i` its place in the order of
+    /// [`Model::visit_params_mut`], each parameter once but possibly several on different
+    /// threads at once (the optimiser's update, clipping's sums and zeroing over hundreds of
+    /// small parameters). Without allocating. The default visits them in order on this thread.
+    fn visit_params_par(&mut self, f: &(dyn Fn(usize, &mut Param) + Sync)) {
+        let mut i = 0;
+        self.visit_params_mut(&mut |p| {
+            f(i, p);
+            i += 1;
+        });
+    }
     /// Every parameter, in the order of [`Model::visit_params_mut`].
     fn params(&self) -> Vec<&Param>;
     /// Calls `f` on every TT/TTM layer in a fixed order.
@@ -64,7 +75,7 @@ pub trait Trainable: Model {
     type Error: std::error::Error + Send + Sync + 'static;
 
     fn zero_grad(&mut self) {
-        self.visit_params_mut(&mut |p| crate::elementwise::zero(&mut p.grad));
+        self.visit_params_par(&|_, p| crate::elementwise::zero(&mut p.grad));
     }
 
     /// Forward on the batch loaded in `st` to the mean loss and task statistics. With `train`,

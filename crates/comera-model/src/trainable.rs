@@ -10,6 +10,9 @@ impl Model for Encoder {
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
         Encoder::visit_params_mut(self, f)
     }
+    fn visit_params_par(&mut self, f: &(dyn Fn(usize, &mut Param) + Sync)) {
+        Encoder::visit_params_par(self, f)
+    }
     fn params(&self) -> Vec<&Param> {
         Encoder::params(self)
     }

@@ -2,9 +2,10 @@
 //! the CPU counterpart of the paper's whole-step CUDA Graph. A counting global allocator
 //! watches step 3.
 
+use comera_layers::Model;
 use comera_model::Rank;
 use comera_model::{Encoder, EncoderConfig, HeadKind, LayerTt, TtmConfig};
-use comera_optim::{clip_scale, AdamW, AdamWConfig};
+use comera_optim::{clip_scale_par, AdamW, AdamWConfig, ParamSums};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -104,6 +105,7 @@ fn steps_allocate_nothing(threads: usize) {
             assert_eq!(st.force_fused_ffn(&model), cfg.layers);
         }
         let mut opt = AdamW::new(AdamWConfig::default(), |f| model.visit_params_mut(f));
+        let mut sums = ParamSums::default();
         let ids: Vec<u32> = (0..b * t).map(|i| (i * 37 % 2100) as u32).collect();
         let types = vec![0u32; b * t];
         let mask: Vec<u32> = (0..b * t).map(|i| (i % t < t - 3) as u32).collect();
@@ -138,8 +140,8 @@ fn steps_allocate_nothing(threads: usize) {
             let a2 = ALLOCS.load(Ordering::SeqCst);
             model.backward(&mut st);
             let a3 = ALLOCS.load(Ordering::SeqCst);
-            let (scale, _) = clip_scale(1.0, |f| model.visit_params_mut(f));
-            opt.step(1.0, scale, |f| model.visit_params_mut(f));
+            let (scale, _) = clip_scale_par(1.0, &mut model, &mut sums);
+            opt.step_par(1.0, scale, &mut model);
             let a4 = ALLOCS.load(Ordering::SeqCst);
             *phases = [a1 - a0, a2 - a1, a3 - a2, a4 - a3];
         }

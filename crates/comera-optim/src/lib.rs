@@ -5,7 +5,8 @@
 //! - [`AdamW`] ([`AdamWConfig`]): Adam with decoupled weight decay and one learning rate per
 //!   parameter group (TT cores, rank gates, everything else; SPEC §3);
 //! - [`Schedule`]: linear warm-up, then constant, linear or cosine decay ([`Decay`]);
-//! - [`clip_scale`]: the factor that brings the global gradient norm under a limit.
+//! - [`clip_scale`]: the factor that brings the global gradient norm under a limit
+//!   ([`clip_scale_par`]: the same over a model's parallel visit).
 //!
 //! Modules:
 //! - [`galore`]: GaLore (low-rank projected Adam for dense matrices);
@@ -31,8 +32,9 @@ pub use optimizer::{OptState, Optimizer};
 pub use rank::{RankConfig, RankController};
 pub use step::{StepError, StepReport, Stepper};
 
-use comera_layers::{Param, ParamKind, Retained};
+use comera_layers::{Model, Param, ParamKind, Retained};
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// A setting out of its range: the field (`optim.lr_cores`, `rank.gamma`, …) and what was
 /// expected, as the config validation reports it.
@@ -162,6 +164,8 @@ pub struct AdamW {
     /// Rank-gate entries at or below this value are pruned: they are not updated and their
     /// moments are zeroed, so momentum cannot revive a pruned slice (`None`: no freezing).
     pub freeze_gates_at: Option<f32>,
+    /// Which parameters a parallel step has reached ([`AdamW::step_par`]).
+    claims: Claims,
 }
 
 impl AdamW {
@@ -178,6 +182,7 @@ impl AdamW {
             m,
             v,
             freeze_gates_at: None,
+            claims: Claims::default(),
         }
     }
 
@@ -195,68 +200,17 @@ impl AdamW {
         visit: impl FnOnce(&mut dyn FnMut(&mut Param)),
     ) {
         self.t += 1;
-        let c = &self.cfg;
-        let bc1 = 1.0 - c.beta1.powi(self.t.min(i32::MAX as u64) as i32);
-        let bc2 = 1.0 - c.beta2.powi(self.t.min(i32::MAX as u64) as i32);
+        let update = Update::new(
+            &self.cfg,
+            self.t,
+            self.freeze_gates_at,
+            lr_scale,
+            grad_scale,
+        );
         let (ms, vs) = (&mut self.m, &mut self.v);
         let mut i = 0;
         visit(&mut |p: &mut Param| {
-            let lr = c.lr(p.kind) * lr_scale;
-            let decay = if p.kind == ParamKind::RankGate || p.shape.len() < 2 {
-                0.0
-            } else {
-                c.weight_decay
-            };
-            let (m, v) = (&mut ms[i], &mut vs[i]);
-            assert_eq!(
-                m.len(),
-                p.len(),
-                "optimiser state does not match parameter {}",
-                p.name
-            );
-            // Element-wise, so chunks can run on any thread with identical results.
-            let k = kernels::Adam {
-                beta1: c.beta1,
-                beta2: c.beta2,
-                bc1,
-                bc2,
-                eps: c.eps,
-                lr,
-                decay,
-                grad_scale,
-            };
-            let update = |(((w, g), m), v): Chunks<'_>| kernels::adam(&k, w, g, m, v);
-            if let (ParamKind::RankGate, Some(tau)) = (p.kind, self.freeze_gates_at) {
-                // Gates are short: one pass, pruned entries frozen with zeroed moments.
-                for (((w, &g), m), v) in p
-                    .value
-                    .iter_mut()
-                    .zip(&p.grad)
-                    .zip(m.iter_mut())
-                    .zip(v.iter_mut())
-                {
-                    if *w <= tau {
-                        (*m, *v) = (0.0, 0.0);
-                    } else {
-                        update((
-                            (
-                                (std::slice::from_mut(w), std::slice::from_ref(&g)),
-                                std::slice::from_mut(m),
-                            ),
-                            std::slice::from_mut(v),
-                        ));
-                    }
-                }
-            } else if p.len() >= 2 * CHUNK {
-                p.value
-                    .par_chunks_mut(CHUNK)
-                    .zip(p.grad.par_chunks(CHUNK))
-                    .zip(m.par_chunks_mut(CHUNK))
-                    .zip(v.par_chunks_mut(CHUNK))
-                    .for_each(update);
-            } else {
-                update((((&mut p.value[..], &p.grad[..]), &mut m[..]), &mut v[..]));
-            }
+            update.param(p, &mut ms[i], &mut vs[i]);
             i += 1;
         });
         assert_eq!(
@@ -265,6 +219,182 @@ impl AdamW {
             "optimiser state covers {} parameters, the model has {i}",
             self.m.len()
         );
+    }
+
+    /// [`AdamW::step`] on `model`'s parameters through its parallel visit
+    /// ([`Model::visit_params_par`]): small parameters (the paper model's hundreds of TT cores
+    /// of 360 to 14,400 floats) are then updated on several threads at once instead of one
+    /// after the other on one. Each parameter's update is the same as in `step`, so are the
+    /// bits. Allocation-free once the claims are sized.
+    pub fn step_par(&mut self, lr_scale: f32, grad_scale: f32, model: &mut dyn Model) {
+        self.t += 1;
+        let update = Update::new(
+            &self.cfg,
+            self.t,
+            self.freeze_gates_at,
+            lr_scale,
+            grad_scale,
+        );
+        let n = self.m.len();
+        self.claims.reset(n);
+        let moments = SharedMoments {
+            m: self.m.as_mut_ptr(),
+            v: self.v.as_mut_ptr(),
+        };
+        let (claims, moments) = (&self.claims, &moments);
+        model.visit_params_par(&|i, p| {
+            assert!(
+                claims.claim(i),
+                "parameter {i} visited twice, or beyond the optimiser state's {n}"
+            );
+            // SAFETY: `claim` returned true, so i < n (the vectors' length, unchanged while
+            // this borrow of `self` lasts) and no other call of this closure in this visit got
+            // index i: this is the only reference to m[i] and v[i].
+            let (m, v) = unsafe { (&mut *moments.m.add(i), &mut *moments.v.add(i)) };
+            update.param(p, m, v);
+        });
+        let visited = self.claims.count();
+        assert_eq!(
+            visited, n,
+            "optimiser state covers {n} parameters, the model has {visited}"
+        );
+    }
+}
+
+/// One step's AdamW update of any parameter.
+struct Update<'a> {
+    cfg: &'a AdamWConfig,
+    bc1: f32,
+    bc2: f32,
+    lr_scale: f32,
+    grad_scale: f32,
+    freeze_gates_at: Option<f32>,
+}
+
+impl Update<'_> {
+    /// The update of step `t` (1 for the first).
+    fn new(
+        cfg: &AdamWConfig,
+        t: u64,
+        freeze_gates_at: Option<f32>,
+        lr_scale: f32,
+        grad_scale: f32,
+    ) -> Update<'_> {
+        let t = t.min(i32::MAX as u64) as i32;
+        Update {
+            cfg,
+            bc1: 1.0 - cfg.beta1.powi(t),
+            bc2: 1.0 - cfg.beta2.powi(t),
+            lr_scale,
+            grad_scale,
+            freeze_gates_at,
+        }
+    }
+
+    /// Updates `p` with its moments `m` and `v`: large parameters in parallel chunks.
+    fn param(&self, p: &mut Param, m: &mut [f32], v: &mut [f32]) {
+        let c = self.cfg;
+        let lr = c.lr(p.kind) * self.lr_scale;
+        let decay = if p.kind == ParamKind::RankGate || p.shape.len() < 2 {
+            0.0
+        } else {
+            c.weight_decay
+        };
+        assert_eq!(
+            m.len(),
+            p.len(),
+            "optimiser state does not match parameter {}",
+            p.name
+        );
+        // Element-wise, so chunks can run on any thread with identical results.
+        let k = kernels::Adam {
+            beta1: c.beta1,
+            beta2: c.beta2,
+            bc1: self.bc1,
+            bc2: self.bc2,
+            eps: c.eps,
+            lr,
+            decay,
+            grad_scale: self.grad_scale,
+        };
+        let update = |(((w, g), m), v): Chunks<'_>| kernels::adam(&k, w, g, m, v);
+        if let (ParamKind::RankGate, Some(tau)) = (p.kind, self.freeze_gates_at) {
+            // Gates are short: one pass, pruned entries frozen with zeroed moments.
+            for (((w, &g), m), v) in p
+                .value
+                .iter_mut()
+                .zip(&p.grad)
+                .zip(m.iter_mut())
+                .zip(v.iter_mut())
+            {
+                if *w <= tau {
+                    (*m, *v) = (0.0, 0.0);
+                } else {
+                    update((
+                        (
+                            (std::slice::from_mut(w), std::slice::from_ref(&g)),
+                            std::slice::from_mut(m),
+                        ),
+                        std::slice::from_mut(v),
+                    ));
+                }
+            }
+        } else if p.len() >= 2 * CHUNK {
+            p.value
+                .par_chunks_mut(CHUNK)
+                .zip(p.grad.par_chunks(CHUNK))
+                .zip(m.par_chunks_mut(CHUNK))
+                .zip(v.par_chunks_mut(CHUNK))
+                .for_each(update);
+        } else {
+            update((((&mut p.value[..], &p.grad[..]), m), v));
+        }
+    }
+}
+
+/// The moment vectors of an [`AdamW`], lent to a parallel visit one index at a time (each
+/// index only to the call that claimed it, see [`Claims`]).
+struct SharedMoments {
+    m: *mut Vec<f32>,
+    v: *mut Vec<f32>,
+}
+
+// SAFETY: the pointers are only dereferenced at an index claimed through `Claims`, which hands
+// each index to one caller per visit, so no two threads ever reach the same vector.
+unsafe impl Sync for SharedMoments {}
+
+/// One flag per parameter index, set when a parallel visit hands that index out: what makes
+/// sure no two threads update the same moments, whatever the model's visit does.
+#[derive(Debug, Default)]
+struct Claims(Vec<AtomicBool>);
+
+impl Clone for Claims {
+    /// Fresh flags (claims live only during one visit).
+    fn clone(&self) -> Claims {
+        Claims::default()
+    }
+}
+
+impl Claims {
+    /// `n` flags, all clear (allocates only when `n` changes).
+    fn reset(&mut self, n: usize) {
+        if self.0.len() == n {
+            self.0.iter_mut().for_each(|c| *c.get_mut() = false);
+        } else {
+            self.0 = (0..n).map(|_| AtomicBool::new(false)).collect();
+        }
+    }
+
+    /// Sets flag `i`: true if it was clear (and in range).
+    fn claim(&self, i: usize) -> bool {
+        self.0
+            .get(i)
+            .is_some_and(|c| !c.swap(true, Ordering::Relaxed))
+    }
+
+    /// Flags set.
+    fn count(&mut self) -> usize {
+        self.0.iter_mut().map(|c| *c.get_mut() as usize).sum()
     }
 }
 
@@ -300,7 +430,44 @@ pub fn clip_scale(max_norm: f32, visit: impl FnOnce(&mut dyn FnMut(&mut Param)))
     visit(&mut |p: &mut Param| {
         sq += kernels::sum_sq(&p.grad);
     });
-    let norm = sq.sqrt();
+    scale_for(max_norm, sq.sqrt())
+}
+
+/// [`clip_scale`] over `model`'s parallel visit ([`Model::visit_params_par`]): each
+/// parameter's sum of squares on whichever thread visits it, into `sums` by index, then added
+/// in index order, so the norm is the same, bit for bit, as [`clip_scale`]'s.
+pub fn clip_scale_par(max_norm: f32, model: &mut dyn Model, sums: &mut ParamSums) -> (f32, f64) {
+    let n = {
+        let mut n = 0;
+        model.visit_params_mut(&mut |_| n += 1);
+        n
+    };
+    if sums.0.len() != n {
+        sums.0 = (0..n).map(|_| AtomicU64::new(0)).collect();
+    }
+    let (slots, visited) = (&sums.0, AtomicUsize::new(0));
+    model.visit_params_par(&|i, p| {
+        slots[i].store(kernels::sum_sq(&p.grad).to_bits(), Ordering::Relaxed);
+        visited.fetch_add(1, Ordering::Relaxed);
+    });
+    assert_eq!(
+        visited.into_inner(),
+        n,
+        "the parallel visit missed parameters"
+    );
+    let sq = slots.iter().fold(0.0f64, |acc, s| {
+        acc + f64::from_bits(s.load(Ordering::Relaxed))
+    });
+    scale_for(max_norm, sq.sqrt())
+}
+
+/// Per-parameter sums of squares of [`clip_scale_par`], kept between steps (allocated when the
+/// parameter count changes).
+#[derive(Debug, Default)]
+pub struct ParamSums(Vec<AtomicU64>);
+
+/// The clipping factor for a gradient norm.
+fn scale_for(max_norm: f32, norm: f64) -> (f32, f64) {
     if max_norm > 0.0 && norm > max_norm as f64 {
         ((max_norm as f64 / norm) as f32, norm)
     } else {

@@ -84,7 +84,7 @@ impl Optimizer {
     /// One update; see [`AdamW::step`] and [`GaLore::step`].
     pub fn step(&mut self, lr_scale: f32, grad_scale: f32, model: &mut dyn Model) {
         match self {
-            Optimizer::AdamW(o) => o.step(lr_scale, grad_scale, |f| model.visit_params_mut(f)),
+            Optimizer::AdamW(o) => o.step_par(lr_scale, grad_scale, model),
             Optimizer::GaLore(o) => o.step(lr_scale, grad_scale, |f| model.visit_params_mut(f)),
         }
     }

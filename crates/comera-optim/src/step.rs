@@ -98,6 +98,8 @@ pub struct Stepper {
     pub clip_norm: f32,
     /// Several processes, each on its shard of the batch (None: this process alone).
     pub data_parallel: Option<DataParallel>,
+    /// Clipping's per-parameter sums of squares (scratch kept between steps).
+    pub param_sums: crate::ParamSums,
 }
 
 impl Stepper {
@@ -119,6 +121,7 @@ impl Stepper {
             schedule,
             clip_norm: 0.0,
             data_parallel: None,
+            param_sums: Default::default(),
         }
     }
 
@@ -138,6 +141,7 @@ impl Stepper {
             schedule,
             clip_norm,
             data_parallel: None,
+            param_sums: Default::default(),
         }
     }
 
@@ -279,7 +283,7 @@ impl Stepper {
         let objective = self.rank.apply(model, stats.loss, step);
         let t2 = std::time::Instant::now();
         let (grad_scale, grad_norm) =
-            crate::clip_scale(self.clip_norm, |f| model.visit_params_mut(f));
+            crate::clip_scale_par(self.clip_norm, model, &mut self.param_sums);
         if !grad_norm.is_finite() {
             return Err(StepError::Diverged {
                 what: "gradient norm",

@@ -219,6 +219,32 @@ impl Encoder {
         self.head.visit_params_mut(f);
     }
 
+    /// [`Encoder::visit_params_mut`]'s parameters with their places in its order, the blocks'
+    /// on several threads at once (halves of the blocks as rayon tasks); the embeddings, the
+    /// final LayerNorm and the head on this thread, in order.
+    pub fn visit_params_par(&mut self, f: &(dyn Fn(usize, &mut Param) + Sync)) {
+        let mut i = 0;
+        let mut visit = |p: &mut Param| {
+            f(i, p);
+            i += 1;
+        };
+        self.word.visit_params_mut(&mut visit);
+        self.pos.visit_params_mut(&mut visit);
+        self.types.visit_params_mut(&mut visit);
+        self.ln_emb.visit_params_mut(&mut visit);
+        let first = i;
+        let blocks = visit_blocks_par(&mut self.blocks, first, f);
+        let mut i = first + blocks;
+        let mut visit = |p: &mut Param| {
+            f(i, p);
+            i += 1;
+        };
+        if let Some(ln) = &mut self.ln_final {
+            ln.visit_params_mut(&mut visit);
+        }
+        self.head.visit_params_mut(&mut visit);
+    }
+
     /// The parameters of the embeddings and blocks (not the head), in the same order.
     fn visit_body_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
         self.word.visit_params_mut(f);
@@ -383,8 +409,9 @@ impl Encoder {
         v
     }
 
+    /// Every gradient to zero, over the parallel visit (large ones in parallel chunks too).
     pub fn zero_grad(&mut self) {
-        self.visit_params_mut(&mut |p| comera_layers::elementwise::zero(&mut p.grad));
+        self.visit_params_par(&|_, p| comera_layers::elementwise::zero(&mut p.grad));
     }
 
     /// Trainable scalars.
@@ -644,4 +671,35 @@ fn copy_param(p: &mut Param, q: Option<&Param>) -> Result<(), ConfigError> {
         None => return Err(err("missing from the pre-trained encoder".into())),
     }
     Ok(())
+}
+
+/// Visits `blocks`' parameters, the first at place `first`, halves of the blocks as rayon
+/// tasks; returns how many there were.
+fn visit_blocks_par(
+    blocks: &mut [Block],
+    first: usize,
+    f: &(dyn Fn(usize, &mut Param) + Sync),
+) -> usize {
+    match blocks {
+        [] => 0,
+        [block] => {
+            let mut i = first;
+            block.visit_params_mut(&mut |p| {
+                f(i, p);
+                i += 1;
+            });
+            i - first
+        }
+        _ => {
+            let (a, b) = blocks.split_at_mut(blocks.len() / 2);
+            let mut in_a = 0;
+            a.iter_mut()
+                .for_each(|blk| blk.visit_params_mut(&mut |_| in_a += 1));
+            let (na, nb) = rayon::join(
+                || visit_blocks_par(a, first, f),
+                || visit_blocks_par(b, first + in_a, f),
+            );
+            na + nb
+        }
+    }
 }
