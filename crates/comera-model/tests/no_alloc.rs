@@ -2,7 +2,6 @@
 //! the CPU counterpart of the paper's whole-step CUDA Graph. A counting global allocator
 //! watches step 3.
 
-use comera_layers::Model;
 use comera_model::Rank;
 use comera_model::{Encoder, EncoderConfig, HeadKind, LayerTt, TtmConfig};
 use comera_optim::{clip_scale_par, AdamW, AdamWConfig, ParamSums};
