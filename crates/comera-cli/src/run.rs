@@ -1,6 +1,6 @@
 //! `comera train`, `comera eval`, `comera predict`: argument parsing, then comera-train.
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use comera_train::config::Setting;
 use comera_train::device::check_inference;
 use comera_train::infer::{
@@ -374,7 +374,7 @@ impl Lines<'_> {
     fn finish(self) -> anyhow::Result<()> {
         if let Some((path, text)) = self.file {
             comera_train::write_atomic(path, text.as_bytes())
-                .map_err(|e| anyhow::anyhow!("--out {}: {e}", path.display()))?;
+                .with_context(|| format!("--out {}", path.display()))?;
         }
         Ok(())
     }
@@ -439,6 +439,11 @@ fn predict_inputs(args: Vec<String>) -> anyhow::Result<(Vec<String>, usize)> {
 
 pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
     let device = a.device.unwrap_or(DeviceSpec::Cpu);
+    if let Some(out) = &a.out {
+        // A directory, a device or a symlink is refused before any work.
+        comera_train::files::check_write_target(out)
+            .with_context(|| format!("--out {}", out.display()))?;
+    }
     let (inputs, bad) = predict_inputs(a.inputs)?;
     let mut lines = Lines {
         file: a.out.as_deref().map(|p| (p, String::new())),

@@ -231,6 +231,14 @@ fn eval_and_predict_on_a_gpu_run_there_or_name_what_is_missing_writing_nothing()
         plain_p,
         "--out holds the lines standard output shows"
     );
+    // An --out that is a directory is refused before any prediction, naming the flag.
+    let (code, text) = predict(&["--out", s(&dir)]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("--out") && text.contains("directory"),
+        "{text}"
+    );
+    assert!(!text.contains(texts[0]), "predicted anyway: {text}");
     let labels = |jsonl: &str| -> Vec<String> {
         jsonl
             .lines()

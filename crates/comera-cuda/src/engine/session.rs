@@ -71,8 +71,9 @@ impl EncoderSession {
     /// Opens `cuda:ordinal` for inference only: `enc`'s parameters uploaded, logits of batches
     /// of `b` × `t` tokens by [`EncoderSession::logits`] (dropout off, so no seed); the
     /// optimiser is never used and [`EncoderSession::step`] is refused. The plan is the
-    /// training step's (its gradient, moment and backward buffers are allocated but unused:
-    /// about three times the memory the pass needs; a forward-only plan is not done yet).
+    /// training step's: its gradient and moment arenas (three times the parameters), the
+    /// backward's scratch and a TTM table's slab gradients are allocated but unused (a
+    /// forward-only plan is not done yet).
     pub fn for_inference(
         ordinal: usize,
         enc: &Encoder,
