@@ -12,9 +12,14 @@
 #   cpu-gpu  6 steps on the CPU, stopped, resumed on the GPU to the end
 # and compares each with `cpu`: the logged training losses, the final validation loss and
 # accuracy, and `predict --json` probabilities on the validation texts (max |difference|).
-# Writes OUTDIR/e2e.json and a table on standard output; exits non-zero if a command failed
-# (the differences are reported, not judged: their tolerance is to be derived from them and
-# from the step test's, docs/gpu.md).
+# Then evaluation and prediction on the GPU (issue 48): `predict --device cuda` and
+# `eval --device cuda` of the `cpu` run against the same commands on the CPU, judged: every
+# probability within PREDICT_TOL (below) and the same label wherever the CPU's top two
+# probabilities are further apart than twice that.
+# Writes OUTDIR/e2e.json, OUTDIR/predict-device.json and a table on standard output; exits
+# non-zero if a command failed or the GPU's predictions are out of tolerance (the training
+# differences are reported, not judged: their tolerance is to be derived from them and from
+# the step test's, docs/gpu.md).
 set -uo pipefail
 [ $# -eq 2 ] || { sed -n '2,4p' "$0" >&2; exit 2; }
 bin="$1"
@@ -96,6 +101,54 @@ for r in cpu gpu gpu-cpu cpu-gpu; do
     [ -d "$out/$r" ] || continue
     "$bin" predict "$out/$r" --json <"$texts" >"$out/$r.predict.jsonl" 2>>"$out/commands.log" || failed=1
 done
+# The GPU's evaluation pass on the run trained on the CPU (the same model file both ways).
+"$bin" predict "$out/cpu" --json --device cuda --out "$out/cpu.predict-gpu.jsonl" <"$texts" \
+    2>>"$out/commands.log" || { echo "FAILED: predict --device cuda" | tee -a "$out/commands.log"; failed=1; }
+"$bin" eval "$out/cpu" >"$out/cpu.eval-cpu.txt" 2>>"$out/commands.log" || failed=1
+"$bin" eval "$out/cpu" --device cuda >"$out/cpu.eval-gpu.txt" 2>>"$out/commands.log" \
+    || { echo "FAILED: eval --device cuda" | tee -a "$out/commands.log"; failed=1; }
+# PREDICT_TOL: the device's logits z agree with the CPU's within 1e-4 of max|z|
+# (gpu_engine's inference_logits_match_the_cpu_forward_without_dropout, derived there); a
+# softmax moves by |Δp_i| = p_i·|Δz_i − Σ_j p_j·Δz_j| ≤ 2·max|Δz|, so 1e-3 holds for logits
+# up to |z| ≤ 5, which this small two-class model stays within (the script prints the
+# largest logit gap, ln(p_max / p_min), so a miss from larger logits is told apart).
+PREDICT_TOL=1e-3 python3 - "$out" <<'EOF'
+import json, math, os, sys
+out = sys.argv[1]
+tol = float(os.environ["PREDICT_TOL"])
+def rows(name):
+    p = os.path.join(out, name)
+    return [json.loads(l) for l in open(p)] if os.path.exists(p) else []
+cpu, gpu = rows("cpu.predict.jsonl"), rows("cpu.predict-gpu.jsonl")
+bad = []
+if not cpu or len(cpu) != len(gpu):
+    bad.append(f"{len(gpu)} GPU predictions for {len(cpu)} CPU ones")
+dp, gap = 0.0, 0.0
+for i, (c, g) in enumerate(zip(cpu, gpu)):
+    pc, pg = c["probabilities"], g["probabilities"]
+    d = max(abs(a - b) for a, b in zip(pc, pg))
+    dp = max(dp, d)
+    gap = max(gap, math.log(max(pc) / max(min(pc), 1e-30)))
+    top = sorted(pc, reverse=True)
+    if d > tol:
+        bad.append(f"text {i + 1}: |Δp| {d:.3g} > {tol}")
+    if c["label"] != g["label"] and (len(top) < 2 or top[0] - top[1] > 2 * tol):
+        bad.append(f"text {i + 1}: label {g['label']} on the GPU, {c['label']} on the CPU")
+def metrics(name):
+    p = os.path.join(out, name)
+    return open(p).read().strip() if os.path.exists(p) else None
+res = {"predict_max_abs_diff": dp, "largest_logit_gap": gap, "tolerance": tol,
+       "texts": len(cpu), "problems": bad,
+       "eval_cpu": metrics("cpu.eval-cpu.txt"), "eval_gpu": metrics("cpu.eval-gpu.txt")}
+json.dump(res, open(os.path.join(out, "predict-device.json"), "w"), indent=1)
+print(f"predict --device cuda vs cpu: max |Δp| {dp:.3g} (tolerance {tol}), largest logit gap {gap:.2f}, {len(cpu)} texts")
+print(f"eval cpu: {res['eval_cpu']}")
+print(f"eval gpu: {res['eval_gpu']}")
+for b in bad:
+    print("OUT OF TOLERANCE:", b)
+sys.exit(1 if bad else 0)
+EOF
+[ $? -eq 0 ] || failed=1
 python3 - "$out" <<'EOF'
 import json, sys, os
 out = sys.argv[1]

@@ -1,12 +1,13 @@
 //! `comera train`, `comera eval`, `comera predict`: argument parsing, then comera-train.
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use comera_train::config::Setting;
+use comera_train::device::check_inference;
 use comera_train::infer::{
-    eval_run, fill_mask, load_run, predict_clicks, predict_probabilities, EvalKind,
+    eval_run_on, fill_mask, load_run, predict_clicks, predict_probabilities_on, EvalKind,
 };
-use comera_train::{AnyRunConfig, Overrides, SavedModel, TrainSummary};
-use std::path::PathBuf;
+use comera_train::{AnyRunConfig, DeviceSpec, Overrides, SavedModel, TrainSummary};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(clap::Args)]
@@ -282,14 +283,19 @@ pub struct EvalArgs {
     /// Examples per forward pass.
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
+    /// Compute the logits on this device: `cpu` (the default), `cuda` (the first GPU) or
+    /// `cuda:N`. On a GPU: a text classifier (post-LN); docs/gpu.md says what runs there.
+    #[arg(long, value_name = "DEVICE")]
+    device: Option<DeviceSpec>,
 }
 
 pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
-    let (kind, s) = eval_run(
+    let (kind, s) = eval_run_on(
         &a.model,
         a.checkpoint.as_deref(),
         a.data.as_deref(),
         a.batch_size,
+        a.device.unwrap_or(DeviceSpec::Cpu),
     )?;
     let (m, n) = (a.model.display(), s.examples);
     match kind {
@@ -338,6 +344,40 @@ pub struct PredictArgs {
     /// Texts per forward pass (classifiers).
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
+    /// Compute the logits on this device: `cpu` (the default), `cuda` (the first GPU) or
+    /// `cuda:N`. On a GPU: a text classifier (post-LN); docs/gpu.md says what runs there.
+    #[arg(long, value_name = "DEVICE")]
+    device: Option<DeviceSpec>,
+    /// Write the predictions to this file instead of standard output (the same lines; the
+    /// file is written once every prediction is made, and not at all on an error).
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
+}
+
+/// Where predictions go: standard output line by line, or all at once into `--out`.
+struct Lines<'a> {
+    file: Option<(&'a Path, String)>,
+}
+
+impl Lines<'_> {
+    fn line(&mut self, line: std::fmt::Arguments) {
+        match &mut self.file {
+            Some((_, text)) => {
+                use std::fmt::Write;
+                // Writing into a String cannot fail.
+                let _ = writeln!(text, "{line}");
+            }
+            None => println!("{line}"),
+        }
+    }
+
+    fn finish(self) -> anyhow::Result<()> {
+        if let Some((path, text)) = self.file {
+            comera_train::write_atomic(path, text.as_bytes())
+                .with_context(|| format!("--out {}", path.display()))?;
+        }
+        Ok(())
+    }
 }
 
 /// Text as it may be echoed into a line of tab-separated output: control characters (tabs,
@@ -398,9 +438,19 @@ fn predict_inputs(args: Vec<String>) -> anyhow::Result<(Vec<String>, usize)> {
 }
 
 pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
+    let device = a.device.unwrap_or(DeviceSpec::Cpu);
+    if let Some(out) = &a.out {
+        // A directory, a device or a symlink is refused before any work.
+        comera_train::files::check_write_target(out)
+            .with_context(|| format!("--out {}", out.display()))?;
+    }
     let (inputs, bad) = predict_inputs(a.inputs)?;
+    let mut lines = Lines {
+        file: a.out.as_deref().map(|p| (p, String::new())),
+    };
     match load_run(&a.model, None)? {
         (SavedModel::Encoder(model, meta), _) if meta.model.head == comera_model::HeadKind::Mlm => {
+            check_inference(device, Some(&model))?;
             anyhow::ensure!(
                 !a.json,
                 "--json: goes with a classifier (this is a masked-LM model)"
@@ -410,17 +460,17 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
                 for (i, top) in fill_mask(&model, &meta, text, k)?.iter().enumerate() {
                     let shown: Vec<String> =
                         top.iter().map(|(t, p)| format!("{t} {p:.3}")).collect();
-                    println!(
+                    lines.line(format_args!(
                         "[MASK] {}\t{}\t{}",
                         i + 1,
                         shown.join("\t"),
                         printable(text)
-                    );
+                    ));
                 }
             }
         }
         (SavedModel::Encoder(model, meta), _) => {
-            let probs = predict_probabilities(&model, &meta, &inputs, a.batch_size)?;
+            let probs = predict_probabilities_on(&model, &meta, &inputs, a.batch_size, device)?;
             let k = a.top_k.unwrap_or(1).clamp(1, meta.labels.len());
             for (row, text) in probs.chunks_exact(meta.labels.len()).zip(&inputs) {
                 let mut order: Vec<usize> = (0..row.len()).collect();
@@ -435,22 +485,23 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
                         "probabilities": row,
                         "labels": meta.labels,
                     });
-                    println!("{line}");
+                    lines.line(format_args!("{line}"));
                 } else {
                     let shown: Vec<String> = top
                         .iter()
                         .map(|&i| format!("{}\t{:.3}", meta.labels[i], row[i]))
                         .collect();
-                    println!("{}\t{}", shown.join("\t"), printable(text));
+                    lines.line(format_args!("{}\t{}", shown.join("\t"), printable(text)));
                 }
             }
         }
         (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
+            check_inference(device, None)?;
             let [file] = inputs.as_slice() else {
                 bail!("a DLRM predicts the rows of one file: give its path (Criteo-format TSV, or for a MovieLens model a `user_id:token<TAB>item_id:token` interaction file)")
             };
             for p in predict_clicks(&model, &cfg.data, std::path::Path::new(file))? {
-                println!("{p:.6}");
+                lines.line(format_args!("{p:.6}"));
             }
         }
         _ => bail!(
@@ -458,6 +509,7 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
             a.model.display()
         ),
     }
+    lines.finish()?;
     if bad > 0 {
         eprintln!("{bad} input(s) skipped (above)");
         return Ok(ExitCode::from(1));

@@ -21,14 +21,14 @@ pub enum CudaError {
     #[error(
         "no NVIDIA driver found (the CUDA driver library libcuda.so could not be loaded): \
          install the NVIDIA driver (R580 or newer, for CUDA {min}), check that `nvidia-smi` \
-         works, or train on the CPU (`--device cpu`)",
+         works, or run on the CPU (`--device cpu`)",
         min = cuda_version_string(MIN_DRIVER_VERSION)
     )]
     NoDriver,
 
     #[error(
         "the NVIDIA driver supports CUDA {found} but comera needs CUDA {min} or newer: update \
-         the NVIDIA driver to R580 or newer, or train on the CPU (`--device cpu`)",
+         the NVIDIA driver to R580 or newer, or run on the CPU (`--device cpu`)",
         found = cuda_version_string(*.found),
         min = cuda_version_string(MIN_DRIVER_VERSION)
     )]
@@ -36,7 +36,7 @@ pub enum CudaError {
 
     #[error(
         "the NVIDIA driver found no CUDA device: check `nvidia-smi` and CUDA_VISIBLE_DEVICES, \
-         or train on the CPU (`--device cpu`)"
+         or run on the CPU (`--device cpu`)"
     )]
     NoDevice,
 
@@ -50,13 +50,15 @@ pub enum CudaError {
     #[error(
         "NVRTC, the CUDA runtime compiler comera builds its kernels with (libnvrtc.so.13), could \
          not be loaded: install it (`pip install nvidia-cuda-nvrtc==13.0.*` and add its \
-         `nvidia/cu13/lib` folder to LD_LIBRARY_PATH, or install the CUDA 13 toolkit)"
+         `nvidia/cu13/lib` folder to LD_LIBRARY_PATH, or install the CUDA 13 toolkit), or run \
+         on the CPU (`--device cpu`)"
     )]
     NoNvrtc,
 
     #[error(
         "NVRTC {found} is too old: comera's kernels need NVRTC 13.0 or newer (\
-         `pip install nvidia-cuda-nvrtc==13.0.*`, its `nvidia/cu13/lib` on LD_LIBRARY_PATH)",
+         `pip install nvidia-cuda-nvrtc==13.0.*`, its `nvidia/cu13/lib` on LD_LIBRARY_PATH), or \
+         run on the CPU (`--device cpu`)",
         found = format!("{}.{}", .found.0, .found.1)
     )]
     NvrtcTooOld { found: (i32, i32) },
@@ -64,7 +66,7 @@ pub enum CudaError {
     #[error(
         "cuBLAS (libcublas.so.13) could not be loaded: install it (`pip install \
          nvidia-cublas==13.0.*` and add its lib folder to LD_LIBRARY_PATH, or install the CUDA 13 \
-         toolkit)"
+         toolkit), or run on the CPU (`--device cpu`)"
     )]
     NoCublas,
 
@@ -78,7 +80,7 @@ pub enum CudaError {
     #[error(
         "not enough GPU memory on cuda:{ordinal} for {what}: it needs about {need} but {free} \
          of {total} are free; lower the batch size, use a smaller model, free the GPU (see \
-         `nvidia-smi`) or train on the CPU (`--device cpu`)",
+         `nvidia-smi`) or run on the CPU (`--device cpu`)",
         need = mib(*.needed), free = mib(*.free), total = mib(*.total)
     )]
     OutOfMemory {

@@ -592,4 +592,87 @@ mod encoder_step {
             "resumed parameters"
         );
     }
+
+    /// The evaluation pass (dropout off, no loss) through a session opened for inference,
+    /// against the CPU's `Encoder::forward(st, false, _)` logits on two batches of the model
+    /// above (dropout 0.1 in its config: a pass that kept dropout on would miss by O(1)).
+    ///
+    /// Tolerance: 1e-4 of the largest logit (SPEC §6's form), the forward's bound derived in
+    /// this module's doc — ≈ 25 chained operations to the logits, each a reordered f32 sum
+    /// of at most 64 terms (≤ 4e-6 of its terms' magnitudes) or an `expf`/`tanhf` of a few
+    /// ulp; the pass here is exactly the step's forward minus the dropout launches, so the
+    /// step test's forward bound holds unchanged. A wrong index, mask or layout is O(1).
+    ///
+    /// Also: the captured pass gives the eager launches' logits bit for bit and reads each
+    /// replay's batch from device memory (three calls, two batches); a session opened for
+    /// inference refuses a training step; and an evaluation pass between training steps
+    /// changes nothing of the training (the next step's loss, norm and parameters are those
+    /// of a session that never evaluated).
+    #[test]
+    fn inference_logits_match_the_cpu_forward_without_dropout() {
+        if device().is_none() {
+            return;
+        }
+        let _l = lock();
+        use comera_cuda::engine::EncoderSession;
+        let enc = model();
+        let (ids, types, mask, labels) = batch();
+        let ids2: Vec<u32> = ids.iter().map(|&i| (i * 7 + 3) % 200).collect();
+        let cpu = |ids: &[u32]| {
+            let mut st = enc.state(3);
+            st.load(ids, &types, &mask, &labels).unwrap();
+            enc.forward(&mut st, false, 0).unwrap();
+            st.logits().to_vec()
+        };
+        let (want1, want2) = (cpu(&ids), cpu(&ids2));
+        assert_ne!(want1, want2, "two batches with different logits");
+        let mut graph = EncoderSession::for_inference(0, &enc, 3, 16).unwrap();
+        let mut eager = EncoderSession::for_inference(0, &enc, 3, 16).unwrap();
+        eager.use_graph = false;
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (k, (i, want)) in [(&ids, &want1), (&ids2, &want2), (&ids, &want1)]
+            .into_iter()
+            .enumerate()
+        {
+            let g = graph.logits((i, &types, &mask)).unwrap();
+            let e = eager.logits((i, &types, &mask)).unwrap();
+            assert_eq!(g.len(), 3 * 3, "B × C logits");
+            assert!(
+                bits(&g) == bits(&e),
+                "call {k}: graph and eager logits differ"
+            );
+            assert_close(&format!("logits of call {k}"), &g, want, 1e-4);
+        }
+        let e = graph
+            .step((&ids, &types, &mask, &labels), STEP, 1.0)
+            .unwrap_err();
+        assert!(e.to_string().contains("inference only"), "{e}");
+        // An evaluation pass between training steps leaves the training as it was.
+        let mut a = EncoderSession::new(0, &enc, SEED, 3, 16, step_config()).unwrap();
+        let mut b = EncoderSession::new(0, &enc, SEED, 3, 16, step_config()).unwrap();
+        a.step((&ids, &types, &mask, &labels), STEP, 1.0).unwrap();
+        b.step((&ids, &types, &mask, &labels), STEP, 1.0).unwrap();
+        a.logits((&ids2, &types, &mask)).unwrap();
+        let sa = a
+            .step((&ids2, &types, &mask, &labels), STEP + 1, 1.0)
+            .unwrap();
+        let sb = b
+            .step((&ids2, &types, &mask, &labels), STEP + 1, 1.0)
+            .unwrap();
+        assert_eq!(
+            (sa.loss.to_bits(), sa.grad_norm.to_bits()),
+            (sb.loss.to_bits(), sb.grad_norm.to_bits()),
+            "the step after an evaluation pass"
+        );
+        let flat = |s: &EncoderSession| {
+            s.plan()
+                .arena
+                .download_flat(s.device(), Which::Value)
+                .unwrap()
+        };
+        assert!(
+            bits(&flat(&a)) == bits(&flat(&b)),
+            "parameters after an evaluation pass"
+        );
+    }
 }

@@ -17,6 +17,13 @@
 //! (docs/gpu.md): the text classifier (post-LN, TT/TTM or dense), dropout, AdamW with its
 //! parameter groups, clipping and the learning-rate schedule, with the rank schedule off (the
 //! gates are then constants, as on the CPU).
+//!
+//! Evaluation and prediction of a saved classifier (`comera eval` / `comera predict
+//! --device cuda`) take their logits from [`CudaLogits`] (a session opened for inference
+//! only, the forward with dropout off, batch by batch); everything else about them — the
+//! metrics, the probabilities, the output — is the same host code as on the CPU
+//! (`crate::infer`). [`check_inference`] refuses, before the device is opened, the models it
+//! does not take.
 
 use comera_cuda::engine::{EncoderSession, Moments, StepConfig};
 use comera_cuda::{CudaError, DeviceSpec};
@@ -36,7 +43,7 @@ pub enum DeviceError {
         source: CudaError,
     },
     /// Something this run asks for that the device does not do yet.
-    #[error("device {device}: {what} is not on the GPU yet; train this run on the CPU (--device cpu); docs/gpu.md lists what is")]
+    #[error("device {device}: {what} is not on the GPU yet; use the CPU (--device cpu, the default); docs/gpu.md lists what is")]
     NotYet { device: DeviceSpec, what: String },
 }
 
@@ -121,6 +128,89 @@ pub fn check_run(device: DeviceSpec, run: RunShape) -> Result<(), DeviceError> {
 }
 
 const MLM: &str = "masked-LM pre-training (the masked-LM head)";
+
+/// What a model's evaluation or prediction on `device` is refused for (before the device is
+/// opened, before anything is read or written past the model): the same models as training's
+/// [`CudaEncoder::new`] refuses. `model` is `None` for a DLRM.
+pub fn check_inference(device: DeviceSpec, model: Option<&Encoder>) -> Result<(), DeviceError> {
+    let not_yet = |what: &str| {
+        Err(DeviceError::NotYet {
+            device,
+            what: what.into(),
+        })
+    };
+    if device.cuda_ordinal().is_none() {
+        return Ok(());
+    }
+    let Some(model) = model else {
+        return not_yet("a DLRM (click-through) model");
+    };
+    if model.cfg.pre_ln {
+        return not_yet("a pre-LN encoder (model.pre_ln)");
+    }
+    if matches!(model.head, comera_model::Head::Mlm(_)) {
+        return not_yet("a masked-LM model (the masked-LM head)");
+    }
+    Ok(())
+}
+
+/// A classifier's logits on a CUDA GPU, batch by batch: a session opened for inference only
+/// ([`EncoderSession::for_inference`]: the parameters uploaded, the forward with dropout off
+/// captured once as a graph and replayed per batch).
+pub struct CudaLogits {
+    session: EncoderSession,
+    device: DeviceSpec,
+    logits: Vec<f32>,
+}
+
+impl CudaLogits {
+    /// Opens the GPU of `device` (`cuda` / `cuda:N`) for `model`'s logits on batches of
+    /// `batch` sequences of `seq_len` tokens. Refuses what [`check_inference`] refuses.
+    pub fn new(
+        device: DeviceSpec,
+        model: &Encoder,
+        batch: usize,
+        seq_len: usize,
+    ) -> Result<CudaLogits, DeviceError> {
+        check_inference(device, Some(model))?;
+        let Some(ordinal) = device.cuda_ordinal() else {
+            return Err(DeviceError::NotYet {
+                device,
+                what: "the CPU through the device seam".into(),
+            });
+        };
+        let session = EncoderSession::for_inference(ordinal, model, batch, seq_len)
+            .map_err(|source| DeviceError::Cuda { device, source })?;
+        Ok(CudaLogits {
+            session,
+            device,
+            logits: Vec::new(),
+        })
+    }
+
+    /// Sequences per batch.
+    pub fn batch(&self) -> usize {
+        self.session.shape().0
+    }
+
+    /// The logits (batch × classes, row-major) of one full batch (batch × seq_len ids, types
+    /// and mask, mask 1 = real token).
+    pub fn logits(
+        &mut self,
+        ids: &[u32],
+        types: &[u32],
+        mask: &[u32],
+    ) -> Result<&[f32], DeviceError> {
+        self.logits =
+            self.session
+                .logits((ids, types, mask))
+                .map_err(|source| DeviceError::Cuda {
+                    device: self.device,
+                    source,
+                })?;
+        Ok(&self.logits)
+    }
+}
 
 /// The text classifier's step on a CUDA GPU ([`EncoderSession`]: the whole step captured once
 /// as a CUDA graph and replayed).
@@ -290,6 +380,57 @@ mod tests {
             processes: 1,
             teacher: false,
         }
+    }
+
+    fn tiny(pre_ln: bool, head: comera_model::HeadKind) -> Encoder {
+        let cfg = comera_model::EncoderConfig {
+            vocab_size: 20,
+            seq_len: 8,
+            d_model: 8,
+            heads: 2,
+            ffn: 16,
+            layers: 1,
+            num_labels: 2,
+            tt_linear: false,
+            ttm_embedding: false,
+            pre_ln,
+            head,
+            mlm_decoder: comera_model::config::MlmDecoderKind::Dense,
+            ..comera_model::EncoderConfig::default()
+        };
+        Encoder::new(&cfg, 1).unwrap()
+    }
+
+    /// Evaluation and prediction on a GPU take a post-LN classifier; a pre-LN encoder, a
+    /// masked-LM model and a DLRM are refused by name (before any device is opened: these
+    /// hold without a GPU); the CPU takes every model.
+    #[test]
+    fn check_inference_takes_a_classifier_and_names_each_model_it_refuses() {
+        use comera_model::HeadKind;
+        let dev = DeviceSpec::Cuda(0);
+        let classifier = tiny(false, HeadKind::Classifier);
+        assert!(check_inference(dev, Some(&classifier)).is_ok());
+        let pre_ln = tiny(true, HeadKind::Classifier);
+        let mlm = tiny(false, HeadKind::Mlm);
+        for (model, named) in [
+            (Some(&pre_ln), "a pre-LN encoder (model.pre_ln)"),
+            (Some(&mlm), "a masked-LM model"),
+            (None, "a DLRM"),
+        ] {
+            let e = check_inference(dev, model).unwrap_err();
+            assert!(matches!(e, DeviceError::NotYet { .. }), "{e:?}");
+            let e = e.to_string();
+            assert!(e.starts_with("device cuda:0: "), "{e}");
+            assert!(e.contains(named), "{named}: {e}");
+            assert!(e.contains("--device cpu"), "says what to do: {e}");
+            assert!(
+                check_inference(DeviceSpec::Cpu, model).is_ok(),
+                "the CPU: {named}"
+            );
+        }
+        // CudaLogits::new refuses the same models before it opens the GPU (no driver needed).
+        let e = CudaLogits::new(dev, &pre_ln, 2, 8).err().expect("refused");
+        assert!(e.to_string().contains("pre-LN"), "{e}");
     }
 
     #[test]

@@ -1,15 +1,28 @@
 //! Using a saved model of any kind: evaluation on its run's held-out data, on a given file or
 //! from a checkpoint ([`eval_run`]), and predictions ([`predict_probabilities`] for a classifier,
 //! [`fill_mask`] for a masked-LM encoder, [`predict_clicks`] for a DLRM).
+//!
+//! A classifier's evaluation and probabilities also run on a GPU ([`eval_run_on`],
+//! [`predict_probabilities_on`] with `cuda` / `cuda:N`): only its logits are computed there
+//! ([`crate::device::CudaLogits`]), batch by batch as on the CPU; the metrics and the
+//! probabilities are the same host code. What the GPU does not take (a masked-LM model, a
+//! pre-LN encoder, a DLRM) is refused by name with a
+//! [`DeviceError`](crate::device::DeviceError) before the device is
+//! opened and before any data is read.
 
 use crate::checkpoint::Checkpoint;
 use crate::config::ConfigError;
 use crate::config::{AnyRunConfig, DataSource};
 use crate::data::{prepare, CorpusData};
+use crate::device::{check_inference, CudaLogits};
+use crate::distributed::Processes;
 use crate::error::{Error, Result};
 use crate::files::{load_saved, DlrmMeta, ModelMeta, SavedModel, MODEL_META};
-use crate::task::{evaluate_classifier, evaluate_ctr, evaluate_mlm, EvalStats};
+use crate::task::{
+    evaluate_classifier_with, evaluate_ctr, evaluate_mlm, ClassifierLogits, EvalStats,
+};
 use crate::trainer::available_memory_bytes;
+use comera_cuda::DeviceSpec;
 use comera_data::ctr::{CatMapping, CriteoReader, CriteoSpec, CtrData, MovieLensFeatures};
 use comera_data::BertTokenizer;
 use comera_dlrm::config::{CtrDataConfig, CtrSource};
@@ -151,11 +164,25 @@ pub fn eval_run(
     data: Option<&Path>,
     batch: usize,
 ) -> Result<(EvalKind, EvalStats)> {
+    eval_run_on(run, checkpoint, data, batch, DeviceSpec::Cpu)
+}
+
+/// [`eval_run`] with the model's logits computed on `device`: `cpu`, or a classifier's on a
+/// CUDA GPU (a masked-LM model, a pre-LN encoder and a DLRM are refused there with a
+/// [`DeviceError`](crate::device::DeviceError), before any data is read).
+pub fn eval_run_on(
+    run: &Path,
+    checkpoint: Option<&Path>,
+    data: Option<&Path>,
+    batch: usize,
+    device: DeviceSpec,
+) -> Result<(EvalKind, EvalStats)> {
     if batch == 0 {
         return Err(ConfigError::new("--batch-size", "must be at least 1").into());
     }
     match load_run(run, checkpoint)? {
         (SavedModel::Encoder(model, meta), AnyRunConfig::Encoder(mut cfg)) => {
+            check_inference(device, Some(&model))?;
             let t = meta.model.seq_len;
             // The model's own WordPiece vocabulary (the run's copy), whatever the config named.
             if cfg.data.tokenizer == "wordpiece" {
@@ -199,10 +226,11 @@ pub fn eval_run(
             let d = prepare(&cfg.data, t, cfg.train.seed)?;
             Ok((
                 EvalKind::Classifier,
-                evaluate_prepared(&model, &meta, &d, batch)?,
+                evaluate_prepared(&model, &meta, &d, batch, device)?,
             ))
         }
         (SavedModel::Dlrm(model, _), AnyRunConfig::Dlrm(cfg)) => {
+            check_inference(device, None)?;
             let valid = match data {
                 Some(f) => read_click_rows(&model, &cfg.data, f, true)?,
                 None => {
@@ -272,16 +300,18 @@ pub fn eval_classifier_on(
         _ => {}
     }
     let d = prepare(&data, meta.model.seq_len, cfg.train.seed)?;
-    evaluate_prepared(&model, &meta, &d, batch)
+    evaluate_prepared(&model, &meta, &d, batch, DeviceSpec::Cpu)
 }
 
 /// A classifier on the validation set of `d`, whose labels must be the model's (an imported
-/// model's config may name another data set: its accuracy there would mean nothing).
+/// model's config may name another data set: its accuracy there would mean nothing); its
+/// logits computed on `device`.
 fn evaluate_prepared(
     model: &Encoder,
     meta: &ModelMeta,
     d: &crate::data::PreparedData,
     batch: usize,
+    device: DeviceSpec,
 ) -> Result<EvalStats> {
     if d.label_names != meta.labels {
         return Err(ConfigError::new(
@@ -294,8 +324,20 @@ fn evaluate_prepared(
         .into());
     }
     let batch = clamp_batch(batch, d.valid.len(), "validation examples")?;
-    let mut st = model.state(batch);
-    let mut s = evaluate_classifier(model, &mut st, &d.valid)?;
+    let c = model.cfg.num_labels;
+    let procs = &mut Processes::single();
+    let mut s = if device.is_cuda() {
+        let mut gpu = CudaLogits::new(device, model, batch, d.valid.max_len)?;
+        evaluate_classifier_with(&mut ClassifierLogits::Cuda(&mut gpu), c, &d.valid, procs)?
+    } else {
+        let mut st = model.state(batch);
+        evaluate_classifier_with(
+            &mut ClassifierLogits::Cpu { model, st: &mut st },
+            c,
+            &d.valid,
+            procs,
+        )?
+    };
     check_finite_loss(&s, model)?;
     if let Some(c) = &mut s.classes {
         c.labels = meta.labels.clone();
@@ -404,6 +446,19 @@ pub fn predict_probabilities(
     texts: &[String],
     batch: usize,
 ) -> Result<Vec<f32>> {
+    predict_probabilities_on(model, meta, texts, batch, DeviceSpec::Cpu)
+}
+
+/// [`predict_probabilities`] with the logits computed on `device` (`cpu`, or a CUDA GPU: the
+/// same batches, the last padded and its padding dropped, the same softmax on the host). The
+/// GPU is opened before any text is encoded; what it does not take is refused first.
+pub fn predict_probabilities_on(
+    model: &Encoder,
+    meta: &ModelMeta,
+    texts: &[String],
+    batch: usize,
+    device: DeviceSpec,
+) -> Result<Vec<f32>> {
     if meta.model.head != HeadKind::Classifier {
         return Err(Error::model("a masked-LM model has no labels to predict: use it to fill [MASK] tokens, or fine-tune it with train.init_from"));
     }
@@ -411,18 +466,29 @@ pub fn predict_probabilities(
         return Err(ConfigError::new("batch_size", "must be at least 1").into());
     }
     check_labels(meta, Path::new(MODEL_META))?;
+    check_inference(device, Some(model))?;
     let tok = BertTokenizer::from_vocab_file(&meta.vocab)
         .map_err(|e| Error::model_with(format!("vocabulary {}", meta.vocab.display()), e))?;
     let (t, c) = (meta.model.seq_len, meta.labels.len());
     let b = batch.min(texts.len().max(1));
-    let mut st = model.state(b);
-    // One batch of encoded texts: ids, token types, mask (b × t each).
-    let (mut ids, mut types, mut mask) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut st, mut gpu);
+    let mut engine = if device.is_cuda() {
+        gpu = CudaLogits::new(device, model, b, t)?;
+        ClassifierLogits::Cuda(&mut gpu)
+    } else {
+        st = model.state(b);
+        ClassifierLogits::Cpu { model, st: &mut st }
+    };
+    // One batch of encoded texts: ids, token types, mask (b × t each), no labels (zeros).
+    let mut enc_batch = comera_data::Batch {
+        labels: vec![0; b],
+        ..Default::default()
+    };
     let mut out = Vec::with_capacity(texts.len() * c);
     for chunk in texts.chunks(b) {
-        ids.clear();
-        types.clear();
-        mask.clear();
+        enc_batch.input_ids.clear();
+        enc_batch.token_type_ids.clear();
+        enc_batch.attention_mask.clear();
         for j in 0..b {
             let text = &chunk[if j < chunk.len() { j } else { 0 }];
             let enc = if meta.pair {
@@ -435,13 +501,15 @@ pub fn predict_probabilities(
             } else {
                 tok.encode_single(text, t)?
             };
-            ids.extend_from_slice(&enc.input_ids);
-            types.extend_from_slice(&enc.token_type_ids);
-            mask.extend_from_slice(&enc.attention_mask);
+            enc_batch.input_ids.extend_from_slice(&enc.input_ids);
+            enc_batch
+                .token_type_ids
+                .extend_from_slice(&enc.token_type_ids);
+            enc_batch
+                .attention_mask
+                .extend_from_slice(&enc.attention_mask);
         }
-        st.load(&ids, &types, &mask, &vec![0; b])?;
-        model.forward(&mut st, false, 0)?;
-        let logits = st.logits();
+        let logits = engine.logits(&enc_batch)?;
         check_finite_outputs(logits, model, "logits")?;
         for row in logits.chunks_exact(c).take(chunk.len()) {
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));

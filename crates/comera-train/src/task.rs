@@ -84,6 +84,42 @@ pub trait Task {
     }
 }
 
+/// Where a classifier's logits come from: the CPU encoder over its state, or a GPU session
+/// ([`crate::device::CudaLogits`]). Evaluation and prediction give both the same full batches
+/// (the last partial one padded) and read the same `batch × classes` logits, so everything
+/// after the logits is one host code for both devices.
+pub enum ClassifierLogits<'a> {
+    Cpu {
+        model: &'a Encoder,
+        st: &'a mut EncoderState,
+    },
+    Cuda(&'a mut crate::device::CudaLogits),
+}
+
+impl ClassifierLogits<'_> {
+    /// Sequences per batch.
+    pub fn batch(&self) -> usize {
+        match self {
+            ClassifierLogits::Cpu { st, .. } => st.batch(),
+            ClassifierLogits::Cuda(c) => c.batch(),
+        }
+    }
+
+    /// The logits (`batch × classes`, row-major) of one full batch, dropout off.
+    pub fn logits(&mut self, b: &Batch) -> Result<&[f32]> {
+        match self {
+            ClassifierLogits::Cpu { model, st } => {
+                load_classify(st, b)?;
+                model.forward(st, false, 0)?;
+                Ok(st.logits())
+            }
+            ClassifierLogits::Cuda(c) => {
+                Ok(c.logits(&b.input_ids, &b.token_type_ids, &b.attention_mask)?)
+            }
+        }
+    }
+}
+
 /// Evaluates a classifier on every example of `data` (the last partial batch is padded with
 /// copies of the first example, which are not counted).
 pub fn evaluate_classifier(
@@ -102,9 +138,20 @@ pub fn evaluate_classifier_sharded(
     data: &EncodedDataset,
     procs: &mut Processes,
 ) -> Result<EvalStats> {
-    let n = data.len();
     let c = model.cfg.num_labels;
-    let mut sums = classifier_sums(model, st, data, procs.shard.range(n))?;
+    evaluate_classifier_with(&mut ClassifierLogits::Cpu { model, st }, c, data, procs)
+}
+
+/// [`evaluate_classifier_sharded`] with the logits of `logits` (the CPU's or a GPU's) for a
+/// classifier of `c` classes.
+pub fn evaluate_classifier_with(
+    logits: &mut ClassifierLogits,
+    c: usize,
+    data: &EncodedDataset,
+    procs: &mut Processes,
+) -> Result<EvalStats> {
+    let n = data.len();
+    let mut sums = classifier_sums(logits, c, data, procs.shard.range(n))?;
     procs.sum_f64(&mut sums);
     let (counts, confusion) = class_counts_from_sums(&sums[2..], c);
     Ok(EvalStats {
@@ -138,12 +185,12 @@ fn class_counts_from_sums(sums: &[f64], c: usize) -> (ClassCounts, Vec<Vec<u64>>
 /// c ≤ [`ClassReport::CONFUSION_MAX_CLASSES`]) over the examples `range` of `data`: all sums,
 /// so that processes add theirs.
 fn classifier_sums(
-    model: &Encoder,
-    st: &mut EncoderState,
+    engine: &mut ClassifierLogits,
+    c: usize,
     data: &EncodedDataset,
     range: Range<usize>,
 ) -> Result<Vec<f64>> {
-    let (b, t, c) = (st.batch(), data.max_len, model.cfg.num_labels);
+    let (b, t) = (engine.batch(), data.max_len);
     let n = range.end;
     let mut batch = Batch::default();
     let (mut loss, mut correct) = (0.0f64, 0usize);
@@ -169,9 +216,8 @@ fn classifier_sums(
                 .extend_from_slice(&data.attention_mask[i * t..(i + 1) * t]);
             batch.labels.push(data.labels[i]);
         }
-        load_classify(st, &batch)?;
-        model.forward(st, false, 0)?;
-        for (j, row) in st.logits().chunks_exact(c).enumerate().take(n - start) {
+        let logits = engine.logits(&batch)?;
+        for (j, row) in logits.chunks_exact(c).enumerate().take(n - start) {
             let label = batch.labels[j];
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
             let lse = max as f64

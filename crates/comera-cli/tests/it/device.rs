@@ -182,3 +182,166 @@ fn the_step_benchmark_on_a_gpu_runs_or_names_what_is_missing() {
     assert_eq!(code, 2, "{text}");
     assert!(text.contains("error: device cuda:0"), "{text}");
 }
+
+/// What a command on a missing GPU names: the driver, the device, NVRTC, cuBLAS or memory.
+const MISSING: [&str; 7] = [
+    "NVIDIA driver",
+    "driver",
+    "no CUDA device",
+    "NVRTC",
+    "libnvrtc",
+    "cuBLAS",
+    "memory",
+];
+
+/// `eval` and `predict --device cuda` on a trained classifier: without a GPU, status 2, a
+/// message that names what is missing and says to use `--device cpu`, and nothing written
+/// (no `--out` file, no prediction on standard output); with one, they run, and `predict`
+/// gives the CPU's labels. `--device cpu` is the default: the same output as no flag.
+#[test]
+fn eval_and_predict_on_a_gpu_run_there_or_name_what_is_missing_writing_nothing() {
+    let (dir, _, run) = small_run("device-infer");
+    let texts = ["a good dress", "the fit was very bad", "great color"];
+    let predict = |extra: &[&str]| {
+        let mut args = vec!["predict", s(&run), "--json"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&texts);
+        comera(&args)
+    };
+    // The CPU: no flag and `--device cpu` alike, on stdout and into --out.
+    let (code, plain) = comera(&["eval", s(&run)]);
+    assert_eq!(code, 0, "{plain}");
+    assert!(plain.contains("accuracy"), "{plain}");
+    let (code, cpu) = comera(&["eval", s(&run), "--device", "cpu"]);
+    assert_eq!((code, &cpu), (0, &plain), "eval --device cpu");
+    let (code, plain_p) = predict(&[]);
+    assert_eq!(code, 0, "{plain_p}");
+    assert_eq!(plain_p.lines().count(), texts.len(), "{plain_p}");
+    let (code, cpu_p) = predict(&["--device", "cpu"]);
+    assert_eq!((code, &cpu_p), (0, &plain_p), "predict --device cpu");
+    let cpu_file = dir.join("cpu.jsonl");
+    let (code, text) = predict(&["--device", "cpu", "--out", s(&cpu_file)]);
+    assert_eq!(
+        (code, text.as_str()),
+        (0, ""),
+        "predict --out prints nothing"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&cpu_file).unwrap(),
+        plain_p,
+        "--out holds the lines standard output shows"
+    );
+    // An --out that is a directory is refused before any prediction, naming the flag.
+    let (code, text) = predict(&["--out", s(&dir)]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("--out") && text.contains("directory"),
+        "{text}"
+    );
+    assert!(!text.contains(texts[0]), "predicted anyway: {text}");
+    let labels = |jsonl: &str| -> Vec<String> {
+        jsonl
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["label"].to_string())
+            .collect()
+    };
+    for device in ["cuda", "cuda:0"] {
+        let (code, text) = comera(&["eval", s(&run), "--device", device]);
+        if code == 0 {
+            println!("a GPU answered: {text}");
+            assert!(text.contains("accuracy"), "{text}");
+        } else {
+            assert_device_error(code, &text, "--device cpu", &format!("eval {device}"));
+            assert!(
+                MISSING.iter().any(|n| text.contains(n)),
+                "names what is missing: {text}"
+            );
+            assert!(!text.contains("accuracy"), "eval {device} printed: {text}");
+        }
+        let out = dir.join(format!("{device}.jsonl").replace(':', "-"));
+        let (code, text) = predict(&["--device", device, "--out", s(&out)]);
+        if code == 0 {
+            println!("a GPU answered: {text}");
+            let got = std::fs::read_to_string(&out).unwrap();
+            assert_eq!(labels(&got), labels(&plain_p), "the GPU's labels");
+            continue;
+        }
+        assert_device_error(code, &text, "--device cpu", &format!("predict {device}"));
+        assert!(
+            MISSING.iter().any(|n| text.contains(n)),
+            "names what is missing: {text}"
+        );
+        assert!(!out.exists(), "predict {device} created {}", out.display());
+        for t in texts {
+            assert!(
+                !text.contains(t),
+                "predict {device} printed a prediction: {text}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// What the GPU does not evaluate is refused by name before the GPU is opened (so the same
+/// message with or without one), with status 2 and nothing written: a pre-LN classifier.
+/// A bad device string on `eval` and `predict` is a usage error that says how GPUs are named.
+#[test]
+fn eval_and_predict_refuse_a_pre_ln_model_on_the_gpu_and_bad_device_strings() {
+    let dir = tempdir("device-infer-preln");
+    let (data, vocab) = write_data(&dir);
+    let cfg = write_config(&dir, &data, &vocab, false, "max_steps_per_epoch = 2");
+    let run = dir.join("run");
+    let (code, text) = comera(&[
+        "train",
+        "--config",
+        s(&cfg),
+        "--quiet",
+        "--epochs",
+        "1",
+        "--set",
+        "model.pre_ln=true",
+    ]);
+    assert_eq!(code, 0, "{text}");
+    let (code, text) = comera(&["eval", s(&run), "--device", "cuda"]);
+    assert_device_error(
+        code,
+        &text,
+        "a pre-LN encoder (model.pre_ln)",
+        "eval pre-LN",
+    );
+    assert!(text.contains("--device cpu"), "says what to do: {text}");
+    let out = dir.join("p.txt");
+    let (code, text) = comera(&[
+        "predict",
+        s(&run),
+        "--device",
+        "cuda:1",
+        "--out",
+        s(&out),
+        "a good dress",
+    ]);
+    assert_device_error(
+        code,
+        &text,
+        "a pre-LN encoder (model.pre_ln)",
+        "predict pre-LN",
+    );
+    assert!(!out.exists(), "created {}", out.display());
+    let (code, text) = comera(&["predict", s(&run), "--device", "cpu", "a good dress"]);
+    assert_eq!(code, 0, "the CPU predicts with a pre-LN model: {text}");
+    for cmd in ["eval", "predict"] {
+        for bad in ["gpu", "cuda:x", "CUDA"] {
+            let mut args = vec![cmd, s(&run), "--device", bad];
+            if cmd == "predict" {
+                args.push("a text");
+            }
+            let (code, text) = comera(&args);
+            assert_eq!(code, 2, "{cmd} --device {bad}: {text}");
+            assert!(
+                text.contains("--device") && text.contains("cuda:N"),
+                "{cmd} --device {bad} names the accepted forms: {text}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -377,6 +377,27 @@ impl DropSite {
         }
     }
 
+    /// out = x + mask ⊙ branch / (1 − p) when `on` (training), else out = x + branch (an
+    /// evaluation pass: dropout is the identity, as on the CPU with `train = false`).
+    #[allow(clippy::too_many_arguments)]
+    fn residual(
+        &self,
+        dev: &Device,
+        on: bool,
+        step: u64,
+        x: u64,
+        branch: u64,
+        out: u64,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        if on {
+            return self.add(dev, step, x, branch, out, n);
+        }
+        let nn = n as i64;
+        // SAFETY: x, branch and out hold n floats (elementwise.cu's `add`, out_i = x_i + b_i).
+        unsafe { launch(dev, "add", grid_stride(n), &[&x, &branch, &out, &nn]) }
+    }
+
     /// out = x + mask ⊙ branch / (1 − p).
     fn add(
         &self,
@@ -951,7 +972,8 @@ impl EncoderPlan {
         let blas = &self.blas.handle;
         // SAFETY: the arena's gradient buffer holds `total` floats.
         unsafe { raw::zero(dev, self.arena.g.ptr(), self.arena.total())? };
-        self.forward(dev, blas)?;
+        self.forward(dev, blas, true)?;
+        self.loss(dev)?;
         self.backward(dev, blas)?;
         if !self.train_gates {
             for t in self
@@ -965,6 +987,29 @@ impl EncoderPlan {
             }
         }
         self.update(dev)
+    }
+
+    /// Queues one evaluation pass over the batch loaded last: the forward with dropout off
+    /// (the CPU's `Encoder::forward(st, false, _)`), no loss, no backward; it leaves the
+    /// logits (B × C, row-major) in the plan's logits buffer for [`EncoderPlan::logits`].
+    /// Parameters, gradients, moments and the dropout step are not touched, so it may run
+    /// between training steps (an evaluation during training) or in a session opened for
+    /// inference only. Like [`EncoderPlan::record_step`] it allocates nothing and waits for
+    /// nothing, so it can be captured as a graph.
+    pub fn record_eval_forward(&self, dev: &Device) -> Result<(), CudaError> {
+        self.forward(dev, &self.blas.handle, false)
+    }
+
+    /// The logits of the last pass (B × C, row-major; waits for the stream).
+    pub fn logits(&self, dev: &Device) -> Result<Vec<f32>, CudaError> {
+        dev.stream()
+            .clone_dtoh(self.logits.slice())
+            .map_err(driver("reading the logits"))
+    }
+
+    /// Classes of the classifier head (C, the logits' row length).
+    pub fn classes(&self) -> usize {
+        self.labels
     }
 
     fn step_ptr(&self) -> u64 {
@@ -1039,7 +1084,10 @@ impl EncoderPlan {
         }
     }
 
-    fn forward(&self, dev: &Device, blas: &CudaBlas) -> Result<(), CudaError> {
+    /// The forward to the logits (B × C). With `train`, dropout is on (masks from the device
+    /// step counter); without, every dropout site is the identity (the residual sums are
+    /// plain adds), as the CPU's forward with `train = false`.
+    fn forward(&self, dev: &Device, blas: &CudaBlas, train: bool) -> Result<(), CudaError> {
         let (b, t, d, n) = (self.b, self.t, self.d, self.b * self.t);
         let nd = n * d;
         let step = self.step_ptr();
@@ -1088,7 +1136,9 @@ impl EncoderPlan {
         unsafe { launch(dev, "add_into", grid_stride(nd), &[&emb, &tmp, &nn])? };
         let x0 = self.x0.ptr();
         self.ln_emb.forward(dev, emb, x0)?;
-        self.drop_emb.apply(dev, step, x0, x0, nd)?;
+        if train {
+            self.drop_emb.apply(dev, step, x0, x0, nd)?;
+        }
         // Blocks.
         let (h, dh) = (self.heads, d / self.heads);
         let units = b * h;
@@ -1152,7 +1202,8 @@ impl EncoderPlan {
             };
             let o = self.tmp.ptr();
             blk.o.forward(dev, blas, att, o)?;
-            blk.drop_attn.add(dev, step, xr, o, blk.r1.ptr(), r * d)?;
+            blk.drop_attn
+                .residual(dev, train, step, xr, o, blk.r1.ptr(), r * d)?;
             blk.ln1.forward(dev, blk.r1.ptr(), blk.x1.ptr())?;
             blk.up.forward(dev, blas, blk.x1.ptr(), blk.h.ptr())?;
             let (hp, gp, rf) = (blk.h.ptr(), self.g.ptr(), (r * self.ffn) as i64);
@@ -1168,7 +1219,7 @@ impl EncoderPlan {
             let f = self.f.ptr();
             blk.down.forward(dev, blas, gp, f)?;
             blk.drop_ffn
-                .add(dev, step, blk.x1.ptr(), f, blk.r2.ptr(), r * d)?;
+                .residual(dev, train, step, blk.x1.ptr(), f, blk.r2.ptr(), r * d)?;
             blk.ln2.forward(dev, blk.r2.ptr(), blk.out.ptr())?;
             x = blk.out.ptr();
         }
@@ -1193,8 +1244,15 @@ impl EncoderPlan {
                 &[&pre, &pooled, &bd],
             )?
         };
-        self.drop_head.apply(dev, step, pooled, pooled, b * d)?;
-        self.cls.forward(dev, blas, pooled, self.logits.ptr())?;
+        if train {
+            self.drop_head.apply(dev, step, pooled, pooled, b * d)?;
+        }
+        self.cls.forward(dev, blas, pooled, self.logits.ptr())
+    }
+
+    /// Cross-entropy of the logits against the batch's labels, and ∂L/∂logits.
+    fn loss(&self, dev: &Device) -> Result<(), CudaError> {
+        let b = self.b;
         // Cross-entropy (mean over the B rows, no ignored label) and ∂L/∂logits.
         let (rows, classes, ignore, write) = (b as i32, self.labels as i32, i32::MIN, 1i32);
         let (lg, lb, cnt, dl) = (

@@ -9,8 +9,9 @@
 //!   model's names and shapes (upload and download: the seam for checkpoints and export);
 //! - [`tt`]: a TT linear layer, merged path, forward and backward to cores and gates;
 //! - [`encoder`]: the classifier encoder's whole step ([`EncoderPlan`]);
-//! - [`session`]: the seam the training loop will call ([`EncoderSession`]): device, plan and
-//!   captured graph; host batches in, statistics and parameters out.
+//! - [`session`]: the seam comera-train calls ([`EncoderSession`]): device, plan and captured
+//!   graphs (the step, and the evaluation pass); host batches in, statistics, logits and
+//!   parameters out.
 //!
 //! [`Device::capture`]: crate::Device::capture
 

@@ -1,7 +1,10 @@
-//! The seam the training loop will call (comera-train, not wired yet; see docs/gpu.md): one
-//! object that owns the device, the plan and its captured step, takes host batches and
-//! returns host statistics, and moves parameters and AdamW moments between the device and
-//! the CPU model by name (checkpoints, evaluation, export, resuming on either device).
+//! The seam comera-train calls (`comera_train::device`; see docs/gpu.md): one object that
+//! owns the device, the plan and its captured step, takes host batches and returns host
+//! statistics, and moves parameters and AdamW moments between the device and the CPU model by
+//! name (checkpoints, evaluation, export, resuming on either device). It also computes a
+//! classifier's logits batch by batch ([`EncoderSession::logits`]) for `comera eval` and
+//! `comera predict` on the GPU, in a session opened for that alone
+//! ([`EncoderSession::for_inference`]) or between training steps.
 
 use super::arena::Which;
 use super::encoder::{DeviceStepStats, EncoderPlan, StepConfig};
@@ -16,13 +19,26 @@ pub type Moments = (String, Vec<f32>, Vec<f32>);
 /// A classifier encoder training on one GPU: [`EncoderPlan`] plus its CUDA graph, captured
 /// on the first step and replayed after.
 pub struct EncoderSession {
-    // Field order is drop order: the graph, then the plan's buffers, then the device.
+    // Field order is drop order: the graphs, then the plan's buffers, then the device.
     graph: Option<CudaGraph>,
+    /// The evaluation pass ([`EncoderPlan::record_eval_forward`]), captured on the first
+    /// [`EncoderSession::logits`] and replayed after: a second graph, because the pass is
+    /// another sequence of launches (no dropout, no loss, no backward, no update) on the same
+    /// fixed buffers. An evaluation or a prediction runs it once per batch, many times over the
+    /// same shapes, and a forward of the paper model is a few hundred small launches whose
+    /// queuing costs more than their work at evaluation batch sizes; one capture (about one
+    /// eager pass of host time) pays for itself from the second batch on.
+    eval_graph: Option<CudaGraph>,
     plan: EncoderPlan,
     dev: Device,
     /// Optimiser steps taken (AdamW's t; the next step is t + 1).
     t_adam: i32,
-    /// Replay the captured graph (true) or queue the launches one by one (false: the same
+    /// Opened by [`EncoderSession::for_inference`]: [`EncoderSession::step`] is refused.
+    inference_only: bool,
+    /// B zero labels: the plan's label buffer is loaded with them for an evaluation pass
+    /// (which reads no label).
+    no_labels: Vec<usize>,
+    /// Replay the captured graphs (true) or queue the launches one by one (false: the same
     /// launches, for comparison and debugging).
     pub use_graph: bool,
 }
@@ -42,11 +58,62 @@ impl EncoderSession {
         let plan = EncoderPlan::new(&dev, enc, seed, b, t, opt)?;
         Ok(EncoderSession {
             graph: None,
+            eval_graph: None,
             plan,
             dev,
             t_adam: 0,
+            inference_only: false,
+            no_labels: vec![0; b],
             use_graph: true,
         })
+    }
+
+    /// Opens `cuda:ordinal` for inference only: `enc`'s parameters uploaded, logits of batches
+    /// of `b` × `t` tokens by [`EncoderSession::logits`] (dropout off, so no seed); the
+    /// optimiser is never used and [`EncoderSession::step`] is refused. The plan is the
+    /// training step's: its gradient and moment arenas (three times the parameters), the
+    /// backward's scratch and a TTM table's slab gradients are allocated but unused (a
+    /// forward-only plan is not done yet).
+    pub fn for_inference(
+        ordinal: usize,
+        enc: &Encoder,
+        b: usize,
+        t: usize,
+    ) -> Result<EncoderSession, CudaError> {
+        let mut s = EncoderSession::new(ordinal, enc, 0, b, t, StepConfig::paper())?;
+        s.inference_only = true;
+        Ok(s)
+    }
+
+    /// Sequences per batch (B) and tokens per sequence (T) of the plan.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.plan.b, self.plan.t)
+    }
+
+    /// The classifier's logits (B × C, row-major, C = [`EncoderPlan::classes`]) of one batch
+    /// (B × T ids, types, mask; mask 1 = real token): the forward with dropout off on the
+    /// device's current parameters, the CPU's `Encoder::forward(st, false, _)` then
+    /// `st.logits()`. A batch of fewer sequences is the caller's to pad (the plan's shape is
+    /// fixed). Captured as a graph on the first call when `use_graph` (see `eval_graph`).
+    pub fn logits(
+        &mut self,
+        (ids, types, mask): (&[u32], &[u32], &[u32]),
+    ) -> Result<Vec<f32>, CudaError> {
+        self.plan
+            .load(&self.dev, ids, types, mask, &self.no_labels)?;
+        if self.use_graph {
+            if self.eval_graph.is_none() {
+                let plan = &self.plan;
+                self.eval_graph = Some(self.dev.capture(|d| plan.record_eval_forward(d))?);
+            }
+            if let Some(g) = &self.eval_graph {
+                g.launch()
+                    .map_err(crate::error::driver("replaying the evaluation graph"))?;
+            }
+        } else {
+            self.plan.record_eval_forward(&self.dev)?;
+        }
+        self.plan.logits(&self.dev)
     }
 
     pub fn device(&self) -> &Device {
@@ -66,6 +133,12 @@ impl EncoderSession {
         step: u64,
         lr_scale: f32,
     ) -> Result<DeviceStepStats, CudaError> {
+        if self.inference_only {
+            return Err(CudaError::Plan(
+                "a training step in a session opened for inference only (EncoderSession::for_inference)"
+                    .into(),
+            ));
+        }
         self.plan.load(&self.dev, ids, types, mask, labels)?;
         self.plan
             .set_step(&self.dev, step, self.t_adam + 1, lr_scale)?;
