@@ -101,18 +101,10 @@ impl EncoderSession {
     ) -> Result<Vec<f32>, CudaError> {
         self.plan
             .load(&self.dev, ids, types, mask, &self.no_labels)?;
-        if self.use_graph {
-            if self.eval_graph.is_none() {
-                let plan = &self.plan;
-                self.eval_graph = Some(self.dev.capture(|d| plan.record_eval_forward(d))?);
-            }
-            if let Some(g) = &self.eval_graph {
-                g.launch()
-                    .map_err(crate::error::driver("replaying the evaluation graph"))?;
-            }
-        } else {
-            self.plan.record_eval_forward(&self.dev)?;
-        }
+        let (plan, graph) = (&self.plan, self.use_graph.then_some(&mut self.eval_graph));
+        run_recorded(&self.dev, graph, "replaying the evaluation graph", |d| {
+            plan.record_eval_forward(d)
+        })?;
         self.plan.logits(&self.dev)
     }
 
@@ -142,18 +134,10 @@ impl EncoderSession {
         self.plan.load(&self.dev, ids, types, mask, labels)?;
         self.plan
             .set_step(&self.dev, step, self.t_adam + 1, lr_scale)?;
-        if self.use_graph {
-            if self.graph.is_none() {
-                let plan = &self.plan;
-                self.graph = Some(self.dev.capture(|d| plan.record_step(d))?);
-            }
-            if let Some(g) = &self.graph {
-                g.launch()
-                    .map_err(crate::error::driver("replaying the step graph"))?;
-            }
-        } else {
-            self.plan.record_step(&self.dev)?;
-        }
+        let (plan, graph) = (&self.plan, self.use_graph.then_some(&mut self.graph));
+        run_recorded(&self.dev, graph, "replaying the step graph", |d| {
+            plan.record_step(d)
+        })?;
         self.t_adam += 1;
         self.plan.stats(&self.dev)
     }
@@ -199,4 +183,25 @@ impl EncoderSession {
         self.t_adam = t_adam;
         Ok(())
     }
+}
+
+/// Runs what `record` queues on `dev`'s stream: with a `graph` slot, replayed from the graph
+/// captured there on the first call (`what` names the replay in an error); without, launched
+/// one by one (the same launches).
+fn run_recorded(
+    dev: &Device,
+    graph: Option<&mut Option<CudaGraph>>,
+    what: &'static str,
+    record: impl Fn(&Device) -> Result<(), CudaError>,
+) -> Result<(), CudaError> {
+    let Some(slot) = graph else {
+        return record(dev);
+    };
+    if slot.is_none() {
+        *slot = Some(dev.capture(&record)?);
+    }
+    if let Some(g) = slot {
+        g.launch().map_err(crate::error::driver(what))?;
+    }
+    Ok(())
 }
