@@ -9,7 +9,8 @@
 //! then each layer peels its chains as on its own. The result is each layer's own merged-path
 //! result up to float rounding (the same sums, grouped in larger products).
 //!
-//! At small batches (see `merged::paired`) the backward's independent products run as two
+//! The layers' gating, chain builds and peels run side by side (halves of the layers as rayon
+//! tasks), each layer's on its own buffers. At small batches (see `merged::paired`) the backward's independent products run as two
 //! single-threaded tasks, as on the merged path: (dR_i ∥ U_i) and (dX ∥ dL).
 //!
 //! It applies while every layer plans the merged path at this batch (the planner still decides
@@ -79,7 +80,7 @@ impl SharedInput {
     /// choose): for tests on shapes too small for the merged path to win.
     pub fn new_unplanned(layers: &[&TtLinear], batch: usize) -> Option<SharedInput> {
         let n_in = layers.first()?.in_features();
-        if layers.iter().any(|l| l.dead || l.in_features() != n_in) {
+        if layers.len() > MAX_MEMBERS || layers.iter().any(|l| l.dead || l.in_features() != n_in) {
             return None;
         }
         let prefix = |v: Vec<usize>| {
@@ -178,10 +179,14 @@ impl SharedInput {
         let pair = self.paired();
         let (mut cat, mut h) = (self.cat.acquire(), self.h.acquire());
         let mut products = self.products.acquire();
-        for (i, l) in layers.iter().enumerate() {
-            let cols = self.rcol[i]..self.rcol[i + 1];
-            self.members[i].build(l, &mut h, &mut products, &mut cat[0], cols);
-        }
+        build_all(
+            &self.members,
+            &self.rcol,
+            layers,
+            &mut h,
+            &mut products,
+            &mut cat[0],
+        );
         matmul(
             MatMut::new(&mut self.t1, b, s),
             MatRef::new(x, b, n),
@@ -233,10 +238,16 @@ impl SharedInput {
         let pair = self.paired();
         let (mut cat, mut h, mut dh) = (self.cat.acquire(), self.h.acquire(), self.dh.acquire());
         let (mut products, mut grads) = (self.products.acquire(), self.grads.acquire());
-        for i in 0..k {
-            let cols = self.rcol[i]..self.rcol[i + 1];
-            self.members[i].build(layers[i], &mut h, &mut products, &mut cat[0], cols);
-        }
+        let readonly: [&TtLinear; MAX_MEMBERS] = std::array::from_fn(|i| &*layers[i.min(k - 1)]);
+        let (members, rcol) = (&self.members, &self.rcol);
+        build_all(
+            members,
+            rcol,
+            &readonly[..k],
+            &mut h,
+            &mut products,
+            &mut cat[0],
+        );
         let [lcat, u, dlcat] = &mut cat[..] else {
             unreachable!("three buffers")
         };
@@ -270,23 +281,142 @@ impl SharedInput {
             self.bias[self.mcol[i]..self.mcol[i + 1]].copy_from_slice(&l.bias.grad);
         }
         accumulate_bias_grad(dy, &mut self.bias);
-        for i in 0..k {
+        // Each layer's dL out of dLcat, then every layer peels its chains and accumulates its
+        // cores' gradients, halves of the layers as rayon tasks.
+        for (i, member) in self.members.iter().enumerate() {
             let (r0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
-            let member = &self.members[i];
             let mut chains = member.chains(&mut products, &mut grads);
-            {
-                let (_, _, dl, _) = chains.seed_grads();
-                for (dst, src) in dl.chunks_exact_mut(rp).zip(dlcat.chunks_exact(s)) {
-                    dst.copy_from_slice(&src[r0..r0 + rp]);
-                }
+            let (_, _, dl, _) = chains.seed_grads();
+            for (dst, src) in dl.chunks_exact_mut(rp).zip(dlcat.chunks_exact(s)) {
+                dst.copy_from_slice(&src[r0..r0 + rp]);
             }
-            let l = &mut *layers[i];
-            let (h, dh) = (&h[member.cores.clone()], &mut dh[member.cores.clone()]);
-            chains.peel(&l.shape, h, dh);
-            l.accumulate_core_grads(dh);
+        }
+        let own = Own {
+            h: &mut h,
+            dh: &mut dh,
+            products: &mut products,
+            grads: &mut grads,
+        };
+        peel_members(&self.members, layers, own);
+        for (i, l) in layers.iter_mut().enumerate() {
             l.bias
                 .grad
                 .copy_from_slice(&self.bias[self.mcol[i]..self.mcol[i + 1]]);
+        }
+    }
+}
+
+/// Every layer's gated cores and chains (halves of the layers as rayon tasks), then each L into
+/// its columns `rcol` of Lcat = [L_1 | … | L_n] (`lcat`, N × S).
+fn build_all(
+    members: &[Member],
+    rcol: &[usize],
+    layers: &[&TtLinear],
+    h: &mut [Scratch],
+    products: &mut [Scratch],
+    lcat: &mut [f32],
+) {
+    let own = Own {
+        h,
+        dh: &mut [],
+        products,
+        grads: &mut [],
+    };
+    build_members(members, layers, own);
+    let s = *rcol.last().expect("n ≥ 1");
+    for (i, member) in members.iter().enumerate() {
+        let cols = rcol[i]..rcol[i + 1];
+        let chains = member.chains(products, &mut []);
+        for (dst, src) in lcat
+            .chunks_exact_mut(s)
+            .zip(chains.l().chunks_exact(cols.len()))
+        {
+            dst[cols.clone()].copy_from_slice(src);
+        }
+    }
+}
+
+/// Most layers one [`SharedInput`] fuses (attention's q, k and v: 3; more run one by one).
+const MAX_MEMBERS: usize = 8;
+
+/// The part of the lent buffers that belongs to a run of members, in member order (`dh` and
+/// `grads` empty in a forward).
+struct Own<'a> {
+    h: &'a mut [Scratch],
+    dh: &'a mut [Scratch],
+    products: &'a mut [Scratch],
+    grads: &'a mut [Scratch],
+}
+
+impl<'a> Own<'a> {
+    /// The buffers of `members[..mid]` and of `members[mid..]` (`members` own these).
+    fn split(self, members: &[Member], mid: usize) -> (Own<'a>, Own<'a>) {
+        let (first, at) = (&members[0], &members[mid]);
+        fn cut(v: &mut [Scratch], n: usize) -> (&mut [Scratch], &mut [Scratch]) {
+            let n = n.min(v.len());
+            v.split_at_mut(n)
+        }
+        let (h0, h1) = cut(self.h, at.cores.start - first.cores.start);
+        let (dh0, dh1) = cut(self.dh, at.cores.start - first.cores.start);
+        let (p0, p1) = cut(self.products, at.products.start - first.products.start);
+        let (g0, g1) = cut(self.grads, at.grads.start - first.grads.start);
+        (
+            Own {
+                h: h0,
+                dh: dh0,
+                products: p0,
+                grads: g0,
+            },
+            Own {
+                h: h1,
+                dh: dh1,
+                products: p1,
+                grads: g1,
+            },
+        )
+    }
+}
+
+/// Gates each member's cores and builds its chains, halves of the members as rayon tasks.
+fn build_members(members: &[Member], layers: &[&TtLinear], own: Own<'_>) {
+    match members {
+        [] => {}
+        [member] => {
+            let l = layers[0];
+            l.gate_cores(own.h);
+            let mut chains = member.chains.lent(own.products, &mut []);
+            chains.build(&l.shape, own.h);
+        }
+        _ => {
+            let mid = members.len() / 2;
+            let (a, b) = own.split(members, mid);
+            rayon::join(
+                || build_members(&members[..mid], &layers[..mid], a),
+                || build_members(&members[mid..], &layers[mid..], b),
+            );
+        }
+    }
+}
+
+/// Each member peels its chains (from the dL and dR seeded in its gradient scratch) and
+/// accumulates its cores' gradients, halves of the members as rayon tasks.
+fn peel_members(members: &[Member], layers: &mut [&mut TtLinear], own: Own<'_>) {
+    match members {
+        [] => {}
+        [member] => {
+            let l = &mut *layers[0];
+            let mut chains = member.chains.lent(own.products, own.grads);
+            chains.peel(&l.shape, own.h, own.dh);
+            l.accumulate_core_grads(own.dh);
+        }
+        _ => {
+            let mid = members.len() / 2;
+            let (a, b) = own.split(members, mid);
+            let (la, lb) = layers.split_at_mut(mid);
+            rayon::join(
+                || peel_members(&members[..mid], la, a),
+                || peel_members(&members[mid..], lb, b),
+            );
         }
     }
 }
@@ -312,28 +442,5 @@ impl Member {
         let grads = grads.get_mut(self.grads.clone()).unwrap_or(&mut []);
         self.chains
             .lent(&mut products[self.products.clone()], grads)
-    }
-
-    /// Its gated cores (into its part of the lent `h`) and chains, and its L into its columns
-    /// `cols` of Lcat = [L_1 | … | L_n] (`lcat`, N × S).
-    fn build(
-        &self,
-        l: &TtLinear,
-        h: &mut [Scratch],
-        products: &mut [Scratch],
-        lcat: &mut [f32],
-        cols: Range<usize>,
-    ) {
-        let h = &mut h[self.cores.clone()];
-        l.gate_cores(h);
-        let mut chains = self.chains(products, &mut []);
-        chains.build(&l.shape, h);
-        let s = lcat.len() / l.in_features();
-        for (dst, src) in lcat
-            .chunks_exact_mut(s)
-            .zip(chains.l().chunks_exact(cols.len()))
-        {
-            dst[cols.clone()].copy_from_slice(src);
-        }
     }
 }

@@ -122,6 +122,28 @@ fn fused_equals_the_layers_one_by_one() {
 }
 
 #[test]
+fn fused_gives_the_same_bits_on_any_thread_count() {
+    // The layers' chains are built and peeled side by side (halves of the layers as tasks),
+    // each on its own buffers of different sizes: any pool gives the same bits.
+    let mut rng = init::rng(43);
+    let ls = layers(&mut rng);
+    let batch = 7;
+    let x = random_vec(&mut rng, batch * ls[0].in_features());
+    let w: usize = ls.iter().map(|l| l.out_features()).sum();
+    let dy = random_vec(&mut rng, batch * w);
+    let runs = [1usize, 2, 3].map(|n| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap();
+        pool.install(|| fused_run(&ls, batch, &x, &dy))
+    });
+    for r in &runs[1..] {
+        assert!(r == &runs[0], "the fused q/k/v differs across thread counts");
+    }
+}
+
+#[test]
 fn fused_matches_finite_differences() {
     let mut rng = init::rng(42);
     let ls = layers(&mut rng);
