@@ -393,6 +393,8 @@ impl GaLore {
             &mut self.svd,
             &mut self.svd_fallbacks,
         );
+        // The plain parameters' update: AdamW's own (no gate freezing here).
+        let plain = crate::Update::new(c, t, None, lr_scale, grad_scale);
         let mut i = 0;
         visit(&mut |p: &mut Param| {
             let lr = c.lr(p.kind) * lr_scale;
@@ -407,15 +409,7 @@ impl GaLore {
                 states.len()
             );
             match &mut states[i] {
-                ParamState::Adam { m, v } => {
-                    assert_eq!(
-                        m.len(),
-                        p.len(),
-                        "optimiser state does not match parameter {}",
-                        p.name
-                    );
-                    adam_update(c, lr, decay, grad_scale, bc1, bc2, p, m, v);
-                }
+                ParamState::Adam { m, v } => plain.param(p, m, v),
                 ParamState::Projected(pr) => {
                     assert!(
                         p.shape.len() == 2 && p.shape[0] == pr.rows && p.shape[1] == pr.cols,
@@ -444,39 +438,6 @@ impl GaLore {
             "optimiser state covers {} parameters, the model has {i}",
             self.state.len()
         );
-    }
-}
-
-/// The plain AdamW update of one parameter (as [`AdamW::step`](crate::AdamW::step)).
-#[allow(clippy::too_many_arguments)]
-fn adam_update(
-    c: &AdamWConfig,
-    lr: f32,
-    decay: f32,
-    grad_scale: f32,
-    bc1: f32,
-    bc2: f32,
-    p: &mut Param,
-    m: &mut [f32],
-    v: &mut [f32],
-) {
-    let update = |(((w, g), m), v): crate::Chunks<'_>| {
-        for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-            let g = g * grad_scale;
-            *m = c.beta1 * *m + (1.0 - c.beta1) * g;
-            *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
-            *w -= lr * ((*m / bc1) / ((*v / bc2).sqrt() + c.eps) + decay * *w);
-        }
-    };
-    if p.len() >= 2 * CHUNK {
-        p.value
-            .par_chunks_mut(CHUNK)
-            .zip(p.grad.par_chunks(CHUNK))
-            .zip(m.par_chunks_mut(CHUNK))
-            .zip(v.par_chunks_mut(CHUNK))
-            .for_each(update);
-    } else {
-        update((((&mut p.value[..], &p.grad[..]), m), v));
     }
 }
 

@@ -261,8 +261,8 @@ impl AdamW {
     }
 }
 
-/// One step's AdamW update of any parameter.
-struct Update<'a> {
+/// One step's AdamW update of any parameter (GaLore's plain parameters take it too).
+pub(crate) struct Update<'a> {
     cfg: &'a AdamWConfig,
     bc1: f32,
     bc2: f32,
@@ -273,7 +273,7 @@ struct Update<'a> {
 
 impl Update<'_> {
     /// The update of step `t` (1 for the first).
-    fn new(
+    pub(crate) fn new(
         cfg: &AdamWConfig,
         t: u64,
         freeze_gates_at: Option<f32>,
@@ -292,7 +292,7 @@ impl Update<'_> {
     }
 
     /// Updates `p` with its moments `m` and `v`: large parameters in parallel chunks.
-    fn param(&self, p: &mut Param, m: &mut [f32], v: &mut [f32]) {
+    pub(crate) fn param(&self, p: &mut Param, m: &mut [f32], v: &mut [f32]) {
         let c = self.cfg;
         let lr = c.lr(p.kind) * self.lr_scale;
         let decay = if p.kind == ParamKind::RankGate || p.shape.len() < 2 {

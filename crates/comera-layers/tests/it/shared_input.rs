@@ -139,7 +139,10 @@ fn fused_gives_the_same_bits_on_any_thread_count() {
         pool.install(|| fused_run(&ls, batch, &x, &dy))
     });
     for r in &runs[1..] {
-        assert!(r == &runs[0], "the fused q/k/v differs across thread counts");
+        assert!(
+            r == &runs[0],
+            "the fused q/k/v differs across thread counts"
+        );
     }
 }
 

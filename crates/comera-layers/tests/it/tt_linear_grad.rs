@@ -327,22 +327,7 @@ fn chains_cut_into_row_pieces_agree_with_dense_and_give_the_same_bits_on_any_thr
     // The paper's FFN up shape (768 → 3,072) at rank 30 and 128 rows: the right chain's last
     // product (480 × 30 · 30 × 192) and its peel run in four row pieces each, the left
     // chain's last (96 × 30 · 30 × 240) in two, on whichever threads take them.
-    let mut rng = init::rng(41);
-    let ranks = [1, 30, 30, 30, 30, 30, 1];
-    let mut layer = random_tt(&mut rng, &[12, 8, 8], &[16, 16, 12], &ranks, true);
-    for c in &mut layer.cores {
-        init::fill_normal(&mut rng, &mut c.value, 0.2);
-    }
-    let batch = 128;
-    let x = random_vec(&mut rng, batch * 768);
-    let dy = random_vec(&mut rng, batch * 3072);
-    let base = merged_on_any_thread_count(&layer, batch, &x, &dy);
-    let dense = run(&layer, TtPath::Dense, batch, &x, &dy);
-    assert_close("y", &base.y, &dense.y, 1e-4);
-    assert_close("dx", &base.dx, &dense.dx, 1e-4);
-    for (k, (a, b)) in base.params.iter().zip(&dense.params).enumerate() {
-        assert_close(&format!("param {k}"), a, b, 1e-4);
-    }
+    merged_at_rank_30_against_dense(41, &[16, 16, 12], 128);
 }
 
 #[test]
@@ -350,15 +335,21 @@ fn merged_path_in_row_lanes_agrees_with_dense_and_gives_the_same_bits_on_any_thr
     // The paper's attention shape at rank 30 and 1,100 rows (above the two-task size): the
     // merged path runs in row lanes, 8 of 138 rows, the last 134, each in blocks of 128 rows
     // and a short one. Pruned gates and the bias included.
-    let mut rng = init::rng(37);
+    merged_at_rank_30_against_dense(37, &[8, 8, 12], 1100);
+}
+
+/// A layer from 768 = [12, 8, 8] to `out_modes` at rank 30 (cores of outputs of order 10,
+/// pruned gates, a bias) on `batch` rows: the merged path on 1, 2 and 3 threads, the same bits,
+/// and the dense path's result within 1e-4.
+fn merged_at_rank_30_against_dense(seed: u64, out_modes: &[usize], batch: usize) {
+    let mut rng = init::rng(seed);
     let ranks = [1, 30, 30, 30, 30, 30, 1];
-    let mut layer = random_tt(&mut rng, &[12, 8, 8], &[8, 8, 12], &ranks, true);
+    let mut layer = random_tt(&mut rng, &[12, 8, 8], out_modes, &ranks, true);
     for c in &mut layer.cores {
-        init::fill_normal(&mut rng, &mut c.value, 0.2); // outputs of order 10
+        init::fill_normal(&mut rng, &mut c.value, 0.2);
     }
-    let batch = 1100;
     let x = random_vec(&mut rng, batch * 768);
-    let dy = random_vec(&mut rng, batch * 768);
+    let dy = random_vec(&mut rng, batch * layer.out_features());
     let base = merged_on_any_thread_count(&layer, batch, &x, &dy);
     let dense = run(&layer, TtPath::Dense, batch, &x, &dy);
     assert_close("y", &base.y, &dense.y, 1e-4);
