@@ -244,32 +244,57 @@ impl TtLinear {
         w
     }
 
-    /// H_c = G_c·diag(g(d_{c+1})) for every core.
+    /// H_c = G_c·diag(g(d_{c+1})) for every core: the first and second halves of the cores side
+    /// by side (each core on its own; a few µs of element-wise work a layer call that a step
+    /// of many calls would otherwise spend on one thread).
     fn gate_cores(&self, h: &mut [Scratch]) {
         let k = self.shape.n_cores();
-        h[k - 1].copy_from_slice(&self.cores[k - 1].value);
-        for c in 0..k - 1 {
-            self.rule
-                .gate_core(&self.cores[c].value, &self.gates[c].value, &mut h[c]);
-        }
+        let mid = k / 2;
+        let (h0, h1) = h.split_at_mut(mid);
+        let gate = |c: usize, h: &mut [f32]| match self.gates.get(c) {
+            Some(g) => self.rule.gate_core(&self.cores[c].value, &g.value, h),
+            None => h.copy_from_slice(&self.cores[c].value), // the last core has no gate
+        };
+        rayon::join(
+            || h0.iter_mut().enumerate().for_each(|(c, h)| gate(c, h)),
+            || {
+                h1.iter_mut()
+                    .enumerate()
+                    .for_each(|(c, h)| gate(mid + c, h))
+            },
+        );
     }
 
-    /// dG_c += dH_c·diag(g), dd[j] += Σ dH_c[.., j]·G_c[.., j] (active entries only).
+    /// dG_c += dH_c·diag(g), dd[j] += Σ dH_c[.., j]·G_c[.., j] (active entries only): the two
+    /// halves of the cores side by side, as in `gate_cores` (each core's sums on one thread, in
+    /// the same order whatever the thread count).
     fn accumulate_core_grads(&mut self, dh: &[Scratch]) {
-        let k = self.shape.n_cores();
-        for (g, d) in self.cores[k - 1].grad.iter_mut().zip(dh[k - 1].iter()) {
-            *g += d;
-        }
-        for c in 0..k - 1 {
-            let (core, gate) = (&mut self.cores[c], &mut self.gates[c]);
-            self.rule.accumulate_gated_grads(
-                &core.value,
-                &mut core.grad,
-                &gate.value,
-                &mut gate.grad,
-                &dh[c],
-            );
-        }
+        let mid = self.shape.n_cores() / 2;
+        let rule = self.rule;
+        let (c0, c1) = self.cores.split_at_mut(mid);
+        let gate_mid = mid.min(self.gates.len());
+        let (g0, g1) = self.gates.split_at_mut(gate_mid);
+        let (d0, d1) = dh.split_at(mid);
+        let half = |cores: &mut [Param], gates: &mut [Param], dh: &[Scratch]| {
+            for (c, (core, dh)) in cores.iter_mut().zip(dh).enumerate() {
+                match gates.get_mut(c) {
+                    Some(gate) => rule.accumulate_gated_grads(
+                        &core.value,
+                        &mut core.grad,
+                        &gate.value,
+                        &mut gate.grad,
+                        dh,
+                    ),
+                    // The last core has no gate: dG = dH.
+                    None => core
+                        .grad
+                        .iter_mut()
+                        .zip(dh.iter())
+                        .for_each(|(g, d)| *g += d),
+                }
+            }
+        };
+        rayon::join(|| half(c0, g0, d0), || half(c1, g1, d1));
     }
 }
 
