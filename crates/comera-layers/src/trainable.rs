@@ -39,6 +39,18 @@ impl MemoryBreakdown {
     }
 }
 
+/// `f` for a serial visit: each parameter gets the place `*next`, which then moves on (the
+/// serial visits a parallel one is made of, starting where the parameters before them end).
+pub fn numbered<'a>(
+    f: &'a (dyn Fn(usize, &mut Param) + Sync),
+    next: &'a mut usize,
+) -> impl FnMut(&mut Param) + 'a {
+    move |p| {
+        f(*next, p);
+        *next += 1;
+    }
+}
+
 /// A model's parameters and its compressible (TT/TTM) layers. Object-safe, so the optimiser
 /// and the rank schedule take `&mut dyn Model`.
 pub trait Model {
@@ -49,11 +61,8 @@ pub trait Model {
     /// threads at once (the optimiser's update, clipping's sums and zeroing over hundreds of
     /// small parameters). Without allocating. The default visits them in order on this thread.
     fn visit_params_par(&mut self, f: &(dyn Fn(usize, &mut Param) + Sync)) {
-        let mut i = 0;
-        self.visit_params_mut(&mut |p| {
-            f(i, p);
-            i += 1;
-        });
+        let mut next = 0;
+        self.visit_params_mut(&mut numbered(f, &mut next));
     }
     /// Every parameter, in the order of [`Model::visit_params_mut`].
     fn params(&self) -> Vec<&Param>;

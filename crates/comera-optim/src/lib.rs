@@ -437,25 +437,19 @@ pub fn clip_scale(max_norm: f32, visit: impl FnOnce(&mut dyn FnMut(&mut Param)))
 /// parameter's sum of squares on whichever thread visits it, into `sums` by index, then added
 /// in index order, so the norm is the same, bit for bit, as [`clip_scale`]'s.
 pub fn clip_scale_par(max_norm: f32, model: &mut dyn Model, sums: &mut ParamSums) -> (f32, f64) {
-    let n = {
-        let mut n = 0;
-        model.visit_params_mut(&mut |_| n += 1);
-        n
-    };
-    if sums.0.len() != n {
-        sums.0 = (0..n).map(|_| AtomicU64::new(0)).collect();
+    // The slots are sized by the visit itself: a visit that reaches beyond them (the first
+    // step, or a model that changed) counts its parameters, and the sums are taken again.
+    let mut visited = sums.visit(model);
+    if visited != sums.0.len() {
+        sums.0 = (0..visited).map(|_| AtomicU64::new(0)).collect();
+        visited = sums.visit(model);
     }
-    let (slots, visited) = (&sums.0, AtomicUsize::new(0));
-    model.visit_params_par(&|i, p| {
-        slots[i].store(kernels::sum_sq(&p.grad).to_bits(), Ordering::Relaxed);
-        visited.fetch_add(1, Ordering::Relaxed);
-    });
     assert_eq!(
-        visited.into_inner(),
-        n,
+        visited,
+        sums.0.len(),
         "the parallel visit missed parameters"
     );
-    let sq = slots.iter().fold(0.0f64, |acc, s| {
+    let sq = sums.0.iter().fold(0.0f64, |acc, s| {
         acc + f64::from_bits(s.load(Ordering::Relaxed))
     });
     scale_for(max_norm, sq.sqrt())
@@ -465,6 +459,21 @@ pub fn clip_scale_par(max_norm: f32, model: &mut dyn Model, sums: &mut ParamSums
 /// parameter count changes).
 #[derive(Debug, Default)]
 pub struct ParamSums(Vec<AtomicU64>);
+
+impl ParamSums {
+    /// Each parameter's sum of squares into its slot (those beyond the slots are only
+    /// counted); returns how many parameters the visit reached.
+    fn visit(&self, model: &mut dyn Model) -> usize {
+        let visited = AtomicUsize::new(0);
+        model.visit_params_par(&|i, p| {
+            if let Some(slot) = self.0.get(i) {
+                slot.store(kernels::sum_sq(&p.grad).to_bits(), Ordering::Relaxed);
+            }
+            visited.fetch_add(1, Ordering::Relaxed);
+        });
+        visited.into_inner()
+    }
+}
 
 /// The clipping factor for a gradient norm.
 fn scale_for(max_norm: f32, norm: f64) -> (f32, f64) {

@@ -52,6 +52,7 @@ use comera_layers::attention::Attention;
 use comera_layers::dropout::Dropout;
 use comera_layers::elementwise::add_into;
 use comera_layers::norm::LayerNorm;
+use comera_layers::trainable::numbered;
 use comera_layers::{
     Compressible, Embedding, EmbeddingError, EmbeddingLayer, Layer, Linear, Param, RankGates,
     StepStats, TtLinear, TtmEmbedding,
@@ -223,22 +224,16 @@ impl Encoder {
     /// on several threads at once (halves of the blocks as rayon tasks); the embeddings, the
     /// final LayerNorm and the head on this thread, in order.
     pub fn visit_params_par(&mut self, f: &(dyn Fn(usize, &mut Param) + Sync)) {
-        let mut i = 0;
-        let mut visit = |p: &mut Param| {
-            f(i, p);
-            i += 1;
-        };
-        self.word.visit_params_mut(&mut visit);
-        self.pos.visit_params_mut(&mut visit);
-        self.types.visit_params_mut(&mut visit);
-        self.ln_emb.visit_params_mut(&mut visit);
-        let first = i;
-        let blocks = visit_blocks_par(&mut self.blocks, first, f);
-        let mut i = first + blocks;
-        let mut visit = |p: &mut Param| {
-            f(i, p);
-            i += 1;
-        };
+        let mut next = 0;
+        {
+            let mut visit = numbered(f, &mut next);
+            self.word.visit_params_mut(&mut visit);
+            self.pos.visit_params_mut(&mut visit);
+            self.types.visit_params_mut(&mut visit);
+            self.ln_emb.visit_params_mut(&mut visit);
+        }
+        next += visit_blocks_par(&mut self.blocks, next, f);
+        let mut visit = numbered(f, &mut next);
         if let Some(ln) = &mut self.ln_final {
             ln.visit_params_mut(&mut visit);
         }
@@ -683,12 +678,9 @@ fn visit_blocks_par(
     match blocks {
         [] => 0,
         [block] => {
-            let mut i = first;
-            block.visit_params_mut(&mut |p| {
-                f(i, p);
-                i += 1;
-            });
-            i - first
+            let mut next = first;
+            block.visit_params_mut(&mut numbered(f, &mut next));
+            next - first
         }
         _ => {
             let (a, b) = blocks.split_at_mut(blocks.len() / 2);
