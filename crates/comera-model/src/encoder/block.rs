@@ -36,6 +36,7 @@ use comera_layers::elementwise::{add_into, mul_into, sum_into};
 use comera_layers::norm::LayerNorm;
 use comera_layers::{Layer, Param, RankGates};
 use comera_tensor::init;
+use rayon::prelude::*;
 
 /// One encoder block's layers.
 #[derive(Clone, Debug)]
@@ -435,25 +436,48 @@ fn ensure_len(v: &mut Vec<f32>, len: usize) {
     }
 }
 
-/// qkv[n] = [q[n] | k[n] | v[n]] (rows of width 3D).
-fn interleave(q: &[f32], k: &[f32], v: &[f32], d: usize, qkv: &mut [f32]) {
-    for (((row, q), k), v) in qkv
-        .chunks_exact_mut(3 * d)
-        .zip(q.chunks_exact(d))
-        .zip(k.chunks_exact(d))
-        .zip(v.chunks_exact(d))
-    {
-        row[..d].copy_from_slice(q);
-        row[d..2 * d].copy_from_slice(k);
-        row[2 * d..].copy_from_slice(v);
-    }
+/// Rows per parallel group of [`interleave`] and [`column_block`]: about one
+/// [`CHUNK`](comera_layers::elementwise::CHUNK) of each of q, k and v.
+fn copy_rows(d: usize) -> usize {
+    (comera_layers::elementwise::CHUNK / d.max(1)).max(1)
 }
 
-/// out[n] = qkv[n][j·D..(j+1)·D]: one of q, k, v (j = 0, 1, 2) out of [`interleave`]'s rows.
+/// qkv[n] = [q[n] | k[n] | v[n]] (rows of width 3D), in parallel groups of rows. Plain copies,
+/// so the same bits on any thread count; they are not small: at the paper's batch 32 one
+/// block's q, k and v are 38 MB, copied in every forward and again when the backward
+/// recomputes it, and serially they took a tenth of the 2-thread step while the other worker
+/// waited (`perf` of `comera --threads 2 bench step --batch 32`).
+fn interleave(q: &[f32], k: &[f32], v: &[f32], d: usize, qkv: &mut [f32]) {
+    let rows = copy_rows(d);
+    qkv.par_chunks_mut(rows * 3 * d)
+        .zip(q.par_chunks(rows * d))
+        .zip(k.par_chunks(rows * d))
+        .zip(v.par_chunks(rows * d))
+        .for_each(|(((qkv, q), k), v)| {
+            for (((row, q), k), v) in qkv
+                .chunks_exact_mut(3 * d)
+                .zip(q.chunks_exact(d))
+                .zip(k.chunks_exact(d))
+                .zip(v.chunks_exact(d))
+            {
+                row[..d].copy_from_slice(q);
+                row[d..2 * d].copy_from_slice(k);
+                row[2 * d..].copy_from_slice(v);
+            }
+        });
+}
+
+/// out[n] = qkv[n][j·D..(j+1)·D]: one of q, k, v (j = 0, 1, 2) out of [`interleave`]'s rows,
+/// in parallel groups of rows as there.
 fn column_block(qkv: &[f32], d: usize, j: usize, out: &mut [f32]) {
-    for (row, o) in qkv.chunks_exact(3 * d).zip(out.chunks_exact_mut(d)) {
-        o.copy_from_slice(&row[j * d..(j + 1) * d]);
-    }
+    let rows = copy_rows(d);
+    out.par_chunks_mut(rows * d)
+        .zip(qkv.par_chunks(rows * 3 * d))
+        .for_each(|(out, qkv)| {
+            for (row, o) in qkv.chunks_exact(3 * d).zip(out.chunks_exact_mut(d)) {
+                o.copy_from_slice(&row[j * d..(j + 1) * d]);
+            }
+        });
 }
 
 /// rows[b] = x[b·T]: the first row of each sequence of T rows (B × D out of N × D).
