@@ -215,16 +215,17 @@ fn gelu_matches_the_cpu() {
     close("GELU'(h + b)", &down(dev, &gh), &h, 2e-6);
 }
 
-/// S = Q·Kᵀ per (b, h), unscaled, (B·H, T, T), each entry a dot product in index order.
+/// S = Q·Kᵀ per (b, h), unscaled, (B·H, T, T), each entry a dot product in index order, for
+/// `qkv` in the CPU attention's layout (3, B, T, D).
 fn scores(qkv: &[f32], b: usize, t: usize, d: usize, nh: usize) -> Vec<f32> {
-    let hd = d / nh;
+    let (hd, nd) = (d / nh, b * t * d);
     let mut s = vec![0.0; b * nh * t * t];
     for bi in 0..b {
         for h in 0..nh {
             for i in 0..t {
                 for j in 0..t {
-                    let q = &qkv[(bi * t + i) * 3 * d + h * hd..][..hd];
-                    let k = &qkv[(bi * t + j) * 3 * d + d + h * hd..][..hd];
+                    let q = &qkv[(bi * t + i) * d + h * hd..][..hd];
+                    let k = &qkv[nd + (bi * t + j) * d + h * hd..][..hd];
                     s[((bi * nh + h) * t + i) * t + j] = q.iter().zip(k).map(|(a, b)| a * b).sum();
                 }
             }

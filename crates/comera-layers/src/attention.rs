@@ -1,9 +1,11 @@
 //! Multi-head self-attention core with a padding mask (no projections: the Q/K/V and output
 //! projections are separate layers owned by the model).
 //!
-//! Input `qkv` (B, T, 3D) holds Q, K, V concatenated on the last axis (llm.c's layout); head h
-//! (of H, size d = D/H) of batch b uses the T × d strided views (row stride 3D)
-//!   Q_bh = qkv[b, :, h·d .. (h+1)·d],  K_bh = qkv[b, :, D + h·d ..],  V_bh = qkv[b, :, 2D + h·d ..].
+//! Input `qkv` (3, B, T, D) holds Q, K and V one after the other, each (B, T, D): the layout in
+//! which the q, k and v projections write their outputs without a copy (one fused product
+//! writes its layers' outputs one after the other too). Head h (of H, size d = D/H) of batch b
+//! uses the T × d strided views (row stride D)
+//!   Q_bh = Q[b, :, h·d .. (h+1)·d],  K_bh = K[b, :, h·d ..],  V_bh = V[b, :, h·d ..].
 //! With s = 1/√d and the allowed set A(b, i) = { j : mask[b, j] = 1 (and j ≤ i if causal) }:
 //!   S = s·Q·Kᵀ (T × T),   P_ij = exp(S_ij − max_{A} S_i·) / Σ_{k∈A} exp(S_ik − max) for j ∈ A,
 //!   P_ij = 0 otherwise (an excluded key acts as a −∞ score),
@@ -12,7 +14,7 @@
 //! (an all-padding sequence) gets P = 0 and output 0. P (B, H, T, T) is saved for backward:
 //!   dV = Pᵀ·dO,   dP = dO·Vᵀ,   dS_ij = P_ij·(dP_ij − Σ_k P_ik·dP_ik),
 //!   dQ = s·dS·K,  dK = s·dSᵀ·Q,
-//! all written straight into the matching strided views of dqkv (B, T, 3D). Excluded entries
+//! all written straight into the matching strided views of dqkv (3, B, T, D). Excluded entries
 //! have P = 0, so they pass no gradient: K and V rows at padding positions get exactly zero.
 //!
 //! Each (b, h) is independent and writes disjoint columns: groups of them run in parallel, each
@@ -33,7 +35,7 @@ use comera_tensor::{matmul_serial, DisjointMut, MatMut, MatRef};
 /// paper's model, 0.4-0.6 ms less of a 24 ms step for 4.5 MiB more (6 blocks × 0.75 MiB).
 pub const KEEP_P_MAX_FLOATS: usize = 1 << 20;
 
-/// Multi-head scaled dot-product self-attention over a packed QKV buffer.
+/// Multi-head scaled dot-product self-attention over a QKV buffer (3, B, T, D).
 #[derive(Clone, Copy, Debug)]
 pub struct Attention {
     d_model: usize,
@@ -229,12 +231,14 @@ impl Attention {
         4 * (ws.probs.len() + ws.scratch.len() + ws.allow.len() + ws.stats.len())
     }
 
-    /// S = Q·Kᵀ of head `h` of sequence `b` into `p`, then the masked softmax of each row
-    /// (saving or applying the row statistics in `stats`, 2 per row).
+    /// S = Q·Kᵀ of head `h` of one sequence (its Q and K rows `q_b`, `k_b`: (T, D) each) into
+    /// `p`, then the masked softmax of each row (saving or applying the row statistics in
+    /// `stats`, 2 per row).
     #[allow(clippy::too_many_arguments)]
     fn probs_of_head(
         &self,
-        qkv_b: &[f32],
+        q_b: &[f32],
+        k_b: &[f32],
         h: usize,
         t: usize,
         allow: &[f32],
@@ -244,8 +248,8 @@ impl Attention {
     ) {
         let (d, hd) = (self.d_model, self.head_dim());
         let scale = 1.0 / (hd as f32).sqrt();
-        let q = MatRef::strided(&qkv_b[h * hd..], t, hd, 3 * d, 1); // (T, d)
-        let k = MatRef::strided(&qkv_b[d + h * hd..], t, hd, 3 * d, 1); // (T, d)
+        let q = MatRef::strided(&q_b[h * hd..], t, hd, d, 1); // (T, d)
+        let k = MatRef::strided(&k_b[h * hd..], t, hd, d, 1); // (T, d)
         matmul_serial(MatMut::new(p, t, t), q, k.t(), false);
         let mut stats = stats;
         for (i, row) in p.chunks_exact_mut(t).enumerate() {
@@ -267,7 +271,7 @@ impl Attention {
         }
     }
 
-    /// `out` (B, T, D) = attention of `qkv` (B, T, 3D); `mask` (B, T), 1 = real token,
+    /// `out` (B, T, D) = attention of `qkv` (3, B, T, D); `mask` (B, T), 1 = real token,
     /// 0 = padding (`None`: no padding). Saves P (or its row statistics) in `ws`.
     pub fn forward(
         &self,
@@ -283,7 +287,7 @@ impl Attention {
             self.n_heads,
             self.head_dim(),
         );
-        check_len("Attention qkv", qkv.len(), bsz * t * 3 * d);
+        check_len("Attention qkv", qkv.len(), 3 * bsz * t * d);
         check_len("Attention out", out.len(), bsz * t * d);
         if let Some(m) = mask {
             check_len("Attention mask", m.len(), bsz * t);
@@ -306,9 +310,9 @@ impl Attention {
                 let first = g.units.start;
                 for u in g.units {
                     let (b, h) = (u / nh, u % nh);
-                    let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
+                    let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
                     let allow = &allow_all[b * t..(b + 1) * t];
-                    let v = MatRef::strided(&qkv_b[2 * d + h * hd..], t, hd, 3 * d, 1); // (T, d)
+                    let v = MatRef::strided(&v_b[h * hd..], t, hd, d, 1); // (T, d)
                     let i = u - first;
                     let (p, stats) = if recompute {
                         (
@@ -319,7 +323,7 @@ impl Attention {
                         (&mut g.probs[i * tt..(i + 1) * tt], None)
                     };
                     // Q·Kᵀ, then scale, mask and softmax each row in place.
-                    self.probs_of_head(qkv_b, h, t, allow, p, stats, false);
+                    self.probs_of_head(q_b, k_b, h, t, allow, p, stats, false);
                     // O = P·V into this head's columns of out.
                     // SAFETY: unit (b, h) alone writes out[b, :, h·d .. (h+1)·d].
                     unsafe {
@@ -349,7 +353,7 @@ impl Attention {
     }
 
     /// Attention output of the first query row of each sequence only: `out_first` (B, D) =
-    /// row 0 of [`Attention::forward`]'s output for `qkv` (B, T, 3D) and the padding mask
+    /// row 0 of [`Attention::forward`]'s output for `qkv` (3, B, T, D) and the padding mask
     /// `allow` (B, T; see [`allowed_keys`]). Keeps those rows' probabilities in `probs`
     /// ((B, H, T), see [`Attention::first_probs_len`]). Sequences run in parallel, each on one
     /// thread, so the bits do not depend on the thread count.
@@ -364,7 +368,7 @@ impl Attention {
         use rayon::prelude::*;
         let (t, d, nh, hd) = (seq_len, self.d_model, self.n_heads, self.head_dim());
         let bsz = out_first.len() / d;
-        check_len("Attention qkv", qkv.len(), bsz * t * 3 * d);
+        check_len("Attention qkv", qkv.len(), 3 * bsz * t * d);
         check_len("Attention out_first", out_first.len(), bsz * d);
         check_len("Attention allow", allow.len(), bsz * t);
         check_len("Attention probs", probs.len(), self.first_probs_len(bsz, t));
@@ -376,13 +380,13 @@ impl Attention {
             .zip(probs.par_chunks_mut(nh * t))
             .enumerate()
             .for_each(|(b, (out, probs))| {
-                let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
+                let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
                 let allow = &allow[b * t..b * t + len];
                 for h in 0..nh {
                     let p = &mut probs[h * t..(h + 1) * t];
-                    let q = &qkv_b[h * hd..(h + 1) * hd];
+                    let q = &q_b[h * hd..(h + 1) * hd];
                     for (j, pj) in p.iter_mut().enumerate() {
-                        *pj = dot(q, &qkv_b[j * 3 * d + d + h * hd..][..hd]);
+                        *pj = dot(q, &k_b[j * d + h * hd..][..hd]);
                     }
                     let (head, tail) = p.split_at_mut(len);
                     softmax::row(head, allow, scale);
@@ -391,7 +395,7 @@ impl Attention {
                     let o = &mut out[h * hd..(h + 1) * hd];
                     o.fill(0.0);
                     for (j, &pj) in p.iter().enumerate() {
-                        let v = &qkv_b[j * 3 * d + 2 * d + h * hd..][..hd];
+                        let v = &v_b[j * d + h * hd..][..hd];
                         for (ov, &vv) in o.iter_mut().zip(v) {
                             *ov += pj * vv;
                         }
@@ -401,7 +405,7 @@ impl Attention {
     }
 
     /// Given the `qkv` and `probs` of the matching [`Attention::forward_first`] and
-    /// `dout_first` (B, D), *writes* `dqkv` (B, T, 3D): dq of the first rows, dk and dv of
+    /// `dout_first` (B, D), *writes* `dqkv` (3, B, T, D): dq of the first rows, dk and dv of
     /// every row, 0 elsewhere. `scratch` holds (B, T) floats.
     pub fn backward_first(
         &self,
@@ -415,43 +419,47 @@ impl Attention {
         use rayon::prelude::*;
         let (t, d, nh, hd) = (seq_len, self.d_model, self.n_heads, self.head_dim());
         let bsz = dout_first.len() / d;
-        check_len("Attention qkv", qkv.len(), bsz * t * 3 * d);
+        check_len("Attention qkv", qkv.len(), 3 * bsz * t * d);
         check_len("Attention dout_first", dout_first.len(), bsz * d);
         check_len("Attention probs", probs.len(), self.first_probs_len(bsz, t));
         check_len("Attention scratch", scratch.len(), bsz * t);
-        check_len("Attention dqkv", dqkv.len(), bsz * t * 3 * d);
+        check_len("Attention dqkv", dqkv.len(), 3 * bsz * t * d);
         let scale = 1.0 / (hd as f32).sqrt();
-        dqkv.par_chunks_mut(t * 3 * d)
+        let (dq, dkv) = dqkv.split_at_mut(bsz * t * d);
+        let (dk, dv) = dkv.split_at_mut(bsz * t * d);
+        dq.par_chunks_mut(t * d)
+            .zip(dk.par_chunks_mut(t * d))
+            .zip(dv.par_chunks_mut(t * d))
             .zip(dout_first.par_chunks(d))
             .zip(probs.par_chunks(nh * t))
             .zip(scratch.par_chunks_mut(t))
             .enumerate()
-            .for_each(|(b, (((dqkv_b, dout), probs), ds))| {
-                let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
-                dqkv_b.fill(0.0);
+            .for_each(|(b, (((((dq_b, dk_b), dv_b), dout), probs), ds))| {
+                let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
+                dq_b.fill(0.0);
                 for h in 0..nh {
                     let p = &probs[h * t..(h + 1) * t];
                     let d_o = &dout[h * hd..(h + 1) * hd];
-                    let q = &qkv_b[h * hd..(h + 1) * hd];
+                    let q = &q_b[h * hd..(h + 1) * hd];
                     // dp_j = dO_0·v_j, then ds'_j = s·p_j·(dp_j − ⟨p, dp⟩) in place.
                     for (j, dsj) in ds.iter_mut().enumerate() {
-                        *dsj = dot(d_o, &qkv_b[j * 3 * d + 2 * d + h * hd..][..hd]);
+                        *dsj = dot(d_o, &v_b[j * d + h * hd..][..hd]);
                     }
                     softmax::grad(p, ds, scale);
-                    // dk_j = ds'_j·q_0,  dv_j = p_j·dO_0.
-                    for (j, row) in dqkv_b.chunks_exact_mut(3 * d).enumerate() {
-                        for (dk, &qv) in row[d + h * hd..][..hd].iter_mut().zip(q) {
+                    // dk_j = ds'_j·q_0,  dv_j = p_j·dO_0 (every element of dK, dV written).
+                    let rows = dk_b.chunks_exact_mut(d).zip(dv_b.chunks_exact_mut(d));
+                    for (j, (dk_row, dv_row)) in rows.enumerate() {
+                        for (dk, &qv) in dk_row[h * hd..][..hd].iter_mut().zip(q) {
                             *dk = ds[j] * qv;
                         }
-                        for (dv, &g) in row[2 * d + h * hd..][..hd].iter_mut().zip(d_o) {
+                        for (dv, &g) in dv_row[h * hd..][..hd].iter_mut().zip(d_o) {
                             *dv = p[j] * g;
                         }
                     }
                     // dq_0 = Σ_j ds'_j·k_j, j ascending.
-                    let (row0, _) = dqkv_b.split_at_mut(d);
-                    let dq = &mut row0[h * hd..(h + 1) * hd];
+                    let dq = &mut dq_b[h * hd..(h + 1) * hd];
                     for (j, &dsj) in ds.iter().enumerate() {
-                        let k = &qkv_b[j * 3 * d + d + h * hd..][..hd];
+                        let k = &k_b[j * d + h * hd..][..hd];
                         for (g, &kv) in dq.iter_mut().zip(k) {
                             *g += dsj * kv;
                         }
@@ -461,7 +469,7 @@ impl Attention {
     }
 
     /// Given the `qkv` of the matching forward and `dout` (B, T, D), *writes* `dqkv`
-    /// (B, T, 3D).
+    /// (3, B, T, D).
     pub fn backward(
         &self,
         ws: &mut AttentionWorkspace,
@@ -476,13 +484,13 @@ impl Attention {
             self.n_heads,
             self.head_dim(),
         );
-        check_len("Attention qkv", qkv.len(), bsz * t * 3 * d);
+        check_len("Attention qkv", qkv.len(), 3 * bsz * t * d);
         check_len("Attention dout", dout.len(), bsz * t * d);
-        check_len("Attention dqkv", dqkv.len(), bsz * t * 3 * d);
+        check_len("Attention dqkv", dqkv.len(), 3 * bsz * t * d);
         let scale = 1.0 / (hd as f32).sqrt();
         let (tt, recompute) = (t * t, ws.recompute);
         let allow_all = &ws.allow;
-        let dqkv = DisjointMut::new(dqkv);
+        let (dqkv, nd) = (DisjointMut::new(dqkv), bsz * t * d);
         let (pu, su) = if recompute { (0, 2 * t) } else { (tt, 0) };
         run_groups(
             0..bsz * nh,
@@ -498,30 +506,30 @@ impl Attention {
                 let (pbuf, ds) = g.scratch.split_at_mut(tt);
                 for u in g.units {
                     let (b, h) = (u / nh, u % nh);
-                    let qkv_b = &qkv[b * t * 3 * d..(b + 1) * t * 3 * d]; // (T, 3D)
+                    let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
                     let dout_b = &dout[b * t * d..(b + 1) * t * d]; // (T, D)
-                    let q = MatRef::strided(&qkv_b[h * hd..], t, hd, 3 * d, 1); // (T, d)
-                    let k = MatRef::strided(&qkv_b[d + h * hd..], t, hd, 3 * d, 1); // (T, d)
-                    let v = MatRef::strided(&qkv_b[2 * d + h * hd..], t, hd, 3 * d, 1); // (T, d)
+                    let q = MatRef::strided(&q_b[h * hd..], t, hd, d, 1); // (T, d)
+                    let k = MatRef::strided(&k_b[h * hd..], t, hd, d, 1); // (T, d)
+                    let v = MatRef::strided(&v_b[h * hd..], t, hd, d, 1); // (T, d)
                     let d_o = MatRef::strided(&dout_b[h * hd..], t, hd, d, 1); // (T, d)
                     let i = u - first;
                     let p: &[f32] = if recompute {
                         // P again from Q and K with the forward's row statistics.
                         let allow = &allow_all[b * t..(b + 1) * t];
                         let stats = &mut g.stats[i * su..(i + 1) * su];
-                        self.probs_of_head(qkv_b, h, t, allow, pbuf, Some(stats), true);
+                        self.probs_of_head(q_b, k_b, h, t, allow, pbuf, Some(stats), true);
                         pbuf
                     } else {
                         &g.probs[i * tt..(i + 1) * tt] // (T, T)
                     };
                     let pm = MatRef::new(p, t, t);
-                    let base = b * t * 3 * d + h * hd;
+                    // This head's columns of sequence b's rows of dQ, dK and dV.
+                    let base = b * t * d + h * hd;
+                    let (dq_at, dk_at, dv_at) = (base, nd + base, 2 * nd + base);
                     // dV = Pᵀ·dO
                     // SAFETY (this and the two writes below): unit (b, h) alone writes this
-                    // head's q, k and v columns of dqkv[b].
-                    unsafe {
-                        dqkv.matmul_serial_into(base + 2 * d, (t, hd, 3 * d, 1), pm.t(), d_o, false)
-                    };
+                    // head's columns of sequence b's rows of dQ, dK and dV.
+                    unsafe { dqkv.matmul_serial_into(dv_at, (t, hd, d, 1), pm.t(), d_o, false) };
                     // dP = dO·Vᵀ, then dS' = s·P ⊙ (dP − rowsum(P ⊙ dP)) in place.
                     matmul_serial(MatMut::new(ds, t, t), d_o, v.t(), false);
                     for (pr, dr) in p.chunks_exact(t).zip(ds.chunks_exact_mut(t)) {
@@ -529,12 +537,10 @@ impl Attention {
                     }
                     let dsm = MatRef::new(ds, t, t);
                     // dQ = dS'·K,  dK = dS'ᵀ·Q
-                    // SAFETY: as for dV (this head's q columns of dqkv[b]).
-                    unsafe { dqkv.matmul_serial_into(base, (t, hd, 3 * d, 1), dsm, k, false) };
-                    // SAFETY: as for dV (this head's k columns of dqkv[b]).
-                    unsafe {
-                        dqkv.matmul_serial_into(base + d, (t, hd, 3 * d, 1), dsm.t(), q, false)
-                    };
+                    // SAFETY: as for dV (this head's columns of dQ[b]).
+                    unsafe { dqkv.matmul_serial_into(dq_at, (t, hd, d, 1), dsm, k, false) };
+                    // SAFETY: as for dV (this head's columns of dK[b]).
+                    unsafe { dqkv.matmul_serial_into(dk_at, (t, hd, d, 1), dsm.t(), q, false) };
                 }
             },
         );
@@ -552,6 +558,12 @@ pub fn allowed_keys(mask: Option<&[u8]>, allow: &mut [f32]) {
         }
         None => allow.fill(1.0),
     }
+}
+
+/// Sequence `b`'s rows of Q, K and V ((T, D) each) in `qkv` (3, B, T, D).
+fn sequence(qkv: &[f32], bsz: usize, t: usize, d: usize, b: usize) -> [&[f32]; 3] {
+    let (nd, rows) = (bsz * t * d, b * t * d..(b + 1) * t * d);
+    [0, 1, 2].map(|part| &qkv[part * nd..][rows.clone()])
 }
 
 /// ⟨a, b⟩ summed in index order.

@@ -1,8 +1,8 @@
 //! TT layers that read one input X (attention's q, k and v), on the merged path together:
 //!   T1 = X·[L_1 | … | L_n]                (B × S, S = Σ r_p,i: one product instead of n)
 //!   Y_i = T1_i·R_i + b_i                  (T1_i: T1's columns of layer i)
-//! into column blocks of one packed output Y = [Y_1 | … | Y_n] (B × Σ M_i, llm.c's QKV layout).
-//! Backward from the packed dY = [dY_1 | … | dY_n]:
+//! into one output Y = [Y_1 | … | Y_n], the layers' B × M_i outputs one after the other (the
+//! layout the attention reads Q, K and V in). Backward from dY = [dY_1 | … | dY_n] likewise:
 //!   dR_i = T1_iᵀ·dY_i,   U_i = dY_i·R_iᵀ   (U = [U_1 | … | U_n], B × S)
 //!   dX = U·[L_1 | … | L_n]ᵀ                (one product; the sum over layers is its inner sum)
 //!   [dL_1 | … | dL_n] = Xᵀ·U               (one product)
@@ -54,9 +54,6 @@ pub struct SharedInput {
     grads: Lease,    // their gradient scratch
     /// [Lcat (N × S), U (B × S), dLcat (N × S)], scratch.
     cat: Lease,
-    /// [b_1 | … | b_n] (Σ M_i): the forward adds it to the packed Y in one pass, the backward
-    /// accumulates the bias gradients into it (from each layer's, and back) in one pass.
-    bias: Vec<f32>,
 }
 
 impl SharedInput {
@@ -116,7 +113,6 @@ impl SharedInput {
             batch,
             n_in,
             shapes: layers.iter().map(|l| l.shape.clone()).collect(),
-            bias: vec![0.0; *mcol.last().expect("n ≥ 1")],
             rcol,
             mcol,
             t1: vec![0.0; batch * s],
@@ -148,7 +144,7 @@ impl SharedInput {
         4 * self.t1.len()
     }
 
-    /// Width of the packed output (Σ M_i).
+    /// Σ M_i: the output holds B × this many floats.
     pub fn out_width(&self) -> usize {
         *self.mcol.last().expect("n ≥ 1")
     }
@@ -162,7 +158,8 @@ impl SharedInput {
             .fold((0.0, 0.0), |(f, b), (x, y)| (f + x, b + y))
     }
 
-    /// `y` (B × Σ M_i, packed) = [X·W_1 + b_1 | … | X·W_n + b_n] for `x` (B × N).
+    /// `y` = [X·W_1 + b_1 | … | X·W_n + b_n] (B × M_i each, one after the other) for `x`
+    /// (B × N).
     pub fn forward(&mut self, layers: &[&TtLinear], x: &[f32], y: &mut [f32]) {
         assert!(
             self.applies(layers),
@@ -196,19 +193,19 @@ impl SharedInput {
         for (i, l) in layers.iter().enumerate() {
             let (r0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
             let (m0, m) = (self.mcol[i], self.mcol[i + 1] - self.mcol[i]);
+            let yi = &mut y[b * m0..b * (m0 + m)];
             forward_out(
                 pair,
-                MatMut::strided(&mut y[m0..], b, m, w, 1),
+                MatMut::new(yi, b, m),
                 MatRef::strided(&self.t1[r0..], b, rp, s, 1),
                 MatRef::new(self.members[i].chains(&mut products, &mut []).r(), rp, m),
             );
-            self.bias[m0..m0 + m].copy_from_slice(&l.bias.value);
+            add_bias(yi, &l.bias.value);
         }
-        add_bias(y, &self.bias);
     }
 
-    /// Accumulates every layer's gradients from the packed `dy` (B × Σ M_i) and *writes*
-    /// `dx` (B × N) = Σ_i dY_i·W_iᵀ.
+    /// Accumulates every layer's gradients from `dy` = [dY_1 | … | dY_n] (B × M_i each, one
+    /// after the other) and *writes* `dx` (B × N) = Σ_i dY_i·W_iᵀ.
     pub fn backward(
         &mut self,
         layers: &mut [&mut TtLinear],
@@ -255,7 +252,7 @@ impl SharedInput {
         for i in 0..k {
             let (r0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
             let (m0, m) = (self.mcol[i], self.mcol[i + 1] - self.mcol[i]);
-            let dyi = MatRef::strided(&dy[m0..], b, m, w, 1);
+            let dyi = MatRef::new(&dy[b * m0..b * (m0 + m)], b, m);
             let mut chains = self.members[i].chains(&mut products, &mut grads);
             let (_, r, _, dr) = chains.seed_grads();
             let r = MatRef::new(r, rp, m);
@@ -275,12 +272,11 @@ impl SharedInput {
         let um = MatRef::new(u, b, s);
         // dX = U·Lcatᵀ,  dLcat = Xᵀ·U (as on the merged path).
         input_side(pair, x, b, um, MatRef::new(lcat, n, s), Some(dx), dlcat);
-        // db_i += Σ_rows dY_i: every layer's gradient packed, accumulated in one pass (the
-        // same additions in the same order as layer by layer), and unpacked.
-        for (i, l) in layers.iter().enumerate() {
-            self.bias[self.mcol[i]..self.mcol[i + 1]].copy_from_slice(&l.bias.grad);
+        // db_i += Σ_rows dY_i.
+        for (i, l) in layers.iter_mut().enumerate() {
+            let (m0, m1) = (self.mcol[i], self.mcol[i + 1]);
+            accumulate_bias_grad(&dy[b * m0..b * m1], &mut l.bias.grad);
         }
-        accumulate_bias_grad(dy, &mut self.bias);
         // Each layer's dL out of dLcat, then every layer peels its chains and accumulates its
         // cores' gradients, halves of the layers as rayon tasks.
         for (i, member) in self.members.iter().enumerate() {
@@ -298,11 +294,6 @@ impl SharedInput {
             grads: &mut grads,
         };
         peel_members(&self.members, layers, own);
-        for (i, l) in layers.iter_mut().enumerate() {
-            l.bias
-                .grad
-                .copy_from_slice(&self.bias[self.mcol[i]..self.mcol[i + 1]]);
-        }
     }
 }
 

@@ -44,7 +44,7 @@ fn layers(rng: &mut init::Rng) -> Vec<TtLinear> {
         .collect()
 }
 
-/// Packed forward of the fused workspace.
+/// Forward of the fused workspace: [Y_1 | … | Y_n], B × M_i each.
 fn fused_forward(ls: &[TtLinear], batch: usize, x: &[f32]) -> Vec<f32> {
     let refs: Vec<&TtLinear> = ls.iter().collect();
     let mut w = SharedInput::new_unplanned(&refs, batch).expect("merged path at this batch");
@@ -58,7 +58,7 @@ fn loss(ls: &[TtLinear], batch: usize, x: &[f32], dy: &[f32]) -> f64 {
     y.iter().zip(dy).map(|(&a, &b)| a as f64 * b as f64).sum()
 }
 
-/// (packed y, dx, every layer's parameter gradients) of the fused workspace.
+/// (y = [Y_1 | … | Y_n], dx, every layer's parameter gradients) of the fused workspace.
 fn fused_run(
     ls: &[TtLinear],
     batch: usize,
@@ -90,7 +90,7 @@ fn fused_equals_the_layers_one_by_one() {
         let x = random_vec(&mut rng, batch * n);
         let dy = random_vec(&mut rng, batch * w);
         let (y, dx, grads) = fused_run(&ls, batch, &x, &dy);
-        // One by one: the packed output's column blocks, dx summed.
+        // One by one: the output's blocks, dx summed.
         let (mut want_y, mut want_dx, mut want_g) =
             (vec![0.0; batch * w], vec![0.0; x.len()], vec![]);
         let mut m0 = 0;
@@ -100,13 +100,11 @@ fn fused_equals_the_layers_one_by_one() {
             let mut ws = l.workspace(batch);
             let mut yi = vec![0.0; batch * m];
             l.forward(&mut ws, &x, &mut yi);
-            let mut dyi = vec![0.0; batch * m];
-            for r in 0..batch {
-                want_y[r * w + m0..r * w + m0 + m].copy_from_slice(&yi[r * m..(r + 1) * m]);
-                dyi[r * m..(r + 1) * m].copy_from_slice(&dy[r * w + m0..r * w + m0 + m]);
-            }
+            let block = batch * m0..batch * (m0 + m);
+            want_y[block.clone()].copy_from_slice(&yi);
+            let dyi = &dy[block];
             let mut dxi = vec![0.0; x.len()];
-            l.backward(&mut ws, &x, &dyi, Some(&mut dxi));
+            l.backward(&mut ws, &x, dyi, Some(&mut dxi));
             for (a, b) in want_dx.iter_mut().zip(&dxi) {
                 *a += b;
             }

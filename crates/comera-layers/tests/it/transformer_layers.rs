@@ -480,7 +480,7 @@ fn cross_entropy_with_every_row_ignored_is_zero() {
 
 // ---------------------------------------------------------------- attention
 
-/// Naive attention in f64: out (B, T, D) and probs (B, H, T, T).
+/// Naive attention in f64 of `qkv` (3, B, T, D): out (B, T, D) and probs (B, H, T, T).
 fn naive_attention(
     qkv: &[f32],
     mask: Option<&[u8]>,
@@ -491,7 +491,9 @@ fn naive_attention(
     causal: bool,
 ) -> (Vec<f32>, Vec<f32>) {
     let hd = d / nh;
-    let at = |b: usize, i: usize, c: usize| qkv[(b * t + i) * 3 * d + c] as f64;
+    // Column c of the concatenated row [q | k | v] of token i of sequence b.
+    let at =
+        |b: usize, i: usize, c: usize| qkv[(c / d) * b_ * t * d + (b * t + i) * d + c % d] as f64;
     let mut out = vec![0.0f32; b_ * t * d];
     let mut probs = vec![0.0f32; b_ * nh * t * t];
     for b in 0..b_ {
@@ -616,11 +618,15 @@ fn attention_matches_finite_differences() {
             assert_close(&tag, &dqkv, &fd_grad(&qkv, loss), 3e-3);
             // K and V rows at padding positions get exactly zero gradient.
             if let Some(m) = m {
+                let nd = b_ * t * d;
                 for b in 0..b_ {
                     for j in 0..t {
                         if m[b * t + j] == 0 {
-                            let row = &dqkv[(b * t + j) * 3 * d..(b * t + j + 1) * 3 * d];
-                            assert!(row[d..].iter().all(|&v| v == 0.0), "{tag}: dK/dV b{b} j{j}");
+                            let rows = [nd, 2 * nd].map(|at| &dqkv[at + (b * t + j) * d..][..d]);
+                            assert!(
+                                rows.iter().all(|r| r.iter().all(|&v| v == 0.0)),
+                                "{tag}: dK/dV b{b} j{j}"
+                            );
                         }
                     }
                 }

@@ -36,7 +36,6 @@ use comera_layers::elementwise::{add_into, mul_into, sum_into};
 use comera_layers::norm::LayerNorm;
 use comera_layers::{Layer, Param, RankGates};
 use comera_tensor::init;
-use rayon::prelude::*;
 
 /// One encoder block's layers.
 #[derive(Clone, Debug)]
@@ -88,11 +87,6 @@ impl Block {
         v.extend(self.ln1.params());
         v.extend(self.ln2.params());
         v
-    }
-
-    /// The model width D.
-    fn width(&self) -> usize {
-        self.ln1.gamma.len()
     }
 
     /// q, k, v, o, up, down.
@@ -154,7 +148,7 @@ pub(super) fn block_forward(
     } else {
         x
     };
-    qkv_forward(blk, s, attn_in, &mut sc.rows.t, &mut a.qkv);
+    qkv_forward(blk, s, attn_in, &mut a.qkv);
     match rows {
         Rows::All => {
             cx.attn
@@ -215,8 +209,7 @@ pub(super) fn block_backward(
     }
     let attn_in: &[f32] = if s.plan.pre_ln { &a.ln1_x } else { x };
     let [dres, t2, t3] = &mut sc.rows.t;
-    // sc.rows.d, read by o's backward, is scratch until ∂L/∂x is written below.
-    qkv_backward(blk, s, attn_in, &sc.dqkv, &mut sc.rows.d, t2, t3);
+    qkv_backward(blk, s, attn_in, &sc.dqkv, t2, t3);
     // ∂L/∂x through the attention path.
     let dx_attn: &[f32] = if s.plan.pre_ln {
         blk.ln1.backward(&mut s.rows.ln1, x, t2, Some(t3));
@@ -374,37 +367,30 @@ fn ffn_backward(
     blk.up.backward(&mut ws.up, &a.x1, &sc.dg, Some(dx));
 }
 
-/// q, k and v of `attn_in` into `qkv` (N × 3D, [`interleave`]'s rows): one fused TT product
-/// where the plan says so, else one by one through `tmp`.
-fn qkv_forward(
-    blk: &Block,
-    s: &mut BlockState,
-    attn_in: &[f32],
-    tmp: &mut [Vec<f32>; 3],
-    qkv: &mut [f32],
-) {
+/// q, k and v of `attn_in` into `qkv` ([Q | K | V], N × D each, the attention's layout): one
+/// fused TT product where the plan says so, else one by one, each straight into its part.
+fn qkv_forward(blk: &Block, s: &mut BlockState, attn_in: &[f32], qkv: &mut [f32]) {
     if let (Some(w), AnyLinear::Tt(q), AnyLinear::Tt(k), AnyLinear::Tt(v)) =
         (s.plan.qkv.on(), &blk.q, &blk.k, &blk.v)
     {
         w.forward(&[q, k, v], attn_in, qkv);
         return;
     }
-    let [q, k, v] = tmp;
+    let (q, kv) = qkv.split_at_mut(qkv.len() / 3);
+    let (k, v) = kv.split_at_mut(q.len());
     let [wq, wk, wv] = &mut s.ws_qkv;
     blk.q.forward(wq, attn_in, q);
     blk.k.forward(wk, attn_in, k);
     blk.v.forward(wv, attn_in, v);
-    interleave(q, k, v, blk.width(), qkv);
 }
 
-/// The q, k, v layers' backward from `dqkv` (N × 3D): their gradients, and *writes* `dx`
-/// (∂L/∂`attn_in`). `dy` and `tmp` (N × D each) are scratch.
+/// The q, k, v layers' backward from `dqkv` ([∂L/∂q | ∂L/∂k | ∂L/∂v], N × D each): their
+/// gradients, and *writes* `dx` (∂L/∂`attn_in`). `tmp` (N × D) is scratch.
 fn qkv_backward(
     blk: &mut Block,
     s: &mut BlockState,
     attn_in: &[f32],
     dqkv: &[f32],
-    dy: &mut [f32],
     dx: &mut [f32],
     tmp: &mut [f32],
 ) {
@@ -415,16 +401,13 @@ fn qkv_backward(
         w.backward(&mut [q, k, v], attn_in, dqkv, dx);
         return;
     }
-    // One of ∂L/∂q, ∂L/∂k, ∂L/∂v at a time in dy.
-    let d = blk.width();
+    let nd = dqkv.len() / 3;
+    let (dq, dk, dv) = (&dqkv[..nd], &dqkv[nd..2 * nd], &dqkv[2 * nd..]);
     let [wq, wk, wv] = &mut s.ws_qkv;
-    column_block(dqkv, d, 0, dy);
-    blk.q.backward(wq, attn_in, dy, Some(dx));
-    column_block(dqkv, d, 1, dy);
-    blk.k.backward(wk, attn_in, dy, Some(tmp));
+    blk.q.backward(wq, attn_in, dq, Some(dx));
+    blk.k.backward(wk, attn_in, dk, Some(tmp));
     add_into(dx, tmp);
-    column_block(dqkv, d, 2, dy);
-    blk.v.backward(wv, attn_in, dy, Some(tmp));
+    blk.v.backward(wv, attn_in, dv, Some(tmp));
     add_into(dx, tmp);
 }
 
@@ -434,50 +417,6 @@ fn ensure_len(v: &mut Vec<f32>, len: usize) {
     if v.len() != len {
         v.resize(len, 0.0);
     }
-}
-
-/// Rows per parallel group of [`interleave`] and [`column_block`]: about one
-/// [`CHUNK`](comera_layers::elementwise::CHUNK) of each of q, k and v.
-fn copy_rows(d: usize) -> usize {
-    (comera_layers::elementwise::CHUNK / d.max(1)).max(1)
-}
-
-/// qkv[n] = [q[n] | k[n] | v[n]] (rows of width 3D), in parallel groups of rows. Plain copies,
-/// so the same bits on any thread count; they are not small: at the paper's batch 32 one
-/// block's q, k and v are 38 MB, copied in every forward and again when the backward
-/// recomputes it, and serially they took a tenth of the 2-thread step while the other worker
-/// waited (`perf` of `comera --threads 2 bench step --batch 32`).
-fn interleave(q: &[f32], k: &[f32], v: &[f32], d: usize, qkv: &mut [f32]) {
-    let rows = copy_rows(d);
-    qkv.par_chunks_mut(rows * 3 * d)
-        .zip(q.par_chunks(rows * d))
-        .zip(k.par_chunks(rows * d))
-        .zip(v.par_chunks(rows * d))
-        .for_each(|(((qkv, q), k), v)| {
-            for (((row, q), k), v) in qkv
-                .chunks_exact_mut(3 * d)
-                .zip(q.chunks_exact(d))
-                .zip(k.chunks_exact(d))
-                .zip(v.chunks_exact(d))
-            {
-                row[..d].copy_from_slice(q);
-                row[d..2 * d].copy_from_slice(k);
-                row[2 * d..].copy_from_slice(v);
-            }
-        });
-}
-
-/// out[n] = qkv[n][j·D..(j+1)·D]: one of q, k, v (j = 0, 1, 2) out of [`interleave`]'s rows,
-/// in parallel groups of rows as there.
-fn column_block(qkv: &[f32], d: usize, j: usize, out: &mut [f32]) {
-    let rows = copy_rows(d);
-    out.par_chunks_mut(rows * d)
-        .zip(qkv.par_chunks(rows * 3 * d))
-        .for_each(|(out, qkv)| {
-            for (row, o) in qkv.chunks_exact(3 * d).zip(out.chunks_exact_mut(d)) {
-                o.copy_from_slice(&row[j * d..(j + 1) * d]);
-            }
-        });
 }
 
 /// rows[b] = x[b·T]: the first row of each sequence of T rows (B × D out of N × D).

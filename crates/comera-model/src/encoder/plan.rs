@@ -1,7 +1,7 @@
 //! The paths a block takes, chosen once for a state's row count instead of at every call.
 //!
 //! - LayerNorm placement: post-LN (BERT) or pre-LN, from the config;
-//! - q, k, v: one fused TT product into the interleaved `qkv` rows, or three layers one by one;
+//! - q, k, v: one fused TT product into `qkv` ([q | k | v]), or three layers one by one;
 //! - the FFN: Up → bias + GELU → Down fused in row blocks (no N × F buffer), or the three one
 //!   by one, keeping g = GELU(h) for the backward at few rows ([`KEEP_GELU_MAX_ROWS`]) or
 //!   recomputing it there;

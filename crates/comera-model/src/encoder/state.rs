@@ -91,7 +91,7 @@ pub struct EncoderState {
 pub(super) struct Scratch {
     /// The row-wise part's; in the forward also q, k, v of unfused blocks (t[0..3]).
     pub rows: RowScratch,
-    pub dqkv: Vec<f32>, // N × 3D
+    pub dqkv: Vec<f32>, // [∂L/∂q | ∂L/∂k | ∂L/∂v], N × D each
 }
 
 /// Gradient scratch of a block's row-wise part on R rows (its forward's too).
@@ -135,7 +135,7 @@ pub struct BlockState {
 #[derive(Debug)]
 pub(super) struct BlockActs {
     pub ln1_x: Vec<f32>, // N × D (pre-LN only): LN1(x), the attention input
-    pub qkv: Vec<f32>,   // N × 3D
+    pub qkv: Vec<f32>,   // [q | k | v], N × D each
     pub rows: RowActs,
 }
 
