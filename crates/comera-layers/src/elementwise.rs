@@ -44,6 +44,20 @@ pub fn zero(v: &mut [f32]) {
     }
 }
 
+/// `dst_i = src_i`, in parallel chunks from two chunks on like the passes above (a layer's R
+/// or dR, up to 95 k floats, copied between the layer's parallel sections).
+#[track_caller]
+pub fn copy(dst: &mut [f32], src: &[f32]) {
+    check_len("copy src", src.len(), dst.len());
+    if dst.len() >= 2 * CHUNK {
+        dst.par_chunks_mut(CHUNK)
+            .zip(src.par_chunks(CHUNK))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+    } else {
+        dst.copy_from_slice(src);
+    }
+}
+
 /// `acc_i *= x_i`.
 #[track_caller]
 pub fn mul_into(acc: &mut [f32], x: &[f32]) {

@@ -29,6 +29,7 @@
 use super::chain::LeasedChains;
 use super::lanes;
 use super::pool::{Lease, Scratch};
+use crate::elementwise::copy;
 use comera_tensor::{matmul, matmul_row_pieces, matmul_serial, MatMut, MatRef, TtShape};
 
 /// Largest product (multiply-adds, B·r_p·max(N, M)) run as two single-threaded tasks rather
@@ -122,7 +123,7 @@ impl Merged {
         let chains = built.lent();
         let mut r1 = self.r1.acquire();
         let r1 = &mut r1[0];
-        r1[..rp * m].copy_from_slice(chains.r());
+        copy(&mut r1[..rp * m], chains.r());
         r1[rp * m..].copy_from_slice(bias);
         if self.lanes {
             let (l, r1) = (MatRef::new(chains.l(), n, rp), MatRef::new(r1, rp + 1, m));
@@ -179,7 +180,7 @@ impl Merged {
             }
             _ => unreachable!("the buffers leased in `new`"),
         };
-        dr.copy_from_slice(&dr1[..rp * m]);
+        copy(dr, &dr1[..rp * m]);
         for (g, v) in db.iter_mut().zip(&dr1[rp * m..]) {
             *g += v;
         }

@@ -25,6 +25,7 @@ use super::TtLinear;
 use crate::{accumulate_bias_grad, add_bias, check_len, Layer};
 use comera_plan::TtPath;
 use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
+use rayon::prelude::*;
 use std::ops::Range;
 
 /// Rows above which the fusion is not used (the layers run one by one): measured with
@@ -277,23 +278,15 @@ impl SharedInput {
             let (m0, m1) = (self.mcol[i], self.mcol[i + 1]);
             accumulate_bias_grad(&dy[b * m0..b * m1], &mut l.bias.grad);
         }
-        // Each layer's dL out of dLcat, then every layer peels its chains and accumulates its
-        // cores' gradients, halves of the layers as rayon tasks.
-        for (i, member) in self.members.iter().enumerate() {
-            let (r0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
-            let mut chains = member.chains(&mut products, &mut grads);
-            let (_, _, dl, _) = chains.seed_grads();
-            for (dst, src) in dl.chunks_exact_mut(rp).zip(dlcat.chunks_exact(s)) {
-                dst.copy_from_slice(&src[r0..r0 + rp]);
-            }
-        }
+        // Every layer takes its dL out of dLcat, peels its chains and accumulates its cores'
+        // gradients, halves of the layers as rayon tasks.
         let own = Own {
             h: &mut h,
             dh: &mut dh,
             products: &mut products,
             grads: &mut grads,
         };
-        peel_members(&self.members, layers, own);
+        peel_members(&self.members, &self.rcol, (dlcat, s), layers, own);
     }
 }
 
@@ -314,17 +307,24 @@ fn build_all(
         grads: &mut [],
     };
     build_members(members, layers, own);
+    // Lcat's rows in parallel groups, each row from every layer's L (plain copies).
     let s = *rcol.last().expect("n ≥ 1");
-    for (i, member) in members.iter().enumerate() {
-        let cols = rcol[i]..rcol[i + 1];
-        let chains = member.chains(products, &mut []);
-        for (dst, src) in lcat
-            .chunks_exact_mut(s)
-            .zip(chains.l().chunks_exact(cols.len()))
-        {
-            dst[cols.clone()].copy_from_slice(src);
-        }
-    }
+    let ls: [&[f32]; MAX_MEMBERS] = std::array::from_fn(|i| match members.get(i) {
+        Some(member) => member.l(products),
+        None => &[],
+    });
+    let group = (crate::elementwise::CHUNK / s).max(1);
+    lcat.par_chunks_mut(group * s)
+        .enumerate()
+        .for_each(|(g, rows)| {
+            for (j, dst) in rows.chunks_exact_mut(s).enumerate() {
+                let row = g * group + j;
+                for (i, l) in ls[..members.len()].iter().enumerate() {
+                    let (c0, c1) = (rcol[i], rcol[i + 1]);
+                    dst[c0..c1].copy_from_slice(&l[row * (c1 - c0)..(row + 1) * (c1 - c0)]);
+                }
+            }
+        });
 }
 
 /// Most layers one [`SharedInput`] fuses (attention's q, k and v: 3; more run one by one).
@@ -391,12 +391,26 @@ fn build_members(members: &[Member], layers: &[&TtLinear], own: Own<'_>) {
 
 /// Each member peels its chains (from the dL and dR seeded in its gradient scratch) and
 /// accumulates its cores' gradients, halves of the members as rayon tasks.
-fn peel_members(members: &[Member], layers: &mut [&mut TtLinear], own: Own<'_>) {
+/// Each layer's dL (its columns `rcol[i]..rcol[i + 1]` of dLcat, N × S: `dlcat` = (its floats,
+/// S)), then its chains peeled and its cores' gradients accumulated: halves of the layers as
+/// rayon tasks.
+fn peel_members(
+    members: &[Member],
+    rcol: &[usize],
+    dlcat: (&[f32], usize),
+    layers: &mut [&mut TtLinear],
+    own: Own<'_>,
+) {
     match members {
         [] => {}
         [member] => {
             let l = &mut *layers[0];
             let mut chains = member.chains.lent(own.products, own.grads);
+            let (_, _, dl, _) = chains.seed_grads();
+            let (r0, rp, (dlcat, s)) = (rcol[0], rcol[1] - rcol[0], dlcat);
+            for (dst, src) in dl.chunks_exact_mut(rp).zip(dlcat.chunks_exact(s)) {
+                dst.copy_from_slice(&src[r0..r0 + rp]);
+            }
             chains.peel(&l.shape, own.h, own.dh);
             l.accumulate_core_grads(own.dh);
         }
@@ -405,8 +419,8 @@ fn peel_members(members: &[Member], layers: &mut [&mut TtLinear], own: Own<'_>) 
             let (a, b) = own.split(members, mid);
             let (la, lb) = layers.split_at_mut(mid);
             rayon::join(
-                || peel_members(&members[..mid], la, a),
-                || peel_members(&members[mid..], lb, b),
+                || peel_members(&members[..mid], &rcol[..=mid], dlcat, la, a),
+                || peel_members(&members[mid..], &rcol[mid..], dlcat, lb, b),
             );
         }
     }
@@ -423,6 +437,11 @@ struct Member {
 }
 
 impl Member {
+    /// Its L (N × r_p) in the lent `products`, once built.
+    fn l<'a>(&self, products: &'a [Scratch]) -> &'a [f32] {
+        &products[self.products.start + self.chains.left_len() - 1]
+    }
+
     /// Its chains in the lent `products` and `grads` (every layer's; `grads` empty in a
     /// forward, which has no gradients).
     fn chains<'a>(
