@@ -47,42 +47,70 @@ impl RankGates {
         gate.iter().filter(|&&d| self.is_active(d)).count()
     }
 
-    fn bond_measures(&self, gates: &[&[f32]], l1: bool) -> Vec<f64> {
-        let mut a = Vec::with_capacity(gates.len() + 2);
-        a.push(1.0);
-        for g in gates {
-            a.push(if l1 {
-                g.iter().map(|&d| self.value(d) as f64).sum()
-            } else {
-                self.active(g) as f64
-            });
+    /// a_k of one bond: its active entries (ℓ0) or the sum of their values (ℓ1).
+    fn measure(&self, gate: &[f32], l1: bool) -> f64 {
+        if l1 {
+            gate.iter().map(|&d| self.value(d) as f64).sum()
+        } else {
+            self.active(gate) as f64
         }
-        a.push(1.0);
-        a
     }
 
-    fn size(&self, modes: &[usize], gates: &[&[f32]], l1: bool) -> f64 {
-        assert_eq!(
-            gates.len() + 1,
-            modes.len(),
-            "a chain of K cores has K-1 gated bonds"
-        );
-        let a = self.bond_measures(gates, l1);
-        modes
-            .iter()
-            .enumerate()
-            .map(|(k, &s)| s as f64 * a[k] * a[k + 1])
-            .sum()
+    /// S (or Ŝ) of a chain of the K-1 `gates` of its inner bonds, core k of mode size
+    /// `mode(k)`, in one pass over the bonds. Nothing here allocates: the rank objective
+    /// evaluates it for every layer in every step.
+    fn size<'g>(
+        &self,
+        mode: impl Fn(usize) -> usize,
+        gates: impl ExactSizeIterator<Item = &'g [f32]>,
+        l1: bool,
+    ) -> f64 {
+        // a_1 … a_{K-1}, then a_K = 1; a_0 = 1 starts `prev`.
+        let cores = gates.len() + 1;
+        let mut next = gates.map(|g| self.measure(g, l1)).chain([1.0]);
+        let mut prev = 1.0;
+        let mut size = 0.0;
+        for k in 0..cores {
+            let a = next.next().expect("K measures after a_0");
+            size += mode(k) as f64 * prev * a;
+            prev = a;
+        }
+        size
+    }
+
+    /// ∂Ŝ/∂d for the active entries of bond b (0-based; between cores b and b+1), from its
+    /// neighbours' gates (`None` at the chain's ends, where a = 1): s_b·a_b + s_{b+1}·a_{b+2}
+    /// in the 1-based a of the module doc.
+    fn bond_size_l1_grad(
+        &self,
+        mode: &impl Fn(usize) -> usize,
+        b: usize,
+        before: Option<&[f32]>,
+        after: Option<&[f32]>,
+    ) -> f64 {
+        let a = |g: Option<&[f32]>| g.map_or(1.0, |g| self.measure(g, true));
+        mode(b) as f64 * a(before) + mode(b + 1) as f64 * a(after)
+    }
+
+    /// `grad[j] += v` for the active entries j of `gate`.
+    fn add_to_active(&self, gate: &[f32], grad: &mut [f32], v: f32) {
+        for (g, &d) in grad.iter_mut().zip(gate) {
+            if self.is_active(d) {
+                *g += v;
+            }
+        }
     }
 
     /// S: the exact parameter count of the surviving cores.
     pub fn size_l0(&self, modes: &[usize], gates: &[&[f32]]) -> f64 {
-        self.size(modes, gates, false)
+        check_bonds(modes, gates.len());
+        self.size(|k| modes[k], gates.iter().copied(), false)
     }
 
     /// Ŝ: the ℓ1 surrogate of S.
     pub fn size_l1(&self, modes: &[usize], gates: &[&[f32]]) -> f64 {
-        self.size(modes, gates, true)
+        check_bonds(modes, gates.len());
+        self.size(|k| modes[k], gates.iter().copied(), true)
     }
 
     /// Accumulates `scale · ∂Ŝ/∂d` into `grads` (one slice per bond):
@@ -94,24 +122,27 @@ impl RankGates {
         scale: f32,
         grads: &mut [&mut [f32]],
     ) {
-        assert_eq!(
-            gates.len() + 1,
-            modes.len(),
-            "a chain of K cores has K-1 gated bonds"
-        );
+        check_bonds(modes, gates.len());
         assert_eq!(grads.len(), gates.len());
-        let a = self.bond_measures(gates, true);
+        let mode = |k: usize| modes[k];
         for (b, (gate, grad)) in gates.iter().zip(grads.iter_mut()).enumerate() {
-            // Bond b+1 (1-based) sits between cores b and b+1 (0-based).
-            let k = b + 1;
-            let da = modes[k - 1] as f64 * a[k - 1] + modes[k] as f64 * a[k + 1];
-            for (g, &d) in grad.iter_mut().zip(gate.iter()) {
-                if self.is_active(d) {
-                    *g += scale * da as f32;
-                }
-            }
+            let (before, after) = (
+                b.checked_sub(1).map(|i| gates[i]),
+                gates.get(b + 1).copied(),
+            );
+            let da = self.bond_size_l1_grad(&mode, b, before, after);
+            self.add_to_active(gate, grad, scale * da as f32);
         }
     }
+}
+
+/// Panics unless a chain of `modes.len()` cores has `bonds` gated bonds (K − 1).
+fn check_bonds(modes: &[usize], bonds: usize) {
+    assert_eq!(
+        bonds + 1,
+        modes.len(),
+        "a chain of K cores has K-1 gated bonds"
+    );
 }
 
 /// Gating a core and taking gradients through the gate. A core's last axis is the gated bond
@@ -201,22 +232,46 @@ impl RankGates {
 impl RankGates {
     /// S over gate parameters.
     pub fn params_size_l0(&self, modes: &[usize], gates: &[crate::Param]) -> f64 {
-        let v: Vec<&[f32]> = gates.iter().map(|g| g.value.as_slice()).collect();
-        self.size_l0(modes, &v)
+        check_bonds(modes, gates.len());
+        self.params_size(|k| modes[k], gates, false)
     }
 
     /// Ŝ over gate parameters.
     pub fn params_size_l1(&self, modes: &[usize], gates: &[crate::Param]) -> f64 {
-        let v: Vec<&[f32]> = gates.iter().map(|g| g.value.as_slice()).collect();
-        self.size_l1(modes, &v)
+        check_bonds(modes, gates.len());
+        self.params_size(|k| modes[k], gates, true)
+    }
+
+    /// S (`l1` false) or Ŝ over gate parameters, core k of mode size `mode(k)`.
+    pub(crate) fn params_size(
+        &self,
+        mode: impl Fn(usize) -> usize,
+        gates: &[crate::Param],
+        l1: bool,
+    ) -> f64 {
+        self.size(mode, gates.iter().map(|g| g.value.as_slice()), l1)
     }
 
     /// Accumulates `scale · ∂Ŝ/∂d` into the gate parameters' gradients.
     pub fn params_size_l1_grad(&self, modes: &[usize], gates: &mut [crate::Param], scale: f32) {
-        let values: Vec<Vec<f32>> = gates.iter().map(|g| g.value.clone()).collect();
-        let refs: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
-        let mut grads: Vec<&mut [f32]> = gates.iter_mut().map(|g| g.grad.as_mut_slice()).collect();
-        self.size_l1_grad(modes, &refs, scale, &mut grads);
+        check_bonds(modes, gates.len());
+        self.params_size_l1_grad_by(|k| modes[k], gates, scale);
+    }
+
+    /// The same, core k of mode size `mode(k)`.
+    pub(crate) fn params_size_l1_grad_by(
+        &self,
+        mode: impl Fn(usize) -> usize,
+        gates: &mut [crate::Param],
+        scale: f32,
+    ) {
+        for b in 0..gates.len() {
+            let value = |i: usize| gates.get(i).map(|g| g.value.as_slice());
+            let (before, after) = (b.checked_sub(1).and_then(value), value(b + 1));
+            let da = self.bond_size_l1_grad(&mode, b, before, after);
+            let g = &mut gates[b];
+            self.add_to_active(&g.value, &mut g.grad, scale * da as f32);
+        }
     }
 }
 

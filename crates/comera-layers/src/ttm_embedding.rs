@@ -203,20 +203,20 @@ impl TtmEmbedding {
     /// S: parameters of the surviving cores (s_k = v_k·e_k).
     pub fn size_l0(&self) -> f64 {
         self.rule
-            .params_size_l0(&self.shape.size_modes(), &self.gates)
+            .params_size(|k| self.shape.size_mode(k), &self.gates, false)
     }
 
     /// Ŝ: the ℓ1 surrogate of S.
     pub fn size_l1(&self) -> f64 {
         self.rule
-            .params_size_l1(&self.shape.size_modes(), &self.gates)
+            .params_size(|k| self.shape.size_mode(k), &self.gates, true)
     }
 
     /// Accumulates `scale · ∂Ŝ/∂gates` into the gates' gradients.
     pub fn accumulate_size_l1_grad(&mut self, scale: f32) {
-        let modes = self.shape.size_modes();
+        let shape = &self.shape;
         self.rule
-            .params_size_l1_grad(&modes, &mut self.gates, scale);
+            .params_size_l1_grad_by(|k| shape.size_mode(k), &mut self.gates, scale);
     }
 
     /// A workspace for `tokens` ids with a chosen lookup.

@@ -1,10 +1,11 @@
-//! A steady-state training step (forward, loss, backward, clipping, AdamW) allocates nothing:
+//! A steady-state training step (forward, loss, backward, the rank objective, clipping, AdamW)
+//! allocates nothing:
 //! the CPU counterpart of the paper's whole-step CUDA Graph. A counting global allocator
 //! watches step 3.
 
 use comera_model::Rank;
 use comera_model::{Encoder, EncoderConfig, HeadKind, LayerTt, TtmConfig};
-use comera_optim::{clip_scale_par, AdamW, AdamWConfig, ParamSums};
+use comera_optim::{clip_scale_par, AdamW, AdamWConfig, ParamSums, RankConfig, RankController};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -105,6 +106,14 @@ fn steps_allocate_nothing(threads: usize) {
         }
         let mut opt = AdamW::new(AdamWConfig::default(), |f| model.visit_params_mut(f));
         let mut sums = ParamSums::default();
+        // The rank objective on its gates (TT/TTM; a plain pass zeroing gate gradients for the
+        // dense model), with the core-norm term, switching to the late stage at step 2.
+        let rank_cfg = RankConfig {
+            beta: 0.01,
+            late_after_steps: 2,
+            ..RankConfig::default()
+        };
+        let mut rank = RankController::new(&rank_cfg, &model);
         let ids: Vec<u32> = (0..b * t).map(|i| (i * 37 % 2100) as u32).collect();
         let types = vec![0u32; b * t];
         let mask: Vec<u32> = (0..b * t).map(|i| (i % t < t - 3) as u32).collect();
@@ -123,7 +132,8 @@ fn steps_allocate_nothing(threads: usize) {
                 }
             })
             .collect();
-        // Allocations per step, split by phase: (load + zero_grad, forward, backward, clip + AdamW).
+        // Allocations per step, split by phase: (load + zero_grad, forward, backward and the rank
+        // objective, clip + AdamW).
         let mut counts = [[0usize; 4]; 4];
         for (step, phases) in counts.iter_mut().enumerate() {
             let a0 = ALLOCS.load(Ordering::SeqCst);
@@ -138,6 +148,7 @@ fn steps_allocate_nothing(threads: usize) {
             assert!(s.loss.is_finite());
             let a2 = ALLOCS.load(Ordering::SeqCst);
             model.backward(&mut st);
+            rank.apply(&mut model, s.loss, step as u64);
             let a3 = ALLOCS.load(Ordering::SeqCst);
             let (scale, _) = clip_scale_par(1.0, &mut model, &mut sums);
             opt.step_par(1.0, scale, &mut model);

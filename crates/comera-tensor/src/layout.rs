@@ -290,12 +290,12 @@ impl TtmShape {
         (0..self.n_cores()).map(|k| self.core_len(k)).sum()
     }
     /// s_k = v_k·e_k, the per-core mode size in the size measure S.
+    pub fn size_mode(&self, k: usize) -> usize {
+        self.vocab_modes[k] * self.dim_modes[k]
+    }
+    /// Every core's [`TtmShape::size_mode`].
     pub fn size_modes(&self) -> Vec<usize> {
-        self.vocab_modes
-            .iter()
-            .zip(&self.dim_modes)
-            .map(|(v, e)| v * e)
-            .collect()
+        (0..self.n_cores()).map(|k| self.size_mode(k)).collect()
     }
 }
 

@@ -199,27 +199,23 @@ impl TtLinear {
         self.rule
     }
 
-    fn modes(&self) -> Vec<usize> {
-        (0..self.shape.n_cores())
-            .map(|c| self.shape.mode(c))
-            .collect()
-    }
-
     /// S: parameters of the surviving cores (SPEC §6).
     pub fn size_l0(&self) -> f64 {
-        self.rule.params_size_l0(&self.modes(), &self.gates)
+        self.rule
+            .params_size(|c| self.shape.mode(c), &self.gates, false)
     }
 
     /// Ŝ: the ℓ1 surrogate of S.
     pub fn size_l1(&self) -> f64 {
-        self.rule.params_size_l1(&self.modes(), &self.gates)
+        self.rule
+            .params_size(|c| self.shape.mode(c), &self.gates, true)
     }
 
     /// Accumulates `scale · ∂Ŝ/∂gates` into the gates' gradients.
     pub fn accumulate_size_l1_grad(&mut self, scale: f32) {
-        let modes = self.modes();
+        let shape = &self.shape;
         self.rule
-            .params_size_l1_grad(&modes, &mut self.gates, scale);
+            .params_size_l1_grad_by(|c| shape.mode(c), &mut self.gates, scale);
     }
 
     /// The dense weight W = L·R (N × M) the cores represent, for tests and export.

@@ -101,14 +101,16 @@ impl Head {
     }
 
     /// The head's linear layers: pooler and classifier, or the MLM head's own projection.
-    pub(super) fn linears(&self) -> Vec<&AnyLinear> {
-        match self {
-            Head::Classifier(h) => vec![&h.pool, &h.classifier],
+    pub(super) fn linears(&self) -> impl Iterator<Item = &AnyLinear> {
+        // Without allocating: the rank objective visits them every step.
+        let (first, second) = match self {
+            Head::Classifier(h) => (Some(&h.pool), Some(&h.classifier)),
             Head::Mlm(h) => match &h.decoder {
-                MlmDecoder::Own(l) => vec![l],
-                _ => Vec::new(),
+                MlmDecoder::Own(l) => (Some(l), None),
+                _ => (None, None),
             },
-        }
+        };
+        first.into_iter().chain(second)
     }
 
     /// [`Head::linears`] mutably, same order, without allocating.
