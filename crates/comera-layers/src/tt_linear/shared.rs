@@ -389,11 +389,9 @@ fn build_members(members: &[Member], layers: &[&TtLinear], own: Own<'_>) {
     }
 }
 
-/// Each member peels its chains (from the dL and dR seeded in its gradient scratch) and
-/// accumulates its cores' gradients, halves of the members as rayon tasks.
-/// Each layer's dL (its columns `rcol[i]..rcol[i + 1]` of dLcat, N × S: `dlcat` = (its floats,
-/// S)), then its chains peeled and its cores' gradients accumulated: halves of the layers as
-/// rayon tasks.
+/// Each member seeds its dL (its columns `rcol[i]..rcol[i + 1]` of dLcat, N × S: `dlcat` =
+/// (its floats, S); its dR is seeded already), peels its chains and accumulates its cores'
+/// gradients, halves of the members as rayon tasks.
 fn peel_members(
     members: &[Member],
     rcol: &[usize],
