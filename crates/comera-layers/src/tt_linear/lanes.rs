@@ -43,6 +43,7 @@
 //! the thread count. Lane 0 writes its partials straight into dR and dL (0 + a = a exactly),
 //! the others into scratch.
 
+use crate::elementwise::add_into;
 use comera_tensor::permute::permute;
 use comera_tensor::{matmul_serial, matmul_serial_streamed, MatMut, MatRef};
 use rayon::prelude::*;
@@ -201,32 +202,13 @@ pub(crate) fn backward(
             matmul_serial(MatMut::new(lane.dl, n, rp), xb.t(), u1, !first);
         }
     });
-    // dR and dL are lane 0's; add the others' in lane order, element by element (in parallel
-    // chunks: serially these sums left the other threads idle for up to 7 × 118 k additions a
-    // call at 768 × 3,072).
+    // dR and dL are lane 0's; add the others' in lane order (`add_into`: in parallel chunks;
+    // serially these sums left the other threads idle for up to 7 × 118 k additions a call at
+    // 768 × 3,072).
     let (first, rest) = work.split_at_mut(1);
     let first = first[0].as_mut().expect("lane 0");
-    let lane = |i: usize| rest.get(i).and_then(Option::as_ref);
-    let drs: [&[f32]; MAX_LANES] = std::array::from_fn(|i| lane(i).map_or(&[][..], |l| &*l.dr));
-    let dls: [&[f32]; MAX_LANES] = std::array::from_fn(|i| lane(i).map_or(&[][..], |l| &*l.dl));
-    add_in_lane_order(first.dr, &drs);
-    add_in_lane_order(first.dl, &dls);
+    for lane in rest.iter().flatten() {
+        add_into(first.dr, lane.dr);
+        add_into(first.dl, lane.dl);
+    }
 }
-
-/// `acc += Σ parts` (each part as long as `acc`, or empty: skipped), the parts added in order
-/// to each element, in parallel chunks of elements.
-fn add_in_lane_order(acc: &mut [f32], parts: &[&[f32]]) {
-    acc.par_chunks_mut(SUM_CHUNK)
-        .enumerate()
-        .for_each(|(i, acc)| {
-            let at = i * SUM_CHUNK..i * SUM_CHUNK + acc.len();
-            for part in parts.iter().filter(|p| !p.is_empty()) {
-                acc.iter_mut()
-                    .zip(&part[at.clone()])
-                    .for_each(|(a, b)| *a += b);
-            }
-        });
-}
-
-/// Elements per parallel chunk of the lanes' partial sums.
-const SUM_CHUNK: usize = 1 << 14;
