@@ -3,11 +3,12 @@
 //! the CPU counterpart of the paper's whole-step CUDA Graph. A counting global allocator
 //! watches step 3.
 
-use comera_model::Rank;
-use comera_model::{Encoder, EncoderConfig, HeadKind, LayerTt, TtmConfig};
+use comera_model::{Encoder, EncoderConfig, HeadKind, LayerTt};
 use comera_optim::{clip_scale_par, AdamW, AdamWConfig, ParamSums, RankConfig, RankController};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
+
+mod common;
 
 struct Counting;
 
@@ -44,26 +45,11 @@ static GLOBAL: Counting = Counting;
 
 fn config(tt: bool, pre_ln: bool) -> EncoderConfig {
     EncoderConfig {
-        vocab_size: 2100,
         seq_len: 32,
-        d_model: 32,
-        heads: 4,
-        ffn: 64,
         layers: 2,
-        num_labels: 3,
         dropout: 0.1,
         pre_ln,
-        tt_linear: tt,
-        ttm_embedding: tt,
-        attn_tt: LayerTt::uniform(&[4, 8], &[8, 4], 4),
-        ffn_up_tt: LayerTt::uniform(&[4, 8], &[8, 8], 4),
-        ffn_down_tt: LayerTt::uniform(&[8, 8], &[8, 4], 4),
-        word_ttm: TtmConfig {
-            vocab_modes: vec![14, 15, 10],
-            dim_modes: vec![2, 4, 4],
-            rank: Rank::Uniform(4),
-        },
-        ..EncoderConfig::default()
+        ..common::small_encoder(tt)
     }
 }
 

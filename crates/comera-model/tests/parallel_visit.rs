@@ -3,31 +3,18 @@
 //! and the same bits as the serial visit.
 
 use comera_layers::{Model, Param};
-use comera_model::{Encoder, EncoderConfig, LayerTt, Rank, TtmConfig};
+use comera_model::{Encoder, EncoderConfig};
 use comera_optim::{clip_scale, clip_scale_par, AdamW, AdamWConfig, ParamSums};
 use comera_tensor::init;
 use std::sync::Mutex;
 
+mod common;
+
 fn encoder() -> Encoder {
     let cfg = EncoderConfig {
-        vocab_size: 2100,
         seq_len: 16,
-        d_model: 32,
-        heads: 4,
-        ffn: 64,
         layers: 3,
-        num_labels: 3,
-        tt_linear: true,
-        ttm_embedding: true,
-        attn_tt: LayerTt::uniform(&[4, 8], &[8, 4], 4),
-        ffn_up_tt: LayerTt::uniform(&[4, 8], &[8, 8], 4),
-        ffn_down_tt: LayerTt::uniform(&[8, 8], &[8, 4], 4),
-        word_ttm: TtmConfig {
-            vocab_modes: vec![14, 15, 10],
-            dim_modes: vec![2, 4, 4],
-            rank: Rank::Uniform(4),
-        },
-        ..EncoderConfig::default()
+        ..common::small_encoder(true)
     };
     Encoder::new(&cfg, 3).unwrap()
 }
