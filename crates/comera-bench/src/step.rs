@@ -389,7 +389,8 @@ pub fn run(a: StepArgs) -> anyhow::Result<ExitCode> {
         return on_gpu(&a, ordinal);
     }
     if a.ops {
-        rayon::scope(|_| ops(&a))?;
+        // On a pool worker with the others polling, as in a step (`Stepper::step`).
+        rayon::scope(|_| comera_optim::with_workers_awake(|| ops(&a)))?;
         return Ok(ExitCode::SUCCESS);
     }
     if let Some(model) = a.child.clone() {
@@ -525,7 +526,8 @@ fn print_batch(a: &StepArgs, batch: usize, merged: &[Merged], cal_gflops: f64) {
 }
 
 /// `--ops`: each operation of a TT/TTM training step timed on its own, as the encoder runs it
-/// (fused q/k/v and FFN where the planner allows), with counted FLOPs (the layers' own
+/// (fused q/k/v and FFN where the planner allows; the pool's other workers polling for work
+/// between parallel sections, as through a step), with counted FLOPs (the layers' own
 /// formulas) and achieved GFLOP/s, and a 1024³ GEMM through the engine as the reference rate.
 fn ops(a: &StepArgs) -> anyhow::Result<()> {
     let b = a.batch[0];

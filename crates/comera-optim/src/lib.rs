@@ -14,8 +14,9 @@
 //! - [`rank`]: the rank schedule of CoMERA (SPEC §3): stages, objective, truncation;
 //! - [`step`]: [`Stepper::step`], the one training step of every trainer and benchmark;
 //! - [`collective`]: data-parallel steps over several processes (the gradient all-reduce);
-//! - `awake` (private): keeps the thread pool's other workers spinning through a step, so its
-//!   many short parallel sections do not each pay for waking them.
+//! - `awake` (private; [`with_workers_awake`] for benchmarks that time a step's parts): keeps
+//!   the thread pool's other workers spinning through a step, so its many short parallel
+//!   sections do not each pay for waking them.
 //!
 //! Models expose `visit_params_mut(&mut dyn FnMut(&mut Param))`; the optimiser keeps its
 //! moments in the same order.
@@ -31,6 +32,13 @@ pub use galore::{GaLore, GaLoreBytes, GaLoreConfig};
 pub use optimizer::{OptState, Optimizer};
 pub use rank::{RankConfig, RankController};
 pub use step::{StepError, StepReport, Stepper};
+
+/// Runs `f` with the pool's other workers kept polling for its parallel work, as they are
+/// through a training step (`Stepper::step`): for a benchmark that times parts of a step on
+/// their own under the same conditions. Just runs `f` off a pool worker or with one thread.
+pub fn with_workers_awake<R>(f: impl FnOnce() -> R) -> R {
+    awake::with_workers_awake(true, f)
+}
 
 use comera_layers::{Model, Param, ParamKind, Retained};
 use rayon::prelude::*;
