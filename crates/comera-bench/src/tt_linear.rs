@@ -64,6 +64,11 @@ where
 const TABLE: TextTable = TextTable(&[9, 6, 10, 10, 10, 10, 11, 8, 9]);
 
 pub fn run(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
+    // On a pool worker with the others polling for work, as through a training step.
+    rayon::scope(|_| comera_optim::with_workers_awake(|| measure(a)))
+}
+
+fn measure(a: TtLinearArgs) -> anyhow::Result<ExitCode> {
     let threads = rayon::current_num_threads();
     if !a.json {
         println!(

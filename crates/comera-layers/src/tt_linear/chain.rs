@@ -98,16 +98,27 @@ impl LeasedChains {
         self.products.bytes() + self.grads.bytes()
     }
 
+    /// The layout (see [`Chains::build_macs`]).
+    pub fn layout(&self) -> &Chains {
+        &self.chains
+    }
+
     /// Borrows the chain products from the thread's pool (and, for a backward, `grads`, their
     /// gradient scratch: products first) and builds the chains from the gated cores `h`.
     pub fn build(&mut self, shape: &TtShape, h: &[Scratch], grads: bool) -> BuiltChains<'_> {
-        let mut built = BuiltChains {
+        let mut built = self.lend(grads);
+        built.lent().build(shape, h);
+        built
+    }
+
+    /// The same buffers, not built yet: for a path that builds each chain beside its own
+    /// products ([`LentChains::sides`]).
+    pub fn lend(&mut self, grads: bool) -> BuiltChains<'_> {
+        BuiltChains {
             chains: &self.chains,
             products: self.products.acquire(),
             grads: grads.then(|| self.grads.acquire()),
-        };
-        built.lent().build(shape, h);
-        built
+        }
     }
 }
 
@@ -164,6 +175,19 @@ impl Chains {
             grads: vec![lmax, lmax, rmax, rmax],
             pre,
         }
+    }
+
+    /// Multiply-adds of building the left and the right chain (each chain's peel does twice
+    /// its build's), for a path that places its own products beside them.
+    pub fn build_macs(&self, shape: &TtShape) -> (usize, usize) {
+        let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
+        let left = (1..p)
+            .map(|c| self.pre[c] * r[c] * shape.mode(c) * r[c + 1])
+            .sum();
+        let right = (p..k - 1)
+            .map(|c| r[c] * shape.mode(c) * r[c + 1] * q_of(shape, c + 1))
+            .sum();
+        (left, right)
     }
 
     /// How many of the chain products are the left chain's (p; the right chain's follow, R
@@ -224,12 +248,29 @@ impl LentChains<'_> {
         )
     }
 
+    /// The two chains apart, for a path that runs each chain's build and peel in a task of its
+    /// own beside its own products (the merged path's small-batch backward).
+    pub fn sides(&mut self) -> (LeftChain<'_>, RightChain<'_>) {
+        (
+            LeftChain {
+                pre: self.pre,
+                products: &mut *self.left,
+                grads: &mut *self.dl,
+            },
+            RightChain {
+                products: &mut *self.right,
+                grads: &mut *self.dr,
+            },
+        )
+    }
+
     /// Builds every chain entry from the gated cores `h` (left and right chains side by side).
     pub fn build(&mut self, shape: &TtShape, h: &[Scratch]) {
         let (pre, left, right) = (self.pre, &mut *self.left, &mut *self.right);
+        let (h_in, h_out) = h.split_at(shape.p());
         rayon::join(
-            || build_left(shape, h, pre, left),
-            || build_right(shape, h, right),
+            || build_left(shape, h_in, pre, left),
+            || build_right(shape, h_out, right),
         );
     }
 
@@ -239,14 +280,102 @@ impl LentChains<'_> {
         let (dh_in, dh_out) = dh.split_at_mut(shape.p());
         let (pre, left, right) = (self.pre, &*self.left, &*self.right);
         let (dl, dr) = (&mut *self.dl, &mut *self.dr);
+        let (h_in, h_out) = h.split_at(shape.p());
         rayon::join(
-            || peel_left(shape, h, pre, left, dl, dh_in),
-            || peel_right(shape, h, right, dr, dh_out),
+            || peel_left(shape, h_in, pre, left, dl, dh_in),
+            || peel_right(shape, h_out, right, dr, dh_out),
         );
     }
 }
 
-/// left[0] = H_0;  left[c] = left[c-1] · H_c.
+/// The left chain of [`LentChains::sides`] before it is built: its products and its gradient
+/// scratch.
+pub(crate) struct LeftChain<'a> {
+    pre: &'a [usize],
+    products: &'a mut [Scratch],
+    grads: &'a mut [Scratch],
+}
+
+/// The left chain once built: L can be read (for as long as the buffers are lent) while the
+/// chain is peeled.
+pub(crate) struct BuiltLeft<'a> {
+    pre: &'a [usize],
+    products: &'a [Scratch],
+    grads: &'a mut [Scratch],
+}
+
+impl<'a> LeftChain<'a> {
+    /// Builds the chain from the gated input cores `h_in` (H_0..H_{p-1}).
+    pub fn build(self, shape: &TtShape, h_in: &[Scratch]) -> BuiltLeft<'a> {
+        build_left(shape, h_in, self.pre, self.products);
+        BuiltLeft {
+            pre: self.pre,
+            products: self.products,
+            grads: self.grads,
+        }
+    }
+}
+
+impl<'a> BuiltLeft<'a> {
+    /// L (N × r_p).
+    pub fn l(&self) -> &'a [f32] {
+        self.products.last().expect("p ≥ 1")
+    }
+
+    /// Where the path writes dL (N × r_p) before `peel`.
+    pub fn dl(&mut self) -> &mut [f32] {
+        let n = self.l().len();
+        &mut self.grads[0][..n]
+    }
+
+    /// From dL (in `dl`), writes dH_c for the input cores c = 0..p-1 (`dh_in`).
+    pub fn peel(self, shape: &TtShape, h_in: &[Scratch], dh_in: &mut [Scratch]) {
+        peel_left(shape, h_in, self.pre, self.products, self.grads, dh_in);
+    }
+}
+
+/// The right chain of [`LentChains::sides`] before it is built.
+pub(crate) struct RightChain<'a> {
+    products: &'a mut [Scratch],
+    grads: &'a mut [Scratch],
+}
+
+/// The right chain once built: R can be read while the chain is peeled.
+pub(crate) struct BuiltRight<'a> {
+    products: &'a [Scratch],
+    grads: &'a mut [Scratch],
+}
+
+impl<'a> RightChain<'a> {
+    /// Builds the chain from the gated output cores `h_out` (H_p..H_{K-1}).
+    pub fn build(self, shape: &TtShape, h_out: &[Scratch]) -> BuiltRight<'a> {
+        build_right(shape, h_out, self.products);
+        BuiltRight {
+            products: self.products,
+            grads: self.grads,
+        }
+    }
+}
+
+impl<'a> BuiltRight<'a> {
+    /// R (r_p × M).
+    pub fn r(&self) -> &'a [f32] {
+        &self.products[0]
+    }
+
+    /// Where the path writes dR (r_p × M) before `peel`.
+    pub fn dr(&mut self) -> &mut [f32] {
+        let n = self.r().len();
+        &mut self.grads[0][..n]
+    }
+
+    /// From dR (in `dr`), writes dH_c for the output cores c = p..K-1 (`dh_out[c - p]`).
+    pub fn peel(self, shape: &TtShape, h_out: &[Scratch], dh_out: &mut [Scratch]) {
+        peel_right(shape, h_out, self.products, self.grads, dh_out);
+    }
+}
+
+/// left[0] = H_0;  left[c] = left[c-1] · H_c  (`h`: the input cores' H_0..H_{p-1}).
 fn build_left(shape: &TtShape, h: &[Scratch], pre: &[usize], left: &mut [Scratch]) {
     let (p, r) = (shape.p(), shape.ranks());
     left[0].copy_from_slice(&h[0]);
@@ -261,22 +390,23 @@ fn build_left(shape: &TtShape, h: &[Scratch], pre: &[usize], left: &mut [Scratch
     }
 }
 
-/// right[K-1] = H_{K-1};  right[c] = H_c · right[c+1]  (index c - p).
+/// right[K-1] = H_{K-1};  right[c] = H_c · right[c+1]  (`right` and `h`, the output cores'
+/// H_p..H_{K-1}, at index c - p).
 fn build_right(shape: &TtShape, h: &[Scratch], right: &mut [Scratch]) {
     let (p, k, r) = (shape.p(), shape.n_cores(), shape.ranks());
-    right[k - 1 - p].copy_from_slice(&h[k - 1]);
+    right[k - 1 - p].copy_from_slice(&h[k - 1 - p]);
     for c in (p..k - 1).rev() {
         let (head, tail) = right.split_at_mut(c + 1 - p);
         let qn = q_of(shape, c + 1);
         product(
             &mut head[c - p],
-            MatRef::new(&h[c], r[c] * shape.mode(c), r[c + 1]),
+            MatRef::new(&h[c - p], r[c] * shape.mode(c), r[c + 1]),
             MatRef::new(&tail[0], r[c + 1], qn),
         );
     }
 }
 
-/// From dL in `dl[0]`, writes dH_c for the input cores c = 0..p-1 (`dh_in`).
+/// From dL in `dl[0]`, writes dH_c for the input cores c = 0..p-1 (`dh_in`; `h`: their H).
 fn peel_left(
     shape: &TtShape,
     h: &[Scratch],
@@ -303,7 +433,8 @@ fn peel_left(
     dh_in[0].copy_from_slice(&cur[..n0]);
 }
 
-/// From dR in `dr[0]`, writes dH_c for the output cores c = p..K-1 (`dh_out[c - p]`).
+/// From dR in `dr[0]`, writes dH_c for the output cores c = p..K-1 (`dh_out[c - p]`; `h`, the
+/// output cores' H, at index c - p too).
 fn peel_right(
     shape: &TtShape,
     h: &[Scratch],
@@ -323,7 +454,7 @@ fn peel_right(
         both(
             2 * rows * r[c + 1] * qn,
             || product(dhc, drc, right_next.t()),
-            || product(next_dr, MatRef::new(&h[c], rows, r[c + 1]).t(), drc),
+            || product(next_dr, MatRef::new(&h[c - p], rows, r[c + 1]).t(), drc),
         );
         std::mem::swap(&mut cur, &mut next);
     }

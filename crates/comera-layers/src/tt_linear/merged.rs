@@ -12,15 +12,20 @@
 //! size) every product runs in row lanes, each lane on one thread (`lanes`: the products of
 //! a block of rows back to back while its rows are in cache). Otherwise:
 //!
-//! Two tasks. Below `PAIR_MAX_MACS` the products are thin (r_p = 30 columns or inner length)
-//! and a threaded GEMM keeps the second core partly idle, so the backward's independent pairs
-//! (dR ∥ U1), (dX ∥ dL) run as two rayon tasks of single-threaded products instead (the chains
-//! and their peels always do, see `chain`). The split does not depend on the thread count, so
-//! neither do the bits. (Splitting the forward's products into row halves the same way was
-//! measured and gained nothing.)
+//! Two sides. Below `PAIR_MAX_MACS` the products are thin (r_p = 30 columns or inner length)
+//! and a threaded GEMM keeps the second core partly idle, so every product runs on one thread
+//! and a call runs as two tasks a round, one for each side of the layer: the input cores (their
+//! gating, the left chain, its peel, their gradients) with the products that need L, the
+//! output cores with those that need R (`Merged::forward_paired`, `Merged::backward_paired`):
+//! two rounds a backward, one and the output product a forward, instead of a parallel section
+//! for each step. The split does not depend on the thread count, so neither do the bits.
 //!
-//! At r_p ≤ `SPLIT_DL_MAX_RANK` the second pair is split differently: dL = Xᵀ·U1 reads the
-//! layer input X, saved by the forward and cold by now, down its columns (the narrow kernel's
+//! Threaded, above: one threaded product after the other.
+//!
+//! The fused layers that share this path's products (`shared`, `ffn`) still pair them as
+//! (dR ∥ U1), (dX ∥ dL) at small batches (`output_side`, `input_side`). At r_p ≤
+//! `SPLIT_DL_MAX_RANK` their second pair is split differently: dL = Xᵀ·U1 reads the layer
+//! input X, saved by the forward and cold by now, down its columns (the narrow kernel's
 //! transposed-A form), one thread pulling the whole of X from memory while the other finishes
 //! its dX from cache and waits. Instead the dX task also takes the first third of dL's rows and
 //! the other task the rest, so both cores pull X. Each row of dL is the same sum either way
@@ -29,6 +34,7 @@
 use super::chain::LeasedChains;
 use super::lanes;
 use super::pool::{Lease, Scratch};
+use super::{CoreGrads, TtLinear};
 use crate::elementwise::copy;
 use comera_tensor::{matmul, matmul_row_pieces, matmul_serial, MatMut, MatRef, TtShape};
 
@@ -41,7 +47,9 @@ pub(crate) const PAIR_MAX_MACS: usize = 1 << 24;
 /// length is only r_p + 1, and the threaded backend split its 128 rows poorly. Measured on 2
 /// Zen 4 cores (products alone, 2 threads, best of 7 × 200 calls): 128 × 31 · 31 × 768 44 µs
 /// threaded, 35 µs in 64- or 32-row pieces; 128 × 31 · 31 × 3,072 129-150 µs threaded, 141-145
-/// µs in pieces. The X·L product (inner length N) scales well threaded (1.85×) and stays so.
+/// µs in pieces. The X·L product (inner length N) scaled well threaded too (1.85×), but runs in
+/// the same pieces beside the right chain (`Merged::forward_paired`), where the task done first
+/// takes over the other's pieces.
 const FORWARD_PIECE_ROWS: usize = 32;
 
 /// Largest r_p at which the paired dL is split between both tasks (see the module doc): the
@@ -107,24 +115,28 @@ impl Merged {
         self.chains.bytes() + self.r1.bytes().max(self.dr1_u1.bytes())
     }
 
-    /// `y = x·W + bias`.
-    #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
+    /// `y = x·W + bias` for `layer` (whose gated cores this writes into `h`).
     pub fn forward(
         &mut self,
-        shape: &TtShape,
-        h: &[Scratch],
+        layer: &TtLinear,
+        h: &mut [Scratch],
         batch: usize,
         x: &[f32],
-        bias: &[f32],
         y: &mut [f32],
     ) {
+        let shape = &layer.shape;
+        if !self.lanes && paired(shape, batch) {
+            self.forward_paired(layer, h, batch, x, y);
+            return;
+        }
         let (n, m, rp) = super::sizes(shape);
+        layer.gate_cores(h);
         let mut built = self.chains.build(shape, h, false);
         let chains = built.lent();
         let mut r1 = self.r1.acquire();
         let r1 = &mut r1[0];
         copy(&mut r1[..rp * m], chains.r());
-        r1[rp * m..].copy_from_slice(bias);
+        r1[rp * m..].copy_from_slice(&layer.bias.value);
         if self.lanes {
             let (l, r1) = (MatRef::new(chains.l(), n, rp), MatRef::new(r1, rp + 1, m));
             lanes::forward(x, l, &mut self.t1, r1, y);
@@ -137,29 +149,34 @@ impl Merged {
             MatRef::new(chains.l(), n, rp),
             false,
         );
-        forward_out(
-            paired(shape, batch),
+        matmul(
             MatMut::new(y, batch, m),
             MatRef::new(&self.t1, batch, rp + 1),
             MatRef::new(r1, rp + 1, m),
+            false,
         );
     }
 
-    /// The backward of `forward`: dX (when wanted), the gated cores' gradients into `dh`, and
-    /// `db += 1ᵀ·dY`.
+    /// The backward of `forward` for `layer`: dX (when wanted), and the gradients of its cores,
+    /// gates (through their gated cores `h` and their gradients `dh`, scratch) and bias.
     #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
     pub fn backward(
         &mut self,
-        shape: &TtShape,
-        h: &[Scratch],
+        layer: &mut TtLinear,
+        h: &mut [Scratch],
         dh: &mut [Scratch],
         batch: usize,
         x: &[f32],
         dy: &[f32],
         dx: Option<&mut [f32]>,
-        db: &mut [f32],
     ) {
+        if !self.lanes && paired(&layer.shape, batch) {
+            self.backward_paired(layer, h, dh, batch, x, dy, dx);
+            return;
+        }
+        let shape = &layer.shape;
         let (n, m, rp) = super::sizes(shape);
+        layer.gate_cores(h);
         let mut built = self.chains.build(shape, h, true);
         let mut chains = built.lent();
         let mut scratch = self.dr1_u1.acquire();
@@ -172,19 +189,177 @@ impl Merged {
             }
             [dr1, u1] => {
                 let t1 = MatRef::new(&self.t1, batch, rp + 1);
-                let pair = paired(shape, batch);
-                output_side(pair, t1, MatRef::new(dy, batch, m), r, dr1, u1);
+                output_side(false, t1, MatRef::new(dy, batch, m), r, dr1, u1);
                 let u1 = MatRef::new(u1, batch, rp);
-                input_side(pair, x, batch, u1, l, dx, dl);
+                input_side(false, x, batch, u1, l, dx, dl);
                 dr1
             }
             _ => unreachable!("the buffers leased in `new`"),
         };
         copy(dr, &dr1[..rp * m]);
-        for (g, v) in db.iter_mut().zip(&dr1[rp * m..]) {
+        for (g, v) in layer.bias.grad.iter_mut().zip(&dr1[rp * m..]) {
             *g += v;
         }
         chains.peel(shape, h, dh);
+        layer.accumulate_core_grads(dh);
+    }
+
+    /// The forward at small batches (`paired`): the two sides of the layer side by side,
+    ///   (gate the input cores, left chain, T1 = X·L)  ∥  (gate the output cores, right chain,
+    ///   R⁺ = [R ; bᵀ]),
+    /// then Y = T1⁺·R⁺; T1 and Y in row pieces of [`FORWARD_PIECE_ROWS`] (single-threaded,
+    /// fixed by the shapes), which a task that is done takes over from the other.
+    fn forward_paired(
+        &mut self,
+        layer: &TtLinear,
+        h: &mut [Scratch],
+        batch: usize,
+        x: &[f32],
+        y: &mut [f32],
+    ) {
+        let shape = &layer.shape;
+        let (n, m, rp, p) = (
+            shape.in_features(),
+            shape.out_features(),
+            shape.middle_rank(),
+            shape.p(),
+        );
+        let mut lent = self.chains.lend(false);
+        let mut chains = lent.lent();
+        let (left, right) = chains.sides();
+        let mut r1 = self.r1.acquire();
+        let r1 = &mut r1[0];
+        let (h_in, h_out) = h.split_at_mut(p);
+        let t1 = &mut self.t1;
+        rayon::join(
+            || {
+                layer.gate_side(0, h_in);
+                let left = left.build(shape, h_in);
+                // T1 into the first r_p columns of T1⁺ (the last stays 1).
+                matmul_row_pieces(
+                    MatMut::strided(t1, batch, rp, rp + 1, 1),
+                    MatRef::new(x, batch, n),
+                    MatRef::new(left.l(), n, rp),
+                    false,
+                    FORWARD_PIECE_ROWS,
+                );
+            },
+            || {
+                layer.gate_side(p, h_out);
+                let right = right.build(shape, h_out);
+                r1[..rp * m].copy_from_slice(right.r());
+                r1[rp * m..].copy_from_slice(&layer.bias.value);
+            },
+        );
+        forward_out(
+            true,
+            MatMut::new(y, batch, m),
+            MatRef::new(&self.t1, batch, rp + 1),
+            MatRef::new(r1, rp + 1, m),
+        );
+    }
+
+    /// The backward at small batches (`paired`): every product single-threaded, in two rounds
+    /// of two tasks, each side of the layer (its cores' gating, chain, peel and gradients)
+    /// beside the products that need it:
+    ///   round 1: (gate output cores, right chain, U1 = dY·Rᵀ)  ∥  (gate input cores, left
+    ///            chain),                               [dR ; dbᵀ] = T1⁺ᵀ·dY on either;
+    ///   round 2: (peel right, output cores' gradients)  ∥  (dL = Xᵀ·U1, peel left, input
+    ///            cores' gradients),                   dX = U1·Lᵀ on either;
+    /// so that a call forks twice around work of similar size, instead of once for each of its
+    /// steps. The products that need no chain (dR, dX) go to the task with fewer multiply-adds
+    /// (by the shapes: a 768 → 3,072 layer's right chain is four times its left one, a
+    /// 3,072 → 768 layer's the other way round), and the chains' products and peels still cut
+    /// into row pieces, which a task that is done takes over from the other. Every product is
+    /// the one of the other schedules, on one thread, so the bits do not depend on the thread
+    /// count.
+    #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
+    fn backward_paired(
+        &mut self,
+        layer: &mut TtLinear,
+        h: &mut [Scratch],
+        dh: &mut [Scratch],
+        batch: usize,
+        x: &[f32],
+        dy: &[f32],
+        dx: Option<&mut [f32]>,
+    ) {
+        let p = layer.shape.p();
+        let (n, m, rp) = super::sizes(&layer.shape);
+        let (left_macs, right_macs) = self.chains.layout().build_macs(&layer.shape);
+        let dr_on_right = right_macs + batch * rp * m <= left_macs;
+        let dx_on_right = 2 * right_macs <= n * batch * rp + 2 * left_macs;
+        let mut lent = self.chains.lend(true);
+        let mut chains = lent.lent();
+        let (left, right) = chains.sides();
+        let mut scratch = self.dr1_u1.acquire();
+        let [dr1, u1] = &mut scratch[..] else {
+            unreachable!("the buffers leased in `new`")
+        };
+        let (h_in, h_out) = h.split_at_mut(p);
+        let (dh_in, dh_out) = dh.split_at_mut(p);
+        let (t1, dy) = (
+            MatRef::new(&self.t1, batch, rp + 1),
+            MatRef::new(dy, batch, m),
+        );
+        let grad_r = |dr1: &mut [f32]| {
+            matmul_serial(MatMut::new(dr1, rp + 1, m), t1.t(), dy, false);
+        };
+        let (dr_a, dr_b) = on_one(dr_on_right, &mut **dr1);
+        let (layer_ref, shape) = (&*layer, &layer.shape);
+        let (right, left) = rayon::join(
+            || {
+                layer_ref.gate_side(p, h_out);
+                let right = right.build(shape, h_out);
+                let r = MatRef::new(right.r(), rp, m);
+                matmul_serial(MatMut::new(u1, batch, rp), dy, r.t(), false);
+                dr_a.map(grad_r);
+                right
+            },
+            || {
+                layer_ref.gate_side(0, h_in);
+                let left = left.build(shape, h_in);
+                dr_b.map(grad_r);
+                left
+            },
+        );
+        let (u1, dr1, h_in, h_out) = (MatRef::new(u1, batch, rp), &*dr1, &*h_in, &*h_out);
+        let l = MatRef::new(left.l(), n, rp);
+        let grad_x = |dx: &mut [f32]| matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false);
+        let (dx_a, dx_b) = on_one(dx_on_right, dx);
+        let shape = &layer.shape;
+        let (mut grads_in, mut grads_out) =
+            CoreGrads::sides(layer.rule, p, &mut layer.cores, &mut layer.gates);
+        let db = &mut layer.bias.grad;
+        rayon::join(
+            || {
+                let mut right = right;
+                right.dr().copy_from_slice(&dr1[..rp * m]);
+                for (g, v) in db.iter_mut().zip(&dr1[rp * m..]) {
+                    *g += v;
+                }
+                right.peel(shape, h_out, dh_out);
+                grads_out.accumulate(dh_out);
+                dx_a.flatten().map(grad_x);
+            },
+            || {
+                let mut left = left;
+                let xt = MatRef::new(x, batch, n).t();
+                matmul_serial(MatMut::new(left.dl(), n, rp), xt, u1, false);
+                left.peel(shape, h_in, dh_in);
+                grads_in.accumulate(dh_in);
+                dx_b.flatten().map(grad_x);
+            },
+        );
+    }
+}
+
+/// `v` for the first of two tasks when `first`, else for the second.
+fn on_one<T>(first: bool, v: T) -> (Option<T>, Option<T>) {
+    if first {
+        (Some(v), None)
+    } else {
+        (None, Some(v))
     }
 }
 

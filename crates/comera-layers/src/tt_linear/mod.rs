@@ -240,57 +240,90 @@ impl TtLinear {
         w
     }
 
-    /// H_c = G_c·diag(g(d_{c+1})) for every core: the first and second halves of the cores side
-    /// by side (each core on its own; a few µs of element-wise work a layer call that a step
-    /// of many calls would otherwise spend on one thread).
+    /// H_c = G_c·diag(g(d_{c+1})) for every core: the input cores and the output cores side by
+    /// side (each core on its own; a few µs of element-wise work a layer call that a step of
+    /// many calls would otherwise spend on one thread).
     fn gate_cores(&self, h: &mut [Scratch]) {
-        let k = self.shape.n_cores();
-        let mid = k / 2;
-        let (h0, h1) = h.split_at_mut(mid);
-        let gate = |c: usize, h: &mut [f32]| match self.gates.get(c) {
-            Some(g) => self.rule.gate_core(&self.cores[c].value, &g.value, h),
-            None => h.copy_from_slice(&self.cores[c].value), // the last core has no gate
-        };
-        rayon::join(
-            || h0.iter_mut().enumerate().for_each(|(c, h)| gate(c, h)),
-            || {
-                h1.iter_mut()
-                    .enumerate()
-                    .for_each(|(c, h)| gate(mid + c, h))
-            },
-        );
+        let p = self.shape.p();
+        let (h_in, h_out) = h.split_at_mut(p);
+        rayon::join(|| self.gate_side(0, h_in), || self.gate_side(p, h_out));
     }
 
-    /// dG_c += dH_c·diag(g), dd[j] += Σ dH_c[.., j]·G_c[.., j] (active entries only): the two
-    /// halves of the cores side by side, as in `gate_cores` (each core's sums on one thread, in
-    /// the same order whatever the thread count).
-    fn accumulate_core_grads(&mut self, dh: &[Scratch]) {
-        let mid = self.shape.n_cores() / 2;
-        let rule = self.rule;
-        let (c0, c1) = self.cores.split_at_mut(mid);
-        let gate_mid = mid.min(self.gates.len());
-        let (g0, g1) = self.gates.split_at_mut(gate_mid);
-        let (d0, d1) = dh.split_at(mid);
-        let half = |cores: &mut [Param], gates: &mut [Param], dh: &[Scratch]| {
-            for (c, (core, dh)) in cores.iter_mut().zip(dh).enumerate() {
-                match gates.get_mut(c) {
-                    Some(gate) => rule.accumulate_gated_grads(
-                        &core.value,
-                        &mut core.grad,
-                        &gate.value,
-                        &mut gate.grad,
-                        dh,
-                    ),
-                    // The last core has no gate: dG = dH.
-                    None => core
-                        .grad
-                        .iter_mut()
-                        .zip(dh.iter())
-                        .for_each(|(g, d)| *g += d),
-                }
+    /// H_c for the cores `first..first + h.len()` into `h` (the last core has no gate: H = G).
+    fn gate_side(&self, first: usize, h: &mut [Scratch]) {
+        for (c, h) in (first..).zip(h.iter_mut()) {
+            match self.gates.get(c) {
+                Some(g) => self.rule.gate_core(&self.cores[c].value, &g.value, h),
+                None => h.copy_from_slice(&self.cores[c].value),
             }
-        };
-        rayon::join(|| half(c0, g0, d0), || half(c1, g1, d1));
+        }
+    }
+
+    /// dG_c += dH_c·diag(g), dd[j] += Σ dH_c[.., j]·G_c[.., j] (active entries only): the input
+    /// and the output cores side by side, as in `gate_cores` (each core's sums on one thread,
+    /// in the same order whatever the thread count).
+    fn accumulate_core_grads(&mut self, dh: &[Scratch]) {
+        let (dh_in, dh_out) = dh.split_at(self.shape.p());
+        let (mut input, mut output) =
+            CoreGrads::sides(self.rule, self.shape.p(), &mut self.cores, &mut self.gates);
+        rayon::join(|| input.accumulate(dh_in), || output.accumulate(dh_out));
+    }
+}
+
+/// The cores and gates of one side of a layer (input cores 0..p or output cores p..K), whose
+/// gradients a path accumulates from their dH_c (`accumulate`), apart from the other side's.
+pub(crate) struct CoreGrads<'a> {
+    rule: RankGates,
+    cores: &'a mut [Param],
+    /// The gates on the bonds after these cores (one fewer on the output side: the last core
+    /// has none).
+    gates: &'a mut [Param],
+}
+
+impl<'a> CoreGrads<'a> {
+    /// The input and the output side of a layer's `cores` and `gates` (its rule, and its p:
+    /// how many cores are on the input side).
+    pub(crate) fn sides(
+        rule: RankGates,
+        p: usize,
+        cores: &'a mut [Param],
+        gates: &'a mut [Param],
+    ) -> (CoreGrads<'a>, CoreGrads<'a>) {
+        let (c_in, c_out) = cores.split_at_mut(p);
+        let (g_in, g_out) = gates.split_at_mut(p.min(gates.len()));
+        (
+            CoreGrads {
+                rule,
+                cores: c_in,
+                gates: g_in,
+            },
+            CoreGrads {
+                rule,
+                cores: c_out,
+                gates: g_out,
+            },
+        )
+    }
+
+    /// dG_c += dH_c·diag(g), dd_{c+1} += Σ dH_c·G_c for this side's cores (`dh`: their dH_c).
+    pub(crate) fn accumulate(&mut self, dh: &[Scratch]) {
+        for (c, (core, dh)) in self.cores.iter_mut().zip(dh).enumerate() {
+            match self.gates.get_mut(c) {
+                Some(gate) => self.rule.accumulate_gated_grads(
+                    &core.value,
+                    &mut core.grad,
+                    &gate.value,
+                    &mut gate.grad,
+                    dh,
+                ),
+                // The last core has no gate: dG = dH.
+                None => core
+                    .grad
+                    .iter_mut()
+                    .zip(dh.iter())
+                    .for_each(|(g, d)| *g += d),
+            }
+        }
     }
 }
 
@@ -496,16 +529,18 @@ impl Layer for TtLinear {
             return;
         }
         let mut h = ws.h.acquire();
-        self.gate_cores(&mut h);
         let s = &self.shape;
         match &mut ws.bufs {
-            // The merged path adds the bias in its last product (see `merged`).
-            PathBuffers::Merged(p) => p.forward(s, &h, b, x, &self.bias.value, y),
+            // The merged path gates the cores itself (beside its products at small batches),
+            // and adds the bias in its last product (see `merged`).
+            PathBuffers::Merged(p) => p.forward(self, &mut h, b, x, y),
             PathBuffers::Sequential(p) => {
+                self.gate_cores(&mut h);
                 p.forward(s, &h, b, x, y);
                 add_bias(y, &self.bias.value);
             }
             PathBuffers::Dense(p) => {
+                self.gate_cores(&mut h);
                 p.forward(s, &h, b, x, y);
                 add_bias(y, &self.bias.value);
             }
@@ -536,24 +571,27 @@ impl Layer for TtLinear {
             accumulate_bias_grad(dy, &mut self.bias.grad);
             return;
         }
-        // The gated cores again (cheaper to redo than to keep per layer), then the path.
+        // The gated cores again (cheaper to redo than to keep per layer), then the path, then
+        // the cores' and gates' gradients from dH.
         let (mut h, mut dh) = (ws.h.acquire(), ws.dh.acquire());
-        self.gate_cores(&mut h);
         let s = &self.shape;
-        let db = &mut self.bias.grad;
         match &mut ws.bufs {
-            // The merged path sums the bias's gradient in its dR product (see `merged`).
-            PathBuffers::Merged(p) => p.backward(s, &h, &mut dh, b, x, dy, dx, db),
+            // The merged path does all three itself (each chain's beside its products at small
+            // batches), and sums the bias's gradient in its dR product (see `merged`).
+            PathBuffers::Merged(p) => p.backward(self, &mut h, &mut dh, b, x, dy, dx),
             PathBuffers::Sequential(p) => {
+                self.gate_cores(&mut h);
                 p.backward(s, &h, &mut dh, b, dy, dx);
-                accumulate_bias_grad(dy, db);
+                accumulate_bias_grad(dy, &mut self.bias.grad);
+                self.accumulate_core_grads(&dh);
             }
             PathBuffers::Dense(p) => {
+                self.gate_cores(&mut h);
                 p.backward(s, &h, &mut dh, b, x, dy, dx);
-                accumulate_bias_grad(dy, db);
+                accumulate_bias_grad(dy, &mut self.bias.grad);
+                self.accumulate_core_grads(&dh);
             }
         }
-        self.accumulate_core_grads(&dh);
     }
 
     fn params(&self) -> Vec<&Param> {
