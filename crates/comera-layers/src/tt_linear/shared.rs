@@ -9,22 +9,26 @@
 //! then each layer peels its chains as on its own. The result is each layer's own merged-path
 //! result up to float rounding (the same sums, grouped in larger products).
 //!
-//! The layers' gating, chain builds and peels run side by side (halves of the layers as rayon
-//! tasks), each layer's on its own buffers. At small batches (see `merged::paired`) the backward's independent products run as two
-//! single-threaded tasks, as on the merged path: (dR_i ∥ U_i) and (dX ∥ dL).
+//! Everything a layer does on its own runs with the other layers' side by side (halves of the
+//! layers as rayon tasks, each layer on its own buffers): gating and chain builds, the
+//! forward's Y_i + b_i, the backward's (dR_i, U_i, db_i) and the peels. A forward is then
+//! three parallel sections (the layers' chains with Lcat, T1, the outputs), a backward four
+//! (chains with Lcat, the output sides, dX ∥ dLcat, the peels), whatever the layer count. At
+//! small batches (see `merged::paired`) the products run single-threaded, as two tasks where
+//! they pair up: (dR_i ∥ U_i) and (dX ∥ dL).
 //!
 //! It applies while every layer plans the merged path at this batch (the planner still decides
 //! per layer; see [`SharedInput::applies`]) and none is dead, and is chosen only up to
 //! [`MAX_ROWS`] rows, where it was measured not to lose; otherwise callers run the layers one
 //! by one.
 
-use super::chain::{Chains, LentChains};
+use super::chain::Chains;
 use super::merged::{forward_out, input_side, paired};
 use super::pool::{Lease, Scratch};
 use super::TtLinear;
 use crate::{accumulate_bias_grad, add_bias, check_len, Layer};
 use comera_plan::TtPath;
-use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
+use comera_tensor::{matmul, matmul_serial, DisjointMut, MatMut, MatRef, TtShape};
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -191,18 +195,24 @@ impl SharedInput {
             MatRef::new(&cat[0], n, s),
             false,
         );
-        for (i, l) in layers.iter().enumerate() {
-            let (r0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
-            let (m0, m) = (self.mcol[i], self.mcol[i + 1] - self.mcol[i]);
-            let yi = &mut y[b * m0..b * (m0 + m)];
-            forward_out(
-                pair,
-                MatMut::new(yi, b, m),
-                MatRef::strided(&self.t1[r0..], b, rp, s, 1),
-                MatRef::new(self.members[i].chains(&mut products, &mut []).r(), rp, m),
-            );
-            add_bias(yi, &l.bias.value);
-        }
+        // Y_i = T1_i·R_i + b_i, the layers side by side (each in row pieces at small batches).
+        let mut ys = per_member(y, b, &self.mcol);
+        let (members, rcol, t1) = (&self.members, &self.rcol, &self.t1);
+        let products = &products;
+        ys[..layers.len()]
+            .par_iter_mut()
+            .enumerate()
+            .for_each(|(i, yi)| {
+                let yi = &mut **yi;
+                let (r0, rp, m) = (rcol[i], rcol[i + 1] - rcol[i], yi.len() / b);
+                forward_out(
+                    pair,
+                    MatMut::new(yi, b, m),
+                    MatRef::strided(&t1[r0..], b, rp, s, 1),
+                    MatRef::new(members[i].r(products), rp, m),
+                );
+                add_bias(yi, &layers[i].bias.value);
+            });
     }
 
     /// Accumulates every layer's gradients from `dy` = [dY_1 | … | dY_n] (B × M_i each, one
@@ -249,35 +259,25 @@ impl SharedInput {
         let [lcat, u, dlcat] = &mut cat[..] else {
             unreachable!("three buffers")
         };
-        // dR_i = T1_iᵀ·dY_i,  U_i = dY_i·R_iᵀ.
-        for i in 0..k {
-            let (r0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
-            let (m0, m) = (self.mcol[i], self.mcol[i + 1] - self.mcol[i]);
-            let dyi = MatRef::new(&dy[b * m0..b * (m0 + m)], b, m);
-            let mut chains = self.members[i].chains(&mut products, &mut grads);
-            let (_, r, _, dr) = chains.seed_grads();
-            let r = MatRef::new(r, rp, m);
-            let t1i = MatRef::strided(&self.t1[r0..], b, rp, s, 1);
-            let dr = MatMut::new(dr, rp, m);
-            let ui = MatMut::strided(&mut u[r0..], b, rp, s, 1);
-            if pair {
-                rayon::join(
-                    || matmul_serial(dr, t1i.t(), dyi, false),
-                    || matmul_serial(ui, dyi, r.t(), false),
-                );
-            } else {
-                matmul(dr, t1i.t(), dyi, false);
-                matmul(ui, dyi, r.t(), false);
-            }
-        }
+        // dR_i = T1_iᵀ·dY_i, U_i = dY_i·R_iᵀ and db_i += Σ_rows dY_i, the layers side by side.
+        let out = OutputSide {
+            t1: (&self.t1, s),
+            dy,
+            u: DisjointMut::new(u),
+            rcol,
+            mcol: &self.mcol,
+            pair,
+        };
+        let own = Own {
+            h: &mut [],
+            dh: &mut [],
+            products: &mut products,
+            grads: &mut grads,
+        };
+        out.members(members, 0, layers, own);
         let um = MatRef::new(u, b, s);
         // dX = U·Lcatᵀ,  dLcat = Xᵀ·U (as on the merged path).
         input_side(pair, x, b, um, MatRef::new(lcat, n, s), Some(dx), dlcat);
-        // db_i += Σ_rows dY_i.
-        for (i, l) in layers.iter_mut().enumerate() {
-            let (m0, m1) = (self.mcol[i], self.mcol[i + 1]);
-            accumulate_bias_grad(&dy[b * m0..b * m1], &mut l.bias.grad);
-        }
         // Every layer takes its dL out of dLcat, peels its chains and accumulates its cores'
         // gradients, halves of the layers as rayon tasks.
         let own = Own {
@@ -287,6 +287,91 @@ impl SharedInput {
             grads: &mut grads,
         };
         peel_members(&self.members, &self.rcol, (dlcat, s), layers, own);
+    }
+}
+
+/// `y` (B × Σ M_i, the layers' outputs one after the other) cut into each layer's B × M_i
+/// (`mcol`: prefix sums of M_i); the slots past the layers are empty.
+fn per_member<'a>(y: &'a mut [f32], b: usize, mcol: &[usize]) -> [&'a mut [f32]; MAX_MEMBERS] {
+    let mut parts: [&mut [f32]; MAX_MEMBERS] = Default::default();
+    let mut rest = y;
+    for (i, w) in mcol.windows(2).enumerate() {
+        let (part, tail) = rest.split_at_mut(b * (w[1] - w[0]));
+        parts[i] = part;
+        rest = tail;
+    }
+    parts
+}
+
+/// The backward's output side of a [`SharedInput`], run by every layer on its own: its
+/// [dR_i ; U_i] pair (two tasks at small batches, as on the merged path) and its bias's
+/// gradient.
+struct OutputSide<'a> {
+    t1: (&'a [f32], usize), // T1 (B × S) and S
+    dy: &'a [f32],          // [dY_1 | … | dY_n], B × M_i each
+    /// U (B × S): layer i alone writes its columns `rcol[i]..rcol[i + 1]`.
+    u: DisjointMut<'a>,
+    rcol: &'a [usize],
+    mcol: &'a [usize],
+    pair: bool,
+}
+
+impl OutputSide<'_> {
+    /// For `members` (layers `first..`), halves of them as rayon tasks.
+    fn members(
+        &self,
+        members: &[Member],
+        first: usize,
+        layers: &mut [&mut TtLinear],
+        own: Own<'_>,
+    ) {
+        match members {
+            [] => {}
+            [member] => {
+                let mut chains = member.chains.lent(own.products, own.grads);
+                let (_, r, _, dr) = chains.seed_grads();
+                self.member(first, r, dr, &mut layers[0].bias.grad);
+            }
+            _ => {
+                let mid = members.len() / 2;
+                let (a, b) = own.split(members, mid);
+                let (la, lb) = layers.split_at_mut(mid);
+                rayon::join(
+                    || self.members(&members[..mid], first, la, a),
+                    || self.members(&members[mid..], first + mid, lb, b),
+                );
+            }
+        }
+    }
+
+    /// Layer `i`'s dR_i = T1_iᵀ·dY_i (into `dr`, its chain's seed), U_i = dY_i·R_iᵀ (`r`: its
+    /// R) and db_i += Σ_rows dY_i.
+    fn member(&self, i: usize, r: &[f32], dr: &mut [f32], db: &mut [f32]) {
+        let ((t1, s), u) = (self.t1, &self.u);
+        let b = t1.len() / s;
+        let (r0, rp) = (self.rcol[i], self.rcol[i + 1] - self.rcol[i]);
+        let (m0, m) = (self.mcol[i], self.mcol[i + 1] - self.mcol[i]);
+        let dyi = &self.dy[b * m0..b * (m0 + m)];
+        let (dyi_m, r) = (MatRef::new(dyi, b, m), MatRef::new(r, rp, m));
+        let t1i = MatRef::strided(&t1[r0..], b, rp, s, 1);
+        let mut grad_r = move || {
+            let dr = MatMut::new(dr, rp, m);
+            if self.pair {
+                matmul_serial(dr, t1i.t(), dyi_m, false);
+            } else {
+                matmul(dr, t1i.t(), dyi_m, false);
+            }
+        };
+        // SAFETY: layer i alone writes U's columns r0..r0 + rp (its U_i), and nothing reads
+        // U until every layer's task is done.
+        let grad_u = || unsafe { u.matmul_serial_into(r0, (b, rp, s, 1), dyi_m, r.t(), false) };
+        if self.pair {
+            rayon::join(grad_r, grad_u);
+        } else {
+            grad_r();
+            grad_u();
+        }
+        accumulate_bias_grad(dyi, db);
     }
 }
 
@@ -440,15 +525,8 @@ impl Member {
         &products[self.products.start + self.chains.left_len() - 1]
     }
 
-    /// Its chains in the lent `products` and `grads` (every layer's; `grads` empty in a
-    /// forward, which has no gradients).
-    fn chains<'a>(
-        &'a self,
-        products: &'a mut [Scratch],
-        grads: &'a mut [Scratch],
-    ) -> LentChains<'a> {
-        let grads = grads.get_mut(self.grads.clone()).unwrap_or(&mut []);
-        self.chains
-            .lent(&mut products[self.products.clone()], grads)
+    /// Its R (r_p × M) in the lent `products`, once built.
+    fn r<'a>(&self, products: &'a [Scratch]) -> &'a [f32] {
+        &products[self.products.start + self.chains.left_len()]
     }
 }
