@@ -12,8 +12,8 @@
 //! Everything a layer does on its own runs with the other layers' side by side (halves of the
 //! layers as rayon tasks, each layer on its own buffers): gating and chain builds, the
 //! forward's Y_i + b_i, the backward's (dR_i, U_i, db_i) and the peels. A forward is then
-//! three parallel sections (the layers' chains with Lcat, T1, the outputs), a backward four
-//! (chains with Lcat, the output sides, dX ∥ dLcat, the peels), whatever the layer count. At
+//! four parallel sections (the layers' chains, Lcat, T1, the outputs), a backward five (chains,
+//! Lcat, the output sides, dX ∥ dLcat, the peels), whatever the layer count. At
 //! small batches (see `merged::paired`) the products run single-threaded, as two tasks where
 //! they pair up: (dR_i ∥ U_i) and (dX ∥ dL).
 //!
