@@ -43,14 +43,15 @@ use comera_tensor::{matmul, matmul_row_pieces, matmul_serial, MatMut, MatRef, Tt
 /// 1.2× faster forward+backward; at 1024 tokens and above the threaded products are as fast).
 pub(crate) const PAIR_MAX_MACS: usize = 1 << 24;
 
-/// Rows of a piece of the forward's output product Y = T1⁺·R⁺ at small batches: its inner
+/// Rows of a piece of the products at small batches (`paired`) that are cut by rows. The
+/// forward's output product Y = T1⁺·R⁺ first: its inner
 /// length is only r_p + 1, and the threaded backend split its 128 rows poorly. Measured on 2
 /// Zen 4 cores (products alone, 2 threads, best of 7 × 200 calls): 128 × 31 · 31 × 768 44 µs
 /// threaded, 35 µs in 64- or 32-row pieces; 128 × 31 · 31 × 3,072 129-150 µs threaded, 141-145
 /// µs in pieces. The X·L product (inner length N) scaled well threaded too (1.85×), but runs in
-/// the same pieces beside the right chain (`Merged::forward_paired`), where the task done first
-/// takes over the other's pieces.
-const FORWARD_PIECE_ROWS: usize = 32;
+/// the same pieces beside the right chain (`Merged::forward_paired`), and so does the
+/// backward's dX = U1·Lᵀ, where the task done first takes over the other's pieces.
+const PIECE_ROWS: usize = 32;
 
 /// Largest r_p at which the paired dL is split between both tasks (see the module doc): the
 /// narrow kernels' width. Measured inside the step (`comera --threads 2 bench step --batch 1`,
@@ -207,7 +208,7 @@ impl Merged {
     /// The forward at small batches (`paired`): the two sides of the layer side by side,
     ///   (gate the input cores, left chain, T1 = X·L)  ∥  (gate the output cores, right chain,
     ///   R⁺ = [R ; bᵀ]),
-    /// then Y = T1⁺·R⁺; T1 and Y in row pieces of [`FORWARD_PIECE_ROWS`] (single-threaded,
+    /// then Y = T1⁺·R⁺; T1 and Y in row pieces of [`PIECE_ROWS`] (single-threaded,
     /// fixed by the shapes), which a task that is done takes over from the other.
     fn forward_paired(
         &mut self,
@@ -241,7 +242,7 @@ impl Merged {
                     MatRef::new(x, batch, n),
                     MatRef::new(left.l(), n, rp),
                     false,
-                    FORWARD_PIECE_ROWS,
+                    PIECE_ROWS,
                 );
             },
             || {
@@ -262,17 +263,28 @@ impl Merged {
     /// The backward at small batches (`paired`): every product single-threaded, in two rounds
     /// of two tasks, each side of the layer (its cores' gating, chain, peel and gradients)
     /// beside the products that need it:
-    ///   round 1: (gate output cores, right chain, U1 = dY·Rᵀ)  ∥  (gate input cores, left
-    ///            chain),                               [dR ; dbᵀ] = T1⁺ᵀ·dY on either;
-    ///   round 2: (peel right, output cores' gradients)  ∥  (dL = Xᵀ·U1, peel left, input
-    ///            cores' gradients),                   dX = U1·Lᵀ on either;
+    ///   round 1: (gate input cores, left chain)  ∥  (gate output cores, right chain,
+    ///            U1 = dY·Rᵀ),                              [dR ; dbᵀ] = T1⁺ᵀ·dY on either;
+    ///   round 2: (dL = Xᵀ·U1, peel left, input cores' gradients)  ∥  (peel right, output
+    ///            cores' gradients),                        dX = U1·Lᵀ on either;
     /// so that a call forks twice around work of similar size, instead of once for each of its
     /// steps. The products that need no chain (dR, dX) go to the task with fewer multiply-adds
     /// (by the shapes: a 768 → 3,072 layer's right chain is four times its left one, a
-    /// 3,072 → 768 layer's the other way round), and the chains' products and peels still cut
-    /// into row pieces, which a task that is done takes over from the other. Every product is
-    /// the one of the other schedules, on one thread, so the bits do not depend on the thread
-    /// count.
+    /// 3,072 → 768 layer's the other way round); the chains' products, their peels and dX cut
+    /// into row pieces, which a task that is done takes over from the other.
+    ///
+    /// The input side goes first, on the calling thread, because it is the longer one (dL reads
+    /// the layer input X, cold by now): the thread that calls a join runs its first task and,
+    /// if the second is not done by then, waits for it in rayon, which after a few dozen
+    /// `sched_yield`s puts it to sleep, to be woken some 20-50 µs after the other task ends;
+    /// the pool's other workers wait in their pollers instead, spinning (`comera-optim`'s
+    /// `awake`). Measured inside the step (`comera --threads 2 bench step --batch 1`, a timer
+    /// on each task, not committed), output side first: the 3,072 → 768 layer's second round
+    /// took 509 µs against 350 and 464 µs for its two tasks, the 768 → 3,072 layer's 278
+    /// against 162 and 224.
+    ///
+    /// Every product is computed by one call on one thread in pieces fixed by the shapes, so
+    /// the bits do not depend on the thread count.
     #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
     fn backward_paired(
         &mut self,
@@ -287,8 +299,8 @@ impl Merged {
         let p = layer.shape.p();
         let (n, m, rp) = super::sizes(&layer.shape);
         let (left_macs, right_macs) = self.chains.layout().build_macs(&layer.shape);
-        let dr_on_right = right_macs + batch * rp * m <= left_macs;
-        let dx_on_right = 2 * right_macs <= n * batch * rp + 2 * left_macs;
+        let dr_on_left = left_macs <= right_macs + batch * rp * m;
+        let dx_on_left = n * batch * rp + 2 * left_macs <= 2 * right_macs;
         let mut lent = self.chains.lend(true);
         let mut chains = lent.lent();
         let (left, right) = chains.sides();
@@ -305,33 +317,44 @@ impl Merged {
         let grad_r = |dr1: &mut [f32]| {
             matmul_serial(MatMut::new(dr1, rp + 1, m), t1.t(), dy, false);
         };
-        let (dr_a, dr_b) = on_one(dr_on_right, &mut **dr1);
+        let (dr_left, dr_right) = on_one(dr_on_left, &mut **dr1);
         let (layer_ref, shape) = (&*layer, &layer.shape);
-        let (right, left) = rayon::join(
+        let (left, right) = rayon::join(
+            || {
+                layer_ref.gate_side(0, h_in);
+                let left = left.build(shape, h_in);
+                dr_left.map(grad_r);
+                left
+            },
             || {
                 layer_ref.gate_side(p, h_out);
                 let right = right.build(shape, h_out);
                 let r = MatRef::new(right.r(), rp, m);
                 matmul_serial(MatMut::new(u1, batch, rp), dy, r.t(), false);
-                dr_a.map(grad_r);
+                dr_right.map(grad_r);
                 right
-            },
-            || {
-                layer_ref.gate_side(0, h_in);
-                let left = left.build(shape, h_in);
-                dr_b.map(grad_r);
-                left
             },
         );
         let (u1, dr1, h_in, h_out) = (MatRef::new(u1, batch, rp), &*dr1, &*h_in, &*h_out);
         let l = MatRef::new(left.l(), n, rp);
-        let grad_x = |dx: &mut [f32]| matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false);
-        let (dx_a, dx_b) = on_one(dx_on_right, dx);
+        let grad_x = |dx: &mut [f32]| {
+            let dx = MatMut::new(dx, batch, n);
+            matmul_row_pieces(dx, u1, l.t(), false, PIECE_ROWS);
+        };
+        let (dx_left, dx_right) = on_one(dx_on_left, dx);
         let shape = &layer.shape;
         let (mut grads_in, mut grads_out) =
             CoreGrads::sides(layer.rule, p, &mut layer.cores, &mut layer.gates);
         let db = &mut layer.bias.grad;
         rayon::join(
+            || {
+                let mut left = left;
+                let xt = MatRef::new(x, batch, n).t();
+                matmul_serial(MatMut::new(left.dl(), n, rp), xt, u1, false);
+                left.peel(shape, h_in, dh_in);
+                grads_in.accumulate(dh_in);
+                dx_left.flatten().map(grad_x);
+            },
             || {
                 let mut right = right;
                 right.dr().copy_from_slice(&dr1[..rp * m]);
@@ -340,15 +363,7 @@ impl Merged {
                 }
                 right.peel(shape, h_out, dh_out);
                 grads_out.accumulate(dh_out);
-                dx_a.flatten().map(grad_x);
-            },
-            || {
-                let mut left = left;
-                let xt = MatRef::new(x, batch, n).t();
-                matmul_serial(MatMut::new(left.dl(), n, rp), xt, u1, false);
-                left.peel(shape, h_in, dh_in);
-                grads_in.accumulate(dh_in);
-                dx_b.flatten().map(grad_x);
+                dx_right.flatten().map(grad_x);
             },
         );
     }
@@ -364,10 +379,10 @@ fn on_one<T>(first: bool, v: T) -> (Option<T>, Option<T>) {
 }
 
 /// The forward's output product Y = T1⁺·R⁺ (B × M, inner length r_p + 1): in row pieces of
-/// [`FORWARD_PIECE_ROWS`] when `pair` (see `paired`), else threaded.
+/// [`PIECE_ROWS`] when `pair` (see `paired`), else threaded.
 pub(crate) fn forward_out(pair: bool, y: MatMut<'_>, t1: MatRef<'_>, r1: MatRef<'_>) {
     if pair {
-        matmul_row_pieces(y, t1, r1, false, FORWARD_PIECE_ROWS);
+        matmul_row_pieces(y, t1, r1, false, PIECE_ROWS);
     } else {
         matmul(y, t1, r1, false);
     }
@@ -427,9 +442,11 @@ pub(crate) fn input_side(
             );
         }
         Some(dx) if pair => {
+            // dL first, on the calling thread: it is the longer (X is cold), and the caller
+            // waiting in a join sleeps (see `Merged::backward_paired`).
             rayon::join(
-                || matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false),
                 || matmul_serial(MatMut::new(dl, n, rp), xm.t(), u1, false),
+                || matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false),
             );
         }
         Some(dx) => {
