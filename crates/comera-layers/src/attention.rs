@@ -128,7 +128,7 @@ fn run_groups(
     let (p1, p2) = probs.split_at_mut((mid - units.start) * pu);
     let (s1, s2) = stats.split_at_mut((mid - units.start) * su);
     let (c1, c2) = scratch.split_at_mut(left * cu);
-    rayon::join(
+    comera_tensor::join(
         || run_groups(units.start..mid, left, p1, pu, s1, su, c1, cu, f),
         || run_groups(mid..units.end, parts - left, p2, pu, s2, su, c2, cu, f),
     );

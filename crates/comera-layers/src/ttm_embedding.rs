@@ -878,7 +878,7 @@ impl EmbeddingLayer for TtmEmbedding {
             &mut rrec[..o.right_ids.len() * l.rper],
         );
         // Every distinct half once, each on one thread (they write their own records).
-        rayon::join(
+        comera_tensor::join(
             || {
                 (lrec.par_chunks_exact_mut(l.lper).zip(&o.left_ids))
                     .for_each(|(rec, &id)| l.left_chain(h, id as usize, rec))
@@ -966,7 +966,7 @@ impl EmbeddingLayer for TtmEmbedding {
             let rp = |rsl: usize| MatRef::new(l.rp(&rrec[rsl * l.rper..][..l.rper]), rs, er);
             let (lseg, rseg, rorder) = (&o.lseg, &o.rseg, &o.rorder);
             let (dlp, drp) = (&mut o.dlp[..nl * el * rs], &mut o.drp[..nr * rs * er]);
-            rayon::join(
+            comera_tensor::join(
                 || {
                     dlp.par_chunks_exact_mut(el * rs)
                         .enumerate()
@@ -999,7 +999,7 @@ impl EmbeddingLayer for TtmEmbedding {
             let (dh_left, dh_right) = ws.dh.split_at_mut(s);
             let [d_left, d_right] = &mut ws.d;
             let h = &ws.h;
-            rayon::join(
+            comera_tensor::join(
                 || {
                     for (slot, &id) in o.left_ids.iter().enumerate() {
                         d_left[0][..el * rs].copy_from_slice(&dlp[slot * el * rs..][..el * rs]);

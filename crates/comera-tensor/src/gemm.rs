@@ -184,7 +184,7 @@ pub fn matmul_row_pieces(
     let at = c.rows.div_ceil(per) / 2 * per;
     let (c0, c1) = c.split_rows(at);
     let (a0, a1) = (a.row_range(0, at), a.row_range(at, a.rows));
-    rayon::join(
+    crate::join(
         || matmul_row_pieces(c0, a0, b, accumulate, per),
         || matmul_row_pieces(c1, a1, b, accumulate, per),
     );
@@ -498,7 +498,7 @@ fn split_matmul(
         let at = m * left / parts;
         let (d1, d2) = dst.split_at_row_mut(at);
         let (l1, l2) = lhs.split_at_row(at);
-        rayon::join(
+        crate::join(
             || split_matmul(d1, l1, rhs, accum, left),
             || split_matmul(d2, l2, rhs, accum, parts - left),
         );
@@ -506,7 +506,7 @@ fn split_matmul(
         let at = n * left / parts;
         let (d1, d2) = dst.split_at_col_mut(at);
         let (r1, r2) = rhs.split_at_col(at);
-        rayon::join(
+        crate::join(
             || split_matmul(d1, lhs, r1, accum, left),
             || split_matmul(d2, lhs, r2, accum, parts - left),
         );

@@ -12,7 +12,8 @@
 //!   (behind [`gemm::matmul_serial_streamed`]);
 //! - [`permute`]: axis permutations of dense tensors (strided copies);
 //! - [`simd`]: the run-time instruction-set choice of element-wise kernels ([`multiversion!`]);
-//! - [`init`]: seeded, reproducible random initialisation.
+//! - [`init`]: seeded, reproducible random initialisation;
+//! - [`join()`]: `rayon::join` whose caller spins rather than sleeps while it waits.
 //!
 //! A dense 16 × 16 weight that is a TT matrix of rank 3 over in modes `[4, 4]` and out modes
 //! `[4, 4]` comes back from TT-SVD with those ranks and reconstructs to rounding:
@@ -49,6 +50,7 @@
 pub mod factor;
 pub mod gemm;
 pub mod init;
+mod join;
 pub mod layout;
 pub mod math;
 mod narrow;
@@ -61,4 +63,5 @@ mod wide;
 pub use gemm::{
     matmul, matmul_row_pieces, matmul_serial, matmul_serial_streamed, DisjointMut, MatMut, MatRef,
 };
+pub use join::join;
 pub use layout::{ShapeError, TtShape, TtmShape};

@@ -115,7 +115,7 @@ fn split(s: OuterSum, a: usize, b: usize, parts: usize) {
     }
     let left = parts / 2;
     let at = a + (b - a) * left / parts;
-    rayon::join(|| split(s, a, at, left), || split(s, at, b, parts - left));
+    crate::join(|| split(s, a, at, left), || split(s, at, b, parts - left));
 }
 
 thread_local! {

@@ -51,7 +51,7 @@ fn product(c: &mut [f32], a: MatRef<'_>, b: MatRef<'_>) {
 /// one piece (a peel's dH_c and the next gradient).
 fn both(macs: usize, first: impl FnOnce() + Send, second: impl FnOnce() + Send) {
     if macs > PIECE_MACS {
-        rayon::join(first, second);
+        comera_tensor::join(first, second);
     } else {
         first();
         second();
@@ -268,7 +268,7 @@ impl LentChains<'_> {
     pub fn build(&mut self, shape: &TtShape, h: &[Scratch]) {
         let (pre, left, right) = (self.pre, &mut *self.left, &mut *self.right);
         let (h_in, h_out) = h.split_at(shape.p());
-        rayon::join(
+        comera_tensor::join(
             || build_left(shape, h_in, pre, left),
             || build_right(shape, h_out, right),
         );
@@ -281,7 +281,7 @@ impl LentChains<'_> {
         let (pre, left, right) = (self.pre, &*self.left, &*self.right);
         let (dl, dr) = (&mut *self.dl, &mut *self.dr);
         let (h_in, h_out) = h.split_at(shape.p());
-        rayon::join(
+        comera_tensor::join(
             || peel_left(shape, h_in, pre, left, dl, dh_in),
             || peel_right(shape, h_out, right, dr, dh_out),
         );

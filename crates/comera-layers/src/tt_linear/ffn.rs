@@ -449,7 +449,7 @@ impl FusedFfn {
                 l.accumulate_core_grads(dh);
             };
         let ([h0, h1], [d0, d1]) = (&h, &mut dh);
-        rayon::join(|| peel(up, cu, h0, d0), || peel(down, cd, h1, d1));
+        comera_tensor::join(|| peel(up, cu, h0, d0), || peel(down, cd, h1, d1));
         accumulate_bias_grad(dy, &mut down.bias.grad);
     }
 }
@@ -463,5 +463,5 @@ fn build_both(layers: [&TtLinear; 2], h: &mut [Lent<'_>; 2], chains: &mut [LentC
         chains.build(&l.shape, h);
     };
     let ([h0, h1], [c0, c1]) = (h, chains);
-    rayon::join(|| build(layers[0], h0, c0), || build(layers[1], h1, c1));
+    comera_tensor::join(|| build(layers[0], h0, c0), || build(layers[1], h1, c1));
 }

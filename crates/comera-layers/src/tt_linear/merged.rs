@@ -232,7 +232,7 @@ impl Merged {
         let r1 = &mut r1[0];
         let (h_in, h_out) = h.split_at_mut(p);
         let t1 = &mut self.t1;
-        rayon::join(
+        comera_tensor::join(
             || {
                 layer.gate_side(0, h_in);
                 let left = left.build(shape, h_in);
@@ -319,7 +319,7 @@ impl Merged {
         };
         let (dr_left, dr_right) = on_one(dr_on_left, &mut **dr1);
         let (layer_ref, shape) = (&*layer, &layer.shape);
-        let (left, right) = rayon::join(
+        let (left, right) = comera_tensor::join(
             || {
                 layer_ref.gate_side(0, h_in);
                 let left = left.build(shape, h_in);
@@ -346,7 +346,7 @@ impl Merged {
         let (mut grads_in, mut grads_out) =
             CoreGrads::sides(layer.rule, p, &mut layer.cores, &mut layer.gates);
         let db = &mut layer.bias.grad;
-        rayon::join(
+        comera_tensor::join(
             || {
                 let mut left = left;
                 let xt = MatRef::new(x, batch, n).t();
@@ -402,7 +402,7 @@ pub(crate) fn output_side(
     let (rp, m, batch) = (r.rows(), r.cols(), dy.rows());
     let t = t1.cols();
     if pair {
-        rayon::join(
+        comera_tensor::join(
             || matmul_serial(MatMut::new(dr, t, m), t1.t(), dy, false),
             || matmul_serial(MatMut::new(u1, batch, rp), dy, r.t(), false),
         );
@@ -433,7 +433,7 @@ pub(crate) fn input_side(
             let (dl_first, dl_rest) = dl.split_at_mut(at * rp);
             // Rows [a, b) of Xᵀ (N × B): columns a..b of X (B × N).
             let xt_rows = |a: usize, b: usize| MatRef::strided(&x[a..], b - a, batch, 1, n);
-            rayon::join(
+            comera_tensor::join(
                 || {
                     matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false);
                     matmul_serial(MatMut::new(dl_first, at, rp), xt_rows(0, at), u1, false);
@@ -444,7 +444,7 @@ pub(crate) fn input_side(
         Some(dx) if pair => {
             // dL first, on the calling thread: it is the longer (X is cold), and the caller
             // waiting in a join sleeps (see `Merged::backward_paired`).
-            rayon::join(
+            comera_tensor::join(
                 || matmul_serial(MatMut::new(dl, n, rp), xm.t(), u1, false),
                 || matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false),
             );

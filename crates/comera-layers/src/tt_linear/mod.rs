@@ -246,7 +246,7 @@ impl TtLinear {
     fn gate_cores(&self, h: &mut [Scratch]) {
         let p = self.shape.p();
         let (h_in, h_out) = h.split_at_mut(p);
-        rayon::join(|| self.gate_side(0, h_in), || self.gate_side(p, h_out));
+        comera_tensor::join(|| self.gate_side(0, h_in), || self.gate_side(p, h_out));
     }
 
     /// H_c for the cores `first..first + h.len()` into `h` (the last core has no gate: H = G).
@@ -266,7 +266,7 @@ impl TtLinear {
         let (dh_in, dh_out) = dh.split_at(self.shape.p());
         let (mut input, mut output) =
             CoreGrads::sides(self.rule, self.shape.p(), &mut self.cores, &mut self.gates);
-        rayon::join(|| input.accumulate(dh_in), || output.accumulate(dh_out));
+        comera_tensor::join(|| input.accumulate(dh_in), || output.accumulate(dh_out));
     }
 }
 

@@ -336,7 +336,7 @@ impl OutputSide<'_> {
                 let mid = members.len() / 2;
                 let (a, b) = own.split(members, mid);
                 let (la, lb) = layers.split_at_mut(mid);
-                rayon::join(
+                comera_tensor::join(
                     || self.members(&members[..mid], first, la, a),
                     || self.members(&members[mid..], first + mid, lb, b),
                 );
@@ -366,7 +366,7 @@ impl OutputSide<'_> {
         // U until every layer's task is done.
         let grad_u = || unsafe { u.matmul_serial_into(r0, (b, rp, s, 1), dyi_m, r.t(), false) };
         if self.pair {
-            rayon::join(grad_r, grad_u);
+            comera_tensor::join(grad_r, grad_u);
         } else {
             grad_r();
             grad_u();
@@ -466,7 +466,7 @@ fn build_members(members: &[Member], layers: &[&TtLinear], own: Own<'_>) {
         _ => {
             let mid = members.len() / 2;
             let (a, b) = own.split(members, mid);
-            rayon::join(
+            comera_tensor::join(
                 || build_members(&members[..mid], &layers[..mid], a),
                 || build_members(&members[mid..], &layers[mid..], b),
             );
@@ -501,7 +501,7 @@ fn peel_members(
             let mid = members.len() / 2;
             let (a, b) = own.split(members, mid);
             let (la, lb) = layers.split_at_mut(mid);
-            rayon::join(
+            comera_tensor::join(
                 || peel_members(&members[..mid], &rcol[..=mid], dlcat, la, a),
                 || peel_members(&members[mid..], &rcol[mid..], dlcat, lb, b),
             );

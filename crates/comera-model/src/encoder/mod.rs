@@ -687,7 +687,7 @@ fn visit_blocks_par(
             let mut in_a = 0;
             a.iter_mut()
                 .for_each(|blk| blk.visit_params_mut(&mut |_| in_a += 1));
-            let (na, nb) = rayon::join(
+            let (na, nb) = comera_tensor::join(
                 || visit_blocks_par(a, first, f),
                 || visit_blocks_par(b, first + in_a, f),
             );
