@@ -274,14 +274,13 @@ impl Merged {
     /// into row pieces, which a task that is done takes over from the other.
     ///
     /// The input side goes first, on the calling thread, because it is the longer one (dL reads
-    /// the layer input X, cold by now): the thread that calls a join runs its first task and,
-    /// if the second is not done by then, waits for it in rayon, which after a few dozen
-    /// `sched_yield`s puts it to sleep, to be woken some 20-50 µs after the other task ends;
-    /// the pool's other workers wait in their pollers instead, spinning (`comera-optim`'s
-    /// `awake`). Measured inside the step (`comera --threads 2 bench step --batch 1`, a timer
-    /// on each task, not committed), output side first: the 3,072 → 768 layer's second round
-    /// took 509 µs against 350 and 464 µs for its two tasks, the 768 → 3,072 layer's 278
-    /// against 162 and 224.
+    /// the layer input X, cold by now), so that the one left waiting is the pool's other
+    /// worker, in its poller, rather than the caller: in `rayon::join` a waiting caller went
+    /// to sleep after a few dozen `sched_yield`s and was woken some 20-50 µs after the other
+    /// task ended (`comera_tensor::join`, used here, spins instead). Measured inside the step
+    /// (`comera --threads 2 bench step --batch 1`, a timer on each task, not committed), output
+    /// side first, with `rayon::join`: the 3,072 → 768 layer's second round took 509 µs against
+    /// 350 and 464 µs for its two tasks, the 768 → 3,072 layer's 278 against 162 and 224.
     ///
     /// Every product is computed by one call on one thread in pieces fixed by the shapes, so
     /// the bits do not depend on the thread count.
@@ -442,8 +441,8 @@ pub(crate) fn input_side(
             );
         }
         Some(dx) if pair => {
-            // dL first, on the calling thread: it is the longer (X is cold), and the caller
-            // waiting in a join sleeps (see `Merged::backward_paired`).
+            // dL first, on the calling thread: it is the longer (X is cold), and the other
+            // worker is the better one to wait (see `Merged::backward_paired`).
             comera_tensor::join(
                 || matmul_serial(MatMut::new(dl, n, rp), xm.t(), u1, false),
                 || matmul_serial(MatMut::new(dx, batch, n), u1, l.t(), false),
