@@ -108,6 +108,44 @@ pub struct TtmEmbedding {
     dead: bool,
 }
 
+/// A run of a TTM layer's cores, `first..first + cores.len()`, with the gates on the bonds
+/// after them (none after the last core), whose gradients one task accumulates from their dH.
+struct TtmCoreGrads<'a> {
+    shape: &'a TtmShape,
+    rule: RankGates,
+    first: usize,
+    cores: &'a mut [Param],
+    gates: &'a mut [Param],
+}
+
+impl TtmCoreGrads<'_> {
+    /// dG_k += dH_k·diag(g), dd += Σ dH_k·G_k for these cores, from `dh` (their dH in slab
+    /// layout, (v_k, r_k, e_k, r_{k+1})); `tmp`: a core's worth of scratch.
+    fn accumulate(&mut self, dh: &[Vec<f32>], tmp: &mut [f32]) {
+        for (i, (core, dh)) in self.cores.iter_mut().zip(dh).enumerate() {
+            let k = self.first + i;
+            let s = self.shape.core_shape(k);
+            let dk = &mut tmp[..self.shape.core_len(k)];
+            permute(dh, &[s[1], s[0], s[2], s[3]], &[1, 0, 2, 3], dk);
+            match self.gates.get_mut(i) {
+                Some(gate) => self.rule.accumulate_gated_grads(
+                    &core.value,
+                    &mut core.grad,
+                    &gate.value,
+                    &mut gate.grad,
+                    dk,
+                ),
+                // The last core has no gate: dG = dH.
+                None => core
+                    .grad
+                    .iter_mut()
+                    .zip(dk.iter())
+                    .for_each(|(g, d)| *g += d),
+            }
+        }
+    }
+}
+
 impl TtmEmbedding {
     /// Cores ~ N(0,1)·sqrt(std^(2/p) / r_{k+1}), so rows have entries of variance std²
     /// (std = 1 matches a freshly initialised dense table); gates at 1.
@@ -224,45 +262,64 @@ impl TtmEmbedding {
         TtmWorkspace::new(&self.shape, tokens, lookup)
     }
 
-    /// Gated cores in slab layout (v_k, r_k, e_k, r_{k+1}). Gating acts on the last axis only,
-    /// so it commutes with the permutation.
+    /// Gated cores in slab layout (v_k, r_k, e_k, r_{k+1}), the first and the second half of
+    /// the cores side by side. Gating acts on the last axis only, so it commutes with the
+    /// permutation.
     fn gate_cores(&self, ws: &mut TtmWorkspace) {
+        let mid = self.shape.n_cores() / 2;
+        let (h0, h1) = ws.h.split_at_mut(mid);
+        let [t0, t1] = &mut ws.scratch_cores;
+        comera_tensor::join(|| self.gate_side(0, h0, t0), || self.gate_side(mid, h1, t1));
+    }
+
+    /// The gated cores `first..first + h.len()` into `h` (`tmp`: a core's worth of scratch).
+    fn gate_side(&self, first: usize, h: &mut [Vec<f32>], tmp: &mut [f32]) {
         let p = self.shape.n_cores();
-        for k in 0..p {
+        for (k, h) in (first..).zip(h.iter_mut()) {
             let dims = self.shape.core_shape(k);
             if k + 1 == p {
-                permute(&self.cores[k].value, &dims, &[1, 0, 2, 3], &mut ws.h[k]);
+                permute(&self.cores[k].value, &dims, &[1, 0, 2, 3], h);
             } else {
-                let tmp = &mut ws.scratch_core[..self.shape.core_len(k)];
+                let tmp = &mut tmp[..self.shape.core_len(k)];
                 permute(&self.cores[k].value, &dims, &[1, 0, 2, 3], tmp);
-                self.rule.gate_core(tmp, &self.gates[k].value, &mut ws.h[k]);
+                self.rule.gate_core(tmp, &self.gates[k].value, h);
             }
         }
     }
 
-    /// Core and gate gradients from dH (slab layout).
+    /// Core and gate gradients from dH (slab layout), the first and the second half of the
+    /// cores side by side.
     fn accumulate_core_grads(&mut self, ws: &mut TtmWorkspace) {
-        let p = self.shape.n_cores();
-        for k in 0..p {
-            let s = self.shape.core_shape(k);
-            let dk = &mut ws.scratch_core[..self.shape.core_len(k)];
-            permute(&ws.dh[k], &[s[1], s[0], s[2], s[3]], &[1, 0, 2, 3], dk);
-            let core = &mut self.cores[k];
-            if k + 1 == p {
-                for (g, d) in core.grad.iter_mut().zip(dk.iter()) {
-                    *g += d;
-                }
-            } else {
-                let gate = &mut self.gates[k];
-                self.rule.accumulate_gated_grads(
-                    &core.value,
-                    &mut core.grad,
-                    &gate.value,
-                    &mut gate.grad,
-                    dk,
-                );
-            }
-        }
+        let mid = self.shape.n_cores() / 2;
+        let (dh0, dh1) = ws.dh.split_at(mid);
+        let [t0, t1] = &mut ws.scratch_cores;
+        let (mut a, mut b) = self.core_sides(mid);
+        comera_tensor::join(|| a.accumulate(dh0, t0), || b.accumulate(dh1, t1));
+    }
+
+    /// The cores (and their gates) before core `at` and from it on, for two tasks that
+    /// accumulate their gradients apart ([`TtmCoreGrads::accumulate`]).
+    fn core_sides(&mut self, at: usize) -> (TtmCoreGrads<'_>, TtmCoreGrads<'_>) {
+        let (c0, c1) = self.cores.split_at_mut(at);
+        let bonds = self.gates.len();
+        let (g0, g1) = self.gates.split_at_mut(at.min(bonds));
+        let (shape, rule) = (&self.shape, self.rule);
+        (
+            TtmCoreGrads {
+                shape,
+                rule,
+                first: 0,
+                cores: c0,
+                gates: g0,
+            },
+            TtmCoreGrads {
+                shape,
+                rule,
+                first: at,
+                cores: c1,
+                gates: g1,
+            },
+        )
     }
 
     /// The dense table (V × D) the cores represent, for tests and export.
@@ -603,7 +660,8 @@ pub struct TtmWorkspace {
     can_naive: bool,
     h: Vec<Vec<f32>>,
     dh: Vec<Vec<f32>>,
-    scratch_core: Vec<f32>,
+    /// A core's worth of scratch for each of two tasks (gating, gradients; see `core_sides`).
+    scratch_cores: [Vec<f32>; 2],
     /// Gradient ping-pong scratch of the chain backward, one pair per half (left, right).
     d: [[Vec<f32>; 2]; 2],
     /// Chain records, saved for the backward: naive: tokens × lper (split = p); optimised:
@@ -691,7 +749,7 @@ impl TtmWorkspace {
             can_naive,
             dh: h.clone(),
             h,
-            scratch_core: vec![0.0; maxcore],
+            scratch_cores: [vec![0.0; maxcore], vec![0.0; maxcore]],
             d: std::array::from_fn(|_| [vec![0.0; dmax], vec![0.0; dmax]]),
             rec: vec![0.0; naive_rec.max(opt_rec)],
             opt,
@@ -725,7 +783,7 @@ impl TtmWorkspace {
         let v = |b: &[Vec<f32>]| b.iter().map(Vec::capacity).sum::<usize>();
         let mut f = v(&self.h)
             + v(&self.dh)
-            + self.scratch_core.capacity()
+            + v(&self.scratch_cores)
             + self.d.iter().map(|d| v(d)).sum::<usize>()
             + self.rec.capacity();
         let mut pairs = 0;
@@ -937,6 +995,7 @@ impl EmbeddingLayer for TtmEmbedding {
                 ws.d[0][0][..d].copy_from_slice(g);
                 l.left_chain_back(&ws.h, &mut ws.dh, id as usize, rec, &mut ws.d[0]);
             }
+            self.accumulate_core_grads(ws);
         } else {
             let l = &ws.layout;
             let o = ws.opt.as_mut().expect("an optimised workspace");
@@ -995,10 +1054,13 @@ impl EmbeddingLayer for TtmEmbedding {
                 },
             );
             // Through the chains into the slabs: the left halves touch cores 0..s and the right
-            // halves cores s..p, so the two sides run side by side (each in slot order).
+            // halves cores s..p, so the two sides run side by side (each in slot order), and
+            // each then takes its own cores' gradients from their dH.
             let (dh_left, dh_right) = ws.dh.split_at_mut(s);
             let [d_left, d_right] = &mut ws.d;
+            let [t_left, t_right] = &mut ws.scratch_cores;
             let h = &ws.h;
+            let (mut grads_left, mut grads_right) = self.core_sides(s);
             comera_tensor::join(
                 || {
                     for (slot, &id) in o.left_ids.iter().enumerate() {
@@ -1006,6 +1068,7 @@ impl EmbeddingLayer for TtmEmbedding {
                         let rec = &lrec[slot * l.lper..][..l.lper];
                         l.left_chain_back(h, dh_left, id as usize, rec, d_left);
                     }
+                    grads_left.accumulate(dh_left, t_left);
                 },
                 || {
                     if s == l.p {
@@ -1016,10 +1079,10 @@ impl EmbeddingLayer for TtmEmbedding {
                         let rec = &rrec[slot * l.rper..][..l.rper];
                         l.right_chain_back(h, dh_right, id as usize, rec, d_right);
                     }
+                    grads_right.accumulate(dh_right, t_right);
                 },
             );
         }
-        self.accumulate_core_grads(ws);
     }
 
     fn params(&self) -> Vec<&Param> {
