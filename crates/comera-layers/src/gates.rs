@@ -168,6 +168,26 @@ impl RankGates {
         }
     }
 
+    /// A chain core's gradients from dH, the gradient of its gated core: through its gate
+    /// (`accumulate_gated_grads`), or for the last core of a chain, which has none, dG += dH.
+    pub fn accumulate_chain_core(
+        &self,
+        core: &mut crate::Param,
+        gate: Option<&mut crate::Param>,
+        dh: &[f32],
+    ) {
+        match gate {
+            Some(gate) => self.accumulate_gated_grads(
+                &core.value,
+                &mut core.grad,
+                &gate.value,
+                &mut gate.grad,
+                dh,
+            ),
+            None => core.grad.iter_mut().zip(dh).for_each(|(g, d)| *g += d),
+        }
+    }
+
     /// Given dH for H = G·diag(g(d)): `grad[.., j] += dh[.., j]·d_j` and
     /// `gate_grad[j] += Σ dh[.., j]·core[.., j]`, for active entries j only.
     pub fn accumulate_gated_grads(

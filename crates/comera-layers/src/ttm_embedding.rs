@@ -127,21 +127,8 @@ impl TtmCoreGrads<'_> {
             let s = self.shape.core_shape(k);
             let dk = &mut tmp[..self.shape.core_len(k)];
             permute(dh, &[s[1], s[0], s[2], s[3]], &[1, 0, 2, 3], dk);
-            match self.gates.get_mut(i) {
-                Some(gate) => self.rule.accumulate_gated_grads(
-                    &core.value,
-                    &mut core.grad,
-                    &gate.value,
-                    &mut gate.grad,
-                    dk,
-                ),
-                // The last core has no gate: dG = dH.
-                None => core
-                    .grad
-                    .iter_mut()
-                    .zip(dk.iter())
-                    .for_each(|(g, d)| *g += d),
-            }
+            self.rule
+                .accumulate_chain_core(core, self.gates.get_mut(i), dk);
         }
     }
 }

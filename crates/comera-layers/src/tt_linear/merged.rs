@@ -219,12 +219,7 @@ impl Merged {
         y: &mut [f32],
     ) {
         let shape = &layer.shape;
-        let (n, m, rp, p) = (
-            shape.in_features(),
-            shape.out_features(),
-            shape.middle_rank(),
-            shape.p(),
-        );
+        let ((n, m, rp), p) = (super::sizes(shape), shape.p());
         let mut lent = self.chains.lend(false);
         let mut chains = lent.lent();
         let (left, right) = chains.sides();

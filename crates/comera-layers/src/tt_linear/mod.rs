@@ -308,21 +308,8 @@ impl<'a> CoreGrads<'a> {
     /// dG_c += dH_c·diag(g), dd_{c+1} += Σ dH_c·G_c for this side's cores (`dh`: their dH_c).
     pub(crate) fn accumulate(&mut self, dh: &[Scratch]) {
         for (c, (core, dh)) in self.cores.iter_mut().zip(dh).enumerate() {
-            match self.gates.get_mut(c) {
-                Some(gate) => self.rule.accumulate_gated_grads(
-                    &core.value,
-                    &mut core.grad,
-                    &gate.value,
-                    &mut gate.grad,
-                    dh,
-                ),
-                // The last core has no gate: dG = dH.
-                None => core
-                    .grad
-                    .iter_mut()
-                    .zip(dh.iter())
-                    .for_each(|(g, d)| *g += d),
-            }
+            self.rule
+                .accumulate_chain_core(core, self.gates.get_mut(c), dh);
         }
     }
 }
