@@ -197,10 +197,7 @@ impl Merged {
             }
             _ => unreachable!("the buffers leased in `new`"),
         };
-        copy(dr, &dr1[..rp * m]);
-        for (g, v) in layer.bias.grad.iter_mut().zip(&dr1[rp * m..]) {
-            *g += v;
-        }
+        split_dr_db(dr1, dr, &mut layer.bias.grad);
         chains.peel(shape, h, dh);
         layer.accumulate_core_grads(dh);
     }
@@ -351,15 +348,22 @@ impl Merged {
             },
             || {
                 let mut right = right;
-                right.dr().copy_from_slice(&dr1[..rp * m]);
-                for (g, v) in db.iter_mut().zip(&dr1[rp * m..]) {
-                    *g += v;
-                }
+                split_dr_db(dr1, right.dr(), db);
                 right.peel(shape, h_out, dh_out);
                 grads_out.accumulate(dh_out);
                 dx_right.flatten().map(grad_x);
             },
         );
+    }
+}
+
+/// [dR ; dbᵀ] ((r_p + 1) × M, `dr1`) apart: dR into the chain's seed `dr` (r_p × M), and
+/// db += its last row.
+fn split_dr_db(dr1: &[f32], dr: &mut [f32], db: &mut [f32]) {
+    let (dr_rows, db_row) = dr1.split_at(dr.len());
+    copy(dr, dr_rows);
+    for (g, v) in db.iter_mut().zip(db_row) {
+        *g += v;
     }
 }
 

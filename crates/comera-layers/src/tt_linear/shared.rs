@@ -274,7 +274,11 @@ impl SharedInput {
             products: &mut products,
             grads: &mut grads,
         };
-        out.members(members, 0, layers, own);
+        each_member(members, 0, layers, own, &|i, member, l, own| {
+            let mut chains = member.chains.lent(own.products, own.grads);
+            let (_, r, _, dr) = chains.seed_grads();
+            out.member(i, r, dr, &mut l.bias.grad);
+        });
         let um = MatRef::new(u, b, s);
         // dX = U·Lcatᵀ,  dLcat = Xᵀ·U (as on the merged path).
         input_side(pair, x, b, um, MatRef::new(lcat, n, s), Some(dx), dlcat);
@@ -286,7 +290,16 @@ impl SharedInput {
             products: &mut products,
             grads: &mut grads,
         };
-        peel_members(&self.members, &self.rcol, (dlcat, s), layers, own);
+        each_member(members, 0, layers, own, &|i, member, l, own| {
+            let mut chains = member.chains.lent(own.products, own.grads);
+            let (_, _, dl, _) = chains.seed_grads();
+            let (r0, rp) = (rcol[i], rcol[i + 1] - rcol[i]);
+            for (dst, src) in dl.chunks_exact_mut(rp).zip(dlcat.chunks_exact(s)) {
+                dst.copy_from_slice(&src[r0..r0 + rp]);
+            }
+            chains.peel(&l.shape, own.h, own.dh);
+            l.accumulate_core_grads(own.dh);
+        });
     }
 }
 
@@ -317,33 +330,6 @@ struct OutputSide<'a> {
 }
 
 impl OutputSide<'_> {
-    /// For `members` (layers `first..`), halves of them as rayon tasks.
-    fn members(
-        &self,
-        members: &[Member],
-        first: usize,
-        layers: &mut [&mut TtLinear],
-        own: Own<'_>,
-    ) {
-        match members {
-            [] => {}
-            [member] => {
-                let mut chains = member.chains.lent(own.products, own.grads);
-                let (_, r, _, dr) = chains.seed_grads();
-                self.member(first, r, dr, &mut layers[0].bias.grad);
-            }
-            _ => {
-                let mid = members.len() / 2;
-                let (a, b) = own.split(members, mid);
-                let (la, lb) = layers.split_at_mut(mid);
-                comera_tensor::join(
-                    || self.members(&members[..mid], first, la, a),
-                    || self.members(&members[mid..], first + mid, lb, b),
-                );
-            }
-        }
-    }
-
     /// Layer `i`'s dR_i = T1_iᵀ·dY_i (into `dr`, its chain's seed), U_i = dY_i·R_iᵀ (`r`: its
     /// R) and db_i += Σ_rows dY_i.
     fn member(&self, i: usize, r: &[f32], dr: &mut [f32], db: &mut [f32]) {
@@ -391,7 +377,19 @@ fn build_all(
         products,
         grads: &mut [],
     };
-    build_members(members, layers, own);
+    let mut layers: [&TtLinear; MAX_MEMBERS] =
+        std::array::from_fn(|i| layers[i.min(layers.len() - 1)]);
+    each_member(
+        members,
+        0,
+        &mut layers[..members.len()],
+        own,
+        &|_, member, l, own| {
+            l.gate_cores(own.h);
+            let mut chains = member.chains.lent(own.products, &mut []);
+            chains.build(&l.shape, own.h);
+        },
+    );
     // Lcat's rows in parallel groups, each row from every layer's L (plain copies).
     let s = *rcol.last().expect("n ≥ 1");
     let ls: [&[f32]; MAX_MEMBERS] = std::array::from_fn(|i| match members.get(i) {
@@ -453,57 +451,25 @@ impl<'a> Own<'a> {
     }
 }
 
-/// Gates each member's cores and builds its chains, halves of the members as rayon tasks.
-fn build_members(members: &[Member], layers: &[&TtLinear], own: Own<'_>) {
-    match members {
-        [] => {}
-        [member] => {
-            let l = layers[0];
-            l.gate_cores(own.h);
-            let mut chains = member.chains.lent(own.products, &mut []);
-            chains.build(&l.shape, own.h);
-        }
-        _ => {
-            let mid = members.len() / 2;
-            let (a, b) = own.split(members, mid);
-            comera_tensor::join(
-                || build_members(&members[..mid], &layers[..mid], a),
-                || build_members(&members[mid..], &layers[mid..], b),
-            );
-        }
-    }
-}
-
-/// Each member seeds its dL (its columns `rcol[i]..rcol[i + 1]` of dLcat, N × S: `dlcat` =
-/// (its floats, S); its dR is seeded already), peels its chains and accumulates its cores'
-/// gradients, halves of the members as rayon tasks.
-fn peel_members(
+/// Runs `leaf(i, member, layer, own)` for members `first..` (`members`, their `layers` and
+/// their part `own` of the leased buffers), halves of them as rayon tasks.
+fn each_member<T: Send>(
     members: &[Member],
-    rcol: &[usize],
-    dlcat: (&[f32], usize),
-    layers: &mut [&mut TtLinear],
+    first: usize,
+    layers: &mut [T],
     own: Own<'_>,
+    leaf: &(impl Fn(usize, &Member, &mut T, Own<'_>) + Sync),
 ) {
     match members {
         [] => {}
-        [member] => {
-            let l = &mut *layers[0];
-            let mut chains = member.chains.lent(own.products, own.grads);
-            let (_, _, dl, _) = chains.seed_grads();
-            let (r0, rp, (dlcat, s)) = (rcol[0], rcol[1] - rcol[0], dlcat);
-            for (dst, src) in dl.chunks_exact_mut(rp).zip(dlcat.chunks_exact(s)) {
-                dst.copy_from_slice(&src[r0..r0 + rp]);
-            }
-            chains.peel(&l.shape, own.h, own.dh);
-            l.accumulate_core_grads(own.dh);
-        }
+        [member] => leaf(first, member, &mut layers[0], own),
         _ => {
             let mid = members.len() / 2;
             let (a, b) = own.split(members, mid);
             let (la, lb) = layers.split_at_mut(mid);
             comera_tensor::join(
-                || peel_members(&members[..mid], &rcol[..=mid], dlcat, la, a),
-                || peel_members(&members[mid..], &rcol[mid..], dlcat, lb, b),
+                || each_member(&members[..mid], first, la, a, leaf),
+                || each_member(&members[mid..], first + mid, lb, b, leaf),
             );
         }
     }
