@@ -126,6 +126,11 @@ pub const SOURCES: &[KernelSource] = &[
             "gate_columns",
             "gated_grads_core",
             "gated_grads_gate",
+            "rank_chain_sizes",
+            "rank_objective",
+            "rank_objective_grads",
+            "rank_size_grads",
+            "rank_project",
         ],
     },
 ];

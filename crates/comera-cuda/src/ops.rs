@@ -258,6 +258,18 @@ pub struct AdamTable {
     total: usize,
 }
 
+impl AdamTable {
+    /// Tensors in the table.
+    pub fn tensors(&self) -> usize {
+        self.tensors
+    }
+
+    /// The longest tensor's length (a multi-tensor launch's x extent).
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+}
+
 /// One tensor's row of an [`AdamTable`].
 #[derive(Clone, Copy, Debug)]
 pub struct AdamTensor {

@@ -675,4 +675,232 @@ mod encoder_step {
             "parameters after an evaluation pass"
         );
     }
+
+    /// The rank schedule inside the device's step against the CPU's `RankController`, in
+    /// each of its four regimes: the early stage, the late stage's loss branch and size
+    /// branch, and the gates held (`gates_after_steps`). With β ≠ 0, a layer prefix that
+    /// leaves the TTM table out, `min_rank` 2 on a bond that has one active entry left (so
+    /// the projection revives one), and the gates' normalisation on.
+    ///
+    /// The learning rates are 0, so AdamW leaves every parameter's value as it was (w − 0·u)
+    /// and the projection starts from the CPU's values: the parameters after the step
+    /// (`min_rank`'s revived entries, the normalised gates, their left cores scaled by each
+    /// bond's largest gate) must equal the CPU's exactly. S counts active entries and must match exactly;
+    /// Ŝ is the same f64 sums in the same order (1e-12 relative). The weights w_L, w_S and the
+    /// gradients after the objective carry the loss's and the gradients' own differences:
+    /// 1e-4 relative and 1e-3 of each tensor's largest gradient (the module doc). Each case's
+    /// targets put the late stage's two branches far apart, so the branch cannot flip on the
+    /// loss's last digits.
+    #[test]
+    fn rank_schedule_step_matches_the_cpu_controller() {
+        let Some((dev, _)) = device() else { return };
+        let _l = lock();
+        use comera_cuda::engine::{DeviceBranch, RankSettings, RankStep};
+        use comera_optim::rank::{Branch, RankConfig, RankController, Stage};
+        let mut enc = model();
+        enc.visit_params_mut(&mut |p| {
+            // One active entry left on this bond: min_rank 2 revives the largest pruned one.
+            if p.name == "encoder.1.ffn.up.gate.2" {
+                for (j, v) in p.value.iter_mut().enumerate() {
+                    *v = if j == 0 { 0.8 } else { 0.002 * j as f32 };
+                }
+            }
+        });
+        let rank_cfg = RankConfig {
+            gamma: 0.05,
+            beta: 0.01,
+            size_weight: 0.5,
+            min_rank: 2,
+            normalise_gates: true,
+            layer_prefix: "encoder.".into(),
+            ..RankConfig::default()
+        };
+        let (ids, types, mask, labels) = batch();
+        // The CPU's forward and backward from `enc`: the data loss, gradients left in `cpu`.
+        let cpu_backward = |cpu: &mut Encoder| {
+            let mut st = cpu.state(3);
+            st.load(&ids, &types, &mask, &labels).unwrap();
+            cpu.zero_grad();
+            let loss = cpu.forward(&mut st, true, STEP).unwrap().loss;
+            cpu.backward(&mut st);
+            loss
+        };
+        let loss0 = cpu_backward(&mut enc.clone());
+        let s0 = RankController::new(&rank_cfg, &enc).sizes(&enc).0;
+        // (name, hold, late target S0 with target loss L0, the branch it must take)
+        let cases = [
+            ("early", false, None, Branch::Early),
+            ("late, loss branch", false, Some((s0, 0.0)), Branch::Loss),
+            (
+                "late, size branch",
+                false,
+                Some((0.5 * s0, 10.0 * loss0)),
+                Branch::Size,
+            ),
+            ("gates held", true, None, Branch::Early),
+        ];
+        for (what, hold, late, branch) in cases {
+            let mut cfg = rank_cfg.clone();
+            if let Some((_, l0)) = late {
+                cfg.target_loss = l0;
+            }
+            let mut rc = RankController::new(&cfg, &enc);
+            if let Some((target, _)) = late {
+                rc.stage = Stage::Late;
+                rc.target_size = Some(target);
+            }
+            if hold {
+                rc.cfg.gates_after_steps = STEP + 1;
+            }
+            // CPU: forward, backward, objective, (AdamW at rate 0: nothing), projection.
+            let mut cpu = enc.clone();
+            let loss = cpu_backward(&mut cpu);
+            let obj = rc.apply(&mut cpu, loss, STEP);
+            assert_eq!(obj.branch, branch, "{what}: the CPU's branch");
+            let grads: Vec<Param> = cpu.params().into_iter().cloned().collect();
+            let (_, norm) = comera_optim::clip_scale(1.0, |f| cpu.visit_params_mut(f));
+            rc.project(&mut cpu);
+            // The device.
+            let settings = RankSettings {
+                gamma: cfg.gamma,
+                beta: cfg.beta,
+                rho_loss: cfg.rho_loss,
+                rho_size: cfg.rho_size,
+                target_loss: cfg.target_loss,
+                size_weight: cfg.size_weight,
+                s_ref: rc.s_ref,
+                layer_prefix: cfg.layer_prefix.clone(),
+                min_rank: cfg.min_rank,
+                normalise_gates: cfg.normalise_gates,
+            };
+            let opt = StepConfig {
+                lr_cores: 0.0,
+                lr_gates: 0.0,
+                lr_other: 0.0,
+                freeze_gates_at: Some(enc.cfg.threshold),
+                rank: Some(settings),
+                ..step_config()
+            };
+            let mut plan = EncoderPlan::new(dev, &enc, SEED, 3, 16, opt).unwrap();
+            plan.load(dev, &ids, &types, &mask, &labels).unwrap();
+            plan.set_step(dev, STEP, 1, 1.0).unwrap();
+            plan.set_rank_step(
+                dev,
+                RankStep {
+                    hold,
+                    late_target: late.map(|l| l.0),
+                },
+            )
+            .unwrap();
+            plan.record_step(dev).unwrap();
+            let stats = plan.stats(dev).unwrap();
+            let o = stats
+                .objective
+                .expect("the objective of a rank-schedule step");
+            println!("{what}: device {o:?}, CPU {obj:?}");
+            assert_eq!(o.size, obj.size, "{what}: S");
+            assert!(
+                (o.size_l1 - obj.size_l1).abs() <= 1e-12 * obj.size_l1,
+                "{what}: Ŝ"
+            );
+            let want_branch = match obj.branch {
+                Branch::Early => DeviceBranch::Early,
+                Branch::Loss => DeviceBranch::Loss,
+                Branch::Size => DeviceBranch::Size,
+            };
+            assert_eq!(o.branch, want_branch, "{what}: branch");
+            for (name, got, want) in [("w_L", o.w_loss, obj.w_loss), ("w_S", o.w_size, obj.w_size)]
+            {
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs().max(1e-12),
+                    "{what}: {name} {got} vs the CPU's {want}"
+                );
+            }
+            assert!(
+                (stats.grad_norm - norm).abs() <= 1e-4 * norm,
+                "{what}: gradient norm {} vs the CPU's {norm}",
+                stats.grad_norm
+            );
+            let mut got = enc.clone();
+            plan.arena
+                .download(dev, true, |f| got.visit_params_mut(f))
+                .unwrap();
+            for ((g, c), after) in got.params().iter().zip(&grads).zip(cpu.params()) {
+                assert_close(&format!("{what}: grad {}", c.name), &g.grad, &c.grad, 1e-3);
+                if hold && g.kind == ParamKind::RankGate {
+                    assert!(g.grad.iter().all(|&v| v == 0.0), "{what}: {}", g.name);
+                }
+                assert!(
+                    g.value == after.value,
+                    "{what}: {} after the projection differs from the CPU's",
+                    g.name
+                );
+            }
+        }
+    }
+
+    /// A truncation (the host's) followed by `EncoderSession::resume` with the smaller model
+    /// plans the step again at the new ranks: the next step's loss is the CPU's forward of the
+    /// truncated model (1e-4 relative, the module doc), a second step replays the new graph,
+    /// and the session's parameters are the truncated model's names and shapes.
+    #[test]
+    fn a_truncated_model_is_planned_again() {
+        if device().is_none() {
+            return;
+        }
+        let _l = lock();
+        use comera_cuda::engine::{EncoderSession, Moments, RankSettings};
+        use comera_optim::rank::{RankConfig, RankController};
+        let enc = model();
+        let rank_cfg = RankConfig::default();
+        let rc = RankController::new(&rank_cfg, &enc);
+        let opt = StepConfig {
+            freeze_gates_at: Some(enc.cfg.threshold),
+            rank: Some(RankSettings {
+                gamma: rank_cfg.gamma,
+                beta: rank_cfg.beta,
+                rho_loss: rank_cfg.rho_loss,
+                rho_size: rank_cfg.rho_size,
+                target_loss: rank_cfg.target_loss,
+                size_weight: rank_cfg.size_weight,
+                s_ref: rc.s_ref,
+                layer_prefix: String::new(),
+                min_rank: 1,
+                normalise_gates: true,
+            }),
+            ..step_config()
+        };
+        let (ids, types, mask, labels) = batch();
+        let mut s = EncoderSession::new(0, &enc, SEED, 3, 16, opt).unwrap();
+        s.step((&ids, &types, &mask, &labels), STEP, 1.0).unwrap();
+        let mut host = enc.clone();
+        s.download_into(&mut host).unwrap();
+        // model() pruned entries of encoder.0.attn.q and the TTM table: cut them.
+        let changed = comera_optim::rank::truncate(&mut host);
+        assert!(!changed.is_empty(), "the model has pruned slices to cut");
+        let moments: Vec<Moments> = host
+            .params()
+            .iter()
+            .map(|p| (p.name.clone(), vec![0.0; p.len()], vec![0.0; p.len()]))
+            .collect();
+        s.resume(&host, &moments, 1).unwrap();
+        for (t, p) in s.plan().arena.tensors.iter().zip(host.params()) {
+            assert_eq!((&t.name, &t.shape), (&p.name, &p.shape));
+        }
+        let mut st = host.state(3);
+        st.load(&ids, &types, &mask, &labels).unwrap();
+        let want = host.forward(&mut st, true, STEP + 1).unwrap().loss;
+        let a = s
+            .step((&ids, &types, &mask, &labels), STEP + 1, 1.0)
+            .unwrap();
+        assert!(
+            (a.loss - want).abs() <= 1e-4 * want.abs(),
+            "loss after the truncation {} vs the CPU's {want}",
+            a.loss
+        );
+        let b = s
+            .step((&ids, &types, &mask, &labels), STEP + 2, 1.0)
+            .unwrap();
+        assert!(b.loss.is_finite() && b.objective.is_some());
+    }
 }

@@ -385,7 +385,7 @@ impl RankController {
             w_loss: 1.0,
             w_size: 0.0,
         };
-        if !self.active() || step < self.cfg.gates_after_steps {
+        if !self.active() || self.holds_gates(step) {
             // Without the rank schedule (or while `gates_after_steps` holds them) the model is
             // a plain TT/TTM model (as in the authors' code): the gates are constants (1 from
             // initialisation), so ∂/∂gate is dropped here, before clipping. They take no part
@@ -557,6 +557,38 @@ impl RankController {
         true
     }
 
+    /// Whether [`RankController::after_step`] after step `step` (the same arguments) may
+    /// read the model (the sizes for the switch or the plateau window) or truncate it. A run
+    /// whose parameters live on a device copies them to the host first, and only then.
+    pub fn reads_model_after(&self, step: u64, epoch_end: bool) -> bool {
+        if !self.active() {
+            return false;
+        }
+        let c = &self.cfg;
+        let may_switch = self.stage == Stage::Early
+            && c.has_late_stage()
+            && (epoch_end
+                || (c.late_after_steps > 0 && step >= c.late_after_steps)
+                || (c.plateau_steps > 0
+                    && self
+                        .window
+                        .is_none_or(|(start, _)| step.saturating_sub(start) >= c.plateau_steps)));
+        may_switch || self.truncation_due(step, epoch_end)
+    }
+
+    /// The late stage's target S0 once it has begun (None in the early stage).
+    pub fn late_target(&self) -> Option<f64> {
+        match self.stage {
+            Stage::Late => self.target_size,
+            Stage::Early => None,
+        }
+    }
+
+    /// Whether the gates are held at step `step` (0-based; `gates_after_steps`).
+    pub fn holds_gates(&self, step: u64) -> bool {
+        step < self.cfg.gates_after_steps
+    }
+
     /// Whether a truncation is due after `step` steps (or at an epoch's end).
     pub fn truncation_due(&self, step: u64, epoch_end: bool) -> bool {
         self.active()
@@ -687,6 +719,46 @@ mod tests {
             dense: 1000,
             dead: false,
         }
+    }
+
+    /// A device run copies its parameters to the host only where `after_step` reads the model:
+    /// the truncation steps, the switch's step, the plateau windows' ends, epoch ends; after
+    /// the switch only the truncations.
+    #[test]
+    fn the_model_is_read_after_exactly_the_steps_that_need_it() {
+        let mut c = RankController {
+            cfg: RankConfig {
+                truncate_every: 4,
+                late_after_steps: 6,
+                ..RankConfig::default()
+            },
+            stage: Stage::Early,
+            s_ref: 100.0,
+            dense_ref: 1000.0,
+            target_size: None,
+            switched_at: None,
+            window: None,
+        };
+        let reads = |c: &RankController| {
+            (1..=10)
+                .filter(|&s| c.reads_model_after(s, false))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(reads(&c), vec![4, 6, 7, 8, 9, 10]);
+        assert!(c.reads_model_after(3, true), "an epoch's end");
+        c.stage = Stage::Late;
+        c.target_size = Some(20.0);
+        assert_eq!(reads(&c), vec![4, 8]);
+        assert_eq!(c.late_target(), Some(20.0));
+        c.stage = Stage::Early;
+        c.cfg.late_after_steps = 0;
+        c.cfg.plateau_steps = 3;
+        assert_eq!(reads(&c), (1..=10).collect::<Vec<_>>(), "no window yet");
+        c.window = Some((2, 50.0));
+        assert_eq!(reads(&c), vec![4, 5, 6, 7, 8, 9, 10]);
+        c.cfg.enabled = false;
+        assert_eq!(reads(&c), Vec::<u64>::new());
+        assert_eq!(c.late_target(), None);
     }
 
     #[test]

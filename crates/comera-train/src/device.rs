@@ -15,8 +15,14 @@
 //! What a device does not do yet is refused before the run directory is touched, with
 //! [`DeviceError::NotYet`] naming it; the CLI ends such a run with status 2. On CUDA today
 //! (docs/gpu.md): the text classifier (post-LN, TT/TTM or dense), dropout, AdamW with its
-//! parameter groups, clipping and the learning-rate schedule, with the rank schedule off (the
-//! gates are then constants, as on the CPU).
+//! parameter groups, clipping, the learning-rate schedule and the rank schedule. The rank
+//! schedule is split at the seam: the stage's objective and the gates' projection run inside
+//! the device's step ([`DeviceStep::step`] takes the host's [`RankStep`]: hold, stage, target,
+//! and gives back the objective); the stage switch and the truncation of pruned slices stay
+//! with the host's `RankController`, which reads the model only after the steps that need it
+//! (`RankController::reads_model_after`; the loop copies the device's parameters back first),
+//! and a truncated model goes back to the device through [`DeviceStep::copy_from_host`], which
+//! plans the step again at the new ranks.
 //!
 //! Evaluation and prediction of a saved classifier (`comera eval` / `comera predict
 //! --device cuda`) take their logits from [`CudaLogits`] (a session opened for inference
@@ -25,7 +31,9 @@
 //! (`crate::infer`). [`check_inference`] refuses, before the device is opened, the models it
 //! does not take.
 
-use comera_cuda::engine::{EncoderSession, Moments, StepConfig};
+use comera_cuda::engine::{
+    DeviceObjective, EncoderSession, Moments, RankSettings, RankStep, StepConfig,
+};
 use comera_cuda::{CudaError, DeviceSpec};
 use comera_layers::Trainable;
 use comera_model::{Encoder, EncoderState};
@@ -56,6 +64,8 @@ pub struct DeviceStats {
     pub count: usize,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
+    /// The rank schedule's objective of the step (None without the schedule).
+    pub objective: Option<DeviceObjective>,
 }
 
 /// The training step of model kind `M` on a device other than the CPU.
@@ -63,14 +73,29 @@ pub trait DeviceStep<M: Trainable> {
     /// The device, as messages name it (`cuda:0 (NVIDIA H200)`).
     fn describe(&self) -> String;
     /// One step on the batch loaded in `st` at 0-based step `step` (which seeds dropout) and
-    /// learning-rate scale `lr_scale`: forward, backward, clipping, the optimiser.
-    fn step(&mut self, st: &M::State, step: u64, lr_scale: f32)
-        -> Result<DeviceStats, DeviceError>;
+    /// learning-rate scale `lr_scale`: forward, backward, the rank objective (with `rank`,
+    /// the host's inputs for it), clipping, the optimiser, the gates' projection.
+    fn step(
+        &mut self,
+        st: &M::State,
+        step: u64,
+        lr_scale: f32,
+        rank: Option<RankStep>,
+    ) -> Result<DeviceStats, DeviceError>;
     /// Parameters into `model` and AdamW's moments and step count into `optimizer`, by name.
     fn copy_to_host(&mut self, model: &mut M, optimizer: &mut Optimizer)
         -> Result<(), DeviceError>;
-    /// Parameters, moments and step count from the host (a run resumed from a checkpoint).
+    /// Parameters, moments and step count from the host (a run resumed from a checkpoint, or
+    /// truncated by the host: the device plans its step again at the model's ranks).
     fn copy_from_host(&mut self, model: &M, optimizer: &Optimizer) -> Result<(), DeviceError>;
+    /// The rank schedule the steps run (None: off), as the run's controller has it once the
+    /// run is set up (a resumed run's comes from its checkpoint); the device plans its step
+    /// again only when it differs from what the engine was built with.
+    fn set_rank_schedule(
+        &mut self,
+        model: &M,
+        settings: Option<RankSettings>,
+    ) -> Result<(), DeviceError>;
 }
 
 /// What the device engine needs of a run besides its model.
@@ -84,6 +109,54 @@ pub struct DeviceRun {
     pub seq_len: usize,
     /// The run's seed (dropout's masks derive from it, as `Encoder::new` derives them).
     pub seed: u64,
+    /// The rank schedule (None: off), see [`rank_settings`].
+    pub rank: Option<RankSettings>,
+}
+
+/// What the device's step needs of a run's rank schedule: its settings when it is active.
+pub fn rank_settings(rc: &comera_optim::rank::RankController) -> Option<RankSettings> {
+    if !rc.active() {
+        return None;
+    }
+    let c = &rc.cfg;
+    Some(RankSettings {
+        gamma: c.gamma,
+        beta: c.beta,
+        rho_loss: c.rho_loss,
+        rho_size: c.rho_size,
+        target_loss: c.target_loss,
+        size_weight: c.size_weight,
+        s_ref: rc.s_ref,
+        layer_prefix: c.layer_prefix.clone(),
+        min_rank: c.min_rank,
+        normalise_gates: c.normalise_gates,
+    })
+}
+
+/// The host's inputs to step `step` (0-based) of the rank schedule on a device.
+pub fn rank_step(rc: &comera_optim::rank::RankController, step: u64) -> Option<RankStep> {
+    rc.active().then(|| RankStep {
+        hold: rc.holds_gates(step),
+        late_target: rc.late_target(),
+    })
+}
+
+/// A device step's objective as the CPU reports its own (`RankController::apply`).
+pub fn objective(loss: f64, o: DeviceObjective) -> comera_optim::rank::Objective {
+    use comera_cuda::engine::DeviceBranch;
+    use comera_optim::rank::Branch;
+    comera_optim::rank::Objective {
+        loss,
+        size: o.size,
+        size_l1: o.size_l1,
+        branch: match o.branch {
+            DeviceBranch::Early => Branch::Early,
+            DeviceBranch::Loss => Branch::Loss,
+            DeviceBranch::Size => Branch::Size,
+        },
+        w_loss: o.w_loss,
+        w_size: o.w_size,
+    }
 }
 
 /// How the run is set up, as far as a device engine cares (checked by [`check_run`]).
@@ -91,6 +164,8 @@ pub struct DeviceRun {
 pub struct RunShape {
     /// Whether the rank schedule acts (enabled, and the model has TT/TTM layers).
     pub rank_active: bool,
+    /// `rank.min_rank`.
+    pub min_rank: usize,
     pub galore: bool,
     pub accumulate_steps: usize,
     pub phases: usize,
@@ -106,8 +181,8 @@ pub fn check_run(device: DeviceSpec, run: RunShape) -> Result<(), DeviceError> {
             what: what.into(),
         })
     };
-    if run.rank_active {
-        return not_yet("the rank schedule (rank.enabled; set rank.enabled = false to train the TT/TTM ranks as they are)");
+    if run.rank_active && run.min_rank == 0 {
+        return not_yet("rank.min_rank = 0 (a layer whose rank reaches 0: set rank.min_rank ≥ 1 to train on the GPU)");
     }
     if run.galore {
         return not_yet("GaLore ([galore])");
@@ -250,9 +325,11 @@ impl CudaEncoder {
             beta2: o.beta2,
             eps: o.eps,
             max_grad_norm: o.clip_norm,
-            // The rank schedule is off (check_run): the gates are constants, nothing freezes.
-            freeze_gates_at: None,
+            // With the rank schedule pruned gate entries freeze (the CPU's
+            // `RankController::attach`); without it the gates are constants.
+            freeze_gates_at: run.rank.is_some().then_some(model.cfg.threshold),
             train_gates: false,
+            rank: run.rank.clone(),
         };
         let session = EncoderSession::new(ordinal, model, run.seed, run.batch, run.seq_len, opt)
             .map_err(|source| DeviceError::Cuda { device, source })?;
@@ -291,6 +368,7 @@ impl DeviceStep<Encoder> for CudaEncoder {
         st: &EncoderState,
         step: u64,
         lr_scale: f32,
+        rank: Option<RankStep>,
     ) -> Result<DeviceStats, DeviceError> {
         let Some(batch) = st.classifier_batch() else {
             return Err(DeviceError::NotYet {
@@ -302,6 +380,9 @@ impl DeviceStep<Encoder> for CudaEncoder {
         self.mask.extend(batch.mask.iter().map(|&m| m as u32));
         self.labels.clear();
         self.labels.extend(batch.labels.iter().map(|&l| l as usize));
+        if let Some(r) = rank {
+            self.session.set_rank_step(r);
+        }
         let s = self
             .session
             .step(
@@ -315,7 +396,19 @@ impl DeviceStep<Encoder> for CudaEncoder {
             correct: s.correct as usize,
             count: s.count as usize,
             grad_norm: s.grad_norm,
+            objective: s.objective,
         })
+    }
+
+    fn set_rank_schedule(
+        &mut self,
+        model: &Encoder,
+        settings: Option<RankSettings>,
+    ) -> Result<(), DeviceError> {
+        let device = self.device;
+        self.session
+            .set_rank_schedule(model, settings)
+            .map_err(|source| DeviceError::Cuda { device, source })
     }
 
     fn copy_to_host(
@@ -374,6 +467,7 @@ mod tests {
     fn plain() -> RunShape {
         RunShape {
             rank_active: false,
+            min_rank: 1,
             galore: false,
             accumulate_steps: 1,
             phases: 1,
@@ -437,13 +531,19 @@ mod tests {
     fn check_run_takes_a_plain_run_and_names_each_thing_it_refuses() {
         let dev = DeviceSpec::Cuda(1);
         assert!(check_run(dev, plain()).is_ok());
+        let rank = RunShape {
+            rank_active: true,
+            ..plain()
+        };
+        assert!(check_run(dev, rank).is_ok(), "the rank schedule");
         for (shape, named) in [
             (
                 RunShape {
                     rank_active: true,
+                    min_rank: 0,
                     ..plain()
                 },
-                "rank.enabled",
+                "rank.min_rank = 0",
             ),
             (
                 RunShape {

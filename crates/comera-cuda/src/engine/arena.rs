@@ -43,23 +43,12 @@ impl ParamArena {
         dev: &Device,
         params: &[(String, Vec<usize>, ParamKind)],
     ) -> Result<Self, CudaError> {
-        let mut tensors = Vec::with_capacity(params.len());
-        let mut index = HashMap::new();
-        let mut at = 0usize;
-        for (name, shape, kind) in params {
-            let len: usize = shape.iter().product();
-            if index.insert(name.clone(), tensors.len()).is_some() {
-                return Err(CudaError::Plan(format!("parameter `{name}` appears twice")));
-            }
-            tensors.push(Tensor {
-                name: name.clone(),
-                shape: shape.clone(),
-                kind: *kind,
-                offset: at,
-                len,
-            });
-            at += len.div_ceil(ALIGN) * ALIGN;
-        }
+        let (tensors, at) = ParamArena::layout(params)?;
+        let index = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
         dev.ensure_fits(
             "the model's parameters, gradients and AdamW moments",
             16 * at,
@@ -73,6 +62,31 @@ impl ParamArena {
             v: Buf::zeros(dev, at)?,
             total: at,
         })
+    }
+
+    /// Where [`ParamArena::new`] puts each tensor, and the floats of each flat buffer (host
+    /// only: no device needed). A name given twice is an error.
+    pub fn layout(
+        params: &[(String, Vec<usize>, ParamKind)],
+    ) -> Result<(Vec<Tensor>, usize), CudaError> {
+        let mut tensors: Vec<Tensor> = Vec::with_capacity(params.len());
+        let mut names = std::collections::HashSet::new();
+        let mut at = 0usize;
+        for (name, shape, kind) in params {
+            let len: usize = shape.iter().product();
+            if !names.insert(name.as_str()) {
+                return Err(CudaError::Plan(format!("parameter `{name}` appears twice")));
+            }
+            tensors.push(Tensor {
+                name: name.clone(),
+                shape: shape.clone(),
+                kind: *kind,
+                offset: at,
+                len,
+            });
+            at += len.div_ceil(ALIGN) * ALIGN;
+        }
+        Ok((tensors, at))
     }
 
     /// Floats of each flat buffer (with the alignment padding).
@@ -147,6 +161,22 @@ impl ParamArena {
         s.memcpy_htod(v, &mut self.v.slice_mut().slice_mut(range))
             .map_err(err())?;
         Ok(())
+    }
+
+    /// Whether `params` are this arena's tensors, by name and in order, with some shapes
+    /// changed: a model whose ranks were truncated since the plan was built, which a new
+    /// plan takes (anything else, such as another model, is for [`ParamArena::upload`] to
+    /// refuse by name).
+    pub fn reshaped(&self, params: &[&Param]) -> bool {
+        params.len() == self.tensors.len()
+            && params
+                .iter()
+                .zip(&self.tensors)
+                .all(|(p, t)| p.name == t.name)
+            && params
+                .iter()
+                .zip(&self.tensors)
+                .any(|(p, t)| p.shape != t.shape)
     }
 
     fn check_names<'a>(

@@ -23,10 +23,13 @@
 //!
 //! Then the backward (block.rs' formulas), the global gradient norm and clip factor, and one
 //! AdamW step over the flat parameter arena (per-group learning rates, gate freezing), all on
-//! the device. What the step does not do yet (see docs/gpu.md): pre-LN, the masked-LM head,
-//! the rank objective (γ·Ŝ and the late stage) and rank truncation.
+//! the device. With the rank schedule on ([`StepConfig::rank`]) the stage's objective is formed
+//! between the backward pass and clipping, and the gates are projected after AdamW
+//! ([`super::rank`]); a truncation is the host's, followed by a new plan at the new ranks.
+//! What the step does not do yet (see docs/gpu.md): pre-LN and the masked-LM head.
 
 use super::arena::ParamArena;
+use super::rank::{DeviceObjective, RankPlan, RankSettings, RankStep};
 use super::raw::{self, grid, grid_stride, launch, Blas, Buf, Gemm, BLOCK};
 use super::tt::{Slot, TtDims, TtLayer};
 use crate::device::Device;
@@ -38,8 +41,9 @@ use comera_model::{Encoder, Head};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::LaunchConfig;
 
-/// The optimiser settings of a device step (the CPU's `AdamWConfig` and clipping).
-#[derive(Clone, Copy, Debug)]
+/// The optimiser settings of a device step (the CPU's `AdamWConfig` and clipping) and the
+/// rank schedule's.
+#[derive(Clone, Debug)]
 pub struct StepConfig {
     pub lr_cores: f32,
     pub lr_gates: f32,
@@ -57,6 +61,10 @@ pub struct StepConfig {
     /// after the backward, so they take no part in the norm, and AdamW moves them by exactly 0
     /// with zero moments.
     pub train_gates: bool,
+    /// The rank schedule (the CPU's active `RankController`), or None. With it the gates
+    /// learn (`train_gates` is not read) and `freeze_gates_at` should be the model's τ, as the
+    /// CPU's `RankController::attach` sets it.
+    pub rank: Option<RankSettings>,
 }
 
 impl StepConfig {
@@ -73,6 +81,7 @@ impl StepConfig {
             max_grad_norm: 0.0,
             freeze_gates_at: None,
             train_gates: true,
+            rank: None,
         }
     }
 }
@@ -84,6 +93,8 @@ pub struct DeviceStepStats {
     pub correct: f64,
     pub count: f64,
     pub grad_norm: f64,
+    /// The rank schedule's objective (None without it).
+    pub objective: Option<DeviceObjective>,
 }
 
 /// A linear layer on the device: TT (merged path) or dense.
@@ -494,6 +505,8 @@ pub struct EncoderPlan {
     consts: AdamConsts,
     /// [`StepConfig::train_gates`].
     train_gates: bool,
+    /// [`StepConfig::rank`] on the device.
+    rank: Option<RankPlan>,
     max_norm: f32,
     word: Word,
     pos: Slot,
@@ -749,8 +762,13 @@ impl EncoderPlan {
             freeze_gates_at: opt.freeze_gates_at,
         };
         let blas = Blas::new(dev)?;
+        let rank = match opt.rank {
+            Some(r) => Some(RankPlan::new(dev, enc, &arena, tau, r)?),
+            None => None,
+        };
         Ok(EncoderPlan {
             blas,
+            rank,
             b,
             t,
             d,
@@ -958,16 +976,43 @@ impl EncoderPlan {
         let e = || driver("reading the step's statistics");
         let out = s.clone_dtoh(self.ce_out.slice()).map_err(e())?;
         let norm = s.clone_dtoh(self.norm.slice()).map_err(e())?;
+        let objective = match &self.rank {
+            Some(r) => Some(r.objective(dev)?),
+            None => None,
+        };
         Ok(DeviceStepStats {
             loss: out[0],
             correct: out[3],
             count: out[2],
             grad_norm: norm[0],
+            objective,
         })
     }
 
-    /// Queues one whole training step: gradients zeroed, forward, loss, backward, gradient
-    /// norm and clip factor, AdamW. Nothing waits on the host, nothing is allocated.
+    /// The rank schedule's inputs for the next step (hold, stage and target), read by the
+    /// captured step from device memory. An error without the rank schedule.
+    pub fn set_rank_step(&mut self, dev: &Device, r: RankStep) -> Result<(), CudaError> {
+        match &mut self.rank {
+            Some(plan) => plan.set_step(dev, r),
+            None => Err(CudaError::Plan(
+                "rank schedule inputs for a plan without the rank schedule".into(),
+            )),
+        }
+    }
+
+    /// τ: the model's gate threshold.
+    pub fn threshold(&self) -> f32 {
+        self.tau
+    }
+
+    /// Whether the plan runs the rank schedule.
+    pub fn has_rank_schedule(&self) -> bool {
+        self.rank.is_some()
+    }
+
+    /// Queues one whole training step: gradients zeroed, forward, loss, backward, the rank
+    /// objective (with the schedule), gradient norm and clip factor, AdamW, the gates'
+    /// projection (with the schedule). Nothing waits on the host, nothing is allocated.
     pub fn record_step(&self, dev: &Device) -> Result<(), CudaError> {
         let blas = &self.blas.handle;
         // SAFETY: the arena's gradient buffer holds `total` floats.
@@ -975,6 +1020,12 @@ impl EncoderPlan {
         self.forward(dev, blas, true)?;
         self.loss(dev)?;
         self.backward(dev, blas)?;
+        if let Some(rank) = &self.rank {
+            // ce_out[0]: the step's mean loss, which the late stage's weights read.
+            rank.record_objective(dev, &self.arena, &self.table, self.ce_out.ptr())?;
+            self.update(dev)?;
+            return rank.record_project(dev, &self.arena);
+        }
         if !self.train_gates {
             for t in self
                 .arena
@@ -1678,7 +1729,7 @@ impl EncoderPlan {
 }
 
 /// The device address of a cudarc buffer the plan owns for its whole life.
-fn raw_ptr<T>(s: &cudarc::driver::CudaSlice<T>, dev: &Device) -> u64 {
+pub(super) fn raw_ptr<T>(s: &cudarc::driver::CudaSlice<T>, dev: &Device) -> u64 {
     use cudarc::driver::DevicePtr;
     let (p, _sync) = s.device_ptr(dev.stream());
     p

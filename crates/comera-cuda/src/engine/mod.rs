@@ -9,6 +9,8 @@
 //!   model's names and shapes (upload and download: the seam for checkpoints and export);
 //! - [`tt`]: a TT linear layer, merged path, forward and backward to cores and gates;
 //! - [`encoder`]: the classifier encoder's whole step ([`EncoderPlan`]);
+//! - [`rank`]: the rank schedule inside that step (the stage's objective, the gates'
+//!   projection) over every gated chain at once;
 //! - [`session`]: the seam comera-train calls ([`EncoderSession`]): device, plan and captured
 //!   graphs (the step, and the evaluation pass); host batches in, statistics, logits and
 //!   parameters out.
@@ -17,12 +19,14 @@
 
 pub mod arena;
 pub mod encoder;
+pub mod rank;
 pub mod raw;
 pub mod session;
 pub mod tt;
 
 pub use arena::{ParamArena, Tensor, Which};
 pub use encoder::{DeviceStepStats, EncoderPlan, StepConfig};
+pub use rank::{ChainTable, DeviceBranch, DeviceObjective, RankSettings, RankStep};
 pub use raw::{Blas, Buf, Gemm};
 pub use session::{EncoderSession, Moments};
 pub use tt::{Slot, TtDims, TtLayer};

@@ -8,6 +8,7 @@
 
 use super::arena::Which;
 use super::encoder::{DeviceStepStats, EncoderPlan, StepConfig};
+use super::rank::{RankSettings, RankStep};
 use crate::device::Device;
 use crate::error::CudaError;
 use comera_model::Encoder;
@@ -41,6 +42,12 @@ pub struct EncoderSession {
     /// Replay the captured graphs (true) or queue the launches one by one (false: the same
     /// launches, for comparison and debugging).
     pub use_graph: bool,
+    /// What the plan was built with, to plan the step again at new ranks
+    /// ([`EncoderSession::resume`] after a truncation).
+    seed: u64,
+    opt: StepConfig,
+    /// The rank schedule's inputs for the next step ([`EncoderSession::set_rank_step`]).
+    rank_step: RankStep,
 }
 
 impl EncoderSession {
@@ -55,8 +62,14 @@ impl EncoderSession {
         opt: StepConfig,
     ) -> Result<EncoderSession, CudaError> {
         let dev = Device::open(ordinal)?;
-        let plan = EncoderPlan::new(&dev, enc, seed, b, t, opt)?;
+        let plan = EncoderPlan::new(&dev, enc, seed, b, t, opt.clone())?;
         Ok(EncoderSession {
+            seed,
+            opt,
+            rank_step: RankStep {
+                hold: false,
+                late_target: None,
+            },
             graph: None,
             eval_graph: None,
             plan,
@@ -116,6 +129,36 @@ impl EncoderSession {
         &self.plan
     }
 
+    /// Runs the rank schedule `settings` (None: off) from the next step on. When they differ
+    /// from the plan's, the step is planned again for `enc` (the model the session trains,
+    /// for its structure) with the device's parameters, moments and t carried over through the
+    /// host, and captured again on the next step.
+    pub fn set_rank_schedule(
+        &mut self,
+        enc: &Encoder,
+        settings: Option<RankSettings>,
+    ) -> Result<(), CudaError> {
+        if settings == self.opt.rank {
+            return Ok(());
+        }
+        let mut host = enc.clone();
+        self.download_into(&mut host)?;
+        let (moments, t_adam) = self.moments()?;
+        self.opt.freeze_gates_at = settings.as_ref().map(|_| self.plan.threshold());
+        self.opt.rank = settings;
+        self.graph = None;
+        self.eval_graph = None;
+        let (b, t) = self.shape();
+        self.plan = EncoderPlan::new(&self.dev, &host, self.seed, b, t, self.opt.clone())?;
+        self.resume(&host, &moments, t_adam)
+    }
+
+    /// The rank schedule's inputs (hold, stage and target) for the steps from now on: the
+    /// host's `RankController` decides them between steps. Ignored without the schedule.
+    pub fn set_rank_step(&mut self, r: RankStep) {
+        self.rank_step = r;
+    }
+
     /// One training step on a batch (B × T ids, types, mask; B labels) at dropout step `step`
     /// and learning-rate scale `lr_scale`; returns the loss and gradient norm (the one host
     /// wait of a step).
@@ -134,6 +177,9 @@ impl EncoderSession {
         self.plan.load(&self.dev, ids, types, mask, labels)?;
         self.plan
             .set_step(&self.dev, step, self.t_adam + 1, lr_scale)?;
+        if self.plan.has_rank_schedule() {
+            self.plan.set_rank_step(&self.dev, self.rank_step)?;
+        }
         let (plan, graph) = (&self.plan, self.use_graph.then_some(&mut self.graph));
         run_recorded(&self.dev, graph, "replaying the step graph", |d| {
             plan.record_step(d)
@@ -169,14 +215,25 @@ impl EncoderSession {
     }
 
     /// Resumes from host state: parameters from `enc`, then the moments by name and AdamW's t
-    /// (a run started on the CPU, or on another GPU).
+    /// (a run started on the CPU, or on another GPU, or the host's truncation of pruned rank
+    /// slices). When `enc`'s ranks differ from the plan's, the step is planned again at the
+    /// new ranks and captured again on the next step (the old plan's buffers are freed once
+    /// the new one is built; a truncation only shrinks them).
     pub fn resume(
         &mut self,
         enc: &Encoder,
         moments: &[Moments],
         t_adam: i32,
     ) -> Result<(), CudaError> {
-        self.plan.arena.upload(&self.dev, &enc.params())?;
+        let params = enc.params();
+        if self.plan.arena.reshaped(&params) {
+            // The graphs name the old plan's buffers.
+            self.graph = None;
+            self.eval_graph = None;
+            let (b, t) = self.shape();
+            self.plan = EncoderPlan::new(&self.dev, enc, self.seed, b, t, self.opt.clone())?;
+        }
+        self.plan.arena.upload(&self.dev, &params)?;
         for (name, m, v) in moments {
             self.plan.arena.upload_moments(&self.dev, name, m, v)?;
         }

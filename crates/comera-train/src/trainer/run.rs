@@ -134,6 +134,10 @@ impl<'t, T: Task> Loop<'t, T> {
             &mut rep,
         );
         let mut stepper = Stepper::new(optimizer, rank, schedule, clip_norm, gate_threshold);
+        if let Some(dev) = device.as_mut() {
+            // The schedule as the run has it now (a resumed run's, from its checkpoint).
+            dev.set_rank_schedule(&model, crate::device::rank_settings(&stepper.rank))?;
+        }
         // Data-parallel (several processes): process 0 alone writes the run directory.
         stepper.data_parallel =
             crate::distributed::collective().map(comera_optim::DataParallel::new);
@@ -364,10 +368,23 @@ impl<'t, T: Task> Loop<'t, T> {
     /// After a step: what the rank schedule did (stage switch, truncation), recorded and told.
     fn rank_events(&mut self, epoch: usize, epoch_end: bool) -> crate::Result<()> {
         let step = self.prog.step;
-        for event in self
+        if self.device.is_some() && self.stepper.rank.reads_model_after(step, epoch_end) {
+            self.host_current()?;
+        }
+        let events = self
             .stepper
-            .after_step(&mut self.model, step, epoch, epoch_end)
-        {
+            .after_step(&mut self.model, step, epoch, epoch_end);
+        if let Some(dev) = self.device.as_mut() {
+            if events
+                .iter()
+                .any(|e| matches!(e, RankEvent::Truncated { .. }))
+            {
+                // The truncated model and its cut moments onto the device, which plans its
+                // step again at the new ranks.
+                dev.copy_from_host(&self.model, &self.stepper.optimizer)?;
+            }
+        }
+        for event in events {
             match event {
                 RankEvent::LateStage {
                     size,
@@ -823,8 +840,9 @@ impl<'t, T: Task> Loop<'t, T> {
 /// The run's length in steps: known when every epoch's is (streamed data gives none).
 /// One step on a device ([`DeviceStep`]) on the batch loaded in `st`, reported as the CPU's
 /// stepper reports its steps: the learning-rate scale from the stepper's schedule; the rank
-/// objective's figures from the host's rank controller (inactive on a device, so they only
-/// restate the loss and the constant gates' size); the step's time as its first phase (the
+/// objective's figures from the device's step when the schedule is active (the host's
+/// controller gives the device its inputs), else from the host's controller (which then only
+/// restates the loss and the constant gates' size); the step's time as its first phase (the
 /// device runs it as one graph).
 fn device_step<M: Trainable>(
     dev: &mut dyn DeviceStep<M>,
@@ -835,13 +853,17 @@ fn device_step<M: Trainable>(
 ) -> crate::Result<StepReport> {
     let t0 = Instant::now();
     let lr_scale = stepper.schedule.scale(step);
-    let s = dev.step(st, step, lr_scale)?;
+    let rank_step = crate::device::rank_step(&stepper.rank, step);
+    let s = dev.step(st, step, lr_scale, rank_step)?;
     for (what, value) in [("loss", s.loss), ("gradient norm", s.grad_norm)] {
         if !value.is_finite() {
             return Err(comera_optim::StepError::diverged(what, value, step).into());
         }
     }
-    let objective = stepper.rank.apply(model, s.loss, step);
+    let objective = match s.objective {
+        Some(o) => crate::device::objective(s.loss, o),
+        None => stepper.rank.apply(model, s.loss, step),
+    };
     Ok(StepReport {
         stats: StepStats {
             loss: s.loss,

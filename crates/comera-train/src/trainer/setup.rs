@@ -234,10 +234,12 @@ fn encoder_device(
     if !device.is_cuda() {
         return Ok(None);
     }
+    let rank = comera_optim::rank::RankController::new(&cfg.rank, model);
     check_run(
         device,
         RunShape {
-            rank_active: comera_optim::rank::RankController::new(&cfg.rank, model).active(),
+            rank_active: rank.active(),
+            min_rank: cfg.rank.min_rank,
             galore: cfg.galore.is_some(),
             accumulate_steps: cfg.train.accumulate_steps,
             phases: phases.len(),
@@ -252,6 +254,7 @@ fn encoder_device(
         batch: phase.batch_size,
         seq_len: phase.seq_len,
         seed: cfg.train.seed,
+        rank: crate::device::rank_settings(&rank),
     };
     let engine = CudaEncoder::new(&run, model)?;
     rep.say(format!(
