@@ -312,3 +312,17 @@ extern "C" __global__ void rank_project(float* __restrict__ w,
         if (active[i % r]) core[i] *= m;
     }
 }
+
+// The gates of every bond, back to back (one block per bond): out[pos[b] + j] = d_bj, pos the
+// bonds' running lengths. For the host's view of the active ranks between steps, without
+// copying the whole arena.
+extern "C" __global__ void rank_gather_gates(const float* __restrict__ w,
+                                             const long long* __restrict__ gate_off,
+                                             const int* __restrict__ bond_len,
+                                             const int* __restrict__ pos,
+                                             float* __restrict__ out) {
+    const int b = blockIdx.x;
+    for (int j = threadIdx.x; j < bond_len[b]; j += blockDim.x) {
+        out[pos[b] + j] = w[gate_off[b] + j];
+    }
+}

@@ -131,6 +131,7 @@ pub const SOURCES: &[KernelSource] = &[
             "rank_objective_grads",
             "rank_size_grads",
             "rank_project",
+            "rank_gather_gates",
         ],
     },
 ];

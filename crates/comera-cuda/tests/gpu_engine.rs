@@ -842,7 +842,8 @@ mod encoder_step {
     /// A truncation (the host's) followed by `EncoderSession::resume` with the smaller model
     /// plans the step again at the new ranks: the next step's loss is the CPU's forward of the
     /// truncated model (1e-4 relative, the module doc), a second step replays the new graph,
-    /// and the session's parameters are the truncated model's names and shapes.
+    /// and the session's parameters are the truncated model's names and shapes. And the gates
+    /// copied alone (`download_gates_into`) are those of a whole download.
     #[test]
     fn a_truncated_model_is_planned_again() {
         if device().is_none() {
@@ -902,5 +903,14 @@ mod encoder_step {
             .step((&ids, &types, &mask, &labels), STEP + 2, 1.0)
             .unwrap();
         assert!(b.loss.is_finite() && b.objective.is_some());
+        // The gates alone (gathered on the device) are the whole download's gates.
+        let (mut gates, mut all) = (host.clone(), host.clone());
+        s.download_gates_into(&mut gates).unwrap();
+        s.download_into(&mut all).unwrap();
+        for (g, a) in gates.params().iter().zip(all.params()) {
+            if g.kind == ParamKind::RankGate {
+                assert!(g.value == a.value, "{}", g.name);
+            }
+        }
     }
 }

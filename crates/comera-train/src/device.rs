@@ -85,6 +85,9 @@ pub trait DeviceStep<M: Trainable> {
     /// Parameters into `model` and AdamW's moments and step count into `optimizer`, by name.
     fn copy_to_host(&mut self, model: &mut M, optimizer: &mut Optimizer)
         -> Result<(), DeviceError>;
+    /// The rank gates' values into `model`, nothing else (one small transfer): the active
+    /// ranks a log line reports between the steps that copy everything back.
+    fn copy_gates_to_host(&mut self, model: &mut M) -> Result<(), DeviceError>;
     /// Parameters, moments and step count from the host (a run resumed from a checkpoint, or
     /// truncated by the host: the device plans its step again at the model's ranks).
     fn copy_from_host(&mut self, model: &M, optimizer: &Optimizer) -> Result<(), DeviceError>;
@@ -438,6 +441,10 @@ impl DeviceStep<Encoder> for CudaEncoder {
         }
         adam.t = t as u64;
         Ok(())
+    }
+
+    fn copy_gates_to_host(&mut self, model: &mut Encoder) -> Result<(), DeviceError> {
+        self.session.download_gates_into(model).map_err(self.cuda())
     }
 
     fn copy_from_host(

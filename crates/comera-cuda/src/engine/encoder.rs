@@ -1005,6 +1005,11 @@ impl EncoderPlan {
         self.tau
     }
 
+    /// The rank schedule's device half (None without it).
+    pub fn rank_plan(&self) -> Option<&RankPlan> {
+        self.rank.as_ref()
+    }
+
     /// Whether the plan runs the rank schedule.
     pub fn has_rank_schedule(&self) -> bool {
         self.rank.is_some()

@@ -220,6 +220,12 @@ pub struct RankPlan {
     left_rows: Buf<i64>,
     /// Per tensor of the arena: 0 other, 1 core, 2 gate (`rank_objective_grads`).
     kind: Buf<i32>,
+    /// Per bond, where its gate starts in `gates` (the bonds' running lengths), and every
+    /// bond's gate back to back ([`RankPlan::gates`]).
+    gate_pos: Buf<i32>,
+    gates: Buf<f32>,
+    /// `{layer}.gate.{b}` and the length of every bond's gate, in the table's order.
+    gate_names: Vec<(String, usize)>,
     bond_l1: Buf<f64>,
     /// Per chain: S, Ŝ.
     size: Buf<f64>,
@@ -268,6 +274,17 @@ impl RankPlan {
                 ParamKind::RankGate => 2,
             })
             .collect();
+        let mut gate_pos = Vec::with_capacity(t.bonds());
+        let mut gate_names = Vec::with_capacity(t.bonds());
+        let mut at = 0;
+        for (c, name) in t.names.iter().enumerate() {
+            for b in 1..t.cores[c] {
+                let len = t.bond_len[t.bond0[c] as usize + b as usize - 1];
+                gate_pos.push(at);
+                at += len;
+                gate_names.push((format!("{name}.gate.{b}"), len as usize));
+            }
+        }
         let up_i32 = |v: &[i32]| Buf::copy_from_host(dev, v);
         let up_i64 = |v: &[i64]| Buf::copy_from_host(dev, v);
         Ok(RankPlan {
@@ -284,6 +301,9 @@ impl RankPlan {
             left_off: up_i64(&t.left_off)?,
             left_rows: up_i64(&t.left_rows)?,
             kind: up_i32(&kind)?,
+            gate_pos: up_i32(&gate_pos)?,
+            gates: Buf::zeros(dev, at as usize)?,
+            gate_names,
             bond_l1: Buf::zeros(dev, t.bonds())?,
             size: Buf::zeros(dev, 2 * t.chains())?,
             params: Buf::zeros(dev, 9)?,
@@ -412,6 +432,49 @@ impl RankPlan {
                 ],
             )
         }
+    }
+
+    /// Every gate's values by name (`{layer}.gate.{b}`), gathered on the device and copied in
+    /// one transfer (waits for the stream): the host's view of the active ranks between
+    /// steps, without the rest of the arena.
+    pub fn gates(
+        &self,
+        dev: &Device,
+        arena: &ParamArena,
+    ) -> Result<Vec<(&str, Vec<f32>)>, CudaError> {
+        let (w, goff, blen, pos, out) = (
+            arena.w.ptr(),
+            self.gate_off.ptr(),
+            self.bond_len.ptr(),
+            self.gate_pos.ptr(),
+            self.gates.ptr(),
+        );
+        if self.bonds > 0 {
+            // SAFETY: one block per bond; each gate lies in the arena (`ChainTable::of`) and
+            // `gates` holds the bonds' lengths back to back at `gate_pos`.
+            unsafe {
+                launch(
+                    dev,
+                    "rank_gather_gates",
+                    grid(self.bonds as u32, 1, 64),
+                    &[&w, &goff, &blen, &pos, &out],
+                )?;
+            }
+        }
+        let all = dev
+            .stream()
+            .clone_dtoh(self.gates.slice())
+            .map_err(crate::error::driver("reading the gates"))?;
+        let mut at = 0;
+        Ok(self
+            .gate_names
+            .iter()
+            .map(|(name, len)| {
+                let v = all[at..at + len].to_vec();
+                at += len;
+                (name.as_str(), v)
+            })
+            .collect())
     }
 
     /// The last step's objective (waits for the stream).

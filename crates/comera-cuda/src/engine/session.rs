@@ -196,6 +196,36 @@ impl EncoderSession {
             .download(&self.dev, false, |f| enc.visit_params_mut(f))
     }
 
+    /// The rank gates' values into `enc` (same names and shapes), nothing else: the host's
+    /// view of the active ranks between steps (one small transfer). Without the rank schedule
+    /// it does nothing (the gates are constants).
+    pub fn download_gates_into(&self, enc: &mut Encoder) -> Result<(), CudaError> {
+        let Some(rank) = self.plan.rank_plan() else {
+            return Ok(());
+        };
+        let gates = rank.gates(&self.dev, &self.plan.arena)?;
+        let mut by_name: std::collections::HashMap<&str, Vec<f32>> = gates.into_iter().collect();
+        let mut bad = None;
+        enc.visit_params_mut(&mut |p| {
+            if let Some(v) = by_name.remove(p.name.as_str()) {
+                if v.len() == p.value.len() {
+                    p.value.copy_from_slice(&v);
+                } else {
+                    bad.get_or_insert_with(|| p.name.clone());
+                }
+            }
+        });
+        match (bad, by_name.keys().next()) {
+            (Some(name), _) => Err(CudaError::Plan(format!(
+                "gate `{name}`: the host model's shape differs from the device plan's"
+            ))),
+            (None, Some(name)) => Err(CudaError::Plan(format!(
+                "gate `{name}` of the device plan is not in the host model"
+            ))),
+            (None, None) => Ok(()),
+        }
+    }
+
     /// AdamW's moments by parameter name (for a checkpoint's optimiser state), and t.
     pub fn moments(&self) -> Result<(Vec<Moments>, i32), CudaError> {
         let a = &self.plan.arena;

@@ -480,6 +480,10 @@ impl<'t, T: Task> Loop<'t, T> {
             rec.size = Some(r.objective.size);
             rec.size_l1 = Some(r.objective.size_l1);
             rec.branch = Some(branch.into());
+            if let (Some(dev), false) = (self.device.as_mut(), self.host_in_step) {
+                // The active ranks are the gates' on the device.
+                dev.copy_gates_to_host(&mut self.model)?;
+            }
             rec.mean_ranks = Some(mean_ranks(&rank::layer_ranks(&self.model)));
         }
         self.rep.record(Record::Train(rec))?;
