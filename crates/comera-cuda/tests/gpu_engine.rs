@@ -323,7 +323,13 @@ mod encoder_step {
     }
 
     fn model() -> Encoder {
-        let mut enc = Encoder::new(&config(), SEED).unwrap();
+        model_with(false)
+    }
+
+    /// [`model`], post-LN or pre-LN.
+    fn model_with(pre_ln: bool) -> Encoder {
+        let cfg = EncoderConfig { pre_ln, ..config() };
+        let mut enc = Encoder::new(&cfg, SEED).unwrap();
         // Gates away from 1, one entry pruned (≤ τ) in a TT layer and in the TTM table.
         let mut i = 0u64;
         enc.visit_params_mut(&mut |p| {
@@ -382,9 +388,36 @@ mod encoder_step {
 
     #[test]
     fn one_step_matches_the_cpu_engine() {
+        step_matches_the_cpu_engine(false);
+    }
+
+    /// The same step of the pre-LN block (LN1 before q/k/v on every row, LN2 on r1, out =
+    /// r1 + f), same tolerances; and its evaluation pass (dropout off) against the CPU's
+    /// forward without dropout (logits within 1e-4, as the post-LN pass below).
+    #[test]
+    fn one_pre_ln_step_matches_the_cpu_engine() {
+        let Some((dev, _)) = device() else { return };
+        step_matches_the_cpu_engine(true);
+        let _l = lock();
+        let enc = model_with(true);
+        let (ids, types, mask, labels) = batch();
+        let mut st = enc.state(3);
+        st.load(&ids, &types, &mask, &labels).unwrap();
+        enc.forward(&mut st, false, 0).unwrap();
+        let plan = device_plan(dev, &enc);
+        plan.record_eval_forward(dev).unwrap();
+        assert_close(
+            "pre-LN logits",
+            &plan.logits(dev).unwrap(),
+            st.logits(),
+            1e-4,
+        );
+    }
+
+    fn step_matches_the_cpu_engine(pre_ln: bool) {
         let Some((dev, _)) = device() else { return };
         let _l = lock();
-        let enc = model();
+        let enc = model_with(pre_ln);
         let mut cpu = enc.clone();
         let (loss, norm, clip, grads, after) = cpu_step(&mut cpu);
         let plan = device_plan(dev, &enc);

@@ -14,7 +14,7 @@
 //!
 //! What a device does not do yet is refused before the run directory is touched, with
 //! [`DeviceError::NotYet`] naming it; the CLI ends such a run with status 2. On CUDA today
-//! (docs/gpu.md): the text classifier (post-LN, TT/TTM or dense), dropout, AdamW with its
+//! (docs/gpu.md): the text classifier (post- or pre-LN, TT/TTM or dense), dropout, AdamW with its
 //! parameter groups, clipping, the learning-rate schedule and the rank schedule. The rank
 //! schedule is split at the seam: the stage's objective and the gates' projection run inside
 //! the device's step ([`DeviceStep::step`] takes the host's [`RankStep`]: hold, stage, target,
@@ -223,9 +223,6 @@ pub fn check_inference(device: DeviceSpec, model: Option<&Encoder>) -> Result<()
     let Some(model) = model else {
         return not_yet("a DLRM (click-through) model");
     };
-    if model.cfg.pre_ln {
-        return not_yet("a pre-LN encoder (model.pre_ln)");
-    }
     if matches!(model.head, comera_model::Head::Mlm(_)) {
         return not_yet("a masked-LM model (the masked-LM head)");
     }
@@ -312,9 +309,6 @@ impl CudaEncoder {
         let ordinal = device
             .cuda_ordinal()
             .ok_or_else(|| not_yet("the CPU through the device seam"))?;
-        if model.cfg.pre_ln {
-            return Err(not_yet("a pre-LN encoder (model.pre_ln)"));
-        }
         if matches!(model.head, comera_model::Head::Mlm(_)) {
             return Err(not_yet(MLM));
         }
@@ -502,22 +496,19 @@ mod tests {
         Encoder::new(&cfg, 1).unwrap()
     }
 
-    /// Evaluation and prediction on a GPU take a post-LN classifier; a pre-LN encoder, a
-    /// masked-LM model and a DLRM are refused by name (before any device is opened: these
-    /// hold without a GPU); the CPU takes every model.
+    /// Evaluation and prediction on a GPU take a classifier, post- or pre-LN; a masked-LM
+    /// model and a DLRM are refused by name (before any device is opened: these hold without
+    /// a GPU); the CPU takes every model.
     #[test]
     fn check_inference_takes_a_classifier_and_names_each_model_it_refuses() {
         use comera_model::HeadKind;
         let dev = DeviceSpec::Cuda(0);
-        let classifier = tiny(false, HeadKind::Classifier);
-        assert!(check_inference(dev, Some(&classifier)).is_ok());
-        let pre_ln = tiny(true, HeadKind::Classifier);
+        for pre_ln in [false, true] {
+            let classifier = tiny(pre_ln, HeadKind::Classifier);
+            assert!(check_inference(dev, Some(&classifier)).is_ok(), "{pre_ln}");
+        }
         let mlm = tiny(false, HeadKind::Mlm);
-        for (model, named) in [
-            (Some(&pre_ln), "a pre-LN encoder (model.pre_ln)"),
-            (Some(&mlm), "a masked-LM model"),
-            (None, "a DLRM"),
-        ] {
+        for (model, named) in [(Some(&mlm), "a masked-LM model"), (None, "a DLRM")] {
             let e = check_inference(dev, model).unwrap_err();
             assert!(matches!(e, DeviceError::NotYet { .. }), "{e:?}");
             let e = e.to_string();
@@ -530,8 +521,8 @@ mod tests {
             );
         }
         // CudaLogits::new refuses the same models before it opens the GPU (no driver needed).
-        let e = CudaLogits::new(dev, &pre_ln, 2, 8).err().expect("refused");
-        assert!(e.to_string().contains("pre-LN"), "{e}");
+        let e = CudaLogits::new(dev, &mlm, 2, 8).err().expect("refused");
+        assert!(e.to_string().contains("masked-LM"), "{e}");
     }
 
     #[test]

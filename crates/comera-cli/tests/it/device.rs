@@ -293,11 +293,11 @@ fn eval_and_predict_on_a_gpu_run_there_or_name_what_is_missing_writing_nothing()
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// What the GPU does not evaluate is refused by name before the GPU is opened (so the same
-/// message with or without one), with status 2 and nothing written: a pre-LN classifier.
-/// A bad device string on `eval` and `predict` is a usage error that says how GPUs are named.
+/// A pre-LN classifier evaluated and predicted on the GPU: where one answers, both run;
+/// without one, status 2 naming what is missing, and nothing written (no `--out` file). A bad
+/// device string on `eval` and `predict` is a usage error that says how GPUs are named.
 #[test]
-fn eval_and_predict_refuse_a_pre_ln_model_on_the_gpu_and_bad_device_strings() {
+fn eval_and_predict_of_a_pre_ln_model_on_the_gpu_and_bad_device_strings() {
     let dir = tempdir("device-infer-preln");
     let (data, vocab) = write_data(&dir);
     let cfg = write_config(&dir, &data, &vocab, false, "max_steps_per_epoch = 2");
@@ -313,31 +313,31 @@ fn eval_and_predict_refuse_a_pre_ln_model_on_the_gpu_and_bad_device_strings() {
         "model.pre_ln=true",
     ]);
     assert_eq!(code, 0, "{text}");
+    let missing = |code: i32, text: &str, case: &str| {
+        let wanted = MISSING
+            .iter()
+            .find(|n| text.contains(*n))
+            .unwrap_or(&"driver");
+        assert_device_error(code, text, wanted, case);
+    };
     let (code, text) = comera(&["eval", s(&run), "--device", "cuda"]);
-    assert_device_error(
-        code,
-        &text,
-        "a pre-LN encoder (model.pre_ln)",
-        "eval pre-LN",
-    );
-    assert!(text.contains("--device cpu"), "says what to do: {text}");
+    if code != 0 {
+        missing(code, &text, "eval pre-LN");
+    }
     let out = dir.join("p.txt");
     let (code, text) = comera(&[
         "predict",
         s(&run),
         "--device",
-        "cuda:1",
+        "cuda:0",
         "--out",
         s(&out),
         "a good dress",
     ]);
-    assert_device_error(
-        code,
-        &text,
-        "a pre-LN encoder (model.pre_ln)",
-        "predict pre-LN",
-    );
-    assert!(!out.exists(), "created {}", out.display());
+    if code != 0 {
+        missing(code, &text, "predict pre-LN");
+        assert!(!out.exists(), "created {}", out.display());
+    }
     let (code, text) = comera(&["predict", s(&run), "--device", "cpu", "a good dress"]);
     assert_eq!(code, 0, "the CPU predicts with a pre-LN model: {text}");
     for cmd in ["eval", "predict"] {

@@ -12,9 +12,13 @@
 //!
 //! ```text
 //! x0 = Dropout(LN(word[ids] + pos[t] + type[types]))
-//! block l:  q, k, v = Q(x), K(x), V(x) → heads (B, H, T, dh);  P = softmax(s·Q·Kᵀ, padding)
+//! block l, post-LN (BERT):
+//!           q, k, v = Q(x), K(x), V(x) → heads (B, H, T, dh);  P = softmax(s·Q·Kᵀ, padding)
 //!           att = merge(P·V);  r1 = x + Dropout(O(att));  x1 = LN1(r1)
 //!           r2 = x1 + Dropout(Down(GELU(Up(x1))));  out = LN2(r2)
+//! block l, pre-LN:
+//!           l1 = LN1(x);  q, k, v from l1;  r1 = x + Dropout(O(att));  x1 = LN2(r1)
+//!           out = r1 + Dropout(Down(GELU(Up(x1))))
 //! head:     logits = C(Dropout(tanh(P(h_cls))));  L = mean CE
 //! ```
 //! As on the CPU, the last block runs past q/k/v on the B [CLS] rows only (its attention
@@ -26,7 +30,7 @@
 //! the device. With the rank schedule on ([`StepConfig::rank`]) the stage's objective is formed
 //! between the backward pass and clipping, and the gates are projected after AdamW
 //! ([`super::rank`]); a truncation is the host's, followed by a new plan at the new ranks.
-//! What the step does not do yet (see docs/gpu.md): pre-LN and the masked-LM head.
+//! What the step does not do yet (see docs/gpu.md): the masked-LM head.
 
 use super::arena::ParamArena;
 use super::rank::{DeviceObjective, RankPlan, RankSettings, RankStep};
@@ -455,6 +459,9 @@ struct BlockPlan {
     drop_ffn: DropSite,
     /// Rows past q/k/v (N, or B on the [CLS] rows).
     rows: usize,
+    /// Pre-LN: LN1 before q/k/v (on all N rows), LN2 on r1, and out = r1 + f.
+    pre_ln: bool,
+    lx: Buf<f32>,       // N × D: LN1(x), the q/k/v input (pre-LN; unused post-LN)
     qh: Buf<f32>,       // (B, H, T, dh)
     kh: Buf<f32>,       // (B, H, T, dh)
     vh: Buf<f32>,       // (B, H, T, dh)
@@ -465,7 +472,7 @@ struct BlockPlan {
     r1: Buf<f32>,       // R × D
     x1: Buf<f32>,       // R × D
     h: Buf<f32>,        // R × F: Up(x1)
-    r2: Buf<f32>,       // R × D
+    r2: Buf<f32>,       // R × D (post-LN; unused pre-LN)
     out: Buf<f32>,      // R × D: the block output (the next block's input)
 }
 
@@ -598,9 +605,6 @@ impl EncoderPlan {
     ) -> Result<EncoderPlan, CudaError> {
         let cfg = &enc.cfg;
         let bad = |m: String| Err(CudaError::Plan(m));
-        if cfg.pre_ln {
-            return bad("pre-LN encoders are not on the device yet (post-LN only)".into());
-        }
         let Head::Classifier(head) = &enc.head else {
             return bad("the masked-LM head is not on the device yet (classifier only)".into());
         };
@@ -731,11 +735,21 @@ impl EncoderPlan {
                 o: lin(&blk.o, "attn.o", rows)?,
                 up: lin(&blk.up, "ffn.up", rows)?,
                 down: lin(&blk.down, "ffn.down", rows)?,
-                ln1: Ln::new(dev, &arena, &format!("{pre}.ln1"), rows, d, eps)?,
+                // Pre-LN's LN1 normalises every row for q/k/v.
+                ln1: Ln::new(
+                    dev,
+                    &arena,
+                    &format!("{pre}.ln1"),
+                    if cfg.pre_ln { n } else { rows },
+                    d,
+                    eps,
+                )?,
                 ln2: Ln::new(dev, &arena, &format!("{pre}.ln2"), rows, d, eps)?,
                 drop_attn: DropSite::new(p, dblocks[l].0),
                 drop_ffn: DropSite::new(p, dblocks[l].1),
                 rows,
+                pre_ln: cfg.pre_ln,
+                lx: z(if cfg.pre_ln { nd } else { 1 })?,
                 qh: z(nd)?,
                 kh: z(nd)?,
                 vh: z(nd)?,
@@ -746,7 +760,7 @@ impl EncoderPlan {
                 r1: z(rows * d)?,
                 x1: z(rows * d)?,
                 h: z(rows * ffn)?,
-                r2: z(rows * d)?,
+                r2: z(if cfg.pre_ln { 1 } else { rows * d })?,
                 out: z(rows * d)?,
             });
         }
@@ -1202,8 +1216,14 @@ impl EncoderPlan {
         let mut x = x0;
         for blk in &self.blocks {
             let tq = self.tq.ptr();
+            let attn_in = if blk.pre_ln {
+                blk.ln1.forward(dev, x, blk.lx.ptr())?;
+                blk.lx.ptr()
+            } else {
+                x
+            };
             for (lin, dst) in [(&blk.q, &blk.qh), (&blk.k, &blk.kh), (&blk.v, &blk.vh)] {
-                lin.forward(dev, blas, x, tq)?;
+                lin.forward(dev, blas, attn_in, tq)?;
                 self.permute(dev, tq, dst.ptr(), true)?;
             }
             // SAFETY: (B·H) units of T × dh heads and T × T scores, packed.
@@ -1260,7 +1280,8 @@ impl EncoderPlan {
             blk.o.forward(dev, blas, att, o)?;
             blk.drop_attn
                 .residual(dev, train, step, xr, o, blk.r1.ptr(), r * d)?;
-            blk.ln1.forward(dev, blk.r1.ptr(), blk.x1.ptr())?;
+            let ln_r1 = if blk.pre_ln { &blk.ln2 } else { &blk.ln1 };
+            ln_r1.forward(dev, blk.r1.ptr(), blk.x1.ptr())?;
             blk.up.forward(dev, blas, blk.x1.ptr(), blk.h.ptr())?;
             let (hp, gp, rf) = (blk.h.ptr(), self.g.ptr(), (r * self.ffn) as i64);
             // SAFETY: h and g hold R·F floats.
@@ -1274,9 +1295,14 @@ impl EncoderPlan {
             };
             let f = self.f.ptr();
             blk.down.forward(dev, blas, gp, f)?;
-            blk.drop_ffn
-                .residual(dev, train, step, blk.x1.ptr(), f, blk.r2.ptr(), r * d)?;
-            blk.ln2.forward(dev, blk.r2.ptr(), blk.out.ptr())?;
+            if blk.pre_ln {
+                blk.drop_ffn
+                    .residual(dev, train, step, blk.r1.ptr(), f, blk.out.ptr(), r * d)?;
+            } else {
+                blk.drop_ffn
+                    .residual(dev, train, step, blk.x1.ptr(), f, blk.r2.ptr(), r * d)?;
+                blk.ln2.forward(dev, blk.r2.ptr(), blk.out.ptr())?;
+            }
             x = blk.out.ptr();
         }
         // Head on the [CLS] rows (the last block already ran on them only).
@@ -1416,9 +1442,14 @@ impl EncoderPlan {
                 blk.att_rows.ptr()
             };
             let (dt1, dt2, dt3) = (self.dt1.ptr(), self.dt2.ptr(), self.dt3.ptr());
-            // g_r2 = LN2'ᵀ g_out; g_f = D(g_r2).
-            blk.ln2.backward(dev, blk.r2.ptr(), dflow, 0, dt1)?;
-            blk.drop_ffn.apply(dev, step, dt1, dt2, r * d)?;
+            if blk.pre_ln {
+                // g_f = D(g_out).
+                blk.drop_ffn.apply(dev, step, dflow, dt2, r * d)?;
+            } else {
+                // g_r2 = LN2'ᵀ g_out; g_f = D(g_r2).
+                blk.ln2.backward(dev, blk.r2.ptr(), dflow, 0, dt1)?;
+                blk.drop_ffn.apply(dev, step, dt1, dt2, r * d)?;
+            }
             // FFN: g = GELU(h) again for Down's backward; g_h = (Downᵀ g_f) ⊙ GELU'(h).
             let (hp, gp, dgp, dhp) = (blk.h.ptr(), self.g.ptr(), self.dg.ptr(), self.dhh.ptr());
             let rf = (r * self.ffn) as i64;
@@ -1443,8 +1474,17 @@ impl EncoderPlan {
             };
             blk.up
                 .backward(dev, blas, blk.x1.ptr(), dhp, Some((dt3, false)))?;
-            // g_r1 = LN1'ᵀ (g_r2 + Upᵀ…); g_o = D(g_r1).
-            blk.ln1.backward(dev, blk.r1.ptr(), dt1, dt3, dt2)?;
+            if blk.pre_ln {
+                // g_r1 = LN2'ᵀ (Upᵀ…) + g_out (the CPU's sum, in either order the same bits).
+                blk.ln2.backward(dev, blk.r1.ptr(), dt3, 0, dt2)?;
+                let rd = (r * d) as i64;
+                // SAFETY: dt2 and dflow hold at least R·D floats.
+                unsafe { launch(dev, "add_into", grid_stride(r * d), &[&dt2, &dflow, &rd])? };
+            } else {
+                // g_r1 = LN1'ᵀ (g_r2 + Upᵀ…).
+                blk.ln1.backward(dev, blk.r1.ptr(), dt1, dt3, dt2)?;
+            }
+            // g_o = D(g_r1).
             blk.drop_attn.apply(dev, step, dt2, dt3, r * d)?;
             // g_att = Oᵀ g_o (R rows), into N rows for the attention backward.
             let datt = self.datt.ptr();
@@ -1520,7 +1560,13 @@ impl EncoderPlan {
                 )?;
             }
             // The residual's share of g_x (g_r1, R rows) is kept in dt2 until the end.
+            // Pre-LN: q/k/v's input gradient (into dt1, free by now) goes through LN1.
             let tq = self.tq.ptr();
+            let (qkv_in, dqkv_in) = if blk.pre_ln {
+                (blk.lx.ptr(), dt1)
+            } else {
+                (x, dflow)
+            };
             let mut first = true;
             for (lin, dsrc) in [
                 (&blk.q, &self.dqh),
@@ -1528,8 +1574,11 @@ impl EncoderPlan {
                 (&blk.v, &self.dvh),
             ] {
                 self.permute(dev, dsrc.ptr(), tq, false)?;
-                lin.backward(dev, blas, x, tq, Some((dflow, !first)))?;
+                lin.backward(dev, blas, qkv_in, tq, Some((dqkv_in, !first)))?;
                 first = false;
+            }
+            if blk.pre_ln {
+                blk.ln1.backward(dev, x, dt1, 0, dflow)?;
             }
             let nn = nd as i64;
             if r == n {
