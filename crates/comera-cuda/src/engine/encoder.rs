@@ -18,7 +18,7 @@
 //!           r2 = x1 + Dropout(Down(GELU(Up(x1))));  out = LN2(r2)
 //! block l, pre-LN:
 //!           l1 = LN1(x);  q, k, v from l1;  r1 = x + Dropout(O(att));  x1 = LN2(r1)
-//!           out = r1 + Dropout(Down(GELU(Up(x1))))
+//!           out = r1 + Dropout(Down(GELU(Up(x1))));  after the last block, H = LN_final(out)
 //! head:     logits = C(Dropout(tanh(P(h_cls))));  L = mean CE
 //! ```
 //! As on the CPU, the last block runs past q/k/v on the B [CLS] rows only (its attention
@@ -521,6 +521,9 @@ pub struct EncoderPlan {
     ln_emb: Ln,
     drop_emb: DropSite,
     blocks: Vec<BlockPlan>,
+    /// Pre-LN: the final LayerNorm on the last block's output rows, and its output (R × D).
+    ln_final: Option<Ln>,
+    hfinal: Buf<f32>,
     pool: Lin,
     cls: Lin,
     drop_head: DropSite,
@@ -766,6 +769,7 @@ impl EncoderPlan {
         }
         let z = |len: usize| Buf::<f32>::zeros(dev, len);
         let zu = |len: usize| Buf::<u32>::zeros(dev, len);
+        let last_rows = blocks.last().map_or(n, |l| l.rows);
         let (t32, b32) = (t as u32, b as u32);
         let pos_ids: Vec<u32> = (0..n as u32).map(|i| i % t32).collect();
         let pos_seg = Segments::of(&pos_ids);
@@ -800,6 +804,11 @@ impl EncoderPlan {
             types: slot("embeddings.token_type.weight"),
             ln_emb: Ln::new(dev, &arena, "embeddings.ln", n, d, eps)?,
             drop_emb: DropSite::new(p, demb),
+            ln_final: match cfg.pre_ln {
+                true => Some(Ln::new(dev, &arena, "encoder.ln_final", last_rows, d, eps)?),
+                false => None,
+            },
+            hfinal: z(if cfg.pre_ln { last_rows * d } else { 1 })?,
             pool: Lin::new(dev, &arena, &head.pool, "pooler", b, tau)?,
             cls: Lin::new(dev, &arena, &head.classifier, "classifier", b, tau)?,
             drop_head: DropSite::new(p, dhead),
@@ -1305,6 +1314,10 @@ impl EncoderPlan {
             }
             x = blk.out.ptr();
         }
+        if let Some(ln) = &self.ln_final {
+            ln.forward(dev, x, self.hfinal.ptr())?;
+            x = self.hfinal.ptr();
+        }
         // Head on the [CLS] rows (the last block already ran on them only).
         let hcls = self.hcls.ptr();
         let last_rows = self.blocks.last().map_or(n, |l| l.rows);
@@ -1425,6 +1438,13 @@ impl EncoderPlan {
         } else {
             // SAFETY: both hold B·D floats.
             unsafe { raw::copy(dev, dflow, dcls, b * d)? };
+        }
+        if let (Some(ln), Some(last)) = (&self.ln_final, self.blocks.last()) {
+            // Through the final LN (pre-LN), on the last block's R output rows.
+            let dt1 = self.dt1.ptr();
+            ln.backward(dev, last.out.ptr(), dflow, 0, dt1)?;
+            // SAFETY: both hold at least R·D floats.
+            unsafe { raw::copy(dev, dflow, dt1, last_rows * d)? };
         }
         let (h, dh) = (self.heads, d / self.heads);
         let units = b * h;
