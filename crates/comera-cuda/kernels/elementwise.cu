@@ -56,3 +56,16 @@ extern "C" __global__ void column_sum_finish(const float* __restrict__ partial, 
     for (int c = 0; c < chunks; ++c) s += partial[(size_t)c * stride + j];
     out[j] = s;
 }
+
+// x (rows, width): columns from .. width of every row set to `value` (the masked-LM head's
+// padding logits of a TT decoder wider than the vocabulary, set to -inf: no probability, no
+// gradient). Grid-stride over rows * (width - from).
+extern "C" __global__ void fill_columns(float* __restrict__ x, long long rows, int width,
+                                        int from, float value) {
+    const int pad = width - from;
+    const long long n = rows * pad;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        x[(i / pad) * width + from + i % pad] = value;
+    }
+}

@@ -24,7 +24,9 @@ extern "C" __global__ void gather_rows(const float* __restrict__ src,
 // dy (tokens, D); order (tokens): token indices sorted stably by id; seg_start (segments + 1):
 // segment u is order[seg_start[u] .. seg_start[u+1]]; dst_row (segments) or null (row u).
 // dst[dst_row_u, c] = (accumulate ? dst[dst_row_u, c] : 0) + dy[order_s, c] over the segment in
-// order. Grid: segments blocks, threads over D.
+// order. Grid: segments blocks, threads over D. An empty segment that accumulates leaves its row
+// untouched (it returns at once): padded segments may name a row that a real segment adds to,
+// and must not race with it by writing back what they read.
 extern "C" __global__ void segment_sum_rows(const float* __restrict__ dy,
                                             const unsigned int* __restrict__ order,
                                             const unsigned int* __restrict__ seg_start,
@@ -36,6 +38,7 @@ extern "C" __global__ void segment_sum_rows(const float* __restrict__ dy,
     const size_t row = dst_row ? dst_row[u] : (unsigned int)u;
     float* d = dst + row * dim;
     const unsigned int s0 = seg_start[u], s1 = seg_start[u + 1];
+    if (accumulate && s0 == s1) return;
     for (int c = threadIdx.x; c < dim; c += blockDim.x) {
         float acc = accumulate ? d[c] : 0.0f;
         for (unsigned int s = s0; s < s1; ++s) acc += dy[(size_t)order[s] * dim + c];

@@ -66,6 +66,7 @@ pub const SOURCES: &[KernelSource] = &[
             "add_bias_rows",
             "column_sum_partials",
             "column_sum_finish",
+            "fill_columns",
         ],
     },
     KernelSource {

@@ -328,8 +328,12 @@ mod encoder_step {
 
     /// [`model`], post-LN or pre-LN.
     fn model_with(pre_ln: bool) -> Encoder {
-        let cfg = EncoderConfig { pre_ln, ..config() };
-        let mut enc = Encoder::new(&cfg, SEED).unwrap();
+        model_of(&EncoderConfig { pre_ln, ..config() })
+    }
+
+    /// A model of `cfg` with [`model`]'s changes.
+    fn model_of(cfg: &EncoderConfig) -> Encoder {
+        let mut enc = Encoder::new(cfg, SEED).unwrap();
         // Gates away from 1, one entry pruned (≤ τ) in a TT layer and in the TTM table.
         let mut i = 0u64;
         enc.visit_params_mut(&mut |p| {
@@ -352,10 +356,18 @@ mod encoder_step {
     }
 
     /// The CPU step: loss, gradient norm, gradients (before the update) and parameters after.
-    fn cpu_step(enc: &mut Encoder) -> (f64, f64, f32, Vec<Param>, Vec<Param>) {
+    fn cpu_step(enc: &mut Encoder) -> CpuStep {
         let (ids, types, mask, labels) = batch();
         let mut st = enc.state(3);
         st.load(&ids, &types, &mask, &labels).unwrap();
+        cpu_step_on(enc, st)
+    }
+
+    /// Loss, gradient norm, clip factor, gradients, parameters after the update.
+    type CpuStep = (f64, f64, f32, Vec<Param>, Vec<Param>);
+
+    /// The CPU step on the batch loaded in `st`.
+    fn cpu_step_on(enc: &mut Encoder, mut st: comera_model::EncoderState) -> CpuStep {
         enc.zero_grad();
         let stats = enc.forward(&mut st, true, STEP).unwrap();
         enc.backward(&mut st);
@@ -419,8 +431,20 @@ mod encoder_step {
         let _l = lock();
         let enc = model_with(pre_ln);
         let mut cpu = enc.clone();
-        let (loss, norm, clip, grads, after) = cpu_step(&mut cpu);
+        let want = cpu_step(&mut cpu);
         let plan = device_plan(dev, &enc);
+        assert_step_matches(dev, &enc, &plan, want, 3.0);
+    }
+
+    /// One recorded step of `plan` (from `enc`, batch loaded) against the CPU's `want`
+    /// (module doc's tolerances); `count` predictions.
+    fn assert_step_matches(
+        dev: &Device,
+        enc: &Encoder,
+        plan: &EncoderPlan,
+        (loss, norm, clip, grads, after): CpuStep,
+        count: f64,
+    ) {
         plan.record_step(dev).unwrap();
         let stats = plan.stats(dev).unwrap();
         println!(
@@ -432,7 +456,7 @@ mod encoder_step {
             (stats.grad_norm - norm).abs() <= 1e-4 * norm,
             "gradient norm"
         );
-        assert_eq!(stats.count, 3.0);
+        assert_eq!(stats.count, count);
         let mut got = enc.clone();
         plan.arena
             .download(dev, true, |f| got.visit_params_mut(f))
@@ -463,6 +487,71 @@ mod encoder_step {
                     c.name
                 );
             }
+        }
+    }
+
+    /// One training step of a masked-LM model against the CPU's, two ways: a TT/TTM body
+    /// with a TT decoder wider than the vocabulary (240 logits for 200 ids: the padding
+    /// logits at −∞), post-LN; and a dense pre-LN body with the decoder tied to the word
+    /// table (its gradient gets the decoder's and the embedding's shares). 10 of the head's
+    /// 12 rows are predicted (the rest padded and ignored), one sequence with padding.
+    /// Tolerances: the classifier step's (module doc); the head adds four operations (the
+    /// transform, GELU, LN, the decoder) to a chain of the same kind.
+    #[test]
+    fn one_mlm_step_matches_the_cpu_engine() {
+        let Some((dev, _)) = device() else { return };
+        use comera_model::config::{HeadKind, MlmDecoderKind};
+        let (ids, _, mask, _) = batch();
+        let ignore = comera_layers::loss::IGNORE_INDEX;
+        let (per_seq, t) = (4usize, 16usize);
+        let picks: [&[usize]; 3] = [&[1, 4, 9, 13], &[2, 5], &[0, 3, 7, 15]];
+        let selected: Vec<u32> = picks
+            .iter()
+            .enumerate()
+            .flat_map(|(s, p)| p.iter().map(move |&q| (s * t + q) as u32))
+            .collect();
+        let mut labels = vec![ignore; ids.len()];
+        for &p in &selected {
+            labels[p as usize] = ((p * 13 + 5) % 200) as i32;
+        }
+        for (what, cfg) in [
+            (
+                "TT decoder",
+                EncoderConfig {
+                    head: HeadKind::Mlm,
+                    mlm_decoder: MlmDecoderKind::Tt,
+                    mlm_decoder_tt: LayerTt::uniform(&[4, 8], &[5, 8, 6], 3),
+                    ..config()
+                },
+            ),
+            (
+                "tied decoder, pre-LN",
+                EncoderConfig {
+                    head: HeadKind::Mlm,
+                    mlm_decoder: MlmDecoderKind::Tied,
+                    tt_linear: false,
+                    ttm_embedding: false,
+                    pre_ln: true,
+                    ..config()
+                },
+            ),
+        ] {
+            let _l = lock();
+            println!("{what}");
+            let enc = model_of(&cfg);
+            let mut cpu = enc.clone();
+            let mut st = cpu.state_for(3, t, per_seq).unwrap();
+            st.load_mlm(&ids, &mask, &labels, &selected).unwrap();
+            let want = cpu_step_on(&mut cpu, st);
+            let opt = StepConfig {
+                mlm_rows_per_seq: per_seq,
+                ..step_config()
+            };
+            let mut plan = EncoderPlan::new(dev, &enc, SEED, 3, t, opt).unwrap();
+            assert_eq!(plan.head_rows(), 12);
+            plan.load_mlm(dev, &ids, &mask, &labels, &selected).unwrap();
+            plan.set_step(dev, STEP, 1, 1.0).unwrap();
+            assert_step_matches(dev, &enc, &plan, want, selected.len() as f64);
         }
     }
 

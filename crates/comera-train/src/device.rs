@@ -114,6 +114,9 @@ pub struct DeviceRun {
     pub seed: u64,
     /// The rank schedule (None: off), see [`rank_settings`].
     pub rank: Option<RankSettings>,
+    /// A masked-LM run's predicted positions per sequence at most (its masker's; 0 for a
+    /// classifier): the device's head has room for batch × this.
+    pub mlm_rows_per_seq: usize,
 }
 
 /// What the device's step needs of a run's rank schedule: its settings when it is active.
@@ -205,11 +208,10 @@ pub fn check_run(device: DeviceSpec, run: RunShape) -> Result<(), DeviceError> {
     Ok(())
 }
 
-const MLM: &str = "masked-LM pre-training (the masked-LM head)";
-
 /// What a model's evaluation or prediction on `device` is refused for (before the device is
-/// opened, before anything is read or written past the model): the same models as training's
-/// [`CudaEncoder::new`] refuses. `model` is `None` for a DLRM.
+/// opened, before anything is read or written past the model): a masked-LM model (whose
+/// training the device takes, but not yet its evaluation pass) and a DLRM. `model` is `None`
+/// for a DLRM.
 pub fn check_inference(device: DeviceSpec, model: Option<&Encoder>) -> Result<(), DeviceError> {
     let not_yet = |what: &str| {
         Err(DeviceError::NotYet {
@@ -309,9 +311,6 @@ impl CudaEncoder {
         let ordinal = device
             .cuda_ordinal()
             .ok_or_else(|| not_yet("the CPU through the device seam"))?;
-        if matches!(model.head, comera_model::Head::Mlm(_)) {
-            return Err(not_yet(MLM));
-        }
         let o = &run.optim;
         let opt = StepConfig {
             lr_cores: o.lr_cores,
@@ -327,6 +326,7 @@ impl CudaEncoder {
             freeze_gates_at: run.rank.is_some().then_some(model.cfg.threshold),
             train_gates: false,
             rank: run.rank.clone(),
+            mlm_rows_per_seq: run.mlm_rows_per_seq,
         };
         let session = EncoderSession::new(ordinal, model, run.seed, run.batch, run.seq_len, opt)
             .map_err(|source| DeviceError::Cuda { device, source })?;
@@ -367,27 +367,29 @@ impl DeviceStep<Encoder> for CudaEncoder {
         lr_scale: f32,
         rank: Option<RankStep>,
     ) -> Result<DeviceStats, DeviceError> {
-        let Some(batch) = st.classifier_batch() else {
-            return Err(DeviceError::NotYet {
-                device: self.device,
-                what: MLM.into(),
-            });
-        };
-        self.mask.clear();
-        self.mask.extend(batch.mask.iter().map(|&m| m as u32));
-        self.labels.clear();
-        self.labels.extend(batch.labels.iter().map(|&l| l as usize));
         if let Some(r) = rank {
             self.session.set_rank_step(r);
         }
-        let s = self
-            .session
-            .step(
-                (batch.ids, batch.types, &self.mask, &self.labels),
-                step,
-                lr_scale,
-            )
-            .map_err(self.cuda())?;
+        self.mask.clear();
+        let s = if let Some(batch) = st.classifier_batch() {
+            self.mask.extend(batch.mask.iter().map(|&m| m as u32));
+            self.labels.clear();
+            self.labels.extend(batch.labels.iter().map(|&l| l as usize));
+            let batch = (batch.ids, batch.types, &self.mask[..], &self.labels[..]);
+            self.session.step(batch, step, lr_scale)
+        } else if let Some(batch) = st.mlm_batch() {
+            self.mask.extend(batch.mask.iter().map(|&m| m as u32));
+            let batch = (
+                batch.ids,
+                &self.mask[..],
+                batch.token_labels,
+                batch.selected,
+            );
+            self.session.step_mlm(batch, step, lr_scale)
+        } else {
+            unreachable!("an encoder state holds a classifier or a masked-LM batch")
+        }
+        .map_err(self.cuda())?;
         Ok(DeviceStats {
             loss: s.loss,
             correct: s.correct as usize,

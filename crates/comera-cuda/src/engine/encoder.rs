@@ -33,6 +33,7 @@
 //! What the step does not do yet (see docs/gpu.md): the masked-LM head.
 
 use super::arena::ParamArena;
+use super::mlm::MlmPlan;
 use super::rank::{DeviceObjective, RankPlan, RankSettings, RankStep};
 use super::raw::{self, grid, grid_stride, launch, Blas, Buf, Gemm, BLOCK};
 use super::tt::{Slot, TtDims, TtLayer};
@@ -69,6 +70,9 @@ pub struct StepConfig {
     /// learn (`train_gates` is not read) and `freeze_gates_at` should be the model's τ, as the
     /// CPU's `RankController::attach` sets it.
     pub rank: Option<RankSettings>,
+    /// A masked-LM head's rows per sequence (the CPU state's `mlm_rows_per_seq`: the head
+    /// has room for B·min(this, T) predicted positions); 0: the CPU's default, 15% of T.
+    pub mlm_rows_per_seq: usize,
 }
 
 impl StepConfig {
@@ -86,6 +90,7 @@ impl StepConfig {
             freeze_gates_at: None,
             train_gates: true,
             rank: None,
+            mlm_rows_per_seq: 0,
         }
     }
 }
@@ -102,7 +107,7 @@ pub struct DeviceStepStats {
 }
 
 /// A linear layer on the device: TT (merged path) or dense.
-enum Lin {
+pub(super) enum Lin {
     Tt(Box<TtLayer>),
     Dense {
         n: usize,
@@ -115,7 +120,7 @@ enum Lin {
 }
 
 impl Lin {
-    fn new(
+    pub(super) fn new(
         dev: &Device,
         arena: &ParamArena,
         l: &AnyLinear,
@@ -136,22 +141,41 @@ impl Lin {
                 slot,
                 name,
             )?)),
-            AnyLinear::Dense(d) => {
-                let [n, m] = [d.weight.shape[0], d.weight.shape[1]];
-                Lin::Dense {
-                    n,
-                    m,
-                    rows,
-                    w: slot(&format!("{name}.weight")),
-                    b: slot(&format!("{name}.bias")),
-                    partial: Buf::zeros(dev, ops::chunks(rows) * m)?,
-                }
-            }
+            AnyLinear::Dense(d) => Lin::dense(dev, arena, d, name, rows)?,
+        })
+    }
+
+    /// A dense layer `l` (weight N × M, bias M) named `name` on `rows` rows.
+    pub(super) fn dense(
+        dev: &Device,
+        arena: &ParamArena,
+        l: &comera_layers::Linear,
+        name: &str,
+        rows: usize,
+    ) -> Result<Lin, CudaError> {
+        let [n, m] = [l.weight.shape[0], l.weight.shape[1]];
+        let slot = |n: &str| Slot {
+            w: arena.w(n),
+            g: arena.g(n),
+        };
+        Ok(Lin::Dense {
+            n,
+            m,
+            rows,
+            w: slot(&format!("{name}.weight")),
+            b: slot(&format!("{name}.bias")),
+            partial: Buf::zeros(dev, ops::chunks(rows) * m)?,
         })
     }
 
     /// y (rows × M) = x (rows × N)·W + b.
-    fn forward(&self, dev: &Device, blas: &CudaBlas, x: u64, y: u64) -> Result<(), CudaError> {
+    pub(super) fn forward(
+        &self,
+        dev: &Device,
+        blas: &CudaBlas,
+        x: u64,
+        y: u64,
+    ) -> Result<(), CudaError> {
         match self {
             Lin::Tt(t) => t.forward(dev, blas, x, y),
             Lin::Dense {
@@ -174,7 +198,7 @@ impl Lin {
 
     /// Accumulates the layer's gradients from dy (rows × M); writes (or with `add`, adds to)
     /// dx (rows × N) when given.
-    fn backward(
+    pub(super) fn backward(
         &self,
         dev: &Device,
         blas: &CudaBlas,
@@ -209,7 +233,7 @@ impl Lin {
 }
 
 /// out (W) += Σ_rows x (rows × W), the CPU's row chunks (elementwise.cu).
-fn column_sum(
+pub(super) fn column_sum(
     dev: &Device,
     x: u64,
     rows: usize,
@@ -239,7 +263,7 @@ fn column_sum(
 }
 
 /// A LayerNorm's parameters and its saved statistics for `rows` rows.
-struct Ln {
+pub(super) struct Ln {
     gamma: Slot,
     beta: Slot,
     rows: usize,
@@ -251,7 +275,7 @@ struct Ln {
 }
 
 impl Ln {
-    fn new(
+    pub(super) fn new(
         dev: &Device,
         arena: &ParamArena,
         name: &str,
@@ -278,7 +302,7 @@ impl Ln {
     }
 
     /// y = LN(x) (layernorm.cu), saving μ and 1/σ.
-    fn forward(&self, dev: &Device, x: u64, y: u64) -> Result<(), CudaError> {
+    pub(super) fn forward(&self, dev: &Device, x: u64, y: u64) -> Result<(), CudaError> {
         let (r, d) = (self.rows as i32, self.dim as i32);
         let (mean, rstd) = (self.mean.ptr(), self.rstd.ptr());
         // SAFETY: x, y hold rows·D floats; γ, β D; μ, 1/σ rows.
@@ -303,7 +327,7 @@ impl Ln {
     }
 
     /// dx = LN'ᵀ(dy + extra) (extra: 0 for none), dγ, dβ accumulated.
-    fn backward(
+    pub(super) fn backward(
         &self,
         dev: &Device,
         x: u64,
@@ -476,6 +500,24 @@ struct BlockPlan {
     out: Buf<f32>,      // R × D: the block output (the next block's input)
 }
 
+/// The classifier head's layers and activations (B rows: the [CLS] rows).
+struct ClsHead {
+    pool: Lin,
+    cls: Lin,
+    drop: DropSite,
+    hcls: Buf<f32>,    // B × D
+    pre: Buf<f32>,     // B × D
+    pooled: Buf<f32>,  // B × D
+    dpooled: Buf<f32>, // B × D
+    dcls: Buf<f32>,    // B × D
+}
+
+/// What sits on the last hidden states.
+enum HeadPlan {
+    Classifier(Box<ClsHead>),
+    Mlm(Box<MlmPlan>),
+}
+
 /// The word embedding on the device.
 enum Word {
     Dense { table: Slot },
@@ -504,7 +546,8 @@ pub struct EncoderPlan {
     d: usize,
     heads: usize,
     ffn: usize,
-    labels: usize,
+    /// The logits' width: C classes, or the MLM decoder's V′.
+    classes: usize,
     vocab: usize,
     tau: f32,
     pub arena: ParamArena,
@@ -524,9 +567,9 @@ pub struct EncoderPlan {
     /// Pre-LN: the final LayerNorm on the last block's output rows, and its output (R × D).
     ln_final: Option<Ln>,
     hfinal: Buf<f32>,
-    pool: Lin,
-    cls: Lin,
-    drop_head: DropSite,
+    head: HeadPlan,
+    /// Rows of the head's logits: B (classifier) or R (masked-LM).
+    head_rows: usize,
     // The batch, copied in by `load` (fixed buffers, read by the captured step).
     slot: Buf<u32>, // N: the word-embedding row of each token (a distinct-id row for TTM, the id for dense)
     seg_order: Buf<u32>, // N: tokens sorted by word id
@@ -539,7 +582,7 @@ pub struct EncoderPlan {
     pos_order: Buf<u32>,  // N: tokens by position (fixed)
     pos_start: Buf<u32>,  // T + 1 (fixed)
     allow: Buf<f32>,      // B × T: 1 for a real token
-    label: Buf<i32>,      // B
+    label: Buf<i32>,      // head rows: a class, or a token (IGNORE_INDEX: none)
     cls_slot: Buf<u32>,   // B: b·T, the [CLS] rows (fixed)
     seq_order: Buf<u32>,  // B: 0..B (fixed)
     seq_start: Buf<u32>,  // B + 1: 0..=B (fixed)
@@ -562,13 +605,8 @@ pub struct EncoderPlan {
     dt2: Buf<f32>,
     dt3: Buf<f32>,
     datt: Buf<f32>,   // N × D
-    hcls: Buf<f32>,   // B × D
-    pre: Buf<f32>,    // B × D
-    pooled: Buf<f32>, // B × D
-    logits: Buf<f32>, // B × C
+    logits: Buf<f32>, // head rows × C (classes, or the MLM decoder's width V′)
     dlogits: Buf<f32>,
-    dpooled: Buf<f32>,
-    dcls: Buf<f32>,
     ce_count: Buf<i32>,
     ce_row_loss: Buf<f64>,
     ce_row_hit: Buf<f32>,
@@ -608,9 +646,7 @@ impl EncoderPlan {
     ) -> Result<EncoderPlan, CudaError> {
         let cfg = &enc.cfg;
         let bad = |m: String| Err(CudaError::Plan(m));
-        let Head::Classifier(head) = &enc.head else {
-            return bad("the masked-LM head is not on the device yet (classifier only)".into());
-        };
+        let classifier = matches!(enc.head, Head::Classifier(_));
         if t == 0 || t > cfg.seq_len || b == 0 {
             return bad(format!(
                 "batch {b} × {t} tokens (1..={} tokens)",
@@ -725,7 +761,8 @@ impl EncoderPlan {
         let mut blocks = Vec::with_capacity(cfg.layers);
         for (l, blk) in enc.blocks.iter().enumerate() {
             let last = l + 1 == cfg.layers;
-            let rows = if last { b } else { n };
+            // A classifier's last block runs past q/k/v on the [CLS] rows only.
+            let rows = if last && classifier { b } else { n };
             let pre = format!("encoder.{l}");
             let lin = |x: &AnyLinear, name: &str, r: usize| {
                 Lin::new(dev, &arena, x, &format!("{pre}.{name}"), r, tau)
@@ -770,6 +807,36 @@ impl EncoderPlan {
         let z = |len: usize| Buf::<f32>::zeros(dev, len);
         let zu = |len: usize| Buf::<u32>::zeros(dev, len);
         let last_rows = blocks.last().map_or(n, |l| l.rows);
+        let word_table = match &word {
+            Word::Dense { table } => Some(*table),
+            Word::Ttm(_) => None,
+        };
+        let (head, head_rows, classes) = match &enc.head {
+            Head::Classifier(h) => {
+                let head = ClsHead {
+                    pool: Lin::new(dev, &arena, &h.pool, "pooler", b, tau)?,
+                    cls: Lin::new(dev, &arena, &h.classifier, "classifier", b, tau)?,
+                    drop: DropSite::new(p, dhead),
+                    hcls: z(b * d)?,
+                    pre: z(b * d)?,
+                    pooled: z(b * d)?,
+                    dpooled: z(b * d)?,
+                    dcls: z(b * d)?,
+                };
+                (HeadPlan::Classifier(Box::new(head)), b, labels)
+            }
+            Head::Mlm(h) => {
+                // The CPU state's R: b·min(rows per sequence, T) (`Encoder::state_for`).
+                let per_seq = match opt.mlm_rows_per_seq {
+                    0 => (15 * t).div_ceil(100).max(1),
+                    k => k,
+                };
+                let rows = b * per_seq.min(t);
+                let head = MlmPlan::new(dev, &arena, h, cfg, rows, word_table)?;
+                let width = head.width;
+                (HeadPlan::Mlm(Box::new(head)), rows, width)
+            }
+        };
         let (t32, b32) = (t as u32, b as u32);
         let pos_ids: Vec<u32> = (0..n as u32).map(|i| i % t32).collect();
         let pos_seg = Segments::of(&pos_ids);
@@ -792,7 +859,7 @@ impl EncoderPlan {
             d,
             heads,
             ffn,
-            labels,
+            classes,
             vocab: cfg.vocab_size,
             tau,
             table,
@@ -809,9 +876,8 @@ impl EncoderPlan {
                 false => None,
             },
             hfinal: z(if cfg.pre_ln { last_rows * d } else { 1 })?,
-            pool: Lin::new(dev, &arena, &head.pool, "pooler", b, tau)?,
-            cls: Lin::new(dev, &arena, &head.classifier, "classifier", b, tau)?,
-            drop_head: DropSite::new(p, dhead),
+            head,
+            head_rows,
             blocks,
             slot: zu(n)?,
             seg_order: zu(n)?,
@@ -824,7 +890,7 @@ impl EncoderPlan {
             pos_order: Buf::copy_from_host(dev, &pos_seg.order)?,
             pos_start: Buf::copy_from_host(dev, &pos_seg.start)?,
             allow: z(n)?,
-            label: Buf::zeros(dev, b)?,
+            label: Buf::zeros(dev, head_rows)?,
             cls_slot: Buf::copy_from_host(dev, &(0..b32).map(|i| i * t32).collect::<Vec<_>>())?,
             seq_order: Buf::copy_from_host(dev, &(0..b32).collect::<Vec<_>>())?,
             seq_start: Buf::copy_from_host(dev, &(0..=b32).collect::<Vec<_>>())?,
@@ -846,16 +912,11 @@ impl EncoderPlan {
             dt2: z(nd)?,
             dt3: z(nd)?,
             datt: z(nd)?,
-            hcls: z(b * d)?,
-            pre: z(b * d)?,
-            pooled: z(b * d)?,
-            logits: z(b * labels)?,
-            dlogits: z(b * labels)?,
-            dpooled: z(b * d)?,
-            dcls: z(b * d)?,
+            logits: z(head_rows * classes)?,
+            dlogits: z(head_rows * classes)?,
             ce_count: Buf::zeros(dev, 1)?,
-            ce_row_loss: Buf::zeros(dev, b)?,
-            ce_row_hit: z(b)?,
+            ce_row_loss: Buf::zeros(dev, head_rows)?,
+            ce_row_hit: z(head_rows)?,
             ce_out: Buf::zeros(dev, 4)?,
             norm_partial: Buf::zeros(dev, Device::grad_norm_partial_len(arena.total()))?,
             norm: Buf::zeros(dev, 1)?,
@@ -866,10 +927,10 @@ impl EncoderPlan {
         })
     }
 
-    /// Copies one batch in (host index work: the word ids' segments, and for a TTM table the
-    /// distinct ids and their digit groups): ids, token types and attention mask (B × T, mask
-    /// 1 = real token), one label per sequence. Checked as the CPU's `EncoderState::load`
-    /// checks them (lengths, ids below the vocabulary, types below the type vocabulary).
+    /// Copies one classifier batch in: ids, token types and attention mask (B × T, mask 1 =
+    /// real token), one label per sequence. Checked as the CPU's `EncoderState::load` checks
+    /// them (lengths, ids below the vocabulary, types below the type vocabulary, labels below
+    /// the classes).
     pub fn load(
         &mut self,
         dev: &Device,
@@ -878,19 +939,106 @@ impl EncoderPlan {
         mask: &[u32],
         labels: &[usize],
     ) -> Result<(), CudaError> {
+        if !matches!(self.head, HeadPlan::Classifier(_)) {
+            return Err(CudaError::Plan(
+                "a classifier batch for a masked-LM plan (load_mlm)".into(),
+            ));
+        }
+        check_len("labels", labels.len(), self.b)?;
+        if let Some(&l) = labels.iter().find(|&&l| l >= self.classes) {
+            return Err(CudaError::Plan(format!(
+                "label {l} ≥ {} labels",
+                self.classes
+            )));
+        }
+        self.load_tokens(dev, ids, types, mask)?;
+        let lab: Vec<i32> = labels.iter().map(|&l| l as i32).collect();
+        dev.stream()
+            .memcpy_htod(&lab, self.label.slice_mut())
+            .map_err(driver("copying a batch to the device"))
+    }
+
+    /// Copies one masked-LM batch in (the CPU's `EncoderState::load_mlm`): the (masked) ids
+    /// and attention mask (B × T; token types 0), each token's label (`IGNORE_INDEX` where
+    /// nothing is predicted) and the predicted positions, ascending, at most the head's R.
+    pub fn load_mlm(
+        &mut self,
+        dev: &Device,
+        ids: &[u32],
+        mask: &[u32],
+        token_labels: &[i32],
+        selected: &[u32],
+    ) -> Result<(), CudaError> {
+        let n = self.b * self.t;
+        let HeadPlan::Mlm(h) = &self.head else {
+            return Err(CudaError::Plan(
+                "a masked-LM batch for a classifier plan (load)".into(),
+            ));
+        };
+        let (rows, vocab) = (h.rows, h.vocab);
+        check_len("labels", token_labels.len(), n)?;
+        if selected.len() > rows {
+            return Err(CudaError::Plan(format!(
+                "{} selected positions, the masked-LM head has room for {rows}",
+                selected.len()
+            )));
+        }
+        if let Some(w) = selected.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(CudaError::Plan(format!(
+                "selected positions not ascending: {} then {}",
+                w[0], w[1]
+            )));
+        }
+        if let Some(&p) = selected.iter().find(|&&p| p as usize >= n) {
+            return Err(CudaError::Plan(format!(
+                "selected position {p} ≥ {n} tokens"
+            )));
+        }
+        let ignore = comera_layers::loss::IGNORE_INDEX;
+        let mut labels: Vec<i32> = selected.iter().map(|&p| token_labels[p as usize]).collect();
+        if let Some(&l) = labels
+            .iter()
+            .find(|&&l| l != ignore && !(0..vocab as i32).contains(&l))
+        {
+            return Err(CudaError::Plan(format!(
+                "token label {l} outside the vocabulary ({vocab})"
+            )));
+        }
+        labels.resize(rows, ignore);
+        let mut sel = selected.to_vec();
+        sel.resize(rows, 0);
+        let mut start: Vec<u32> = (0..=selected.len() as u32).collect();
+        start.resize(rows + 1, selected.len() as u32);
+        self.load_tokens(dev, ids, &vec![0; n], mask)?;
+        let HeadPlan::Mlm(h) = &mut self.head else {
+            unreachable!("checked above")
+        };
+        let s = dev.stream();
+        let e = || driver("copying a batch to the device");
+        s.memcpy_htod(&sel, h.sel.slice_mut()).map_err(e())?;
+        s.memcpy_htod(&start, h.sel_start.slice_mut())
+            .map_err(e())?;
+        s.memcpy_htod(&labels, self.label.slice_mut()).map_err(e())
+    }
+
+    /// The tokens of a batch (host index work: the word ids' segments, and for a TTM table the
+    /// distinct ids and their digit groups), checked: lengths, ids below the vocabulary, types
+    /// below the type vocabulary.
+    fn load_tokens(
+        &mut self,
+        dev: &Device,
+        ids: &[u32],
+        types: &[u32],
+        mask: &[u32],
+    ) -> Result<(), CudaError> {
         let (vocab, type_vocab) = (self.vocab, self.type_start.len() - 1);
         let n = self.b * self.t;
-        for (what, len, want) in [
-            ("input_ids", ids.len(), n),
-            ("token_type_ids", types.len(), n),
-            ("attention_mask", mask.len(), n),
-            ("labels", labels.len(), self.b),
+        for (what, len) in [
+            ("input_ids", ids.len()),
+            ("token_type_ids", types.len()),
+            ("attention_mask", mask.len()),
         ] {
-            if len != want {
-                return Err(CudaError::Plan(format!(
-                    "{what}: {len} values, the plan takes {want}"
-                )));
-            }
+            check_len(what, len, n)?;
         }
         if let Some(&id) = ids.iter().find(|&&i| i as usize >= vocab) {
             return Err(CudaError::Plan(format!(
@@ -899,12 +1047,6 @@ impl EncoderPlan {
         }
         if let Some(&ty) = types.iter().find(|&&i| i as usize >= type_vocab) {
             return Err(CudaError::Plan(format!("token type {ty} ≥ {type_vocab}")));
-        }
-        if let Some(&l) = labels.iter().find(|&&l| l >= self.labels) {
-            return Err(CudaError::Plan(format!(
-                "label {l} ≥ {} labels",
-                self.labels
-            )));
         }
         let s = dev.stream();
         let e = || driver("copying a batch to the device");
@@ -966,8 +1108,6 @@ impl EncoderPlan {
             .map_err(e())?;
         let allow: Vec<f32> = mask.iter().map(|&m| (m != 0) as u32 as f32).collect();
         s.memcpy_htod(&allow, self.allow.slice_mut()).map_err(e())?;
-        let lab: Vec<i32> = labels.iter().map(|&l| l as i32).collect();
-        s.memcpy_htod(&lab, self.label.slice_mut()).map_err(e())?;
         Ok(())
     }
 
@@ -1086,9 +1226,14 @@ impl EncoderPlan {
             .map_err(driver("reading the logits"))
     }
 
-    /// Classes of the classifier head (C, the logits' row length).
+    /// The logits' row length: the classifier's classes C, or the MLM decoder's width V′.
     pub fn classes(&self) -> usize {
-        self.labels
+        self.classes
+    }
+
+    /// Rows of the logits: B for a classifier, the MLM head's row capacity R.
+    pub fn head_rows(&self) -> usize {
+        self.head_rows
     }
 
     fn step_ptr(&self) -> u64 {
@@ -1318,8 +1463,12 @@ impl EncoderPlan {
             ln.forward(dev, x, self.hfinal.ptr())?;
             x = self.hfinal.ptr();
         }
+        let c = match &self.head {
+            HeadPlan::Mlm(m) => return m.forward(dev, blas, x, self.logits.ptr()),
+            HeadPlan::Classifier(c) => c,
+        };
         // Head on the [CLS] rows (the last block already ran on them only).
-        let hcls = self.hcls.ptr();
+        let hcls = c.hcls.ptr();
         let last_rows = self.blocks.last().map_or(n, |l| l.rows);
         if last_rows == n {
             self.gather(dev, x, self.cls_slot.ptr(), b, hcls)?;
@@ -1327,8 +1476,8 @@ impl EncoderPlan {
             // SAFETY: both hold B·D floats.
             unsafe { raw::copy(dev, hcls, x, b * d)? };
         }
-        let (pre, pooled) = (self.pre.ptr(), self.pooled.ptr());
-        self.pool.forward(dev, blas, hcls, pre)?;
+        let (pre, pooled) = (c.pre.ptr(), c.pooled.ptr());
+        c.pool.forward(dev, blas, hcls, pre)?;
         let bd = (b * d) as i64;
         // SAFETY: pre and pooled hold B·D floats.
         unsafe {
@@ -1340,16 +1489,21 @@ impl EncoderPlan {
             )?
         };
         if train {
-            self.drop_head.apply(dev, step, pooled, pooled, b * d)?;
+            c.drop.apply(dev, step, pooled, pooled, b * d)?;
         }
-        self.cls.forward(dev, blas, pooled, self.logits.ptr())
+        c.cls.forward(dev, blas, pooled, self.logits.ptr())
     }
 
     /// Cross-entropy of the logits against the batch's labels, and ∂L/∂logits.
     fn loss(&self, dev: &Device) -> Result<(), CudaError> {
-        let b = self.b;
-        // Cross-entropy (mean over the B rows, no ignored label) and ∂L/∂logits.
-        let (rows, classes, ignore, write) = (b as i32, self.labels as i32, i32::MIN, 1i32);
+        // Cross-entropy, mean over the counted rows (a classifier's B, no label ignored; the
+        // masked-LM head's labelled rows of R), and ∂L/∂logits.
+        let b = self.head_rows;
+        let ignore = match self.head {
+            HeadPlan::Classifier(_) => i32::MIN,
+            HeadPlan::Mlm(_) => comera_layers::loss::IGNORE_INDEX,
+        };
+        let (rows, classes, write) = (b as i32, self.classes as i32, 1i32);
         let (lg, lb, cnt, dl) = (
             self.logits.ptr(),
             self.label.ptr(),
@@ -1361,7 +1515,8 @@ impl EncoderPlan {
             self.ce_row_hit.ptr(),
             self.ce_out.ptr(),
         );
-        // SAFETY: logits and their gradient hold B·C floats, labels B, row buffers B, out 4.
+        // SAFETY: logits and their gradient hold rows·C floats, labels and the row buffers rows
+        // (the head's rows), out 4.
         unsafe {
             launch(
                 dev,
@@ -1391,53 +1546,12 @@ impl EncoderPlan {
         let (b, t, d, n) = (self.b, self.t, self.d, self.b * self.t);
         let nd = n * d;
         let step = self.step_ptr();
-        // Head.
-        let (pooled, dpooled, pre, hcls, dcls) = (
-            self.pooled.ptr(),
-            self.dpooled.ptr(),
-            self.pre.ptr(),
-            self.hcls.ptr(),
-            self.dcls.ptr(),
-        );
-        self.cls.backward(
-            dev,
-            blas,
-            pooled,
-            self.dlogits.ptr(),
-            Some((dpooled, false)),
-        )?;
-        self.drop_head.apply(dev, step, dpooled, dpooled, b * d)?;
-        let bd = (b * d) as i64;
-        // SAFETY: pre and dpooled hold B·D floats.
-        unsafe {
-            launch(
-                dev,
-                "tanh_backward",
-                grid_stride(b * d),
-                &[&pre, &dpooled, &bd],
-            )?
-        };
-        self.pool
-            .backward(dev, blas, hcls, dpooled, Some((dcls, false)))?;
-        // ∂L/∂(last block output): its B rows are the [CLS] rows (or scattered into N rows).
         let dflow = self.dflow.ptr();
         let last_rows = self.blocks.last().map_or(n, |l| l.rows);
-        if last_rows == n {
-            // SAFETY: dflow holds N·D floats.
-            unsafe { raw::zero(dev, dflow, nd)? };
-            self.segment_sum(
-                dev,
-                dcls,
-                self.seq_order.ptr(),
-                self.seq_start.ptr(),
-                self.cls_slot.ptr(),
-                b,
-                false,
-                dflow,
-            )?;
-        } else {
-            // SAFETY: both hold B·D floats.
-            unsafe { raw::copy(dev, dflow, dcls, b * d)? };
+        match &self.head {
+            // ∂L/∂H of the selected rows, scattered into N rows.
+            HeadPlan::Mlm(m) => m.backward(dev, blas, self.dlogits.ptr(), dflow, n)?,
+            HeadPlan::Classifier(c) => self.classifier_backward(dev, blas, c, last_rows)?,
         }
         if let (Some(ln), Some(last)) = (&self.ln_final, self.blocks.last()) {
             // Through the final LN (pre-LN), on the last block's R output rows.
@@ -1735,6 +1849,67 @@ impl EncoderPlan {
         )
     }
 
+    /// The classifier head's backward from ∂L/∂logits: its gradients, and ∂L/∂(the last
+    /// block's output) in `dflow` (its B [CLS] rows, or scattered into N rows).
+    fn classifier_backward(
+        &self,
+        dev: &Device,
+        blas: &CudaBlas,
+        c: &ClsHead,
+        last_rows: usize,
+    ) -> Result<(), CudaError> {
+        let (b, d, n) = (self.b, self.d, self.b * self.t);
+        let nd = n * d;
+        let step = self.step_ptr();
+        let (pooled, dpooled, pre, hcls, dcls) = (
+            c.pooled.ptr(),
+            c.dpooled.ptr(),
+            c.pre.ptr(),
+            c.hcls.ptr(),
+            c.dcls.ptr(),
+        );
+        c.cls.backward(
+            dev,
+            blas,
+            pooled,
+            self.dlogits.ptr(),
+            Some((dpooled, false)),
+        )?;
+        c.drop.apply(dev, step, dpooled, dpooled, b * d)?;
+        let bd = (b * d) as i64;
+        // SAFETY: pre and dpooled hold B·D floats.
+        unsafe {
+            launch(
+                dev,
+                "tanh_backward",
+                grid_stride(b * d),
+                &[&pre, &dpooled, &bd],
+            )?
+        };
+        c.pool
+            .backward(dev, blas, hcls, dpooled, Some((dcls, false)))?;
+        // ∂L/∂(last block output): its B rows are the [CLS] rows (or scattered into N rows).
+        let dflow = self.dflow.ptr();
+        if last_rows == n {
+            // SAFETY: dflow holds N·D floats.
+            unsafe { raw::zero(dev, dflow, nd)? };
+            self.segment_sum(
+                dev,
+                dcls,
+                self.seq_order.ptr(),
+                self.seq_start.ptr(),
+                self.cls_slot.ptr(),
+                b,
+                false,
+                dflow,
+            )?;
+        } else {
+            // SAFETY: both hold B·D floats.
+            unsafe { raw::copy(dev, dflow, dcls, b * d)? };
+        }
+        Ok(())
+    }
+
     /// Gradient norm and clip factor, then AdamW over the whole arena (optim.cu).
     fn update(&self, dev: &Device) -> Result<(), CudaError> {
         let total = self.arena.total();
@@ -1800,6 +1975,16 @@ impl EncoderPlan {
             )
         }
     }
+}
+
+/// `what` has `len` values where the plan takes `want`.
+fn check_len(what: &str, len: usize, want: usize) -> Result<(), CudaError> {
+    if len == want {
+        return Ok(());
+    }
+    Err(CudaError::Plan(format!(
+        "{what}: {len} values, the plan takes {want}"
+    )))
 }
 
 /// The device address of a cudarc buffer the plan owns for its whole life.

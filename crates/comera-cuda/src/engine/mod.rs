@@ -19,6 +19,7 @@
 
 pub mod arena;
 pub mod encoder;
+mod mlm;
 pub mod rank;
 pub mod raw;
 pub mod session;

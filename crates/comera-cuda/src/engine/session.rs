@@ -159,22 +159,48 @@ impl EncoderSession {
         self.rank_step = r;
     }
 
-    /// One training step on a batch (B × T ids, types, mask; B labels) at dropout step `step`
-    /// and learning-rate scale `lr_scale`; returns the loss and gradient norm (the one host
-    /// wait of a step).
+    /// One training step on a classifier batch (B × T ids, types, mask; B labels) at dropout
+    /// step `step` and learning-rate scale `lr_scale`; returns the loss and gradient norm (the
+    /// one host wait of a step).
     pub fn step(
         &mut self,
         (ids, types, mask, labels): (&[u32], &[u32], &[u32], &[usize]),
         step: u64,
         lr_scale: f32,
     ) -> Result<DeviceStepStats, CudaError> {
+        self.trainable()?;
+        self.plan.load(&self.dev, ids, types, mask, labels)?;
+        self.run_step(step, lr_scale)
+    }
+
+    /// One training step on a masked-LM batch (B × T masked ids and mask, each token's label
+    /// or `IGNORE_INDEX`, the predicted positions ascending), as [`EncoderSession::step`].
+    pub fn step_mlm(
+        &mut self,
+        (ids, mask, token_labels, selected): (&[u32], &[u32], &[i32], &[u32]),
+        step: u64,
+        lr_scale: f32,
+    ) -> Result<DeviceStepStats, CudaError> {
+        self.trainable()?;
+        self.plan
+            .load_mlm(&self.dev, ids, mask, token_labels, selected)?;
+        self.run_step(step, lr_scale)
+    }
+
+    /// Refuses a training step in a session opened for inference.
+    fn trainable(&self) -> Result<(), CudaError> {
         if self.inference_only {
             return Err(CudaError::Plan(
                 "a training step in a session opened for inference only (EncoderSession::for_inference)"
                     .into(),
             ));
         }
-        self.plan.load(&self.dev, ids, types, mask, labels)?;
+        Ok(())
+    }
+
+    /// The step on the batch loaded: its scalars, the captured graph (or the launches), the
+    /// statistics.
+    fn run_step(&mut self, step: u64, lr_scale: f32) -> Result<DeviceStepStats, CudaError> {
         self.plan
             .set_step(&self.dev, step, self.t_adam + 1, lr_scale)?;
         if self.plan.has_rank_schedule() {

@@ -43,7 +43,7 @@ pub use block::Block;
 pub use distill::{DistillLoss, Teacher};
 pub use head::{ClassifierHead, ClassifierState, Head, HeadState};
 pub use plan::KEEP_GELU_MAX_ROWS;
-pub use state::{BatchError, BlockState, ClassifierBatch, EncoderState};
+pub use state::{BatchError, BlockState, ClassifierBatch, EncoderState, MlmBatch};
 
 use crate::config::{ConfigError, EncoderConfig, LayerTt, Layouts};
 use block::{block_backward, block_forward, first_rows, set_first_rows, BlockCx, Rows};

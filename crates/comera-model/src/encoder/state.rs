@@ -49,6 +49,15 @@ pub struct ClassifierBatch<'a> {
     pub labels: &'a [i32], // B
 }
 
+/// A loaded masked-LM batch as a step engine on another device takes it
+/// ([`EncoderState::mlm_batch`]).
+pub struct MlmBatch<'a> {
+    pub ids: &'a [u32],          // B × T: the masked ids
+    pub mask: &'a [u8],          // B × T: 1 = real token
+    pub token_labels: &'a [i32], // B × T: the label of each token, or IGNORE_INDEX
+    pub selected: &'a [u32],     // the predicted positions, ascending
+}
+
 /// Everything a step of an [`Encoder`] needs for a fixed (batch, seq_len).
 #[derive(Debug)]
 pub struct EncoderState {
@@ -434,6 +443,19 @@ impl EncoderState {
                 labels: &h.labels,
             }),
             HeadState::Mlm(_) => None,
+        }
+    }
+
+    /// The masked-LM batch loaded last (None for a classifier's state).
+    pub fn mlm_batch(&self) -> Option<MlmBatch<'_>> {
+        match &self.head {
+            HeadState::Mlm(h) => Some(MlmBatch {
+                ids: &self.ids,
+                mask: &self.mask,
+                token_labels: &h.token_labels,
+                selected: &h.selected,
+            }),
+            HeadState::Classifier(_) => None,
         }
     }
 

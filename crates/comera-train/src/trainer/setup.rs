@@ -188,7 +188,17 @@ pub(super) fn encoder(
         );
     }
     cfg.rank.check_layers(&model).map_err(ConfigError::from)?;
-    let device = encoder_device(cfg, &phases, &model, teacher.is_some(), rep)?;
+    let mlm_rows_per_seq = match &data {
+        EncoderData::Mlm(d) => d.masker.max_selected_per_row(phases[0].seq_len),
+        EncoderData::Classify(_) => 0,
+    };
+    let device = encoder_device(
+        cfg,
+        &phases,
+        &model,
+        (teacher.is_some(), mlm_rows_per_seq),
+        rep,
+    )?;
     let (run_dir, resume) = start.open(&out, &config_toml)?;
     let vocab = match &run_dir {
         Some(_) => own_vocab(&out, &vocab)?,
@@ -227,7 +237,7 @@ fn encoder_device(
     cfg: &RunConfig,
     phases: &[Phase],
     model: &Encoder,
-    teacher: bool,
+    (teacher, mlm_rows_per_seq): (bool, usize),
     rep: &mut Reporter,
 ) -> crate::Result<Option<Box<dyn DeviceStep<Encoder>>>> {
     let device = cfg.train.device;
@@ -255,6 +265,7 @@ fn encoder_device(
         seq_len: phase.seq_len,
         seed: cfg.train.seed,
         rank: crate::device::rank_settings(&rank),
+        mlm_rows_per_seq,
     };
     let engine = CudaEncoder::new(&run, model)?;
     rep.say(format!(
