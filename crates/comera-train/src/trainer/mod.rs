@@ -18,6 +18,8 @@
 
 mod report;
 mod run;
+#[cfg(test)]
+mod seam_tests;
 mod setup;
 
 use crate::checkpoint::Checkpoint;

@@ -1,0 +1,325 @@
+//! The device seam's host side, without a GPU: the CPU engine put behind [`DeviceStep`] (its
+//! own model and optimiser, reached only through the seam's copies, as a GPU's would be), and
+//! a whole rank-adaptive run through the loop against the same run on the CPU. The run holds
+//! the gates for its first steps, switches to the late stage, truncates several times, logs
+//! every step, evaluates and checkpoints; every one of those reads the host model. Whatever
+//! the loop forgot to copy back or to send to the device (a stale gate for the switch's size,
+//! a truncation the device did not see, the hold or the stage not passed on) makes the two
+//! runs part; they must agree bit for bit: the metrics log and the model file.
+
+use super::{run, setup, Reporter, Start};
+use crate::config::RunConfig;
+use crate::device::{DeviceError, DeviceStats, DeviceStep};
+use comera_cuda::engine::{RankSettings, RankStep};
+use comera_layers::ParamKind;
+use comera_model::{Encoder, EncoderState};
+use comera_optim::rank::{RankConfig, RankController, Stage};
+use comera_optim::{Decay, Optimizer, Schedule, Stepper};
+use std::path::Path;
+
+/// The CPU engine behind the seam: the loop's host model and optimiser are not its own.
+struct CpuBehindTheSeam {
+    model: Encoder,
+    optim: comera_optim::AdamWConfig,
+    clip_norm: f32,
+    stepper: Option<Stepper>,
+    st: Option<EncoderState>,
+    labels: Vec<usize>,
+    mask: Vec<u32>,
+}
+
+impl CpuBehindTheSeam {
+    fn stepper(&mut self) -> &mut Stepper {
+        self.stepper
+            .as_mut()
+            .expect("set_rank_schedule comes first (Loop::new)")
+    }
+}
+
+fn adam(o: &Optimizer) -> &comera_optim::AdamW {
+    match o {
+        Optimizer::AdamW(a) => a,
+        Optimizer::GaLore(_) => unreachable!("no GaLore here"),
+    }
+}
+
+impl DeviceStep<Encoder> for CpuBehindTheSeam {
+    fn describe(&self) -> String {
+        "the CPU behind the device seam".into()
+    }
+
+    fn step(
+        &mut self,
+        st: &EncoderState,
+        step: u64,
+        lr_scale: f32,
+        rank: Option<RankStep>,
+    ) -> Result<DeviceStats, DeviceError> {
+        let batch = st.classifier_batch().expect("a classifier batch");
+        let (b, n) = (batch.labels.len(), batch.ids.len());
+        self.mask.clear();
+        self.mask.extend(batch.mask.iter().map(|&m| m as u32));
+        self.labels.clear();
+        self.labels.extend(batch.labels.iter().map(|&l| l as usize));
+        let model = &self.model;
+        let own = self
+            .st
+            .get_or_insert_with(|| model.state_for(b, n / b, 0).unwrap());
+        own.load(batch.ids, batch.types, &self.mask, &self.labels)
+            .unwrap();
+        let mut own = self.st.take().unwrap();
+        let stepper = self.stepper.as_mut().unwrap();
+        // The run's schedule is constant: the host's scale is the stepper's own.
+        assert_eq!(lr_scale, stepper.schedule.scale(step), "step {step}");
+        if let Some(r) = rank {
+            let c = &mut stepper.rank;
+            c.cfg.gates_after_steps = if r.hold { u64::MAX } else { 0 };
+            (c.stage, c.target_size) = match r.late_target {
+                Some(s0) => (Stage::Late, Some(s0)),
+                None => (Stage::Early, None),
+            };
+        }
+        let report = stepper.step(&mut self.model, &mut own, step).unwrap();
+        self.st = Some(own);
+        let active = rank.is_some();
+        let o = report.objective;
+        Ok(DeviceStats {
+            loss: report.stats.loss,
+            correct: report.stats.correct,
+            count: report.stats.count,
+            grad_norm: report.grad_norm,
+            objective: active.then_some(comera_cuda::engine::DeviceObjective {
+                size: o.size,
+                size_l1: o.size_l1,
+                branch: match o.branch {
+                    comera_optim::rank::Branch::Early => comera_cuda::engine::DeviceBranch::Early,
+                    comera_optim::rank::Branch::Loss => comera_cuda::engine::DeviceBranch::Loss,
+                    comera_optim::rank::Branch::Size => comera_cuda::engine::DeviceBranch::Size,
+                },
+                w_loss: o.w_loss,
+                w_size: o.w_size,
+            }),
+        })
+    }
+
+    fn copy_to_host(
+        &mut self,
+        model: &mut Encoder,
+        optimizer: &mut Optimizer,
+    ) -> Result<(), DeviceError> {
+        model.clone_from(&self.model);
+        let own = adam(&self.stepper().optimizer).clone();
+        if let Optimizer::AdamW(a) = optimizer {
+            (a.m, a.v, a.t) = (own.m, own.v, own.t);
+        }
+        Ok(())
+    }
+
+    fn copy_gates_to_host(&mut self, model: &mut Encoder) -> Result<(), DeviceError> {
+        let mut gates = Vec::new();
+        self.model.visit_params_mut(&mut |p| {
+            if p.kind == ParamKind::RankGate {
+                gates.push(p.value.clone());
+            }
+        });
+        let mut gates = gates.into_iter();
+        model.visit_params_mut(&mut |p| {
+            if p.kind == ParamKind::RankGate {
+                p.value = gates.next().unwrap();
+            }
+        });
+        Ok(())
+    }
+
+    fn copy_from_host(
+        &mut self,
+        model: &Encoder,
+        optimizer: &Optimizer,
+    ) -> Result<(), DeviceError> {
+        self.model.clone_from(model);
+        let host = adam(optimizer).clone();
+        if let Some(s) = self.stepper.as_mut() {
+            s.optimizer = Optimizer::AdamW(host);
+        }
+        Ok(())
+    }
+
+    fn set_rank_schedule(
+        &mut self,
+        model: &Encoder,
+        settings: Option<RankSettings>,
+    ) -> Result<(), DeviceError> {
+        let Some(s) = settings else {
+            panic!("this test runs the rank schedule");
+        };
+        let cfg = RankConfig {
+            gamma: s.gamma,
+            beta: s.beta,
+            rho_loss: s.rho_loss,
+            rho_size: s.rho_size,
+            target_loss: s.target_loss,
+            size_weight: s.size_weight,
+            layer_prefix: s.layer_prefix.clone(),
+            min_rank: s.min_rank,
+            normalise_gates: s.normalise_gates,
+            ..RankConfig::default()
+        };
+        let mut rc = RankController::new(&cfg, model);
+        rc.s_ref = s.s_ref;
+        let optimizer = Optimizer::new(self.optim.clone(), None, &mut self.model);
+        let schedule = Schedule {
+            warmup: 0,
+            total: u64::MAX,
+            decay: Decay::Constant,
+        };
+        let threshold = model.cfg.threshold;
+        self.stepper = Some(Stepper::new(
+            optimizer,
+            rc,
+            schedule,
+            self.clip_norm,
+            threshold,
+        ));
+        Ok(())
+    }
+}
+
+/// A small rank-adaptive classifier run on sentiment-like texts in `dir`.
+fn config(dir: &Path, out: &str) -> RunConfig {
+    let words = [
+        "the", "film", "was", "plot", "acting", "and", "really", "quite", "story",
+    ];
+    let mut vocab = vec![
+        "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "great", "bad",
+    ];
+    vocab.extend(words);
+    std::fs::write(dir.join("vocab.txt"), vocab.join("\n") + "\n").unwrap();
+    let mut rows = vec!["sentence\tlabel".to_string()];
+    for i in 0..160usize {
+        let key = if i % 2 == 0 { "good" } else { "bad" };
+        let body: Vec<&str> = (0..3 + i % 5)
+            .map(|k| words[(i * 7 + k * 3) % words.len()])
+            .collect();
+        let label = if i % 2 == 0 { "pos" } else { "neg" };
+        rows.push(format!(
+            "{} {key} {}\t{label}",
+            body.join(" "),
+            words[i % 9]
+        ));
+    }
+    std::fs::write(dir.join("train.tsv"), rows.join("\n") + "\n").unwrap();
+    let d = dir.display();
+    let text = format!(
+        r#"
+[data]
+source = "tsv"
+train = "{d}/train.tsv"
+text_a = "sentence"
+label = "label"
+labels = ["neg", "pos"]
+vocab = "{d}/vocab.txt"
+valid_fraction = 0.2
+
+[model]
+vocab_size = {v}
+seq_len = 12
+d_model = 16
+heads = 2
+ffn = 32
+layers = 1
+dropout = 0.1
+tt_linear = true
+ttm_embedding = true
+attn_tt = {{ in_modes = [4, 4], out_modes = [4, 4], rank = 4 }}
+ffn_up_tt = {{ in_modes = [4, 4], out_modes = [8, 4], rank = 4 }}
+ffn_down_tt = {{ in_modes = [8, 4], out_modes = [4, 4], rank = 4 }}
+word_ttm = {{ vocab_modes = [3, 6], dim_modes = [4, 4], rank = 4 }}
+
+[optim]
+lr_cores = 0.01
+lr_gates = 0.1
+lr_other = 0.01
+clip_norm = 1.0
+
+[rank]
+enabled = true
+gamma = 1.0
+truncate_every = 5
+late_after_steps = 20
+target_ratio = 0.5
+gates_after_steps = 3
+normalise_gates = false
+
+[train]
+epochs = 3
+batch_size = 16
+warmup_steps = 0
+decay = "constant"
+log_every = 1
+checkpoint_every = 7
+out_dir = "{d}/{out}"
+"#,
+        v = vocab.len()
+    );
+    RunConfig::from_toml(&dir.join("run.toml"), &text).unwrap()
+}
+
+/// `cfg`'s run, its steps on the CPU behind the seam when `seam`; the run's metrics log and
+/// model file.
+fn run_once(cfg: &RunConfig, seam: bool) -> (String, Vec<u8>) {
+    let mut rep = Reporter::new(Vec::new());
+    rayon::scope(|_| {
+        let mut s = setup::encoder(cfg, Start::Fresh(false), &mut rep).unwrap();
+        if seam {
+            s.run.device = Some(Box::new(CpuBehindTheSeam {
+                model: s.run.model.clone(),
+                optim: s.run.optim.clone(),
+                clip_norm: s.run.clip_norm,
+                stepper: None,
+                st: None,
+                labels: Vec::new(),
+                mask: Vec::new(),
+            }));
+        }
+        run::run(s, rep).unwrap();
+    });
+    let out = &cfg.train.out_dir;
+    // Timings differ from run to run: drop them from the records compared.
+    let log = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let log = log
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            if let Some(o) = v.as_object_mut() {
+                for k in ["tokens_per_s", "ms_per_step", "seconds", "peak_rss_bytes"] {
+                    o.remove(k);
+                }
+            }
+            v.to_string()
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    (log, std::fs::read(out.join("model.safetensors")).unwrap())
+}
+
+#[test]
+fn a_rank_adaptive_run_through_the_device_seam_is_the_cpu_run_bit_for_bit() {
+    let dir = std::env::temp_dir().join(format!("comera-seam-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cpu, seam) = (config(&dir, "cpu"), config(&dir, "seam"));
+    let (cpu_log, cpu_model) = run_once(&cpu, false);
+    let (seam_log, seam_model) = run_once(&seam, true);
+    let count = |log: &str, kind: &str| log.matches(&format!("\"kind\":\"{kind}\"")).count();
+    assert!(
+        count(&cpu_log, "truncate") >= 2,
+        "the run truncates: {cpu_log}"
+    );
+    assert_eq!(count(&cpu_log, "stage"), 1, "the run switches: {cpu_log}");
+    for (c, s) in cpu_log.lines().zip(seam_log.lines()) {
+        assert_eq!(c, s, "the seam's run parts from the CPU's");
+    }
+    assert_eq!(cpu_log.lines().count(), seam_log.lines().count());
+    assert!(cpu_model == seam_model, "model files differ");
+    let _ = std::fs::remove_dir_all(&dir);
+}
