@@ -5,7 +5,9 @@
 //! every step, evaluates and checkpoints; every one of those reads the host model. Whatever
 //! the loop forgot to copy back or to send to the device (a stale gate for the switch's size,
 //! a truncation the device did not see, the hold or the stage not passed on) makes the two
-//! runs part; they must agree bit for bit: the metrics log and the model file.
+//! runs part; they must agree bit for bit: the metrics log and the model file. And the same run
+//! stopped on the seam (its checkpoint written from the seam's copies) and resumed on the CPU
+//! is that run again.
 
 use super::{run, setup, Reporter, Start};
 use crate::config::RunConfig;
@@ -267,6 +269,12 @@ out_dir = "{d}/{out}"
 /// `cfg`'s run, its steps on the CPU behind the seam when `seam`; the run's metrics log and
 /// model file.
 fn run_once(cfg: &RunConfig, seam: bool) -> (String, Vec<u8>) {
+    run_once_unread(cfg, seam);
+    read_run(cfg)
+}
+
+/// `cfg`'s run, its steps on the CPU behind the seam when `seam`.
+fn run_once_unread(cfg: &RunConfig, seam: bool) {
     let mut rep = Reporter::new(Vec::new());
     rayon::scope(|_| {
         let mut s = setup::encoder(cfg, Start::Fresh(false), &mut rep).unwrap();
@@ -283,6 +291,10 @@ fn run_once(cfg: &RunConfig, seam: bool) -> (String, Vec<u8>) {
         }
         run::run(s, rep).unwrap();
     });
+}
+
+/// The run's metrics log (without its timings) and model file.
+fn read_run(cfg: &RunConfig) -> (String, Vec<u8>) {
     let out = &cfg.train.out_dir;
     // Timings differ from run to run: drop them from the records compared.
     let log = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
@@ -321,5 +333,17 @@ fn a_rank_adaptive_run_through_the_device_seam_is_the_cpu_run_bit_for_bit() {
     }
     assert_eq!(cpu_log.lines().count(), seam_log.lines().count());
     assert!(cpu_model == seam_model, "model files differ");
+    // Stopped on the seam after a truncation and the switch, resumed on the CPU from the
+    // checkpoint the seam's state was copied into: the CPU run again.
+    let mut half = config(&dir, "half");
+    half.train.stop_after_steps = 23;
+    run_once_unread(&half, true);
+    super::resume(&half.train.out_dir).unwrap();
+    let (half_log, half_model) = read_run(&half);
+    assert_eq!(half_log, cpu_log, "stopped on the seam, resumed on the CPU");
+    assert!(
+        half_model == cpu_model,
+        "model files differ after the resume"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
