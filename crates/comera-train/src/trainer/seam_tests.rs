@@ -345,5 +345,23 @@ fn a_rank_adaptive_run_through_the_device_seam_is_the_cpu_run_bit_for_bit() {
         half_model == cpu_model,
         "model files differ after the resume"
     );
+    // The switch by a plateau of S instead (the controller reads S at each window's end, here
+    // steps 12 and 23, between the truncations), with few log lines (each of which copies the
+    // gates back).
+    let plateau = |out: &str| {
+        let mut c = config(&dir, out);
+        (
+            c.rank.late_after_steps,
+            c.rank.plateau_steps,
+            c.rank.plateau_tol,
+        ) = (0, 11, 0.1);
+        c.train.log_every = 50;
+        c
+    };
+    let (cpu_log, cpu_model) = run_once(&plateau("cpu-plateau"), false);
+    let (seam_log, seam_model) = run_once(&plateau("seam-plateau"), true);
+    assert_eq!(count(&cpu_log, "stage"), 1, "the run switches: {cpu_log}");
+    assert_eq!(seam_log, cpu_log, "the plateau run through the seam");
+    assert!(cpu_model == seam_model, "model files differ (plateau)");
     let _ = std::fs::remove_dir_all(&dir);
 }
