@@ -132,11 +132,7 @@ fn one(
     };
     let mut plan = EncoderPlan::new(dev, enc, 0, b, t, opt)?;
     if rank.is_some() {
-        let early = RankStep {
-            hold: false,
-            late_target: None,
-        };
-        plan.set_rank_step(dev, early)?;
+        plan.set_rank_step(dev, RankStep::EARLY)?;
     }
     let used_plan = total - dev.memory()?.0;
     let (ids, types, mask, labels) = batch(cfg, b);

@@ -88,6 +88,29 @@ pub struct RankStep {
     pub late_target: Option<f64>,
 }
 
+impl RankStep {
+    /// The early stage, gates not held.
+    pub const EARLY: RankStep = RankStep {
+        hold: false,
+        late_target: None,
+    };
+}
+
+/// `rank_objective`'s params for step inputs `r` under `s` (the order `rank.cu` reads).
+fn params_of(s: &RankSettings, r: RankStep) -> [f64; 9] {
+    [
+        r.hold as u8 as f64,
+        r.late_target.is_some() as u8 as f64,
+        r.late_target.unwrap_or(0.0),
+        s.s_ref,
+        s.gamma,
+        s.rho_loss,
+        s.rho_size,
+        s.target_loss,
+        s.size_weight,
+    ]
+}
+
 /// Which term drove a device step (the CPU's `Branch`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceBranch {
@@ -306,7 +329,7 @@ impl RankPlan {
             gate_names,
             bond_l1: Buf::zeros(dev, t.bonds())?,
             size: Buf::zeros(dev, 2 * t.chains())?,
-            params: Buf::zeros(dev, 9)?,
+            params: Buf::copy_from_host(dev, &params_of(&settings, RankStep::EARLY))?,
             objective: Buf::zeros(dev, 5)?,
             scales: Buf::zeros(dev, 3)?,
             settings,
@@ -314,21 +337,10 @@ impl RankPlan {
     }
 
     /// The step's inputs, copied to the device before the step (`rank_objective`'s params).
+    /// Until the first call the plan runs the early stage.
     pub fn set_step(&mut self, dev: &Device, r: RankStep) -> Result<(), CudaError> {
-        let s = &self.settings;
-        let p = [
-            r.hold as u8 as f64,
-            r.late_target.is_some() as u8 as f64,
-            r.late_target.unwrap_or(0.0),
-            s.s_ref,
-            s.gamma,
-            s.rho_loss,
-            s.rho_size,
-            s.target_loss,
-            s.size_weight,
-        ];
         dev.stream()
-            .memcpy_htod(&p, self.params.slice_mut())
+            .memcpy_htod(&params_of(&self.settings, r), self.params.slice_mut())
             .map_err(crate::error::driver(
                 "copying the rank schedule's step inputs",
             ))

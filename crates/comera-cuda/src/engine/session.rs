@@ -66,10 +66,7 @@ impl EncoderSession {
         Ok(EncoderSession {
             seed,
             opt,
-            rank_step: RankStep {
-                hold: false,
-                late_target: None,
-            },
+            rank_step: RankStep::EARLY,
             graph: None,
             eval_graph: None,
             plan,
