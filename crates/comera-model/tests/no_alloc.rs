@@ -1,7 +1,7 @@
 //! A steady-state training step (forward, loss, backward, the rank objective, clipping, AdamW)
 //! allocates nothing:
 //! the CPU counterpart of the paper's whole-step CUDA Graph. A counting global allocator
-//! watches step 3.
+//! watches the steady-state steps (all after the first two).
 
 use comera_model::{Encoder, EncoderConfig, HeadKind, LayerTt};
 use comera_optim::{clip_scale_par, AdamW, AdamWConfig, ParamSums, RankConfig, RankController};
@@ -67,6 +67,9 @@ fn steady_state_training_steps_allocate_nothing() {
     }
 }
 
+/// Steps per model: two to warm up, then the steady state.
+const STEPS: usize = 8;
+
 fn steps_allocate_nothing(threads: usize) {
     // The last flag fuses q/k/v and the FFN whatever the planner chose (too small here to
     // choose it).
@@ -120,7 +123,7 @@ fn steps_allocate_nothing(threads: usize) {
             .collect();
         // Allocations per step, split by phase: (load + zero_grad, forward, backward and the rank
         // objective, clip + AdamW).
-        let mut counts = [[0usize; 4]; 4];
+        let mut counts = [[0usize; 4]; STEPS];
         for (step, phases) in counts.iter_mut().enumerate() {
             let a0 = ALLOCS.load(Ordering::SeqCst);
             if mlm {
@@ -148,17 +151,21 @@ fn steps_allocate_nothing(threads: usize) {
             ALLOCS.load(Ordering::SeqCst) > c0,
             "the counting allocator is in use"
         );
+        // The steady state: every step after the first two.
+        let per_step: Vec<usize> = counts[2..].iter().map(|c| c.iter().sum()).collect();
         if threads == 1 {
-            assert_eq!(counts[2], [0; 4], "{tag}");
-            assert_eq!(counts[3], [0; 4], "{tag}");
+            assert!(per_step.iter().all(|&n| n == 0), "{tag}");
         } else {
             // With two workers the engine runs the same code, but when the threads race (seen
-            // only with the machine under load) the scheduler allocates now and then: at most
-            // one allocation in a step in 40 runs beside a CPU hog, not growing with the model.
-            // We attribute it to rayon's work stealing (its deques retire buffers through
-            // crossbeam-epoch), not verified in detail. One thread is exact, above.
-            let stray: usize = counts[2].iter().chain(&counts[3]).sum();
-            assert!(stray <= 2, "{tag}");
+            // only with the machine under load) the scheduler allocates now and then: up to
+            // three allocations in a step beside a CPU hog, in no fixed step, not growing with
+            // the model. We attribute them to rayon's work stealing (its deques retire buffers
+            // through crossbeam-epoch), not verified in detail. An allocation of the engine's
+            // own would come back in every step, so the steady state must have steps that
+            // allocate nothing, and few strays in all. One thread is exact, above.
+            let clean = per_step.iter().filter(|&&n| n == 0).count();
+            let stray: usize = per_step.iter().sum();
+            assert!(clean >= per_step.len() / 2 && stray <= 8, "{tag}");
         }
     }
 }
