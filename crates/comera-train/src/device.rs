@@ -289,6 +289,19 @@ impl CudaLogits {
     }
 }
 
+/// A classifier batch's mask and labels in the words a step engine loads (mask 0/1 as `u32`,
+/// labels as indices), into buffers kept between steps.
+pub(crate) fn classifier_words(
+    batch: &comera_model::encoder::ClassifierBatch,
+    mask: &mut Vec<u32>,
+    labels: &mut Vec<usize>,
+) {
+    mask.clear();
+    mask.extend(batch.mask.iter().map(|&m| m as u32));
+    labels.clear();
+    labels.extend(batch.labels.iter().map(|&l| l as usize));
+}
+
 /// The text classifier's step on a CUDA GPU ([`EncoderSession`]: the whole step captured once
 /// as a CUDA graph and replayed).
 pub struct CudaEncoder {
@@ -370,14 +383,12 @@ impl DeviceStep<Encoder> for CudaEncoder {
         if let Some(r) = rank {
             self.session.set_rank_step(r);
         }
-        self.mask.clear();
         let s = if let Some(batch) = st.classifier_batch() {
-            self.mask.extend(batch.mask.iter().map(|&m| m as u32));
-            self.labels.clear();
-            self.labels.extend(batch.labels.iter().map(|&l| l as usize));
+            classifier_words(&batch, &mut self.mask, &mut self.labels);
             let batch = (batch.ids, batch.types, &self.mask[..], &self.labels[..]);
             self.session.step(batch, step, lr_scale)
         } else if let Some(batch) = st.mlm_batch() {
+            self.mask.clear();
             self.mask.extend(batch.mask.iter().map(|&m| m as u32));
             let batch = (
                 batch.ids,

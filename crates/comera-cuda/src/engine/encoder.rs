@@ -1249,16 +1249,7 @@ impl EncoderPlan {
         rows: usize,
         out: u64,
     ) -> Result<(), CudaError> {
-        let (r, d) = (rows as i32, self.d as i32);
-        // SAFETY: slot holds `rows` indices below src's rows; out rows·D floats.
-        unsafe {
-            launch(
-                dev,
-                "gather_rows",
-                grid(rows as u32, 1, BLOCK),
-                &[&src, &slot, &r, &d, &out],
-            )
-        }
+        gather_rows(dev, self.d, src, slot, rows, out)
     }
 
     /// dst[row u] (+)= Σ_{tokens of segment u, in token order} dy[token] (embedding.cu).
@@ -1274,17 +1265,13 @@ impl EncoderPlan {
         accumulate: bool,
         dst: u64,
     ) -> Result<(), CudaError> {
-        let (sg, d, acc) = (segments as i32, self.d as i32, accumulate as i32);
-        // SAFETY: order/start describe `segments` segments of rows of dy; dst_row (or row u
-        // when null) addresses rows of dst.
-        unsafe {
-            launch(
-                dev,
-                "segment_sum_rows",
-                grid(segments as u32, 1, BLOCK),
-                &[&dy, &order, &start, &dst_row, &sg, &d, &acc, &dst],
-            )
-        }
+        let segs = Segs {
+            order,
+            start,
+            dst_row,
+            segments,
+        };
+        segment_sum_rows(dev, self.d, dy, segs, accumulate, dst)
     }
 
     /// The head layout of one projection in rows (`to_heads`) or back.
@@ -1974,6 +1961,60 @@ impl EncoderPlan {
                 ],
             )
         }
+    }
+}
+
+/// out (rows × D) = src[slot[i]] (embedding.cu `gather_rows`).
+pub(super) fn gather_rows(
+    dev: &Device,
+    d: usize,
+    src: u64,
+    slot: u64,
+    rows: usize,
+    out: u64,
+) -> Result<(), CudaError> {
+    let (r, di) = (rows as i32, d as i32);
+    // SAFETY: slot holds `rows` indices below src's rows; out rows·D floats.
+    unsafe {
+        launch(
+            dev,
+            "gather_rows",
+            grid(rows as u32, 1, BLOCK),
+            &[&src, &slot, &r, &di, &out],
+        )
+    }
+}
+
+/// Segments of rows: segment u is `order[start[u] .. start[u + 1]]`, summed into row
+/// `dst_row[u]` (or row u when `dst_row` is null).
+pub(super) struct Segs {
+    pub order: u64,
+    pub start: u64,
+    pub dst_row: u64,
+    pub segments: usize,
+}
+
+/// dst[row u] (+)= Σ_{rows of segment u, in order} dy[row] (embedding.cu `segment_sum_rows`;
+/// an empty segment that accumulates touches nothing).
+pub(super) fn segment_sum_rows(
+    dev: &Device,
+    d: usize,
+    dy: u64,
+    s: Segs,
+    accumulate: bool,
+    dst: u64,
+) -> Result<(), CudaError> {
+    let (order, start, dst_row) = (s.order, s.start, s.dst_row);
+    let (sg, di, acc) = (s.segments as i32, d as i32, accumulate as i32);
+    // SAFETY: order/start describe `segments` segments of rows of dy; dst_row (or row u
+    // when null) addresses rows of dst.
+    unsafe {
+        launch(
+            dev,
+            "segment_sum_rows",
+            grid(s.segments as u32, 1, BLOCK),
+            &[&dy, &order, &start, &dst_row, &sg, &di, &acc, &dst],
+        )
     }
 }
 

@@ -14,8 +14,8 @@
 //! gradient they touch add exactly zero, and the scatter back skips them (empty segments).
 
 use super::arena::ParamArena;
-use super::encoder::{column_sum, Lin, Ln};
-use super::raw::{grid, grid_stride, launch, Buf, Gemm, BLOCK};
+use super::encoder::{column_sum, gather_rows, segment_sum_rows, Lin, Ln, Segs};
+use super::raw::{grid_stride, launch, Buf, Gemm};
 use super::tt::Slot;
 use crate::device::Device;
 use crate::error::CudaError;
@@ -130,18 +130,11 @@ impl MlmPlan {
             self.act.ptr(),
             self.t.ptr(),
         );
-        let (ri, di, rd) = (r as i32, d as i32, (r * d) as i64);
-        // SAFETY: sel holds R positions below N (padded with 0); x, pre, act hold R·D floats.
-        unsafe {
-            launch(
-                dev,
-                "gather_rows",
-                grid(r as u32, 1, BLOCK),
-                &[&hidden, &sel, &ri, &di, &x],
-            )?;
-        }
+        // sel holds R positions below N (padded with 0).
+        gather_rows(dev, d, hidden, sel, r, x)?;
         self.transform.forward(dev, blas, x, pre)?;
-        // SAFETY: as above.
+        let rd = (r * d) as i64;
+        // SAFETY: pre and act hold R·D floats.
         unsafe { launch(dev, "gelu_forward", grid_stride(r * d), &[&pre, &act, &rd])? };
         self.ln.forward(dev, act, t)?;
         match &self.decoder {
@@ -230,24 +223,16 @@ impl MlmPlan {
         };
         self.transform
             .backward(dev, blas, x, dt, Some((dx, false)))?;
-        let (order, start, sel, segs, di, acc) = (
-            self.sel_order.ptr(),
-            self.sel_start.ptr(),
-            self.sel.ptr(),
-            r as i32,
-            d as i32,
-            1i32,
-        );
-        // SAFETY: dh holds N·D floats; R segments of one row each (0..=S, then empty ones
-        // that touch nothing) into the selected rows, which are distinct.
-        unsafe {
-            super::raw::zero(dev, dh, n * d)?;
-            launch(
-                dev,
-                "segment_sum_rows",
-                grid(r as u32, 1, BLOCK),
-                &[&dx, &order, &start, &sel, &segs, &di, &acc, &dh],
-            )
-        }
+        // SAFETY: dh holds N·D floats.
+        unsafe { super::raw::zero(dev, dh, n * d)? };
+        // R segments of one row each (0..=S, then empty ones that touch nothing) into the
+        // selected rows, which are distinct.
+        let segs = Segs {
+            order: self.sel_order.ptr(),
+            start: self.sel_start.ptr(),
+            dst_row: self.sel.ptr(),
+            segments: r,
+        };
+        segment_sum_rows(dev, d, dx, segs, true, dh)
     }
 }

@@ -143,11 +143,8 @@ impl EncoderSession {
         let (moments, t_adam) = self.moments()?;
         self.opt.freeze_gates_at = settings.as_ref().map(|_| self.plan.threshold());
         self.opt.rank = settings;
-        self.graph = None;
-        self.eval_graph = None;
-        let (b, t) = self.shape();
-        self.plan = EncoderPlan::new(&self.dev, &host, self.seed, b, t, self.opt.clone())?;
-        self.resume(&host, &moments, t_adam)
+        self.replan(&host)?;
+        self.set_moments(&moments, t_adam)
     }
 
     /// The rank schedule's inputs (hold, stage and target) for the steps from now on: the
@@ -280,13 +277,25 @@ impl EncoderSession {
     ) -> Result<(), CudaError> {
         let params = enc.params();
         if self.plan.arena.reshaped(&params) {
-            // The graphs name the old plan's buffers.
-            self.graph = None;
-            self.eval_graph = None;
-            let (b, t) = self.shape();
-            self.plan = EncoderPlan::new(&self.dev, enc, self.seed, b, t, self.opt.clone())?;
+            self.replan(enc)?;
+        } else {
+            self.plan.arena.upload(&self.dev, &params)?;
         }
-        self.plan.arena.upload(&self.dev, &params)?;
+        self.set_moments(moments, t_adam)
+    }
+
+    /// Plans the step again for `enc` (its ranks, its parameters uploaded, zero moments) with
+    /// the session's settings; the captured graphs, which name the old plan's buffers, go.
+    fn replan(&mut self, enc: &Encoder) -> Result<(), CudaError> {
+        self.graph = None;
+        self.eval_graph = None;
+        let (b, t) = self.shape();
+        self.plan = EncoderPlan::new(&self.dev, enc, self.seed, b, t, self.opt.clone())?;
+        Ok(())
+    }
+
+    /// AdamW's moments by name and its step count t.
+    fn set_moments(&mut self, moments: &[Moments], t_adam: i32) -> Result<(), CudaError> {
         for (name, m, v) in moments {
             self.plan.arena.upload_moments(&self.dev, name, m, v)?;
         }

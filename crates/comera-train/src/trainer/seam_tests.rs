@@ -59,10 +59,7 @@ impl DeviceStep<Encoder> for CpuBehindTheSeam {
     ) -> Result<DeviceStats, DeviceError> {
         let batch = st.classifier_batch().expect("a classifier batch");
         let (b, n) = (batch.labels.len(), batch.ids.len());
-        self.mask.clear();
-        self.mask.extend(batch.mask.iter().map(|&m| m as u32));
-        self.labels.clear();
-        self.labels.extend(batch.labels.iter().map(|&l| l as usize));
+        crate::device::classifier_words(&batch, &mut self.mask, &mut self.labels);
         let model = &self.model;
         let own = self
             .st
