@@ -70,6 +70,10 @@ pub struct StepBenchRow {
     pub device_mib_in_use: f64,
     pub device_mib_over_context: f64,
     pub device_mib_plan: f64,
+    /// The plan's own buffers: what it allocated, as computed before allocating
+    /// ([`crate::engine::PlanMemory`]); the rest of `device_mib_plan` is cuBLAS's and the
+    /// driver's.
+    pub device_mib_buffers: f64,
     pub params: usize,
     /// Whether the step ran the rank schedule's early stage (the TT/TTM model).
     pub rank_schedule: bool,
@@ -200,6 +204,7 @@ fn one(
         device_mib_in_use: mib(used_after),
         device_mib_over_context: mib(used_after - base_used),
         device_mib_plan: mib(used_plan - base_used),
+        device_mib_buffers: mib(plan.device_bytes()),
         params: enc.num_params(),
         rank_schedule: rank.is_some(),
         loss: s.loss,

@@ -33,6 +33,7 @@
 //! What the step does not do yet (see docs/gpu.md): the masked-LM head.
 
 use super::arena::ParamArena;
+use super::memory::PlanMemory;
 use super::mlm::MlmPlan;
 use super::rank::{DeviceObjective, RankPlan, RankSettings, RankStep};
 use super::raw::{self, grid, grid_stride, launch, Blas, Buf, Gemm, BLOCK};
@@ -93,6 +94,16 @@ impl StepConfig {
             mlm_rows_per_seq: 0,
         }
     }
+
+    /// R, the rows a masked-LM head has room for at batch `b` × `t`: b·min(rows per
+    /// sequence, T), as the CPU state's (`Encoder::state_for`).
+    pub fn mlm_rows(&self, b: usize, t: usize) -> usize {
+        let per_seq = match self.mlm_rows_per_seq {
+            0 => (15 * t).div_ceil(100).max(1),
+            k => k,
+        };
+        b * per_seq.min(t)
+    }
 }
 
 /// What one step reports (read back after the step; reading it waits for the stream).
@@ -143,6 +154,19 @@ impl Lin {
             )?)),
             AnyLinear::Dense(d) => Lin::dense(dev, arena, d, name, rows)?,
         })
+    }
+
+    /// Bytes [`Lin::new`] allocates for layer `l` on `rows` rows.
+    pub(super) fn device_bytes(l: &AnyLinear, rows: usize) -> usize {
+        match l {
+            AnyLinear::Tt(t) => TtLayer::device_bytes(&TtDims::from_shape(t.shape()), rows),
+            AnyLinear::Dense(d) => Lin::dense_bytes(d, rows),
+        }
+    }
+
+    /// Bytes [`Lin::dense`] allocates: the bias gradient's column-sum partials.
+    pub(super) fn dense_bytes(l: &comera_layers::Linear, rows: usize) -> usize {
+        Buf::<f32>::zeros_bytes(ops::chunks(rows) * l.weight.shape[1])
     }
 
     /// A dense layer `l` (weight N × M, bias M) named `name` on `rows` rows.
@@ -299,6 +323,12 @@ impl Ln {
             rstd: Buf::zeros(dev, rows)?,
             partial: Buf::zeros(dev, Device::layer_norm_partial_len(rows, dim))?,
         })
+    }
+
+    /// Bytes [`Ln::new`] allocates for `rows` rows of `dim`.
+    pub(super) fn device_bytes(rows: usize, dim: usize) -> usize {
+        let f = Buf::<f32>::zeros_bytes;
+        2 * f(rows) + f(Device::layer_norm_partial_len(rows, dim))
     }
 
     /// y = LN(x) (layernorm.cu), saving μ and 1/σ.
@@ -500,6 +530,54 @@ struct BlockPlan {
     out: Buf<f32>,      // R × D: the block output (the next block's input)
 }
 
+/// The lengths (floats) of a [`BlockPlan`]'s buffers, for the plan and its memory estimate.
+pub(super) struct BlockLens {
+    /// Rows LN1 normalises: N pre-LN (before q/k/v), the block's rows post-LN.
+    pub ln1_rows: usize,
+    /// N × D: qh, kh, vh, att.
+    pub nd: usize,
+    /// lx: N × D pre-LN, else unused (1).
+    pub lx: usize,
+    /// P: B·H·T².
+    pub p: usize,
+    /// x_rows, att_rows: R × D when the block runs past q/k/v on fewer rows, else unused.
+    pub last_rows: usize,
+    /// R × D: r1, x1, out; R × F: h; r2: R × D post-LN, else unused.
+    pub rd: usize,
+    pub rf: usize,
+    pub r2: usize,
+}
+
+impl BlockLens {
+    /// A block of `cfg` at batch `b` × `t` running past q/k/v on `rows` rows (N, or B).
+    pub(super) fn of(cfg: &comera_model::EncoderConfig, b: usize, t: usize, rows: usize) -> Self {
+        let (n, d) = (b * t, cfg.d_model);
+        let fewer = rows < n;
+        BlockLens {
+            ln1_rows: if cfg.pre_ln { n } else { rows },
+            nd: n * d,
+            lx: if cfg.pre_ln { n * d } else { 1 },
+            p: b * cfg.heads * t * t,
+            last_rows: if fewer { rows * d } else { 1 },
+            rd: rows * d,
+            rf: rows * cfg.ffn,
+            r2: if cfg.pre_ln { 1 } else { rows * d },
+        }
+    }
+
+    /// Bytes of the block's own buffers (its layers' workspaces not included).
+    pub(super) fn bytes(&self) -> usize {
+        let f = Buf::<f32>::zeros_bytes;
+        f(self.lx)
+            + 4 * f(self.nd)
+            + f(self.p)
+            + 2 * f(self.last_rows)
+            + 3 * f(self.rd)
+            + f(self.rf)
+            + f(self.r2)
+    }
+}
+
 /// The classifier head's layers and activations (B rows: the [CLS] rows).
 struct ClsHead {
     pool: Lin,
@@ -618,6 +696,8 @@ pub struct EncoderPlan {
     step: Buf<u64>,    // the dropout step
     /// The plan's cuBLAS handle and workspace.
     blas: Blas,
+    /// What the plan's construction allocated ([`EncoderPlan::device_bytes`]).
+    device_bytes: usize,
 }
 
 /// The dropout seeds of comera-model's `Encoder::new` for model seed `seed` (its
@@ -655,6 +735,10 @@ impl EncoderPlan {
         }
         let (d, heads, ffn, labels) = (cfg.d_model, cfg.heads, cfg.ffn, cfg.num_labels);
         let (n, tau, eps) = (b * t, cfg.threshold, cfg.ln_eps);
+        // The whole plan, checked against the free memory before the first allocation.
+        let need = PlanMemory::of(enc, b, t, &opt)?;
+        dev.ensure_fits(&need.describe(b, t), need.total())?;
+        let allocated_before = raw::allocated_on_this_thread();
         let params: Vec<_> = enc
             .params()
             .iter()
@@ -738,10 +822,6 @@ impl EncoderPlan {
                     .iter()
                     .map(|c| Ok((Buf::zeros(dev, n)?, Buf::zeros(dev, c.shape[1] + 1)?)))
                     .collect::<Result<Vec<_>, CudaError>>()?;
-                dev.ensure_fits(
-                    "the TTM embedding's slab gradients",
-                    4 * n * layout.slab_total,
-                )?;
                 Word::Ttm(Box::new(Ttm {
                     meta: Buf::copy_from_host(dev, &layout.meta)?,
                     cores,
@@ -768,6 +848,7 @@ impl EncoderPlan {
                 Lin::new(dev, &arena, x, &format!("{pre}.{name}"), r, tau)
             };
             let z = |len: usize| Buf::<f32>::zeros(dev, len);
+            let len = BlockLens::of(cfg, b, t, rows);
             blocks.push(BlockPlan {
                 q: lin(&blk.q, "attn.q", n)?,
                 k: lin(&blk.k, "attn.k", n)?,
@@ -775,33 +856,25 @@ impl EncoderPlan {
                 o: lin(&blk.o, "attn.o", rows)?,
                 up: lin(&blk.up, "ffn.up", rows)?,
                 down: lin(&blk.down, "ffn.down", rows)?,
-                // Pre-LN's LN1 normalises every row for q/k/v.
-                ln1: Ln::new(
-                    dev,
-                    &arena,
-                    &format!("{pre}.ln1"),
-                    if cfg.pre_ln { n } else { rows },
-                    d,
-                    eps,
-                )?,
+                ln1: Ln::new(dev, &arena, &format!("{pre}.ln1"), len.ln1_rows, d, eps)?,
                 ln2: Ln::new(dev, &arena, &format!("{pre}.ln2"), rows, d, eps)?,
                 drop_attn: DropSite::new(p, dblocks[l].0),
                 drop_ffn: DropSite::new(p, dblocks[l].1),
                 rows,
                 pre_ln: cfg.pre_ln,
-                lx: z(if cfg.pre_ln { nd } else { 1 })?,
-                qh: z(nd)?,
-                kh: z(nd)?,
-                vh: z(nd)?,
-                p: z(b * heads * t * t)?,
-                att: z(nd)?,
-                x_rows: z(if last { rows * d } else { 1 })?,
-                att_rows: z(if last { rows * d } else { 1 })?,
-                r1: z(rows * d)?,
-                x1: z(rows * d)?,
-                h: z(rows * ffn)?,
-                r2: z(if cfg.pre_ln { 1 } else { rows * d })?,
-                out: z(rows * d)?,
+                lx: z(len.lx)?,
+                qh: z(len.nd)?,
+                kh: z(len.nd)?,
+                vh: z(len.nd)?,
+                p: z(len.p)?,
+                att: z(len.nd)?,
+                x_rows: z(len.last_rows)?,
+                att_rows: z(len.last_rows)?,
+                r1: z(len.rd)?,
+                x1: z(len.rd)?,
+                h: z(len.rf)?,
+                r2: z(len.r2)?,
+                out: z(len.rd)?,
             });
         }
         let z = |len: usize| Buf::<f32>::zeros(dev, len);
@@ -826,12 +899,7 @@ impl EncoderPlan {
                 (HeadPlan::Classifier(Box::new(head)), b, labels)
             }
             Head::Mlm(h) => {
-                // The CPU state's R: b·min(rows per sequence, T) (`Encoder::state_for`).
-                let per_seq = match opt.mlm_rows_per_seq {
-                    0 => (15 * t).div_ceil(100).max(1),
-                    k => k,
-                };
-                let rows = b * per_seq.min(t);
+                let rows = opt.mlm_rows(b, t);
                 let head = MlmPlan::new(dev, &arena, h, cfg, rows, word_table)?;
                 let width = head.width;
                 (HeadPlan::Mlm(Box::new(head)), rows, width)
@@ -851,7 +919,7 @@ impl EncoderPlan {
             Some(r) => Some(RankPlan::new(dev, enc, &arena, tau, r)?),
             None => None,
         };
-        Ok(EncoderPlan {
+        let mut plan = EncoderPlan {
             blas,
             rank,
             b,
@@ -924,7 +992,16 @@ impl EncoderPlan {
             scalars: Buf::copy_from_host(dev, &[1.0f32, 1.0, 1.0])?,
             step: Buf::zeros(dev, 1)?,
             arena,
-        })
+            device_bytes: 0,
+        };
+        plan.device_bytes = raw::allocated_on_this_thread() - allocated_before;
+        Ok(plan)
+    }
+
+    /// Bytes of device memory the plan's buffers hold: what its construction allocated,
+    /// which [`PlanMemory::of`] computed before allocating (the GPU tests hold the two equal).
+    pub fn device_bytes(&self) -> usize {
+        self.device_bytes
     }
 
     /// Copies one classifier batch in: ids, token types and attention mask (B × T, mask 1 =

@@ -114,6 +114,22 @@ impl MlmPlan {
         })
     }
 
+    /// Bytes [`MlmPlan::new`] allocates for head `h` on `rows` rows of `d`.
+    pub fn device_bytes(h: &MlmHead, d: usize, rows: usize) -> usize {
+        let (f, u) = (Buf::<f32>::zeros_bytes, Buf::<u32>::zeros_bytes);
+        let decoder = match &h.decoder {
+            MlmDecoder::Own(l) => Lin::device_bytes(l, rows),
+            MlmDecoder::Tied { .. } => f(ops::chunks(rows) * h.vocab),
+        };
+        Lin::dense_bytes(&h.transform, rows)
+            + decoder
+            + Ln::device_bytes(rows, d)
+            + u(rows)
+            + Buf::<u32>::copy_bytes(rows)
+            + u(rows + 1)
+            + 7 * f(rows * d)
+    }
+
     /// Z (R × V′) into `logits` from the hidden states `hidden` (N × D).
     pub fn forward(
         &self,

@@ -9,6 +9,7 @@
 //!   model's names and shapes (upload and download: the seam for checkpoints and export);
 //! - [`tt`]: a TT linear layer, merged path, forward and backward to cores and gates;
 //! - [`encoder`]: the classifier encoder's whole step ([`EncoderPlan`]);
+//! - [`memory`]: what a plan will hold on the device, before it allocates ([`PlanMemory`]);
 //! - [`rank`]: the rank schedule inside that step (the stage's objective, the gates'
 //!   projection) over every gated chain at once;
 //! - [`session`]: the seam comera-train calls ([`EncoderSession`]): device, plan and captured
@@ -19,6 +20,7 @@
 
 pub mod arena;
 pub mod encoder;
+pub mod memory;
 mod mlm;
 pub mod rank;
 pub mod raw;
@@ -27,6 +29,7 @@ pub mod tt;
 
 pub use arena::{ParamArena, Tensor, Which};
 pub use encoder::{DeviceStepStats, EncoderPlan, StepConfig};
+pub use memory::PlanMemory;
 pub use rank::{ChainTable, DeviceBranch, DeviceObjective, RankSettings, RankStep};
 pub use raw::{Blas, Buf, Gemm};
 pub use session::{EncoderSession, Moments};

@@ -261,6 +261,34 @@ pub struct RankPlan {
 }
 
 impl RankPlan {
+    /// Bytes [`RankPlan::new`] allocates for `enc` laid out as `tensors`.
+    pub fn device_bytes(
+        enc: &Encoder,
+        tensors: &[super::Tensor],
+        settings: &RankSettings,
+    ) -> Result<usize, CudaError> {
+        let t = ChainTable::of(enc, tensors, &settings.layer_prefix)?;
+        let (i32s, i64s) = (Buf::<i32>::copy_bytes, Buf::<i64>::copy_bytes);
+        let gates: i32 = t.bond_len.iter().sum();
+        Ok(i32s(t.core0.len())
+            + i32s(t.cores.len())
+            + i32s(t.bond0.len())
+            + i32s(t.in_prefix.len())
+            + Buf::<f64>::copy_bytes(t.mode.len())
+            + i64s(t.gate_off.len())
+            + i32s(t.bond_len.len())
+            + i64s(t.left_off.len())
+            + i64s(t.left_rows.len())
+            + i32s(tensors.len())
+            + i32s(t.bonds())
+            + Buf::<f32>::zeros_bytes(gates as usize)
+            + Buf::<f64>::zeros_bytes(t.bonds())
+            + Buf::<f64>::zeros_bytes(2 * t.chains())
+            + Buf::<f64>::copy_bytes(params_of(settings, RankStep::EARLY).len())
+            + Buf::<f64>::zeros_bytes(5)
+            + Buf::<f32>::zeros_bytes(3))
+    }
+
     /// The rank schedule of `enc` over `arena` (its tensors in the model's order), gates
     /// thresholded at `tau`.
     pub fn new(

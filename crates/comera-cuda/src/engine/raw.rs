@@ -17,6 +17,10 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits};
 
 /// A device buffer of `len` elements that never moves or resizes, with its base address.
+///
+/// Every `Buf` allocated on a thread adds its bytes to that thread's count
+/// ([`allocated_on_this_thread`]): a plan records what its construction allocated, and the GPU
+/// tests hold that against the estimate made before allocating (`engine::memory`).
 pub struct Buf<T> {
     slice: CudaSlice<T>,
     base: u64,
@@ -45,19 +49,49 @@ fn out_of_memory(
     }
 }
 
-impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
-    /// `len` zeroed elements (at least one, so that every buffer has an address).
-    pub fn zeros(dev: &Device, len: usize) -> Result<Buf<T>, CudaError> {
-        let bytes = len.max(1) * std::mem::size_of::<T>();
-        let slice = dev
-            .stream()
-            .alloc_zeros::<T>(len.max(1))
-            .map_err(|e| out_of_memory(dev, e, "a step buffer", bytes))?;
+thread_local! {
+    static ALLOCATED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Bytes of every [`Buf`] allocated on this thread so far (it never decreases: a plan takes
+/// the difference around its construction).
+pub fn allocated_on_this_thread() -> usize {
+    ALLOCATED.with(|a| a.get())
+}
+
+impl<T> Buf<T> {
+    /// Bytes [`Buf::zeros`] allocates for `len` elements (at least one element).
+    pub const fn zeros_bytes(len: usize) -> usize {
+        if len == 0 {
+            std::mem::size_of::<T>()
+        } else {
+            len * std::mem::size_of::<T>()
+        }
+    }
+
+    /// Bytes [`Buf::copy_from_host`] allocates for `len` elements.
+    pub const fn copy_bytes(len: usize) -> usize {
+        len * std::mem::size_of::<T>()
+    }
+
+    fn counted(slice: CudaSlice<T>, dev: &Device) -> Buf<T> {
+        ALLOCATED.with(|a| a.set(a.get() + slice.len() * std::mem::size_of::<T>()));
         let base = {
             let (base, _sync) = slice.device_ptr(dev.stream());
             base
         };
-        Ok(Buf { slice, base })
+        Buf { slice, base }
+    }
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
+    /// `len` zeroed elements (at least one, so that every buffer has an address).
+    pub fn zeros(dev: &Device, len: usize) -> Result<Buf<T>, CudaError> {
+        let slice = dev
+            .stream()
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(|e| out_of_memory(dev, e, "a step buffer", Self::zeros_bytes(len)))?;
+        Ok(Buf::counted(slice, dev))
     }
 }
 
@@ -67,12 +101,8 @@ impl<T: DeviceRepr> Buf<T> {
         let slice = dev
             .stream()
             .clone_htod(v)
-            .map_err(|e| out_of_memory(dev, e, "a step buffer", std::mem::size_of_val(v)))?;
-        let base = {
-            let (base, _sync) = slice.device_ptr(dev.stream());
-            base
-        };
-        Ok(Buf { slice, base })
+            .map_err(|e| out_of_memory(dev, e, "a step buffer", Self::copy_bytes(v.len())))?;
+        Ok(Buf::counted(slice, dev))
     }
 
     pub fn len(&self) -> usize {

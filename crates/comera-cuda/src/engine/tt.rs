@@ -107,6 +107,49 @@ pub struct Slot {
     pub g: u64,
 }
 
+/// Where a layer's gated cores and chain products sit in its workspace buffers.
+struct ChainLayout {
+    /// H_0..H_{K−2}: offsets, and floats in all.
+    h_off: Vec<usize>,
+    h_len: usize,
+    /// L_2..L_p, then R_p..R_{K−2}: offsets, and floats in all.
+    l_off: Vec<usize>,
+    r_off: Vec<usize>,
+    chain_len: usize,
+}
+
+impl ChainLayout {
+    fn of(dims: &TtDims) -> ChainLayout {
+        let (k, p) = (dims.k(), dims.p());
+        let mut h_off = Vec::new();
+        let mut at = 0;
+        for c in 0..k.saturating_sub(1) {
+            h_off.push(at);
+            at += dims.core_len(c);
+        }
+        let h_len = at;
+        // L_{c+1} for c = 1..p−1: P_c·s_c·r_{c+1} floats.
+        let (mut l_off, mut r_off) = (Vec::new(), Vec::new());
+        let mut at = 0;
+        for c in 1..p {
+            l_off.push(at);
+            at += TtLayer::prefix(dims, c) * dims.mode(c) * dims.ranks[c + 1];
+        }
+        // R_c for c = p..K−2: r_c·Q_c floats.
+        for c in p..k.saturating_sub(1) {
+            r_off.push(at);
+            at += dims.ranks[c] * TtLayer::suffix(dims, c);
+        }
+        ChainLayout {
+            h_off,
+            h_len,
+            l_off,
+            r_off,
+            chain_len: at,
+        }
+    }
+}
+
 /// A TT layer's device workspace for a fixed batch of `rows` rows.
 pub struct TtLayer {
     pub dims: TtDims,
@@ -154,25 +197,13 @@ impl TtLayer {
             .collect();
         let gates = (1..k).map(|b| slot(&format!("{name}.gate.{b}"))).collect();
         let bias = slot(&format!("{name}.bias"));
-        let mut h_off = Vec::new();
-        let mut at = 0;
-        for c in 0..k - 1 {
-            h_off.push(at);
-            at += dims.core_len(c);
-        }
-        let h_len = at;
-        // L_{c+1} for c = 1..p−1: P_c·s_c·r_{c+1} floats.
-        let (mut l_off, mut r_off) = (Vec::new(), Vec::new());
-        let mut at = 0;
-        for c in 1..p {
-            l_off.push(at);
-            at += Self::prefix(&dims, c) * dims.mode(c) * dims.ranks[c + 1];
-        }
-        // R_c for c = p..K−2: r_c·Q_c floats.
-        for c in p..k - 1 {
-            r_off.push(at);
-            at += dims.ranks[c] * Self::suffix(&dims, c);
-        }
+        let ChainLayout {
+            h_off,
+            h_len,
+            l_off,
+            r_off,
+            chain_len,
+        } = ChainLayout::of(&dims);
         let rp = dims.ranks[p];
         let m = dims.m();
         Ok(TtLayer {
@@ -184,8 +215,8 @@ impl TtLayer {
             h: Buf::zeros(dev, h_len)?,
             dh: Buf::zeros(dev, h_len)?,
             h_off,
-            chain: Buf::zeros(dev, at)?,
-            dchain: Buf::zeros(dev, at)?,
+            chain: Buf::zeros(dev, chain_len)?,
+            dchain: Buf::zeros(dev, chain_len)?,
             l_off,
             r_off,
             t1: Buf::zeros(dev, rows * rp)?,
@@ -193,6 +224,17 @@ impl TtLayer {
             partial: Buf::zeros(dev, crate::ops::chunks(rows) * m)?,
             dims,
         })
+    }
+
+    /// Bytes [`TtLayer::new`] allocates for a layer of `dims` on `rows` rows (the plan's
+    /// memory estimate, before anything is allocated).
+    pub fn device_bytes(dims: &TtDims, rows: usize) -> usize {
+        let c = ChainLayout::of(dims);
+        let f = Buf::<f32>::zeros_bytes;
+        2 * f(c.h_len)
+            + 2 * f(c.chain_len)
+            + 2 * f(rows * dims.ranks[dims.p()])
+            + f(crate::ops::chunks(rows) * dims.m())
     }
 
     /// P_c = n_0⋯n_{c−1}.
