@@ -450,14 +450,14 @@ pub fn predict(a: PredictArgs) -> anyhow::Result<ExitCode> {
     };
     match load_run(&a.model, None)? {
         (SavedModel::Encoder(model, meta), _) if meta.model.head == comera_model::HeadKind::Mlm => {
-            check_inference(device, Some(&model))?;
             anyhow::ensure!(
                 !a.json,
                 "--json: goes with a classifier (this is a masked-LM model)"
             );
-            for text in &inputs {
-                let k = a.top_k.unwrap_or(5);
-                for (i, top) in fill_mask(&model, &meta, text, k)?.iter().enumerate() {
+            let k = a.top_k.unwrap_or(5);
+            let filled = fill_mask(&model, &meta, &inputs, k, device)?;
+            for (text, masks) in inputs.iter().zip(&filled) {
+                for (i, top) in masks.iter().enumerate() {
                     let shown: Vec<String> =
                         top.iter().map(|(t, p)| format!("{t} {p:.3}")).collect();
                     lines.line(format_args!(

@@ -497,24 +497,30 @@ mod encoder_step {
     /// 12 rows are predicted (the rest padded and ignored), one sequence with padding.
     /// Tolerances: the classifier step's (module doc); the head adds four operations (the
     /// transform, GELU, LN, the decoder) to a chain of the same kind.
-    #[test]
-    fn one_mlm_step_matches_the_cpu_engine() {
-        let Some((dev, _)) = device() else { return };
-        use comera_model::config::{HeadKind, MlmDecoderKind};
+    /// A masked-LM batch of [`batch`]'s ids and mask: 4 rows per sequence, 10 positions picked
+    /// (the second sequence predicts 2: its head rows are padded), labels at them; with the
+    /// positions and the rows per sequence.
+    fn mlm_batch() -> (Vec<u32>, Vec<u32>, Vec<i32>, Vec<u32>, usize) {
         let (ids, _, mask, _) = batch();
-        let ignore = comera_layers::loss::IGNORE_INDEX;
-        let (per_seq, t) = (4usize, 16usize);
+        let t = 16usize;
         let picks: [&[usize]; 3] = [&[1, 4, 9, 13], &[2, 5], &[0, 3, 7, 15]];
         let selected: Vec<u32> = picks
             .iter()
             .enumerate()
             .flat_map(|(s, p)| p.iter().map(move |&q| (s * t + q) as u32))
             .collect();
-        let mut labels = vec![ignore; ids.len()];
+        let mut labels = vec![comera_layers::loss::IGNORE_INDEX; ids.len()];
         for &p in &selected {
             labels[p as usize] = ((p * 13 + 5) % 200) as i32;
         }
-        for (what, cfg) in [
+        (ids, mask, labels, selected, 4)
+    }
+
+    /// The masked-LM models of the MLM tests: a TT/TTM body with a padded TT decoder, and a
+    /// dense pre-LN body with a tied decoder.
+    fn mlm_configs() -> [(&'static str, EncoderConfig); 2] {
+        use comera_model::config::{HeadKind, MlmDecoderKind};
+        [
             (
                 "TT decoder",
                 EncoderConfig {
@@ -535,7 +541,15 @@ mod encoder_step {
                     ..config()
                 },
             ),
-        ] {
+        ]
+    }
+
+    #[test]
+    fn one_mlm_step_matches_the_cpu_engine() {
+        let Some((dev, _)) = device() else { return };
+        let (ids, mask, labels, selected, per_seq) = mlm_batch();
+        let t = 16;
+        for (what, cfg) in mlm_configs() {
             let _l = lock();
             println!("{what}");
             let enc = model_of(&cfg);
@@ -555,67 +569,72 @@ mod encoder_step {
         }
     }
 
-    /// The memory estimate made before allocating ([`PlanMemory::of`]) is what the plan's
-    /// construction allocates, byte for byte, for every kind of plan: TT/TTM and dense,
-    /// post- and pre-LN, a classifier and masked-LM heads (a padded TT decoder, a tied one),
-    /// with and without the rank schedule.
+    /// A masked-LM model's evaluation pass through a session opened for inference (what
+    /// `comera eval` and `predict --device cuda` run) against the CPU's
+    /// `Encoder::forward(st, false, _)`: the loss over the labelled positions within 1e-5
+    /// relative, the correct and counted positions exactly; the logits at the positions (the
+    /// first rows of `mlm_logits`) within the forward's bound, 1e-4 of the largest (see
+    /// `inference_logits_match_the_cpu_forward_without_dropout`; the loss is a mean of
+    /// log-softmaxes of those logits, within twice that bound of magnitudes ≤ 10 here, and the
+    /// f64 sums agree). Graph and eager give the same bits; a second batch is read from device
+    /// memory.
     #[test]
-    fn the_plan_allocates_exactly_its_estimate() {
-        let Some((dev, _)) = device() else { return };
-        use comera_cuda::engine::{PlanMemory, RankSettings};
-        use comera_model::config::{HeadKind, MlmDecoderKind};
-        let dense = EncoderConfig {
-            tt_linear: false,
-            ttm_embedding: false,
-            ..config()
-        };
-        for (what, cfg) in [
-            ("TT/TTM classifier", config()),
-            (
-                "dense pre-LN classifier",
-                EncoderConfig {
-                    pre_ln: true,
-                    ..dense.clone()
-                },
-            ),
-            (
-                "masked LM, TT decoder",
-                EncoderConfig {
-                    head: HeadKind::Mlm,
-                    mlm_decoder: MlmDecoderKind::Tt,
-                    mlm_decoder_tt: LayerTt::uniform(&[4, 8], &[5, 8, 6], 3),
-                    ..config()
-                },
-            ),
-            (
-                "masked LM, tied decoder, pre-LN",
-                EncoderConfig {
-                    head: HeadKind::Mlm,
-                    mlm_decoder: MlmDecoderKind::Tied,
-                    pre_ln: true,
-                    ..dense.clone()
-                },
-            ),
-        ] {
+    fn mlm_evaluation_matches_the_cpu_forward() {
+        if device().is_none() {
+            return;
+        }
+        use comera_cuda::engine::EncoderSession;
+        let (ids, mask, labels, selected, per_seq) = mlm_batch();
+        let t = 16;
+        let ids2: Vec<u32> = ids.iter().map(|&i| (i * 7 + 3) % 200).collect();
+        for (what, cfg) in mlm_configs() {
             let _l = lock();
             let enc = model_of(&cfg);
-            let rank = RankSettings::early_stage(&enc, 0.01);
-            for opt in [
-                step_config(),
-                StepConfig {
-                    rank,
-                    mlm_rows_per_seq: 4,
-                    ..step_config()
-                },
-            ] {
-                let want = PlanMemory::of(&enc, 3, 16, &opt).unwrap();
-                let plan = EncoderPlan::new(dev, &enc, SEED, 3, 16, opt.clone()).unwrap();
+            let width = match &enc.head {
+                comera_model::Head::Mlm(h) => h.width(),
+                _ => unreachable!("an MLM config"),
+            };
+            let cpu = |ids: &[u32]| {
+                let mut st = enc.state_for(3, t, per_seq).unwrap();
+                st.load_mlm(ids, &mask, &labels, &selected).unwrap();
+                let s = enc.forward(&mut st, false, 0).unwrap();
+                (s, st.logits()[..selected.len() * width].to_vec())
+            };
+            let mut graph = EncoderSession::for_inference(0, &enc, 3, t, per_seq).unwrap();
+            let mut eager = EncoderSession::for_inference(0, &enc, 3, t, per_seq).unwrap();
+            eager.use_graph = false;
+            for (k, i) in [&ids, &ids2, &ids].into_iter().enumerate() {
+                let (want, want_logits) = cpu(i);
+                let got = graph.mlm_eval((i, &mask, &labels, &selected)).unwrap();
+                let e = eager.mlm_eval((i, &mask, &labels, &selected)).unwrap();
+                assert_eq!(got.0.to_bits(), e.0.to_bits(), "{what} {k}: graph vs eager");
                 assert_eq!(
-                    plan.device_bytes(),
-                    want.total(),
-                    "{what} (rank schedule: {}): allocated {} bytes, estimated {want:?}",
-                    opt.rank.is_some(),
-                    plan.device_bytes()
+                    (got.1, got.2),
+                    (want.correct as f64, want.count as f64),
+                    "{what} {k}: correct, counted"
+                );
+                let rel = (got.0 - want.loss).abs() / want.loss.abs().max(1e-6);
+                assert!(rel <= 1e-5, "{what} {k}: loss {} vs {}", got.0, want.loss);
+                let logits = graph.mlm_logits((i, &mask, &selected)).unwrap();
+                let logits = &logits[..selected.len() * width];
+                let finite = |v: &[f32]| {
+                    v.iter()
+                        .map(|&x| if x.is_finite() { x } else { 0.0 })
+                        .collect::<Vec<_>>()
+                };
+                assert_eq!(
+                    logits.iter().map(|x| x.is_finite()).collect::<Vec<_>>(),
+                    want_logits
+                        .iter()
+                        .map(|x| x.is_finite())
+                        .collect::<Vec<_>>(),
+                    "{what} {k}: the padding logits (−∞) in the same places"
+                );
+                assert_close(
+                    &format!("{what} {k}: logits"),
+                    &finite(logits),
+                    &finite(&want_logits),
+                    1e-4,
                 );
             }
         }
@@ -814,8 +833,8 @@ mod encoder_step {
         };
         let (want1, want2) = (cpu(&ids), cpu(&ids2));
         assert_ne!(want1, want2, "two batches with different logits");
-        let mut graph = EncoderSession::for_inference(0, &enc, 3, 16).unwrap();
-        let mut eager = EncoderSession::for_inference(0, &enc, 3, 16).unwrap();
+        let mut graph = EncoderSession::for_inference(0, &enc, 3, 16, 0).unwrap();
+        let mut eager = EncoderSession::for_inference(0, &enc, 3, 16, 0).unwrap();
         eager.use_graph = false;
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for (k, (i, want)) in [(&ids, &want1), (&ids2, &want2), (&ids, &want1)]

@@ -209,31 +209,23 @@ pub fn check_run(device: DeviceSpec, run: RunShape) -> Result<(), DeviceError> {
 }
 
 /// What a model's evaluation or prediction on `device` is refused for (before the device is
-/// opened, before anything is read or written past the model): a masked-LM model (whose
-/// training the device takes, but not yet its evaluation pass) and a DLRM. `model` is `None`
-/// for a DLRM.
+/// opened, before anything is read or written past the model): a DLRM, whose `model` is
+/// `None`. Every encoder is taken (a classifier or a masked-LM model, post- or pre-LN, TT/TTM
+/// or dense).
 pub fn check_inference(device: DeviceSpec, model: Option<&Encoder>) -> Result<(), DeviceError> {
-    let not_yet = |what: &str| {
-        Err(DeviceError::NotYet {
+    if device.is_cuda() && model.is_none() {
+        return Err(DeviceError::NotYet {
             device,
-            what: what.into(),
-        })
-    };
-    if device.cuda_ordinal().is_none() {
-        return Ok(());
-    }
-    let Some(model) = model else {
-        return not_yet("a DLRM (click-through) model");
-    };
-    if matches!(model.head, comera_model::Head::Mlm(_)) {
-        return not_yet("a masked-LM model (the masked-LM head)");
+            what: "a DLRM (click-through) model".into(),
+        });
     }
     Ok(())
 }
 
-/// A classifier's logits on a CUDA GPU, batch by batch: a session opened for inference only
-/// ([`EncoderSession::for_inference`]: the parameters uploaded, the forward with dropout off
-/// captured once as a graph and replayed per batch).
+/// A model's evaluation pass on a CUDA GPU, batch by batch: a classifier's logits, or a
+/// masked-LM model's loss (and logits at its predicted positions). A session opened for
+/// inference only ([`EncoderSession::for_inference`]: the parameters uploaded, the forward with
+/// dropout off captured once as a graph and replayed per batch).
 pub struct CudaLogits {
     session: EncoderSession,
     device: DeviceSpec,
@@ -241,13 +233,16 @@ pub struct CudaLogits {
 }
 
 impl CudaLogits {
-    /// Opens the GPU of `device` (`cuda` / `cuda:N`) for `model`'s logits on batches of
-    /// `batch` sequences of `seq_len` tokens. Refuses what [`check_inference`] refuses.
+    /// Opens the GPU of `device` (`cuda` / `cuda:N`) for `model`'s evaluation pass on batches
+    /// of `batch` sequences of `seq_len` tokens, a masked-LM head predicting at most
+    /// `mlm_rows_per_seq` positions a sequence (the CPU state's `state_for` argument; ignored
+    /// for a classifier). Refuses what [`check_inference`] refuses.
     pub fn new(
         device: DeviceSpec,
         model: &Encoder,
         batch: usize,
         seq_len: usize,
+        mlm_rows_per_seq: usize,
     ) -> Result<CudaLogits, DeviceError> {
         check_inference(device, Some(model))?;
         let Some(ordinal) = device.cuda_ordinal() else {
@@ -256,8 +251,9 @@ impl CudaLogits {
                 what: "the CPU through the device seam".into(),
             });
         };
-        let session = EncoderSession::for_inference(ordinal, model, batch, seq_len)
-            .map_err(|source| DeviceError::Cuda { device, source })?;
+        let session =
+            EncoderSession::for_inference(ordinal, model, batch, seq_len, mlm_rows_per_seq)
+                .map_err(|source| DeviceError::Cuda { device, source })?;
         Ok(CudaLogits {
             session,
             device,
@@ -278,14 +274,45 @@ impl CudaLogits {
         types: &[u32],
         mask: &[u32],
     ) -> Result<&[f32], DeviceError> {
-        self.logits =
-            self.session
-                .logits((ids, types, mask))
-                .map_err(|source| DeviceError::Cuda {
-                    device: self.device,
-                    source,
-                })?;
+        self.logits = self
+            .session
+            .logits((ids, types, mask))
+            .map_err(self.failed())?;
         Ok(&self.logits)
+    }
+
+    /// A masked-LM batch's mean loss, correct count and counted positions (the CPU's
+    /// `Encoder::forward(st, false, _)` after `st.load_mlm`).
+    pub fn mlm_stats(
+        &mut self,
+        b: &comera_data::mlm::MlmBatch,
+    ) -> Result<(f64, usize, usize), DeviceError> {
+        let (loss, correct, count) = self
+            .session
+            .mlm_eval((&b.input_ids, &b.attention_mask, &b.labels, &b.selected))
+            .map_err(self.failed())?;
+        Ok((loss, correct as usize, count as usize))
+    }
+
+    /// A masked-LM model's logits at the positions `selected` of one batch (ids and mask):
+    /// rows of the decoder's width, the first `selected.len()` of them the positions'.
+    pub fn mlm_logits(
+        &mut self,
+        ids: &[u32],
+        mask: &[u32],
+        selected: &[u32],
+    ) -> Result<&[f32], DeviceError> {
+        self.logits = self
+            .session
+            .mlm_logits((ids, mask, selected))
+            .map_err(self.failed())?;
+        Ok(&self.logits)
+    }
+
+    /// The session's failure as this device's.
+    fn failed(&self) -> impl FnOnce(CudaError) -> DeviceError {
+        let device = self.device;
+        move |source| DeviceError::Cuda { device, source }
     }
 }
 
@@ -509,33 +536,32 @@ mod tests {
         Encoder::new(&cfg, 1).unwrap()
     }
 
-    /// Evaluation and prediction on a GPU take a classifier, post- or pre-LN; a masked-LM
-    /// model and a DLRM are refused by name (before any device is opened: these hold without
-    /// a GPU); the CPU takes every model.
+    /// Evaluation and prediction on a GPU take every encoder: a classifier, post- or pre-LN,
+    /// and a masked-LM model; a DLRM is refused by name (before any device is opened: this
+    /// holds without a GPU); the CPU takes every model.
     #[test]
-    fn check_inference_takes_a_classifier_and_names_each_model_it_refuses() {
+    fn check_inference_takes_every_encoder_and_names_a_dlrm() {
         use comera_model::HeadKind;
         let dev = DeviceSpec::Cuda(0);
         for pre_ln in [false, true] {
-            let classifier = tiny(pre_ln, HeadKind::Classifier);
-            assert!(check_inference(dev, Some(&classifier)).is_ok(), "{pre_ln}");
+            for head in [HeadKind::Classifier, HeadKind::Mlm] {
+                let model = tiny(pre_ln, head);
+                assert!(
+                    check_inference(dev, Some(&model)).is_ok(),
+                    "{pre_ln} {head:?}"
+                );
+            }
         }
-        let mlm = tiny(false, HeadKind::Mlm);
-        for (model, named) in [(Some(&mlm), "a masked-LM model"), (None, "a DLRM")] {
-            let e = check_inference(dev, model).unwrap_err();
-            assert!(matches!(e, DeviceError::NotYet { .. }), "{e:?}");
-            let e = e.to_string();
-            assert!(e.starts_with("device cuda:0: "), "{e}");
-            assert!(e.contains(named), "{named}: {e}");
-            assert!(e.contains("--device cpu"), "says what to do: {e}");
-            assert!(
-                check_inference(DeviceSpec::Cpu, model).is_ok(),
-                "the CPU: {named}"
-            );
-        }
-        // CudaLogits::new refuses the same models before it opens the GPU (no driver needed).
-        let e = CudaLogits::new(dev, &mlm, 2, 8).err().expect("refused");
-        assert!(e.to_string().contains("masked-LM"), "{e}");
+        let e = check_inference(dev, None).unwrap_err();
+        assert!(matches!(e, DeviceError::NotYet { .. }), "{e:?}");
+        let e = e.to_string();
+        assert!(e.starts_with("device cuda:0: "), "{e}");
+        assert!(e.contains("a DLRM"), "{e}");
+        assert!(e.contains("--device cpu"), "says what to do: {e}");
+        assert!(
+            check_inference(DeviceSpec::Cpu, None).is_ok(),
+            "the CPU: a DLRM"
+        );
     }
 
     #[test]

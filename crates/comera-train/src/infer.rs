@@ -19,7 +19,8 @@ use crate::distributed::Processes;
 use crate::error::{Error, Result};
 use crate::files::{load_saved, DlrmMeta, ModelMeta, SavedModel, MODEL_META};
 use crate::task::{
-    evaluate_classifier_with, evaluate_ctr, evaluate_mlm, ClassifierLogits, EvalStats,
+    evaluate_classifier_with, evaluate_ctr, evaluate_mlm_with, ClassifierLogits, EvalStats,
+    MlmForward,
 };
 use crate::trainer::available_memory_bytes;
 use comera_cuda::DeviceSpec;
@@ -197,9 +198,21 @@ pub fn eval_run_on(
                 let mut d = CorpusData::new(&cfg.data, cfg.train.seed)?;
                 d.packed(t)?;
                 let rows = d.masker.max_selected_per_row(t);
-                let batch = clamp_batch(batch, d.packed_ref(t).valid.len(), "held-out blocks")?;
-                let mut st = model.state_for(batch, t, rows)?;
-                let s = evaluate_mlm(&model, &mut st, &d, &d.packed_ref(t).valid)?;
+                let blocks = &d.packed_ref(t).valid;
+                let batch = clamp_batch(batch, blocks.len(), "held-out blocks")?;
+                let (mut st, mut gpu);
+                let mut forward = if device.is_cuda() {
+                    gpu = CudaLogits::new(device, &model, batch, t, rows)?;
+                    MlmForward::Cuda(&mut gpu)
+                } else {
+                    st = model.state_for(batch, t, rows)?;
+                    MlmForward::Cpu {
+                        model: &model,
+                        st: &mut st,
+                    }
+                };
+                let procs = &mut Processes::single();
+                let s = evaluate_mlm_with(&mut forward, &d, blocks, batch, procs)?;
                 check_finite_loss(&s, &model)?;
                 return Ok((EvalKind::MaskedLm, s));
             }
@@ -327,7 +340,7 @@ fn evaluate_prepared(
     let c = model.cfg.num_labels;
     let procs = &mut Processes::single();
     let mut s = if device.is_cuda() {
-        let mut gpu = CudaLogits::new(device, model, batch, d.valid.max_len)?;
+        let mut gpu = CudaLogits::new(device, model, batch, d.valid.max_len, 0)?;
         evaluate_classifier_with(&mut ClassifierLogits::Cuda(&mut gpu), c, &d.valid, procs)?
     } else {
         let mut st = model.state(batch);
@@ -473,7 +486,7 @@ pub fn predict_probabilities_on(
     let b = batch.min(texts.len().max(1));
     let (mut st, mut gpu);
     let mut engine = if device.is_cuda() {
-        gpu = CudaLogits::new(device, model, b, t)?;
+        gpu = CudaLogits::new(device, model, b, t, 0)?;
         ClassifierLogits::Cuda(&mut gpu)
     } else {
         st = model.state(b);
@@ -520,23 +533,66 @@ pub fn predict_probabilities_on(
     Ok(out)
 }
 
-/// For each `[MASK]` of `text`, the `k` most probable tokens with their probabilities.
+/// The `[MASK]`s of a text filled: for each, the most probable tokens with their
+/// probabilities, best first.
+pub type FilledMasks = Vec<Vec<(String, f32)>>;
+
+/// For each `[MASK]` of each of `texts`, the `k` most probable tokens with their
+/// probabilities, the logits computed on `device` (`cpu`, or a CUDA GPU: one sequence at a
+/// time, the head with room for a mask at every position; the same softmax on the host).
 pub fn fill_mask(
     model: &Encoder,
     meta: &ModelMeta,
-    text: &str,
+    texts: &[String],
     k: usize,
-) -> Result<Vec<Vec<(String, f32)>>> {
-    if meta.model.head != HeadKind::Mlm {
+    device: DeviceSpec,
+) -> Result<Vec<FilledMasks>> {
+    let comera_model::Head::Mlm(head) = &model.head else {
         return Err(Error::model(
             "a classifier has no masked-LM head: use it to predict labels",
         ));
-    }
+    };
+    // Logit rows are the decoder's width V′ ≥ V (a TT decoder pads).
+    let width = head.width();
+    check_inference(device, Some(model))?;
     let tok = BertTokenizer::from_vocab_file(&meta.vocab)
         .map_err(|e| Error::model_with(format!("vocabulary {}", meta.vocab.display()), e))?;
     let t = meta.model.seq_len;
-    // `[CLS] piece [MASK] piece … [SEP] [PAD]…`: the text is split at its `[MASK]`s, so
-    // they need no support from the tokenizer's own splitting.
+    let mut gpu = match device.is_cuda() {
+        true => Some(CudaLogits::new(device, model, 1, t, t)?),
+        false => None,
+    };
+    texts
+        .iter()
+        .map(|text| {
+            let (ids, mask, selected) = masked_sequence(&tok, text, t)?;
+            let mut st;
+            let logits = match &mut gpu {
+                Some(gpu) => gpu.mlm_logits(&ids, &mask, &selected)?,
+                None => {
+                    st = model.state_for(1, t, selected.len())?;
+                    let mut labels = vec![-100; t];
+                    for &p in &selected {
+                        labels[p as usize] = 0;
+                    }
+                    st.load_mlm(&ids, &mask, &labels, &selected)?;
+                    model.forward(&mut st, false, 0)?;
+                    st.logits()
+                }
+            };
+            top_tokens(model, meta, &tok, logits, (selected.len(), width), k)
+        })
+        .collect()
+}
+
+/// `text` as one sequence of `t` tokens, `[CLS] piece [MASK] piece … [SEP] [PAD]…` (the text
+/// split at its `[MASK]`s, so they need no support from the tokenizer's own splitting): ids,
+/// attention mask, and the positions of the `[MASK]`s (at least one).
+fn masked_sequence(
+    tok: &BertTokenizer,
+    text: &str,
+    t: usize,
+) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
     let sp = tok.special_ids();
     let mut ids = vec![sp.cls];
     for (i, piece) in text.split("[MASK]").enumerate() {
@@ -556,29 +612,27 @@ pub fn fill_mask(
     if selected.is_empty() {
         return Err(Error::model(format!("no [MASK] in the text (within its first {t} tokens): write [MASK] where a token is to be predicted")));
     }
-    let mut st = model.state_for(1, t, selected.len())?;
-    let labels: Vec<i32> = (0..t)
-        .map(|i| {
-            if selected.contains(&(i as u32)) {
-                0
-            } else {
-                -100
-            }
-        })
-        .collect();
-    st.load_mlm(&ids, &mask, &labels, &selected)?;
-    model.forward(&mut st, false, 0)?;
-    let logits = st.logits();
-    let width = logits.len() / selected.len().max(1);
+    Ok((ids, mask, selected))
+}
+
+/// The `k` most probable tokens of each of the first `masks` rows of `logits` (rows of
+/// `width`, the decoder's; a TT decoder's padding columns past the vocabulary are −∞ by
+/// design and not read).
+fn top_tokens(
+    model: &Encoder,
+    meta: &ModelMeta,
+    tok: &BertTokenizer,
+    logits: &[f32],
+    (masks, width): (usize, usize),
+    k: usize,
+) -> Result<FilledMasks> {
     let vocab = meta.model.vocab_size.min(width);
-    // A TT output projection's padding columns (past the vocabulary) are −∞ by design: only
-    // the vocabulary's logits are checked.
-    for row in logits.chunks_exact(width.max(1)).take(selected.len()) {
+    for row in logits.chunks_exact(width.max(1)).take(masks) {
         check_finite_outputs(&row[..vocab], model, "logits")?;
     }
     Ok(logits
         .chunks_exact(width)
-        .take(selected.len())
+        .take(masks)
         .map(|row| {
             let row = &row[..vocab];
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));

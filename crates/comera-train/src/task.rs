@@ -267,6 +267,42 @@ pub fn evaluate_mlm_sharded(
     batch_size: usize,
     procs: &mut Processes,
 ) -> Result<EvalStats> {
+    let mut forward = MlmForward::Cpu { model, st };
+    evaluate_mlm_with(&mut forward, data, blocks, batch_size, procs)
+}
+
+/// Where a masked-LM model's evaluation pass runs: the CPU's forward on a state, or a GPU's
+/// ([`crate::device::CudaLogits`]).
+pub enum MlmForward<'a> {
+    Cpu {
+        model: &'a Encoder,
+        st: &'a mut EncoderState,
+    },
+    Cuda(&'a mut crate::device::CudaLogits),
+}
+
+impl MlmForward<'_> {
+    /// One batch's mean loss, correct count and counted positions, dropout off.
+    fn stats(&mut self, b: &MlmBatch) -> Result<(f64, usize, usize)> {
+        match self {
+            MlmForward::Cpu { model, st } => {
+                load_mlm(st, b)?;
+                let s = model.forward(st, false, 0)?;
+                Ok((s.loss, s.correct, s.count))
+            }
+            MlmForward::Cuda(c) => Ok(c.mlm_stats(b)?),
+        }
+    }
+}
+
+/// [`evaluate_mlm_sharded`] with the pass of `forward` (the CPU's or a GPU's).
+pub fn evaluate_mlm_with(
+    forward: &mut MlmForward,
+    data: &CorpusData,
+    blocks: &comera_data::corpus::PackedSequences,
+    batch_size: usize,
+    procs: &mut Processes,
+) -> Result<EvalStats> {
     let b = batch_size;
     let rows = procs.shard.rows(b)?;
     let mut batch = MlmBatch::new(b, blocks.seq_len);
@@ -274,18 +310,17 @@ pub fn evaluate_mlm_sharded(
     let mut it = MlmBatches::new(blocks, data.masker, b, 0x5EED_E7A1, false);
     let (mut loss, mut correct, mut count) = (0.0f64, 0usize, 0usize);
     while it.next_into(&mut batch) {
-        if procs.shard.is_whole() {
-            load_mlm(st, &batch)?;
+        let (l, c, k) = if procs.shard.is_whole() {
+            forward.stats(&batch)?
         } else {
             mlm_rows(&batch, rows.clone(), &mut part);
-            load_mlm(st, &part)?;
+            forward.stats(&part)?
+        };
+        if k > 0 {
+            loss += l * k as f64;
         }
-        let s = model.forward(st, false, 0)?;
-        if s.count > 0 {
-            loss += s.loss * s.count as f64;
-        }
-        correct += s.correct;
-        count += s.count;
+        correct += c;
+        count += k;
     }
     if !procs.shard.is_whole() {
         let mut sums = [loss, correct as f64, count as f64];

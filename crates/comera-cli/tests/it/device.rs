@@ -195,6 +195,16 @@ fn the_step_benchmark_on_a_gpu_runs_or_names_what_is_missing() {
 }
 
 /// What a command on a missing GPU names: the driver, the device, NVRTC, cuBLAS or memory.
+/// `text` ends the command as a GPU that is not there: status 2, `error: device cuda:N…`,
+/// naming what is missing ([`MISSING`]).
+pub(crate) fn assert_gpu_missing(code: i32, text: &str, case: &str) {
+    let wanted = MISSING
+        .iter()
+        .find(|n| text.contains(*n))
+        .unwrap_or(&"driver");
+    assert_device_error(code, text, wanted, case);
+}
+
 const MISSING: [&str; 7] = [
     "NVIDIA driver",
     "driver",
@@ -313,16 +323,9 @@ fn eval_and_predict_of_a_pre_ln_model_on_the_gpu_and_bad_device_strings() {
         "model.pre_ln=true",
     ]);
     assert_eq!(code, 0, "{text}");
-    let missing = |code: i32, text: &str, case: &str| {
-        let wanted = MISSING
-            .iter()
-            .find(|n| text.contains(*n))
-            .unwrap_or(&"driver");
-        assert_device_error(code, text, wanted, case);
-    };
     let (code, text) = comera(&["eval", s(&run), "--device", "cuda"]);
     if code != 0 {
-        missing(code, &text, "eval pre-LN");
+        assert_gpu_missing(code, &text, "eval pre-LN");
     }
     let out = dir.join("p.txt");
     let (code, text) = comera(&[
@@ -335,7 +338,7 @@ fn eval_and_predict_of_a_pre_ln_model_on_the_gpu_and_bad_device_strings() {
         "a good dress",
     ]);
     if code != 0 {
-        missing(code, &text, "predict pre-LN");
+        assert_gpu_missing(code, &text, "predict pre-LN");
         assert!(!out.exists(), "created {}", out.display());
     }
     let (code, text) = comera(&["predict", s(&run), "--device", "cpu", "a good dress"]);

@@ -128,6 +128,49 @@ fn pretraining_runs_phases_and_lowers_the_held_out_mlm_loss() {
         text.contains(&format!("MLM loss {last:.4}")),
         "{last}: {text}"
     );
+    // The same evaluation and mask filling on a GPU where one answers; without one, status 2
+    // naming what is missing. The loss within 1e-3: the device's logits are within 1e-4 of
+    // their largest magnitude of the CPU's (the step test's forward bound, gpu_engine.rs), a
+    // log-softmax moves by at most twice that, and this model's logits stay below 5 in size;
+    // the printed loss adds 5e-5 of rounding.
+    let (c, gpu) = comera(&[
+        "eval",
+        run.to_str().unwrap(),
+        "--batch-size",
+        "4",
+        "--device",
+        "cuda",
+    ]);
+    if c == 0 {
+        let loss = |t: &str| -> f64 {
+            let at = t.find("MLM loss ").expect("MLM loss printed") + "MLM loss ".len();
+            t[at..]
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .trim_end_matches(',')
+                .parse()
+                .unwrap()
+        };
+        assert!(
+            (loss(&gpu) - loss(&text)).abs() <= 1e-3,
+            "GPU {gpu}\nCPU {text}"
+        );
+    } else {
+        crate::device::assert_gpu_missing(c, &gpu, "eval of a masked-LM model on cuda");
+    }
+    let (c, gpu) = comera(&[
+        "predict",
+        run.to_str().unwrap(),
+        "--device",
+        "cuda",
+        "let mut [MASK] if",
+    ]);
+    if c == 0 {
+        assert!(gpu.contains("[MASK] 1\t"), "{gpu}");
+    } else {
+        crate::device::assert_gpu_missing(c, &gpu, "predict of a masked-LM model on cuda");
+    }
     // `predict` fills masks (and says how when there is none); every command reads the run.
     let (c, text) = comera(&["predict", run.to_str().unwrap(), "good"]);
     assert_eq!(c, 1, "{text}");

@@ -1212,21 +1212,32 @@ impl EncoderPlan {
     /// The loss, correct count, counted rows and gradient norm of the last step (waits for
     /// the stream).
     pub fn stats(&self, dev: &Device) -> Result<DeviceStepStats, CudaError> {
-        let s = dev.stream();
-        let e = || driver("reading the step's statistics");
-        let out = s.clone_dtoh(self.ce_out.slice()).map_err(e())?;
-        let norm = s.clone_dtoh(self.norm.slice()).map_err(e())?;
+        let (loss, correct, count) = self.loss_stats(dev)?;
+        let norm = dev
+            .stream()
+            .clone_dtoh(self.norm.slice())
+            .map_err(driver("reading the step's gradient norm"))?;
         let objective = match &self.rank {
             Some(r) => Some(r.objective(dev)?),
             None => None,
         };
         Ok(DeviceStepStats {
-            loss: out[0],
-            correct: out[3],
-            count: out[2],
+            loss,
+            correct,
+            count,
             grad_norm: norm[0],
             objective,
         })
+    }
+
+    /// The mean loss, correct count and counted rows of the last loss computed: a step's, or a
+    /// masked-LM evaluation pass's (waits for the stream).
+    pub fn loss_stats(&self, dev: &Device) -> Result<(f64, f64, f64), CudaError> {
+        let out = dev
+            .stream()
+            .clone_dtoh(self.ce_out.slice())
+            .map_err(driver("reading the loss"))?;
+        Ok((out[0], out[3], out[2]))
     }
 
     /// The rank schedule's inputs for the next step (hold, stage and target), read by the
@@ -1263,7 +1274,7 @@ impl EncoderPlan {
         // SAFETY: the arena's gradient buffer holds `total` floats.
         unsafe { raw::zero(dev, self.arena.g.ptr(), self.arena.total())? };
         self.forward(dev, blas, true)?;
-        self.loss(dev)?;
+        self.loss(dev, true)?;
         self.backward(dev, blas)?;
         if let Some(rank) = &self.rank {
             // ce_out[0]: the step's mean loss, which the late stage's weights read.
@@ -1286,14 +1297,21 @@ impl EncoderPlan {
     }
 
     /// Queues one evaluation pass over the batch loaded last: the forward with dropout off
-    /// (the CPU's `Encoder::forward(st, false, _)`), no loss, no backward; it leaves the
-    /// logits (B × C, row-major) in the plan's logits buffer for [`EncoderPlan::logits`].
+    /// (the CPU's `Encoder::forward(st, false, _)`), no backward; it leaves the logits
+    /// (head rows × C, row-major) in the plan's logits buffer for [`EncoderPlan::logits`]. A
+    /// masked-LM head also computes its loss over the labelled rows (no gradient) for
+    /// [`EncoderPlan::loss_stats`]: its logits (R × V′) are too many to read back per batch,
+    /// while a classifier's loss, accuracy and class table are the host's, from the logits.
     /// Parameters, gradients, moments and the dropout step are not touched, so it may run
     /// between training steps (an evaluation during training) or in a session opened for
     /// inference only. Like [`EncoderPlan::record_step`] it allocates nothing and waits for
     /// nothing, so it can be captured as a graph.
     pub fn record_eval_forward(&self, dev: &Device) -> Result<(), CudaError> {
-        self.forward(dev, &self.blas.handle, false)
+        self.forward(dev, &self.blas.handle, false)?;
+        match self.head {
+            HeadPlan::Classifier(_) => Ok(()),
+            HeadPlan::Mlm(_) => self.loss(dev, false),
+        }
     }
 
     /// The logits of the last pass (B × C, row-major; waits for the stream).
@@ -1559,15 +1577,15 @@ impl EncoderPlan {
     }
 
     /// Cross-entropy of the logits against the batch's labels, and ∂L/∂logits.
-    fn loss(&self, dev: &Device) -> Result<(), CudaError> {
+    fn loss(&self, dev: &Device, with_grad: bool) -> Result<(), CudaError> {
         // Cross-entropy, mean over the counted rows (a classifier's B, no label ignored; the
-        // masked-LM head's labelled rows of R), and ∂L/∂logits.
+        // masked-LM head's labelled rows of R), and ∂L/∂logits when `with_grad`.
         let b = self.head_rows;
         let ignore = match self.head {
             HeadPlan::Classifier(_) => i32::MIN,
             HeadPlan::Mlm(_) => comera_layers::loss::IGNORE_INDEX,
         };
-        let (rows, classes, write) = (b as i32, self.classes as i32, 1i32);
+        let (rows, classes, write) = (b as i32, self.classes as i32, with_grad as i32);
         let (lg, lb, cnt, dl) = (
             self.logits.ptr(),
             self.label.ptr(),

@@ -2,8 +2,9 @@
 //! owns the device, the plan and its captured step, takes host batches and returns host
 //! statistics, and moves parameters and AdamW moments between the device and the CPU model by
 //! name (checkpoints, evaluation, export, resuming on either device). It also computes a
-//! classifier's logits batch by batch ([`EncoderSession::logits`]) for `comera eval` and
-//! `comera predict` on the GPU, in a session opened for that alone
+//! classifier's logits batch by batch ([`EncoderSession::logits`]), and a masked-LM model's
+//! loss and logits ([`EncoderSession::mlm_eval`], [`EncoderSession::mlm_logits`]), for
+//! `comera eval` and `comera predict` on the GPU, in a session opened for that alone
 //! ([`EncoderSession::for_inference`]) or between training steps.
 
 use super::arena::Which;
@@ -78,19 +79,27 @@ impl EncoderSession {
         })
     }
 
-    /// Opens `cuda:ordinal` for inference only: `enc`'s parameters uploaded, logits of batches
-    /// of `b` × `t` tokens by [`EncoderSession::logits`] (dropout off, so no seed); the
-    /// optimiser is never used and [`EncoderSession::step`] is refused. The plan is the
-    /// training step's: its gradient and moment arenas (three times the parameters), the
-    /// backward's scratch and a TTM table's slab gradients are allocated but unused (a
-    /// forward-only plan is not done yet).
+    /// Opens `cuda:ordinal` for inference only: `enc`'s parameters uploaded, batches of `b` ×
+    /// `t` tokens (dropout off, so no seed): a classifier's logits by
+    /// [`EncoderSession::logits`], a masked-LM model's loss by [`EncoderSession::mlm_eval`]
+    /// and its logits by [`EncoderSession::mlm_logits`], on at most `mlm_rows_per_seq`
+    /// predicted positions a sequence (0: the CPU's default, 15% of T; ignored for a
+    /// classifier). The optimiser is never used and [`EncoderSession::step`] is refused. The
+    /// plan is the training step's: its gradient and moment arenas (three times the
+    /// parameters), the backward's scratch and a TTM table's slab gradients are allocated but
+    /// unused (a forward-only plan is not done yet).
     pub fn for_inference(
         ordinal: usize,
         enc: &Encoder,
         b: usize,
         t: usize,
+        mlm_rows_per_seq: usize,
     ) -> Result<EncoderSession, CudaError> {
-        let mut s = EncoderSession::new(ordinal, enc, 0, b, t, StepConfig::paper())?;
+        let opt = StepConfig {
+            mlm_rows_per_seq,
+            ..StepConfig::paper()
+        };
+        let mut s = EncoderSession::new(ordinal, enc, 0, b, t, opt)?;
         s.inference_only = true;
         Ok(s)
     }
@@ -111,11 +120,53 @@ impl EncoderSession {
     ) -> Result<Vec<f32>, CudaError> {
         self.plan
             .load(&self.dev, ids, types, mask, &self.no_labels)?;
+        self.run_eval()?;
+        self.plan.logits(&self.dev)
+    }
+
+    /// A masked-LM model's evaluation of one batch (B × T masked ids and mask, each token's
+    /// label or `IGNORE_INDEX`, the predicted positions ascending): the forward with dropout
+    /// off and the cross-entropy over the labelled positions, as the CPU's
+    /// `Encoder::forward(st, false, _)` after `st.load_mlm`. Returns the mean loss, the
+    /// correct count and the counted positions. Captured as a graph on the first call when
+    /// `use_graph` (the pass of [`EncoderSession::logits`], which the session shares).
+    pub fn mlm_eval(
+        &mut self,
+        (ids, mask, token_labels, selected): (&[u32], &[u32], &[i32], &[u32]),
+    ) -> Result<(f64, f64, f64), CudaError> {
+        self.plan
+            .load_mlm(&self.dev, ids, mask, token_labels, selected)?;
+        self.run_eval()?;
+        self.plan.loss_stats(&self.dev)
+    }
+
+    /// A masked-LM model's logits at the predicted positions of one batch (B × T ids and
+    /// mask, the positions ascending): R × V′ rows, row-major, R = the head's rows
+    /// ([`EncoderPlan::head_rows`]) of which the first `selected.len()` are the positions' (a
+    /// TT decoder's padding columns past the vocabulary hold −∞).
+    pub fn mlm_logits(
+        &mut self,
+        (ids, mask, selected): (&[u32], &[u32], &[u32]),
+    ) -> Result<Vec<f32>, CudaError> {
+        // The pass computes a loss too; label 0 at the positions keeps it defined, unread.
+        let mut labels = vec![comera_layers::loss::IGNORE_INDEX; ids.len()];
+        for &p in selected {
+            if let Some(l) = labels.get_mut(p as usize) {
+                *l = 0;
+            }
+        }
+        self.plan
+            .load_mlm(&self.dev, ids, mask, &labels, selected)?;
+        self.run_eval()?;
+        self.plan.logits(&self.dev)
+    }
+
+    /// The evaluation pass on the batch loaded: replayed from its graph, or launched.
+    fn run_eval(&mut self) -> Result<(), CudaError> {
         let (plan, graph) = (&self.plan, self.use_graph.then_some(&mut self.eval_graph));
         run_recorded(&self.dev, graph, "replaying the evaluation graph", |d| {
             plan.record_eval_forward(d)
-        })?;
-        self.plan.logits(&self.dev)
+        })
     }
 
     pub fn device(&self) -> &Device {
