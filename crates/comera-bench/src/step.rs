@@ -110,7 +110,7 @@ fn on_gpu(a: &StepArgs, ordinal: usize) -> anyhow::Result<ExitCode> {
             println!("{}", serde_json::to_string(r).unwrap_or_default());
         } else {
             println!(
-                "{:>5}  batch {:>3}  {:9.3} ms (min {:.3}, max {:.3}, {} replays)  eager {:9.3} ms  {:8.1} MiB  {}",
+                "{:>5}  batch {:>3}  {:9.3} ms (min {:.3}, max {:.3}, {} replays)  eager {:9.3} ms  {:8.1} MiB  {}\n             forward {:.3} ms, loss {:.3}, backward {:.3}, update {:.3}",
                 r.model,
                 r.batch,
                 r.graph_ms_median,
@@ -119,7 +119,11 @@ fn on_gpu(a: &StepArgs, ordinal: usize) -> anyhow::Result<ExitCode> {
                 r.replays,
                 r.eager_ms_median,
                 r.device_mib_over_context,
-                r.gpu
+                r.gpu,
+                r.phase_ms.forward,
+                r.phase_ms.loss,
+                r.phase_ms.backward,
+                r.phase_ms.update
             );
         }
     };

@@ -37,7 +37,7 @@ fn args() -> Result<(StepBenchArgs, Option<String>), String> {
 
 fn print(r: &StepBenchRow) {
     println!(
-        "{:>5} b{:<3} graph {:8.3} ms (min {:.3}, max {:.3})  eager {:8.3} ms  host load {:6.2} ms  memory {:7.1} MiB over the context  loss {:.4}",
+        "{:>5} b{:<3} graph {:8.3} ms (min {:.3}, max {:.3})  eager {:8.3} ms  host load {:6.2} ms  memory {:7.1} MiB over the context ({:.1} MiB of buffers)  loss {:.4}\n          phases: forward {:.3} ms, loss {:.3}, backward {:.3}, update {:.3}",
         r.model,
         r.batch,
         r.graph_ms_median,
@@ -46,7 +46,12 @@ fn print(r: &StepBenchRow) {
         r.eager_ms_median,
         r.host_load_ms,
         r.device_mib_over_context,
-        r.loss
+        r.device_mib_buffers,
+        r.loss,
+        r.phase_ms.forward,
+        r.phase_ms.loss,
+        r.phase_ms.backward,
+        r.phase_ms.update
     );
 }
 

@@ -11,13 +11,15 @@
 //! `host_load_ms` reports them separately); the uncaptured (eager) step beside it. Memory:
 //! device memory in use (total − free, as `nvidia-smi` sees it for this process's context)
 //! after the plan is built and after the replays, and its growth over the context alone
-//! (measured after the kernels are loaded). The plan allocates every buffer up front (cuBLAS
+//! (measured after the kernels are loaded). Then the step's phases (forward, loss, backward,
+//! update): each prefix of the step captured as a graph of its own and replayed, a phase the
+//! difference of two prefixes' medians. The plan allocates every buffer up front (cuBLAS
 //! workspace included) and a step allocates nothing, so the growth after the replays is the
 //! step's peak; it is comparable to, though not the same measure as, PyTorch's
 //! `max_memory_allocated` (which counts tensors only).
 
 use crate::device::Device;
-use crate::engine::{EncoderPlan, RankSettings, RankStep, StepConfig};
+use crate::engine::{EncoderPlan, RankSettings, RankStep, StepConfig, StepPhase};
 use crate::error::CudaError;
 use comera_model::{Encoder, EncoderConfig};
 use std::time::Instant;
@@ -75,11 +77,57 @@ pub struct StepBenchRow {
     /// driver's.
     pub device_mib_buffers: f64,
     pub params: usize,
+    /// The step's phases, from prefixes of it replayed on their own (medians; differences of
+    /// noisy medians, so a small phase can come out slightly negative).
+    pub phase_ms: PhaseMs,
     /// Whether the step ran the rank schedule's early stage (the TT/TTM model).
     pub rank_schedule: bool,
     /// The last replay's loss, and whether it and the gradient norm were finite.
     pub loss: f64,
     pub finite: bool,
+}
+
+/// A step's time by phase ([`StepPhase`]), ms.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct PhaseMs {
+    /// Gradients zeroed and the forward.
+    pub forward: f64,
+    pub loss: f64,
+    /// The backward (and the rank objective's gradients).
+    pub backward: f64,
+    /// Norm, clipping, AdamW (and the gates' projection).
+    pub update: f64,
+}
+
+/// Replays `graph` three times untimed, then `n` (at least one) times, each launch followed
+/// by a stream synchronise; the times in ms.
+fn replay_times(
+    dev: &Device,
+    graph: &cudarc::driver::CudaGraph,
+    n: usize,
+) -> Result<Vec<f64>, CudaError> {
+    let sync = || {
+        dev.stream()
+            .synchronize()
+            .map_err(crate::error::driver("cuStreamSynchronize"))
+    };
+    let launch = || {
+        graph
+            .launch()
+            .map_err(crate::error::driver("cuGraphLaunch"))
+    };
+    for _ in 0..3 {
+        launch()?;
+    }
+    sync()?;
+    let mut times = Vec::with_capacity(n.max(1));
+    for _ in 0..n.max(1) {
+        let t0 = Instant::now();
+        launch()?;
+        sync()?;
+        times.push(ms(t0));
+    }
+    Ok(times)
 }
 
 /// Runs the benchmark; `on_row` sees each row as it is measured (to print it).
@@ -163,24 +211,16 @@ fn one(
     let t0 = Instant::now();
     let graph = dev.capture(|d| plan.record_step(d))?;
     let capture_ms = ms(t0);
-    let launch = || {
-        graph
-            .launch()
-            .map_err(crate::error::driver("cuGraphLaunch"))
-    };
-    for _ in 0..3 {
-        launch()?;
-    }
-    sync(dev)?;
-    let mut times = Vec::with_capacity(a.replays);
-    for _ in 0..a.replays.max(1) {
-        let t0 = Instant::now();
-        launch()?;
-        sync(dev)?;
-        times.push(ms(t0));
-    }
+    let times = replay_times(dev, &graph, a.replays)?;
     let used_after = total - dev.memory()?.0;
     let s = plan.stats(dev)?;
+    // Where the time goes: each prefix of the step captured on its own and replayed; a
+    // phase's time is the difference of the medians of its prefix and the one before.
+    let mut through = Vec::new();
+    for last in [StepPhase::Forward, StepPhase::Loss, StepPhase::Backward] {
+        let g = dev.capture(|d| plan.record_step_through(d, last))?;
+        through.push(median_min_max(replay_times(dev, &g, a.replays)?).0);
+    }
     let (med, min, max) = median_min_max(times);
     let info = dev.info();
     Ok(StepBenchRow {
@@ -205,6 +245,12 @@ fn one(
         device_mib_over_context: mib(used_after - base_used),
         device_mib_plan: mib(used_plan - base_used),
         device_mib_buffers: mib(plan.device_bytes()),
+        phase_ms: PhaseMs {
+            forward: through[0],
+            loss: through[1] - through[0],
+            backward: through[2] - through[1],
+            update: med - through[2],
+        },
         params: enc.num_params(),
         rank_schedule: rank.is_some(),
         loss: s.loss,

@@ -106,6 +106,19 @@ impl StepConfig {
     }
 }
 
+/// The phases of a training step, in order ([`EncoderPlan::record_step_through`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepPhase {
+    /// Gradients zeroed, embeddings, blocks, head.
+    Forward,
+    /// The cross-entropy and its gradient.
+    Loss,
+    /// The backward, and the rank objective's gradients (with the schedule).
+    Backward,
+    /// Gradient norm and clip factor, AdamW, the gates' projection (with the schedule).
+    Update,
+}
+
 /// What one step reports (read back after the step; reading it waits for the stream).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeviceStepStats {
@@ -1270,19 +1283,29 @@ impl EncoderPlan {
     /// objective (with the schedule), gradient norm and clip factor, AdamW, the gates'
     /// projection (with the schedule). Nothing waits on the host, nothing is allocated.
     pub fn record_step(&self, dev: &Device) -> Result<(), CudaError> {
+        self.record_step_through(dev, StepPhase::Update)
+    }
+
+    /// The step's phases up to and including `last` ([`EncoderPlan::record_step`] is all of
+    /// them): the step benchmark captures each prefix as a graph, and the differences of their
+    /// replay times say where a step's time goes.
+    pub fn record_step_through(&self, dev: &Device, last: StepPhase) -> Result<(), CudaError> {
         let blas = &self.blas.handle;
         // SAFETY: the arena's gradient buffer holds `total` floats.
         unsafe { raw::zero(dev, self.arena.g.ptr(), self.arena.total())? };
         self.forward(dev, blas, true)?;
+        if last == StepPhase::Forward {
+            return Ok(());
+        }
         self.loss(dev, true)?;
+        if last == StepPhase::Loss {
+            return Ok(());
+        }
         self.backward(dev, blas)?;
         if let Some(rank) = &self.rank {
             // ce_out[0]: the step's mean loss, which the late stage's weights read.
             rank.record_objective(dev, &self.arena, &self.table, self.ce_out.ptr())?;
-            self.update(dev)?;
-            return rank.record_project(dev, &self.arena);
-        }
-        if !self.train_gates {
+        } else if !self.train_gates {
             for t in self
                 .arena
                 .tensors
@@ -1293,7 +1316,14 @@ impl EncoderPlan {
                 unsafe { raw::zero(dev, self.arena.g.ptr() + 4 * t.offset as u64, t.len)? };
             }
         }
-        self.update(dev)
+        if last == StepPhase::Backward {
+            return Ok(());
+        }
+        self.update(dev)?;
+        match &self.rank {
+            Some(rank) => rank.record_project(dev, &self.arena),
+            None => Ok(()),
+        }
     }
 
     /// Queues one evaluation pass over the batch loaded last: the forward with dropout off

@@ -28,7 +28,7 @@ pub mod session;
 pub mod tt;
 
 pub use arena::{ParamArena, Tensor, Which};
-pub use encoder::{DeviceStepStats, EncoderPlan, StepConfig};
+pub use encoder::{DeviceStepStats, EncoderPlan, StepConfig, StepPhase};
 pub use memory::PlanMemory;
 pub use rank::{ChainTable, DeviceBranch, DeviceObjective, RankSettings, RankStep};
 pub use raw::{Blas, Buf, Gemm};
