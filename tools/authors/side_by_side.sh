@@ -3,7 +3,7 @@
 #
 # For each of R rounds, for batch 1 and batch 32, runs (interleaved, one process each):
 #   comera --threads T bench step --models tt --batch B --steps S --rounds 1 --json
-#   python tools/authors/cpu_step.py --threads T --batch B --steps S --warmup W --models comera
+#   python tools/authors/step.py --threads T --batch B --steps S --warmup W --models comera
 # The side that goes first alternates from round to round. Then prints, per batch, the median
 # over rounds of each side's per-round median step time and the ratio authors / comera
 # (> 1: comera is faster). Raw JSON lines are kept in --out.
@@ -65,7 +65,7 @@ run_comera() { # round batch steps
 }
 run_authors() {
   local f="$out/r$1-b$2-authors"
-  "${pre[@]}" "$py" "$here/cpu_step.py" --threads "$threads" --batch "$2" --steps "$3" \
+  "${pre[@]}" "$py" "$here/step.py" --threads "$threads" --batch "$2" --steps "$3" \
       --warmup "$warmup" --models comera >"$f.json" 2>"$f.err" || echo "authors' step failed (round $1, batch $2): see $f.err" >&2
 }
 

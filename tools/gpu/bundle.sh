@@ -9,7 +9,9 @@
 # against the CPU engine and its captured replay), OUTDIR/nvrtc_compile (every kernel through
 # NVRTC for sm_80 and sm_90), and OUTDIR/bench/step_bench (the step benchmark, an example
 # binary: check.sh runs it after the tests), and OUTDIR/bin/comera (the command line, for
-# tools/gpu/e2e.sh: a run trained on the GPU and moved to the CPU and back).
+# tools/gpu/e2e.sh: a run trained on the GPU and moved to the CPU and back), and with
+# COMERA_SRC set to a checkout of the authors' repository, OUTDIR/authors (their Python
+# files, for tools/authors/gpu_side_by_side.sh).
 # These are the binaries `cargo test --release -p comera-cuda --no-run` prints; this script
 # only finds them in cargo's JSON messages and copies them.
 set -euo pipefail
@@ -43,3 +45,14 @@ cargo build --release -p comera-cli
 mkdir -p "$out/bin"
 cp target/release/comera "$out/bin/comera"
 echo "copied to $out/bin: comera"
+# The authors' code, for the side-by-side step on the GPU (check.sh runs it when this folder
+# is there): their Python files only, from a checkout named by COMERA_SRC (tools/authors).
+if [ -n "${COMERA_SRC:-}" ] && [ -f "$COMERA_SRC/MNLI_trainer.py" ]; then
+    rm -rf "$out/authors"
+    mkdir -p "$out/authors"
+    (cd "$COMERA_SRC" && find . -name '*.py' -not -path './.git/*' -print0 | tar --null -T - -cf -) \
+        | tar -C "$out/authors" -xf -
+    echo "copied to $out/authors: the authors' code from $COMERA_SRC"
+else
+    echo "COMERA_SRC not set: no side-by-side with the authors' step on the GPU"
+fi

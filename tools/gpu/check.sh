@@ -19,7 +19,10 @@
 # COMERA_BENCH_ARGS to pass it other arguments (e.g. "--replays 100").
 # Then, when BUNDLE_DIR/bin/comera exists: tools/gpu/e2e.sh, a small run trained on the GPU and
 # on the CPU and moved between them through checkpoints, compared (under e2e/; 4 minutes at most).
+# With BUNDLE_DIR/authors (bundle.sh with COMERA_SRC set): tools/authors/gpu_side_by_side.sh,
+# the authors' step (eager and their CUDA-graph recipe) beside comera's on the same GPU.
 # Last, where compute-sanitizer runs: the engine's step tests under memcheck (2 minutes at most).
+# All of it within COMERA_CHECK_BUDGET seconds (540 by default).
 set -uo pipefail
 if [ $# -eq 0 ]; then
     sed -n '2,9p' "$0" >&2
@@ -81,10 +84,23 @@ export COMERA_REQUIRE_GPU=1 COMERA_REQUIRE_NVRTC=1
 } | tee "$summary"
 
 failed=0
+# One budget for everything (COMERA_CHECK_BUDGET seconds, 540 by default: a device call is
+# limited to 600): each stage gets its own limit or what is left, and a stage with under 20
+# seconds left is skipped and says so.
+deadline=$(( $(date +%s) + ${COMERA_CHECK_BUDGET:-540} ))
+limit() {
+    local left=$(( deadline - $(date +%s) ))
+    [ "$left" -lt "$1" ] && echo "$left" || echo "$1"
+}
+skipped() {
+    echo "$1: skipped, the check's time budget is spent" | tee -a "$summary"
+}
 for b in "${bins[@]}"; do
     name="$(basename "$b")"
+    t=$(limit 300)
+    [ "$t" -ge 20 ] || { skipped "$name"; failed=1; continue; }
     start=$(date +%s)
-    timeout 300 "$b" --nocapture >"$out/$name.log" 2>&1
+    timeout "$t" "$b" --nocapture >"$out/$name.log" 2>&1
     rc=$?
     secs=$(( $(date +%s) - start ))
     if [ $rc -eq 0 ]; then
@@ -95,10 +111,12 @@ for b in "${bins[@]}"; do
     fi
     echo "$name: $status, ${secs}s, $(grep -E '^test result' "$out/$name.log" | tail -1)" | tee -a "$summary"
 done
-if [ -n "$bench" ]; then
+if [ -n "$bench" ] && [ "$(limit 240)" -lt 20 ]; then
+    skipped step_bench
+elif [ -n "$bench" ]; then
     start=$(date +%s)
     # shellcheck disable=SC2086
-    timeout 240 "$bench" --json "$out/step_bench.json" ${COMERA_BENCH_ARGS:-} >"$out/step_bench.log" 2>&1
+    timeout "$(limit 240)" "$bench" --json "$out/step_bench.json" ${COMERA_BENCH_ARGS:-} >"$out/step_bench.log" 2>&1
     rc=$?
     secs=$(( $(date +%s) - start ))
     if [ $rc -eq 0 ]; then
@@ -109,9 +127,30 @@ if [ -n "$bench" ]; then
         failed=1
     fi
 fi
-if [ -n "$cli" ]; then
+# The authors' step on the same GPU, side by side with comera's (bundle.sh copies their code
+# when COMERA_SRC is set; the machine's python3 holds PyTorch).
+authors=""
+for a in "$@"; do [ -d "$a/authors" ] && authors="$a/authors"; done
+if [ -n "$cli" ] && [ -n "$authors" ]; then
+    t=$(limit 200)
+    if [ "$t" -lt 60 ]; then
+        skipped "side by side with the authors' step"
+    else
+        start=$(date +%s)
+        COMERA_SRC="$authors" timeout "$t" "$(dirname "$0")/../authors/gpu_side_by_side.sh" \
+            --comera "$cli" --rounds 2 --steps 30 --out "$out/side-by-side" >"$out/side-by-side.log" 2>&1
+        rc=$?
+        secs=$(( $(date +%s) - start ))
+        echo "side by side with the authors' step: exit $rc, ${secs}s" | tee -a "$summary"
+        grep -E '^(GPU|side|comera|authors|batch)' "$out/side-by-side.log" | tee -a "$summary"
+    fi
+fi
+if [ -n "$cli" ] && [ "$(limit 240)" -lt 20 ]; then
+    skipped e2e
+    failed=1
+elif [ -n "$cli" ]; then
     start=$(date +%s)
-    timeout 240 "$(dirname "$0")/e2e.sh" "$cli" "$out/e2e" >"$out/e2e.log" 2>&1
+    timeout "$(limit 240)" "$(dirname "$0")/e2e.sh" "$cli" "$out/e2e" >"$out/e2e.log" 2>&1
     rc=$?
     secs=$(( $(date +%s) - start ))
     if [ $rc -eq 0 ]; then
@@ -129,9 +168,11 @@ fi
 # reported, not failed.
 engine=""
 for b in "${bins[@]}"; do [ "$(basename "$b")" = gpu_engine ] && engine="$b"; done
-if [ -n "$engine" ] && command -v compute-sanitizer >/dev/null; then
+if [ -n "$engine" ] && command -v compute-sanitizer >/dev/null && [ "$(limit 120)" -lt 20 ]; then
+    skipped memcheck
+elif [ -n "$engine" ] && command -v compute-sanitizer >/dev/null; then
     start=$(date +%s)
-    timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$engine" --test-threads 1 \
+    timeout "$(limit 120)" compute-sanitizer --tool memcheck --error-exitcode 3 "$engine" --test-threads 1 \
         one_step_matches one_pre_ln_step one_mlm_step mlm_evaluation the_plan_allocates \
         rank_schedule_step a_truncated_model >"$out/memcheck.log" 2>&1
     rc=$?
