@@ -91,6 +91,11 @@ pub trait DeviceStep<M: Trainable> {
     /// Parameters, moments and step count from the host (a run resumed from a checkpoint, or
     /// truncated by the host: the device plans its step again at the model's ranks).
     fn copy_from_host(&mut self, model: &M, optimizer: &Optimizer) -> Result<(), DeviceError>;
+    /// The batch shape of the steps from now on: the state the loop built for the phase it
+    /// enters (its batch size, sequence length, a masked-LM head's rows). The device plans its
+    /// step again when the shape differs from its plan's, carrying over its parameters,
+    /// moments and step count.
+    fn set_shape(&mut self, model: &M, st: &M::State) -> Result<(), DeviceError>;
     /// The rank schedule the steps run (None: off), as the run's controller has it once the
     /// run is set up (a resumed run's comes from its checkpoint); the device plans its step
     /// again only when it differs from what the engine was built with.
@@ -174,7 +179,6 @@ pub struct RunShape {
     pub min_rank: usize,
     pub galore: bool,
     pub accumulate_steps: usize,
-    pub phases: usize,
     pub processes: usize,
     pub teacher: bool,
 }
@@ -195,9 +199,6 @@ pub fn check_run(device: DeviceSpec, run: RunShape) -> Result<(), DeviceError> {
     }
     if run.accumulate_steps > 1 {
         return not_yet("gradient accumulation (train.accumulate_steps)");
-    }
-    if run.phases > 1 {
-        return not_yet("a run of several phases ([[train.phases]])");
     }
     if run.processes > 1 {
         return not_yet("data-parallel training over several processes");
@@ -437,6 +438,13 @@ impl DeviceStep<Encoder> for CudaEncoder {
         })
     }
 
+    fn set_shape(&mut self, model: &Encoder, st: &EncoderState) -> Result<(), DeviceError> {
+        let shape = (st.batch(), st.seq_len());
+        self.session
+            .reshape(model, shape, st.mlm_rows_per_seq())
+            .map_err(self.cuda())
+    }
+
     fn set_rank_schedule(
         &mut self,
         model: &Encoder,
@@ -511,7 +519,6 @@ mod tests {
             min_rank: 1,
             galore: false,
             accumulate_steps: 1,
-            phases: 1,
             processes: 1,
             teacher: false,
         }
@@ -595,13 +602,6 @@ mod tests {
                     ..plain()
                 },
                 "train.accumulate_steps",
-            ),
-            (
-                RunShape {
-                    phases: 2,
-                    ..plain()
-                },
-                "[[train.phases]]",
             ),
             (
                 RunShape {

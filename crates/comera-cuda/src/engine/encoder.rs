@@ -30,7 +30,7 @@
 //! the device. With the rank schedule on ([`StepConfig::rank`]) the stage's objective is formed
 //! between the backward pass and clipping, and the gates are projected after AdamW
 //! ([`super::rank`]); a truncation is the host's, followed by a new plan at the new ranks.
-//! What the step does not do yet (see docs/gpu.md): the masked-LM head.
+//! What the step does not do yet (see docs/gpu.md): a layer whose rank reached 0.
 
 use super::arena::ParamArena;
 use super::memory::PlanMemory;
@@ -726,7 +726,8 @@ fn dropout_seeds(seed: u64, layers: usize) -> (u64, Vec<(u64, u64)>, u64) {
 }
 
 impl EncoderPlan {
-    /// The plan of `enc` (a classifier, post-LN; its current ranks) for batches of `b`
+    /// The plan of `enc` (a classifier or a masked-LM model, post- or pre-LN; its current
+    /// ranks), checked against the device's free memory first ([`PlanMemory`]), for batches of `b`
     /// sequences of `t ≤ cfg.seq_len` tokens, its dropout seeded as `Encoder::new(cfg, seed)`
     /// seeds it. Parameters are uploaded from `enc`; AdamW's moments start at zero.
     pub fn new(
@@ -1344,7 +1345,8 @@ impl EncoderPlan {
         }
     }
 
-    /// The logits of the last pass (B × C, row-major; waits for the stream).
+    /// The logits of the last pass (head rows × C, row-major: B × classes, or a masked-LM
+    /// head's R × V′; waits for the stream).
     pub fn logits(&self, dev: &Device) -> Result<Vec<f32>, CudaError> {
         dev.stream()
             .clone_dtoh(self.logits.slice())

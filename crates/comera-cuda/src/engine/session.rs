@@ -198,6 +198,33 @@ impl EncoderSession {
         self.set_moments(&moments, t_adam)
     }
 
+    /// Batches of `b` × `t` tokens from the next step on, a masked-LM head predicting at most
+    /// `mlm_rows_per_seq` positions a sequence (a run's next phase). When that differs from
+    /// the plan's shape, the step is planned again for `enc` (the model the session trains,
+    /// for its structure) with the device's parameters, moments and t carried over through the
+    /// host, and captured again on the next step.
+    pub fn reshape(
+        &mut self,
+        enc: &Encoder,
+        (b, t): (usize, usize),
+        mlm_rows_per_seq: usize,
+    ) -> Result<(), CudaError> {
+        let rows = StepConfig {
+            mlm_rows_per_seq,
+            ..self.opt.clone()
+        }
+        .mlm_rows(b, t);
+        if (b, t) == self.shape() && rows == self.opt.mlm_rows(b, t) {
+            return Ok(());
+        }
+        let mut host = enc.clone();
+        self.download_into(&mut host)?;
+        let (moments, t_adam) = self.moments()?;
+        self.opt.mlm_rows_per_seq = mlm_rows_per_seq;
+        self.replan_at(&host, (b, t))?;
+        self.set_moments(&moments, t_adam)
+    }
+
     /// The rank schedule's inputs (hold, stage and target) for the steps from now on: the
     /// host's `RankController` decides them between steps. Ignored without the schedule.
     pub fn set_rank_step(&mut self, r: RankStep) {
@@ -338,10 +365,16 @@ impl EncoderSession {
     /// Plans the step again for `enc` (its ranks, its parameters uploaded, zero moments) with
     /// the session's settings; the captured graphs, which name the old plan's buffers, go.
     fn replan(&mut self, enc: &Encoder) -> Result<(), CudaError> {
+        let (b, t) = self.shape();
+        self.replan_at(enc, (b, t))
+    }
+
+    /// [`EncoderSession::replan`] for batches of `b` × `t` tokens.
+    fn replan_at(&mut self, enc: &Encoder, (b, t): (usize, usize)) -> Result<(), CudaError> {
         self.graph = None;
         self.eval_graph = None;
-        let (b, t) = self.shape();
         self.plan = EncoderPlan::new(&self.dev, enc, self.seed, b, t, self.opt.clone())?;
+        self.no_labels = vec![0; b];
         Ok(())
     }
 

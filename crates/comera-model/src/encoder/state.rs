@@ -432,6 +432,16 @@ impl EncoderState {
         self.t
     }
 
+    /// A masked-LM head's predicted positions per sequence at most (its R / B: the
+    /// `mlm_rows_per_seq` that [`super::Encoder::state_for`] was given, capped at T); 0 for a
+    /// classifier.
+    pub fn mlm_rows_per_seq(&self) -> usize {
+        match &self.head {
+            HeadState::Mlm(h) => h.rows() / self.b.max(1),
+            HeadState::Classifier(_) => 0,
+        }
+    }
+
     /// The classifier batch loaded last ([`EncoderState::load`]); `None` for a masked-LM
     /// state. A step engine on another device takes its batch from here.
     pub fn classifier_batch(&self) -> Option<ClassifierBatch<'_>> {

@@ -147,6 +147,10 @@ impl<'t, T: Task> Loop<'t, T> {
             &model,
             &micro_phase(&phases[st_phase], cfg.train.accumulate_steps),
         )?;
+        if let Some(dev) = device.as_mut() {
+            // Planned for the first phase; a run resumed in a later one steps at its shape.
+            dev.set_shape(&model, &st)?;
+        }
         let resumed = resume.is_some();
         if resumed && prog.epoch >= epochs.len() {
             refuse_finished(&cfg.train.out_dir, epochs.len(), prog.step)?;
@@ -302,6 +306,9 @@ impl<'t, T: Task> Loop<'t, T> {
             let micro = micro_phase(phase, self.cfg.train.accumulate_steps);
             self.st = self.task.state(&self.model, &micro)?;
             self.st_phase = ph;
+            if let Some(dev) = self.device.as_mut() {
+                dev.set_shape(&self.model, &self.st)?;
+            }
             self.rep.say(format!(
                 "phase {}: seq_len {}, batch {}",
                 ph + 1,

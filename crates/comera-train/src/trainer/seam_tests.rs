@@ -26,6 +26,9 @@ struct CpuBehindTheSeam {
     clip_norm: f32,
     stepper: Option<Stepper>,
     st: Option<EncoderState>,
+    /// The batch shape the loop last set ([`DeviceStep::set_shape`]): every step's batch must
+    /// have it, as a device's plan would need.
+    shape: Option<(usize, usize)>,
     labels: Vec<usize>,
     mask: Vec<u32>,
 }
@@ -59,6 +62,11 @@ impl DeviceStep<Encoder> for CpuBehindTheSeam {
     ) -> Result<DeviceStats, DeviceError> {
         let batch = st.classifier_batch().expect("a classifier batch");
         let (b, n) = (batch.labels.len(), batch.ids.len());
+        assert_eq!(
+            self.shape,
+            Some((b, n / b)),
+            "step {step}: a batch of another shape than the loop set"
+        );
         crate::device::classifier_words(&batch, &mut self.mask, &mut self.labels);
         let model = &self.model;
         let own = self
@@ -139,6 +147,16 @@ impl DeviceStep<Encoder> for CpuBehindTheSeam {
         let host = adam(optimizer).clone();
         if let Some(s) = self.stepper.as_mut() {
             s.optimizer = Optimizer::AdamW(host);
+        }
+        Ok(())
+    }
+
+    fn set_shape(&mut self, _model: &Encoder, st: &EncoderState) -> Result<(), DeviceError> {
+        let shape = (st.batch(), st.seq_len());
+        if self.shape != Some(shape) {
+            // A new plan: the state for the new shape is made at the next step.
+            self.st = None;
+            self.shape = Some(shape);
         }
         Ok(())
     }
@@ -282,6 +300,7 @@ fn run_once_unread(cfg: &RunConfig, seam: bool) {
                 clip_norm: s.run.clip_norm,
                 stepper: None,
                 st: None,
+                shape: None,
                 labels: Vec::new(),
                 mask: Vec::new(),
             }));
@@ -360,5 +379,57 @@ fn a_rank_adaptive_run_through_the_device_seam_is_the_cpu_run_bit_for_bit() {
     assert_eq!(count(&cpu_log, "stage"), 1, "the run switches: {cpu_log}");
     assert_eq!(seam_log, cpu_log, "the plateau run through the seam");
     assert!(cpu_model == seam_model, "model files differ (plateau)");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run of two phases (batch 16, then 8) through the seam: the loop sets the device's shape
+/// when the run starts and when it enters the second phase (the fake refuses a batch of
+/// another shape than the last one set), and the run is the CPU's bit for bit; stopped on the
+/// seam inside the second phase and resumed on the CPU, it is that run again.
+#[test]
+fn a_run_of_two_phases_through_the_device_seam_is_the_cpu_run_bit_for_bit() {
+    use comera_run::config::Phase;
+    let dir = std::env::temp_dir().join(format!("comera-seam-phases-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let phased = |out: &str| {
+        let mut c = config(&dir, out);
+        c.train.phases = vec![
+            Phase {
+                seq_len: 12,
+                batch_size: 16,
+                epochs: 2,
+                max_steps_per_epoch: None,
+            },
+            Phase {
+                seq_len: 12,
+                batch_size: 8,
+                epochs: 1,
+                max_steps_per_epoch: None,
+            },
+        ];
+        c
+    };
+    let (cpu_log, cpu_model) = run_once(&phased("cpu"), false);
+    let (seam_log, seam_model) = run_once(&phased("seam"), true);
+    // 128 training examples: 2 epochs of 8 steps at batch 16, then one of 16 at batch 8,
+    // each step logged.
+    let steps = cpu_log.matches("\"kind\":\"train\"").count();
+    assert_eq!(steps, 32, "both phases ran: {cpu_log}");
+    assert_eq!(seam_log, cpu_log, "the two-phase run through the seam");
+    assert!(cpu_model == seam_model, "model files differ (phases)");
+    let mut half = phased("half");
+    half.train.stop_after_steps = 20;
+    run_once_unread(&half, true);
+    super::resume(&half.train.out_dir).unwrap();
+    let (half_log, half_model) = read_run(&half);
+    assert_eq!(
+        half_log, cpu_log,
+        "stopped on the seam in phase 2, resumed on the CPU"
+    );
+    assert!(
+        half_model == cpu_model,
+        "model files differ after the resume (phases)"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -252,7 +252,6 @@ fn encoder_device(
             min_rank: cfg.rank.min_rank,
             galore: cfg.galore.is_some(),
             accumulate_steps: cfg.train.accumulate_steps,
-            phases: phases.len(),
             processes: crate::distributed::processes().1,
             teacher,
         },
