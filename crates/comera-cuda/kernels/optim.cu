@@ -52,39 +52,49 @@ extern "C" __global__ void grad_norm_finish(const double* __restrict__ partial, 
     }
 }
 
+// The multi-tensor launches' tiles (adamw_update here, rank_objective_grads in rank.cu): block
+// b covers elements tile_start[b] .. tile_start[b] + TILE_PER_THREAD * blockDim.x of tensor
+// tile_tensor[b], thread t every blockDim.x-th of them from t. The host cuts every tensor into
+// such tiles (ops.rs `AdamTable`), so the grid is the tensors' lengths and no more: a grid of
+// (longest tensor, tensors) would launch millions of empty blocks beside one large table.
+#define TILE_PER_THREAD 8
+
 // One AdamW step over `tensors` parameter tensors laid out in flat buffers w, g, m, v: tensor j
 // is elements offset[j] .. offset[j] + len[j]. lr[j] (group rate, before the schedule),
 // decay[j], gate[j] (1 for a rank gate: frozen at or below freeze_tau when freeze_tau >= 0).
 // step_scalars = (lr_scale, bc1, bc2) for this step, written by the host before the step;
-// clip = the factor from grad_norm_finish (or null for 1). Grid: (ceil(max len / blockDim.x),
-// tensors); a block past its tensor's end does nothing.
+// clip = the factor from grad_norm_finish (or null for 1). Grid: one block per tile (above).
 extern "C" __global__ void adamw_update(float* __restrict__ w, const float* __restrict__ g,
                                         float* __restrict__ m, float* __restrict__ v,
                                         const long long* __restrict__ offset,
                                         const long long* __restrict__ len,
+                                        const int* __restrict__ tile_tensor,
+                                        const long long* __restrict__ tile_start,
                                         const float* __restrict__ lr,
                                         const float* __restrict__ decay,
                                         const int* __restrict__ gate,
                                         const float* __restrict__ step_scalars,
                                         const float* __restrict__ clip, float beta1, float beta2,
                                         float eps, float freeze_tau) {
-    const int j = blockIdx.y;
-    const long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (k >= len[j]) return;
     const float gs = clip ? clip[0] : 1.0f;
     if (isnan(gs)) return;
-    const long long i = offset[j] + k;
-    if (gate[j] && freeze_tau >= 0.0f && w[i] <= freeze_tau) {
-        m[i] = 0.0f;
-        v[i] = 0.0f;
-        return;
-    }
+    const int j = tile_tensor[blockIdx.x];
     const float step_lr = lr[j] * step_scalars[0];
     const float bc1 = step_scalars[1], bc2 = step_scalars[2];
-    const float gi = g[i] * gs;
-    const float mi = beta1 * m[i] + (1.0f - beta1) * gi;
-    const float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    w[i] -= step_lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + decay[j] * w[i]);
+    for (int r = 0; r < TILE_PER_THREAD; ++r) {
+        const long long k = tile_start[blockIdx.x] + (long long)r * blockDim.x + threadIdx.x;
+        if (k >= len[j]) return;
+        const long long i = offset[j] + k;
+        if (gate[j] && freeze_tau >= 0.0f && w[i] <= freeze_tau) {
+            m[i] = 0.0f;
+            v[i] = 0.0f;
+            continue;
+        }
+        const float gi = g[i] * gs;
+        const float mi = beta1 * m[i] + (1.0f - beta1) * gi;
+        const float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        w[i] -= step_lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + decay[j] * w[i]);
+    }
 }

@@ -204,23 +204,32 @@ extern "C" __global__ void rank_objective(const double* __restrict__ size,
 //   hold:  g = 0 on the gates, the rest unchanged;
 //   else:  g = w_L g (when w_L != 1), then on the cores g = g + 2 beta w (beta2 = 2 beta, when
 //          nonzero).
-// Grid: (ceil(max len / blockDim.x), tensors).
+// Grid: one block per tile of the AdamW table, thread t every blockDim.x-th of the tile's
+// TILE_PER_THREAD · blockDim.x elements (optim.cu's tiles; the same constant as there and as
+// ops.rs's TILE_PER_THREAD).
+#define TILE_PER_THREAD 8
 extern "C" __global__ void rank_objective_grads(const float* __restrict__ w, float* __restrict__ g,
                                                 const long long* __restrict__ offset,
                                                 const long long* __restrict__ len,
+                                                const int* __restrict__ tile_tensor,
+                                                const long long* __restrict__ tile_start,
                                                 const int* __restrict__ kind,
                                                 const float* __restrict__ scales, float beta2) {
-    const int j = blockIdx.y;
-    const long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (k >= len[j]) return;
-    const long long i = offset[j] + k;
-    if (scales[2] != 0.0f) {
-        if (kind[j] == 2) g[i] = 0.0f;
-        return;
-    }
+    const int j = tile_tensor[blockIdx.x];
+    const bool hold = scales[2] != 0.0f;
+    if (hold && kind[j] != 2) return;
     const float wl = scales[0];
-    if (wl != 1.0f) g[i] *= wl;
-    if (kind[j] == 1 && beta2 != 0.0f) g[i] += beta2 * w[i];
+    for (int r = 0; r < TILE_PER_THREAD; ++r) {
+        const long long k = tile_start[blockIdx.x] + (long long)r * blockDim.x + threadIdx.x;
+        if (k >= len[j]) return;
+        const long long i = offset[j] + k;
+        if (hold) {
+            g[i] = 0.0f;
+            continue;
+        }
+        if (wl != 1.0f) g[i] *= wl;
+        if (kind[j] == 1 && beta2 != 0.0f) g[i] += beta2 * w[i];
+    }
 }
 
 // grad += ws dS_hat/dd on the active entries of every bond of the chains in the prefix (one

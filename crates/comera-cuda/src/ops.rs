@@ -253,9 +253,37 @@ pub struct AdamTable {
     pub lr: CudaSlice<f32>,
     pub decay: CudaSlice<f32>,
     pub gate: CudaSlice<i32>,
+    /// The multi-tensor launches' tiles: tile b is elements `tile_start[b]` .. + [`TILE`] of
+    /// tensor `tile_tensor[b]` (one block of [`BLOCK`] threads each; `optim.cu`).
+    pub tile_tensor: CudaSlice<i32>,
+    pub tile_start: CudaSlice<i64>,
+    tiles: usize,
     tensors: usize,
-    max_len: usize,
     total: usize,
+}
+
+/// Elements per thread of a multi-tensor tile (`TILE_PER_THREAD` in optim.cu and rank.cu).
+pub const TILE_PER_THREAD: usize = 8;
+
+/// Elements of one multi-tensor tile: a block of [`BLOCK`] threads, [`TILE_PER_THREAD`] each.
+pub const TILE: usize = TILE_PER_THREAD * BLOCK as usize;
+
+/// The tiles of tensors of these lengths: (tensor, first element) of each, every tensor cut
+/// into [`TILE`]-element pieces in order (an empty tensor has none). At least one tile: a
+/// table of empty tensors gets tile (0, 0), whose block finds nothing to do.
+pub fn adam_tiles(lens: impl Iterator<Item = usize>) -> (Vec<i32>, Vec<i64>) {
+    let (mut tensor, mut start) = (Vec::new(), Vec::new());
+    for (j, len) in lens.enumerate() {
+        for s in (0..len).step_by(TILE) {
+            tensor.push(j as i32);
+            start.push(s as i64);
+        }
+    }
+    if tensor.is_empty() {
+        tensor.push(0);
+        start.push(0);
+    }
+    (tensor, start)
 }
 
 impl AdamTable {
@@ -264,9 +292,9 @@ impl AdamTable {
         self.tensors
     }
 
-    /// The longest tensor's length (a multi-tensor launch's x extent).
-    pub fn max_len(&self) -> usize {
-        self.max_len
+    /// Tiles of the multi-tensor launches (their grid: one block of [`BLOCK`] threads each).
+    pub fn tiles(&self) -> usize {
+        self.tiles
     }
 }
 
@@ -305,14 +333,17 @@ impl Device {
             offset.push(at);
             at += t.len as i64;
         }
+        let (tile_tensor, tile_start) = adam_tiles(tensors.iter().map(|t| t.len));
         Ok(AdamTable {
             offset: self.upload(&offset)?,
             len: self.upload(&tensors.iter().map(|t| t.len as i64).collect::<Vec<_>>())?,
             lr: self.upload(&tensors.iter().map(|t| t.lr).collect::<Vec<_>>())?,
             decay: self.upload(&tensors.iter().map(|t| t.decay).collect::<Vec<_>>())?,
             gate: self.upload(&tensors.iter().map(|t| t.is_gate as i32).collect::<Vec<_>>())?,
+            tiles: tile_tensor.len(),
+            tile_tensor: self.upload(&tile_tensor)?,
+            tile_start: self.upload(&tile_start)?,
             tensors: tensors.len(),
-            max_len: tensors.iter().map(|t| t.len).max().unwrap_or(0),
             total: at as usize,
         })
     }
@@ -1240,6 +1271,8 @@ impl Device {
         l.arg(w).arg(g).arg(m).arg(v);
         l.arg(&table.offset)
             .arg(&table.len)
+            .arg(&table.tile_tensor)
+            .arg(&table.tile_start)
             .arg(&table.lr)
             .arg(&table.decay)
             .arg(&table.gate);
@@ -1255,11 +1288,10 @@ impl Device {
             .arg(&consts.beta2)
             .arg(&consts.eps)
             .arg(&tau);
-        let blocks = (table.max_len as u32).div_ceil(BLOCK);
         // SAFETY: arguments match the kernel; the table's tensors tile 0..total of the four
-        // flat buffers (checked above); blocks past a tensor's end return.
-        unsafe { l.launch(grid(blocks, table.tensors as u32, BLOCK)) }
-            .map_err(driver("adamw_update"))?;
+        // flat buffers (checked above); each tile lies in its tensor, and threads past the
+        // tensor's end return.
+        unsafe { l.launch(grid(table.tiles as u32, 1, BLOCK)) }.map_err(driver("adamw_update"))?;
         Ok(())
     }
 
@@ -1336,6 +1368,35 @@ impl Device {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The multi-tensor tiles cover every element of every tensor exactly once, in tiles of at
+    /// most TILE elements inside one tensor, and their number is Σ ⌈len / TILE⌉: a dense word
+    /// table beside small tensors costs its own tiles, not the largest tensor's count of
+    /// blocks for every tensor.
+    #[test]
+    fn tiles_cover_each_tensor_once_and_no_more() {
+        let lens = [
+            0usize,
+            1,
+            TILE - 1,
+            TILE,
+            TILE + 1,
+            3 * TILE + 5,
+            30522 * 768,
+        ];
+        let (tensor, start) = adam_tiles(lens.iter().copied());
+        let want: usize = lens.iter().map(|l| l.div_ceil(TILE)).sum();
+        assert_eq!(tensor.len(), want);
+        let mut covered = vec![0usize; lens.len()];
+        for (&j, &s) in tensor.iter().zip(&start) {
+            let (j, s) = (j as usize, s as usize);
+            assert_eq!(s, covered[j], "tiles of tensor {j} in order, back to back");
+            assert!(s < lens[j]);
+            covered[j] = (s + TILE).min(lens[j]);
+        }
+        assert_eq!(covered.to_vec(), lens.to_vec());
+        assert_eq!(adam_tiles([0usize, 0].into_iter()), (vec![0], vec![0]));
+    }
 
     #[test]
     fn segments_keep_token_order_within_an_id() {

@@ -2038,9 +2038,11 @@ impl EncoderPlan {
         let p = parts as i32;
         let tau = self.consts.freeze_gates_at.unwrap_or(-1.0);
         let t = &self.table;
-        let (off, len, lr, decay, gate) = (
+        let (off, len, tiles, starts, lr, decay, gate) = (
             raw_ptr(&t.offset, dev),
             raw_ptr(&t.len, dev),
+            raw_ptr(&t.tile_tensor, dev),
+            raw_ptr(&t.tile_start, dev),
             raw_ptr(&t.lr, dev),
             raw_ptr(&t.decay, dev),
             raw_ptr(&t.gate, dev),
@@ -2052,15 +2054,6 @@ impl EncoderPlan {
             self.scalars.ptr(),
         );
         let (b1, b2, eps) = (self.consts.beta1, self.consts.beta2, self.consts.eps);
-        let max_len = self
-            .arena
-            .tensors
-            .iter()
-            .enumerate()
-            .map(|(i, tn)| self.arena.tensors.get(i + 1).map_or(total, |nx| nx.offset) - tn.offset)
-            .max()
-            .unwrap_or(0);
-        let tensors = self.arena.tensors.len() as u32;
         // SAFETY: g holds `total` floats and the partials one per chunk of
         // GRAD_NORM_PER_BLOCK; norm and clip one value each; AdamW's table tiles 0..total of
         // the four flat buffers (built in `new`), scalars 3.
@@ -2081,10 +2074,10 @@ impl EncoderPlan {
             launch(
                 dev,
                 "adamw_update",
-                grid((max_len as u32).div_ceil(BLOCK), tensors, BLOCK),
+                grid(t.tiles() as u32, 1, BLOCK),
                 &[
-                    &w, &g, &m, &v, &off, &len, &lr, &decay, &gate, &sc, &clip_arg, &b1, &b2, &eps,
-                    &tau,
+                    &w, &g, &m, &v, &off, &len, &tiles, &starts, &lr, &decay, &gate, &sc,
+                    &clip_arg, &b1, &b2, &eps, &tau,
                 ],
             )
         }

@@ -405,11 +405,12 @@ impl RankPlan {
         );
         let (chains, tau) = (self.chains as i32, self.tau);
         let beta2 = (2.0 * self.settings.beta) as f32;
-        let (off, len) = (
+        let (off, len, tiles, starts) = (
             super::encoder::raw_ptr(&table.offset, dev),
             super::encoder::raw_ptr(&table.len, dev),
+            super::encoder::raw_ptr(&table.tile_tensor, dev),
+            super::encoder::raw_ptr(&table.tile_start, dev),
         );
-        let blocks = (table.max_len() as u32).div_ceil(BLOCK);
         // SAFETY: the table's offsets lie in the arena (built from its tensors in `new`); the
         // chain, bond and per-tensor arrays have the lengths `new` uploaded (chains, bonds,
         // cores, tensors), bond_l1 one per bond, size two per chain, params 9, objective 5,
@@ -432,8 +433,8 @@ impl RankPlan {
             launch(
                 dev,
                 "rank_objective_grads",
-                grid(blocks, table.tensors() as u32, BLOCK),
-                &[&w, &g, &off, &len, &kind, &scales, &beta2],
+                grid(table.tiles() as u32, 1, BLOCK),
+                &[&w, &g, &off, &len, &tiles, &starts, &kind, &scales, &beta2],
             )?;
             launch(
                 dev,
@@ -460,6 +461,10 @@ impl RankPlan {
         let normalise = self.settings.normalise_gates as i32;
         // compress.rs keep_min_rank's floor.
         let floor = if self.tau > 0.0 { 2.0 * self.tau } else { 1e-3 };
+        if self.bonds == 0 {
+            // Chains of one core each (a TTM table of one vocabulary mode): no gate to project.
+            return Ok(());
+        }
         // SAFETY: one block per bond; every bond's gate and left core lie in the arena at the
         // offsets and lengths `ChainTable::of` read from its tensors; bonds ≤ MAX_BOND entries.
         unsafe {

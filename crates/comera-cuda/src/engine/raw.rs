@@ -69,9 +69,10 @@ impl<T> Buf<T> {
         }
     }
 
-    /// Bytes [`Buf::copy_from_host`] allocates for `len` elements.
+    /// Bytes [`Buf::copy_from_host`] allocates for `len` elements (at least one element, as
+    /// [`Buf::zeros`]).
     pub const fn copy_bytes(len: usize) -> usize {
-        len * std::mem::size_of::<T>()
+        Self::zeros_bytes(len)
     }
 
     fn counted(slice: CudaSlice<T>, dev: &Device) -> Buf<T> {
@@ -95,16 +96,22 @@ impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
     }
 }
 
-impl<T: DeviceRepr> Buf<T> {
-    /// A buffer holding a copy of `v`.
+impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
+    /// A buffer holding a copy of `v`; an empty `v` gets one zeroed element, so that every
+    /// buffer has an address (the driver refuses an allocation of 0 bytes).
     pub fn copy_from_host(dev: &Device, v: &[T]) -> Result<Buf<T>, CudaError> {
+        if v.is_empty() {
+            return Buf::zeros(dev, 0);
+        }
         let slice = dev
             .stream()
             .clone_htod(v)
             .map_err(|e| out_of_memory(dev, e, "a step buffer", Self::copy_bytes(v.len())))?;
         Ok(Buf::counted(slice, dev))
     }
+}
 
+impl<T: DeviceRepr> Buf<T> {
     pub fn len(&self) -> usize {
         self.slice.len()
     }
