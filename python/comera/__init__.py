@@ -20,7 +20,7 @@ command.
   Hugging Face export.
 - :mod:`comera.torch` holds TT layers for your own PyTorch models (needs ``torch``).
 - Errors are :class:`ComeraError` and its subclasses :class:`ConfigError`,
-  :class:`DataError`, :class:`RunError` and :class:`ModelError`.
+  :class:`DataError`, :class:`RunError`, :class:`ModelError` and :class:`DeviceError`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _comera
-from ._comera import ComeraError, ConfigError, DataError, ModelError, RunError
+from ._comera import ComeraError, ConfigError, DataError, DeviceError, ModelError, RunError
 
 __version__ = _comera.__version__
 
@@ -49,6 +49,7 @@ __all__ = [
     "DataError",
     "RunError",
     "ModelError",
+    "DeviceError",
     "ComeraWarning",
     "STOP",
 ]
@@ -345,6 +346,7 @@ def train(
     init_from: Union[None, str, "os.PathLike[str]"] = None,
     dense: bool = False,
     threads: Optional[int] = None,
+    device: Optional[str] = None,
 ) -> "Run":
     """Trains a run and returns it as a :class:`Run` once it ends.
 
@@ -385,6 +387,12 @@ def train(
     ``epochs``, ``batch_size``, ``seed``, ``stop_after_steps``, ``dense`` and ``overwrite``
     are the command line's flags of the same names. ``threads``: worker threads
     (default: all cores); the same seed and thread count give the same result, bit for bit.
+
+    ``device``: where the steps run, ``"cpu"`` (the default, or the config's
+    ``train.device``), ``"cuda"`` or ``"cuda:N"`` for an NVIDIA GPU (docs/gpu.md); the run's
+    files are the same on both, and a run moves between them with :func:`resume`. A GPU that
+    is not there, or a run the GPU does not take yet, raises :class:`DeviceError` before
+    anything is written; a malformed string raises :class:`ConfigError`.
 
     The GIL is released while the run works.
     """
@@ -440,6 +448,7 @@ def train(
         callback=call,
         console=console,
         threads=threads,
+        device=device,
         **kwargs,
     )
     return Run(summary["out_dir"], _summary=summary)
@@ -452,10 +461,13 @@ def resume(
     progress: bool = True,
     threads: Optional[int] = None,
     extend_epochs: Optional[int] = None,
+    device: Optional[str] = None,
 ) -> "Run":
     """Continues the stopped run in ``path`` from its newest checkpoint, to its configured
     end. With the same thread count its losses are bit for bit those of a run never
-    stopped. ``callback`` and ``progress`` as in :func:`train`.
+    stopped. ``callback`` and ``progress`` as in :func:`train`. ``device``: go on on this
+    device (``"cpu"``, ``"cuda"``, ``"cuda:N"``; default: the one the run was started on),
+    as ``comera train --resume DIR --device D`` does.
 
     ``extend_epochs``: first add that many epochs to the run (a finished run trains on; the
     learning-rate schedule is stretched over the new length), as ``comera train --resume DIR
@@ -464,7 +476,12 @@ def resume(
         raise ValueError(f"extend_epochs must be an int of at least 1, got {extend_epochs!r}")
     call, console = _observers(callback, progress)
     summary = _comera.resume(
-        os.fspath(path), callback=call, console=console, threads=threads, extend_epochs=extend_epochs
+        os.fspath(path),
+        callback=call,
+        console=console,
+        threads=threads,
+        extend_epochs=extend_epochs,
+        device=device,
     )
     return Run(summary["out_dir"], _summary=summary)
 
@@ -612,10 +629,13 @@ class Run:
         *,
         batch_size: int = 32,
         checkpoint: Union[None, str, "os.PathLike[str]"] = None,
+        device: Optional[str] = None,
     ) -> Predictions:
         """Each text's label and every class's probability, from the run's model (or a
         checkpoint of it): the same numbers as ``comera predict``. A sentence pair is one
-        string with the two texts separated by a tab."""
+        string with the two texts separated by a tab. ``device``: where the logits are
+        computed, ``"cpu"`` (the default), ``"cuda"`` or ``"cuda:N"`` (within the tolerance
+        docs/gpu.md gives); a GPU that is not there raises :class:`DeviceError`."""
         if isinstance(texts, str):
             texts = [texts]
         texts = _strings(texts, "texts")
@@ -624,6 +644,7 @@ class Run:
             texts,
             batch_size=batch_size,
             checkpoint=None if checkpoint is None else os.fspath(checkpoint),
+            device=device,
         )
         return Predictions(labels, probs, names)
 
@@ -633,11 +654,14 @@ class Run:
         *,
         batch_size: int = 64,
         checkpoint: Union[None, str, "os.PathLike[str]"] = None,
+        device: Optional[str] = None,
     ) -> Dict[str, Any]:
         """Evaluates the run's model: on its own held-out data (``data`` None), on a file in
         its data format (a path), or on labelled texts in memory (as :func:`train`'s
         ``data``; their labels must be the model's). Returns ``loss``, ``accuracy``,
-        ``examples`` (and ``auc`` for a DLRM) and the ``task``."""
+        ``examples`` (and ``auc`` for a DLRM) and the ``task``. ``device`` as in
+        :meth:`predict` (a classifier's logits or a masked-LM model's loss on the GPU; a
+        DLRM is evaluated on the CPU only)."""
         kwargs: Dict[str, Any] = {}
         if isinstance(data, (str, os.PathLike)):
             kwargs["file"] = os.fspath(data)
@@ -647,6 +671,7 @@ class Run:
             os.fspath(self.path),
             batch_size=batch_size,
             checkpoint=None if checkpoint is None else os.fspath(checkpoint),
+            device=device,
             **kwargs,
         )
 
@@ -690,9 +715,15 @@ class Run:
         progress: bool = True,
         threads: Optional[int] = None,
         extend_epochs: Optional[int] = None,
+        device: Optional[str] = None,
     ) -> "Run":
         """Continues this run from its newest checkpoint, or trains a finished one
-        ``extend_epochs`` epochs further (see :func:`resume`)."""
+        ``extend_epochs`` epochs further, on ``device`` (see :func:`resume`)."""
         return resume(
-            self.path, callback=callback, progress=progress, threads=threads, extend_epochs=extend_epochs
+            self.path,
+            callback=callback,
+            progress=progress,
+            threads=threads,
+            extend_epochs=extend_epochs,
+            device=device,
         )

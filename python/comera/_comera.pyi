@@ -25,6 +25,10 @@ class RunError(ComeraError):
 class ModelError(ComeraError):
     """A model that cannot be built, loaded or used."""
 
+class DeviceError(ComeraError):
+    """A device that is not there or cannot take the work (no driver, GPU or NVRTC, a plan
+    that does not fit, or what the GPU path does not do yet)."""
+
 def json_to_toml(json: str) -> str: ...
 def toml_to_py(text: str) -> Any: ...
 def resolve_config(text: Optional[str], origin: str) -> str: ...
@@ -50,6 +54,7 @@ def train(
     callback: Optional[Any] = ...,
     console: bool = ...,
     threads: Optional[int] = ...,
+    device: Optional[str] = ...,
 ) -> Dict[str, Any]: ...
 def resume(
     path: str,
@@ -58,11 +63,17 @@ def resume(
     console: bool = ...,
     threads: Optional[int] = ...,
     extend_epochs: Optional[int] = ...,
+    device: Optional[str] = ...,
 ) -> Dict[str, Any]: ...
 def run_config(path: str) -> str: ...
 def run_metrics(path: str) -> List[Dict[str, Any]]: ...
 def run_predict(
-    path: str, texts: List[str], *, batch_size: int = ..., checkpoint: Optional[str] = ...
+    path: str,
+    texts: List[str],
+    *,
+    batch_size: int = ...,
+    checkpoint: Optional[str] = ...,
+    device: Optional[str] = ...,
 ) -> Tuple[List[str], npt.NDArray[np.float32], List[str]]: ...
 def run_evaluate(
     path: str,
@@ -71,6 +82,7 @@ def run_evaluate(
     file: Optional[str] = ...,
     batch_size: int = ...,
     checkpoint: Optional[str] = ...,
+    device: Optional[str] = ...,
 ) -> Dict[str, Any]: ...
 def import_hf(
     source: Optional[str],

@@ -335,3 +335,45 @@ def test_fine_tuning_an_imported_model_with_a_partial_config(workdir):
     with pytest.raises(comera.ComeraError, match="d_model|heads"):
         comera.train({**partial, "model": {"d_model": 24}}, data=(texts, labels), init_from=imported,
                      out=workdir / "other", progress=False)
+
+
+def test_device_is_an_argument_of_training_evaluation_and_prediction(workdir):
+    """`device=` on train, resume, Run.evaluate, Run.predict and Run.resume: "cpu" is the
+    default and changes nothing; "cuda" either runs (a GPU answered) or raises DeviceError
+    naming what is missing, before anything is written; a malformed string is a ConfigError
+    naming the accepted forms."""
+    texts, labels = labelled_texts(120, seed=3)
+    cfg = classifier_config(workdir, epochs=1)
+    run = comera.train(cfg, data=(texts, labels), out=workdir / "cpu", progress=False, threads=2)
+    same = comera.train(cfg, data=(texts, labels), out=workdir / "cpu2", progress=False, threads=2, device="cpu")
+    assert train_losses(same) == train_losses(run)
+    queries = ["good great dress", "awful bad fit"]
+    p = run.predict(queries)
+    assert np.array_equal(run.predict(queries, device="cpu").probabilities, p.probabilities)
+    assert run.evaluate(device="cpu") == run.evaluate()
+    missing = ("driver", "no CUDA device", "NVRTC", "cuBLAS", "memory")
+    gpu = workdir / "gpu"
+    try:
+        comera.train(cfg, data=(texts, labels), out=gpu, progress=False, device="cuda")
+    except comera.DeviceError as e:
+        assert any(m in str(e) for m in missing), str(e)
+        assert "cuda:0" in str(e), str(e)
+        assert 'device="cpu"' in str(e) and "--device" not in str(e), str(e)
+        assert not gpu.exists(), "a refused GPU run wrote its directory"
+    for call in (
+        lambda: run.predict(queries, device="cuda"),
+        lambda: run.evaluate(device="cuda:0"),
+    ):
+        try:
+            call()
+        except comera.DeviceError as e:
+            assert any(m in str(e) for m in missing), str(e)
+    assert isinstance(comera.DeviceError("x"), comera.ComeraError)
+    for bad in ("gpu", "CUDA", "cuda:x"):
+        with pytest.raises(comera.ConfigError, match="cuda:N"):
+            run.predict(queries, device=bad)
+        with pytest.raises(comera.ConfigError, match="device"):
+            comera.train(cfg, data=(texts, labels), out=workdir / "bad", progress=False, device=bad)
+        with pytest.raises(comera.ConfigError, match="cuda:N"):
+            run.resume(device=bad)
+    assert not (workdir / "bad").exists()

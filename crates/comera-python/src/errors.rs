@@ -1,5 +1,5 @@
 //! comera's errors as Python exceptions: `ComeraError`, and under it `ConfigError`,
-//! `DataError`, `RunError` and `ModelError`, each carrying comera's whole message (the error
+//! `DataError`, `RunError`, `ModelError` and `DeviceError`, each carrying comera's whole message (the error
 //! and its sources, `message: source: source…`, as the command line prints it). A Rust panic
 //! never crosses into Python: [`guard`] turns it into a `ComeraError`.
 
@@ -39,6 +39,14 @@ create_exception!(
     "A model that cannot be built, loaded or used."
 );
 
+create_exception!(
+    _comera,
+    DeviceError,
+    ComeraError,
+    "A device that is not there or cannot take the work: no NVIDIA driver, GPU or NVRTC, a plan \
+     that does not fit in the GPU's memory, or something the GPU path does not do yet."
+);
+
 /// Registers the exception classes in the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -46,6 +54,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("DataError", py.get_type::<DataError>())?;
     m.add("RunError", py.get_type::<RunError>())?;
+    m.add("DeviceError", py.get_type::<DeviceError>())?;
     m.add("ModelError", py.get_type::<ModelError>())?;
     Ok(())
 }
@@ -77,6 +86,7 @@ pub fn to_py(e: impl Into<Error>) -> PyErr {
         | Error::Plot(_)
         | Error::Step(_)
         | Error::Memory(_) => RunError::new_err(msg),
+        Error::Device(_) => DeviceError::new_err(msg),
         _ => ComeraError::new_err(msg),
     }
 }
@@ -104,7 +114,9 @@ fn in_python_words(e: &Error) -> String {
         None => msg,
     };
     // The command line's flags that are arguments of comera.train / comera.resume.
-    const ARGUMENTS: [(&str, &str); 7] = [
+    const ARGUMENTS: [(&str, &str); 9] = [
+        ("--device cpu", "device=\"cpu\""),
+        ("--device", "device"),
         ("--overwrite", "overwrite=True"),
         ("--extend-epochs", "extend_epochs"),
         ("--epochs", "epochs"),
@@ -146,4 +158,14 @@ impl<T, E: Into<Error>> IntoPy<T> for Result<T, E> {
     fn py_err(self) -> PyResult<T> {
         self.map_err(to_py)
     }
+}
+
+/// A device string (`cpu`, `cuda`, `cuda:N`) of argument `what`; a bad one is a
+/// `ConfigError` naming the argument and the accepted forms.
+pub fn device_arg(what: &str, s: Option<&str>) -> PyResult<Option<comera_train::DeviceSpec>> {
+    s.map(|s| {
+        s.parse::<comera_train::DeviceSpec>()
+            .map_err(|e| ConfigError::new_err(format!("{what}: {e}")))
+    })
+    .transpose()
 }

@@ -32,14 +32,16 @@ pub fn run_metrics(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyAny>> {
 /// Each text's most probable label, and every class's probability (`len(texts) × C`), with
 /// the label names in column order.
 #[pyfunction]
-#[pyo3(signature = (path, texts, *, batch_size=32, checkpoint=None))]
+#[pyo3(signature = (path, texts, *, batch_size=32, checkpoint=None, device=None))]
 pub fn run_predict<'py>(
     py: Python<'py>,
     path: PathBuf,
     texts: Vec<String>,
     batch_size: usize,
     checkpoint: Option<PathBuf>,
+    device: Option<String>,
 ) -> PyResult<(Vec<String>, Bound<'py, PyAny>, Vec<String>)> {
+    let device = crate::errors::device_arg("device", device.as_deref())?.unwrap_or_default();
     let (probs, names) = guard(|| {
         let (saved, _) = comera_train::infer::load_run(&path, checkpoint.as_deref()).py_err()?;
         let SavedModel::Encoder(model, meta) = saved else {
@@ -51,7 +53,9 @@ pub fn run_predict<'py>(
         let probs = py
             .detach(|| {
                 crate::threads::install(|| {
-                    comera_train::infer::predict_probabilities(&model, &meta, &texts, batch_size)
+                    comera_train::infer::predict_probabilities_on(
+                        &model, &meta, &texts, batch_size, device,
+                    )
                 })
             })?
             .py_err()?;
@@ -70,7 +74,7 @@ pub fn run_predict<'py>(
 /// Evaluates the run's model: on its own held-out data (`data` None), on a file in its data
 /// format, or on labelled texts handed over in memory.
 #[pyfunction]
-#[pyo3(signature = (path, *, texts=None, file=None, batch_size=64, checkpoint=None))]
+#[pyo3(signature = (path, *, texts=None, file=None, batch_size=64, checkpoint=None, device=None))]
 pub fn run_evaluate(
     py: Python<'_>,
     path: PathBuf,
@@ -78,7 +82,9 @@ pub fn run_evaluate(
     file: Option<PathBuf>,
     batch_size: usize,
     checkpoint: Option<PathBuf>,
+    device: Option<String>,
 ) -> PyResult<Py<PyAny>> {
+    let device = crate::errors::device_arg("device", device.as_deref())?.unwrap_or_default();
     let (kind, stats) = guard(|| {
         py.detach(|| {
             crate::threads::install(|| {
@@ -86,7 +92,7 @@ pub fn run_evaluate(
                     &path,
                     texts,
                     file.as_deref(),
-                    batch_size,
+                    (batch_size, device),
                     checkpoint.as_deref(),
                 )
             })
@@ -104,12 +110,12 @@ fn evaluate(
     run: &Path,
     texts: Option<crate::training::TextsArg>,
     file: Option<&Path>,
-    batch: usize,
+    (batch, device): (usize, comera_train::DeviceSpec),
     checkpoint: Option<&Path>,
 ) -> comera_train::Result<(&'static str, comera_train::EvalStats)> {
     use comera_train::infer::EvalKind;
     let Some((text, text_pair, label)) = texts else {
-        let (kind, s) = comera_train::infer::eval_run(run, checkpoint, file, batch)?;
+        let (kind, s) = comera_train::infer::eval_run_on(run, checkpoint, file, batch, device)?;
         let kind = match kind {
             EvalKind::Classifier => "classifier",
             EvalKind::MaskedLm => "masked_lm",
@@ -139,7 +145,7 @@ fn evaluate(
         cache_dir: cfg.data.cache_dir.clone(),
         ..comera_train::DataConfig::default()
     };
-    let s = comera_train::infer::eval_classifier_on(run, checkpoint, data, batch)?;
+    let s = comera_train::infer::eval_classifier_on(run, checkpoint, data, batch, device)?;
     Ok(("classifier", s))
 }
 

@@ -343,7 +343,7 @@ fn summary_py(py: Python<'_>, s: &TrainSummary) -> PyResult<Py<PyAny>> {
     text, origin, *, out=None, overwrite=false, epochs=None, batch_size=None, seed=None,
     stop_after_steps=None, init_from=None, dense=false, train=None, valid=None, labels=None,
     corpus_texts=None, corpus_paths=None, clicks_train=None, clicks_valid=None,
-    callback=None, console=false, threads=None
+    callback=None, console=false, threads=None, device=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn train<'py>(
@@ -368,7 +368,9 @@ pub fn train<'py>(
     callback: Option<Py<PyAny>>,
     console: bool,
     threads: Option<usize>,
+    device: Option<String>,
 ) -> PyResult<Py<PyAny>> {
+    let device = crate::errors::device_arg("device", device.as_deref())?;
     let data = MemoryData {
         train: texts(train),
         valid: texts(valid),
@@ -398,7 +400,7 @@ pub fn train<'py>(
             data: None,
             valid: None,
             teacher: None,
-            device: None,
+            device,
         })
         .py_err()?;
         // What was stored from memory is said first, as the loop says its own lines.
@@ -429,7 +431,9 @@ pub fn train<'py>(
 /// Continues the run in `path` from its newest checkpoint (extended first by
 /// `extend_epochs` epochs when given); returns its summary.
 #[pyfunction]
-#[pyo3(signature = (path, *, callback=None, console=false, threads=None, extend_epochs=None))]
+#[pyo3(signature = (
+    path, *, callback=None, console=false, threads=None, extend_epochs=None, device=None
+))]
 pub fn resume(
     py: Python<'_>,
     path: PathBuf,
@@ -437,19 +441,18 @@ pub fn resume(
     console: bool,
     threads: Option<usize>,
     extend_epochs: Option<usize>,
+    device: Option<String>,
 ) -> PyResult<Py<PyAny>> {
+    let device = crate::errors::device_arg("device", device.as_deref())?;
+    let how = comera_train::Continue {
+        extend_epochs,
+        device,
+        ..Default::default()
+    };
     let summary = guard(|| {
-        run_with(
-            py,
-            threads,
-            callback,
-            console,
-            false,
-            move |opts| match extend_epochs {
-                Some(n) => comera_train::extend_with(&path, n, opts),
-                None => comera_train::resume_with(&path, opts),
-            },
-        )
+        run_with(py, threads, callback, console, false, move |opts| {
+            comera_train::continue_run(&path, how, opts)
+        })
     })?;
     summary_py(py, &summary)
 }

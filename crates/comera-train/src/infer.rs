@@ -267,12 +267,14 @@ pub fn eval_run_on(
 
 /// Evaluates the classifier of `run` (or of `checkpoint`) on the examples of `data`: a `[data]`
 /// table of a file source whose `valid` file (or, without one, `train` file) is read whole.
-/// Its labels default to the model's; labels that differ from the model's are refused.
+/// Its labels default to the model's; labels that differ from the model's are refused. The
+/// logits are computed on `device` (`cpu`, or a CUDA GPU, as [`eval_run_on`]).
 pub fn eval_classifier_on(
     run: &Path,
     checkpoint: Option<&Path>,
     mut data: crate::config::DataConfig,
     batch: usize,
+    device: DeviceSpec,
 ) -> Result<EvalStats> {
     if batch == 0 {
         return Err(ConfigError::new("batch_size", "must be at least 1").into());
@@ -312,8 +314,9 @@ pub fn eval_classifier_on(
         (None, Some(_)) => data.train = data.valid.clone(),
         _ => {}
     }
+    check_inference(device, Some(&model))?;
     let d = prepare(&data, meta.model.seq_len, cfg.train.seed)?;
-    evaluate_prepared(&model, &meta, &d, batch, DeviceSpec::Cpu)
+    evaluate_prepared(&model, &meta, &d, batch, device)
 }
 
 /// A classifier on the validation set of `d`, whose labels must be the model's (an imported
