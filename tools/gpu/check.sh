@@ -84,6 +84,10 @@ export COMERA_REQUIRE_GPU=1 COMERA_REQUIRE_NVRTC=1
 } | tee "$summary"
 
 failed=0
+# What comera sees of this machine, each GPU opened as a run opens it.
+if [ -n "$cli" ]; then
+    "$cli" devices --open 2>&1 | tee -a "$summary" || echo "comera devices --open: no GPU opened" | tee -a "$summary"
+fi
 # One budget for everything (COMERA_CHECK_BUDGET seconds, 540 by default: a device call is
 # limited to 600): each stage gets its own limit or what is left, and a stage with under 20
 # seconds left is skipped and says so.

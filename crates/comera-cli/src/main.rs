@@ -1,6 +1,7 @@
 //! `comera`: the command-line front end of the engine.
 
 mod data_cmd;
+mod devices_cmd;
 mod dlrm_cmd;
 mod export_cmd;
 mod factor;
@@ -20,7 +21,7 @@ use std::process::ExitCode;
 #[command(
     name = "comera",
     version,
-    about = "Rank-adaptive tensor-train training engine (CoMERA) for CPUs"
+    about = "Rank-adaptive tensor-train training engine (CoMERA) for CPUs and NVIDIA GPUs"
 )]
 struct Cli {
     /// Worker threads (default: all cores). Same seed and thread count give the same result.
@@ -61,6 +62,8 @@ enum Command {
     Import(import_cmd::Import),
     /// Export a model: dense (Hugging Face BERT layout) and/or compressed (cores only).
     Export(export_cmd::Args),
+    /// What this machine offers for --device: the CPU, each NVIDIA GPU and what a GPU run needs.
+    Devices(devices_cmd::Args),
 }
 
 /// The system allocator, with a clear last word when memory runs out (see [`out_of_memory`]).
@@ -360,6 +363,7 @@ fn run_command(command: Command) -> anyhow::Result<ExitCode> {
         Command::Inspect(a) => inspect_cmd::run(a),
         Command::Import(i) => import_cmd::run(i),
         Command::Export(a) => export_cmd::run(a),
+        Command::Devices(a) => devices_cmd::run(a),
     }
 }
 

@@ -295,3 +295,90 @@ mod tests {
         }
     }
 }
+
+/// What this machine offers for `--device cuda` (`comera devices`): the driver, each GPU, NVRTC
+/// and cuBLAS, found without creating a context; with `open`, each GPU also opened as a run
+/// opens it (a context, the kernels compiled for it, a cuBLAS handle).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Survey {
+    /// The CUDA version the driver supports (`13.0`), when a usable driver is there.
+    pub driver_cuda: Option<String>,
+    /// Why no GPU can be used (no driver, a driver too old, none found), if so.
+    pub problem: Option<String>,
+    pub gpus: Vec<GpuEntry>,
+    /// NVRTC's version (`13.0`), when it loads and is new enough.
+    pub nvrtc: Option<String>,
+    /// Why NVRTC cannot be used, if so.
+    pub nvrtc_problem: Option<String>,
+    /// Whether cuBLAS 13 (`libcublas.so.13`) loads.
+    pub cublas: bool,
+}
+
+/// One GPU of a [`Survey`].
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct GpuEntry {
+    /// `cuda:N`, as `--device` names it.
+    pub device: String,
+    pub name: String,
+    /// The compute capability (`sm_90`).
+    pub arch: String,
+    pub memory_bytes: usize,
+    /// With `open`: whether it opened (`problem` says why not); None without `open`.
+    pub ready: Option<bool>,
+    pub problem: Option<String>,
+}
+
+/// Surveys this machine's CUDA devices (see [`Survey`]).
+pub fn survey(open: bool) -> Survey {
+    let version = |v: i32| format!("{}.{}", v / 1000, (v % 1000) / 10);
+    let (driver_cuda, problem, count) = match init_driver().and_then(|v| Ok((v, device_count()?))) {
+        Ok((v, 0)) => (Some(version(v)), Some(CudaError::NoDevice.to_string()), 0),
+        Ok((v, n)) => (Some(version(v)), None, n),
+        Err(e) => (None, Some(e.to_string()), 0),
+    };
+    let gpus = (0..count)
+        .map(|n| match probe(n) {
+            Ok(info) => {
+                let opened = open.then(|| Device::open(n).and_then(|d| d.cublas().map(|_| ())));
+                GpuEntry {
+                    device: format!("cuda:{n}"),
+                    name: info.name,
+                    arch: info.arch.to_string(),
+                    memory_bytes: info.total_memory,
+                    ready: opened.as_ref().map(Result::is_ok),
+                    problem: opened.and_then(Result::err).map(|e| e.to_string()),
+                }
+            }
+            Err(e) => GpuEntry {
+                device: format!("cuda:{n}"),
+                name: String::new(),
+                arch: String::new(),
+                memory_bytes: 0,
+                ready: open.then_some(false),
+                problem: Some(e.to_string()),
+            },
+        })
+        .collect();
+    let (nvrtc, nvrtc_problem) = match crate::compile::nvrtc_version() {
+        Ok((major, minor)) if major >= 13 => (Some(format!("{major}.{minor}")), None),
+        Ok((major, minor)) => (
+            Some(format!("{major}.{minor}")),
+            Some(
+                CudaError::NvrtcTooOld {
+                    found: (major, minor),
+                }
+                .to_string(),
+            ),
+        ),
+        Err(e) => (None, Some(e.to_string())),
+    };
+    Survey {
+        driver_cuda,
+        problem,
+        gpus,
+        nvrtc,
+        nvrtc_problem,
+        // SAFETY: only tries to dlopen libcublas; no cuBLAS call is made.
+        cublas: unsafe { cudarc::cublas::sys::is_culib_present() },
+    }
+}

@@ -41,6 +41,6 @@ pub use compile::{Arch, KernelSource, SOURCES};
 #[cfg(feature = "cuda")]
 pub use cudarc;
 #[cfg(feature = "cuda")]
-pub use device::{probe, Device, DeviceInfo};
+pub use device::{probe, survey, Device, DeviceInfo, GpuEntry, Survey};
 #[cfg(feature = "cuda")]
 pub use error::CudaError;

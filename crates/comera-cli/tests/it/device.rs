@@ -359,3 +359,43 @@ fn eval_and_predict_of_a_pre_ln_model_on_the_gpu_and_bad_device_strings() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `comera devices` lists the CPU and each GPU, or says why there is none (status 0 either
+/// way); `--json` holds the same; `--open` opens each GPU as a run would and ends with status 2
+/// unless one opened (without a GPU: 2, naming what is missing).
+#[test]
+fn devices_lists_the_cpu_and_each_gpu_or_why_there_is_none() {
+    let (code, text) = comera(&["devices"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.starts_with("cpu "), "{text}");
+    let gpus = text.lines().filter(|l| l.starts_with("cuda:")).count();
+    let none = text.lines().any(|l| l.starts_with("cuda     none: "));
+    assert!(gpus > 0 || none, "a GPU line or why there is none: {text}");
+    if none {
+        assert!(MISSING.iter().any(|m| text.contains(m)), "{text}");
+    }
+    assert!(
+        text.contains("\nnvrtc ") && text.contains("\ncublas "),
+        "{text}"
+    );
+    let (code, json) = comera(&["devices", "--json"]);
+    assert_eq!(code, 0, "{json}");
+    let v: serde_json::Value = serde_json::from_str(json.trim()).expect(&json);
+    assert_eq!(
+        v["cuda"]["gpus"].as_array().map(Vec::len),
+        Some(gpus),
+        "{json}"
+    );
+    assert_eq!(v["cuda"]["problem"].is_string(), none, "{json}");
+    assert!(v["cpu"]["threads"].as_u64().unwrap_or(0) >= 1, "{json}");
+    let (code, text) = comera(&["devices", "--open"]);
+    if code == 0 {
+        assert!(text.contains("  ready"), "{text}");
+    } else {
+        assert_eq!(code, 2, "{text}");
+        assert!(
+            none || text.contains("cannot be used: "),
+            "says why no GPU opened: {text}"
+        );
+    }
+}
