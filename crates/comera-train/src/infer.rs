@@ -19,8 +19,7 @@ use crate::distributed::Processes;
 use crate::error::{Error, Result};
 use crate::files::{load_saved, DlrmMeta, ModelMeta, SavedModel, MODEL_META};
 use crate::task::{
-    evaluate_classifier_with, evaluate_ctr, evaluate_mlm_with, ClassifierLogits, EvalStats,
-    MlmForward,
+    evaluate_classifier_with, evaluate_ctr, evaluate_mlm_with, EncoderForward, EvalStats,
 };
 use crate::trainer::available_memory_bytes;
 use comera_cuda::DeviceSpec;
@@ -203,10 +202,10 @@ pub fn eval_run_on(
                 let (mut st, mut gpu);
                 let mut forward = if device.is_cuda() {
                     gpu = CudaLogits::new(device, &model, batch, t, rows)?;
-                    MlmForward::Cuda(&mut gpu)
+                    EncoderForward::Cuda(&mut gpu)
                 } else {
                     st = model.state_for(batch, t, rows)?;
-                    MlmForward::Cpu {
+                    EncoderForward::Cpu {
                         model: &model,
                         st: &mut st,
                     }
@@ -344,11 +343,11 @@ fn evaluate_prepared(
     let procs = &mut Processes::single();
     let mut s = if device.is_cuda() {
         let mut gpu = CudaLogits::new(device, model, batch, d.valid.max_len, 0)?;
-        evaluate_classifier_with(&mut ClassifierLogits::Cuda(&mut gpu), c, &d.valid, procs)?
+        evaluate_classifier_with(&mut EncoderForward::Cuda(&mut gpu), c, &d.valid, procs)?
     } else {
         let mut st = model.state(batch);
         evaluate_classifier_with(
-            &mut ClassifierLogits::Cpu { model, st: &mut st },
+            &mut EncoderForward::Cpu { model, st: &mut st },
             c,
             &d.valid,
             procs,
@@ -490,10 +489,10 @@ pub fn predict_probabilities_on(
     let (mut st, mut gpu);
     let mut engine = if device.is_cuda() {
         gpu = CudaLogits::new(device, model, b, t, 0)?;
-        ClassifierLogits::Cuda(&mut gpu)
+        EncoderForward::Cuda(&mut gpu)
     } else {
         st = model.state(b);
-        ClassifierLogits::Cpu { model, st: &mut st }
+        EncoderForward::Cpu { model, st: &mut st }
     };
     // One batch of encoded texts: ids, token types, mask (b × t each), no labels (zeros).
     let mut enc_batch = comera_data::Batch {

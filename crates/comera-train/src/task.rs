@@ -84,11 +84,12 @@ pub trait Task {
     }
 }
 
-/// Where a classifier's logits come from: the CPU encoder over its state, or a GPU session
+/// Where an encoder's evaluation pass runs: the CPU encoder over its state, or a GPU session
 /// ([`crate::device::CudaLogits`]). Evaluation and prediction give both the same full batches
-/// (the last partial one padded) and read the same `batch × classes` logits, so everything
-/// after the logits is one host code for both devices.
-pub enum ClassifierLogits<'a> {
+/// (the last partial one padded) and read the same `batch × classes` logits of a classifier,
+/// or the same loss of a masked-LM batch, so everything after them is one host code for both
+/// devices.
+pub enum EncoderForward<'a> {
     Cpu {
         model: &'a Encoder,
         st: &'a mut EncoderState,
@@ -96,24 +97,36 @@ pub enum ClassifierLogits<'a> {
     Cuda(&'a mut crate::device::CudaLogits),
 }
 
-impl ClassifierLogits<'_> {
+impl EncoderForward<'_> {
     /// Sequences per batch.
     pub fn batch(&self) -> usize {
         match self {
-            ClassifierLogits::Cpu { st, .. } => st.batch(),
-            ClassifierLogits::Cuda(c) => c.batch(),
+            EncoderForward::Cpu { st, .. } => st.batch(),
+            EncoderForward::Cuda(c) => c.batch(),
+        }
+    }
+
+    /// A masked-LM batch's mean loss, correct count and counted positions, dropout off.
+    fn mlm_stats(&mut self, b: &MlmBatch) -> Result<(f64, usize, usize)> {
+        match self {
+            EncoderForward::Cpu { model, st } => {
+                load_mlm(st, b)?;
+                let s = model.forward(st, false, 0)?;
+                Ok((s.loss, s.correct, s.count))
+            }
+            EncoderForward::Cuda(c) => Ok(c.mlm_stats(b)?),
         }
     }
 
     /// The logits (`batch × classes`, row-major) of one full batch, dropout off.
     pub fn logits(&mut self, b: &Batch) -> Result<&[f32]> {
         match self {
-            ClassifierLogits::Cpu { model, st } => {
+            EncoderForward::Cpu { model, st } => {
                 load_classify(st, b)?;
                 model.forward(st, false, 0)?;
                 Ok(st.logits())
             }
-            ClassifierLogits::Cuda(c) => {
+            EncoderForward::Cuda(c) => {
                 Ok(c.logits(&b.input_ids, &b.token_type_ids, &b.attention_mask)?)
             }
         }
@@ -139,13 +152,13 @@ pub fn evaluate_classifier_sharded(
     procs: &mut Processes,
 ) -> Result<EvalStats> {
     let c = model.cfg.num_labels;
-    evaluate_classifier_with(&mut ClassifierLogits::Cpu { model, st }, c, data, procs)
+    evaluate_classifier_with(&mut EncoderForward::Cpu { model, st }, c, data, procs)
 }
 
 /// [`evaluate_classifier_sharded`] with the logits of `logits` (the CPU's or a GPU's) for a
 /// classifier of `c` classes.
 pub fn evaluate_classifier_with(
-    logits: &mut ClassifierLogits,
+    logits: &mut EncoderForward,
     c: usize,
     data: &EncodedDataset,
     procs: &mut Processes,
@@ -185,7 +198,7 @@ fn class_counts_from_sums(sums: &[f64], c: usize) -> (ClassCounts, Vec<Vec<u64>>
 /// c ≤ [`ClassReport::CONFUSION_MAX_CLASSES`]) over the examples `range` of `data`: all sums,
 /// so that processes add theirs.
 fn classifier_sums(
-    engine: &mut ClassifierLogits,
+    engine: &mut EncoderForward,
     c: usize,
     data: &EncodedDataset,
     range: Range<usize>,
@@ -267,37 +280,13 @@ pub fn evaluate_mlm_sharded(
     batch_size: usize,
     procs: &mut Processes,
 ) -> Result<EvalStats> {
-    let mut forward = MlmForward::Cpu { model, st };
+    let mut forward = EncoderForward::Cpu { model, st };
     evaluate_mlm_with(&mut forward, data, blocks, batch_size, procs)
-}
-
-/// Where a masked-LM model's evaluation pass runs: the CPU's forward on a state, or a GPU's
-/// ([`crate::device::CudaLogits`]).
-pub enum MlmForward<'a> {
-    Cpu {
-        model: &'a Encoder,
-        st: &'a mut EncoderState,
-    },
-    Cuda(&'a mut crate::device::CudaLogits),
-}
-
-impl MlmForward<'_> {
-    /// One batch's mean loss, correct count and counted positions, dropout off.
-    fn stats(&mut self, b: &MlmBatch) -> Result<(f64, usize, usize)> {
-        match self {
-            MlmForward::Cpu { model, st } => {
-                load_mlm(st, b)?;
-                let s = model.forward(st, false, 0)?;
-                Ok((s.loss, s.correct, s.count))
-            }
-            MlmForward::Cuda(c) => Ok(c.mlm_stats(b)?),
-        }
-    }
 }
 
 /// [`evaluate_mlm_sharded`] with the pass of `forward` (the CPU's or a GPU's).
 pub fn evaluate_mlm_with(
-    forward: &mut MlmForward,
+    forward: &mut EncoderForward,
     data: &CorpusData,
     blocks: &comera_data::corpus::PackedSequences,
     batch_size: usize,
@@ -311,10 +300,10 @@ pub fn evaluate_mlm_with(
     let (mut loss, mut correct, mut count) = (0.0f64, 0usize, 0usize);
     while it.next_into(&mut batch) {
         let (l, c, k) = if procs.shard.is_whole() {
-            forward.stats(&batch)?
+            forward.mlm_stats(&batch)?
         } else {
             mlm_rows(&batch, rows.clone(), &mut part);
-            forward.stats(&part)?
+            forward.mlm_stats(&part)?
         };
         if k > 0 {
             loss += l * k as f64;
