@@ -92,6 +92,67 @@ extern "C" __global__ void gated_grads_gate(const float* __restrict__ dh,
     gate_grad[j] = acc;
 }
 
+// The same three for every gated core of a plan at once (engine/tt.rs GateTable): entry
+// e = blockIdx.y is a core of rows[e] × r[e] floats whose value, gradient, gate, gate gradient,
+// H and dH are at the addresses core[e], core_grad[e], gate[e], gate_grad[e], h[e], dh[e]. Each
+// entry's arithmetic is the single-core kernel's above, element for element, so the results are
+// theirs bit for bit; the x extent covers the largest core (grid-stride beyond).
+extern "C" __global__ void gate_columns_table(const unsigned long long* __restrict__ core,
+                                              const unsigned long long* __restrict__ gate,
+                                              const long long* __restrict__ rows,
+                                              const int* __restrict__ r, float tau,
+                                              const unsigned long long* __restrict__ h) {
+    const int e = blockIdx.y;
+    const float* c = (const float*)core[e];
+    const float* g = (const float*)gate[e];
+    float* out = (float*)h[e];
+    const int re = r[e];
+    const long long n = rows[e] * re;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float d = g[i % re];
+        out[i] = c[i] * (d > tau ? d : 0.0f);
+    }
+}
+
+extern "C" __global__ void gated_grads_core_table(const unsigned long long* __restrict__ dh,
+                                                  const unsigned long long* __restrict__ gate,
+                                                  const long long* __restrict__ rows,
+                                                  const int* __restrict__ r, float tau,
+                                                  const unsigned long long* __restrict__ core_grad) {
+    const int e = blockIdx.y;
+    const float* dhe = (const float*)dh[e];
+    const float* g = (const float*)gate[e];
+    float* cg = (float*)core_grad[e];
+    const int re = r[e];
+    const long long n = rows[e] * re;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float d = g[i % re];
+        if (d > tau) cg[i] += dhe[i] * d;
+    }
+}
+
+extern "C" __global__ void gated_grads_gate_table(const unsigned long long* __restrict__ dh,
+                                                  const unsigned long long* __restrict__ core,
+                                                  const unsigned long long* __restrict__ gate,
+                                                  const long long* __restrict__ rows,
+                                                  const int* __restrict__ r, float tau,
+                                                  const unsigned long long* __restrict__ gate_grad) {
+    const int e = blockIdx.y;
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    const float* g = (const float*)gate[e];
+    if (j >= r[e] || !(g[j] > tau)) return;
+    const float* dhe = (const float*)dh[e];
+    const float* c = (const float*)core[e];
+    float* gg = (float*)gate_grad[e];
+    const int re = r[e];
+    const long long n = rows[e];
+    float acc = gg[j];
+    for (long long row = 0; row < n; ++row) acc += dhe[row * re + j] * c[row * re + j];
+    gg[j] = acc;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The rank schedule inside the captured step (comera-optim rank.rs: RankController::apply and
 // project), over every gated chain of a model at once. The chains come from a table the plan

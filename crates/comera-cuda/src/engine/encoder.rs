@@ -37,7 +37,7 @@ use super::memory::PlanMemory;
 use super::mlm::MlmPlan;
 use super::rank::{DeviceObjective, RankPlan, RankSettings, RankStep};
 use super::raw::{self, grid, grid_stride, launch, Blas, Buf, Gemm, BLOCK};
-use super::tt::{Slot, TtDims, TtLayer};
+use super::tt::{GateTable, GatedCore, Slot, TtDims, TtLayer};
 use crate::device::Device;
 use crate::error::{driver, CudaError};
 use crate::ops::{self, AdamConsts, AdamTable, Segments, TtmLayout};
@@ -169,6 +169,22 @@ impl Lin {
         })
     }
 
+    /// A TT layer's gated cores (none for a dense layer).
+    pub(super) fn gated_cores(&self) -> Vec<GatedCore> {
+        match self {
+            Lin::Tt(t) => t.gated_cores(),
+            Lin::Dense { .. } => Vec::new(),
+        }
+    }
+
+    /// Gated cores of layer `l` as a plan has them ([`Lin::gated_cores`]), before it is built.
+    pub(super) fn gated_core_count(l: &AnyLinear) -> usize {
+        match l {
+            AnyLinear::Tt(t) => t.shape().n_cores() - 1,
+            AnyLinear::Dense(_) => 0,
+        }
+    }
+
     /// Bytes [`Lin::new`] allocates for layer `l` on `rows` rows.
     pub(super) fn device_bytes(l: &AnyLinear, rows: usize) -> usize {
         match l {
@@ -214,7 +230,8 @@ impl Lin {
         y: u64,
     ) -> Result<(), CudaError> {
         match self {
-            Lin::Tt(t) => t.forward(dev, blas, x, y),
+            // The cores were gated for every TT layer at once (`EncoderPlan::forward`).
+            Lin::Tt(t) => t.forward_products(dev, blas, x, y),
             Lin::Dense {
                 n, m, rows, w, b, ..
             } => {
@@ -244,7 +261,9 @@ impl Lin {
         dx: Option<(u64, bool)>,
     ) -> Result<(), CudaError> {
         match self {
-            Lin::Tt(t) => t.backward(dev, blas, x, dy, dx),
+            // The gated cores' gradients follow for every TT layer at once
+            // (`EncoderPlan::backward`).
+            Lin::Tt(t) => t.backward_products(dev, blas, x, dy, dx),
             Lin::Dense {
                 n,
                 m,
@@ -709,6 +728,8 @@ pub struct EncoderPlan {
     step: Buf<u64>,    // the dropout step
     /// The plan's cuBLAS handle and workspace.
     blas: Blas,
+    /// Every TT layer's gated cores, gated in one launch a forward (None: no TT layer).
+    gates: Option<GateTable>,
     /// What the plan's construction allocated ([`EncoderPlan::device_bytes`]).
     device_bytes: usize,
 }
@@ -929,6 +950,19 @@ impl EncoderPlan {
             freeze_gates_at: opt.freeze_gates_at,
         };
         let blas = Blas::new(dev)?;
+        let mut gated: Vec<GatedCore> = blocks
+            .iter()
+            .flat_map(|b| [&b.q, &b.k, &b.v, &b.o, &b.up, &b.down])
+            .flat_map(Lin::gated_cores)
+            .collect();
+        match &head {
+            HeadPlan::Classifier(c) => {
+                gated.extend(c.pool.gated_cores());
+                gated.extend(c.cls.gated_cores());
+            }
+            HeadPlan::Mlm(m) => gated.extend(m.gated_cores()),
+        }
+        let gates = GateTable::new(dev, &gated, tau)?;
         let rank = match opt.rank {
             Some(r) => Some(RankPlan::new(dev, enc, &arena, tau, r)?),
             None => None,
@@ -1006,6 +1040,7 @@ impl EncoderPlan {
             scalars: Buf::copy_from_host(dev, &[1.0f32, 1.0, 1.0])?,
             step: Buf::zeros(dev, 1)?,
             arena,
+            gates,
             device_bytes: 0,
         };
         plan.device_bytes = raw::allocated_on_this_thread() - allocated_before;
@@ -1429,6 +1464,10 @@ impl EncoderPlan {
         let (b, t, d, n) = (self.b, self.t, self.d, self.b * self.t);
         let nd = n * d;
         let step = self.step_ptr();
+        // Every TT layer's gated cores H_c, all at once ([`GateTable`]).
+        if let Some(g) = &self.gates {
+            g.record_gate(dev)?;
+        }
         // Embeddings: word rows (TTM: the distinct ids' rows, then gathered), + pos + type.
         match &self.word {
             Word::Dense { table } => {
@@ -1960,7 +1999,12 @@ impl EncoderPlan {
             self.type_start.len() - 1,
             true,
             self.types.g,
-        )
+        )?;
+        // Every TT layer's gated cores: their gradients through the gates, all at once.
+        match &self.gates {
+            Some(g) => g.record_grads(dev),
+            None => Ok(()),
+        }
     }
 
     /// The classifier head's backward from ∂L/∂logits: its gradients, and ∂L/∂(the last

@@ -5,7 +5,8 @@
 //! Unlike the CPU's estimate (`EncoderConfig::estimate_memory`, a formula within a factor of
 //! two), this one is exact: it counts every buffer [`EncoderPlan::new`] allocates, in the
 //! plan's order, with the same size functions the sub-plans allocate with
-//! ([`TtLayer::device_bytes`], `Lin`, `Ln`, [`BlockLens`], `MlmPlan`, [`RankPlan`]). The plan
+//! ([`TtLayer::device_bytes`], `Lin`, `Ln`, [`BlockLens`], `MlmPlan`, [`RankPlan`],
+//! [`GateTable`]). The plan
 //! records what its construction really allocated ([`EncoderPlan::device_bytes`]) and the GPU
 //! tests require the two to be equal. Not counted, on either side: the CUDA context, the
 //! compiled kernels, cuBLAS's handle and a captured graph's own state (the driver's, already
@@ -32,10 +33,12 @@ use super::encoder::{BlockLens, Lin, Ln, StepConfig};
 use super::mlm::MlmPlan;
 use super::rank::RankPlan;
 use super::raw::{Buf, CUBLAS_WORKSPACE};
+use super::tt::GateTable;
 use crate::device::Device;
 use crate::error::CudaError;
 use crate::ops::{Segments, TtmLayout};
 use comera_layers::any::AnyEmbedding;
+use comera_model::mlm_head::MlmDecoder;
 use comera_model::{Encoder, Head};
 
 /// The device memory of one step plan, in bytes, by part.
@@ -95,6 +98,7 @@ impl PlanMemory {
 
         let mut activations = 0;
         let mut last_rows = n;
+        let mut gated_cores = 0;
         for (l, blk) in enc.blocks.iter().enumerate() {
             let rows = if l + 1 == cfg.layers && classifier {
                 b
@@ -113,15 +117,28 @@ impl PlanMemory {
                 + Ln::device_bytes(len.ln1_rows, d)
                 + Ln::device_bytes(rows, d)
                 + len.bytes();
+            gated_cores += [&blk.q, &blk.k, &blk.v, &blk.o, &blk.up, &blk.down]
+                .iter()
+                .map(|x| Lin::gated_core_count(x))
+                .sum::<usize>();
             last_rows = rows;
         }
         let (head, head_rows, classes) = match &enc.head {
-            Head::Classifier(h) => (
-                Lin::device_bytes(&h.pool, b) + Lin::device_bytes(&h.classifier, b) + 5 * f(b * d),
-                b,
-                cfg.num_labels,
-            ),
+            Head::Classifier(h) => {
+                gated_cores +=
+                    Lin::gated_core_count(&h.pool) + Lin::gated_core_count(&h.classifier);
+                (
+                    Lin::device_bytes(&h.pool, b)
+                        + Lin::device_bytes(&h.classifier, b)
+                        + 5 * f(b * d),
+                    b,
+                    cfg.num_labels,
+                )
+            }
             Head::Mlm(h) => {
+                if let MlmDecoder::Own(l) = &h.decoder {
+                    gated_cores += Lin::gated_core_count(l);
+                }
                 let rows = opt.mlm_rows(b, t);
                 (MlmPlan::device_bytes(h, d, rows), rows, h.width())
             }
@@ -141,6 +158,7 @@ impl PlanMemory {
 
         let positions = Segments::of(&(0..n as u32).map(|i| i % t as u32).collect::<Vec<_>>());
         let other = Buf::<u8>::zeros_bytes(CUBLAS_WORKSPACE)
+            + GateTable::device_bytes(gated_cores)
             + match &opt.rank {
                 Some(r) => RankPlan::device_bytes(enc, &tensors, r)?,
                 None => 0,

@@ -130,6 +130,14 @@ impl MlmPlan {
             + 7 * f(rows * d)
     }
 
+    /// The head's TT layers' gated cores (a TT decoder's; the transform is dense).
+    pub fn gated_cores(&self) -> Vec<super::tt::GatedCore> {
+        match &self.decoder {
+            Decoder::Own(l) => l.gated_cores(),
+            Decoder::Tied { .. } => Vec::new(),
+        }
+    }
+
     /// Z (R × V′) into `logits` from the hidden states `hidden` (N × D).
     pub fn forward(
         &self,

@@ -317,23 +317,55 @@ impl TtLayer {
 
     /// y (rows × M) = x (rows × N)·W + b. x and y are addresses of rows·N and rows·M floats.
     pub fn forward(&self, dev: &Device, blas: &CudaBlas, x: u64, y: u64) -> Result<(), CudaError> {
+        self.gate(dev)?;
+        self.forward_products(dev, blas, x, y)
+    }
+
+    /// The layer's gated cores H_0..H_{K−2} (what [`GateTable`] gates, and takes the gradients
+    /// of, for every TT layer of a plan at once).
+    pub fn gated_cores(&self) -> Vec<GatedCore> {
         let d = &self.dims;
-        let (k, p, b) = (d.k(), d.p(), self.rows);
-        let (n, m, rp) = (d.n(), d.m(), d.ranks[p]);
-        // H_c = G_c ⊙ g(d_c) over the last axis (rank.cu gate_columns).
-        for c in 0..k - 1 {
-            let (rows, r) = ((d.ranks[c] * d.mode(c)) as i64, d.ranks[c + 1] as i32);
-            let (core, gate, h) = (self.cores[c].w, self.gates[c].w, self.h_at(c));
+        (0..d.k() - 1)
+            .map(|c| GatedCore {
+                core: self.cores[c],
+                gate: self.gates[c],
+                h: self.h_at(c),
+                dh: self.dh_at(c),
+                rows: (d.ranks[c] * d.mode(c)) as i64,
+                r: d.ranks[c + 1] as i32,
+            })
+            .collect()
+    }
+
+    /// H_c = G_c ⊙ g(d_c) over the last axis (rank.cu gate_columns), this layer's cores alone.
+    fn gate(&self, dev: &Device) -> Result<(), CudaError> {
+        for c in self.gated_cores() {
+            let n = (c.rows * c.r as i64) as usize;
             // SAFETY: core and h hold rows·r floats, gate r (the plan's layout).
             unsafe {
                 launch(
                     dev,
                     "gate_columns",
-                    grid_stride(d.core_len(c)),
-                    &[&core, &gate, &rows, &r, &self.tau, &h],
+                    grid_stride(n),
+                    &[&c.core.w, &c.gate.w, &c.rows, &c.r, &self.tau, &c.h],
                 )?
             };
         }
+        Ok(())
+    }
+
+    /// [`TtLayer::forward`] on cores gated already (by [`TtLayer::gate`], or for every layer
+    /// of a plan by [`GateTable::record_gate`]).
+    pub fn forward_products(
+        &self,
+        dev: &Device,
+        blas: &CudaBlas,
+        x: u64,
+        y: u64,
+    ) -> Result<(), CudaError> {
+        let d = &self.dims;
+        let (k, p, b) = (d.k(), d.p(), self.rows);
+        let (n, m, rp) = (d.n(), d.m(), d.ranks[p]);
         // SAFETY (every product below): the addresses are the workspace's and the arena's
         // ranges laid out in `new` for exactly these sizes; x, y are the caller's rows·N and
         // rows·M floats.
@@ -376,6 +408,21 @@ impl TtLayer {
     /// every core, gate and bias gradient, and writes (or with `dx_acc` adds to) dx (rows × N)
     /// when given.
     pub fn backward(
+        &self,
+        dev: &Device,
+        blas: &CudaBlas,
+        x: u64,
+        dy: u64,
+        dx: Option<(u64, bool)>,
+    ) -> Result<(), CudaError> {
+        self.backward_products(dev, blas, x, dy, dx)?;
+        self.gated_grads(dev)
+    }
+
+    /// [`TtLayer::backward`] up to dH_c: the gated cores' gradients through their gates are
+    /// left to [`TtLayer::gated_grads`] (or for every layer of a plan to
+    /// [`GateTable::record_grads`]); the last core's and the bias's are accumulated here.
+    pub fn backward_products(
         &self,
         dev: &Device,
         blas: &CudaBlas,
@@ -456,28 +503,171 @@ impl TtLayer {
                 &[&part, &nc, &w, &w, &one, &self.bias.g],
             )?;
         }
-        // dG_c, dd_c from dH_c through the gates (rank.cu, the CPU's accumulate_gated_grads).
-        for c in 0..k - 1 {
-            let (rows, r) = ((d.ranks[c] * d.mode(c)) as i64, d.ranks[c + 1] as i32);
-            let (core, gate, dh) = (self.cores[c], self.gates[c], self.dh_at(c));
+        Ok(())
+    }
+
+    /// dG_c, dd_c from dH_c through the gates (rank.cu, the CPU's accumulate_gated_grads),
+    /// this layer's cores alone.
+    fn gated_grads(&self, dev: &Device) -> Result<(), CudaError> {
+        for c in self.gated_cores() {
+            let n = (c.rows * c.r as i64) as usize;
             // SAFETY: dh, the core and its gradient hold rows·r floats, the gate and its
             // gradient r.
             unsafe {
                 launch(
                     dev,
                     "gated_grads_core",
-                    grid_stride(d.core_len(c)),
-                    &[&dh, &gate.w, &rows, &r, &self.tau, &core.g],
+                    grid_stride(n),
+                    &[&c.dh, &c.gate.w, &c.rows, &c.r, &self.tau, &c.core.g],
                 )?;
                 launch(
                     dev,
                     "gated_grads_gate",
-                    grid((r as u32).div_ceil(super::raw::BLOCK), 1, super::raw::BLOCK),
-                    &[&dh, &core.w, &gate.w, &rows, &r, &self.tau, &gate.g],
+                    grid(
+                        (c.r as u32).div_ceil(super::raw::BLOCK),
+                        1,
+                        super::raw::BLOCK,
+                    ),
+                    &[
+                        &c.dh, &c.core.w, &c.gate.w, &c.rows, &c.r, &self.tau, &c.gate.g,
+                    ],
                 )?;
             }
         }
         Ok(())
+    }
+}
+
+/// One gated core of a TT layer: its value and gradient, its gate's, and where its gated
+/// value H_c and the gradient dH_c live (rows × r each, r its gate's length).
+#[derive(Clone, Copy, Debug)]
+pub struct GatedCore {
+    pub core: Slot,
+    pub gate: Slot,
+    pub h: u64,
+    pub dh: u64,
+    pub rows: i64,
+    pub r: i32,
+}
+
+/// Every gated core of a plan's TT layers, so that a step gates them all in one launch before
+/// the forward and takes their gradients through the gates in two after the backward, instead
+/// of three launches per core (the paper model: 36 layers of 5 gated cores, 540 launches of
+/// a few thousand elements each a step, against 3). Each core's arithmetic is the per-layer
+/// kernels' (rank.cu), so the results are the same bits.
+pub struct GateTable {
+    core_w: Buf<u64>,
+    core_g: Buf<u64>,
+    gate_w: Buf<u64>,
+    gate_g: Buf<u64>,
+    h: Buf<u64>,
+    dh: Buf<u64>,
+    rows: Buf<i64>,
+    r: Buf<i32>,
+    cores: usize,
+    /// The largest core (rows·r) and gate (r): the launches' x extents.
+    max_len: usize,
+    max_r: usize,
+    tau: f32,
+}
+
+impl GateTable {
+    /// The table of `cores` (None when there is none: a dense model), gates thresholded at τ.
+    pub fn new(
+        dev: &Device,
+        cores: &[GatedCore],
+        tau: f32,
+    ) -> Result<Option<GateTable>, CudaError> {
+        if cores.is_empty() {
+            return Ok(None);
+        }
+        let col = |f: &dyn Fn(&GatedCore) -> u64| {
+            Buf::copy_from_host(dev, &cores.iter().map(f).collect::<Vec<_>>())
+        };
+        Ok(Some(GateTable {
+            core_w: col(&|c| c.core.w)?,
+            core_g: col(&|c| c.core.g)?,
+            gate_w: col(&|c| c.gate.w)?,
+            gate_g: col(&|c| c.gate.g)?,
+            h: col(&|c| c.h)?,
+            dh: col(&|c| c.dh)?,
+            rows: Buf::copy_from_host(dev, &cores.iter().map(|c| c.rows).collect::<Vec<_>>())?,
+            r: Buf::copy_from_host(dev, &cores.iter().map(|c| c.r).collect::<Vec<_>>())?,
+            cores: cores.len(),
+            max_len: cores
+                .iter()
+                .map(|c| (c.rows * c.r as i64) as usize)
+                .max()
+                .unwrap_or(0),
+            max_r: cores.iter().map(|c| c.r as usize).max().unwrap_or(0),
+            tau,
+        }))
+    }
+
+    /// Bytes [`GateTable::new`] allocates for `cores` gated cores (0 for none).
+    pub fn device_bytes(cores: usize) -> usize {
+        match cores {
+            0 => 0,
+            n => {
+                6 * Buf::<u64>::copy_bytes(n)
+                    + Buf::<i64>::copy_bytes(n)
+                    + Buf::<i32>::copy_bytes(n)
+            }
+        }
+    }
+
+    /// H_c = G_c ⊙ g(d_c) for every core (rank.cu gate_columns_table).
+    pub fn record_gate(&self, dev: &Device) -> Result<(), CudaError> {
+        let blocks = (self.max_len as u32).div_ceil(super::raw::BLOCK).min(1024);
+        let (cw, gw, h, rows, r) = (
+            self.core_w.ptr(),
+            self.gate_w.ptr(),
+            self.h.ptr(),
+            self.rows.ptr(),
+            self.r.ptr(),
+        );
+        // SAFETY: each entry's addresses are a gated core's (rows·r floats), its gate's (r) and
+        // its H (rows·r), laid out by the TT layers' workspaces and the arena.
+        unsafe {
+            launch(
+                dev,
+                "gate_columns_table",
+                grid(blocks, self.cores as u32, super::raw::BLOCK),
+                &[&cw, &gw, &rows, &r, &self.tau, &h],
+            )
+        }
+    }
+
+    /// dG_c += dH_c ⊙ g(d_c) and dd_c += Σ_rows dH_c ⊙ G_c for every core (rank.cu
+    /// gated_grads_core_table, gated_grads_gate_table).
+    pub fn record_grads(&self, dev: &Device) -> Result<(), CudaError> {
+        let blocks = (self.max_len as u32).div_ceil(super::raw::BLOCK).min(1024);
+        let gate_blocks = (self.max_r as u32).div_ceil(super::raw::BLOCK);
+        let (cw, cg, gw, gg, dh, rows, r) = (
+            self.core_w.ptr(),
+            self.core_g.ptr(),
+            self.gate_w.ptr(),
+            self.gate_g.ptr(),
+            self.dh.ptr(),
+            self.rows.ptr(),
+            self.r.ptr(),
+        );
+        // SAFETY: as in `record_gate`; dH and the core's gradient hold rows·r floats, the
+        // gate's gradient r.
+        unsafe {
+            launch(
+                dev,
+                "gated_grads_core_table",
+                grid(blocks, self.cores as u32, super::raw::BLOCK),
+                &[&dh, &gw, &rows, &r, &self.tau, &cg],
+            )?;
+            launch(
+                dev,
+                "gated_grads_gate_table",
+                grid(gate_blocks, self.cores as u32, super::raw::BLOCK),
+                &[&dh, &cw, &gw, &rows, &r, &self.tau, &gg],
+            )
+        }
     }
 }
 
