@@ -773,7 +773,13 @@ mod encoder_step {
         let (e, le) = run(false, 2);
         assert_eq!(lg, le, "graph and eager losses");
         assert_ne!(lg[0], lg[1], "the second step saw another batch");
-        let flat = |s: &EncoderSession, w| s.plan().arena.download_flat(s.device(), w).unwrap();
+        let flat = |s: &EncoderSession, w| {
+            s.plan()
+                .unwrap()
+                .arena
+                .download_flat(s.device(), w)
+                .unwrap()
+        };
         assert!(
             flat(&g, Which::Value) == flat(&e, Which::Value),
             "parameters"
@@ -798,6 +804,72 @@ mod encoder_step {
             flat(&g, Which::Value) == flat(&r, Which::Value),
             "resumed parameters"
         );
+    }
+
+    /// A session reshaped for a new phase (batch 3 × 16 → 2 × 8, `EncoderSession::reshape`)
+    /// steps as a fresh session at that shape given the first one's parameters, moments and
+    /// t: the same loss, norm and parameters bit for bit; and asking for the shape it has
+    /// plans nothing again. The shapes of later phases are checked against the free memory
+    /// before a run starts (`check_shapes_fit`): an absurd one is refused by name.
+    #[test]
+    fn a_reshaped_session_steps_as_a_fresh_one_at_the_new_shape() {
+        if device().is_none() {
+            return;
+        }
+        let _l = lock();
+        use comera_cuda::engine::EncoderSession;
+        let enc = model();
+        let (ids, types, mask, labels) = batch();
+        let mut a = EncoderSession::new(0, &enc, SEED, 3, 16, step_config()).unwrap();
+        a.step((&ids, &types, &mask, &labels), STEP, 1.0).unwrap();
+        let before = a.plan().unwrap().device_bytes();
+        a.reshape(&enc, (3, 16), 0).unwrap();
+        assert_eq!(
+            a.plan().unwrap().device_bytes(),
+            before,
+            "the same shape: no new plan"
+        );
+        a.reshape(&enc, (2, 8), 0).unwrap();
+        assert_eq!(a.shape(), (2, 8));
+        let mut host = enc.clone();
+        a.download_into(&mut host).unwrap();
+        let (moments, t) = a.moments().unwrap();
+        let mut b = EncoderSession::new(0, &host, SEED, 2, 8, step_config()).unwrap();
+        b.resume(&host, &moments, t).unwrap();
+        let half = |v: &[u32]| -> Vec<u32> {
+            (0..2)
+                .flat_map(|s| v[s * 16..s * 16 + 8].to_vec())
+                .collect()
+        };
+        let small = (
+            half(&ids),
+            half(&types),
+            half(&mask),
+            vec![labels[0], labels[1]],
+        );
+        let sa = a
+            .step((&small.0, &small.1, &small.2, &small.3), STEP + 1, 1.0)
+            .unwrap();
+        let sb = b
+            .step((&small.0, &small.1, &small.2, &small.3), STEP + 1, 1.0)
+            .unwrap();
+        assert_eq!(
+            (sa.loss.to_bits(), sa.grad_norm.to_bits()),
+            (sb.loss.to_bits(), sb.grad_norm.to_bits()),
+            "the reshaped session's step"
+        );
+        let flat = |s: &EncoderSession| {
+            s.plan()
+                .unwrap()
+                .arena
+                .download_flat(s.device(), Which::Value)
+                .unwrap()
+        };
+        assert!(flat(&a) == flat(&b), "parameters after the reshaped step");
+        assert!(a.check_shapes_fit(&enc, &[(2, 8, 0), (3, 16, 0)]).is_ok());
+        let e = a.check_shapes_fit(&enc, &[(1 << 20, 16, 0)]).unwrap_err();
+        assert!(matches!(e, CudaError::OutOfMemory { .. }), "{e}");
+        assert!(e.to_string().contains("batch 1048576 × 16"), "{e}");
     }
 
     /// The evaluation pass (dropout off, no loss) through a session opened for inference,
@@ -873,6 +945,7 @@ mod encoder_step {
         );
         let flat = |s: &EncoderSession| {
             s.plan()
+                .unwrap()
                 .arena
                 .download_flat(s.device(), Which::Value)
                 .unwrap()
@@ -1092,7 +1165,7 @@ mod encoder_step {
             .map(|p| (p.name.clone(), vec![0.0; p.len()], vec![0.0; p.len()]))
             .collect();
         s.resume(&host, &moments, 1).unwrap();
-        for (t, p) in s.plan().arena.tensors.iter().zip(host.params()) {
+        for (t, p) in s.plan().unwrap().arena.tensors.iter().zip(host.params()) {
             assert_eq!((&t.name, &t.shape), (&p.name, &p.shape));
         }
         let mut st = host.state(3);

@@ -122,6 +122,9 @@ pub struct DeviceRun {
     /// A masked-LM run's predicted positions per sequence at most (its masker's; 0 for a
     /// classifier): the device's head has room for batch × this.
     pub mlm_rows_per_seq: usize,
+    /// The shapes of the run's later phases (batch, tokens, masked-LM rows per sequence), if
+    /// any: each must fit on the device too, checked before the run starts.
+    pub later_phases: Vec<(usize, usize, usize)>,
 }
 
 /// What the device's step needs of a run's rank schedule: its settings when it is active.
@@ -370,6 +373,9 @@ impl CudaEncoder {
             mlm_rows_per_seq: run.mlm_rows_per_seq,
         };
         let session = EncoderSession::new(ordinal, model, run.seed, run.batch, run.seq_len, opt)
+            .map_err(|source| DeviceError::Cuda { device, source })?;
+        session
+            .check_shapes_fit(model, &run.later_phases)
             .map_err(|source| DeviceError::Cuda { device, source })?;
         let n = run.batch * run.seq_len;
         Ok(CudaEncoder {

@@ -31,7 +31,9 @@ pub struct EncoderSession {
     /// queuing costs more than their work at evaluation batch sizes; one capture (about one
     /// eager pass of host time) pays for itself from the second batch on.
     eval_graph: Option<CudaGraph>,
-    plan: EncoderPlan,
+    /// The plan; None only after planning again failed (the old plan is released first, so
+    /// that a larger one can take its memory), when every call is an error.
+    plan: Option<EncoderPlan>,
     dev: Device,
     /// Optimiser steps taken (AdamW's t; the next step is t + 1).
     t_adam: i32,
@@ -70,7 +72,7 @@ impl EncoderSession {
             rank_step: RankStep::EARLY,
             graph: None,
             eval_graph: None,
-            plan,
+            plan: Some(plan),
             dev,
             t_adam: 0,
             inference_only: false,
@@ -106,7 +108,7 @@ impl EncoderSession {
 
     /// Sequences per batch (B) and tokens per sequence (T) of the plan.
     pub fn shape(&self) -> (usize, usize) {
-        (self.plan.b, self.plan.t)
+        self.plan.as_ref().map_or((0, 0), |p| (p.b, p.t))
     }
 
     /// The classifier's logits (B × C, row-major, C = [`EncoderPlan::classes`]) of one batch
@@ -118,10 +120,15 @@ impl EncoderSession {
         &mut self,
         (ids, types, mask): (&[u32], &[u32], &[u32]),
     ) -> Result<Vec<f32>, CudaError> {
-        self.plan
-            .load(&self.dev, ids, types, mask, &self.no_labels)?;
+        self.plan.as_mut().ok_or_else(lost_plan)?.load(
+            &self.dev,
+            ids,
+            types,
+            mask,
+            &self.no_labels,
+        )?;
         self.run_eval()?;
-        self.plan.logits(&self.dev)
+        self.plan()?.logits(&self.dev)
     }
 
     /// A masked-LM model's evaluation of one batch (B × T masked ids and mask, each token's
@@ -134,10 +141,15 @@ impl EncoderSession {
         &mut self,
         (ids, mask, token_labels, selected): (&[u32], &[u32], &[i32], &[u32]),
     ) -> Result<(f64, f64, f64), CudaError> {
-        self.plan
-            .load_mlm(&self.dev, ids, mask, token_labels, selected)?;
+        self.plan.as_mut().ok_or_else(lost_plan)?.load_mlm(
+            &self.dev,
+            ids,
+            mask,
+            token_labels,
+            selected,
+        )?;
         self.run_eval()?;
-        self.plan.loss_stats(&self.dev)
+        self.plan()?.loss_stats(&self.dev)
     }
 
     /// A masked-LM model's logits at the predicted positions of one batch (B × T ids and
@@ -156,14 +168,17 @@ impl EncoderSession {
             }
         }
         self.plan
+            .as_mut()
+            .ok_or_else(lost_plan)?
             .load_mlm(&self.dev, ids, mask, &labels, selected)?;
         self.run_eval()?;
-        self.plan.logits(&self.dev)
+        self.plan()?.logits(&self.dev)
     }
 
     /// The evaluation pass on the batch loaded: replayed from its graph, or launched.
     fn run_eval(&mut self) -> Result<(), CudaError> {
-        let (plan, graph) = (&self.plan, self.use_graph.then_some(&mut self.eval_graph));
+        let plan = self.plan.as_ref().ok_or_else(lost_plan)?;
+        let graph = self.use_graph.then_some(&mut self.eval_graph);
         run_recorded(&self.dev, graph, "replaying the evaluation graph", |d| {
             plan.record_eval_forward(d)
         })
@@ -173,8 +188,9 @@ impl EncoderSession {
         &self.dev
     }
 
-    pub fn plan(&self) -> &EncoderPlan {
-        &self.plan
+    /// The plan (an error after planning again failed, see [`EncoderSession::resume`]).
+    pub fn plan(&self) -> Result<&EncoderPlan, CudaError> {
+        self.plan.as_ref().ok_or_else(lost_plan)
     }
 
     /// Runs the rank schedule `settings` (None: off) from the next step on. When they differ
@@ -192,7 +208,8 @@ impl EncoderSession {
         let mut host = enc.clone();
         self.download_into(&mut host)?;
         let (moments, t_adam) = self.moments()?;
-        self.opt.freeze_gates_at = settings.as_ref().map(|_| self.plan.threshold());
+        let tau = self.plan()?.threshold();
+        self.opt.freeze_gates_at = settings.as_ref().map(|_| tau);
         self.opt.rank = settings;
         self.replan(&host)?;
         self.set_moments(&moments, t_adam)
@@ -225,6 +242,34 @@ impl EncoderSession {
         self.set_moments(&moments, t_adam)
     }
 
+    /// Checks, before a run starts, that the step planned at each of `shapes` (batch,
+    /// tokens, masked-LM rows per sequence: a run's later phases) will fit on the device once
+    /// this session's own plan is released for it ([`EncoderSession::reshape`] releases the
+    /// old plan first): [`CudaError::OutOfMemory`] naming the first that would not.
+    pub fn check_shapes_fit(
+        &self,
+        enc: &Encoder,
+        shapes: &[(usize, usize, usize)],
+    ) -> Result<(), CudaError> {
+        let (free, total) = self.dev.memory()?;
+        let available = free + self.plan()?.device_bytes();
+        for &(b, t, mlm_rows_per_seq) in shapes {
+            let opt = StepConfig {
+                mlm_rows_per_seq,
+                ..self.opt.clone()
+            };
+            let need = super::PlanMemory::of(enc, b, t, &opt)?;
+            crate::device::check_fits(
+                self.dev.info().ordinal,
+                &need.describe(b, t),
+                need.total(),
+                available,
+                total,
+            )?;
+        }
+        Ok(())
+    }
+
     /// The rank schedule's inputs (hold, stage and target) for the steps from now on: the
     /// host's `RankController` decides them between steps. Ignored without the schedule.
     pub fn set_rank_step(&mut self, r: RankStep) {
@@ -241,7 +286,10 @@ impl EncoderSession {
         lr_scale: f32,
     ) -> Result<DeviceStepStats, CudaError> {
         self.trainable()?;
-        self.plan.load(&self.dev, ids, types, mask, labels)?;
+        self.plan
+            .as_mut()
+            .ok_or_else(lost_plan)?
+            .load(&self.dev, ids, types, mask, labels)?;
         self.run_step(step, lr_scale)
     }
 
@@ -254,8 +302,13 @@ impl EncoderSession {
         lr_scale: f32,
     ) -> Result<DeviceStepStats, CudaError> {
         self.trainable()?;
-        self.plan
-            .load_mlm(&self.dev, ids, mask, token_labels, selected)?;
+        self.plan.as_mut().ok_or_else(lost_plan)?.load_mlm(
+            &self.dev,
+            ids,
+            mask,
+            token_labels,
+            selected,
+        )?;
         self.run_step(step, lr_scale)
     }
 
@@ -273,23 +326,32 @@ impl EncoderSession {
     /// The step on the batch loaded: its scalars, the captured graph (or the launches), the
     /// statistics.
     fn run_step(&mut self, step: u64, lr_scale: f32) -> Result<DeviceStepStats, CudaError> {
-        self.plan
-            .set_step(&self.dev, step, self.t_adam + 1, lr_scale)?;
-        if self.plan.has_rank_schedule() {
-            self.plan.set_rank_step(&self.dev, self.rank_step)?;
+        self.plan.as_mut().ok_or_else(lost_plan)?.set_step(
+            &self.dev,
+            step,
+            self.t_adam + 1,
+            lr_scale,
+        )?;
+        if self.plan()?.has_rank_schedule() {
+            let (dev, r) = (&self.dev, self.rank_step);
+            self.plan
+                .as_mut()
+                .ok_or_else(lost_plan)?
+                .set_rank_step(dev, r)?;
         }
-        let (plan, graph) = (&self.plan, self.use_graph.then_some(&mut self.graph));
+        let plan = self.plan.as_ref().ok_or_else(lost_plan)?;
+        let graph = self.use_graph.then_some(&mut self.graph);
         run_recorded(&self.dev, graph, "replaying the step graph", |d| {
             plan.record_step(d)
         })?;
         self.t_adam += 1;
-        self.plan.stats(&self.dev)
+        self.plan()?.stats(&self.dev)
     }
 
     /// Copies the device's parameters into `enc` (same names and shapes): for a checkpoint,
     /// an evaluation on the CPU, an export.
     pub fn download_into(&self, enc: &mut Encoder) -> Result<(), CudaError> {
-        self.plan
+        self.plan()?
             .arena
             .download(&self.dev, false, |f| enc.visit_params_mut(f))
     }
@@ -298,10 +360,10 @@ impl EncoderSession {
     /// view of the active ranks between steps (one small transfer). Without the rank schedule
     /// it does nothing (the gates are constants).
     pub fn download_gates_into(&self, enc: &mut Encoder) -> Result<(), CudaError> {
-        let Some(rank) = self.plan.rank_plan() else {
+        let Some(rank) = self.plan()?.rank_plan() else {
             return Ok(());
         };
-        let gates = rank.gates(&self.dev, &self.plan.arena)?;
+        let gates = rank.gates(&self.dev, &self.plan()?.arena)?;
         let mut by_name: std::collections::HashMap<&str, Vec<f32>> = gates.into_iter().collect();
         let mut bad = None;
         enc.visit_params_mut(&mut |p| {
@@ -326,7 +388,7 @@ impl EncoderSession {
 
     /// AdamW's moments by parameter name (for a checkpoint's optimiser state), and t.
     pub fn moments(&self) -> Result<(Vec<Moments>, i32), CudaError> {
-        let a = &self.plan.arena;
+        let a = &self.plan()?.arena;
         let (m, v) = (
             a.download_flat(&self.dev, Which::M)?,
             a.download_flat(&self.dev, Which::V)?,
@@ -354,10 +416,15 @@ impl EncoderSession {
         t_adam: i32,
     ) -> Result<(), CudaError> {
         let params = enc.params();
-        if self.plan.arena.reshaped(&params) {
+        if self.plan()?.arena.reshaped(&params) {
             self.replan(enc)?;
         } else {
-            self.plan.arena.upload(&self.dev, &params)?;
+            let dev = &self.dev;
+            self.plan
+                .as_mut()
+                .ok_or_else(lost_plan)?
+                .arena
+                .upload(dev, &params)?;
         }
         self.set_moments(moments, t_adam)
     }
@@ -373,7 +440,17 @@ impl EncoderSession {
     fn replan_at(&mut self, enc: &Encoder, (b, t): (usize, usize)) -> Result<(), CudaError> {
         self.graph = None;
         self.eval_graph = None;
-        self.plan = EncoderPlan::new(&self.dev, enc, self.seed, b, t, self.opt.clone())?;
+        // The old plan's buffers go first: a larger plan (a later phase's longer sequences)
+        // may need their memory.
+        self.plan = None;
+        self.plan = Some(EncoderPlan::new(
+            &self.dev,
+            enc,
+            self.seed,
+            b,
+            t,
+            self.opt.clone(),
+        )?);
         self.no_labels = vec![0; b];
         Ok(())
     }
@@ -381,7 +458,12 @@ impl EncoderSession {
     /// AdamW's moments by name and its step count t.
     fn set_moments(&mut self, moments: &[Moments], t_adam: i32) -> Result<(), CudaError> {
         for (name, m, v) in moments {
-            self.plan.arena.upload_moments(&self.dev, name, m, v)?;
+            let dev = &self.dev;
+            self.plan
+                .as_mut()
+                .ok_or_else(lost_plan)?
+                .arena
+                .upload_moments(dev, name, m, v)?;
         }
         self.t_adam = t_adam;
         Ok(())
@@ -407,4 +489,13 @@ fn run_recorded(
         g.launch().map_err(crate::error::driver(what))?;
     }
     Ok(())
+}
+
+/// The error of a session whose plan is gone (planning it again failed).
+fn lost_plan() -> CudaError {
+    CudaError::Plan(
+        "the session has no step plan: planning it again (after a truncation or for a new \
+         phase) failed, as the error then said"
+            .into(),
+    )
 }

@@ -188,17 +188,18 @@ pub(super) fn encoder(
         );
     }
     cfg.rank.check_layers(&model).map_err(ConfigError::from)?;
-    let mlm_rows_per_seq = match &data {
-        EncoderData::Mlm(d) => d.masker.max_selected_per_row(phases[0].seq_len),
-        EncoderData::Classify(_) => 0,
-    };
-    let device = encoder_device(
-        cfg,
-        &phases,
-        &model,
-        (teacher.is_some(), mlm_rows_per_seq),
-        rep,
-    )?;
+    // Each phase's batch shape as a device plans it: batch, tokens, masked-LM rows per sequence.
+    let shapes: Vec<(usize, usize, usize)> = phases
+        .iter()
+        .map(|p| {
+            let rows = match &data {
+                EncoderData::Mlm(d) => d.masker.max_selected_per_row(p.seq_len),
+                EncoderData::Classify(_) => 0,
+            };
+            (p.batch_size, p.seq_len, rows)
+        })
+        .collect();
+    let device = encoder_device(cfg, &shapes, &model, teacher.is_some(), rep)?;
     let (run_dir, resume) = start.open(&out, &config_toml)?;
     let vocab = match &run_dir {
         Some(_) => own_vocab(&out, &vocab)?,
@@ -235,9 +236,9 @@ pub(super) fn encoder(
 /// directory is touched.
 fn encoder_device(
     cfg: &RunConfig,
-    phases: &[Phase],
+    shapes: &[(usize, usize, usize)],
     model: &Encoder,
-    (teacher, mlm_rows_per_seq): (bool, usize),
+    teacher: bool,
     rep: &mut Reporter,
 ) -> crate::Result<Option<Box<dyn DeviceStep<Encoder>>>> {
     let device = cfg.train.device;
@@ -256,15 +257,16 @@ fn encoder_device(
             teacher,
         },
     )?;
-    let phase = &phases[0];
+    let (batch, seq_len, mlm_rows_per_seq) = shapes[0];
     let run = DeviceRun {
         device,
         optim: cfg.optim.clone(),
-        batch: phase.batch_size,
-        seq_len: phase.seq_len,
+        batch,
+        seq_len,
         seed: cfg.train.seed,
         rank: crate::device::rank_settings(&rank),
         mlm_rows_per_seq,
+        later_phases: shapes[1..].to_vec(),
     };
     let engine = CudaEncoder::new(&run, model)?;
     rep.say(format!(
