@@ -106,7 +106,7 @@ fn pair(dev: &Device, rows: usize) -> Pair {
     cpu.gates[3].value[4] = -0.3; // negative: also inactive
     cpu.bias.value = normal(9, cpu.bias.len(), 0.1);
     let dims = TtDims::from_shape(&shape);
-    let mut arena = ParamArena::new(dev, &dims.params("l")).unwrap();
+    let mut arena = ParamArena::new(dev, &dims.params("l"), true).unwrap();
     arena.upload(dev, &cpu.params()).unwrap();
     let slot = |n: &str| Slot {
         w: arena.w(n),
@@ -635,6 +635,78 @@ mod encoder_step {
                     &finite(logits),
                     &finite(&want_logits),
                     1e-4,
+                );
+            }
+        }
+    }
+
+    /// The memory estimate made before allocating ([`PlanMemory::of`]) is what the plan's
+    /// construction allocates, byte for byte, for every kind of plan: TT/TTM and dense,
+    /// post- and pre-LN, a classifier and masked-LM heads (a padded TT decoder, a tied one),
+    /// with and without the rank schedule, and for inference only.
+    #[test]
+    fn the_plan_allocates_exactly_its_estimate() {
+        let Some((dev, _)) = device() else { return };
+        use comera_cuda::engine::{PlanMemory, RankSettings};
+        use comera_model::config::{HeadKind, MlmDecoderKind};
+        let dense = EncoderConfig {
+            tt_linear: false,
+            ttm_embedding: false,
+            ..config()
+        };
+        for (what, cfg) in [
+            ("TT/TTM classifier", config()),
+            (
+                "dense pre-LN classifier",
+                EncoderConfig {
+                    pre_ln: true,
+                    ..dense.clone()
+                },
+            ),
+            (
+                "masked LM, TT decoder",
+                EncoderConfig {
+                    head: HeadKind::Mlm,
+                    mlm_decoder: MlmDecoderKind::Tt,
+                    mlm_decoder_tt: LayerTt::uniform(&[4, 8], &[5, 8, 6], 3),
+                    ..config()
+                },
+            ),
+            (
+                "masked LM, tied decoder, pre-LN",
+                EncoderConfig {
+                    head: HeadKind::Mlm,
+                    mlm_decoder: MlmDecoderKind::Tied,
+                    pre_ln: true,
+                    ..dense.clone()
+                },
+            ),
+        ] {
+            let _l = lock();
+            let enc = model_of(&cfg);
+            let rank = RankSettings::early_stage(&enc, 0.01);
+            for opt in [
+                step_config(),
+                StepConfig {
+                    rank,
+                    mlm_rows_per_seq: 4,
+                    ..step_config()
+                },
+                StepConfig {
+                    forward_only: true,
+                    ..step_config()
+                },
+            ] {
+                let want = PlanMemory::of(&enc, 3, 16, &opt).unwrap();
+                let plan = EncoderPlan::new(dev, &enc, SEED, 3, 16, opt.clone()).unwrap();
+                assert_eq!(
+                    plan.device_bytes(),
+                    want.total(),
+                    "{what} (rank schedule: {}, forward only: {}): allocated {} bytes, \
+                     estimated {want:?}",
+                    opt.rank.is_some(),
+                    opt.forward_only,
+                    plan.device_bytes()
                 );
             }
         }

@@ -371,6 +371,7 @@ impl CudaEncoder {
             train_gates: false,
             rank: run.rank.clone(),
             mlm_rows_per_seq: run.mlm_rows_per_seq,
+            forward_only: false,
         };
         let session = EncoderSession::new(ordinal, model, run.seed, run.batch, run.seq_len, opt)
             .map_err(|source| DeviceError::Cuda { device, source })?;

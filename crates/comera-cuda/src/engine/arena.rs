@@ -27,10 +27,13 @@ pub struct ParamArena {
     pub tensors: Vec<Tensor>,
     index: HashMap<String, usize>,
     pub w: Buf<f32>,
+    /// Gradients and moments: `total` floats each, or one unused float in an arena without
+    /// gradients (an inference plan's; [`ParamArena::g`] is then 0, and moments are refused).
     pub g: Buf<f32>,
     pub m: Buf<f32>,
     pub v: Buf<f32>,
     total: usize,
+    grads: bool,
 }
 
 /// Floats of each tensor rounded up to this, so that every tensor starts 128-byte aligned
@@ -38,10 +41,12 @@ pub struct ParamArena {
 const ALIGN: usize = 32;
 
 impl ParamArena {
-    /// Lays out `params` (name, shape, kind) back to back in the order given, zeroed.
+    /// Lays out `params` (name, shape, kind) back to back in the order given, zeroed; with
+    /// `grads`, their gradients and AdamW moments too (a training plan), else the values only.
     pub fn new(
         dev: &Device,
         params: &[(String, Vec<usize>, ParamKind)],
+        grads: bool,
     ) -> Result<Self, CudaError> {
         let (tensors, at) = ParamArena::layout(params)?;
         let index = tensors
@@ -49,19 +54,35 @@ impl ParamArena {
             .enumerate()
             .map(|(i, t)| (t.name.clone(), i))
             .collect();
-        dev.ensure_fits(
-            "the model's parameters, gradients and AdamW moments",
-            16 * at,
-        )?;
+        let other = if grads { at } else { 0 };
+        dev.ensure_fits("the model's parameters", Self::device_bytes(at, grads))?;
         Ok(ParamArena {
             tensors,
             index,
             w: Buf::zeros(dev, at)?,
-            g: Buf::zeros(dev, at)?,
-            m: Buf::zeros(dev, at)?,
-            v: Buf::zeros(dev, at)?,
+            g: Buf::zeros(dev, other)?,
+            m: Buf::zeros(dev, other)?,
+            v: Buf::zeros(dev, other)?,
             total: at,
+            grads,
         })
+    }
+
+    /// Bytes [`ParamArena::new`] allocates for `floats` per flat buffer, with `grads` or not.
+    pub fn device_bytes(floats: usize, grads: bool) -> usize {
+        let f = Buf::<f32>::zeros_bytes;
+        f(floats) + 3 * f(if grads { floats } else { 0 })
+    }
+
+    /// Whether the arena holds gradients and moments (a training plan's).
+    pub fn has_grads(&self) -> bool {
+        self.grads
+    }
+
+    fn no_grads(&self, what: &str) -> CudaError {
+        CudaError::Plan(format!(
+            "{what} of a plan for inference only (it holds no gradients or moments)"
+        ))
     }
 
     /// Where [`ParamArena::new`] puts each tensor, and the floats of each flat buffer (host
@@ -108,10 +129,14 @@ impl ParamArena {
         self.w.at(t.offset, t.len)
     }
 
-    /// The gradient's address of tensor `name`.
+    /// The gradient's address of tensor `name` (0 in an arena without gradients: an
+    /// inference plan, which launches no backward).
     pub fn g(&self, name: &str) -> u64 {
         let t = self.get(name).expect("a tensor the plan laid out");
-        self.g.at(t.offset, t.len)
+        match self.grads {
+            true => self.g.at(t.offset, t.len),
+            false => 0,
+        }
     }
 
     /// Copies every host parameter into the tensor of its name: names and shapes must match
@@ -128,10 +153,12 @@ impl ParamArena {
         let s = dev.stream();
         let err = || crate::error::driver("uploading parameters");
         s.memcpy_htod(&host, self.w.slice_mut()).map_err(err())?;
-        let zero = vec![0.0f32; self.total];
-        s.memcpy_htod(&zero, self.g.slice_mut()).map_err(err())?;
-        s.memcpy_htod(&zero, self.m.slice_mut()).map_err(err())?;
-        s.memcpy_htod(&zero, self.v.slice_mut()).map_err(err())?;
+        if self.grads {
+            let zero = vec![0.0f32; self.total];
+            s.memcpy_htod(&zero, self.g.slice_mut()).map_err(err())?;
+            s.memcpy_htod(&zero, self.m.slice_mut()).map_err(err())?;
+            s.memcpy_htod(&zero, self.v.slice_mut()).map_err(err())?;
+        }
         Ok(())
     }
 
@@ -144,6 +171,9 @@ impl ParamArena {
         m: &[f32],
         v: &[f32],
     ) -> Result<(), CudaError> {
+        if !self.grads {
+            return Err(self.no_grads("AdamW moments"));
+        }
         let t = self.get(name)?.clone();
         if m.len() != t.len || v.len() != t.len {
             return Err(CudaError::Plan(format!(
@@ -208,6 +238,9 @@ impl ParamArena {
 
     /// The whole flat buffer `which` (values, gradients or a moment) on the host.
     pub fn download_flat(&self, dev: &Device, which: Which) -> Result<Vec<f32>, CudaError> {
+        if which != Which::Value && !self.grads {
+            return Err(self.no_grads("the gradients or moments"));
+        }
         let buf = match which {
             Which::Value => &self.w,
             Which::Grad => &self.g,

@@ -74,6 +74,9 @@ pub struct StepConfig {
     /// A masked-LM head's rows per sequence (the CPU state's `mlm_rows_per_seq`: the head
     /// has room for B·min(this, T) predicted positions); 0: the CPU's default, 15% of T.
     pub mlm_rows_per_seq: usize,
+    /// A plan for the evaluation pass only: the parameter arena holds no gradients or AdamW
+    /// moments (a quarter of a training plan's arena) and a training step is refused.
+    pub forward_only: bool,
 }
 
 impl StepConfig {
@@ -92,6 +95,7 @@ impl StepConfig {
             train_gates: true,
             rank: None,
             mlm_rows_per_seq: 0,
+            forward_only: false,
         }
     }
 
@@ -779,7 +783,7 @@ impl EncoderPlan {
             .iter()
             .map(|p| (p.name.clone(), p.shape.clone(), p.kind))
             .collect();
-        let mut arena = ParamArena::new(dev, &params)?;
+        let mut arena = ParamArena::new(dev, &params, !opt.forward_only)?;
         arena.upload(dev, &enc.params())?;
         let decay = |kind: ParamKind, shape_len: usize| {
             if kind == ParamKind::RankGate || shape_len < 2 {
@@ -1326,6 +1330,11 @@ impl EncoderPlan {
     /// them): the step benchmark captures each prefix as a graph, and the differences of their
     /// replay times say where a step's time goes.
     pub fn record_step_through(&self, dev: &Device, last: StepPhase) -> Result<(), CudaError> {
+        if !self.arena.has_grads() {
+            return Err(CudaError::Plan(
+                "a training step on a plan for inference only (StepConfig::forward_only)".into(),
+            ));
+        }
         let blas = &self.blas.handle;
         // SAFETY: the arena's gradient buffer holds `total` floats.
         unsafe { raw::zero(dev, self.arena.g.ptr(), self.arena.total())? };

@@ -17,7 +17,8 @@
 //! L blocks; a classifier's last block runs past q/k/v on its B [CLS] rows):
 //!
 //! ```text
-//! params      16·P           values, gradients, AdamW's m and v (P: the arena's floats)
+//! params      16·P           values, gradients, AdamW's m and v (P: the arena's floats;
+//!                            4·P in a plan for inference)
 //! activations ≈ 4·N·(L·(8·D + F) + 14·D + 3·F) + 4·L·B·H·T² + 4·B·H·T²
 //!                            the blocks' saved buffers, the shared scratch, the head
 //! ttm         4·N·(D + Σ_k r_k·e_k·r_{k+1}) + …   a TTM table's rows and slab gradients
@@ -44,7 +45,8 @@ use comera_model::{Encoder, Head};
 /// The device memory of one step plan, in bytes, by part.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlanMemory {
-    /// Parameters, gradients and AdamW's two moments (the arena, with its padding).
+    /// Parameters, gradients and AdamW's two moments (the arena, with its padding; the values
+    /// alone in a plan for inference, [`StepConfig::forward_only`]).
     pub params: usize,
     /// The blocks' saved activations and layer workspaces, the embeddings' and the head's,
     /// and the step's shared scratch.
@@ -55,6 +57,8 @@ pub struct PlanMemory {
     /// The cuBLAS workspace, the batch's index buffers, the loss and norm outputs, the rank
     /// schedule's tables.
     pub other: usize,
+    /// A plan for the evaluation pass only ([`StepConfig::forward_only`]).
+    pub forward_only: bool,
 }
 
 impl PlanMemory {
@@ -189,10 +193,11 @@ impl PlanMemory {
             + Buf::<u64>::zeros_bytes(1);
 
         Ok(PlanMemory {
-            params: 4 * f(floats),
+            params: ParamArena::device_bytes(floats, !opt.forward_only),
             activations,
             ttm,
             other,
+            forward_only: opt.forward_only,
         })
     }
 
@@ -209,9 +214,16 @@ impl PlanMemory {
             0 => String::new(),
             x => format!(", the TTM table's rows and slab gradients {}", mib(x)),
         };
+        let (pass, params) = match self.forward_only {
+            true => ("the evaluation pass", "parameters"),
+            false => (
+                "the training step",
+                "parameters with gradients and AdamW moments",
+            ),
+        };
         format!(
-            "the training step at batch {b} × {t} tokens (parameters with gradients and AdamW \
-             moments {}, activations and scratch {}{ttm}, the cuBLAS workspace and tables {})",
+            "{pass} at batch {b} × {t} tokens ({params} {}, activations and scratch {}{ttm}, the \
+             cuBLAS workspace and tables {})",
             mib(self.params),
             mib(self.activations),
             mib(self.other),
@@ -303,6 +315,22 @@ mod tests {
         .unwrap();
         let without = PlanMemory::of(&enc, 1, cfg.seq_len, &StepConfig::paper()).unwrap();
         assert!(with.other > without.other);
+        let eval = PlanMemory::of(
+            &enc,
+            1,
+            cfg.seq_len,
+            &StepConfig {
+                forward_only: true,
+                ..StepConfig::paper()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            eval.params,
+            without.params / 4 + 12,
+            "values, and 3 unused floats"
+        );
+        assert!(eval.describe(1, 128).starts_with("the evaluation pass"));
         assert_eq!(
             (with.params, with.activations, with.ttm),
             (without.params, without.activations, without.ttm)

@@ -86,10 +86,10 @@ impl EncoderSession {
     /// [`EncoderSession::logits`], a masked-LM model's loss by [`EncoderSession::mlm_eval`]
     /// and its logits by [`EncoderSession::mlm_logits`], on at most `mlm_rows_per_seq`
     /// predicted positions a sequence (0: the CPU's default, 15% of T; ignored for a
-    /// classifier). The optimiser is never used and [`EncoderSession::step`] is refused. The
-    /// plan is the training step's: its gradient and moment arenas (three times the
-    /// parameters), the backward's scratch and a TTM table's slab gradients are allocated but
-    /// unused (a forward-only plan is not done yet).
+    /// classifier). [`EncoderSession::step`] is refused. The plan holds the parameters without
+    /// gradients or moments ([`StepConfig::forward_only`]); the backward's scratch and a TTM
+    /// table's slab gradients are still allocated, unused (a plan of the forward's buffers
+    /// alone is not done yet).
     pub fn for_inference(
         ordinal: usize,
         enc: &Encoder,
@@ -99,6 +99,7 @@ impl EncoderSession {
     ) -> Result<EncoderSession, CudaError> {
         let opt = StepConfig {
             mlm_rows_per_seq,
+            forward_only: true,
             ..StepConfig::paper()
         };
         let mut s = EncoderSession::new(ordinal, enc, 0, b, t, opt)?;
