@@ -268,6 +268,9 @@ pub const TILE_PER_THREAD: usize = 8;
 /// Elements of one multi-tensor tile: a block of [`BLOCK`] threads, [`TILE_PER_THREAD`] each.
 pub const TILE: usize = TILE_PER_THREAD * BLOCK as usize;
 
+// The engine launches the tiles with its own block size (engine::raw::BLOCK): the same.
+const _: () = assert!(BLOCK == crate::engine::raw::BLOCK);
+
 /// The tiles of tensors of these lengths: (tensor, first element) of each, every tensor cut
 /// into [`TILE`]-element pieces in order (an empty tensor has none). At least one tile: a
 /// table of empty tensors gets tile (0, 0), whose block finds nothing to do.

@@ -882,7 +882,9 @@ mod encoder_step {
     /// steps as a fresh session at that shape given the first one's parameters, moments and
     /// t: the same loss, norm and parameters bit for bit; and asking for the shape it has
     /// plans nothing again. The shapes of later phases are checked against the free memory
-    /// before a run starts (`check_shapes_fit`): an absurd one is refused by name.
+    /// before a run starts (`check_shapes_fit`): an absurd one is refused by name; and a
+    /// reshape to a shape the model cannot take or the memory cannot hold is refused while the
+    /// session keeps its plan.
     #[test]
     fn a_reshaped_session_steps_as_a_fresh_one_at_the_new_shape() {
         if device().is_none() {
@@ -942,6 +944,19 @@ mod encoder_step {
         let e = a.check_shapes_fit(&enc, &[(1 << 20, 16, 0)]).unwrap_err();
         assert!(matches!(e, CudaError::OutOfMemory { .. }), "{e}");
         assert!(e.to_string().contains("batch 1048576 × 16"), "{e}");
+        // A shape the model cannot take, or one that cannot fit, is refused before the plan
+        // goes: the session keeps its shape and steps on.
+        assert!(
+            a.reshape(&enc, (2, 17), 0).is_err(),
+            "longer than the positions"
+        );
+        assert!(
+            a.reshape(&enc, (1 << 20, 16), 0).is_err(),
+            "beyond the memory"
+        );
+        assert_eq!(a.shape(), (2, 8));
+        a.step((&small.0, &small.1, &small.2, &small.3), STEP + 2, 1.0)
+            .unwrap();
     }
 
     /// The evaluation pass (dropout off, no loss) through a session opened for inference,

@@ -764,14 +764,8 @@ impl EncoderPlan {
         opt: StepConfig,
     ) -> Result<EncoderPlan, CudaError> {
         let cfg = &enc.cfg;
-        let bad = |m: String| Err(CudaError::Plan(m));
         let classifier = matches!(enc.head, Head::Classifier(_));
-        if t == 0 || t > cfg.seq_len || b == 0 {
-            return bad(format!(
-                "batch {b} × {t} tokens (1..={} tokens)",
-                cfg.seq_len
-            ));
-        }
+        Self::check_shape(enc, b, t)?;
         let (d, heads, ffn, labels) = (cfg.d_model, cfg.heads, cfg.ffn, cfg.num_labels);
         let (n, tau, eps) = (b * t, cfg.threshold, cfg.ln_eps);
         // The whole plan, checked against the free memory before the first allocation.
@@ -1049,6 +1043,18 @@ impl EncoderPlan {
         };
         plan.device_bytes = raw::allocated_on_this_thread() - allocated_before;
         Ok(plan)
+    }
+
+    /// Refuses a batch of `b` sequences of `t` tokens that `enc` cannot take (none, or longer
+    /// than its position table), before anything is planned.
+    pub fn check_shape(enc: &Encoder, b: usize, t: usize) -> Result<(), CudaError> {
+        let max = enc.cfg.seq_len;
+        if t == 0 || t > max || b == 0 {
+            return Err(CudaError::Plan(format!(
+                "batch {b} × {t} tokens (at least one sequence of 1..={max} tokens)"
+            )));
+        }
+        Ok(())
     }
 
     /// Bytes of device memory the plan's buffers hold: what its construction allocated,

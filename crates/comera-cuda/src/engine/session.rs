@@ -235,11 +235,24 @@ impl EncoderSession {
         if (b, t) == self.shape() && rows == self.opt.mlm_rows(b, t) {
             return Ok(());
         }
+        let new_opt = StepConfig {
+            mlm_rows_per_seq,
+            ..self.opt.clone()
+        };
+        // Refused before the old plan goes: a shape the model cannot take, a plan that cannot fit.
+        self.fits_in_place_of_the_plan(&super::PlanMemory::of(enc, b, t, &new_opt)?, (b, t))?;
         let mut host = enc.clone();
         self.download_into(&mut host)?;
         let (moments, t_adam) = self.moments()?;
-        self.opt.mlm_rows_per_seq = mlm_rows_per_seq;
-        self.replan_at(&host, (b, t))?;
+        let (old_shape, old_opt) = (self.shape(), std::mem::replace(&mut self.opt, new_opt));
+        if let Err(e) = self.replan_at(&host, (b, t)) {
+            // Back to the shape that worked, with the device's state: the caller may still
+            // copy it out (a checkpoint) after this error.
+            self.opt = old_opt;
+            self.replan_at(&host, old_shape)?;
+            self.set_moments(&moments, t_adam)?;
+            return Err(e);
+        }
         self.set_moments(&moments, t_adam)
     }
 
@@ -252,23 +265,33 @@ impl EncoderSession {
         enc: &Encoder,
         shapes: &[(usize, usize, usize)],
     ) -> Result<(), CudaError> {
-        let (free, total) = self.dev.memory()?;
-        let available = free + self.plan()?.device_bytes();
         for &(b, t, mlm_rows_per_seq) in shapes {
             let opt = StepConfig {
                 mlm_rows_per_seq,
                 ..self.opt.clone()
             };
-            let need = super::PlanMemory::of(enc, b, t, &opt)?;
-            crate::device::check_fits(
-                self.dev.info().ordinal,
-                &need.describe(b, t),
-                need.total(),
-                available,
-                total,
-            )?;
+            // Also refuses a shape the model cannot take (`EncoderPlan::check_shape`).
+            self.fits_in_place_of_the_plan(&super::PlanMemory::of(enc, b, t, &opt)?, (b, t))?;
         }
         Ok(())
+    }
+
+    /// Whether a plan of `need` fits in the device's free memory with this session's plan
+    /// released: [`CudaError::OutOfMemory`] naming it at batch `b` × `t` if not.
+    fn fits_in_place_of_the_plan(
+        &self,
+        need: &super::PlanMemory,
+        (b, t): (usize, usize),
+    ) -> Result<(), CudaError> {
+        let (free, total) = self.dev.memory()?;
+        let available = free + self.plan()?.device_bytes();
+        crate::device::check_fits(
+            self.dev.info().ordinal,
+            &need.describe(b, t),
+            need.total(),
+            available,
+            total,
+        )
     }
 
     /// The rank schedule's inputs (hold, stage and target) for the steps from now on: the
@@ -442,8 +465,13 @@ impl EncoderSession {
         self.graph = None;
         self.eval_graph = None;
         // The old plan's buffers go first: a larger plan (a later phase's longer sequences)
-        // may need their memory.
+        // may need their memory. cudarc frees them into the device's memory pool
+        // asynchronously; a synchronise hands them back before the new plan's memory check.
         self.plan = None;
+        self.dev
+            .stream()
+            .synchronize()
+            .map_err(crate::error::driver("cuStreamSynchronize"))?;
         self.plan = Some(EncoderPlan::new(
             &self.dev,
             enc,

@@ -581,6 +581,13 @@ impl GateTable {
         if cores.is_empty() {
             return Ok(None);
         }
+        // One launch row (grid.y) per core.
+        if cores.len() > 65_535 {
+            return Err(CudaError::Plan(format!(
+                "{} gated TT cores: the gating launches take at most 65,535",
+                cores.len()
+            )));
+        }
         let col = |f: &dyn Fn(&GatedCore) -> u64| {
             Buf::copy_from_host(dev, &cores.iter().map(f).collect::<Vec<_>>())
         };
