@@ -22,6 +22,10 @@
 # `eval --device cuda` of the `cpu` run against the same commands on the CPU, judged: every
 # probability within PREDICT_TOL (below) and the same label wherever the CPU's top two
 # probabilities are further apart than twice that.
+# Then masked-LM pre-training of two phases (sequences of 8 at batch 8, then 16 at batch 4:
+# the GPU's plan is reshaped at the phase change) on both devices (`mlm-cpu`, `mlm-gpu`): the
+# held-out losses reported side by side, and the GPU-trained model's `eval` on the GPU judged
+# against its `eval` on the CPU (MLM_TOL below) with `predict --device cuda` filling a mask.
 # Writes OUTDIR/e2e.json, OUTDIR/predict-device.json and a table on standard output; exits
 # non-zero if a command failed, the GPU's predictions are out of tolerance or the rank-adaptive
 # run is (the classifier runs' training differences are reported, not judged).
@@ -108,6 +112,105 @@ rank_set=(--set rank.enabled=true --set rank.gamma=0.1 --set rank.late_after_ste
 run "$bin" --threads 2 train --config "$cfg" --quiet --out "$out/cpu-rank" --device cpu "${rank_set[@]}"
 run "$bin" --threads 1 train --config "$cfg" --quiet --out "$out/cpu-rank-1t" --device cpu "${rank_set[@]}"
 run "$bin" --threads 2 train --config "$cfg" --quiet --out "$out/gpu-rank" --device cuda "${rank_set[@]}"
+# Masked-LM pre-training in two phases on a corpus of 40 small files of repeated patterns.
+python3 - "$out" <<'EOF'
+import os, sys
+out = sys.argv[1]
+words = ["fn", "let", "mut", "if", "else", "return", "match", "loop"]
+specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+os.makedirs(os.path.join(out, "corpus"), exist_ok=True)
+open(os.path.join(out, "corpus-vocab.txt"), "w").write("\n".join(specials + words) + "\n")
+for i in range(40):
+    lines = []
+    for l in range(30):
+        w = lambda k: words[(i + l * 3 + k) % 8]
+        lines.append(f"let mut {w(0)} if {w(1)} else return {w(0)}")
+    open(os.path.join(out, "corpus", f"f{i}.rs"), "w").write("\n".join(lines) + "\n")
+open(os.path.join(out, "mlm.toml"), "w").write(f"""
+[data]
+source = "corpus"
+corpus = ["{out}/corpus"]
+extensions = ["rs"]
+vocab = "{out}/corpus-vocab.txt"
+valid_fraction = 0.2
+
+[model]
+head = "mlm"
+vocab_size = {len(specials) + len(words)}
+seq_len = 16
+d_model = 16
+heads = 2
+ffn = 32
+layers = 1
+dropout = 0.1
+tt_linear = true
+ttm_embedding = true
+attn_tt = {{ in_modes = [4, 4], out_modes = [4, 4], rank = 3 }}
+ffn_up_tt = {{ in_modes = [4, 4], out_modes = [4, 8], rank = 3 }}
+ffn_down_tt = {{ in_modes = [4, 8], out_modes = [4, 4], rank = 3 }}
+word_ttm = {{ vocab_modes = [4, 4], dim_modes = [4, 4], rank = 3 }}
+mlm_decoder_tt = {{ in_modes = [4, 4], out_modes = [4, 4], rank = 3 }}
+
+[optim]
+lr_cores = 0.01
+lr_gates = 0.01
+lr_other = 0.01
+
+[train]
+warmup_steps = 5
+log_every = 5
+out_dir = "{out}/unused-mlm"
+
+[[train.phases]]
+seq_len = 8
+batch_size = 8
+epochs = 3
+max_steps_per_epoch = 10
+
+[[train.phases]]
+seq_len = 16
+batch_size = 4
+epochs = 2
+max_steps_per_epoch = 10
+""")
+EOF
+run "$bin" train --config "$out/mlm.toml" --quiet --out "$out/mlm-cpu" --device cpu
+run "$bin" train --config "$out/mlm.toml" --quiet --out "$out/mlm-gpu" --device cuda
+if [ -d "$out/mlm-gpu" ]; then
+    "$bin" eval "$out/mlm-gpu" --batch-size 4 >"$out/mlm-gpu.eval-cpu.txt" 2>>"$out/commands.log" || failed=1
+    "$bin" eval "$out/mlm-gpu" --batch-size 4 --device cuda >"$out/mlm-gpu.eval-gpu.txt" 2>>"$out/commands.log" \
+        || { echo "FAILED: eval --device cuda of a masked-LM run" | tee -a "$out/commands.log"; failed=1; }
+    "$bin" predict "$out/mlm-gpu" --device cuda "let mut [MASK] if" >"$out/mlm-gpu.predict-gpu.txt" \
+        2>>"$out/commands.log" || { echo "FAILED: predict --device cuda of a masked-LM run" | tee -a "$out/commands.log"; failed=1; }
+fi
+# MLM_TOL: the device's logits are within 1e-4 of their largest magnitude of the CPU's
+# (gpu_engine's mlm_evaluation_matches_the_cpu_forward), a log-softmax moves by at most twice
+# that, and this model's logits stay below 5 in size: 1e-3 on the mean loss, printed to 4
+# decimals (5e-5 of rounding).
+MLM_TOL=1e-3 python3 - "$out" <<'EOF' || failed=1
+import json, os, re, sys
+out = sys.argv[1]
+tol = float(os.environ["MLM_TOL"])
+def held_out(run):
+    p = os.path.join(out, run, "metrics.jsonl")
+    if not os.path.exists(p):
+        return None
+    ev = [json.loads(l) for l in open(p) if '"kind":"eval"' in l]
+    return ev[-1].get("valid_loss") if ev else None
+def eval_loss(name):
+    p = os.path.join(out, name)
+    m = re.search(r"MLM loss ([0-9.]+)", open(p).read()) if os.path.exists(p) else None
+    return float(m.group(1)) if m else None
+cpu, gpu = held_out("mlm-cpu"), held_out("mlm-gpu")
+ec, eg = eval_loss("mlm-gpu.eval-cpu.txt"), eval_loss("mlm-gpu.eval-gpu.txt")
+print(f"masked LM, two phases: held-out loss cpu {cpu}, gpu {gpu} (reported, not judged)")
+print(f"masked LM eval of the GPU-trained run: cpu {ec}, gpu {eg} (tolerance {tol})")
+res = {"held_out_cpu": cpu, "held_out_gpu": gpu, "eval_cpu": ec, "eval_gpu": eg, "tolerance": tol}
+json.dump(res, open(os.path.join(out, "mlm-device.json"), "w"), indent=1)
+if ec is None or eg is None or abs(ec - eg) > tol:
+    print("OUT OF TOLERANCE: the masked-LM eval on the GPU against the CPU's")
+    sys.exit(1)
+EOF
 texts="$out/valid-texts.txt"
 tail -n 50 "$out/train.tsv" | cut -f1 >"$texts"
 for r in cpu gpu gpu-cpu cpu-gpu; do
