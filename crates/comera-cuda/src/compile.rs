@@ -3,8 +3,10 @@
 //!
 //! Machine code, not PTX: PTX from an NVRTC newer than the driver does not load (the driver
 //! JIT-compiles PTX and refuses a newer PTX version), while a CUBIN for the GPU's own
-//! architecture from any 13.x NVRTC loads on a 13.0 driver. NVRTC runs once when the device is
-//! opened (all sources, well under a second per source on a recent CPU; not measured here).
+//! architecture from any 13.x NVRTC loads on a 13.0 driver. NVRTC runs when the device is
+//! opened (all sources for one architecture: 2-3 s on this workplace's 2-vCPU Zen 4, where the
+//! `nvrtc_compile` test compiles them for two in 3.8-6.7 s), and the CUBINs are kept in a cache
+//! on disk for the next command ([`compile_cached`]).
 //!
 //! Options: `--fmad=false` (a·b + c is two roundings, as on the CPU engine; the kernels write
 //! `fmaf` where the CPU code uses `mul_add`), IEEE division and square root (NVRTC's default),
@@ -237,14 +239,152 @@ fn c_chars_to_string(chars: &[c_char]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// Every source compiled for `arch`, in [`SOURCES`] order.
+/// Every source compiled for `arch`, in [`SOURCES`] order, through the on-disk cache
+/// ([`compile_cached`]).
 pub fn compile_all(arch: Arch) -> Result<Vec<(&'static KernelSource, Vec<u8>)>, CudaError> {
-    SOURCES.iter().map(|s| Ok((s, compile(s, arch)?))).collect()
+    SOURCES
+        .iter()
+        .map(|s| Ok((s, compile_cached(s, arch)?)))
+        .collect()
+}
+
+/// [`compile`], with the CUBIN kept in the kernel cache ([`kernel_cache_dir`]) and taken from
+/// there when the same source was compiled before by the same NVRTC, for the same
+/// architecture, with the same options: NVRTC takes a few seconds for all the sources, which
+/// every `--device cuda` command would otherwise pay when it opens the GPU. A cache file holds
+/// its whole key (NVRTC's version, the architecture, the options, the source's full text) and
+/// is used only when that key is the one asked for; a file that cannot be read or written is
+/// compiled around, never an error.
+pub fn compile_cached(src: &KernelSource, arch: Arch) -> Result<Vec<u8>, CudaError> {
+    compile_cached_in(kernel_cache_dir().as_deref(), src, arch)
+}
+
+/// [`compile_cached`] with the cache in `dir` (None: no cache).
+pub fn compile_cached_in(
+    dir: Option<&std::path::Path>,
+    src: &KernelSource,
+    arch: Arch,
+) -> Result<Vec<u8>, CudaError> {
+    let (major, minor) = nvrtc_version()?;
+    let key = format!(
+        "comera kernel cache 1\nnvrtc {major}.{minor}\narch {arch}\noptions {}\n{}",
+        options(arch).join(" "),
+        full_text(src)
+    );
+    match dir {
+        Some(dir) => cached(dir, &cache_file_name(src.name, arch, &key), &key, || {
+            compile(src, arch)
+        }),
+        None => compile(src, arch),
+    }
+}
+
+/// The kernel cache's folder: `$COMERA_KERNEL_CACHE` (`none` for no cache), else
+/// `$HOME/.cache/comera/kernels`; None without either.
+pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
+    match std::env::var_os("COMERA_KERNEL_CACHE").filter(|d| !d.is_empty()) {
+        Some(d) if d == "none" => None,
+        Some(d) => Some(d.into()),
+        None => std::env::var_os("HOME")
+            .filter(|h| !h.is_empty())
+            .map(|h| std::path::PathBuf::from(h).join(".cache/comera/kernels")),
+    }
+}
+
+/// `{source}-{arch}-{FNV-1a of the key}.cubin`: the key itself is checked inside the file.
+fn cache_file_name(source: &str, arch: Arch, key: &str) -> String {
+    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!(
+        "{}-{arch}-{hash:016x}.cubin",
+        source.trim_end_matches(".cu")
+    )
+}
+
+/// The bytes cached in `dir/name` under `key`, else `make()`'s, written there (atomically: a
+/// temporary file renamed) for the next time. A cache file is the key's length (8 bytes, little
+/// endian), the key, the bytes.
+fn cached(
+    dir: &std::path::Path,
+    name: &str,
+    key: &str,
+    make: impl FnOnce() -> Result<Vec<u8>, CudaError>,
+) -> Result<Vec<u8>, CudaError> {
+    let path = dir.join(name);
+    if let Ok(file) = std::fs::read(&path) {
+        let k = key.len();
+        if file.len() > 8 + k
+            && file[..8] == (k as u64).to_le_bytes()
+            && &file[8..8 + k] == key.as_bytes()
+        {
+            return Ok(file[8 + k..].to_vec());
+        }
+    }
+    let bytes = make()?;
+    let mut file = Vec::with_capacity(8 + key.len() + bytes.len());
+    file.extend_from_slice(&(key.len() as u64).to_le_bytes());
+    file.extend_from_slice(key.as_bytes());
+    file.extend_from_slice(&bytes);
+    let tmp = dir.join(format!("{name}.tmp.{}", std::process::id()));
+    let written = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&tmp, &file))
+        .and_then(|()| std::fs::rename(&tmp, &path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    Ok(bytes)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The cache hands back what was cached under the same key, and compiles again for another
+    /// key under the same file name, a damaged file, or a folder it cannot write (never an
+    /// error for the cache's own sake).
+    #[test]
+    fn the_kernel_cache_returns_what_it_was_given_for_the_same_key_only() {
+        let dir = std::env::temp_dir().join(format!("comera-kernel-cache-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let calls = std::cell::Cell::new(0);
+        let make = |b: u8| {
+            let calls = &calls;
+            move || {
+                calls.set(calls.get() + 1);
+                Ok(vec![b; 5])
+            }
+        };
+        let name = cache_file_name("rank.cu", Arch::SM90, "key one");
+        assert!(
+            name.starts_with("rank-sm_90-") && name.ends_with(".cubin"),
+            "{name}"
+        );
+        assert_ne!(name, cache_file_name("rank.cu", Arch::SM80, "key one"));
+        assert_eq!(cached(&dir, &name, "key one", make(1)).unwrap(), vec![1; 5]);
+        assert_eq!(cached(&dir, &name, "key one", make(2)).unwrap(), vec![1; 5]);
+        assert_eq!(calls.get(), 1, "the second call read the cache");
+        // Another key under the same name (a hash collision): compiled again, and cached.
+        assert_eq!(cached(&dir, &name, "key two", make(3)).unwrap(), vec![3; 5]);
+        assert_eq!(cached(&dir, &name, "key two", make(4)).unwrap(), vec![3; 5]);
+        assert_eq!(calls.get(), 2);
+        // A damaged file: compiled again.
+        std::fs::write(dir.join(&name), b"garbage").unwrap();
+        assert_eq!(cached(&dir, &name, "key two", make(5)).unwrap(), vec![5; 5]);
+        assert_eq!(calls.get(), 3);
+        // A folder that cannot be made (a file is in the way): compiled, no error.
+        let blocked = dir.join(&name).join("sub");
+        assert_eq!(
+            cached(&blocked, &name, "key two", make(6)).unwrap(),
+            vec![6; 5]
+        );
+        assert_eq!(calls.get(), 4);
+        // A failed compilation is the error it was, and nothing is cached.
+        let e = cached(&dir, "other.cubin", "k", || Err(CudaError::NoNvrtc)).unwrap_err();
+        assert!(matches!(e, CudaError::NoNvrtc));
+        assert!(!dir.join("other.cubin").exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn every_source_is_listed_once_with_its_kernels() {

@@ -94,3 +94,27 @@ fn a_broken_kernel_reports_the_nvrtc_log() {
         other => panic!("expected a compile error, got {other:?}"),
     }
 }
+
+/// The kernel cache on disk: a source compiled once into a folder is read back from it (the
+/// same bytes, no second compilation's time), one file per source and architecture.
+#[test]
+fn compiled_kernels_are_cached_on_disk_and_read_back() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("comera-nvrtc-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let src = SOURCES.iter().find(|s| s.name == "rank.cu").unwrap();
+    let t0 = std::time::Instant::now();
+    let first = compile::compile_cached_in(Some(&dir), src, Arch::SM90).unwrap();
+    let compiling = t0.elapsed();
+    let t0 = std::time::Instant::now();
+    let second = compile::compile_cached_in(Some(&dir), src, Arch::SM90).unwrap();
+    let reading = t0.elapsed();
+    assert!(first == second, "the cached CUBIN is the compiled one");
+    assert_eq!(&second[..4], b"\x7fELF");
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert_eq!(files.len(), 1, "one file, no temporary left: {files:?}");
+    println!("rank.cu for sm_90: compiled in {compiling:?}, read back in {reading:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
