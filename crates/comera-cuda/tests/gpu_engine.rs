@@ -390,6 +390,15 @@ mod encoder_step {
         (stats.loss, norm, scale, grads, after)
     }
 
+    /// A session's whole flat buffer `which` (values, gradients or a moment), on the host.
+    fn arena_flat(s: &comera_cuda::engine::EncoderSession, which: Which) -> Vec<f32> {
+        s.plan()
+            .unwrap()
+            .arena
+            .download_flat(s.device(), which)
+            .unwrap()
+    }
+
     fn device_plan(dev: &Device, enc: &Encoder) -> EncoderPlan {
         let (ids, types, mask, labels) = batch();
         let mut plan = EncoderPlan::new(dev, enc, SEED, 3, 16, step_config()).unwrap();
@@ -845,13 +854,7 @@ mod encoder_step {
         let (e, le) = run(false, 2);
         assert_eq!(lg, le, "graph and eager losses");
         assert_ne!(lg[0], lg[1], "the second step saw another batch");
-        let flat = |s: &EncoderSession, w| {
-            s.plan()
-                .unwrap()
-                .arena
-                .download_flat(s.device(), w)
-                .unwrap()
-        };
+        let flat = arena_flat;
         assert!(
             flat(&g, Which::Value) == flat(&e, Which::Value),
             "parameters"
@@ -932,13 +935,7 @@ mod encoder_step {
             (sb.loss.to_bits(), sb.grad_norm.to_bits()),
             "the reshaped session's step"
         );
-        let flat = |s: &EncoderSession| {
-            s.plan()
-                .unwrap()
-                .arena
-                .download_flat(s.device(), Which::Value)
-                .unwrap()
-        };
+        let flat = |s: &EncoderSession| arena_flat(s, Which::Value);
         assert!(flat(&a) == flat(&b), "parameters after the reshaped step");
         assert!(a.check_shapes_fit(&enc, &[(2, 8, 0), (3, 16, 0)]).is_ok());
         let e = a.check_shapes_fit(&enc, &[(1 << 20, 16, 0)]).unwrap_err();
@@ -1030,13 +1027,7 @@ mod encoder_step {
             (sb.loss.to_bits(), sb.grad_norm.to_bits()),
             "the step after an evaluation pass"
         );
-        let flat = |s: &EncoderSession| {
-            s.plan()
-                .unwrap()
-                .arena
-                .download_flat(s.device(), Which::Value)
-                .unwrap()
-        };
+        let flat = |s: &EncoderSession| arena_flat(s, Which::Value);
         assert!(
             bits(&flat(&a)) == bits(&flat(&b)),
             "parameters after an evaluation pass"
