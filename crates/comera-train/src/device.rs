@@ -14,8 +14,9 @@
 //!
 //! What a device does not do yet is refused before the run directory is touched, with
 //! [`DeviceError::NotYet`] naming it; the CLI ends such a run with status 2. On CUDA today
-//! (docs/gpu.md): the text classifier (post- or pre-LN, TT/TTM or dense), dropout, AdamW with its
-//! parameter groups, clipping, the learning-rate schedule and the rank schedule. The rank
+//! (docs/gpu.md): the text classifier and masked-LM pre-training (post- or pre-LN, TT/TTM or
+//! dense), dropout, AdamW with its parameter groups, clipping, the learning-rate schedule, the
+//! rank schedule and runs of several phases ([`DeviceStep::set_shape`] at each phase). The rank
 //! schedule is split at the seam: the stage's objective and the gates' projection run inside
 //! the device's step ([`DeviceStep::step`] takes the host's [`RankStep`]: hold, stage, target,
 //! and gives back the objective); the stage switch and the truncation of pruned slices stay
@@ -24,12 +25,12 @@
 //! and a truncated model goes back to the device through [`DeviceStep::copy_from_host`], which
 //! plans the step again at the new ranks.
 //!
-//! Evaluation and prediction of a saved classifier (`comera eval` / `comera predict
-//! --device cuda`) take their logits from [`CudaLogits`] (a session opened for inference
-//! only, the forward with dropout off, batch by batch); everything else about them — the
-//! metrics, the probabilities, the output — is the same host code as on the CPU
-//! (`crate::infer`). [`check_inference`] refuses, before the device is opened, the models it
-//! does not take.
+//! Evaluation and prediction of a saved encoder (`comera eval` / `comera predict --device
+//! cuda`) take a classifier's logits, or a masked-LM batch's loss or logits, from
+//! [`CudaLogits`] (a session opened for inference only, the forward with dropout off, batch by
+//! batch); everything else about them — the metrics, the probabilities, the output — is the
+//! same host code as on the CPU (`crate::infer`). [`check_inference`] refuses, before the
+//! device is opened, the models it does not take (a DLRM).
 
 use comera_cuda::engine::{
     DeviceObjective, EncoderSession, Moments, RankSettings, RankStep, StepConfig,

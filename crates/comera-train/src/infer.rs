@@ -2,13 +2,13 @@
 //! from a checkpoint ([`eval_run`]), and predictions ([`predict_probabilities`] for a classifier,
 //! [`fill_mask`] for a masked-LM encoder, [`predict_clicks`] for a DLRM).
 //!
-//! A classifier's evaluation and probabilities also run on a GPU ([`eval_run_on`],
-//! [`predict_probabilities_on`] with `cuda` / `cuda:N`): only its logits are computed there
+//! An encoder's evaluation and predictions also run on a GPU ([`eval_run_on`],
+//! [`predict_probabilities_on`], [`fill_mask`] with `cuda` / `cuda:N`): only a classifier's
+//! logits, or a masked-LM batch's loss or logits, are computed there
 //! ([`crate::device::CudaLogits`]), batch by batch as on the CPU; the metrics and the
-//! probabilities are the same host code. What the GPU does not take (a masked-LM model, a
-//! pre-LN encoder, a DLRM) is refused by name with a
-//! [`DeviceError`](crate::device::DeviceError) before the device is
-//! opened and before any data is read.
+//! probabilities are the same host code. A DLRM is refused there by name with a
+//! [`DeviceError`](crate::device::DeviceError) before the device is opened and before any data
+//! is read.
 
 use crate::checkpoint::Checkpoint;
 use crate::config::ConfigError;
@@ -167,8 +167,8 @@ pub fn eval_run(
     eval_run_on(run, checkpoint, data, batch, DeviceSpec::Cpu)
 }
 
-/// [`eval_run`] with the model's logits computed on `device`: `cpu`, or a classifier's on a
-/// CUDA GPU (a masked-LM model, a pre-LN encoder and a DLRM are refused there with a
+/// [`eval_run`] with the model's forward on `device`: `cpu`, or a CUDA GPU (a classifier's
+/// logits, a masked-LM model's loss; a DLRM is refused there with a
 /// [`DeviceError`](crate::device::DeviceError), before any data is read).
 pub fn eval_run_on(
     run: &Path,
