@@ -2,7 +2,8 @@
 
 Train transformers, masked language models and DLRMs whose weights live as small
 tensor-train (TT) cores and whose embedding tables live as TTM cores, with ranks that shrink
-during training (the CoMERA method), on CPUs. This package is a thin layer over comera's Rust
+during training (the CoMERA method), on CPUs and NVIDIA GPUs. This package is a thin layer
+over comera's Rust
 library: the same configs, checks, training loop and run directories as the ``comera``
 command.
 
@@ -18,6 +19,7 @@ command.
   :class:`Run`; :func:`resume` continues a stopped one.
 - :class:`Run` reads a run directory: config, metrics, ranks, predictions, evaluation,
   Hugging Face export.
+- :func:`devices` says what the machine offers for ``device=`` (the CPU, each GPU).
 - :mod:`comera.torch` holds TT layers for your own PyTorch models (needs ``torch``).
 - Errors are :class:`ComeraError` and its subclasses :class:`ConfigError`,
   :class:`DataError`, :class:`RunError`, :class:`ModelError` and :class:`DeviceError`.
@@ -44,6 +46,7 @@ __all__ = [
     "Predictions",
     "import_hf",
     "resolve_config",
+    "devices",
     "ComeraError",
     "ConfigError",
     "DataError",
@@ -534,6 +537,16 @@ def import_hf(
     run = Run(report["run_dir"])
     run.import_report = report
     return run
+
+
+def devices(*, open: bool = False) -> Dict[str, Any]:
+    """What this machine offers for ``device=``, as ``comera devices --json`` prints it:
+    ``cpu`` (``name``, ``threads``) and ``cuda``: ``gpus`` (each with ``device`` such as
+    ``"cuda:0"``, ``name``, ``arch``, ``memory_bytes``), ``driver_cuda``, and ``problem``
+    when no GPU can be used (what is missing); ``nvrtc`` or ``nvrtc_problem``; ``cublas``.
+    ``open=True`` also opens each GPU as a run does (its kernels compiled), and says in each
+    GPU's ``ready`` whether it opened."""
+    return _comera.devices(open=open)
 
 
 # --- runs ----------------------------------------------------------------------------------

@@ -84,6 +84,7 @@ def run_evaluate(
     checkpoint: Optional[str] = ...,
     device: Optional[str] = ...,
 ) -> Dict[str, Any]: ...
+def devices(*, open: bool = ...) -> Dict[str, Any]: ...
 def import_hf(
     source: Optional[str],
     out: str,

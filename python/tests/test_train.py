@@ -377,3 +377,17 @@ def test_device_is_an_argument_of_training_evaluation_and_prediction(workdir):
         with pytest.raises(comera.ConfigError, match="cuda:N"):
             run.resume(device=bad)
     assert not (workdir / "bad").exists()
+
+
+def test_devices_lists_the_cpu_and_each_gpu_or_why_there_is_none():
+    d = comera.devices()
+    assert d["cpu"]["threads"] >= 1
+    cuda = d["cuda"]
+    assert isinstance(cuda["gpus"], list) and isinstance(cuda["cublas"], bool)
+    if not cuda["gpus"]:
+        assert cuda["problem"], d
+    for g in cuda["gpus"]:
+        assert g["device"].startswith("cuda:") and g["memory_bytes"] > 0, g
+        assert g["ready"] is None
+    opened = comera.devices(open=True)["cuda"]["gpus"]
+    assert all(g["ready"] in (True, False) for g in opened)

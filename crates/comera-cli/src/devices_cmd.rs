@@ -16,16 +16,12 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
-    let s = comera_cuda::survey(a.open);
-    let machine = comera_train::Machine::this();
+    let d = comera_train::device::devices(a.open);
+    let s = &d.cuda;
     if a.json {
-        let v = serde_json::json!({
-            "cpu": { "name": machine.cpu, "threads": machine.threads },
-            "cuda": s,
-        });
-        println!("{v}");
+        println!("{}", d.to_json());
     } else {
-        print!("{}", table(&machine.cpu, machine.threads, &s));
+        print!("{}", table(&d.cpu.name, d.cpu.threads, s));
     }
     let ready = s.gpus.iter().filter(|g| g.ready == Some(true)).count();
     Ok(match a.open && (ready == 0 || ready < s.gpus.len()) {

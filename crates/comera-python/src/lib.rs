@@ -37,6 +37,7 @@ fn _comera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runs::run_metrics, m)?)?;
     m.add_function(wrap_pyfunction!(runs::run_predict, m)?)?;
     m.add_function(wrap_pyfunction!(runs::run_evaluate, m)?)?;
+    m.add_function(wrap_pyfunction!(runs::devices, m)?)?;
     m.add_function(wrap_pyfunction!(hf::import_hf, m)?)?;
     m.add_function(wrap_pyfunction!(hf::export_hf, m)?)?;
     m.add_function(wrap_pyfunction!(hf::run_tt_modules, m)?)?;

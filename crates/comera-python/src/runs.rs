@@ -71,6 +71,15 @@ pub fn run_predict<'py>(
     Ok((labels, array.into_any(), names))
 }
 
+/// What this machine offers for `device=`: the CPU, each NVIDIA GPU (or why there is none),
+/// NVRTC and cuBLAS; with `open`, each GPU opened as a run opens it (`comera devices`).
+#[pyfunction]
+#[pyo3(signature = (*, open=false))]
+pub fn devices(py: Python<'_>, open: bool) -> PyResult<Py<PyAny>> {
+    let d = py.detach(|| comera_train::device::devices(open));
+    Ok(json_to_py(py, &d.to_json())?.unbind())
+}
+
 /// Evaluates the run's model: on its own held-out data (`data` None), on a file in its data
 /// format, or on labelled texts handed over in memory.
 #[pyfunction]

@@ -213,6 +213,44 @@ pub fn check_run(device: DeviceSpec, run: RunShape) -> Result<(), DeviceError> {
     Ok(())
 }
 
+/// What this machine offers for `--device` (`comera devices`, `comera.devices()`): the CPU
+/// and the CUDA survey ([`comera_cuda::survey`]; with `open`, each GPU opened as a run opens
+/// it).
+#[derive(Clone, Debug)]
+pub struct Devices {
+    pub cpu: DevicesCpu,
+    pub cuda: comera_cuda::Survey,
+}
+
+/// The CPU of [`Devices`]: its model name and this process's pool threads.
+#[derive(Clone, Debug)]
+pub struct DevicesCpu {
+    pub name: String,
+    pub threads: usize,
+}
+
+impl Devices {
+    /// `{"cpu": {"name", "threads"}, "cuda": the survey}` (`comera devices --json`).
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "cpu": { "name": self.cpu.name, "threads": self.cpu.threads },
+            "cuda": serde_json::to_value(&self.cuda).unwrap_or(serde_json::Value::Null),
+        })
+    }
+}
+
+/// This machine's [`Devices`].
+pub fn devices(open: bool) -> Devices {
+    let m = crate::Machine::this();
+    Devices {
+        cpu: DevicesCpu {
+            name: m.cpu,
+            threads: m.threads,
+        },
+        cuda: comera_cuda::survey(open),
+    }
+}
+
 /// What a model's evaluation or prediction on `device` is refused for (before the device is
 /// opened, before anything is read or written past the model): a DLRM, whose `model` is
 /// `None`. Every encoder is taken (a classifier or a masked-LM model, post- or pre-LN, TT/TTM
