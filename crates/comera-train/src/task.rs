@@ -155,16 +155,16 @@ pub fn evaluate_classifier_sharded(
     evaluate_classifier_with(&mut EncoderForward::Cpu { model, st }, c, data, procs)
 }
 
-/// [`evaluate_classifier_sharded`] with the logits of `logits` (the CPU's or a GPU's) for a
+/// [`evaluate_classifier_sharded`] with the logits of `forward` (the CPU's or a GPU's) for a
 /// classifier of `c` classes.
 pub fn evaluate_classifier_with(
-    logits: &mut EncoderForward,
+    forward: &mut EncoderForward,
     c: usize,
     data: &EncodedDataset,
     procs: &mut Processes,
 ) -> Result<EvalStats> {
     let n = data.len();
-    let mut sums = classifier_sums(logits, c, data, procs.shard.range(n))?;
+    let mut sums = classifier_sums(forward, c, data, procs.shard.range(n))?;
     procs.sum_f64(&mut sums);
     let (counts, confusion) = class_counts_from_sums(&sums[2..], c);
     Ok(EvalStats {

@@ -121,13 +121,7 @@ impl EncoderSession {
         &mut self,
         (ids, types, mask): (&[u32], &[u32], &[u32]),
     ) -> Result<Vec<f32>, CudaError> {
-        self.plan.as_mut().ok_or_else(lost_plan)?.load(
-            &self.dev,
-            ids,
-            types,
-            mask,
-            &self.no_labels,
-        )?;
+        plan_mut(&mut self.plan)?.load(&self.dev, ids, types, mask, &self.no_labels)?;
         self.run_eval()?;
         self.plan()?.logits(&self.dev)
     }
@@ -142,13 +136,7 @@ impl EncoderSession {
         &mut self,
         (ids, mask, token_labels, selected): (&[u32], &[u32], &[i32], &[u32]),
     ) -> Result<(f64, f64, f64), CudaError> {
-        self.plan.as_mut().ok_or_else(lost_plan)?.load_mlm(
-            &self.dev,
-            ids,
-            mask,
-            token_labels,
-            selected,
-        )?;
+        plan_mut(&mut self.plan)?.load_mlm(&self.dev, ids, mask, token_labels, selected)?;
         self.run_eval()?;
         self.plan()?.loss_stats(&self.dev)
     }
@@ -168,10 +156,7 @@ impl EncoderSession {
                 *l = 0;
             }
         }
-        self.plan
-            .as_mut()
-            .ok_or_else(lost_plan)?
-            .load_mlm(&self.dev, ids, mask, &labels, selected)?;
+        plan_mut(&mut self.plan)?.load_mlm(&self.dev, ids, mask, &labels, selected)?;
         self.run_eval()?;
         self.plan()?.logits(&self.dev)
     }
@@ -206,14 +191,13 @@ impl EncoderSession {
         if settings == self.opt.rank {
             return Ok(());
         }
-        let mut host = enc.clone();
-        self.download_into(&mut host)?;
-        let (moments, t_adam) = self.moments()?;
         let tau = self.plan()?.threshold();
-        self.opt.freeze_gates_at = settings.as_ref().map(|_| tau);
-        self.opt.rank = settings;
-        self.replan(&host)?;
-        self.set_moments(&moments, t_adam)
+        let opt = StepConfig {
+            freeze_gates_at: settings.as_ref().map(|_| tau),
+            rank: settings,
+            ..self.opt.clone()
+        };
+        self.replan_carrying(enc, self.shape(), opt)
     }
 
     /// Batches of `b` × `t` tokens from the next step on, a masked-LM head predicting at most
@@ -227,27 +211,33 @@ impl EncoderSession {
         (b, t): (usize, usize),
         mlm_rows_per_seq: usize,
     ) -> Result<(), CudaError> {
-        let rows = StepConfig {
-            mlm_rows_per_seq,
-            ..self.opt.clone()
-        }
-        .mlm_rows(b, t);
-        if (b, t) == self.shape() && rows == self.opt.mlm_rows(b, t) {
-            return Ok(());
-        }
-        let new_opt = StepConfig {
+        let opt = StepConfig {
             mlm_rows_per_seq,
             ..self.opt.clone()
         };
+        if (b, t) == self.shape() && opt.mlm_rows(b, t) == self.opt.mlm_rows(b, t) {
+            return Ok(());
+        }
         // Refused before the old plan goes: a shape the model cannot take, a plan that cannot fit.
-        self.fits_in_place_of_the_plan(&super::PlanMemory::of(enc, b, t, &new_opt)?, (b, t))?;
+        self.fits_in_place_of_the_plan(&super::PlanMemory::of(enc, b, t, &opt)?, (b, t))?;
+        self.replan_carrying(enc, (b, t), opt)
+    }
+
+    /// Plans the step again for `enc` (the model the session trains, for its structure) at
+    /// batch `b` × `t` with settings `opt`, the device's parameters, moments and t carried over
+    /// through the host. If the new plan fails, the session goes back to the plan it had, with
+    /// that state (the caller may still copy it out, a checkpoint), and returns the error.
+    fn replan_carrying(
+        &mut self,
+        enc: &Encoder,
+        (b, t): (usize, usize),
+        opt: StepConfig,
+    ) -> Result<(), CudaError> {
         let mut host = enc.clone();
         self.download_into(&mut host)?;
         let (moments, t_adam) = self.moments()?;
-        let (old_shape, old_opt) = (self.shape(), std::mem::replace(&mut self.opt, new_opt));
+        let (old_shape, old_opt) = (self.shape(), std::mem::replace(&mut self.opt, opt));
         if let Err(e) = self.replan_at(&host, (b, t)) {
-            // Back to the shape that worked, with the device's state: the caller may still
-            // copy it out (a checkpoint) after this error.
             self.opt = old_opt;
             self.replan_at(&host, old_shape)?;
             self.set_moments(&moments, t_adam)?;
@@ -310,10 +300,7 @@ impl EncoderSession {
         lr_scale: f32,
     ) -> Result<DeviceStepStats, CudaError> {
         self.trainable()?;
-        self.plan
-            .as_mut()
-            .ok_or_else(lost_plan)?
-            .load(&self.dev, ids, types, mask, labels)?;
+        plan_mut(&mut self.plan)?.load(&self.dev, ids, types, mask, labels)?;
         self.run_step(step, lr_scale)
     }
 
@@ -326,13 +313,7 @@ impl EncoderSession {
         lr_scale: f32,
     ) -> Result<DeviceStepStats, CudaError> {
         self.trainable()?;
-        self.plan.as_mut().ok_or_else(lost_plan)?.load_mlm(
-            &self.dev,
-            ids,
-            mask,
-            token_labels,
-            selected,
-        )?;
+        plan_mut(&mut self.plan)?.load_mlm(&self.dev, ids, mask, token_labels, selected)?;
         self.run_step(step, lr_scale)
     }
 
@@ -350,18 +331,9 @@ impl EncoderSession {
     /// The step on the batch loaded: its scalars, the captured graph (or the launches), the
     /// statistics.
     fn run_step(&mut self, step: u64, lr_scale: f32) -> Result<DeviceStepStats, CudaError> {
-        self.plan.as_mut().ok_or_else(lost_plan)?.set_step(
-            &self.dev,
-            step,
-            self.t_adam + 1,
-            lr_scale,
-        )?;
+        plan_mut(&mut self.plan)?.set_step(&self.dev, step, self.t_adam + 1, lr_scale)?;
         if self.plan()?.has_rank_schedule() {
-            let (dev, r) = (&self.dev, self.rank_step);
-            self.plan
-                .as_mut()
-                .ok_or_else(lost_plan)?
-                .set_rank_step(dev, r)?;
+            plan_mut(&mut self.plan)?.set_rank_step(&self.dev, self.rank_step)?;
         }
         let plan = self.plan.as_ref().ok_or_else(lost_plan)?;
         let graph = self.use_graph.then_some(&mut self.graph);
@@ -384,10 +356,11 @@ impl EncoderSession {
     /// view of the active ranks between steps (one small transfer). Without the rank schedule
     /// it does nothing (the gates are constants).
     pub fn download_gates_into(&self, enc: &mut Encoder) -> Result<(), CudaError> {
-        let Some(rank) = self.plan()?.rank_plan() else {
+        let plan = self.plan()?;
+        let Some(rank) = plan.rank_plan() else {
             return Ok(());
         };
-        let gates = rank.gates(&self.dev, &self.plan()?.arena)?;
+        let gates = rank.gates(&self.dev, &plan.arena)?;
         let mut by_name: std::collections::HashMap<&str, Vec<f32>> = gates.into_iter().collect();
         let mut bad = None;
         enc.visit_params_mut(&mut |p| {
@@ -443,12 +416,7 @@ impl EncoderSession {
         if self.plan()?.arena.reshaped(&params) {
             self.replan(enc)?;
         } else {
-            let dev = &self.dev;
-            self.plan
-                .as_mut()
-                .ok_or_else(lost_plan)?
-                .arena
-                .upload(dev, &params)?;
+            plan_mut(&mut self.plan)?.arena.upload(&self.dev, &params)?;
         }
         self.set_moments(moments, t_adam)
     }
@@ -487,12 +455,9 @@ impl EncoderSession {
     /// AdamW's moments by name and its step count t.
     fn set_moments(&mut self, moments: &[Moments], t_adam: i32) -> Result<(), CudaError> {
         for (name, m, v) in moments {
-            let dev = &self.dev;
-            self.plan
-                .as_mut()
-                .ok_or_else(lost_plan)?
+            plan_mut(&mut self.plan)?
                 .arena
-                .upload_moments(dev, name, m, v)?;
+                .upload_moments(&self.dev, name, m, v)?;
         }
         self.t_adam = t_adam;
         Ok(())
@@ -518,6 +483,12 @@ fn run_recorded(
         g.launch().map_err(crate::error::driver(what))?;
     }
     Ok(())
+}
+
+/// The session's plan to change (a free function over the field, so that the session's other
+/// fields stay borrowable beside it).
+fn plan_mut(plan: &mut Option<EncoderPlan>) -> Result<&mut EncoderPlan, CudaError> {
+    plan.as_mut().ok_or_else(lost_plan)
 }
 
 /// The error of a session whose plan is gone (planning it again failed).
