@@ -49,10 +49,10 @@ extern "C" __global__ void rank_size_l1_grad(const float* __restrict__ gates,
     }
 }
 
-// h (rows, r) = core (rows, r) with column j scaled by g(d_j). Grid-stride over rows * r.
-extern "C" __global__ void gate_columns(const float* __restrict__ core,
-                                        const float* __restrict__ gate, long long rows, int r,
-                                        float tau, float* __restrict__ h) {
+// h (rows, r) = core (rows, r) with column j scaled by g(d_j); this block's grid-stride share of
+// rows * r (blockIdx.x, gridDim.x).
+__device__ void gate_columns_of(const float* __restrict__ core, const float* __restrict__ gate,
+                                long long rows, int r, float tau, float* __restrict__ h) {
     const long long n = rows * r;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
@@ -64,11 +64,11 @@ extern "C" __global__ void gate_columns(const float* __restrict__ core,
 // The backward of h = core diag(g(d)) (gates.rs accumulate_gated_grads), from dh (rows, r):
 //   core_grad[.., j] += dh[.., j] d_j  and  gate_grad[j] += sum_{rows, in order} dh[.., j] core[.., j]
 // for active entries j (d_j > tau) only. Without a gate (the last core of a chain, gate null):
-// core_grad += dh. Two kernels: the core (grid-stride over rows r) and the gate (one thread per
+// core_grad += dh. Two parts: the core (grid-stride over rows r) and the gate (one thread per
 // j, rows in order, the CPU's order).
-extern "C" __global__ void gated_grads_core(const float* __restrict__ dh,
-                                            const float* __restrict__ gate, long long rows,
-                                            int r, float tau, float* __restrict__ core_grad) {
+__device__ void gated_grads_core_of(const float* __restrict__ dh, const float* __restrict__ gate,
+                                    long long rows, int r, float tau,
+                                    float* __restrict__ core_grad) {
     const long long n = rows * r;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
@@ -81,10 +81,9 @@ extern "C" __global__ void gated_grads_core(const float* __restrict__ dh,
     }
 }
 
-extern "C" __global__ void gated_grads_gate(const float* __restrict__ dh,
-                                            const float* __restrict__ core,
-                                            const float* __restrict__ gate, long long rows, int r,
-                                            float tau, float* __restrict__ gate_grad) {
+__device__ void gated_grads_gate_of(const float* __restrict__ dh, const float* __restrict__ core,
+                                    const float* __restrict__ gate, long long rows, int r,
+                                    float tau, float* __restrict__ gate_grad) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= r || !(gate[j] > tau)) return;
     float acc = gate_grad[j];
@@ -92,27 +91,39 @@ extern "C" __global__ void gated_grads_gate(const float* __restrict__ dh,
     gate_grad[j] = acc;
 }
 
+// One core (a TT layer gating its own cores, engine/tt.rs TtLayer::gate and gated_grads).
+extern "C" __global__ void gate_columns(const float* __restrict__ core,
+                                        const float* __restrict__ gate, long long rows, int r,
+                                        float tau, float* __restrict__ h) {
+    gate_columns_of(core, gate, rows, r, tau, h);
+}
+
+extern "C" __global__ void gated_grads_core(const float* __restrict__ dh,
+                                            const float* __restrict__ gate, long long rows,
+                                            int r, float tau, float* __restrict__ core_grad) {
+    gated_grads_core_of(dh, gate, rows, r, tau, core_grad);
+}
+
+extern "C" __global__ void gated_grads_gate(const float* __restrict__ dh,
+                                            const float* __restrict__ core,
+                                            const float* __restrict__ gate, long long rows, int r,
+                                            float tau, float* __restrict__ gate_grad) {
+    gated_grads_gate_of(dh, core, gate, rows, r, tau, gate_grad);
+}
+
 // The same three for every gated core of a plan at once (engine/tt.rs GateTable): entry
 // e = blockIdx.y is a core of rows[e] × r[e] floats whose value, gradient, gate, gate gradient,
-// H and dH are at the addresses core[e], core_grad[e], gate[e], gate_grad[e], h[e], dh[e]. Each
-// entry's arithmetic is the single-core kernel's above, element for element, so the results are
-// theirs bit for bit; the x extent covers the largest core (grid-stride beyond).
+// H and dH are at the addresses core[e], core_grad[e], gate[e], gate_grad[e], h[e], dh[e]. The
+// same device functions as one core's, so the results are theirs bit for bit; the x extent
+// covers the largest core (grid-stride beyond).
 extern "C" __global__ void gate_columns_table(const unsigned long long* __restrict__ core,
                                               const unsigned long long* __restrict__ gate,
                                               const long long* __restrict__ rows,
                                               const int* __restrict__ r, float tau,
                                               const unsigned long long* __restrict__ h) {
     const int e = blockIdx.y;
-    const float* c = (const float*)core[e];
-    const float* g = (const float*)gate[e];
-    float* out = (float*)h[e];
-    const int re = r[e];
-    const long long n = rows[e] * re;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        const float d = g[i % re];
-        out[i] = c[i] * (d > tau ? d : 0.0f);
-    }
+    gate_columns_of((const float*)core[e], (const float*)gate[e], rows[e], r[e], tau,
+                    (float*)h[e]);
 }
 
 extern "C" __global__ void gated_grads_core_table(const unsigned long long* __restrict__ dh,
@@ -121,16 +132,8 @@ extern "C" __global__ void gated_grads_core_table(const unsigned long long* __re
                                                   const int* __restrict__ r, float tau,
                                                   const unsigned long long* __restrict__ core_grad) {
     const int e = blockIdx.y;
-    const float* dhe = (const float*)dh[e];
-    const float* g = (const float*)gate[e];
-    float* cg = (float*)core_grad[e];
-    const int re = r[e];
-    const long long n = rows[e] * re;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        const float d = g[i % re];
-        if (d > tau) cg[i] += dhe[i] * d;
-    }
+    gated_grads_core_of((const float*)dh[e], (const float*)gate[e], rows[e], r[e], tau,
+                        (float*)core_grad[e]);
 }
 
 extern "C" __global__ void gated_grads_gate_table(const unsigned long long* __restrict__ dh,
@@ -140,17 +143,8 @@ extern "C" __global__ void gated_grads_gate_table(const unsigned long long* __re
                                                   const int* __restrict__ r, float tau,
                                                   const unsigned long long* __restrict__ gate_grad) {
     const int e = blockIdx.y;
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    const float* g = (const float*)gate[e];
-    if (j >= r[e] || !(g[j] > tau)) return;
-    const float* dhe = (const float*)dh[e];
-    const float* c = (const float*)core[e];
-    float* gg = (float*)gate_grad[e];
-    const int re = r[e];
-    const long long n = rows[e];
-    float acc = gg[j];
-    for (long long row = 0; row < n; ++row) acc += dhe[row * re + j] * c[row * re + j];
-    gg[j] = acc;
+    gated_grads_gate_of((const float*)dh[e], (const float*)core[e], (const float*)gate[e],
+                        rows[e], r[e], tau, (float*)gate_grad[e]);
 }
 
 // ---------------------------------------------------------------------------------------------
