@@ -98,3 +98,43 @@ extern "C" __global__ void adamw_update(float* __restrict__ w, const float* __re
         w[i] -= step_lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + decay[j] * w[i]);
     }
 }
+
+// Gradient accumulation over micro-batches (comera-optim's Stepper::step_accumulated): the
+// step's gradient is the mean over every counted row of all its micro-batches,
+//   g = Σ_i n_i g_i / Σ_i n_i     (g_i: micro-batch i's mean-loss gradient, n_i its counted rows),
+// kept as a running mean in the one gradient buffer, which each backward *adds* to. With
+// c = Σ_{j<i} n_j counted so far (acc[1]) and n = n_i (ce[2], this micro-batch's loss):
+// before its backward g ← (c/n)·g, after it g ← (n/(c + n))·g, each factor rounded to float as
+// the CPU rounds it; no scaling while c = 0 or n = 0 (the CPU skips both there). `after` picks
+// the factor. Grid-stride over the n_g floats of g.
+extern "C" __global__ void micro_scale_grads(float* __restrict__ g, long long n_g,
+                                             const double* __restrict__ acc,
+                                             const double* __restrict__ ce, int after) {
+    const double c = acc[1], n = ce[2];
+    if (c <= 0.0 || n <= 0.0) return;
+    const float f = after ? (float)n / (float)(c + n) : (float)c / (float)n;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n_g;
+         i += (long long)gridDim.x * blockDim.x)
+        g[i] *= f;
+}
+
+// After a micro-batch's loss (ce = cross_entropy_reduce's [mean, sum, N, correct]):
+// acc = [Σ mean_i·n_i, Σ n_i, Σ correct_i] gains it (the CPU's loss_sum, count, correct).
+// One thread.
+extern "C" __global__ void micro_add_stats(const double* __restrict__ ce, double* __restrict__ acc) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    acc[0] += ce[0] * ce[2];
+    acc[1] += ce[2];
+    acc[2] += ce[3];
+}
+
+// After the last micro-batch: ce = the step's [mean, sum, N, correct] over all of them, the
+// mean as the CPU forms it (Σ mean_i·n_i · (1 / max(N, 1))), which the rank objective then
+// reads as the step's loss. One thread.
+extern "C" __global__ void micro_finish_stats(const double* __restrict__ acc, double* __restrict__ ce) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    ce[0] = acc[0] * (1.0 / fmax(acc[1], 1.0));
+    ce[1] = acc[0];
+    ce[2] = acc[1];
+    ce[3] = acc[2];
+}

@@ -114,7 +114,14 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "optim.cu",
         source: include_str!("../kernels/optim.cu"),
-        kernels: &["grad_sum_squares", "grad_norm_finish", "adamw_update"],
+        kernels: &[
+            "grad_sum_squares",
+            "grad_norm_finish",
+            "adamw_update",
+            "micro_scale_grads",
+            "micro_add_stats",
+            "micro_finish_stats",
+        ],
     },
     KernelSource {
         name: "encoder.cu",

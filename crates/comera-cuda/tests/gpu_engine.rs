@@ -271,6 +271,7 @@ mod encoder_step {
     use comera_layers::ParamKind;
     use comera_model::config::{LayerTt, Rank, TtmConfig};
     use comera_model::{Encoder, EncoderConfig};
+    use cudarc::driver::CudaGraph;
 
     const SEED: u64 = 11;
     const STEP: u64 = 5;
@@ -374,7 +375,16 @@ mod encoder_step {
         let grads: Vec<Param> = enc.params().into_iter().cloned().collect();
         let sc = step_config();
         let (scale, norm) = comera_optim::clip_scale(sc.max_grad_norm, |f| enc.visit_params_mut(f));
-        let cfg = comera_optim::AdamWConfig {
+        let mut opt = comera_optim::AdamW::new(adam_config(), |f| enc.visit_params_mut(f));
+        opt.step(1.0, scale, |f| enc.visit_params_mut(f));
+        let after: Vec<Param> = enc.params().into_iter().cloned().collect();
+        (stats.loss, norm, scale, grads, after)
+    }
+
+    /// [`step_config`]'s optimiser settings as the CPU takes them.
+    fn adam_config() -> comera_optim::AdamWConfig {
+        let sc = step_config();
+        comera_optim::AdamWConfig {
             lr_cores: sc.lr_cores,
             lr_gates: sc.lr_gates,
             lr_other: sc.lr_other,
@@ -383,11 +393,7 @@ mod encoder_step {
             beta2: sc.beta2,
             eps: sc.eps,
             ..Default::default()
-        };
-        let mut opt = comera_optim::AdamW::new(cfg, |f| enc.visit_params_mut(f));
-        opt.step(1.0, scale, |f| enc.visit_params_mut(f));
-        let after: Vec<Param> = enc.params().into_iter().cloned().collect();
-        (stats.loss, norm, scale, grads, after)
+        }
     }
 
     /// A session's whole flat buffer `which` (values, gradients or a moment), on the host.
@@ -451,10 +457,22 @@ mod encoder_step {
         dev: &Device,
         enc: &Encoder,
         plan: &EncoderPlan,
-        (loss, norm, clip, grads, after): CpuStep,
+        want: CpuStep,
         count: f64,
     ) {
         plan.record_step(dev).unwrap();
+        assert_plan_matches(dev, enc, plan, want, count);
+    }
+
+    /// The step `plan` (from `enc`) took against the CPU's `want`: its statistics, gradients
+    /// and parameters (module doc's tolerances); `count` predictions.
+    fn assert_plan_matches(
+        dev: &Device,
+        enc: &Encoder,
+        plan: &EncoderPlan,
+        (loss, norm, clip, grads, after): CpuStep,
+        count: f64,
+    ) {
         let stats = plan.stats(dev).unwrap();
         println!(
             "loss {} (CPU {loss}), grad norm {} (CPU {norm})",
@@ -783,6 +801,131 @@ mod encoder_step {
                 t.name
             );
         }
+    }
+
+    /// A second batch for [`batch`]'s shape: other ids and labels, padding in the first
+    /// sequence.
+    fn second_batch() -> (Vec<u32>, Vec<u32>, Vec<u32>, Vec<usize>) {
+        let (b, t) = (3, 16);
+        let (ids, types, _, _) = batch();
+        let ids = ids.iter().map(|&i| (i * 7 + 13) % 200).collect();
+        let mask = (0..b * t)
+            .map(|i| !(i / t == 0 && i % t >= 9) as u32)
+            .collect();
+        (ids, types, mask, vec![1, 1, 0])
+    }
+
+    /// Gradient accumulation (`train.accumulate_steps = 2`): [`batch`] and [`second_batch`]
+    /// as two micro-batches, then one update, against the CPU's `Stepper::step_accumulated` on
+    /// the same two (dropout steps 2·STEP and 2·STEP + 1; without the rank schedule, so the
+    /// gates are constants on both sides): the loss over all 6 predictions, the gradient norm,
+    /// the gradients and the parameters after, within the one-step tolerances (the micro-batch
+    /// factors, 3/3 and 3/6, are exact on both sides). Then the same step from the same start
+    /// with the micro-batch and update graphs captured once and replayed (the second replay
+    /// must read the second batch and dropout step from device memory) gives the uncaptured
+    /// step's bits.
+    #[test]
+    fn an_accumulated_step_matches_the_cpu_stepper() {
+        let Some((dev, _)) = device() else { return };
+        let _l = lock();
+        let enc = model();
+        let micro = [batch(), second_batch()];
+        // The CPU's accumulated step.
+        let mut cpu = enc.clone();
+        let sc = step_config();
+        let optimizer = comera_optim::Optimizer::new(adam_config(), None, &mut cpu);
+        let rank = comera_optim::rank::RankController::new(
+            &comera_optim::rank::RankConfig {
+                enabled: false,
+                ..Default::default()
+            },
+            &cpu,
+        );
+        let schedule = comera_optim::Schedule {
+            warmup: 0,
+            total: u64::MAX,
+            decay: comera_optim::Decay::Constant,
+        };
+        let threshold = cpu.cfg.threshold;
+        let mut stepper =
+            comera_optim::Stepper::new(optimizer, rank, schedule, sc.max_grad_norm, threshold);
+        let mut st = cpu.state(3);
+        let (ids, types, mask, labels) = &micro[0];
+        st.load(ids, types, mask, labels).unwrap();
+        let mut load_second = |st: &mut comera_model::EncoderState| {
+            let (ids, types, mask, labels) = &micro[1];
+            st.load(ids, types, mask, labels).unwrap();
+            Ok(true)
+        };
+        let report = stepper
+            .step_accumulated(&mut cpu, &mut st, STEP, 2, &mut load_second)
+            .unwrap();
+        assert_eq!(report.stats.count, 6);
+        let norm = report.grad_norm;
+        let clip = if norm > sc.max_grad_norm as f64 {
+            (sc.max_grad_norm as f64 / norm) as f32
+        } else {
+            1.0
+        };
+        // Its gradients (the gates' zeroed, as the device's without the schedule) and the
+        // parameters after the update.
+        let grads: Vec<Param> = cpu.params().into_iter().cloned().collect();
+        let want = (report.stats.loss, norm, clip, grads.clone(), grads);
+        // The device's, launched one by one.
+        let opt = StepConfig {
+            train_gates: false,
+            ..step_config()
+        };
+        let mut plan = EncoderPlan::new(dev, &enc, SEED, 3, 16, opt).unwrap();
+        let accumulate = |plan: &mut EncoderPlan, graphs: Option<(&CudaGraph, &CudaGraph)>| {
+            plan.begin_accumulation(dev).unwrap();
+            for (i, (ids, types, mask, labels)) in micro.iter().enumerate() {
+                plan.load(dev, ids, types, mask, labels).unwrap();
+                plan.set_dropout_step(dev, 2 * STEP + i as u64).unwrap();
+                match graphs {
+                    Some((m, _)) => m.launch().unwrap(),
+                    None => plan.record_micro(dev).unwrap(),
+                }
+            }
+            plan.set_update_scalars(dev, 1, 1.0).unwrap();
+            match graphs {
+                Some((_, a)) => a.launch().unwrap(),
+                None => plan.record_apply(dev).unwrap(),
+            }
+        };
+        accumulate(&mut plan, None);
+        assert_plan_matches(dev, &enc, &plan, want, 6.0);
+        let read = |plan: &EncoderPlan| {
+            let s = plan.stats(dev).unwrap();
+            let flat = |w| plan.arena.download_flat(dev, w).unwrap();
+            (
+                s.loss.to_bits(),
+                s.grad_norm.to_bits(),
+                flat(Which::Value),
+                flat(Which::Grad),
+                flat(Which::M),
+                flat(Which::V),
+            )
+        };
+        let eager = read(&plan);
+        // Back to the same start (parameters from the model, zero moments; the gradients are
+        // zeroed by the step), the two graphs captured once and replayed.
+        plan.arena.upload(dev, &enc.params()).unwrap();
+        let micro_graph = dev.capture(|d| plan.record_micro(d)).unwrap();
+        let apply_graph = dev.capture(|d| plan.record_apply(d)).unwrap();
+        accumulate(&mut plan, Some((&micro_graph, &apply_graph)));
+        dev.stream().synchronize().unwrap();
+        let replayed = read(&plan);
+        assert!(
+            replayed.0 == eager.0 && replayed.1 == eager.1,
+            "loss or norm differ"
+        );
+        assert!(replayed.2 == eager.2, "parameters differ");
+        assert!(replayed.3 == eager.3, "gradients differ");
+        assert!(
+            replayed.4 == eager.4 && replayed.5 == eager.5,
+            "moments differ"
+        );
     }
 
     /// The whole step captured as one CUDA graph and replayed gives the uncaptured step's

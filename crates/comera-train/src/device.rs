@@ -16,7 +16,9 @@
 //! [`DeviceError::NotYet`] naming it; the CLI ends such a run with status 2. On CUDA today
 //! (docs/gpu.md): the text classifier and masked-LM pre-training (post- or pre-LN, TT/TTM or
 //! dense), dropout, AdamW with its parameter groups, clipping, the learning-rate schedule, the
-//! rank schedule and runs of several phases ([`DeviceStep::set_shape`] at each phase). The rank
+//! rank schedule, runs of several phases ([`DeviceStep::set_shape`] at each phase) and gradient
+//! accumulation ([`DeviceStep::accumulate`] per micro-batch, then
+//! [`DeviceStep::apply_accumulated`]). The rank
 //! schedule is split at the seam: the stage's objective and the gates' projection run inside
 //! the device's step ([`DeviceStep::step`] takes the host's [`RankStep`]: hold, stage, target,
 //! and gives back the objective); the stage switch and the truncation of pruned slices stay
@@ -33,7 +35,8 @@
 //! device is opened, the models it does not take (a DLRM).
 
 use comera_cuda::engine::{
-    DeviceObjective, EncoderSession, Moments, RankSettings, RankStep, StepConfig,
+    DeviceObjective, DeviceStepStats, EncoderSession, Micro, Moments, RankSettings, RankStep,
+    StepConfig,
 };
 use comera_cuda::{CudaError, DeviceSpec};
 use comera_layers::Trainable;
@@ -79,6 +82,20 @@ pub trait DeviceStep<M: Trainable> {
     fn step(
         &mut self,
         st: &M::State,
+        step: u64,
+        lr_scale: f32,
+        rank: Option<RankStep>,
+    ) -> Result<DeviceStats, DeviceError>;
+    /// One micro-batch of an accumulated step (`train.accumulate_steps` > 1) on the batch
+    /// loaded in `st`: its forward (dropout at `micro.dropout_step`) and backward, added into
+    /// the step's gradients as the CPU's `Stepper::step_accumulated` adds them (the mean over
+    /// every counted prediction of the step). `micro.index` 0 starts the step.
+    fn accumulate(&mut self, st: &M::State, micro: Micro) -> Result<(), DeviceError>;
+    /// Ends an accumulated step: what [`DeviceStep::step`] does after its backward (the rank
+    /// objective, clipping, the optimiser, the gates' projection), and its statistics over
+    /// all its micro-batches.
+    fn apply_accumulated(
+        &mut self,
         step: u64,
         lr_scale: f32,
         rank: Option<RankStep>,
@@ -200,9 +217,6 @@ pub fn check_run(device: DeviceSpec, run: RunShape) -> Result<(), DeviceError> {
     }
     if run.galore {
         return not_yet("GaLore ([galore])");
-    }
-    if run.accumulate_steps > 1 {
-        return not_yet("gradient accumulation (train.accumulate_steps)");
     }
     if run.processes > 1 {
         return not_yet("data-parallel training over several processes");
@@ -441,6 +455,59 @@ impl CudaEncoder {
     }
 }
 
+/// What a batch goes through on the device: a whole step, or one micro-batch of an
+/// accumulated one.
+enum Pass {
+    Step { step: u64, lr_scale: f32 },
+    Micro(Micro),
+}
+
+impl CudaEncoder {
+    /// The batch loaded in `st` (a classifier's or a masked-LM batch) through `pass`: a whole
+    /// step's statistics, or None after a micro-batch.
+    fn pass(
+        &mut self,
+        st: &EncoderState,
+        pass: Pass,
+    ) -> Result<Option<DeviceStepStats>, CudaError> {
+        let s = &mut self.session;
+        if let Some(batch) = st.classifier_batch() {
+            classifier_words(&batch, &mut self.mask, &mut self.labels);
+            let batch = (batch.ids, batch.types, &self.mask[..], &self.labels[..]);
+            match pass {
+                Pass::Step { step, lr_scale } => s.step(batch, step, lr_scale).map(Some),
+                Pass::Micro(m) => s.accumulate(batch, m).map(|()| None),
+            }
+        } else if let Some(batch) = st.mlm_batch() {
+            self.mask.clear();
+            self.mask.extend(batch.mask.iter().map(|&m| m as u32));
+            let batch = (
+                batch.ids,
+                &self.mask[..],
+                batch.token_labels,
+                batch.selected,
+            );
+            match pass {
+                Pass::Step { step, lr_scale } => s.step_mlm(batch, step, lr_scale).map(Some),
+                Pass::Micro(m) => s.accumulate_mlm(batch, m).map(|()| None),
+            }
+        } else {
+            unreachable!("an encoder state holds a classifier or a masked-LM batch")
+        }
+    }
+}
+
+/// A device step's statistics as the loop takes them.
+fn host_stats(s: DeviceStepStats) -> DeviceStats {
+    DeviceStats {
+        loss: s.loss,
+        correct: s.correct as usize,
+        count: s.count as usize,
+        grad_norm: s.grad_norm,
+        objective: s.objective,
+    }
+}
+
 impl DeviceStep<Encoder> for CudaEncoder {
     fn describe(&self) -> String {
         let dev = self.session.device();
@@ -457,31 +524,29 @@ impl DeviceStep<Encoder> for CudaEncoder {
         if let Some(r) = rank {
             self.session.set_rank_step(r);
         }
-        let s = if let Some(batch) = st.classifier_batch() {
-            classifier_words(&batch, &mut self.mask, &mut self.labels);
-            let batch = (batch.ids, batch.types, &self.mask[..], &self.labels[..]);
-            self.session.step(batch, step, lr_scale)
-        } else if let Some(batch) = st.mlm_batch() {
-            self.mask.clear();
-            self.mask.extend(batch.mask.iter().map(|&m| m as u32));
-            let batch = (
-                batch.ids,
-                &self.mask[..],
-                batch.token_labels,
-                batch.selected,
-            );
-            self.session.step_mlm(batch, step, lr_scale)
-        } else {
-            unreachable!("an encoder state holds a classifier or a masked-LM batch")
+        let s = self.pass(st, Pass::Step { step, lr_scale });
+        match s.map_err(self.cuda())? {
+            Some(s) => Ok(host_stats(s)),
+            None => unreachable!("a whole step gives its statistics"),
         }
-        .map_err(self.cuda())?;
-        Ok(DeviceStats {
-            loss: s.loss,
-            correct: s.correct as usize,
-            count: s.count as usize,
-            grad_norm: s.grad_norm,
-            objective: s.objective,
-        })
+    }
+
+    fn accumulate(&mut self, st: &EncoderState, micro: Micro) -> Result<(), DeviceError> {
+        self.pass(st, Pass::Micro(micro)).map_err(self.cuda())?;
+        Ok(())
+    }
+
+    fn apply_accumulated(
+        &mut self,
+        _step: u64,
+        lr_scale: f32,
+        rank: Option<RankStep>,
+    ) -> Result<DeviceStats, DeviceError> {
+        if let Some(r) = rank {
+            self.session.set_rank_step(r);
+        }
+        let s = self.session.apply_accumulated(lr_scale);
+        Ok(host_stats(s.map_err(self.cuda())?))
     }
 
     fn set_shape(&mut self, model: &Encoder, st: &EncoderState) -> Result<(), DeviceError> {
@@ -626,6 +691,11 @@ mod tests {
             ..plain()
         };
         assert!(check_run(dev, rank).is_ok(), "the rank schedule");
+        let accumulated = RunShape {
+            accumulate_steps: 4,
+            ..plain()
+        };
+        assert!(check_run(dev, accumulated).is_ok(), "gradient accumulation");
         for (shape, named) in [
             (
                 RunShape {
@@ -641,13 +711,6 @@ mod tests {
                     ..plain()
                 },
                 "[galore]",
-            ),
-            (
-                RunShape {
-                    accumulate_steps: 2,
-                    ..plain()
-                },
-                "train.accumulate_steps",
             ),
             (
                 RunShape {

@@ -725,6 +725,9 @@ pub struct EncoderPlan {
     ce_row_loss: Buf<f64>,
     ce_row_hit: Buf<f32>,
     ce_out: Buf<f64>, // [mean loss, loss sum, counted rows, correct]
+    /// An accumulated step's sums over its micro-batches so far: [Σ mean loss·counted rows,
+    /// Σ counted rows, Σ correct] ([`EncoderPlan::record_micro`]).
+    micro_acc: Buf<f64>,
     norm_partial: Buf<f64>,
     norm: Buf<f64>,
     clip: Buf<f32>,
@@ -1032,6 +1035,7 @@ impl EncoderPlan {
             ce_row_loss: Buf::zeros(dev, head_rows)?,
             ce_row_hit: z(head_rows)?,
             ce_out: Buf::zeros(dev, 4)?,
+            micro_acc: Buf::zeros(dev, 3)?,
             norm_partial: Buf::zeros(dev, Device::grad_norm_partial_len(arena.total()))?,
             norm: Buf::zeros(dev, 1)?,
             clip: z(1)?,
@@ -1256,16 +1260,33 @@ impl EncoderPlan {
         t_adam: i32,
         lr_scale: f32,
     ) -> Result<(), CudaError> {
-        let s = dev.stream();
-        let e = || driver("copying the step's scalars to the device");
+        self.set_update_scalars(dev, t_adam, lr_scale)?;
+        self.set_dropout_step(dev, step)
+    }
+
+    /// AdamW's scalars for optimiser step `t_adam` at learning-rate scale `lr_scale` alone
+    /// (an accumulated step's update; [`EncoderPlan::set_step`]).
+    pub fn set_update_scalars(
+        &mut self,
+        dev: &Device,
+        t_adam: i32,
+        lr_scale: f32,
+    ) -> Result<(), CudaError> {
         let sc = [
             lr_scale,
             1.0 - self.consts.beta1.powi(t_adam),
             1.0 - self.consts.beta2.powi(t_adam),
         ];
-        s.memcpy_htod(&sc, self.scalars.slice_mut()).map_err(e())?;
-        s.memcpy_htod(&[step], self.step.slice_mut()).map_err(e())?;
-        Ok(())
+        dev.stream()
+            .memcpy_htod(&sc, self.scalars.slice_mut())
+            .map_err(driver("copying the step's scalars to the device"))
+    }
+
+    /// The dropout counter alone (a micro-batch's; [`EncoderPlan::set_step`]).
+    pub fn set_dropout_step(&mut self, dev: &Device, step: u64) -> Result<(), CudaError> {
+        dev.stream()
+            .memcpy_htod(&[step], self.step.slice_mut())
+            .map_err(driver("copying the step's scalars to the device"))
     }
 
     /// The loss, correct count, counted rows and gradient norm of the last step (waits for
@@ -1336,14 +1357,9 @@ impl EncoderPlan {
     /// them): the step benchmark captures each prefix as a graph, and the differences of their
     /// replay times say where a step's time goes.
     pub fn record_step_through(&self, dev: &Device, last: StepPhase) -> Result<(), CudaError> {
-        if !self.arena.has_grads() {
-            return Err(CudaError::Plan(
-                "a training step on a plan for inference only (StepConfig::forward_only)".into(),
-            ));
-        }
+        self.training()?;
         let blas = &self.blas.handle;
-        // SAFETY: the arena's gradient buffer holds `total` floats.
-        unsafe { raw::zero(dev, self.arena.g.ptr(), self.arena.total())? };
+        self.zero_grads(dev)?;
         self.forward(dev, blas, true)?;
         if last == StepPhase::Forward {
             return Ok(());
@@ -1353,23 +1369,117 @@ impl EncoderPlan {
             return Ok(());
         }
         self.backward(dev, blas)?;
-        if let Some(rank) = &self.rank {
-            // ce_out[0]: the step's mean loss, which the late stage's weights read.
-            rank.record_objective(dev, &self.arena, &self.table, self.ce_out.ptr())?;
-        } else if !self.train_gates {
-            for t in self
-                .arena
-                .tensors
-                .iter()
-                .filter(|t| t.kind == ParamKind::RankGate)
-            {
-                // SAFETY: a tensor of the arena: `len` floats at `offset` of the gradient buffer.
-                unsafe { raw::zero(dev, self.arena.g.ptr() + 4 * t.offset as u64, t.len)? };
-            }
-        }
+        self.record_gate_grads(dev)?;
         if last == StepPhase::Backward {
             return Ok(());
         }
+        self.record_update(dev)
+    }
+
+    /// Starts an accumulated step (several micro-batches, then one update: the CPU's
+    /// `Stepper::step_accumulated`): the gradients and the micro-batch sums zeroed. Queued on
+    /// the stream, not part of a graph.
+    pub fn begin_accumulation(&mut self, dev: &Device) -> Result<(), CudaError> {
+        self.training()?;
+        self.zero_grads(dev)?;
+        dev.stream()
+            .memcpy_htod(&[0.0f64; 3], self.micro_acc.slice_mut())
+            .map_err(driver("zeroing the micro-batch sums"))
+    }
+
+    /// Queues one micro-batch of an accumulated step on the batch loaded, at the dropout step
+    /// set (the CPU's `step · micro-batches + i`): forward, loss, and the backward *added* to
+    /// the gradients, which stay the mean over every counted row so far (c rows before this
+    /// micro-batch's n: ·c/n before its backward, ·n/(c + n) after; `optim.cu`), and its
+    /// loss, counted rows and correct count added to the step's sums. The same launches for
+    /// every micro-batch of every step: captured once.
+    pub fn record_micro(&self, dev: &Device) -> Result<(), CudaError> {
+        self.training()?;
+        let blas = &self.blas.handle;
+        self.forward(dev, blas, true)?;
+        self.loss(dev, true)?;
+        self.micro_scale_grads(dev, false)?;
+        self.backward(dev, blas)?;
+        self.micro_scale_grads(dev, true)?;
+        let (ce, acc) = (self.ce_out.ptr(), self.micro_acc.ptr());
+        // SAFETY: ce_out holds 4 doubles, micro_acc 3.
+        unsafe { launch(dev, "micro_add_stats", grid(1, 1, 32), &[&ce, &acc]) }
+    }
+
+    /// Queues the end of an accumulated step after its micro-batches: the step's loss
+    /// statistics from their sums (into `ce_out`, where [`EncoderPlan::stats`] and the rank
+    /// objective read them), then what follows a single batch's backward: the rank
+    /// objective's gradients, the gradient norm and clip factor, AdamW, the gates' projection.
+    pub fn record_apply(&self, dev: &Device) -> Result<(), CudaError> {
+        self.training()?;
+        let (acc, ce) = (self.micro_acc.ptr(), self.ce_out.ptr());
+        // SAFETY: micro_acc holds 3 doubles, ce_out 4.
+        unsafe { launch(dev, "micro_finish_stats", grid(1, 1, 32), &[&acc, &ce])? };
+        self.record_gate_grads(dev)?;
+        self.record_update(dev)
+    }
+
+    /// Refuses a training step on a plan for inference only.
+    fn training(&self) -> Result<(), CudaError> {
+        if self.arena.has_grads() {
+            return Ok(());
+        }
+        Err(CudaError::Plan(
+            "a training step on a plan for inference only (StepConfig::forward_only)".into(),
+        ))
+    }
+
+    fn zero_grads(&self, dev: &Device) -> Result<(), CudaError> {
+        // SAFETY: the arena's gradient buffer holds `total` floats.
+        unsafe { raw::zero(dev, self.arena.g.ptr(), self.arena.total()) }
+    }
+
+    /// g ← the micro-batch factor (`optim.cu` `micro_scale_grads`: before or `after` the
+    /// backward) over the whole gradient buffer.
+    fn micro_scale_grads(&self, dev: &Device, after: bool) -> Result<(), CudaError> {
+        let total = self.arena.total();
+        let (g, n, acc, ce) = (
+            self.arena.g.ptr(),
+            total as i64,
+            self.micro_acc.ptr(),
+            self.ce_out.ptr(),
+        );
+        let after = after as i32;
+        // SAFETY: g holds `total` floats, micro_acc 3 doubles, ce_out 4.
+        unsafe {
+            launch(
+                dev,
+                "micro_scale_grads",
+                grid_stride(total),
+                &[&g, &n, &acc, &ce, &after],
+            )
+        }
+    }
+
+    /// After the backward: the rank objective's gradients added (with the schedule; ce_out[0],
+    /// the step's mean loss, weighs them in the late stage), or, when the gates do not train,
+    /// their gradients zeroed.
+    fn record_gate_grads(&self, dev: &Device) -> Result<(), CudaError> {
+        if let Some(rank) = &self.rank {
+            return rank.record_objective(dev, &self.arena, &self.table, self.ce_out.ptr());
+        }
+        if self.train_gates {
+            return Ok(());
+        }
+        for t in self
+            .arena
+            .tensors
+            .iter()
+            .filter(|t| t.kind == ParamKind::RankGate)
+        {
+            // SAFETY: a tensor of the arena: `len` floats at `offset` of the gradient buffer.
+            unsafe { raw::zero(dev, self.arena.g.ptr() + 4 * t.offset as u64, t.len)? };
+        }
+        Ok(())
+    }
+
+    /// Gradient norm and clip factor, AdamW, and the gates' projection (with the schedule).
+    fn record_update(&self, dev: &Device) -> Result<(), CudaError> {
         self.update(dev)?;
         match &self.rank {
             Some(rank) => rank.record_project(dev, &self.arena),

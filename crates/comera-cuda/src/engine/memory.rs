@@ -182,11 +182,12 @@ impl PlanMemory {
             + Buf::<i32>::zeros_bytes(head_rows)
             + 2 * copied_u(b)
             + copied_u(b + 1)
-            // ce_count, ce_row_loss, ce_row_hit, ce_out
+            // ce_count, ce_row_loss, ce_row_hit, ce_out, micro_acc
             + Buf::<i32>::zeros_bytes(1)
             + Buf::<f64>::zeros_bytes(head_rows)
             + f(head_rows)
             + Buf::<f64>::zeros_bytes(4)
+            + Buf::<f64>::zeros_bytes(3)
             // norm_partial, norm, clip, scalars, step
             + Buf::<f64>::zeros_bytes(Device::grad_norm_partial_len(floats))
             + Buf::<f64>::zeros_bytes(1)

@@ -32,5 +32,5 @@ pub use encoder::{DeviceStepStats, EncoderPlan, StepConfig, StepPhase};
 pub use memory::PlanMemory;
 pub use rank::{ChainTable, DeviceBranch, DeviceObjective, RankSettings, RankStep};
 pub use raw::{Blas, Buf, Gemm};
-pub use session::{EncoderSession, Moments};
+pub use session::{EncoderSession, Micro, Moments};
 pub use tt::{Slot, TtDims, TtLayer};

@@ -31,6 +31,11 @@ pub struct EncoderSession {
     /// queuing costs more than their work at evaluation batch sizes; one capture (about one
     /// eager pass of host time) pays for itself from the second batch on.
     eval_graph: Option<CudaGraph>,
+    /// An accumulated step's two graphs ([`EncoderSession::accumulate`]): one micro-batch
+    /// (the same launches for each), and the update after the last
+    /// ([`EncoderSession::apply_accumulated`]).
+    micro_graph: Option<CudaGraph>,
+    apply_graph: Option<CudaGraph>,
     /// The plan; None only after planning again failed (the old plan is released first, so
     /// that a larger one can take its memory), when every call is an error.
     plan: Option<EncoderPlan>,
@@ -51,6 +56,17 @@ pub struct EncoderSession {
     opt: StepConfig,
     /// The rank schedule's inputs for the next step ([`EncoderSession::set_rank_step`]).
     rank_step: RankStep,
+    /// Micro-batches accumulated into the open step (0: none open).
+    micro_batches: usize,
+}
+
+/// Where a micro-batch sits in an accumulated step ([`EncoderSession::accumulate`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Micro {
+    /// 0-based within its step: micro-batch 0 starts the step (the gradients zeroed).
+    pub index: usize,
+    /// Its dropout step, the CPU's `step · micro-batches + index`.
+    pub dropout_step: u64,
 }
 
 impl EncoderSession {
@@ -72,6 +88,9 @@ impl EncoderSession {
             rank_step: RankStep::EARLY,
             graph: None,
             eval_graph: None,
+            micro_graph: None,
+            apply_graph: None,
+            micro_batches: 0,
             plan: Some(plan),
             dev,
             t_adam: 0,
@@ -299,7 +318,7 @@ impl EncoderSession {
         step: u64,
         lr_scale: f32,
     ) -> Result<DeviceStepStats, CudaError> {
-        self.trainable()?;
+        self.whole_step()?;
         plan_mut(&mut self.plan)?.load(&self.dev, ids, types, mask, labels)?;
         self.run_step(step, lr_scale)
     }
@@ -312,9 +331,109 @@ impl EncoderSession {
         step: u64,
         lr_scale: f32,
     ) -> Result<DeviceStepStats, CudaError> {
-        self.trainable()?;
+        self.whole_step()?;
         plan_mut(&mut self.plan)?.load_mlm(&self.dev, ids, mask, token_labels, selected)?;
         self.run_step(step, lr_scale)
+    }
+
+    /// One micro-batch of an accumulated step (`train.accumulate_steps`: several batches, one
+    /// update; the CPU's `Stepper::step_accumulated`), a classifier batch as in
+    /// [`EncoderSession::step`]: its forward and backward, the gradients kept as the mean over
+    /// every counted row of the step's micro-batches so far. `micro.index` 0 starts the step;
+    /// the others follow in order. [`EncoderSession::apply_accumulated`] ends it. Nothing is
+    /// read back.
+    pub fn accumulate(
+        &mut self,
+        (ids, types, mask, labels): (&[u32], &[u32], &[u32], &[usize]),
+        micro: Micro,
+    ) -> Result<(), CudaError> {
+        self.next_micro(micro)?;
+        plan_mut(&mut self.plan)?.load(&self.dev, ids, types, mask, labels)?;
+        self.run_micro(micro)
+    }
+
+    /// [`EncoderSession::accumulate`] of a masked-LM batch (as [`EncoderSession::step_mlm`]
+    /// takes it).
+    pub fn accumulate_mlm(
+        &mut self,
+        (ids, mask, token_labels, selected): (&[u32], &[u32], &[i32], &[u32]),
+        micro: Micro,
+    ) -> Result<(), CudaError> {
+        self.next_micro(micro)?;
+        plan_mut(&mut self.plan)?.load_mlm(&self.dev, ids, mask, token_labels, selected)?;
+        self.run_micro(micro)
+    }
+
+    /// Ends the accumulated step: the rank objective (with the schedule), clipping, AdamW at
+    /// learning-rate scale `lr_scale`, the gates' projection; returns the step's loss (the
+    /// mean over every counted row of its micro-batches), correct count, counted rows and
+    /// gradient norm, as [`EncoderSession::step`] does (the one host wait of the step).
+    pub fn apply_accumulated(&mut self, lr_scale: f32) -> Result<DeviceStepStats, CudaError> {
+        self.trainable()?;
+        if self.micro_batches == 0 {
+            return Err(CudaError::Plan(
+                "an accumulated step's update without a micro-batch (EncoderSession::accumulate first)"
+                    .into(),
+            ));
+        }
+        self.micro_batches = 0;
+        let t_adam = self.t_adam + 1;
+        plan_mut(&mut self.plan)?.set_update_scalars(&self.dev, t_adam, lr_scale)?;
+        if self.plan()?.has_rank_schedule() {
+            plan_mut(&mut self.plan)?.set_rank_step(&self.dev, self.rank_step)?;
+        }
+        let plan = self.plan.as_ref().ok_or_else(lost_plan)?;
+        let graph = self.use_graph.then_some(&mut self.apply_graph);
+        run_recorded(&self.dev, graph, "replaying the update graph", |d| {
+            plan.record_apply(d)
+        })?;
+        self.t_adam = t_adam;
+        self.plan()?.stats(&self.dev)
+    }
+
+    /// Checks that `micro` comes next: index 0 starts a step (dropping one left open, as the
+    /// CPU drops a step whose data ended inside it), any other continues the open step.
+    fn next_micro(&self, micro: Micro) -> Result<(), CudaError> {
+        self.trainable()?;
+        if micro.index != 0 && micro.index != self.micro_batches {
+            return Err(CudaError::Plan(format!(
+                "micro-batch {} of an accumulated step where {} comes next",
+                micro.index, self.micro_batches
+            )));
+        }
+        Ok(())
+    }
+
+    /// The micro-batch loaded: the step begun first if it is the step's first, then its
+    /// captured graph (or the launches).
+    fn run_micro(&mut self, micro: Micro) -> Result<(), CudaError> {
+        let p = plan_mut(&mut self.plan)?;
+        if micro.index == 0 {
+            p.begin_accumulation(&self.dev)?;
+        }
+        p.set_dropout_step(&self.dev, micro.dropout_step)?;
+        self.micro_batches = micro.index;
+        let plan = self.plan.as_ref().ok_or_else(lost_plan)?;
+        let graph = self.use_graph.then_some(&mut self.micro_graph);
+        run_recorded(&self.dev, graph, "replaying the micro-batch graph", |d| {
+            plan.record_micro(d)
+        })?;
+        self.micro_batches += 1;
+        Ok(())
+    }
+
+    /// Refuses a whole step while an accumulated one is open (its micro-batches would be
+    /// lost), and what [`EncoderSession::trainable`] refuses.
+    fn whole_step(&self) -> Result<(), CudaError> {
+        self.trainable()?;
+        if self.micro_batches > 0 {
+            return Err(CudaError::Plan(format!(
+                "a whole step while an accumulated one is open ({} micro-batches; \
+                 EncoderSession::apply_accumulated ends it)",
+                self.micro_batches
+            )));
+        }
+        Ok(())
     }
 
     /// Refuses a training step in a session opened for inference.
@@ -432,6 +551,9 @@ impl EncoderSession {
     fn replan_at(&mut self, enc: &Encoder, (b, t): (usize, usize)) -> Result<(), CudaError> {
         self.graph = None;
         self.eval_graph = None;
+        self.micro_graph = None;
+        self.apply_graph = None;
+        self.micro_batches = 0;
         // The old plan's buffers go first: a larger plan (a later phase's longer sequences)
         // may need their memory. cudarc frees them into the device's memory pool
         // asynchronously; a synchronise hands them back before the new plan's memory check.

@@ -337,19 +337,24 @@ impl<'t, T: Task> Loop<'t, T> {
         let r = match self.device.as_mut() {
             Some(dev) => {
                 let step = self.prog.step;
+                let mut load_next = |st: &mut _| batches.next_into(st);
                 let r = device_step(
                     dev.as_mut(),
                     &mut self.stepper,
                     &mut self.model,
-                    &self.st,
-                    step,
+                    &mut self.st,
+                    (step, self.cfg.train.accumulate_steps),
+                    &mut load_next,
                 )
                 .map_err(|e| match e {
                     Error::Step(e) => in_epoch(e),
                     e => e,
                 })?;
                 self.host_in_step = false;
-                r
+                match r {
+                    Some(r) => r,
+                    None => return Ok(None),
+                }
             }
             None => {
                 let mut load_next = |st: &mut _| batches.next_into(st).map_err(Into::into);
@@ -859,13 +864,33 @@ fn device_step<M: Trainable>(
     dev: &mut dyn DeviceStep<M>,
     stepper: &mut Stepper,
     model: &mut M,
-    st: &M::State,
-    step: u64,
-) -> crate::Result<StepReport> {
+    st: &mut M::State,
+    (step, micro_batches): (u64, usize),
+    load_next: &mut dyn FnMut(&mut M::State) -> crate::Result<bool>,
+) -> crate::Result<Option<StepReport>> {
     let t0 = Instant::now();
     let lr_scale = stepper.schedule.scale(step);
     let rank_step = crate::device::rank_step(&stepper.rank, step);
-    let s = dev.step(st, step, lr_scale, rank_step)?;
+    let s = if micro_batches <= 1 {
+        dev.step(st, step, lr_scale, rank_step)?
+    } else {
+        // The CPU's `Stepper::step_accumulated` on the device: micro-batch i (the first is
+        // loaded) with dropout step step·k + i; the step is dropped if the data ends inside it.
+        for index in 0..micro_batches {
+            if index > 0 && !load_next(st)? {
+                return Ok(None);
+            }
+            let dropout_step = step * micro_batches as u64 + index as u64;
+            dev.accumulate(
+                st,
+                comera_cuda::engine::Micro {
+                    index,
+                    dropout_step,
+                },
+            )?;
+        }
+        dev.apply_accumulated(step, lr_scale, rank_step)?
+    };
     for (what, value) in [("loss", s.loss), ("gradient norm", s.grad_norm)] {
         if !value.is_finite() {
             return Err(comera_optim::StepError::diverged(what, value, step).into());
@@ -875,7 +900,7 @@ fn device_step<M: Trainable>(
         Some(o) => crate::device::objective(s.loss, o),
         None => stepper.rank.apply(model, s.loss, step),
     };
-    Ok(StepReport {
+    Ok(Some(StepReport {
         stats: StepStats {
             loss: s.loss,
             correct: s.correct,
@@ -889,7 +914,7 @@ fn device_step<M: Trainable>(
         comm: Duration::ZERO,
         // The CPU pool does not take part in a device step.
         pool_idle: Duration::ZERO,
-    })
+    }))
 }
 
 fn total_steps(epochs: &[(usize, Option<usize>)]) -> Option<u64> {

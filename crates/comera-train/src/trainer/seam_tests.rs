@@ -12,7 +12,7 @@
 use super::{run, setup, Reporter, Start};
 use crate::config::RunConfig;
 use crate::device::{DeviceError, DeviceStats, DeviceStep};
-use comera_cuda::engine::{RankSettings, RankStep};
+use comera_cuda::engine::{Micro, RankSettings, RankStep};
 use comera_layers::ParamKind;
 use comera_model::{Encoder, EncoderState};
 use comera_optim::rank::{RankConfig, RankController, Stage};
@@ -31,13 +31,99 @@ struct CpuBehindTheSeam {
     shape: Option<(usize, usize)>,
     labels: Vec<usize>,
     mask: Vec<u32>,
+    /// The open accumulated step's micro-batches as handed over: where each sits, and its
+    /// ids, types, mask and labels.
+    micro: Vec<(Micro, HostBatch)>,
 }
+
+/// A classifier batch's ids, types, mask and labels, copied.
+type HostBatch = (Vec<u32>, Vec<u32>, Vec<u32>, Vec<usize>);
 
 impl CpuBehindTheSeam {
     fn stepper(&mut self) -> &mut Stepper {
         self.stepper
             .as_mut()
             .expect("set_rank_schedule comes first (Loop::new)")
+    }
+
+    fn new(model: Encoder, optim: comera_optim::AdamWConfig, clip_norm: f32) -> Self {
+        CpuBehindTheSeam {
+            model,
+            optim,
+            clip_norm,
+            stepper: None,
+            st: None,
+            shape: None,
+            labels: Vec::new(),
+            mask: Vec::new(),
+            micro: Vec::new(),
+        }
+    }
+
+    /// The batch in `st`, checked against the shape the loop set, as the fake's own copy.
+    fn host_batch(&mut self, st: &EncoderState, what: &str) -> HostBatch {
+        let batch = st.classifier_batch().expect("a classifier batch");
+        let (b, n) = (batch.labels.len(), batch.ids.len());
+        assert_eq!(
+            self.shape,
+            Some((b, n / b)),
+            "{what}: a batch of another shape than the loop set"
+        );
+        crate::device::classifier_words(&batch, &mut self.mask, &mut self.labels);
+        (
+            batch.ids.to_vec(),
+            batch.types.to_vec(),
+            self.mask.clone(),
+            self.labels.clone(),
+        )
+    }
+
+    /// `batch` loaded into the fake's own state (made at the loop's shape on first use).
+    fn load_own(&mut self, (ids, types, mask, labels): &HostBatch) -> EncoderState {
+        let (b, t) = self.shape.expect("set_shape comes first");
+        let model = &self.model;
+        let mut own = self
+            .st
+            .take()
+            .unwrap_or_else(|| model.state_for(b, t, 0).unwrap());
+        own.load(ids, types, mask, labels).unwrap();
+        own
+    }
+}
+
+/// The host's schedule inputs for `step` given to `stepper`.
+fn take_host_inputs(stepper: &mut Stepper, step: u64, lr_scale: f32, rank: Option<RankStep>) {
+    // The run's schedule is constant: the host's scale is the stepper's own.
+    assert_eq!(lr_scale, stepper.schedule.scale(step), "step {step}");
+    if let Some(r) = rank {
+        let c = &mut stepper.rank;
+        c.cfg.gates_after_steps = if r.hold { u64::MAX } else { 0 };
+        (c.stage, c.target_size) = match r.late_target {
+            Some(s0) => (Stage::Late, Some(s0)),
+            None => (Stage::Early, None),
+        };
+    }
+}
+
+/// A CPU step's report as a device gives it back.
+fn device_stats(report: &comera_optim::StepReport, active: bool) -> DeviceStats {
+    let o = report.objective;
+    DeviceStats {
+        loss: report.stats.loss,
+        correct: report.stats.correct,
+        count: report.stats.count,
+        grad_norm: report.grad_norm,
+        objective: active.then_some(comera_cuda::engine::DeviceObjective {
+            size: o.size,
+            size_l1: o.size_l1,
+            branch: match o.branch {
+                comera_optim::rank::Branch::Early => comera_cuda::engine::DeviceBranch::Early,
+                comera_optim::rank::Branch::Loss => comera_cuda::engine::DeviceBranch::Loss,
+                comera_optim::rank::Branch::Size => comera_cuda::engine::DeviceBranch::Size,
+            },
+            w_loss: o.w_loss,
+            w_size: o.w_size,
+        }),
     }
 }
 
@@ -60,53 +146,61 @@ impl DeviceStep<Encoder> for CpuBehindTheSeam {
         lr_scale: f32,
         rank: Option<RankStep>,
     ) -> Result<DeviceStats, DeviceError> {
-        let batch = st.classifier_batch().expect("a classifier batch");
-        let (b, n) = (batch.labels.len(), batch.ids.len());
-        assert_eq!(
-            self.shape,
-            Some((b, n / b)),
-            "step {step}: a batch of another shape than the loop set"
+        assert!(
+            self.micro.is_empty(),
+            "step {step}: an accumulated step is open"
         );
-        crate::device::classifier_words(&batch, &mut self.mask, &mut self.labels);
-        let model = &self.model;
-        let own = self
-            .st
-            .get_or_insert_with(|| model.state_for(b, n / b, 0).unwrap());
-        own.load(batch.ids, batch.types, &self.mask, &self.labels)
-            .unwrap();
-        let mut own = self.st.take().unwrap();
+        let batch = self.host_batch(st, &format!("step {step}"));
+        let mut own = self.load_own(&batch);
         let stepper = self.stepper.as_mut().unwrap();
-        // The run's schedule is constant: the host's scale is the stepper's own.
-        assert_eq!(lr_scale, stepper.schedule.scale(step), "step {step}");
-        if let Some(r) = rank {
-            let c = &mut stepper.rank;
-            c.cfg.gates_after_steps = if r.hold { u64::MAX } else { 0 };
-            (c.stage, c.target_size) = match r.late_target {
-                Some(s0) => (Stage::Late, Some(s0)),
-                None => (Stage::Early, None),
-            };
-        }
+        take_host_inputs(stepper, step, lr_scale, rank);
         let report = stepper.step(&mut self.model, &mut own, step).unwrap();
         self.st = Some(own);
-        let active = rank.is_some();
-        let o = report.objective;
-        Ok(DeviceStats {
-            loss: report.stats.loss,
-            correct: report.stats.correct,
-            count: report.stats.count,
-            grad_norm: report.grad_norm,
-            objective: active.then_some(comera_cuda::engine::DeviceObjective {
-                size: o.size,
-                size_l1: o.size_l1,
-                branch: match o.branch {
-                    comera_optim::rank::Branch::Early => comera_cuda::engine::DeviceBranch::Early,
-                    comera_optim::rank::Branch::Loss => comera_cuda::engine::DeviceBranch::Loss,
-                    comera_optim::rank::Branch::Size => comera_cuda::engine::DeviceBranch::Size,
-                },
-                w_loss: o.w_loss,
-                w_size: o.w_size,
-            }),
-        })
+        Ok(device_stats(&report, rank.is_some()))
+    }
+
+    fn accumulate(&mut self, st: &EncoderState, micro: Micro) -> Result<(), DeviceError> {
+        if micro.index == 0 {
+            // A step left open (its data ended) is dropped.
+            self.micro.clear();
+        }
+        assert_eq!(micro.index, self.micro.len(), "micro-batches in order");
+        let batch = self.host_batch(st, &format!("micro-batch {micro:?}"));
+        self.micro.push((micro, batch));
+        Ok(())
+    }
+
+    fn apply_accumulated(
+        &mut self,
+        step: u64,
+        lr_scale: f32,
+        rank: Option<RankStep>,
+    ) -> Result<DeviceStats, DeviceError> {
+        let micro = std::mem::take(&mut self.micro);
+        let k = micro.len() as u64;
+        for (i, (m, _)) in micro.iter().enumerate() {
+            assert_eq!(
+                m.dropout_step,
+                step * k + i as u64,
+                "step {step}: the CPU's dropout step for micro-batch {i}"
+            );
+        }
+        let mut batches = micro.iter().map(|(_, b)| b);
+        let mut own = self.load_own(batches.next().expect("a micro-batch"));
+        let mut rest: Vec<&HostBatch> = batches.collect();
+        rest.reverse();
+        let stepper = self.stepper.as_mut().unwrap();
+        take_host_inputs(stepper, step, lr_scale, rank);
+        let mut load_next = |own: &mut EncoderState| {
+            let (ids, types, mask, labels) = rest.pop().expect("k micro-batches");
+            own.load(ids, types, mask, labels).unwrap();
+            Ok(true)
+        };
+        let report = stepper
+            .step_accumulated(&mut self.model, &mut own, step, k as usize, &mut load_next)
+            .unwrap();
+        self.st = Some(own);
+        Ok(device_stats(&report, rank.is_some()))
     }
 
     fn copy_to_host(
@@ -294,16 +388,11 @@ fn run_once_unread(cfg: &RunConfig, seam: bool) {
     rayon::scope(|_| {
         let mut s = setup::encoder(cfg, Start::Fresh(false), &mut rep).unwrap();
         if seam {
-            s.run.device = Some(Box::new(CpuBehindTheSeam {
-                model: s.run.model.clone(),
-                optim: s.run.optim.clone(),
-                clip_norm: s.run.clip_norm,
-                stepper: None,
-                st: None,
-                shape: None,
-                labels: Vec::new(),
-                mask: Vec::new(),
-            }));
+            s.run.device = Some(Box::new(CpuBehindTheSeam::new(
+                s.run.model.clone(),
+                s.run.optim.clone(),
+                s.run.clip_norm,
+            )));
         }
         run::run(s, rep).unwrap();
     });
@@ -430,6 +519,47 @@ fn a_run_of_two_phases_through_the_device_seam_is_the_cpu_run_bit_for_bit() {
     assert!(
         half_model == cpu_model,
         "model files differ after the resume (phases)"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Gradient accumulation through the seam (`train.accumulate_steps = 2`, batch 16 as two
+/// micro-batches of 8): the loop hands the device each micro-batch with the CPU's dropout
+/// step (the fake checks it) and then the update, and the rank-adaptive run (truncations, the
+/// switch, checkpoints) is the CPU's bit for bit; stopped on the seam and resumed on the CPU,
+/// it is that run again. A streamed epoch that ends inside a step drops it on both (the fake
+/// drops the open micro-batches when the next step starts).
+#[test]
+fn an_accumulated_run_through_the_device_seam_is_the_cpu_run_bit_for_bit() {
+    let dir = std::env::temp_dir().join(format!("comera-seam-accum-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let accumulated = |out: &str| {
+        let mut c = config(&dir, out);
+        c.train.accumulate_steps = 2;
+        c
+    };
+    let (cpu_log, cpu_model) = run_once(&accumulated("cpu"), false);
+    let (seam_log, seam_model) = run_once(&accumulated("seam"), true);
+    // 128 training examples: 3 epochs of 8 steps of 16 (two micro-batches of 8), each logged.
+    let steps = cpu_log.matches("\"kind\":\"train\"").count();
+    assert_eq!(steps, 24, "every step ran: {cpu_log}");
+    let count = |log: &str, kind: &str| log.matches(&format!("\"kind\":\"{kind}\"")).count();
+    assert!(count(&cpu_log, "truncate") >= 2, "the run truncates");
+    // Not the unaccumulated run: the micro-batches' dropout steps and weights make it another.
+    let (plain_log, _) = run_once(&config(&dir, "plain"), false);
+    assert_ne!(plain_log, cpu_log, "accumulation changes the run");
+    assert_eq!(seam_log, cpu_log, "the accumulated run through the seam");
+    assert!(cpu_model == seam_model, "model files differ (accumulation)");
+    let mut half = accumulated("half");
+    half.train.stop_after_steps = 13;
+    run_once_unread(&half, true);
+    super::resume(&half.train.out_dir).unwrap();
+    let (half_log, half_model) = read_run(&half);
+    assert_eq!(half_log, cpu_log, "stopped on the seam, resumed on the CPU");
+    assert!(
+        half_model == cpu_model,
+        "model files differ after the resume (accumulation)"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

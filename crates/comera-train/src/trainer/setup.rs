@@ -188,7 +188,9 @@ pub(super) fn encoder(
         );
     }
     cfg.rank.check_layers(&model).map_err(ConfigError::from)?;
-    // Each phase's batch shape as a device plans it: batch, tokens, masked-LM rows per sequence.
+    // Each phase's batch shape as a device plans it: batch (a micro-batch's under gradient
+    // accumulation), tokens, masked-LM rows per sequence.
+    let micro_batches = cfg.train.accumulate_steps.max(1);
     let shapes: Vec<(usize, usize, usize)> = phases
         .iter()
         .map(|p| {
@@ -196,7 +198,7 @@ pub(super) fn encoder(
                 EncoderData::Mlm(d) => d.masker.max_selected_per_row(p.seq_len),
                 EncoderData::Classify(_) => 0,
             };
-            (p.batch_size, p.seq_len, rows)
+            (p.batch_size / micro_batches, p.seq_len, rows)
         })
         .collect();
     let device = encoder_device(cfg, &shapes, &model, teacher.is_some(), rep)?;
