@@ -89,6 +89,9 @@ pub trait EmbeddingLayer {
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
 }
 
+/// Columns per parallel task of the dense table's gradient (64 floats: four cache lines).
+const GRAD_BAND: usize = 64;
+
 /// A dense V × D table.
 #[derive(Clone, Debug)]
 pub struct Embedding {
@@ -150,15 +153,32 @@ impl EmbeddingLayer for Embedding {
         Ok(())
     }
 
+    /// ∂T[id_i] += dy_i for every row i, in row order. From two parallel chunks of dy on, the
+    /// columns are cut into bands of [`GRAD_BAND`] floats, one task each, every task adding
+    /// all rows of its band in row order: each element sums the same terms in the same order
+    /// as the plain loop, so the bits do not depend on the thread count. (At the paper's batch
+    /// 32 the position and token-type tables' gradients read 12.6 MB of dy each a step; the
+    /// loop ran on one thread while the other waited.)
     fn backward(&mut self, _ws: &mut EmbeddingWorkspace, ids: &[u32], dy: &[f32]) {
         let d = self.dim();
         crate::check_len("Embedding dy", dy.len(), ids.len() * d);
-        for (row, &id) in dy.chunks_exact(d).zip(ids) {
-            let id = id as usize;
-            for (g, v) in self.table.grad[id * d..(id + 1) * d].iter_mut().zip(row) {
-                *g += v;
+        if dy.len() < 2 * crate::elementwise::CHUNK || d <= GRAD_BAND {
+            for (row, &id) in dy.chunks_exact(d).zip(ids) {
+                let id = id as usize;
+                for (g, v) in self.table.grad[id * d..(id + 1) * d].iter_mut().zip(row) {
+                    *g += v;
+                }
             }
+            return;
         }
+        let grad = comera_tensor::DisjointMut::new(&mut self.table.grad);
+        (0..d.div_ceil(GRAD_BAND)).into_par_iter().for_each(|band| {
+            let cols = band * GRAD_BAND..((band + 1) * GRAD_BAND).min(d);
+            for (row, &id) in dy.chunks_exact(d).zip(ids) {
+                // SAFETY: this task alone touches the columns `cols` of the table's rows.
+                unsafe { grad.add_at(id as usize * d + cols.start, &row[cols.clone()]) };
+            }
+        });
     }
 
     fn params(&self) -> Vec<&Param> {

@@ -355,6 +355,25 @@ impl<'a> DisjointMut<'a> {
         };
         faer::linalg::matmul::matmul(dst, accum, lhs, rhs, 1.0f32, Par::Seq);
     }
+
+    /// `C[offset + i] += x[i]` for every i of `x`, on the calling thread (bounds-checked).
+    ///
+    /// # Safety
+    /// While this runs, no other thread may read or write any of those elements.
+    pub unsafe fn add_at(&self, offset: usize, x: &[f32]) {
+        assert!(
+            offset <= self.len && x.len() <= self.len - offset,
+            "DisjointMut: {} elements at {offset} of {}",
+            x.len(),
+            self.len
+        );
+        // SAFETY: in bounds (checked above), and the caller guarantees that no other thread
+        // touches these elements; `x` is a shared borrow of another buffer.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset), x.len()) };
+        for (d, &v) in dst.iter_mut().zip(x) {
+            *d += v;
+        }
+    }
 }
 
 /// Whether the small kernels beat the backend on this product (per layout class, measured).
