@@ -330,15 +330,19 @@ __device__ __forceinline__ int total_key(float x) {
 // 2. normalise (when `normalise` != 0): m = max(0, max_j d_j); unless m <= tau or |m - 1| <
 //    1e-6, every active entry d_j -> d_j / m and column j of the left core -> m * column j
 //    (left_rows rows of r), which leaves the product core diag(g(d)) unchanged.
+// Nothing when the step's clip factor is NaN (a non-finite gradient norm: AdamW skipped the
+// update and the host reports the divergence; the CPU leaves the parameters alone then too).
 // r <= 1024 (checked by the plan).
 extern "C" __global__ void rank_project(float* __restrict__ w,
                                         const long long* __restrict__ gate_off,
                                         const int* __restrict__ bond_len,
                                         const long long* __restrict__ left_off,
                                         const long long* __restrict__ left_rows, float tau,
-                                        int min_rank, int normalise, float floor) {
+                                        int min_rank, int normalise, float floor,
+                                        const float* __restrict__ clip) {
     __shared__ unsigned char active[1024];
     __shared__ float m_shared;
+    if (isnan(clip[0])) return;
     const int b = blockIdx.x, r = bond_len[b];
     float* d = w + gate_off[b];
     if (threadIdx.x == 0) {

@@ -928,6 +928,68 @@ mod encoder_step {
         );
     }
 
+    /// A step whose gradient norm is not finite (a NaN planted in a bias) changes no parameter
+    /// and no moment, as on the CPU (the host then reports the divergence): with clipping off
+    /// (`max_grad_norm` 0, where AdamW once read no clip factor and wrote NaN everywhere) and
+    /// on, and with the rank schedule, whose projection after the update (min_rank, the gates'
+    /// normalisation) is skipped too.
+    #[test]
+    fn a_step_with_a_non_finite_gradient_changes_nothing() {
+        let Some((dev, _)) = device() else { return };
+        let _l = lock();
+        use comera_cuda::engine::RankSettings;
+        use comera_optim::rank::{RankConfig, RankController};
+        let mut enc = model();
+        enc.visit_params_mut(&mut |p| {
+            if p.name == "encoder.1.ffn.down.bias" {
+                p.value[0] = f32::NAN;
+            }
+        });
+        let rank_cfg = RankConfig::default();
+        let rc = RankController::new(&rank_cfg, &enc);
+        let settings = RankSettings {
+            gamma: rank_cfg.gamma,
+            beta: rank_cfg.beta,
+            rho_loss: rank_cfg.rho_loss,
+            rho_size: rank_cfg.rho_size,
+            target_loss: rank_cfg.target_loss,
+            size_weight: rank_cfg.size_weight,
+            s_ref: rc.s_ref,
+            layer_prefix: String::new(),
+            min_rank: 2,
+            normalise_gates: true,
+        };
+        let (ids, types, mask, labels) = batch();
+        for (max_grad_norm, rank) in [(0.0, None), (1.0, None), (0.0, Some(settings))] {
+            let case = format!("max_grad_norm {max_grad_norm}, rank {}", rank.is_some());
+            let opt = StepConfig {
+                max_grad_norm,
+                freeze_gates_at: rank.as_ref().map(|_| enc.cfg.threshold),
+                rank,
+                ..step_config()
+            };
+            let mut plan = EncoderPlan::new(dev, &enc, SEED, 3, 16, opt).unwrap();
+            plan.load(dev, &ids, &types, &mask, &labels).unwrap();
+            plan.set_step(dev, STEP, 1, 1.0).unwrap();
+            let bits = |w| -> Vec<u32> {
+                let v = plan.arena.download_flat(dev, w).unwrap();
+                v.iter().map(|x| x.to_bits()).collect()
+            };
+            let before = bits(Which::Value);
+            plan.record_step(dev).unwrap();
+            let stats = plan.stats(dev).unwrap();
+            assert!(
+                !stats.grad_norm.is_finite(),
+                "{case}: norm {}",
+                stats.grad_norm
+            );
+            assert!(bits(Which::Value) == before, "{case}: parameters changed");
+            for w in [Which::M, Which::V] {
+                assert!(bits(w).iter().all(|&b| b == 0), "{case}: moments changed");
+            }
+        }
+    }
+
     /// The whole step captured as one CUDA graph and replayed gives the uncaptured step's
     /// loss, gradient norm, parameters and moments bit for bit.
     #[test]

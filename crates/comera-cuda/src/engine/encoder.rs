@@ -1482,7 +1482,7 @@ impl EncoderPlan {
     fn record_update(&self, dev: &Device) -> Result<(), CudaError> {
         self.update(dev)?;
         match &self.rank {
-            Some(rank) => rank.record_project(dev, &self.arena),
+            Some(rank) => rank.record_project(dev, &self.arena, self.clip.ptr()),
             None => Ok(()),
         }
     }
@@ -2223,6 +2223,9 @@ impl EncoderPlan {
             self.scalars.ptr(),
         );
         let (b1, b2, eps) = (self.consts.beta1, self.consts.beta2, self.consts.eps);
+        // AdamW always reads the clip factor, also without clipping (max_norm 0: the factor is
+        // then exactly 1 for a finite norm), so that a non-finite norm (NaN factor) skips the
+        // update as the CPU does, rather than writing NaN into the parameters and moments.
         // SAFETY: g holds `total` floats and the partials one per chunk of
         // GRAD_NORM_PER_BLOCK; norm and clip one value each; AdamW's table tiles 0..total of
         // the four flat buffers (built in `new`), scalars 3.
@@ -2239,14 +2242,13 @@ impl EncoderPlan {
                 grid(1, 1, 1024),
                 &[&part, &p, &self.max_norm, &norm, &clip],
             )?;
-            let clip_arg = if self.max_norm > 0.0 { clip } else { 0u64 };
             launch(
                 dev,
                 "adamw_update",
                 grid(t.tiles() as u32, 1, BLOCK),
                 &[
-                    &w, &g, &m, &v, &off, &len, &tiles, &starts, &lr, &decay, &gate, &sc,
-                    &clip_arg, &b1, &b2, &eps, &tau,
+                    &w, &g, &m, &v, &off, &len, &tiles, &starts, &lr, &decay, &gate, &sc, &clip,
+                    &b1, &b2, &eps, &tau,
                 ],
             )
         }

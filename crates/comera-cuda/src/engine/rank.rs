@@ -449,7 +449,12 @@ impl RankPlan {
 
     /// Queues the projection after AdamW: `min_rank` active entries per bond, then the gates'
     /// normalisation into their left cores.
-    pub fn record_project(&self, dev: &Device, arena: &ParamArena) -> Result<(), CudaError> {
+    pub fn record_project(
+        &self,
+        dev: &Device,
+        arena: &ParamArena,
+        clip: u64,
+    ) -> Result<(), CudaError> {
         let w = arena.w.ptr();
         let (goff, blen, loff, lrows) = (
             self.gate_off.ptr(),
@@ -466,7 +471,8 @@ impl RankPlan {
             return Ok(());
         }
         // SAFETY: one block per bond; every bond's gate and left core lie in the arena at the
-        // offsets and lengths `ChainTable::of` read from its tensors; bonds ≤ MAX_BOND entries.
+        // offsets and lengths `ChainTable::of` read from its tensors; bonds ≤ MAX_BOND entries;
+        // clip is the plan's one-float clip factor.
         unsafe {
             launch(
                 dev,
@@ -474,6 +480,7 @@ impl RankPlan {
                 grid(self.bonds as u32, 1, BLOCK),
                 &[
                     &w, &goff, &blen, &loff, &lrows, &self.tau, &min_rank, &normalise, &floor,
+                    &clip,
                 ],
             )
         }
