@@ -803,6 +803,33 @@ mod encoder_step {
         }
     }
 
+    /// What a step left in a plan, as bits: its loss and gradient norm, and the flat
+    /// parameters, gradients and both moments.
+    type StepBits = ([u64; 2], [Vec<u32>; 4]);
+
+    fn step_bits(dev: &Device, plan: &EncoderPlan) -> StepBits {
+        let s = plan.stats(dev).unwrap();
+        let flat = |w| -> Vec<u32> {
+            let v = plan.arena.download_flat(dev, w).unwrap();
+            v.iter().map(|x| x.to_bits()).collect()
+        };
+        (
+            [s.loss.to_bits(), s.grad_norm.to_bits()],
+            [Which::Value, Which::Grad, Which::M, Which::V].map(flat),
+        )
+    }
+
+    /// `got` is `want` bit for bit; a difference is named.
+    fn assert_same_step(got: &StepBits, want: &StepBits) {
+        assert!(got.0 == want.0, "loss or gradient norm differ");
+        for (i, what) in ["parameters", "gradients", "first moments", "second moments"]
+            .iter()
+            .enumerate()
+        {
+            assert!(got.1[i] == want.1[i], "{what} differ");
+        }
+    }
+
     /// A second batch for [`batch`]'s shape: other ids and labels, padding in the first
     /// sequence.
     fn second_batch() -> (Vec<u32>, Vec<u32>, Vec<u32>, Vec<usize>) {
@@ -895,19 +922,7 @@ mod encoder_step {
         };
         accumulate(&mut plan, None);
         assert_plan_matches(dev, &enc, &plan, want, 6.0);
-        let read = |plan: &EncoderPlan| {
-            let s = plan.stats(dev).unwrap();
-            let flat = |w| plan.arena.download_flat(dev, w).unwrap();
-            (
-                s.loss.to_bits(),
-                s.grad_norm.to_bits(),
-                flat(Which::Value),
-                flat(Which::Grad),
-                flat(Which::M),
-                flat(Which::V),
-            )
-        };
-        let eager = read(&plan);
+        let eager = step_bits(dev, &plan);
         // Back to the same start (parameters from the model, zero moments; the gradients are
         // zeroed by the step), the two graphs captured once and replayed.
         plan.arena.upload(dev, &enc.params()).unwrap();
@@ -915,17 +930,7 @@ mod encoder_step {
         let apply_graph = dev.capture(|d| plan.record_apply(d)).unwrap();
         accumulate(&mut plan, Some((&micro_graph, &apply_graph)));
         dev.stream().synchronize().unwrap();
-        let replayed = read(&plan);
-        assert!(
-            replayed.0 == eager.0 && replayed.1 == eager.1,
-            "loss or norm differ"
-        );
-        assert!(replayed.2 == eager.2, "parameters differ");
-        assert!(replayed.3 == eager.3, "gradients differ");
-        assert!(
-            replayed.4 == eager.4 && replayed.5 == eager.5,
-            "moments differ"
-        );
+        assert_same_step(&step_bits(dev, &plan), &eager);
     }
 
     /// A step whose gradient norm is not finite (a NaN planted in a bias) changes no parameter
@@ -999,30 +1004,14 @@ mod encoder_step {
         let enc = model();
         let mut plan = device_plan(dev, &enc);
         plan.record_step(dev).unwrap();
-        let read = |plan: &EncoderPlan| {
-            let s = plan.stats(dev).unwrap();
-            let flat = |w| plan.arena.download_flat(dev, w).unwrap();
-            (
-                s.loss.to_bits(),
-                s.grad_norm.to_bits(),
-                flat(Which::Value),
-                flat(Which::Grad),
-                flat(Which::M),
-                flat(Which::V),
-            )
-        };
-        let want = read(&plan);
+        let want = step_bits(dev, &plan);
         // Back to the same start (parameters from the model, zero moments and gradients).
         plan.arena.upload(dev, &enc.params()).unwrap();
         plan.set_step(dev, STEP, 1, 1.0).unwrap();
         let graph = dev.capture(|d| plan.record_step(d)).unwrap();
         graph.launch().unwrap();
         dev.stream().synchronize().unwrap();
-        let got = read(&plan);
-        assert!(got.0 == want.0 && got.1 == want.1, "loss or norm differ");
-        assert!(got.2 == want.2, "parameters differ");
-        assert!(got.3 == want.3, "gradients differ");
-        assert!(got.4 == want.4 && got.5 == want.5, "moments differ");
+        assert_same_step(&step_bits(dev, &plan), &want);
     }
 
     /// Two steps on two different batches through the session: replaying the captured graph

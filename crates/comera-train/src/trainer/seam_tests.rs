@@ -398,6 +398,15 @@ fn run_once_unread(cfg: &RunConfig, seam: bool) {
     });
 }
 
+/// `cfg`'s run stopped on the seam after `steps` steps (its checkpoint written from the seam's
+/// copies) and resumed on the CPU to its end: its metrics log and model file.
+fn stopped_on_the_seam_resumed_on_the_cpu(mut cfg: RunConfig, steps: u64) -> (String, Vec<u8>) {
+    cfg.train.stop_after_steps = steps;
+    run_once_unread(&cfg, true);
+    super::resume(&cfg.train.out_dir).unwrap();
+    read_run(&cfg)
+}
+
 /// The run's metrics log (without its timings) and model file.
 fn read_run(cfg: &RunConfig) -> (String, Vec<u8>) {
     let out = &cfg.train.out_dir;
@@ -440,11 +449,7 @@ fn a_rank_adaptive_run_through_the_device_seam_is_the_cpu_run_bit_for_bit() {
     assert!(cpu_model == seam_model, "model files differ");
     // Stopped on the seam after a truncation and the switch, resumed on the CPU from the
     // checkpoint the seam's state was copied into: the CPU run again.
-    let mut half = config(&dir, "half");
-    half.train.stop_after_steps = 23;
-    run_once_unread(&half, true);
-    super::resume(&half.train.out_dir).unwrap();
-    let (half_log, half_model) = read_run(&half);
+    let (half_log, half_model) = stopped_on_the_seam_resumed_on_the_cpu(config(&dir, "half"), 23);
     assert_eq!(half_log, cpu_log, "stopped on the seam, resumed on the CPU");
     assert!(
         half_model == cpu_model,
@@ -507,11 +512,7 @@ fn a_run_of_two_phases_through_the_device_seam_is_the_cpu_run_bit_for_bit() {
     assert_eq!(steps, 32, "both phases ran: {cpu_log}");
     assert_eq!(seam_log, cpu_log, "the two-phase run through the seam");
     assert!(cpu_model == seam_model, "model files differ (phases)");
-    let mut half = phased("half");
-    half.train.stop_after_steps = 20;
-    run_once_unread(&half, true);
-    super::resume(&half.train.out_dir).unwrap();
-    let (half_log, half_model) = read_run(&half);
+    let (half_log, half_model) = stopped_on_the_seam_resumed_on_the_cpu(phased("half"), 20);
     assert_eq!(
         half_log, cpu_log,
         "stopped on the seam in phase 2, resumed on the CPU"
@@ -551,11 +552,7 @@ fn an_accumulated_run_through_the_device_seam_is_the_cpu_run_bit_for_bit() {
     assert_ne!(plain_log, cpu_log, "accumulation changes the run");
     assert_eq!(seam_log, cpu_log, "the accumulated run through the seam");
     assert!(cpu_model == seam_model, "model files differ (accumulation)");
-    let mut half = accumulated("half");
-    half.train.stop_after_steps = 13;
-    run_once_unread(&half, true);
-    super::resume(&half.train.out_dir).unwrap();
-    let (half_log, half_model) = read_run(&half);
+    let (half_log, half_model) = stopped_on_the_seam_resumed_on_the_cpu(accumulated("half"), 13);
     assert_eq!(half_log, cpu_log, "stopped on the seam, resumed on the CPU");
     assert!(
         half_model == cpu_model,
