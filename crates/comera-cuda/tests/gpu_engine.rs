@@ -803,6 +803,26 @@ mod encoder_step {
         }
     }
 
+    /// The device's settings of the CPU controller `rc` made from `cfg` (comera-train's
+    /// `device::rank_settings`, which this crate cannot reach).
+    fn rank_settings(
+        cfg: &comera_optim::rank::RankConfig,
+        rc: &comera_optim::rank::RankController,
+    ) -> comera_cuda::engine::RankSettings {
+        comera_cuda::engine::RankSettings {
+            gamma: cfg.gamma,
+            beta: cfg.beta,
+            rho_loss: cfg.rho_loss,
+            rho_size: cfg.rho_size,
+            target_loss: cfg.target_loss,
+            size_weight: cfg.size_weight,
+            s_ref: rc.s_ref,
+            layer_prefix: cfg.layer_prefix.clone(),
+            min_rank: cfg.min_rank,
+            normalise_gates: cfg.normalise_gates,
+        }
+    }
+
     /// What a step left in a plan, as bits: its loss and gradient norm, and the flat
     /// parameters, gradients and both moments.
     type StepBits = ([u64; 2], [Vec<u32>; 4]);
@@ -953,16 +973,9 @@ mod encoder_step {
         let rank_cfg = RankConfig::default();
         let rc = RankController::new(&rank_cfg, &enc);
         let settings = RankSettings {
-            gamma: rank_cfg.gamma,
-            beta: rank_cfg.beta,
-            rho_loss: rank_cfg.rho_loss,
-            rho_size: rank_cfg.rho_size,
-            target_loss: rank_cfg.target_loss,
-            size_weight: rank_cfg.size_weight,
-            s_ref: rc.s_ref,
-            layer_prefix: String::new(),
             min_rank: 2,
             normalise_gates: true,
+            ..rank_settings(&rank_cfg, &rc)
         };
         let (ids, types, mask, labels) = batch();
         for (max_grad_norm, rank) in [(0.0, None), (1.0, None), (0.0, Some(settings))] {
@@ -1247,7 +1260,7 @@ mod encoder_step {
     fn rank_schedule_step_matches_the_cpu_controller() {
         let Some((dev, _)) = device() else { return };
         let _l = lock();
-        use comera_cuda::engine::{DeviceBranch, RankSettings, RankStep};
+        use comera_cuda::engine::{DeviceBranch, RankStep};
         use comera_optim::rank::{Branch, RankConfig, RankController, Stage};
         let mut enc = model();
         enc.visit_params_mut(&mut |p| {
@@ -1313,18 +1326,7 @@ mod encoder_step {
             let (_, norm) = comera_optim::clip_scale(1.0, |f| cpu.visit_params_mut(f));
             rc.project(&mut cpu);
             // The device.
-            let settings = RankSettings {
-                gamma: cfg.gamma,
-                beta: cfg.beta,
-                rho_loss: cfg.rho_loss,
-                rho_size: cfg.rho_size,
-                target_loss: cfg.target_loss,
-                size_weight: cfg.size_weight,
-                s_ref: rc.s_ref,
-                layer_prefix: cfg.layer_prefix.clone(),
-                min_rank: cfg.min_rank,
-                normalise_gates: cfg.normalise_gates,
-            };
+            let settings = rank_settings(&cfg, &rc);
             let opt = StepConfig {
                 lr_cores: 0.0,
                 lr_gates: 0.0,
@@ -1410,16 +1412,10 @@ mod encoder_step {
         let opt = StepConfig {
             freeze_gates_at: Some(enc.cfg.threshold),
             rank: Some(RankSettings {
-                gamma: rank_cfg.gamma,
-                beta: rank_cfg.beta,
-                rho_loss: rank_cfg.rho_loss,
-                rho_size: rank_cfg.rho_size,
-                target_loss: rank_cfg.target_loss,
-                size_weight: rank_cfg.size_weight,
-                s_ref: rc.s_ref,
                 layer_prefix: String::new(),
                 min_rank: 1,
                 normalise_gates: true,
+                ..rank_settings(&rank_cfg, &rc)
             }),
             ..step_config()
         };
