@@ -441,6 +441,56 @@ mod encoder_step {
         );
     }
 
+    /// Dead layers (`rank.min_rank = 0` lets a bond lose every active entry): the truncation
+    /// keeps one pruned slice on such a bond, and the CPU layer then skips its contraction (a
+    /// TT layer outputs its bias, a TTM table zeros). The device computes the chain as it is,
+    /// with that slice gated to exactly 0, so the layer's product is exactly 0 and every core
+    /// and gate gradient of it exactly 0; one step of a model with a dead TT layer and a dead
+    /// TTM table against the CPU's (the one-step tolerances, module doc), and the dead layers'
+    /// cores and gates without a gradient on the device.
+    #[test]
+    fn dead_layers_step_as_on_the_cpu() {
+        let Some((dev, _)) = device() else { return };
+        let _l = lock();
+        use comera_layers::Compressible;
+        let mut enc = model();
+        enc.visit_params_mut(&mut |p| {
+            if p.name == "encoder.1.attn.o.gate.1" || p.name == "embeddings.word.gate.1" {
+                p.value.fill(0.0);
+            }
+        });
+        comera_optim::rank::truncate(&mut enc);
+        let mut dead = Vec::new();
+        enc.visit_compressible(&mut |l: &dyn Compressible| {
+            if l.is_dead() {
+                dead.push(l.layer_name().to_string());
+            }
+        });
+        assert_eq!(
+            dead,
+            ["embeddings.word", "encoder.1.attn.o"],
+            "the dead layers"
+        );
+        let mut cpu = enc.clone();
+        let want = cpu_step(&mut cpu);
+        let plan = device_plan(dev, &enc);
+        assert_step_matches(dev, &enc, &plan, want, 3.0);
+        let mut got = enc.clone();
+        plan.arena
+            .download(dev, true, |f| got.visit_params_mut(f))
+            .unwrap();
+        for p in got.params() {
+            let of_dead = dead.iter().any(|l| p.name.starts_with(&format!("{l}.")));
+            if of_dead && !p.name.ends_with(".bias") {
+                assert!(
+                    p.grad.iter().all(|&g| g == 0.0),
+                    "{} has a gradient",
+                    p.name
+                );
+            }
+        }
+    }
+
     fn step_matches_the_cpu_engine(pre_ln: bool) {
         let Some((dev, _)) = device() else { return };
         let _l = lock();

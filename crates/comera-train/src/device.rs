@@ -194,13 +194,11 @@ pub fn objective(loss: f64, o: DeviceObjective) -> comera_optim::rank::Objective
 /// How the run is set up, as far as a device engine cares (checked by [`check_run`]).
 #[derive(Clone, Copy, Debug)]
 pub struct RunShape {
-    /// Whether the rank schedule acts (enabled, and the model has TT/TTM layers).
-    pub rank_active: bool,
-    /// `rank.min_rank`.
-    pub min_rank: usize,
+    /// A `[galore]` section.
     pub galore: bool,
-    pub accumulate_steps: usize,
+    /// The run's processes (data-parallel over MPI).
     pub processes: usize,
+    /// A distillation teacher.
     pub teacher: bool,
 }
 
@@ -212,9 +210,6 @@ pub fn check_run(device: DeviceSpec, run: RunShape) -> Result<(), DeviceError> {
             what: what.into(),
         })
     };
-    if run.rank_active && run.min_rank == 0 {
-        return not_yet("rank.min_rank = 0 (a layer whose rank reaches 0: set rank.min_rank ≥ 1 to train on the GPU)");
-    }
     if run.galore {
         return not_yet("GaLore ([galore])");
     }
@@ -626,10 +621,7 @@ mod tests {
 
     fn plain() -> RunShape {
         RunShape {
-            rank_active: false,
-            min_rank: 1,
             galore: false,
-            accumulate_steps: 1,
             processes: 1,
             teacher: false,
         }
@@ -686,25 +678,7 @@ mod tests {
     fn check_run_takes_a_plain_run_and_names_each_thing_it_refuses() {
         let dev = DeviceSpec::Cuda(1);
         assert!(check_run(dev, plain()).is_ok());
-        let rank = RunShape {
-            rank_active: true,
-            ..plain()
-        };
-        assert!(check_run(dev, rank).is_ok(), "the rank schedule");
-        let accumulated = RunShape {
-            accumulate_steps: 4,
-            ..plain()
-        };
-        assert!(check_run(dev, accumulated).is_ok(), "gradient accumulation");
         for (shape, named) in [
-            (
-                RunShape {
-                    rank_active: true,
-                    min_rank: 0,
-                    ..plain()
-                },
-                "rank.min_rank = 0",
-            ),
             (
                 RunShape {
                     galore: true,

@@ -36,24 +36,24 @@ fn train<'a>(cfg: &'a Path, out: &'a Path, device: &'a str, extra: &[&'a str]) -
 }
 
 /// What the GPU does not do yet is refused by name, with or without a GPU, and nothing is
-/// created: a rank schedule that lets a layer die (`rank.min_rank = 0`).
+/// created: GaLore (here on the dense model, as the paper's six-encoder table runs it).
 #[test]
 fn what_the_gpu_does_not_do_yet_is_refused_by_name_before_anything_is_written() {
     let dir = tempdir("device-not-yet");
     let (data, vocab) = write_data(&dir);
     let cfg = write_config(&dir, &data, &vocab, true, "max_steps_per_epoch = 2");
     let out = dir.join("gpu-run");
-    let extra = ["--set", "rank.min_rank=0"];
+    let extra = ["--dense", "--set", "galore.rank=4"];
     let (code, text) = comera(&train(&cfg, &out, "cuda", &extra));
-    assert_device_error(code, &text, "rank.min_rank = 0", "rank.min_rank=0");
+    assert_device_error(code, &text, "GaLore ([galore])", "galore.rank=4");
     assert!(text.contains("--device cpu"), "says what to do: {text}");
     assert!(!out.exists(), "created {}", out.display());
 }
 
-/// The classifier's step, with the rank schedule (on in this config) or without, and with
-/// gradient accumulation, is what the GPU takes: without a GPU the command ends with status 2
-/// naming what is missing (driver, device or NVRTC) and writes nothing; with one it trains,
-/// and the run reads back on the CPU.
+/// The classifier's step, with the rank schedule (on in this config) or without, with
+/// gradient accumulation, and with layers allowed to die (`rank.min_rank = 0`), is what the
+/// GPU takes: without a GPU the command ends with status 2 naming what is missing (driver,
+/// device or NVRTC) and writes nothing; with one it trains, and the run reads back on the CPU.
 #[test]
 fn a_gpu_run_trains_or_names_what_is_missing() {
     let dir = tempdir("device-missing");
@@ -63,6 +63,7 @@ fn a_gpu_run_trains_or_names_what_is_missing() {
         ("rank-on", &[][..]),
         ("rank-off", &["--set", "rank.enabled=false"][..]),
         ("accumulated", &["--set", "train.accumulate_steps=2"][..]),
+        ("min-rank-0", &["--set", "rank.min_rank=0"][..]),
     ] {
         let out = dir.join(name);
         let (code, text) = comera(&train(&cfg, &out, "cuda", extra));

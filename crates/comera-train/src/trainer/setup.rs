@@ -247,18 +247,15 @@ fn encoder_device(
     if !device.is_cuda() {
         return Ok(None);
     }
-    let rank = comera_optim::rank::RankController::new(&cfg.rank, model);
     check_run(
         device,
         RunShape {
-            rank_active: rank.active(),
-            min_rank: cfg.rank.min_rank,
             galore: cfg.galore.is_some(),
-            accumulate_steps: cfg.train.accumulate_steps,
             processes: crate::distributed::processes().1,
             teacher,
         },
     )?;
+    let rank = comera_optim::rank::RankController::new(&cfg.rank, model);
     let (batch, seq_len, mlm_rows_per_seq) = shapes[0];
     let run = DeviceRun {
         device,
