@@ -178,7 +178,7 @@ elif [ -n "$engine" ] && command -v compute-sanitizer >/dev/null; then
     start=$(date +%s)
     timeout "$(limit 120)" compute-sanitizer --tool memcheck --error-exitcode 3 "$engine" --test-threads 1 \
         one_step_matches one_pre_ln_step one_mlm_step mlm_evaluation the_plan_allocates \
-        rank_schedule_step a_truncated_model >"$out/memcheck.log" 2>&1
+        rank_schedule_step a_truncated_model an_accumulated_step >"$out/memcheck.log" 2>&1
     rc=$?
     secs=$(( $(date +%s) - start ))
     case $rc in
