@@ -193,7 +193,7 @@ impl Encoder {
         // Dropout sites: the embeddings', then per block after attention and after the FFN.
         let drops = |site: u64| {
             (0..cfg.layers as u64)
-                .map(|l| Dropout::new(cfg.dropout, dseed + site + 2 * l))
+                .map(|l| Dropout::new(cfg.dropout, dseed.wrapping_add(site + 2 * l)))
                 .collect()
         };
         Ok(Encoder {
