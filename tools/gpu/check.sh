@@ -21,7 +21,9 @@
 # on the CPU and moved between them through checkpoints, compared (under e2e/; 4 minutes at most).
 # With BUNDLE_DIR/authors (bundle.sh with COMERA_SRC set): tools/authors/gpu_side_by_side.sh,
 # the authors' step (eager and their CUDA-graph recipe) beside comera's on the same GPU.
-# Last, where compute-sanitizer runs: the engine's step tests under memcheck (2 minutes at most).
+# Then, where compute-sanitizer runs: the engine's step tests under memcheck (2 minutes at most).
+# Last, with the time left (at least 45 s): `comera bench step --scaling` on this machine's CPU
+# cores (issue 51's scaling table; reported, not judged).
 # All of it within COMERA_CHECK_BUDGET seconds (540 by default).
 set -uo pipefail
 if [ $# -eq 0 ]; then
@@ -190,6 +192,20 @@ elif [ -n "$engine" ] && command -v compute-sanitizer >/dev/null; then
     esac
 else
     echo "memcheck: compute-sanitizer not available here" | tee -a "$summary"
+fi
+# Last, with what time is left: this machine's CPU cores (issue 51 asks for a scaling table
+# where more than 2 cores are at hand): the TT/TTM step at batch 32 at 1, 2, 4, … threads up to
+# the cores, 3 steps each, one round (about 30 s on 16 cores). Reported, not judged.
+if [ -n "$cli" ] && [ "$(limit 120)" -lt 45 ]; then
+    skipped "CPU scaling"
+elif [ -n "$cli" ]; then
+    start=$(date +%s)
+    timeout "$(limit 120)" "$cli" bench step --scaling --models tt --batch 32 --steps 3 --rounds 1 \
+        >"$out/cpu-scaling.log" 2>&1
+    rc=$?
+    secs=$(( $(date +%s) - start ))
+    echo "CPU scaling ($(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)): exit $rc, ${secs}s" | tee -a "$summary"
+    grep -E '^(model|tt) ' "$out/cpu-scaling.log" | tee -a "$summary"
 fi
 echo "logs: $out" | tee -a "$summary"
 exit $failed
