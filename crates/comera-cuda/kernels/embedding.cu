@@ -132,15 +132,18 @@ __device__ float* ttm_chain(const TtmMeta& m, const float* cores, const float* g
 }
 
 // rows (count, D) = the table's rows of ids (count). Dynamic shared memory: two buffers of
-// `chain` floats (the largest E_k r_{k+1}). Grid: count blocks, any block size.
+// `chain` floats (the largest E_k r_{k+1}). Grid: count blocks, any block size. With `live`
+// (may be null), only the first live[0] ids are computed: a captured step's grid is fixed at
+// the batch's N tokens, and the batch's distinct ids, written to device memory with each
+// batch, are fewer; the rows past them are never read.
 extern "C" __global__ void ttm_rows(const float* __restrict__ cores,
                                     const float* __restrict__ gates,
                                     const int* __restrict__ meta, float tau,
                                     const unsigned int* __restrict__ ids, int count, int chain,
-                                    float* __restrict__ rows) {
+                                    float* __restrict__ rows, const int* __restrict__ live) {
     extern __shared__ float buf[];
     const int u = blockIdx.x;
-    if (u >= count) return;
+    if (u >= count || (live && u >= live[0])) return;
     const TtmMeta m = ttm_meta(meta);
     int digit[16];
     ttm_digits(m, ids[u], digit);
@@ -155,15 +158,18 @@ extern "C" __global__ void ttm_rows(const float* __restrict__ cores,
 // with dA_{p-1} = dE_u and dA_{k-1}[c', a] = sum_{c, b ascending} dA_k[(c', c), b] slab_k[a, c, b].
 // slab_grads (count, S), S = sum_k r_k e_k r_{k+1}, core k's slab at offset sum_{j<k} r_j e_j r_{j+1},
 // layout (a, c, b). Dynamic shared memory: three buffers of `chain` floats. Grid: count blocks.
+// `live` as in ttm_rows: the slab gradients past the first live[0] ids are not computed (the
+// per-digit sums read only the batch's distinct ids').
 extern "C" __global__ void ttm_slab_grads(const float* __restrict__ cores,
                                           const float* __restrict__ gates,
                                           const int* __restrict__ meta, float tau,
                                           const unsigned int* __restrict__ ids, int count,
                                           int chain, const float* __restrict__ drows,
-                                          float* __restrict__ slab_grads) {
+                                          float* __restrict__ slab_grads,
+                                          const int* __restrict__ live) {
     extern __shared__ float buf[];
     const int u = blockIdx.x;
-    if (u >= count) return;
+    if (u >= count || (live && u >= live[0])) return;
     const TtmMeta m = ttm_meta(meta);
     int digit[16];
     ttm_digits(m, ids[u], digit);

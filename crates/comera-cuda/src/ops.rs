@@ -936,7 +936,7 @@ impl Device {
         }
         let count = ids.len();
         check("ttm rows", rows.len(), count * layout.dim)?;
-        let (c, chain) = (count as i32, layout.chain as i32);
+        let (c, chain, every) = (count as i32, layout.chain as i32, 0u64);
         let mut l = self.stream().launch_builder(self.kernel("ttm_rows"));
         l.arg(cores)
             .arg(gates)
@@ -945,14 +945,15 @@ impl Device {
             .arg(ids)
             .arg(&c)
             .arg(&chain)
-            .arg(rows);
+            .arg(rows)
+            .arg(&every);
         let cfg = LaunchConfig {
             shared_mem_bytes: (2 * layout.chain * 4) as u32,
             ..grid(count as u32, 1, BLOCK)
         };
-        // SAFETY: arguments match the kernel; the dynamic shared memory holds the two chain
-        // buffers `TtmLayout::new` sized (within the 48 KiB default); ids must be < the table's
-        // rows (checked by the caller).
+        // SAFETY: arguments match the kernel (`every`: a null `live`, every id computed); the
+        // dynamic shared memory holds the two chain buffers `TtmLayout::new` sized (within the
+        // 48 KiB default); ids must be < the table's rows (checked by the caller).
         unsafe { l.launch(cfg) }.map_err(driver("ttm_rows"))?;
         Ok(())
     }
@@ -1014,7 +1015,7 @@ impl Device {
         }
         self.segment_sum_rows_into(dy, order, start, d, &mut drows.slice_mut(..u * d))?;
         let s = self.stream();
-        let (count, chain) = (u as i32, layout.chain as i32);
+        let (count, chain, every) = (u as i32, layout.chain as i32, 0u64);
         let total = layout.slab_total as i32;
         {
             let drows_u = drows.slice(..u * d);
@@ -1024,12 +1025,14 @@ impl Device {
                 .arg(&count)
                 .arg(&chain)
                 .arg(&drows_u)
-                .arg(&mut *slab_grads);
+                .arg(&mut *slab_grads)
+                .arg(&every);
             let cfg = LaunchConfig {
                 shared_mem_bytes: (3 * layout.chain * 4) as u32,
                 ..grid(u as u32, 1, BLOCK)
             };
-            // SAFETY: arguments match the kernel; three chain buffers of dynamic shared memory
+            // SAFETY: arguments match the kernel (`every`: a null `live`, every distinct id
+            // computed); three chain buffers of dynamic shared memory
             // (within 48 KiB, checked by `TtmLayout::new`); drows holds u·D and slab_grads
             // u·slab_total floats (checked above); ids are the batch's distinct ids (< the
             // table's rows, checked by the caller).

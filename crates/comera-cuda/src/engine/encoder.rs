@@ -644,8 +644,11 @@ struct Ttm {
     meta: Buf<i32>,
     cores: Slot,
     gates: Slot,
-    /// The batch's distinct ids, padded to N with id 0 (rows computed, never read).
+    /// The batch's distinct ids, padded to N with id 0 (their rows neither computed nor read).
     distinct: Buf<u32>,
+    /// How many of `distinct` are the batch's (written with each batch): the TTM kernels'
+    /// grid is fixed at N blocks, and the blocks past this count return at once.
+    live: Buf<i32>,
     rows: Buf<f32>, // N × D: the rows of the distinct ids
     slab: Buf<f32>, // N × slab_total: their slab gradients
     dh: Buf<f32>,   // the largest core: one core's gradient before the gates
@@ -863,6 +866,7 @@ impl EncoderPlan {
                     cores,
                     gates,
                     distinct: Buf::zeros(dev, n)?,
+                    live: Buf::zeros(dev, 1)?,
                     rows: Buf::zeros(dev, n * d)?,
                     slab: Buf::zeros(dev, n * layout.slab_total)?,
                     dh: Buf::zeros(dev, max_core)?,
@@ -1212,12 +1216,15 @@ impl EncoderPlan {
                 let Ttm {
                     layout,
                     distinct,
+                    live,
                     digits,
                     ..
                 } = &mut **w;
                 s.memcpy_htod(&seg.slot, self.slot.slice_mut())
                     .map_err(e())?;
                 s.memcpy_htod(&pad(seg.ids.clone(), n, 0), distinct.slice_mut())
+                    .map_err(e())?;
+                s.memcpy_htod(&[seg.ids.len() as i32], live.slice_mut())
                     .map_err(e())?;
                 for ((order, start), (o, st)) in ops::ttm_digit_segments(layout, &seg.ids)
                     .into_iter()
@@ -1605,24 +1612,28 @@ impl EncoderPlan {
                     cores,
                     gates,
                     distinct,
+                    live,
                     rows,
                     ..
                 } = &**w;
                 let (c, chain) = (n as i32, layout.chain as i32);
-                let (mp, ids, out) = (meta.ptr(), distinct.ptr(), rows.ptr());
+                let (mp, ids, out, lv) = (meta.ptr(), distinct.ptr(), rows.ptr(), live.ptr());
                 let cfg = LaunchConfig {
                     shared_mem_bytes: (2 * layout.chain * 4) as u32,
                     ..grid(n as u32, 1, BLOCK)
                 };
                 // SAFETY: cores and gates laid out as the patched meta says; N distinct ids
-                // (padded with id 0) below the table's rows; rows holds N·D floats; two chain
-                // buffers of shared memory (≤ 48 KiB, checked by TtmLayout::new).
+                // (padded with id 0) below the table's rows, the first live[0] of them the
+                // batch's; rows holds N·D floats; two chain buffers of shared memory (≤ 48 KiB,
+                // checked by TtmLayout::new).
                 unsafe {
                     launch(
                         dev,
                         "ttm_rows",
                         cfg,
-                        &[&cores.w, &gates.w, &mp, &self.tau, &ids, &c, &chain, &out],
+                        &[
+                            &cores.w, &gates.w, &mp, &self.tau, &ids, &c, &chain, &out, &lv,
+                        ],
                     )?
                 };
                 self.gather(dev, out, self.slot.ptr(), n, self.emb.ptr())?;
@@ -2032,6 +2043,7 @@ impl EncoderPlan {
                     cores,
                     gates,
                     distinct,
+                    live,
                     rows,
                     slab,
                     dh,
@@ -2050,18 +2062,20 @@ impl EncoderPlan {
                 )?;
                 let (c, chain, total) = (n as i32, layout.chain as i32, layout.slab_total as i32);
                 let (mp, ids, dr, sl) = (meta.ptr(), distinct.ptr(), rows.ptr(), slab.ptr());
+                let lv = live.ptr();
                 let cfg = LaunchConfig {
                     shared_mem_bytes: (3 * layout.chain * 4) as u32,
                     ..grid(n as u32, 1, BLOCK)
                 };
-                // SAFETY: as ttm_rows; drows N·D and slab N·slab_total floats.
+                // SAFETY: as ttm_rows; drows N·D and slab N·slab_total floats (the rows past
+                // live[0] neither computed nor read by the per-digit sums below).
                 unsafe {
                     launch(
                         dev,
                         "ttm_slab_grads",
                         cfg,
                         &[
-                            &cores.w, &gates.w, &mp, &self.tau, &ids, &c, &chain, &dr, &sl,
+                            &cores.w, &gates.w, &mp, &self.tau, &ids, &c, &chain, &dr, &sl, &lv,
                         ],
                     )?
                 };

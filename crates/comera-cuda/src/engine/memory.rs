@@ -95,6 +95,7 @@ impl PlanMemory {
                 digits
                     + Buf::<i32>::copy_bytes(layout.meta.len())
                     + u(n)
+                    + Buf::<i32>::zeros_bytes(1)
                     + f(nd)
                     + f(n * layout.slab_total)
                     + f(max_core)
