@@ -75,7 +75,9 @@ pub struct StepConfig {
     /// has room for B·min(this, T) predicted positions); 0: the CPU's default, 15% of T.
     pub mlm_rows_per_seq: usize,
     /// A plan for the evaluation pass only: the parameter arena holds no gradients or AdamW
-    /// moments (a quarter of a training plan's arena) and a training step is refused.
+    /// moments (a quarter of a training plan's arena), the backward's shared scratch and a TTM
+    /// table's slab gradients are not allocated ([`StepConfig::backward_len`]), and a training
+    /// step is refused.
     pub forward_only: bool,
 }
 
@@ -96,6 +98,17 @@ impl StepConfig {
             rank: None,
             mlm_rows_per_seq: 0,
             forward_only: false,
+        }
+    }
+
+    /// The length to allocate for a buffer of `len` elements that only the backward uses: 0
+    /// (one element, an address to pass) in a plan for the forward only, else `len`. The
+    /// plan and its memory estimate (`PlanMemory::of`) both size such buffers with it.
+    pub fn backward_len(&self, len: usize) -> usize {
+        if self.forward_only {
+            0
+        } else {
+            len
         }
     }
 
@@ -868,8 +881,8 @@ impl EncoderPlan {
                     distinct: Buf::zeros(dev, n)?,
                     live: Buf::zeros(dev, 1)?,
                     rows: Buf::zeros(dev, n * d)?,
-                    slab: Buf::zeros(dev, n * layout.slab_total)?,
-                    dh: Buf::zeros(dev, max_core)?,
+                    slab: Buf::zeros(dev, opt.backward_len(n * layout.slab_total))?,
+                    dh: Buf::zeros(dev, opt.backward_len(max_core))?,
                     digits,
                     layout,
                 }))
@@ -945,6 +958,13 @@ impl EncoderPlan {
                 (HeadPlan::Mlm(Box::new(head)), rows, width)
             }
         };
+        // The backward's shared scratch: none in a plan for the forward only.
+        let (nd_bwd, p_bwd, nf_bwd, logits_bwd) = (
+            opt.backward_len(nd),
+            opt.backward_len(b * heads * t * t),
+            opt.backward_len(n * ffn),
+            opt.backward_len(head_rows * classes),
+        );
         let (t32, b32) = (t as u32, b as u32);
         let pos_ids: Vec<u32> = (0..n as u32).map(|i| i % t32).collect();
         let pos_seg = Segments::of(&pos_ids);
@@ -1020,21 +1040,21 @@ impl EncoderPlan {
             tmp: z(nd)?,
             tq: z(nd)?,
             oh: z(nd)?,
-            dqh: z(nd)?,
-            dkh: z(nd)?,
-            dvh: z(nd)?,
-            dp: z(b * heads * t * t)?,
+            dqh: z(nd_bwd)?,
+            dkh: z(nd_bwd)?,
+            dvh: z(nd_bwd)?,
+            dp: z(p_bwd)?,
             g: z(n * ffn)?,
-            dg: z(n * ffn)?,
-            dhh: z(n * ffn)?,
+            dg: z(nf_bwd)?,
+            dhh: z(nf_bwd)?,
             f: z(nd)?,
-            dflow: z(nd)?,
-            dt1: z(nd)?,
-            dt2: z(nd)?,
-            dt3: z(nd)?,
-            datt: z(nd)?,
+            dflow: z(nd_bwd)?,
+            dt1: z(nd_bwd)?,
+            dt2: z(nd_bwd)?,
+            dt3: z(nd_bwd)?,
+            datt: z(nd_bwd)?,
             logits: z(head_rows * classes)?,
-            dlogits: z(head_rows * classes)?,
+            dlogits: z(logits_bwd)?,
             ce_count: Buf::zeros(dev, 1)?,
             ce_row_loss: Buf::zeros(dev, head_rows)?,
             ce_row_hit: z(head_rows)?,

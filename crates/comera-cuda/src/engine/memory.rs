@@ -97,8 +97,8 @@ impl PlanMemory {
                     + u(n)
                     + Buf::<i32>::zeros_bytes(1)
                     + f(nd)
-                    + f(n * layout.slab_total)
-                    + f(max_core)
+                    + f(opt.backward_len(n * layout.slab_total))
+                    + f(opt.backward_len(max_core))
             }
         };
 
@@ -155,12 +155,16 @@ impl PlanMemory {
                 true => Ln::device_bytes(last_rows, d) + f(last_rows * d),
                 false => f(1),
             }
-            // emb, x0, tmp, tq, oh, dqh, dkh, dvh, f, dflow, dt1, dt2, dt3, datt: N × D each;
-            // dp: B·H·T²; g, dg, dhh: N × F each; the logits and their gradient.
-            + 14 * f(nd)
-            + f(b * cfg.heads * t * t)
-            + 3 * f(n * cfg.ffn)
-            + 2 * f(head_rows * classes);
+            // emb, x0, tmp, tq, oh, f: N × D each; g: N × F; the logits. The backward's:
+            // dqh, dkh, dvh, dflow, dt1, dt2, dt3, datt: N × D each; dp: B·H·T²; dg, dhh:
+            // N × F each; the logits' gradient (none for the forward only).
+            + 6 * f(nd)
+            + f(n * cfg.ffn)
+            + f(head_rows * classes)
+            + 8 * f(opt.backward_len(nd))
+            + f(opt.backward_len(b * cfg.heads * t * t))
+            + 2 * f(opt.backward_len(n * cfg.ffn))
+            + f(opt.backward_len(head_rows * classes));
 
         let positions = Segments::of(&(0..n as u32).map(|i| i % t as u32).collect::<Vec<_>>());
         let other = Buf::<u8>::zeros_bytes(CUBLAS_WORKSPACE)
@@ -338,6 +342,45 @@ mod tests {
         assert_eq!(
             (with.params, with.activations, with.ttm),
             (without.params, without.activations, without.ttm)
+        );
+    }
+
+    /// A plan for the forward only leaves out the backward's shared scratch (8 N × D, one P,
+    /// 2 N × F and the logits' gradient) and the TTM table's slab gradients (N × 12,608) and
+    /// core gradient: exactly those bytes, less the one float each keeps as an address.
+    #[test]
+    fn a_forward_only_plan_leaves_out_the_backward_scratch() {
+        let cfg = EncoderConfig {
+            num_labels: 5,
+            ..EncoderConfig::default()
+        };
+        let enc = Encoder::new(&cfg, 0).unwrap();
+        let of = |forward_only| {
+            let opt = StepConfig {
+                forward_only,
+                ..StepConfig::paper()
+            };
+            PlanMemory::of(&enc, 32, cfg.seq_len, &opt).unwrap()
+        };
+        let (train, eval) = (of(false), of(true));
+        let (n, d, f, ht2, classes) = (4096usize, 768usize, 3072usize, 32 * 12 * 128 * 128, 5);
+        let scratch = 4 * (8 * n * d + ht2 + 2 * n * f + 32 * classes) - 4 * 12;
+        assert_eq!(train.activations - eval.activations, scratch);
+        let AnyEmbedding::Ttm(e) = &enc.word else {
+            panic!("the paper model's word table is TTM")
+        };
+        let s = e.shape();
+        let layout = TtmLayout::new(s.vocab_modes(), s.dim_modes(), s.ranks()).unwrap();
+        let max_core = layout.cores.iter().map(|c| c.len()).max().unwrap();
+        assert_eq!(layout.slab_total, 12_608);
+        assert_eq!(
+            train.ttm - eval.ttm,
+            4 * (n * layout.slab_total + max_core) - 4 * 2
+        );
+        println!(
+            "batch 32: training plan {:.2} GiB, evaluation plan {:.2} GiB",
+            train.total() as f64 / (1u64 << 30) as f64,
+            eval.total() as f64 / (1u64 << 30) as f64
         );
     }
 }

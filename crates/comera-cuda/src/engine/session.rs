@@ -106,9 +106,9 @@ impl EncoderSession {
     /// and its logits by [`EncoderSession::mlm_logits`], on at most `mlm_rows_per_seq`
     /// predicted positions a sequence (0: the CPU's default, 15% of T; ignored for a
     /// classifier). [`EncoderSession::step`] is refused. The plan holds the parameters without
-    /// gradients or moments ([`StepConfig::forward_only`]); the backward's scratch and a TTM
-    /// table's slab gradients are still allocated, unused (a plan of the forward's buffers
-    /// alone is not done yet).
+    /// gradients or moments, and without the backward's shared scratch or a TTM table's slab
+    /// gradients ([`StepConfig::forward_only`]); each block still keeps its own activations
+    /// and each layer its backward workspace.
     pub fn for_inference(
         ordinal: usize,
         enc: &Encoder,
