@@ -623,9 +623,15 @@ impl GateTable {
         }
     }
 
+    /// The x extent of the per-core table launches: the largest core's floats in blocks, at
+    /// most 1,024 (the kernels stride over the rest).
+    fn core_blocks(&self) -> u32 {
+        (self.max_len as u32).div_ceil(super::raw::BLOCK).min(1024)
+    }
+
     /// H_c = G_c ⊙ g(d_c) for every core (rank.cu gate_columns_table).
     pub fn record_gate(&self, dev: &Device) -> Result<(), CudaError> {
-        let blocks = (self.max_len as u32).div_ceil(super::raw::BLOCK).min(1024);
+        let blocks = self.core_blocks();
         let (cw, gw, h, rows, r) = (
             self.core_w.ptr(),
             self.gate_w.ptr(),
@@ -648,7 +654,7 @@ impl GateTable {
     /// dG_c += dH_c ⊙ g(d_c) and dd_c += Σ_rows dH_c ⊙ G_c for every core (rank.cu
     /// gated_grads_core_table, gated_grads_gate_table).
     pub fn record_grads(&self, dev: &Device) -> Result<(), CudaError> {
-        let blocks = (self.max_len as u32).div_ceil(super::raw::BLOCK).min(1024);
+        let blocks = self.core_blocks();
         let gate_blocks = (self.max_r as u32).div_ceil(super::raw::BLOCK);
         let (cw, cg, gw, gg, dh, rows, r) = (
             self.core_w.ptr(),
