@@ -262,6 +262,7 @@ mod tests {
             resolved(&d.join("new/y")),
             d.canonicalize().unwrap().join("new/y")
         );
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
@@ -285,6 +286,7 @@ mod tests {
         assert!(
             check_distinct_outputs(&[out("--dense", &f, false), out("--hf", &hf, true)]).is_ok()
         );
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
@@ -305,5 +307,6 @@ mod tests {
         let link = check_output_file(&d.join("link"), "--dense", true, |_| true).unwrap_err();
         assert!(link.to_string().contains("symbolic link"), "{link}");
         assert!(!is_comera_export(&f));
+        let _ = std::fs::remove_dir_all(&d);
     }
 }

@@ -48,6 +48,7 @@ fn what_the_gpu_does_not_do_yet_is_refused_by_name_before_anything_is_written() 
     assert_device_error(code, &text, "GaLore ([galore])", "galore.rank=4");
     assert!(text.contains("--device cpu"), "says what to do: {text}");
     assert!(!out.exists(), "created {}", out.display());
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// The classifier's step, with the rank schedule (on in this config) or without, with
@@ -81,6 +82,7 @@ fn a_gpu_run_trains_or_names_what_is_missing() {
         );
         assert!(!out.exists(), "{name}: created {}", out.display());
     }
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// A stopped CPU run (with the rank schedule) resumed on a missing GPU: refused for what is
@@ -108,6 +110,7 @@ fn resuming_on_a_missing_gpu_leaves_the_run_as_it_was() {
     if code == 0 {
         // The run finished on the GPU: nothing is left to resume on the CPU.
         println!("a GPU answered: {text}");
+        let _ = std::fs::remove_dir_all(dir);
         return;
     }
     let wanted = MISSING
@@ -118,6 +121,7 @@ fn resuming_on_a_missing_gpu_leaves_the_run_as_it_was() {
     assert!(snapshot(&run) == before, "the run directory changed");
     let (code, text) = comera(&["train", "--resume", s(&run), "--device", "cpu", "--quiet"]);
     assert_eq!(code, 0, "resume on the CPU: {text}");
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// The device string: a bad one is a usage error that says how GPUs are named; a flag and a

@@ -17,9 +17,12 @@ pub fn comera(args: &[&str]) -> (i32, String) {
     (out.status.code().unwrap_or(-1), text)
 }
 
-/// A fresh directory under the system temp dir, unique per test and process.
+/// A fresh directory under cargo's scratch folder for integration tests (`target/tmp`, not the
+/// system's temp dir: what a test leaves, such as the runs shared by a whole file, goes with
+/// `cargo clean`), unique per test and process.
 pub fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("comera-train-test-{tag}-{}", std::process::id()));
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("comera-train-test-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
