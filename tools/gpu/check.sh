@@ -16,7 +16,8 @@
 # Then, when BUNDLE_DIR/bench/step_bench exists (bundle.sh puts it there), the step benchmark:
 # the paper model's captured step, TT/TTM and dense, batch 1 and 32 (its table in
 # step_bench.log, its JSON lines in step_bench.json; 4 minutes at most). Set
-# COMERA_BENCH_ARGS to pass it other arguments (e.g. "--replays 100").
+# COMERA_BENCH_ARGS to pass it other arguments (e.g. "--replays 100"). Then its --ops run: one
+# eager step per model and batch with every kernel and product timed on its own (step_ops.log).
 # Then, when BUNDLE_DIR/bin/comera exists: tools/gpu/e2e.sh, a small run trained on the GPU and
 # on the CPU and moved between them through checkpoints, compared (under e2e/; 4 minutes at most).
 # With BUNDLE_DIR/authors (bundle.sh with COMERA_SRC set): tools/authors/gpu_side_by_side.sh,
@@ -131,6 +132,16 @@ elif [ -n "$bench" ]; then
     else
         echo "step_bench: FAIL (exit $rc), ${secs}s; see step_bench.log" | tee -a "$summary"
         failed=1
+    fi
+    # Where the step's time goes: one eager step per model and batch with every operation
+    # timed on its own (a process of its own, after the figures, so that a failure here
+    # costs none of them; reported, not judged).
+    if [ "$(limit 60)" -ge 20 ]; then
+        start=$(date +%s)
+        timeout "$(limit 60)" "$bench" --ops --replays 3 --eager 1 \
+            --json "$out/step_ops.json" >"$out/step_ops.log" 2>&1
+        rc=$?
+        echo "step_ops: exit $rc, $(( $(date +%s) - start ))s; the tables in step_ops.log" | tee -a "$summary"
     fi
 fi
 # The authors' step on the same GPU, side by side with comera's (bundle.sh copies their code

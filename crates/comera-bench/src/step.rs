@@ -57,7 +57,8 @@ pub struct StepArgs {
     child: Option<String>,
     /// Time each layer operation of the TT/TTM step in this process (per call and per step,
     /// at the first --batch), instead of whole steps: where a step's time goes, with each
-    /// operation's counted FLOPs and GFLOP/s next to a GEMM-rate calibration.
+    /// operation's counted FLOPs and GFLOP/s next to a GEMM-rate calibration. With
+    /// `--device cuda`: one eager step with every kernel, product and copy timed on its own.
     #[arg(long)]
     ops: bool,
     /// Run each model at 1, 2, 4, … threads up to the machine's cores (the cores themselves
@@ -70,7 +71,9 @@ pub struct StepArgs {
     threads_list: Vec<usize>,
     /// `cuda` or `cuda:N`: the paper model's step on that GPU, captured once as a CUDA graph
     /// and replayed (`--batch`, `--models` and `--json` apply; `--steps` timed replays, at
-    /// least 20; the shape flags, `--ops` and `--scaling` are the CPU's). Default `cpu`.
+    /// least 20; `--ops`: one more eager step with every kernel, product and copy timed on
+    /// its own, by part of the step and by operation; the shape flags and `--scaling` are the
+    /// CPU's). Default `cpu`.
     #[arg(long, default_value = "cpu")]
     device: comera_train::DeviceSpec,
 }
@@ -85,11 +88,10 @@ fn on_gpu(a: &StepArgs, ordinal: usize) -> anyhow::Result<ExitCode> {
         ("--ffn", a.ffn.is_some()),
         ("--heads", a.heads.is_some()),
         ("--rank", a.rank.is_some()),
-        ("--ops", a.ops),
         ("--scaling", a.scaling),
     ];
     if let Some((flag, _)) = cpu_only.iter().find(|f| f.1) {
-        anyhow::bail!("{flag}: the GPU step benchmark runs the paper model's shape only (--batch, --models, --steps, --json)");
+        anyhow::bail!("{flag}: the GPU step benchmark runs the paper model's shape only (--batch, --models, --steps, --ops, --json)");
     }
     for m in &a.models {
         anyhow::ensure!(
@@ -104,6 +106,7 @@ fn on_gpu(a: &StepArgs, ordinal: usize) -> anyhow::Result<ExitCode> {
         eager: 5,
         tt: a.models.iter().any(|m| m == "tt"),
         dense: a.models.iter().any(|m| m == "dense"),
+        ops: a.ops,
     };
     let print = |r: &comera_cuda::bench::StepBenchRow| {
         if a.json {
@@ -125,6 +128,9 @@ fn on_gpu(a: &StepArgs, ordinal: usize) -> anyhow::Result<ExitCode> {
                 r.phase_ms.backward,
                 r.phase_ms.update
             );
+            if let Some(ops) = &r.ops {
+                print!("{}", ops.table("             "));
+            }
         }
     };
     let device = comera_train::DeviceSpec::Cuda(ordinal);

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release -p comera-cuda --example step_bench -- [--batches 1,32] [--replays 50]
-//!     [--eager 5] [--no-dense] [--json PATH]
+//!     [--eager 5] [--no-dense] [--ops] [--json PATH]
 //! ```
 //!
 //! The same benchmark is `comera bench step --device cuda`.
@@ -24,6 +24,7 @@ fn args() -> Result<(StepBenchArgs, Option<String>), String> {
             "--replays" => a.replays = num(&val()?)?,
             "--eager" => a.eager = num(&val()?)?,
             "--no-dense" => a.dense = false,
+            "--ops" => a.ops = true,
             "--json" => json = Some(val()?),
             other => {
                 return Err(format!(
@@ -53,6 +54,9 @@ fn print(r: &StepBenchRow) {
         r.phase_ms.backward,
         r.phase_ms.update
     );
+    if let Some(ops) = &r.ops {
+        print!("{}", ops.table("          "));
+    }
 }
 
 fn main() -> std::process::ExitCode {

@@ -13,13 +13,16 @@
 //! after the plan is built and after the replays, and its growth over the context alone
 //! (measured after the kernels are loaded). Then the step's phases (forward, loss, backward,
 //! update): each prefix of the step captured as a graph of its own and replayed, a phase the
-//! difference of two prefixes' medians. The plan allocates every buffer up front (cuBLAS
+//! difference of two prefixes' medians. With `ops`, one more eager step with every operation
+//! timed on its own ([`crate::engine::profile`]), summed by part of the step and by kernel or
+//! product shape. The plan allocates every buffer up front (cuBLAS
 //! workspace included) and a step allocates nothing, so the growth after the replays is the
 //! step's peak; it is comparable to, though not the same measure as, PyTorch's
 //! `max_memory_allocated` (which counts tensors only).
 
 use crate::device::Device;
-use crate::engine::{EncoderPlan, RankSettings, RankStep, StepConfig, StepPhase};
+use crate::engine::profile::OpTotal;
+use crate::engine::{EncoderPlan, Profile, RankSettings, RankStep, StepConfig, StepPhase};
 use crate::error::CudaError;
 use comera_model::{Encoder, EncoderConfig};
 use std::time::Instant;
@@ -37,6 +40,8 @@ pub struct StepBenchArgs {
     /// The TT/TTM model, and the dense one (its 2× baseline).
     pub tt: bool,
     pub dense: bool,
+    /// Also one eager step with every operation timed on its own ([`StepBenchRow::ops`]).
+    pub ops: bool,
 }
 
 impl Default for StepBenchArgs {
@@ -48,6 +53,7 @@ impl Default for StepBenchArgs {
             eager: 5,
             tt: true,
             dense: true,
+            ops: false,
         }
     }
 }
@@ -85,6 +91,66 @@ pub struct StepBenchRow {
     /// The last replay's loss, and whether it and the gradient norm were finite.
     pub loss: f64,
     pub finite: bool,
+    /// With [`StepBenchArgs::ops`]: where one eager step's time goes ([`Profile`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ops: Option<OpsSummary>,
+}
+
+/// One step's operations timed one by one ([`Profile`]), summed by part of the step and by
+/// operation.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct OpsSummary {
+    /// The operations' times added up: the step without launch gaps or overlap (compare
+    /// with `graph_ms_median`).
+    pub total_ms: f64,
+    pub operations: usize,
+    /// By part of the step (`fwd ffn`, `bwd attention`, …), the largest first.
+    pub by_scope: Vec<OpTotal>,
+    /// By kernel or product shape, the largest first ([`OPS_LISTED`] of them).
+    pub by_op: Vec<OpTotal>,
+}
+
+/// How many operations [`OpsSummary::by_op`] lists.
+pub const OPS_LISTED: usize = 30;
+
+impl OpsSummary {
+    fn of(p: &Profile) -> OpsSummary {
+        let mut by_op = p.by_op();
+        by_op.truncate(OPS_LISTED);
+        OpsSummary {
+            total_ms: p.total_ms(),
+            operations: p.ops.len(),
+            by_scope: p.by_scope(),
+            by_op,
+        }
+    }
+
+    /// The two tables as text, each line indented by `indent`.
+    pub fn table(&self, indent: &str) -> String {
+        let mut out = format!(
+            "{indent}{} operations timed one by one: {:.3} ms in all\n",
+            self.operations, self.total_ms
+        );
+        for (title, rows) in [
+            ("part of the step", &self.by_scope),
+            ("operation", &self.by_op),
+        ] {
+            out += &format!(
+                "{indent}{title:<44} {:>6} {:>10} {:>6}\n",
+                "calls", "ms", "share"
+            );
+            for r in rows.iter() {
+                out += &format!(
+                    "{indent}{:<44} {:>6} {:>10.3} {:>5.1}%\n",
+                    r.label,
+                    r.calls,
+                    r.ms,
+                    100.0 * r.ms / self.total_ms.max(f64::MIN_POSITIVE)
+                );
+            }
+        }
+        out
+    }
 }
 
 /// A step's time by phase ([`StepPhase`]), ms.
@@ -221,6 +287,11 @@ fn one(
         let g = dev.capture(|d| plan.record_step_through(d, last))?;
         through.push(median_min_max(replay_times(dev, &g, a.replays)?).0);
     }
+    let ops = if a.ops {
+        Some(OpsSummary::of(&Profile::run(dev, |d| plan.record_step(d))?))
+    } else {
+        None
+    };
     let (med, min, max) = median_min_max(times);
     let info = dev.info();
     Ok(StepBenchRow {
@@ -255,6 +326,7 @@ fn one(
         rank_schedule: rank.is_some(),
         loss: s.loss,
         finite: s.loss.is_finite() && s.grad_norm.is_finite(),
+        ops,
     })
 }
 

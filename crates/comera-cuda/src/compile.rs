@@ -147,6 +147,11 @@ pub const SOURCES: &[KernelSource] = &[
             "rank_gather_gates",
         ],
     },
+    KernelSource {
+        name: "profile.cu",
+        source: include_str!("../kernels/profile.cu"),
+        kernels: &["spin_wait"],
+    },
 ];
 
 /// The options every source is compiled with, for `arch`.

@@ -1077,6 +1077,38 @@ mod encoder_step {
         assert_same_step(&step_bits(dev, &plan), &want);
     }
 
+    /// The step profiler (`bench step --device cuda --ops`) times every operation of a step
+    /// and changes none of its results: the profiled step gives the plain eager step's bits,
+    /// and its operations are those of the step, each timed, in parts of the step that the
+    /// encoder names.
+    #[test]
+    fn a_profiled_step_times_every_operation_and_gives_the_same_bits() {
+        let Some((dev, _)) = device() else { return };
+        let _l = lock();
+        use comera_cuda::engine::Profile;
+        let enc = model();
+        let mut plan = device_plan(dev, &enc);
+        plan.record_step(dev).unwrap();
+        let want = step_bits(dev, &plan);
+        plan.arena.upload(dev, &enc.params()).unwrap();
+        plan.set_step(dev, STEP, 1, 1.0).unwrap();
+        let profile = Profile::run(dev, |d| plan.record_step(d)).unwrap();
+        assert_same_step(&step_bits(dev, &plan), &want);
+        assert!(profile.ops.len() > 50, "{} operations", profile.ops.len());
+        assert!(
+            profile.ops.iter().all(|o| o.ms.is_finite() && o.ms >= 0.0),
+            "every operation timed"
+        );
+        let scopes: Vec<_> = profile.by_scope().into_iter().map(|t| t.label).collect();
+        for part in ["fwd ffn", "bwd attention", "loss", "update"] {
+            assert!(scopes.iter().any(|s| s == part), "{part} among {scopes:?}");
+        }
+        // Outside the profile, nothing is timed: a capture still works.
+        let graph = dev.capture(|d| plan.record_step(d)).unwrap();
+        graph.launch().unwrap();
+        dev.stream().synchronize().unwrap();
+    }
+
     /// Two steps on two different batches through the session: replaying the captured graph
     /// (the second replay must read the second batch, step and scalars from device memory)
     /// gives the same bits as queuing the launches eagerly; and the parameters and moments

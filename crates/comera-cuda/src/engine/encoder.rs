@@ -35,6 +35,7 @@
 use super::arena::ParamArena;
 use super::memory::PlanMemory;
 use super::mlm::MlmPlan;
+use super::profile;
 use super::rank::{DeviceObjective, RankPlan, RankSettings, RankStep};
 use super::raw::{self, grid, grid_stride, launch, Blas, Buf, Gemm, BLOCK};
 use super::tt::{GateTable, GatedCore, Slot, TtDims, TtLayer};
@@ -1457,6 +1458,7 @@ impl EncoderPlan {
     }
 
     fn zero_grads(&self, dev: &Device) -> Result<(), CudaError> {
+        profile::scope("zero grads");
         // SAFETY: the arena's gradient buffer holds `total` floats.
         unsafe { raw::zero(dev, self.arena.g.ptr(), self.arena.total()) }
     }
@@ -1487,6 +1489,7 @@ impl EncoderPlan {
     /// the step's mean loss, weighs them in the late stage), or, when the gates do not train,
     /// their gradients zeroed.
     fn record_gate_grads(&self, dev: &Device) -> Result<(), CudaError> {
+        profile::scope("rank objective");
         if let Some(rank) = &self.rank {
             return rank.record_objective(dev, &self.arena, &self.table, self.ce_out.ptr());
         }
@@ -1507,9 +1510,13 @@ impl EncoderPlan {
 
     /// Gradient norm and clip factor, AdamW, and the gates' projection (with the schedule).
     fn record_update(&self, dev: &Device) -> Result<(), CudaError> {
+        profile::scope("update");
         self.update(dev)?;
         match &self.rank {
-            Some(rank) => rank.record_project(dev, &self.arena, self.clip.ptr()),
+            Some(rank) => {
+                profile::scope("rank projection");
+                rank.record_project(dev, &self.arena, self.clip.ptr())
+            }
             None => Ok(()),
         }
     }
@@ -1617,9 +1624,11 @@ impl EncoderPlan {
         let nd = n * d;
         let step = self.step_ptr();
         // Every TT layer's gated cores H_c, all at once ([`GateTable`]).
+        profile::scope("fwd gated cores");
         if let Some(g) = &self.gates {
             g.record_gate(dev)?;
         }
+        profile::scope("fwd embeddings");
         // Embeddings: word rows (TTM: the distinct ids' rows, then gathered), + pos + type.
         match &self.word {
             Word::Dense { table } => {
@@ -1678,6 +1687,7 @@ impl EncoderPlan {
         let scale = 1.0 / (dh as f32).sqrt();
         let mut x = x0;
         for blk in &self.blocks {
+            profile::scope("fwd q/k/v");
             let tq = self.tq.ptr();
             let attn_in = if blk.pre_ln {
                 blk.ln1.forward(dev, x, blk.lx.ptr())?;
@@ -1689,6 +1699,7 @@ impl EncoderPlan {
                 lin.forward(dev, blas, attn_in, tq)?;
                 self.permute(dev, tq, dst.ptr(), true)?;
             }
+            profile::scope("fwd attention");
             // SAFETY: (B·H) units of T × dh heads and T × T scores, packed.
             unsafe {
                 Gemm::new(t, t, dh, false, true).run_batched(
@@ -1724,6 +1735,7 @@ impl EncoderPlan {
                 )?;
             }
             self.permute(dev, self.oh.ptr(), blk.att.ptr(), false)?;
+            profile::scope("fwd o");
             // The row-wise part on R rows (the [CLS] rows of the last block).
             let r = blk.rows;
             let (xr, att) = if r == n {
@@ -1743,8 +1755,10 @@ impl EncoderPlan {
             blk.o.forward(dev, blas, att, o)?;
             blk.drop_attn
                 .residual(dev, train, step, xr, o, blk.r1.ptr(), r * d)?;
+            profile::scope("fwd residual + layernorm");
             let ln_r1 = if blk.pre_ln { &blk.ln2 } else { &blk.ln1 };
             ln_r1.forward(dev, blk.r1.ptr(), blk.x1.ptr())?;
+            profile::scope("fwd ffn");
             blk.up.forward(dev, blas, blk.x1.ptr(), blk.h.ptr())?;
             let (hp, gp, rf) = (blk.h.ptr(), self.g.ptr(), (r * self.ffn) as i64);
             // SAFETY: h and g hold R·F floats.
@@ -1758,6 +1772,7 @@ impl EncoderPlan {
             };
             let f = self.f.ptr();
             blk.down.forward(dev, blas, gp, f)?;
+            profile::scope("fwd residual + layernorm");
             if blk.pre_ln {
                 blk.drop_ffn
                     .residual(dev, train, step, blk.r1.ptr(), f, blk.out.ptr(), r * d)?;
@@ -1768,6 +1783,7 @@ impl EncoderPlan {
             }
             x = blk.out.ptr();
         }
+        profile::scope("fwd head");
         if let Some(ln) = &self.ln_final {
             ln.forward(dev, x, self.hfinal.ptr())?;
             x = self.hfinal.ptr();
@@ -1805,6 +1821,7 @@ impl EncoderPlan {
 
     /// Cross-entropy of the logits against the batch's labels, and ∂L/∂logits.
     fn loss(&self, dev: &Device, with_grad: bool) -> Result<(), CudaError> {
+        profile::scope("loss");
         // Cross-entropy, mean over the counted rows (a classifier's B, no label ignored; the
         // masked-LM head's labelled rows of R), and ∂L/∂logits when `with_grad`.
         let b = self.head_rows;
@@ -1857,6 +1874,7 @@ impl EncoderPlan {
         let step = self.step_ptr();
         let dflow = self.dflow.ptr();
         let last_rows = self.blocks.last().map_or(n, |l| l.rows);
+        profile::scope("bwd head");
         match &self.head {
             // ∂L/∂H of the selected rows, scattered into N rows.
             HeadPlan::Mlm(m) => m.backward(dev, blas, self.dlogits.ptr(), dflow, n)?,
@@ -1884,6 +1902,7 @@ impl EncoderPlan {
             } else {
                 blk.att_rows.ptr()
             };
+            profile::scope("bwd residual + layernorm");
             let (dt1, dt2, dt3) = (self.dt1.ptr(), self.dt2.ptr(), self.dt3.ptr());
             if blk.pre_ln {
                 // g_f = D(g_out).
@@ -1893,6 +1912,7 @@ impl EncoderPlan {
                 blk.ln2.backward(dev, blk.r2.ptr(), dflow, 0, dt1)?;
                 blk.drop_ffn.apply(dev, step, dt1, dt2, r * d)?;
             }
+            profile::scope("bwd ffn");
             // FFN: g = GELU(h) again for Down's backward; g_h = (Downᵀ g_f) ⊙ GELU'(h).
             let (hp, gp, dgp, dhp) = (blk.h.ptr(), self.g.ptr(), self.dg.ptr(), self.dhh.ptr());
             let rf = (r * self.ffn) as i64;
@@ -1927,6 +1947,7 @@ impl EncoderPlan {
                 // g_r1 = LN1'ᵀ (g_r2 + Upᵀ…).
                 blk.ln1.backward(dev, blk.r1.ptr(), dt1, dt3, dt2)?;
             }
+            profile::scope("bwd o");
             // g_o = D(g_r1).
             blk.drop_attn.apply(dev, step, dt2, dt3, r * d)?;
             // g_att = Oᵀ g_o (R rows), into N rows for the attention backward.
@@ -1948,6 +1969,7 @@ impl EncoderPlan {
                     datt,
                 )?;
             }
+            profile::scope("bwd attention");
             // Attention: dV = Pᵀ·dO, dP = dO·Vᵀ, dS = softmax'(dP), dQ = dS·K, dK = dSᵀ·Q.
             let doh = self.oh.ptr();
             self.permute(dev, datt, doh, true)?;
@@ -2010,6 +2032,7 @@ impl EncoderPlan {
             } else {
                 (x, dflow)
             };
+            profile::scope("bwd q/k/v");
             let mut first = true;
             for (lin, dsrc) in [
                 (&blk.q, &self.dqh),
@@ -2023,6 +2046,7 @@ impl EncoderPlan {
             if blk.pre_ln {
                 blk.ln1.backward(dev, x, dt1, 0, dflow)?;
             }
+            profile::scope("bwd residual + layernorm");
             let nn = nd as i64;
             if r == n {
                 // SAFETY: both hold N·D floats.
@@ -2040,6 +2064,7 @@ impl EncoderPlan {
                 )?;
             }
         }
+        profile::scope("bwd embeddings");
         // Embeddings.
         self.drop_emb.apply(dev, step, dflow, dflow, nd)?;
         let demb = self.dt1.ptr();
@@ -2159,6 +2184,7 @@ impl EncoderPlan {
             true,
             self.types.g,
         )?;
+        profile::scope("bwd gated cores");
         // Every TT layer's gated cores: their gradients through the gates, all at once.
         match &self.gates {
             Some(g) => g.record_grads(dev),

@@ -12,6 +12,7 @@
 //! - [`memory`]: what a plan will hold on the device, before it allocates ([`PlanMemory`]);
 //! - [`rank`]: the rank schedule inside that step (the stage's objective, the gates'
 //!   projection) over every gated chain at once;
+//! - [`profile`]: one eager step with every operation timed on its own (where the time goes);
 //! - [`session`]: the seam comera-train calls ([`EncoderSession`]): device, plan and captured
 //!   graphs (the step, and the evaluation pass); host batches in, statistics, logits and
 //!   parameters out.
@@ -22,6 +23,7 @@ pub mod arena;
 pub mod encoder;
 pub mod memory;
 mod mlm;
+pub mod profile;
 pub mod rank;
 pub mod raw;
 pub mod session;
@@ -30,6 +32,7 @@ pub mod tt;
 pub use arena::{ParamArena, Tensor, Which};
 pub use encoder::{DeviceStepStats, EncoderPlan, StepConfig, StepPhase};
 pub use memory::PlanMemory;
+pub use profile::Profile;
 pub use rank::{ChainTable, DeviceBranch, DeviceObjective, RankSettings, RankStep};
 pub use raw::{Blas, Buf, Gemm};
 pub use session::{EncoderSession, Micro, Moments};

@@ -10,6 +10,7 @@
 //! synchronises on drop); every pointer handed to a launch lies inside a live [`Buf`] at an
 //! offset and length the plan computed from its fixed shapes, checked by [`Buf::at`].
 
+use super::profile::timed;
 use crate::device::Device;
 use crate::error::{driver, CudaError};
 use cudarc::cublas::sys::cublasOperation_t as Op;
@@ -186,14 +187,19 @@ pub unsafe fn launch(
     cfg: LaunchConfig,
     args: &[&dyn Arg],
 ) -> Result<(), CudaError> {
-    let stream = dev.stream();
-    let mut b = stream.launch_builder(dev.kernel(name));
-    for a in args {
-        a.push(&mut b);
-    }
-    // SAFETY: the caller's contract (arguments match the kernel; pointers cover its ranges).
-    unsafe { b.launch(cfg) }.map_err(driver(name))?;
-    Ok(())
+    timed(
+        || name.to_string(),
+        || {
+            let mut b = dev.stream().launch_builder(dev.kernel(name));
+            for a in args {
+                a.push(&mut b);
+            }
+            // SAFETY: the caller's contract (arguments match the kernel; pointers cover its
+            // ranges).
+            unsafe { b.launch(cfg) }.map_err(driver(name))?;
+            Ok(())
+        },
+    )
 }
 
 /// A kernel argument passed by value.
@@ -284,29 +290,55 @@ impl Gemm {
         }
         let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
         let (lda, ldb, ldc) = self.lds();
-        // SAFETY: the caller's contract; alpha and beta are host scalars that outlive the call.
-        unsafe {
-            cudarc::cublas::result::sgemm(
-                *blas.handle(),
-                op(self.tb),
-                op(self.ta),
-                self.n as i32,
-                self.m as i32,
-                self.k as i32,
-                &self.alpha,
-                b as *const f32,
-                ldb,
-                a as *const f32,
-                lda,
-                &self.beta,
-                c as *mut f32,
-                ldc,
-            )
-        }
-        .map_err(|source| CudaError::Cublas {
-            context: "cublasSgemm",
-            source,
-        })
+        timed(
+            || self.label(1),
+            || {
+                // SAFETY: the caller's contract; alpha and beta are host scalars that outlive
+                // the call.
+                unsafe {
+                    cudarc::cublas::result::sgemm(
+                        *blas.handle(),
+                        op(self.tb),
+                        op(self.ta),
+                        self.n as i32,
+                        self.m as i32,
+                        self.k as i32,
+                        &self.alpha,
+                        b as *const f32,
+                        ldb,
+                        a as *const f32,
+                        lda,
+                        &self.beta,
+                        c as *mut f32,
+                        ldc,
+                    )
+                }
+                .map_err(|source| CudaError::Cublas {
+                    context: "cublasSgemm",
+                    source,
+                })
+            },
+        )
+    }
+
+    /// The profiler's name for this product ([`super::profile`]): `sgemm m×n×k`, with `ᵀ`
+    /// on a transposed operand, `+=` when it accumulates, and the batch count.
+    fn label(&self, count: usize) -> String {
+        let t = |b: bool| if b { "ᵀ" } else { "" };
+        let acc = if self.beta != 0.0 { " +=" } else { "" };
+        let batch = if count > 1 {
+            format!(" ×{count}")
+        } else {
+            String::new()
+        };
+        format!(
+            "sgemm {}×{}×{} (a{} b{}){acc}{batch}",
+            self.m,
+            self.n,
+            self.k,
+            t(self.ta),
+            t(self.tb)
+        )
     }
 
     /// `count` products at element strides `sa`, `sb`, `sc` (cublasSgemmStridedBatched).
@@ -330,33 +362,38 @@ impl Gemm {
         }
         let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
         let (lda, ldb, ldc) = self.lds();
-        // SAFETY: the caller's contract, for each of the `count` strided matrices.
-        unsafe {
-            cudarc::cublas::result::sgemm_strided_batched(
-                *blas.handle(),
-                op(self.tb),
-                op(self.ta),
-                self.n as i32,
-                self.m as i32,
-                self.k as i32,
-                &self.alpha,
-                b as *const f32,
-                ldb,
-                sb as i64,
-                a as *const f32,
-                lda,
-                sa as i64,
-                &self.beta,
-                c as *mut f32,
-                ldc,
-                sc as i64,
-                count as i32,
-            )
-        }
-        .map_err(|source| CudaError::Cublas {
-            context: "cublasSgemmStridedBatched",
-            source,
-        })
+        timed(
+            || self.label(count),
+            || {
+                // SAFETY: the caller's contract, for each of the `count` strided matrices.
+                unsafe {
+                    cudarc::cublas::result::sgemm_strided_batched(
+                        *blas.handle(),
+                        op(self.tb),
+                        op(self.ta),
+                        self.n as i32,
+                        self.m as i32,
+                        self.k as i32,
+                        &self.alpha,
+                        b as *const f32,
+                        ldb,
+                        sb as i64,
+                        a as *const f32,
+                        lda,
+                        sa as i64,
+                        &self.beta,
+                        c as *mut f32,
+                        ldc,
+                        sc as i64,
+                        count as i32,
+                    )
+                }
+                .map_err(|source| CudaError::Cublas {
+                    context: "cublasSgemmStridedBatched",
+                    source,
+                })
+            },
+        )
     }
 }
 
@@ -368,12 +405,15 @@ pub unsafe fn zero(dev: &Device, c: u64, len: usize) -> Result<(), CudaError> {
     if len == 0 {
         return Ok(());
     }
-    // SAFETY: the caller's contract; cuMemsetD32Async on the engine's stream.
-    unsafe {
-        cudarc::driver::sys::cuMemsetD32Async(c, 0, len, dev.stream().cu_stream())
-            .result()
-            .map_err(driver("cuMemsetD32Async"))
-    }
+    timed(
+        || "memset".to_string(),
+        // SAFETY: the caller's contract; cuMemsetD32Async on the engine's stream.
+        || unsafe {
+            cudarc::driver::sys::cuMemsetD32Async(c, 0, len, dev.stream().cu_stream())
+                .result()
+                .map_err(driver("cuMemsetD32Async"))
+        },
+    )
 }
 
 /// Queues a device-to-device copy of `len` floats.
@@ -384,12 +424,15 @@ pub unsafe fn copy(dev: &Device, dst: u64, src: u64, len: usize) -> Result<(), C
     if len == 0 {
         return Ok(());
     }
-    // SAFETY: the caller's contract; an async copy on the engine's stream.
-    unsafe {
-        cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, len * 4, dev.stream().cu_stream())
-            .result()
-            .map_err(driver("cuMemcpyDtoDAsync"))
-    }
+    timed(
+        || "memcpy".to_string(),
+        // SAFETY: the caller's contract; an async copy on the engine's stream.
+        || unsafe {
+            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, len * 4, dev.stream().cu_stream())
+                .result()
+                .map_err(driver("cuMemcpyDtoDAsync"))
+        },
+    )
 }
 
 /// Bytes of a [`Blas`] workspace (NVIDIA's recommendation for Hopper).
