@@ -7,7 +7,7 @@
 // rows (one block each), the fixed-order sum of the row losses.
 
 // count[0] = N. One block.
-extern "C" __global__ void cross_entropy_count(const int* __restrict__ labels, int rows,
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_count(const int* __restrict__ labels, int rows,
                                                int ignore_index, int* __restrict__ count) {
     __shared__ int shared[32];
     int c = 0;
@@ -97,7 +97,7 @@ extern "C" __global__ void cross_entropy_rows(const float* logits, const int* __
 
 // out[0] = L (mean over counted rows, 0 if none), out[1] = sum of row losses, out[2] = N,
 // out[3] = correct count; sums in a fixed tree. One block.
-extern "C" __global__ void cross_entropy_reduce(const double* __restrict__ row_loss,
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_reduce(const double* __restrict__ row_loss,
                                                 const float* __restrict__ row_hit, int rows,
                                                 const int* __restrict__ count,
                                                 double* __restrict__ out) {

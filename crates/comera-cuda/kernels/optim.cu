@@ -32,7 +32,7 @@ extern "C" __global__ void grad_sum_squares(const float* __restrict__ g, long lo
 }
 
 // norm_out[0] = ||g||, clip_out[0] = c (see the top). One block.
-extern "C" __global__ void grad_norm_finish(const double* __restrict__ partial, int parts,
+extern "C" __global__ void __launch_bounds__(1024) grad_norm_finish(const double* __restrict__ partial, int parts,
                                             float max_norm, double* __restrict__ norm_out,
                                             float* __restrict__ clip_out) {
     __shared__ double shared[32];

@@ -1327,7 +1327,10 @@ mod encoder_step {
     /// each of its four regimes: the early stage, the late stage's loss branch and size
     /// branch, and the gates held (`gates_after_steps`). With β ≠ 0, a layer prefix that
     /// leaves the TTM table out, `min_rank` 2 on a bond that has one active entry left (so
-    /// the projection revives one), and the gates' normalisation on.
+    /// the projection revives one), and the gates' normalisation on. A fifth case runs the
+    /// early stage with `min_rank` 0 on a model with a dead TT layer inside the prefix (a bond
+    /// without an active entry, after the truncation): its bond counts 0 in S and Ŝ, takes no
+    /// gradient from Ŝ, and the projection revives nothing, as on the CPU.
     ///
     /// The learning rates are 0, so AdamW leaves every parameter's value as it was (w − 0·u)
     /// and the projection starts from the CPU's values: the parameters after the step
@@ -1374,20 +1377,52 @@ mod encoder_step {
         };
         let loss0 = cpu_backward(&mut enc.clone());
         let s0 = RankController::new(&rank_cfg, &enc).sizes(&enc).0;
-        // (name, hold, late target S0 with target loss L0, the branch it must take)
+        let mut with_dead = enc.clone();
+        with_dead.visit_params_mut(&mut |p| {
+            if p.name == "encoder.0.attn.o.gate.1" {
+                p.value.fill(0.0);
+            }
+        });
+        comera_optim::rank::truncate(&mut with_dead);
+        let mut dead = Vec::new();
+        with_dead.visit_compressible(&mut |l: &dyn comera_layers::Compressible| {
+            if l.is_dead() {
+                dead.push(l.layer_name().to_string());
+            }
+        });
+        assert_eq!(dead, ["encoder.0.attn.o"], "the dead layer");
+        let base = enc;
+        // (name, hold, late target S0 with target loss L0, the branch it must take, a dead
+        // layer and min_rank 0)
         let cases = [
-            ("early", false, None, Branch::Early),
-            ("late, loss branch", false, Some((s0, 0.0)), Branch::Loss),
+            ("early", false, None, Branch::Early, false),
+            (
+                "late, loss branch",
+                false,
+                Some((s0, 0.0)),
+                Branch::Loss,
+                false,
+            ),
             (
                 "late, size branch",
                 false,
                 Some((0.5 * s0, 10.0 * loss0)),
                 Branch::Size,
+                false,
             ),
-            ("gates held", true, None, Branch::Early),
+            ("gates held", true, None, Branch::Early, false),
+            ("a dead layer, min_rank 0", false, None, Branch::Early, true),
         ];
-        for (what, hold, late, branch) in cases {
+        for (what, hold, late, branch, dead) in cases {
+            let enc = if dead {
+                with_dead.clone()
+            } else {
+                base.clone()
+            };
             let mut cfg = rank_cfg.clone();
+            if dead {
+                cfg.min_rank = 0;
+            }
             if let Some((_, l0)) = late {
                 cfg.target_loss = l0;
             }

@@ -153,13 +153,13 @@ impl Active {
         label: impl FnOnce() -> String,
         op: impl FnOnce() -> Result<(), CudaError>,
     ) -> Result<(), CudaError> {
-        use cudarc::driver::{sys::CUevent_flags, LaunchConfig, PushKernelArg};
+        use cudarc::driver::{sys::CUevent_flags, PushKernelArg};
         let stream = &self.dev_stream;
         let ns = SPIN_NS;
         let mut b = stream.launch_builder(&self.spin);
         b.arg(&ns);
         // SAFETY: spin_wait(long long ns) takes one 64-bit integer and touches no memory.
-        unsafe { b.launch(LaunchConfig::for_num_elems(1)) }.map_err(driver("spin_wait"))?;
+        unsafe { b.launch(super::raw::grid(1, 1, 1)) }.map_err(driver("spin_wait"))?;
         let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
         let start = stream
             .record_event(timing)

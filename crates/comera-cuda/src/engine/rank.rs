@@ -156,8 +156,11 @@ const MAX_BOND: usize = 1024;
 
 impl ChainTable {
     /// The chains of `enc`'s TT/TTM layers in the CPU's order, located in `arena`'s tensors
-    /// (`{layer}.core.{k}`, `{layer}.gate.{b}`). A dead layer is refused: the device has no
-    /// path for a chain that is the zero tensor.
+    /// (`{layer}.core.{k}`, `{layer}.gate.{b}`). A dead layer (`rank.min_rank = 0`: a bond
+    /// without an active entry) is a chain like the others, as on the CPU: its dead bond
+    /// measures 0 in S and Ŝ, takes no gradient from Ŝ (only active entries do), and the
+    /// projection revives nothing on it (`min_rank` 0) and skips its normalisation (no gate
+    /// above the threshold).
     pub fn of(
         enc: &Encoder,
         tensors: &[super::Tensor],
@@ -170,16 +173,9 @@ impl ChainTable {
                 .ok_or_else(|| CudaError::Plan(format!("the plan has no parameter `{name}`")))
         };
         let mut layers = Vec::new();
-        enc.visit_compressible(&mut |l| {
-            layers.push((l.layer_name().to_string(), l.ranks(), l.is_dead()))
-        });
+        enc.visit_compressible(&mut |l| layers.push((l.layer_name().to_string(), l.ranks())));
         let mut t = ChainTable::default();
-        for (name, ranks, dead) in layers {
-            if dead {
-                return Err(CudaError::Plan(format!(
-                    "layer `{name}` is dead (a bond without an active rank); the device has no path for it"
-                )));
-            }
+        for (name, ranks) in layers {
             let k = ranks.len() - 1;
             t.core0.push(t.mode.len() as i32);
             t.cores.push(k as i32);
@@ -298,12 +294,6 @@ impl RankPlan {
         tau: f32,
         settings: RankSettings,
     ) -> Result<RankPlan, CudaError> {
-        if settings.min_rank == 0 {
-            return Err(CudaError::Plan(
-                "rank.min_rank = 0 lets a layer die, which the device has no path for; set it ≥ 1"
-                    .into(),
-            ));
-        }
         if settings.s_ref.is_nan() || settings.s_ref <= 0.0 {
             return Err(CudaError::Plan(format!(
                 "S_ref {} (the TT/TTM size at the start) must be positive",
@@ -642,19 +632,22 @@ mod tests {
         );
     }
 
-    /// A layer with a bond that has no active entry (a dead chain) is refused by name.
+    /// A layer with a bond that has no active entry (a dead chain, `rank.min_rank = 0`) is in
+    /// the table like any other, at its place in the CPU's order.
     #[test]
-    fn a_dead_layer_is_refused_by_name() {
+    fn a_dead_layer_is_a_chain_like_the_others() {
         let mut enc = encoder();
+        let live = ChainTable::of(&enc, &tensors(&enc), "").unwrap();
         enc.visit_params_mut(&mut |p| {
             if p.name == "encoder.0.ffn.down.gate.1" {
                 p.value.fill(0.0);
             }
         });
-        let e = ChainTable::of(&enc, &tensors(&enc), "").unwrap_err();
-        assert!(
-            e.to_string().contains("`encoder.0.ffn.down` is dead"),
-            "{e}"
-        );
+        let mut dead = 0;
+        enc.visit_compressible(&mut |l| dead += l.is_dead() as usize);
+        assert_eq!(dead, 1);
+        let t = ChainTable::of(&enc, &tensors(&enc), "").unwrap();
+        assert_eq!((t.chains(), t.bonds()), (live.chains(), live.bonds()));
+        assert_eq!(t.gate_off, live.gate_off);
     }
 }

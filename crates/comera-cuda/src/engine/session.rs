@@ -19,12 +19,13 @@ use cudarc::driver::CudaGraph;
 pub type Moments = (String, Vec<f32>, Vec<f32>);
 
 /// A classifier encoder training on one GPU: [`EncoderPlan`] plus its CUDA graph, captured
-/// on the first step and replayed after.
+/// after the first step (which runs its launches one by one: `run_recorded`) and replayed
+/// from the second on.
 pub struct EncoderSession {
     // Field order is drop order: the graphs, then the plan's buffers, then the device.
     graph: Option<CudaGraph>,
-    /// The evaluation pass ([`EncoderPlan::record_eval_forward`]), captured on the first
-    /// [`EncoderSession::logits`] and replayed after: a second graph, because the pass is
+    /// The evaluation pass ([`EncoderPlan::record_eval_forward`]), captured after the first
+    /// [`EncoderSession::logits`] and replayed from the second on: a second graph, because the pass is
     /// another sequence of launches (no dropout, no loss, no backward, no update) on the same
     /// fixed buffers. An evaluation or a prediction runs it once per batch, many times over the
     /// same shapes, and a forward of the paper model is a few hundred small launches whose
@@ -587,8 +588,14 @@ impl EncoderSession {
 }
 
 /// Runs what `record` queues on `dev`'s stream: with a `graph` slot, replayed from the graph
-/// captured there on the first call (`what` names the replay in an error); without, launched
-/// one by one (the same launches).
+/// captured there (`what` names the replay in an error); without, launched one by one (the
+/// same launches).
+///
+/// The first call with an empty slot launches one by one, waits for the stream, and only then
+/// captures the graph for the calls after it (capturing runs nothing): by then every kernel
+/// and cuBLAS module the launches use has run once, so none is loaded for the first time
+/// inside the capture (CUDA loads modules lazily; PyTorch's graph recipe warms up the same
+/// way).
 fn run_recorded(
     dev: &Device,
     graph: Option<&mut Option<CudaGraph>>,
@@ -598,13 +605,17 @@ fn run_recorded(
     let Some(slot) = graph else {
         return record(dev);
     };
-    if slot.is_none() {
-        *slot = Some(dev.capture(&record)?);
+    match slot {
+        Some(g) => g.launch().map_err(crate::error::driver(what)),
+        None => {
+            record(dev)?;
+            dev.stream()
+                .synchronize()
+                .map_err(crate::error::driver("cuStreamSynchronize"))?;
+            *slot = Some(dev.capture(&record)?);
+            Ok(())
+        }
     }
-    if let Some(g) = slot {
-        g.launch().map_err(crate::error::driver(what))?;
-    }
-    Ok(())
 }
 
 /// The session's plan to change (a free function over the field, so that the session's other
