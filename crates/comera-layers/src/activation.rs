@@ -139,7 +139,7 @@ impl Gelu {
         check_len("Gelu y", y.len(), x.len());
         let f = |(y, x): (&mut [f32], &[f32])| simd::gelu_forward(y, x);
         if x.len() >= 2 * CHUNK {
-            y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(f);
+            comera_tensor::for_each(y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)), f);
         } else {
             f((y, x));
         }
@@ -158,7 +158,7 @@ impl Gelu {
         let f = |y: &mut [f32]| simd::gelu_bias_in_place(y, bias);
         let chunk = CHUNK.div_ceil(w) * w; // whole rows
         if y.len() >= 2 * chunk {
-            y.par_chunks_mut(chunk).for_each(f);
+            comera_tensor::for_each(y.par_chunks_mut(chunk), f);
         } else {
             f(y);
         }
@@ -179,9 +179,7 @@ impl Gelu {
         let f = |(h, g): (&mut [f32], &mut [f32])| simd::gelu_bias_value_grad(h, bias, g);
         let chunk = CHUNK.div_ceil(w) * w; // whole rows
         if h.len() >= 2 * chunk {
-            h.par_chunks_mut(chunk)
-                .zip(g.par_chunks_mut(chunk))
-                .for_each(f);
+            comera_tensor::for_each(h.par_chunks_mut(chunk).zip(g.par_chunks_mut(chunk)), f);
         } else {
             f((h, g));
         }
@@ -194,9 +192,7 @@ impl Gelu {
         check_len("Gelu g", g.len(), h.len());
         let f = |(h, g): (&mut [f32], &mut [f32])| simd::gelu_value_grad(h, g);
         if h.len() >= 2 * CHUNK {
-            h.par_chunks_mut(CHUNK)
-                .zip(g.par_chunks_mut(CHUNK))
-                .for_each(f);
+            comera_tensor::for_each(h.par_chunks_mut(CHUNK).zip(g.par_chunks_mut(CHUNK)), f);
         } else {
             f((h, g));
         }
@@ -216,7 +212,7 @@ impl Gelu {
         check_len("Gelu d", d.len(), x.len());
         let f = |(d, x): (&mut [f32], &[f32])| simd::gelu_backward_in_place(d, x);
         if x.len() >= 2 * CHUNK {
-            d.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(f);
+            comera_tensor::for_each(d.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)), f);
         } else {
             f((d, x));
         }

@@ -375,33 +375,33 @@ impl Attention {
         let scale = 1.0 / (hd as f32).sqrt();
         // Under a causal mask the first query sees only the first key.
         let len = if self.causal { 1 } else { t };
-        out_first
+        let sequences = out_first
             .par_chunks_mut(d)
             .zip(probs.par_chunks_mut(nh * t))
-            .enumerate()
-            .for_each(|(b, (out, probs))| {
-                let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
-                let allow = &allow[b * t..b * t + len];
-                for h in 0..nh {
-                    let p = &mut probs[h * t..(h + 1) * t];
-                    let q = &q_b[h * hd..(h + 1) * hd];
-                    for (j, pj) in p.iter_mut().enumerate() {
-                        *pj = dot(q, &k_b[j * d + h * hd..][..hd]);
-                    }
-                    let (head, tail) = p.split_at_mut(len);
-                    softmax::row(head, allow, scale);
-                    tail.fill(0.0);
-                    // o_0 = Σ_j p_j·v_j, j ascending.
-                    let o = &mut out[h * hd..(h + 1) * hd];
-                    o.fill(0.0);
-                    for (j, &pj) in p.iter().enumerate() {
-                        let v = &v_b[j * d + h * hd..][..hd];
-                        for (ov, &vv) in o.iter_mut().zip(v) {
-                            *ov += pj * vv;
-                        }
+            .enumerate();
+        comera_tensor::for_each(sequences, |(b, (out, probs))| {
+            let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
+            let allow = &allow[b * t..b * t + len];
+            for h in 0..nh {
+                let p = &mut probs[h * t..(h + 1) * t];
+                let q = &q_b[h * hd..(h + 1) * hd];
+                for (j, pj) in p.iter_mut().enumerate() {
+                    *pj = dot(q, &k_b[j * d + h * hd..][..hd]);
+                }
+                let (head, tail) = p.split_at_mut(len);
+                softmax::row(head, allow, scale);
+                tail.fill(0.0);
+                // o_0 = Σ_j p_j·v_j, j ascending.
+                let o = &mut out[h * hd..(h + 1) * hd];
+                o.fill(0.0);
+                for (j, &pj) in p.iter().enumerate() {
+                    let v = &v_b[j * d + h * hd..][..hd];
+                    for (ov, &vv) in o.iter_mut().zip(v) {
+                        *ov += pj * vv;
                     }
                 }
-            });
+            }
+        });
     }
 
     /// Given the `qkv` and `probs` of the matching [`Attention::forward_first`] and
@@ -427,14 +427,17 @@ impl Attention {
         let scale = 1.0 / (hd as f32).sqrt();
         let (dq, dkv) = dqkv.split_at_mut(bsz * t * d);
         let (dk, dv) = dkv.split_at_mut(bsz * t * d);
-        dq.par_chunks_mut(t * d)
+        let sequences = dq
+            .par_chunks_mut(t * d)
             .zip(dk.par_chunks_mut(t * d))
             .zip(dv.par_chunks_mut(t * d))
             .zip(dout_first.par_chunks(d))
             .zip(probs.par_chunks(nh * t))
             .zip(scratch.par_chunks_mut(t))
-            .enumerate()
-            .for_each(|(b, (((((dq_b, dk_b), dv_b), dout), probs), ds))| {
+            .enumerate();
+        comera_tensor::for_each(
+            sequences,
+            |(b, (((((dq_b, dk_b), dv_b), dout), probs), ds))| {
                 let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
                 dq_b.fill(0.0);
                 for h in 0..nh {
@@ -465,7 +468,8 @@ impl Attention {
                         }
                     }
                 }
-            });
+            },
+        );
     }
 
     /// Given the `qkv` of the matching forward and `dout` (B, T, D), *writes* `dqkv`

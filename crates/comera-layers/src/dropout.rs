@@ -187,10 +187,9 @@ impl Dropout {
             // Each bit depends only on (key, index): words are drawn in parallel, in chunks of
             // 256 words (16k elements), with the same result on any thread count.
             let threshold = self.threshold();
-            ws.bits
-                .par_chunks_mut(256)
-                .enumerate()
-                .for_each(|(c, words)| kernels::draw_words(words, c * 256, len, key, threshold));
+            comera_tensor::for_each(ws.bits.par_chunks_mut(256).enumerate(), |(c, words)| {
+                kernels::draw_words(words, c * 256, len, key, threshold)
+            });
         }
         ws.active
     }
@@ -335,10 +334,12 @@ fn apply_mask(bits: &[u64], scale: f32, inp: &[f32], out: &mut [f32]) {
         kernels::apply_mask(bits, scale, inp, out)
     };
     if out.len() >= 2 * CHUNK {
-        out.par_chunks_mut(CHUNK)
-            .zip(inp.par_chunks(CHUNK))
-            .zip(bits.par_chunks(CHUNK / 64))
-            .for_each(f);
+        comera_tensor::for_each(
+            out.par_chunks_mut(CHUNK)
+                .zip(inp.par_chunks(CHUNK))
+                .zip(bits.par_chunks(CHUNK / 64)),
+            f,
+        );
     } else {
         f(((out, inp), bits));
     }
@@ -349,9 +350,7 @@ fn apply_mask_in_place(bits: &[u64], scale: f32, v: &mut [f32]) {
     use rayon::prelude::*;
     let f = |(v, bits): (&mut [f32], &[u64])| kernels::apply_mask_in_place(bits, scale, v);
     if v.len() >= 2 * CHUNK {
-        v.par_chunks_mut(CHUNK)
-            .zip(bits.par_chunks(CHUNK / 64))
-            .for_each(f);
+        comera_tensor::for_each(v.par_chunks_mut(CHUNK).zip(bits.par_chunks(CHUNK / 64)), f);
     } else {
         f((v, bits));
     }

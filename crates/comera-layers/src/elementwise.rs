@@ -24,10 +24,12 @@ pub fn sum_into(a: &[f32], b: &[f32], out: &mut [f32]) {
     check_len("sum_into b", b.len(), out.len());
     let f = |((out, a), b): ((&mut [f32], &[f32]), &[f32])| kernels::sum(a, b, out);
     if out.len() >= 2 * CHUNK {
-        out.par_chunks_mut(CHUNK)
-            .zip(a.par_chunks(CHUNK))
-            .zip(b.par_chunks(CHUNK))
-            .for_each(f);
+        comera_tensor::for_each(
+            out.par_chunks_mut(CHUNK)
+                .zip(a.par_chunks(CHUNK))
+                .zip(b.par_chunks(CHUNK)),
+            f,
+        );
     } else {
         f(((out, a), b));
     }
@@ -38,7 +40,7 @@ pub fn sum_into(a: &[f32], b: &[f32], out: &mut [f32]) {
 /// machine as fast as one core, which already draws its memory bandwidth: docs/scaling.md).
 pub fn zero(v: &mut [f32]) {
     if v.len() >= 2 * CHUNK {
-        v.par_chunks_mut(CHUNK).for_each(|c| c.fill(0.0));
+        comera_tensor::for_each(v.par_chunks_mut(CHUNK), |c| c.fill(0.0));
     } else {
         v.fill(0.0);
     }
@@ -50,9 +52,10 @@ pub fn zero(v: &mut [f32]) {
 pub fn copy(dst: &mut [f32], src: &[f32]) {
     check_len("copy src", src.len(), dst.len());
     if dst.len() >= 2 * CHUNK {
-        dst.par_chunks_mut(CHUNK)
-            .zip(src.par_chunks(CHUNK))
-            .for_each(|(d, s)| d.copy_from_slice(s));
+        comera_tensor::for_each(
+            dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)),
+            |(d, s)| d.copy_from_slice(s),
+        );
     } else {
         dst.copy_from_slice(src);
     }
@@ -71,9 +74,7 @@ pub fn mul_into(acc: &mut [f32], x: &[f32]) {
 fn zip_in_place(acc: &mut [f32], x: &[f32], kernel: fn(&mut [f32], &[f32])) {
     let f = |(acc, x): (&mut [f32], &[f32])| kernel(acc, x);
     if acc.len() >= 2 * CHUNK {
-        acc.par_chunks_mut(CHUNK)
-            .zip(x.par_chunks(CHUNK))
-            .for_each(f);
+        comera_tensor::for_each(acc.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)), f);
     } else {
         f((acc, x));
     }

@@ -142,14 +142,15 @@ impl EmbeddingLayer for Embedding {
         // the paper's batch 32 the position rows are 12.6 MB a step).
         let group = (crate::elementwise::CHUNK / d.max(1)).max(1);
         let table = &self.table.value;
-        y.par_chunks_mut(group * d)
-            .zip(ids.par_chunks(group))
-            .for_each(|(y, ids)| {
+        comera_tensor::for_each(
+            y.par_chunks_mut(group * d).zip(ids.par_chunks(group)),
+            |(y, ids)| {
                 for (row, &id) in y.chunks_exact_mut(d).zip(ids) {
                     let id = id as usize;
                     row.copy_from_slice(&table[id * d..(id + 1) * d]);
                 }
-            });
+            },
+        );
         Ok(())
     }
 
@@ -172,7 +173,7 @@ impl EmbeddingLayer for Embedding {
             return;
         }
         let grad = comera_tensor::DisjointMut::new(&mut self.table.grad);
-        (0..d.div_ceil(GRAD_BAND)).into_par_iter().for_each(|band| {
+        comera_tensor::for_each((0..d.div_ceil(GRAD_BAND)).into_par_iter(), |band| {
             let cols = band * GRAD_BAND..((band + 1) * GRAD_BAND).min(d);
             for (row, &id) in dy.chunks_exact(d).zip(ids) {
                 // SAFETY: this task alone touches the columns `cols` of the table's rows.

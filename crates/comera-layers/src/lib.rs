@@ -140,9 +140,9 @@ pub fn accumulate_bias_grad(dy: &[f32], db: &mut [f32]) {
     const COLS: usize = 128;
     let w = db.len();
     if dy.len() >= 2 * elementwise::CHUNK && w >= 2 * COLS {
-        db.par_chunks_mut(COLS)
-            .enumerate()
-            .for_each(|(i, db)| bias_grad_columns(dy, w, i * COLS, db));
+        comera_tensor::for_each(db.par_chunks_mut(COLS).enumerate(), |(i, db)| {
+            bias_grad_columns(dy, w, i * COLS, db)
+        });
     } else {
         bias_grad_columns(dy, w, 0, db);
     }
@@ -164,7 +164,7 @@ pub fn add_bias(y: &mut [f32], bias: &[f32]) {
     use rayon::prelude::*;
     let chunk = elementwise::CHUNK.div_ceil(bias.len()) * bias.len();
     if y.len() >= 2 * chunk {
-        y.par_chunks_mut(chunk).for_each(|y| add_bias_rows(y, bias));
+        comera_tensor::for_each(y.par_chunks_mut(chunk), |y| add_bias_rows(y, bias));
     } else {
         add_bias_rows(y, bias);
     }

@@ -108,21 +108,22 @@ impl LayerNorm {
         check_len("LayerNorm residual y", y.len(), rows * d);
         let (gamma, beta, eps) = (&self.gamma.value, &self.beta.value, self.eps);
         let br = block_rows(rows);
-        y.par_chunks_mut(br * d)
+        let blocks = y
+            .par_chunks_mut(br * d)
             .zip(r.par_chunks_mut(br * d))
             .zip(ws.mean.par_chunks_mut(br))
             .zip(ws.rstd.par_chunks_mut(br))
-            .enumerate()
-            .for_each(|(b, (((y, r), mean), rstd))| {
-                for (i, (yr, rr)) in y.chunks_exact_mut(d).zip(r.chunks_exact_mut(d)).enumerate() {
-                    let at = (b * br + i) * d..(b * br + i + 1) * d;
-                    match &mask {
-                        Some(m) => m.add_dropped(at.start, &x[at.clone()], &branch[at], rr),
-                        None => crate::elementwise::kernels::sum(&x[at.clone()], &branch[at], rr),
-                    }
-                    (mean[i], rstd[i]) = kernels::forward_row(rr, gamma, beta, eps, yr);
+            .enumerate();
+        comera_tensor::for_each(blocks, |(b, (((y, r), mean), rstd))| {
+            for (i, (yr, rr)) in y.chunks_exact_mut(d).zip(r.chunks_exact_mut(d)).enumerate() {
+                let at = (b * br + i) * d..(b * br + i + 1) * d;
+                match &mask {
+                    Some(m) => m.add_dropped(at.start, &x[at.clone()], &branch[at], rr),
+                    None => crate::elementwise::kernels::sum(&x[at.clone()], &branch[at], rr),
                 }
-            });
+                (mean[i], rstd[i]) = kernels::forward_row(rr, gamma, beta, eps, yr);
+            }
+        });
     }
 
     /// The backward of [`LayerNorm::forward_residual`] from ∂L/∂y = `dy` plus `extra` (when y
@@ -214,14 +215,18 @@ impl LayerNorm {
         };
         let partials = ws.partial.par_chunks_mut(2 * d).enumerate();
         match (dx, db) {
-            (Some(dx), Some(db)) => partials
-                .zip(dx.par_chunks_mut(br * d))
-                .zip(db.par_chunks_mut(br * d))
-                .for_each(|(((b, p), dx), db)| block(b, p, Some(dx), Some(db))),
-            (Some(dx), None) => partials
-                .zip(dx.par_chunks_mut(br * d))
-                .for_each(|((b, p), dx)| block(b, p, Some(dx), None)),
-            (None, _) => partials.for_each(|(b, p)| block(b, p, None, None)),
+            (Some(dx), Some(db)) => comera_tensor::for_each(
+                partials
+                    .zip(dx.par_chunks_mut(br * d))
+                    .zip(db.par_chunks_mut(br * d)),
+                |(((b, p), dx), db)| block(b, p, Some(dx), Some(db)),
+            ),
+            (Some(dx), None) => {
+                comera_tensor::for_each(partials.zip(dx.par_chunks_mut(br * d)), |((b, p), dx)| {
+                    block(b, p, Some(dx), None)
+                })
+            }
+            (None, _) => comera_tensor::for_each(partials, |(b, p)| block(b, p, None, None)),
         }
         // Blocks in order: dγ += Σ_b dγ_b, dβ += Σ_b dβ_b.
         for p in ws.partial.chunks_exact(2 * d) {
@@ -262,15 +267,16 @@ impl Layer for LayerNorm {
         check_len("LayerNorm y", y.len(), rows * d);
         let (gamma, beta, eps) = (&self.gamma.value, &self.beta.value, self.eps);
         let br = block_rows(rows);
-        y.par_chunks_mut(br * d)
+        let blocks = y
+            .par_chunks_mut(br * d)
             .zip(x.par_chunks(br * d))
             .zip(ws.mean.par_chunks_mut(br))
-            .zip(ws.rstd.par_chunks_mut(br))
-            .for_each(|(((y, x), mean), rstd)| {
-                for (r, (yr, xr)) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
-                    (mean[r], rstd[r]) = kernels::forward_row(xr, gamma, beta, eps, yr);
-                }
-            });
+            .zip(ws.rstd.par_chunks_mut(br));
+        comera_tensor::for_each(blocks, |(((y, x), mean), rstd)| {
+            for (r, (yr, xr)) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
+                (mean[r], rstd[r]) = kernels::forward_row(xr, gamma, beta, eps, yr);
+            }
+        });
     }
 
     fn backward(

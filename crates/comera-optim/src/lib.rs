@@ -348,12 +348,14 @@ impl Update<'_> {
                 }
             }
         } else if p.len() >= 2 * CHUNK {
-            p.value
-                .par_chunks_mut(CHUNK)
-                .zip(p.grad.par_chunks(CHUNK))
-                .zip(m.par_chunks_mut(CHUNK))
-                .zip(v.par_chunks_mut(CHUNK))
-                .for_each(update);
+            comera_tensor::for_each(
+                p.value
+                    .par_chunks_mut(CHUNK)
+                    .zip(p.grad.par_chunks(CHUNK))
+                    .zip(m.par_chunks_mut(CHUNK))
+                    .zip(v.par_chunks_mut(CHUNK)),
+                update,
+            );
         } else {
             update((((&mut p.value[..], &p.grad[..]), m), v));
         }

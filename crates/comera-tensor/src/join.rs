@@ -1,4 +1,5 @@
-//! [`join`]: `rayon::join` whose caller never sleeps while it waits.
+//! [`join`]: `rayon::join` whose caller never sleeps while it waits; [`for_each`]: a parallel
+//! iterator's `for_each` on it.
 //!
 //! The thread that calls `rayon::join(a, b)` runs `a`; `b` waits in its queue for another
 //! worker to take it. If `b` is not done when `a` is, rayon has the caller look for other work
@@ -11,6 +12,8 @@
 //! itself when nobody took it) until `b` is done. Which thread runs what never changes a
 //! result.
 
+use rayon::iter::plumbing::{Producer, ProducerCallback};
+use rayon::iter::IndexedParallelIterator;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// `(a(), b())`, `b` possibly on another worker (as `rayon::join`), the caller spinning for it
@@ -43,9 +46,49 @@ where
     )
 }
 
+/// `iter.for_each(f)` for an indexed parallel iterator whose items are each worth a task (row
+/// blocks, chunks of thousands of elements, lanes): the items cut in halves down to single
+/// items, each fork a [`join`].
+///
+/// Why not rayon's own `for_each`: it forks with `rayon::join`, whose caller sleeps when the
+/// half it waits for outlives its own by more than a few dozen yields (module doc), and it
+/// cuts a loop into about two pieces a thread, cut again only when a piece is stolen, so at 2
+/// threads the last quarter of a loop of 16 row blocks can be left to one thread. A step at
+/// batch 1 runs hundreds of such loops of tens of µs each (LayerNorm's row blocks, element-wise
+/// passes, dropout masks, AdamW's chunks). Here the caller spins as in [`join`], and a thread
+/// that is done takes the other's untaken halves down to one item. Which thread computes an
+/// item never changes a result.
+pub fn for_each<I, F>(iter: I, f: F)
+where
+    I: IndexedParallelIterator,
+    F: Fn(I::Item) + Sync + Send,
+{
+    struct Halves<F> {
+        f: F,
+        len: usize,
+    }
+    impl<T, F: Fn(T) + Sync + Send> ProducerCallback<T> for Halves<F> {
+        type Output = ();
+        fn callback<P: Producer<Item = T>>(self, producer: P) {
+            halves(producer, self.len, &self.f);
+        }
+    }
+    fn halves<P: Producer>(p: P, len: usize, f: &(impl Fn(P::Item) + Sync + Send)) {
+        if len <= 1 {
+            p.into_iter().for_each(f);
+            return;
+        }
+        let (a, b) = p.split_at(len / 2);
+        join(|| halves(a, len / 2, f), || halves(b, len - len / 2, f));
+    }
+    let len = iter.len();
+    iter.with_producer(Halves { f, len });
+}
+
 #[cfg(test)]
 mod tests {
-    use super::join;
+    use super::{for_each, join};
+    use rayon::prelude::*;
 
     #[test]
     fn runs_both_on_one_thread_and_on_several() {
@@ -64,5 +107,36 @@ mod tests {
         }
         // Off a pool (rayon's global one).
         assert_eq!(join(|| 1, || 2), (1, 2));
+    }
+
+    #[test]
+    fn for_each_visits_every_item_once_in_zipped_chunks_on_any_pool() {
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for len in [0usize, 1, 5, 16, 1000] {
+                let x: Vec<f32> = (0..len).map(|i| i as f32).collect();
+                let mut y = vec![0.0f32; len];
+                let mut seen = vec![0u8; len.div_ceil(7)];
+                pool.install(|| {
+                    for_each(
+                        y.par_chunks_mut(7)
+                            .zip(x.par_chunks(7))
+                            .zip(seen.par_iter_mut())
+                            .enumerate(),
+                        |(c, ((y, x), seen))| {
+                            *seen += 1;
+                            for (i, (y, x)) in y.iter_mut().zip(x).enumerate() {
+                                *y = 2.0 * x + (c * 7 + i) as f32;
+                            }
+                        },
+                    )
+                });
+                assert!(seen.iter().all(|&s| s == 1), "{threads} threads, {len}");
+                assert!(y.iter().enumerate().all(|(i, &v)| v == 3.0 * i as f32));
+            }
+        }
     }
 }

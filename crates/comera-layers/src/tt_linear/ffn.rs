@@ -278,28 +278,29 @@ impl FusedFfn {
             .par_chunks_mut(lr * rd)
             .zip(self.t1u.par_chunks(lr * ru));
         if self.kept.is_empty() {
-            lanes
-                .zip(buf[0].par_chunks_mut(lane_len))
-                .for_each(|((t1d, t1u), scratch)| {
+            comera_tensor::for_each(
+                lanes.zip(buf[0].par_chunks_mut(lane_len)),
+                |((t1d, t1u), scratch)| {
                     let lane = Lane::split(scratch, f, ru, rd);
                     for (t1d, t1u) in t1d.chunks_mut(ROWS * rd).zip(t1u.chunks(ROWS * ru)) {
                         block(t1u, t1d, lane.h, lane.g, false);
                     }
-                });
+                },
+            );
         } else {
             let (gp, g) = self.kept.split_at_mut(b * f);
-            lanes
+            let lanes = lanes
                 .zip(gp.par_chunks_mut(lr * f))
-                .zip(g.par_chunks_mut(lr * f))
-                .for_each(|(((t1d, t1u), gp), g)| {
-                    let blocks = t1d
-                        .chunks_mut(ROWS * rd)
-                        .zip(t1u.chunks(ROWS * ru))
-                        .zip(gp.chunks_mut(ROWS * f).zip(g.chunks_mut(ROWS * f)));
-                    for ((t1d, t1u), (gp, g)) in blocks {
-                        block(t1u, t1d, gp, g, true);
-                    }
-                });
+                .zip(g.par_chunks_mut(lr * f));
+            comera_tensor::for_each(lanes, |(((t1d, t1u), gp), g)| {
+                let blocks = t1d
+                    .chunks_mut(ROWS * rd)
+                    .zip(t1u.chunks(ROWS * ru))
+                    .zip(gp.chunks_mut(ROWS * f).zip(g.chunks_mut(ROWS * f)));
+                for ((t1d, t1u), (gp, g)) in blocks {
+                    block(t1u, t1d, gp, g, true);
+                }
+            });
         }
         matmul(
             MatMut::new(y, b, m),
@@ -400,15 +401,15 @@ impl FusedFfn {
                 .zip(self.t1u.par_chunks(lr * ru))
                 .zip(lanes.par_chunks_mut(lane_len));
             if self.kept.is_empty() {
-                lanes_in
-                    .for_each(|(((uu, ud), t1u), scratch)| lane_blocks(uu, ud, t1u, scratch, None));
+                comera_tensor::for_each(lanes_in, |(((uu, ud), t1u), scratch)| {
+                    lane_blocks(uu, ud, t1u, scratch, None)
+                });
             } else {
                 let (gp, g) = self.kept.split_at(b * f);
-                lanes_in
-                    .zip(gp.par_chunks(lr * f).zip(g.par_chunks(lr * f)))
-                    .for_each(|((((uu, ud), t1u), scratch), (gp, g))| {
-                        lane_blocks(uu, ud, t1u, scratch, Some((gp, g)))
-                    });
+                let lanes_in = lanes_in.zip(gp.par_chunks(lr * f).zip(g.par_chunks(lr * f)));
+                comera_tensor::for_each(lanes_in, |((((uu, ud), t1u), scratch), (gp, g))| {
+                    lane_blocks(uu, ud, t1u, scratch, Some((gp, g)))
+                });
             }
         }
         // The lanes' partial sums, in lane order, element by element (in parallel chunks: at

@@ -95,22 +95,23 @@ pub(crate) fn forward(x: &[f32], l: MatRef<'_>, t1: &mut [f32], r1: MatRef<'_>, 
     let (n, rp, m) = (l.rows(), l.cols(), r1.cols());
     let t = rp + 1;
     let (_, rows) = split(t1.len() / t);
-    t1.par_chunks_mut(rows * t)
+    let lanes = t1
+        .par_chunks_mut(rows * t)
         .zip(y.par_chunks_mut(rows * m))
-        .zip(x.par_chunks(rows * n))
-        .for_each(|((t1, y), x)| {
-            let lane_rows = t1.len() / t;
-            for (a, b) in blocks(lane_rows) {
-                let t1b = &mut t1[a * t..b * t];
-                let xb = MatRef::new(&x[a * n..b * n], b - a, n);
-                matmul_serial(MatMut::strided(t1b, b - a, rp, t, 1), xb, l, false);
-                let t1b = MatRef::new(t1b, b - a, t);
-                // While Y is written, the next block's X comes into L2 for its T1.
-                let next_x = &x[b * n..(b + BLOCK_ROWS).min(lane_rows) * n];
-                let y = MatMut::new(&mut y[a * m..b * m], b - a, m);
-                matmul_serial_streamed(y, t1b, r1, &[next_x]);
-            }
-        });
+        .zip(x.par_chunks(rows * n));
+    comera_tensor::for_each(lanes, |((t1, y), x)| {
+        let lane_rows = t1.len() / t;
+        for (a, b) in blocks(lane_rows) {
+            let t1b = &mut t1[a * t..b * t];
+            let xb = MatRef::new(&x[a * n..b * n], b - a, n);
+            matmul_serial(MatMut::strided(t1b, b - a, rp, t, 1), xb, l, false);
+            let t1b = MatRef::new(t1b, b - a, t);
+            // While Y is written, the next block's X comes into L2 for its T1.
+            let next_x = &x[b * n..(b + BLOCK_ROWS).min(lane_rows) * n];
+            let y = MatMut::new(&mut y[a * m..b * m], b - a, m);
+            matmul_serial_streamed(y, t1b, r1, &[next_x]);
+        }
+    });
 }
 
 /// One lane's outputs in the backward.
@@ -179,7 +180,8 @@ pub(crate) fn backward(
             dx: dxs.as_mut().map(|d| d.next().expect("dX rows a lane")),
         })
     });
-    work.par_iter_mut().flatten().for_each(|lane| {
+    comera_tensor::for_each(work[..lanes].par_iter_mut(), |lane| {
+        let lane = lane.as_mut().expect("a lane below `lanes`");
         // Rows [a, b) of a B × w matrix.
         fn rows(mat: &[f32], w: usize, a: usize, b: usize) -> MatRef<'_> {
             MatRef::new(&mat[a * w..b * w], b - a, w)

@@ -199,20 +199,17 @@ impl SharedInput {
         let mut ys = per_member(y, b, &self.mcol);
         let (members, rcol, t1) = (&self.members, &self.rcol, &self.t1);
         let products = &products;
-        ys[..layers.len()]
-            .par_iter_mut()
-            .enumerate()
-            .for_each(|(i, yi)| {
-                let yi = &mut **yi;
-                let (r0, rp, m) = (rcol[i], rcol[i + 1] - rcol[i], yi.len() / b);
-                forward_out(
-                    pair,
-                    MatMut::new(yi, b, m),
-                    MatRef::strided(&t1[r0..], b, rp, s, 1),
-                    MatRef::new(members[i].r(products), rp, m),
-                );
-                add_bias(yi, &layers[i].bias.value);
-            });
+        comera_tensor::for_each(ys[..layers.len()].par_iter_mut().enumerate(), |(i, yi)| {
+            let yi = &mut **yi;
+            let (r0, rp, m) = (rcol[i], rcol[i + 1] - rcol[i], yi.len() / b);
+            forward_out(
+                pair,
+                MatMut::new(yi, b, m),
+                MatRef::strided(&t1[r0..], b, rp, s, 1),
+                MatRef::new(members[i].r(products), rp, m),
+            );
+            add_bias(yi, &layers[i].bias.value);
+        });
     }
 
     /// Accumulates every layer's gradients from `dy` = [dY_1 | … | dY_n] (B × M_i each, one
@@ -397,17 +394,15 @@ fn build_all(
         None => &[],
     });
     let group = (crate::elementwise::CHUNK / s).max(1);
-    lcat.par_chunks_mut(group * s)
-        .enumerate()
-        .for_each(|(g, rows)| {
-            for (j, dst) in rows.chunks_exact_mut(s).enumerate() {
-                let row = g * group + j;
-                for (i, l) in ls[..members.len()].iter().enumerate() {
-                    let (c0, c1) = (rcol[i], rcol[i + 1]);
-                    dst[c0..c1].copy_from_slice(&l[row * (c1 - c0)..(row + 1) * (c1 - c0)]);
-                }
+    comera_tensor::for_each(lcat.par_chunks_mut(group * s).enumerate(), |(g, rows)| {
+        for (j, dst) in rows.chunks_exact_mut(s).enumerate() {
+            let row = g * group + j;
+            for (i, l) in ls[..members.len()].iter().enumerate() {
+                let (c0, c1) = (rcol[i], rcol[i + 1]);
+                dst[c0..c1].copy_from_slice(&l[row * (c1 - c0)..(row + 1) * (c1 - c0)]);
             }
-        });
+        }
+    });
 }
 
 /// Most layers one [`SharedInput`] fuses (attention's q, k and v: 3; more run one by one).
