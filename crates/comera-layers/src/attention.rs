@@ -347,7 +347,8 @@ impl Attention {
         2.0 * 6.0 * (batch * seq_len * self.d_model) as f64
     }
 
-    /// Floats of the kept probabilities of [`Attention::forward_first`]: (B, H, T).
+    /// Floats of the kept probabilities of [`Attention::forward_first`], and of the scratch of
+    /// [`Attention::backward_first`]: (B, H, T).
     pub fn first_probs_len(&self, batch: usize, seq_len: usize) -> usize {
         batch * self.n_heads * seq_len
     }
@@ -355,8 +356,9 @@ impl Attention {
     /// Attention output of the first query row of each sequence only: `out_first` (B, D) =
     /// row 0 of [`Attention::forward`]'s output for `qkv` (3, B, T, D) and the padding mask
     /// `allow` (B, T; see [`allowed_keys`]). Keeps those rows' probabilities in `probs`
-    /// ((B, H, T), see [`Attention::first_probs_len`]). Sequences run in parallel, each on one
-    /// thread, so the bits do not depend on the thread count.
+    /// ((B, H, T), see [`Attention::first_probs_len`]). The (sequence, head) units run in
+    /// parallel, each on one thread (at batch 1 the heads of the one sequence side by side),
+    /// so the bits do not depend on the thread count.
     pub fn forward_first(
         &self,
         qkv: &[f32],
@@ -375,30 +377,29 @@ impl Attention {
         let scale = 1.0 / (hd as f32).sqrt();
         // Under a causal mask the first query sees only the first key.
         let len = if self.causal { 1 } else { t };
-        let sequences = out_first
-            .par_chunks_mut(d)
-            .zip(probs.par_chunks_mut(nh * t))
+        // Unit u = b·H + h: its probabilities are probs' u-th T floats, its output the u-th
+        // head-wide piece of out_first (B, H, dh).
+        let units = probs
+            .par_chunks_mut(t)
+            .zip(out_first.par_chunks_mut(hd))
             .enumerate();
-        comera_tensor::for_each(sequences, |(b, (out, probs))| {
+        comera_tensor::for_each(units, |(u, (p, o))| {
+            let (b, h) = (u / nh, u % nh);
             let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
             let allow = &allow[b * t..b * t + len];
-            for h in 0..nh {
-                let p = &mut probs[h * t..(h + 1) * t];
-                let q = &q_b[h * hd..(h + 1) * hd];
-                for (j, pj) in p.iter_mut().enumerate() {
-                    *pj = dot(q, &k_b[j * d + h * hd..][..hd]);
-                }
-                let (head, tail) = p.split_at_mut(len);
-                softmax::row(head, allow, scale);
-                tail.fill(0.0);
-                // o_0 = Σ_j p_j·v_j, j ascending.
-                let o = &mut out[h * hd..(h + 1) * hd];
-                o.fill(0.0);
-                for (j, &pj) in p.iter().enumerate() {
-                    let v = &v_b[j * d + h * hd..][..hd];
-                    for (ov, &vv) in o.iter_mut().zip(v) {
-                        *ov += pj * vv;
-                    }
+            let q = &q_b[h * hd..(h + 1) * hd];
+            for (j, pj) in p.iter_mut().enumerate() {
+                *pj = dot(q, &k_b[j * d + h * hd..][..hd]);
+            }
+            let (head, tail) = p.split_at_mut(len);
+            softmax::row(head, allow, scale);
+            tail.fill(0.0);
+            // o_0 = Σ_j p_j·v_j, j ascending.
+            o.fill(0.0);
+            for (j, &pj) in p.iter().enumerate() {
+                let v = &v_b[j * d + h * hd..][..hd];
+                for (ov, &vv) in o.iter_mut().zip(v) {
+                    *ov += pj * vv;
                 }
             }
         });
@@ -406,7 +407,9 @@ impl Attention {
 
     /// Given the `qkv` and `probs` of the matching [`Attention::forward_first`] and
     /// `dout_first` (B, D), *writes* `dqkv` (3, B, T, D): dq of the first rows, dk and dv of
-    /// every row, 0 elsewhere. `scratch` holds (B, T) floats.
+    /// every row, 0 elsewhere. `scratch` holds (B, H, T) floats ([`Attention::first_probs_len`]).
+    /// The (sequence, head) units run in parallel as in the forward, each writing its head's
+    /// columns of dK and dV and of dQ's first row.
     pub fn backward_first(
         &self,
         qkv: &[f32],
@@ -422,54 +425,61 @@ impl Attention {
         check_len("Attention qkv", qkv.len(), 3 * bsz * t * d);
         check_len("Attention dout_first", dout_first.len(), bsz * d);
         check_len("Attention probs", probs.len(), self.first_probs_len(bsz, t));
-        check_len("Attention scratch", scratch.len(), bsz * t);
+        check_len(
+            "Attention scratch",
+            scratch.len(),
+            self.first_probs_len(bsz, t),
+        );
         check_len("Attention dqkv", dqkv.len(), 3 * bsz * t * d);
         let scale = 1.0 / (hd as f32).sqrt();
-        let (dq, dkv) = dqkv.split_at_mut(bsz * t * d);
-        let (dk, dv) = dkv.split_at_mut(bsz * t * d);
-        let sequences = dq
-            .par_chunks_mut(t * d)
-            .zip(dk.par_chunks_mut(t * d))
-            .zip(dv.par_chunks_mut(t * d))
-            .zip(dout_first.par_chunks(d))
-            .zip(probs.par_chunks(nh * t))
-            .zip(scratch.par_chunks_mut(t))
+        // dQ is 0 but in the first rows, which the units add into.
+        crate::elementwise::zero(&mut dqkv[..bsz * t * d]);
+        let (dqkv, nd) = (DisjointMut::new(dqkv), bsz * t * d);
+        let units = scratch
+            .par_chunks_mut(t)
+            .zip(probs.par_chunks(t))
+            .zip(dout_first.par_chunks(hd))
             .enumerate();
-        comera_tensor::for_each(
-            sequences,
-            |(b, (((((dq_b, dk_b), dv_b), dout), probs), ds))| {
-                let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
-                dq_b.fill(0.0);
-                for h in 0..nh {
-                    let p = &probs[h * t..(h + 1) * t];
-                    let d_o = &dout[h * hd..(h + 1) * hd];
-                    let q = &q_b[h * hd..(h + 1) * hd];
-                    // dp_j = dO_0·v_j, then ds'_j = s·p_j·(dp_j − ⟨p, dp⟩) in place.
-                    for (j, dsj) in ds.iter_mut().enumerate() {
-                        *dsj = dot(d_o, &v_b[j * d + h * hd..][..hd]);
-                    }
-                    softmax::grad(p, ds, scale);
-                    // dk_j = ds'_j·q_0,  dv_j = p_j·dO_0 (every element of dK, dV written).
-                    let rows = dk_b.chunks_exact_mut(d).zip(dv_b.chunks_exact_mut(d));
-                    for (j, (dk_row, dv_row)) in rows.enumerate() {
-                        for (dk, &qv) in dk_row[h * hd..][..hd].iter_mut().zip(q) {
+        comera_tensor::for_each(units, |(u, ((ds, p), d_o))| {
+            let (b, h) = (u / nh, u % nh);
+            let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
+            let q = &q_b[h * hd..(h + 1) * hd];
+            // dp_j = dO_0·v_j, then ds'_j = s·p_j·(dp_j − ⟨p, dp⟩) in place.
+            for (j, dsj) in ds.iter_mut().enumerate() {
+                *dsj = dot(d_o, &v_b[j * d + h * hd..][..hd]);
+            }
+            softmax::grad(p, ds, scale);
+            // dk_j = ds'_j·q_0,  dv_j = p_j·dO_0 (every row's head columns of dK, dV written).
+            for j in 0..t {
+                let at = (b * t + j) * d + h * hd;
+                // SAFETY: unit (b, h) alone touches columns h·dh .. (h+1)·dh of sequence b's
+                // rows of dQ, dK and dV.
+                unsafe {
+                    dqkv.with_range(nd + at, hd, |dk| {
+                        for (dk, &qv) in dk.iter_mut().zip(q) {
                             *dk = ds[j] * qv;
                         }
-                        for (dv, &g) in dv_row[h * hd..][..hd].iter_mut().zip(d_o) {
+                    });
+                    dqkv.with_range(2 * nd + at, hd, |dv| {
+                        for (dv, &g) in dv.iter_mut().zip(d_o) {
                             *dv = p[j] * g;
                         }
-                    }
-                    // dq_0 = Σ_j ds'_j·k_j, j ascending.
-                    let dq = &mut dq_b[h * hd..(h + 1) * hd];
+                    });
+                }
+            }
+            // dq_0 = Σ_j ds'_j·k_j, j ascending.
+            // SAFETY: as above (row 0 of sequence b, head h's columns).
+            unsafe {
+                dqkv.with_range(b * t * d + h * hd, hd, |dq| {
                     for (j, &dsj) in ds.iter().enumerate() {
                         let k = &k_b[j * d + h * hd..][..hd];
                         for (g, &kv) in dq.iter_mut().zip(k) {
                             *g += dsj * kv;
                         }
                     }
-                }
-            },
-        );
+                });
+            }
+        });
     }
 
     /// Given the `qkv` of the matching forward and `dout` (B, T, D), *writes* `dqkv`
@@ -803,7 +813,7 @@ mod tests {
             attn.backward(&mut ws, &qkv, &dout, &mut dqkv);
             let mut probs = vec![0.0; attn.first_probs_len(b, t)];
             let (mut out1, mut dqkv1) = (vec![0.0; b * d], vec![1.0; b * t * 3 * d]);
-            let mut scratch = vec![0.0; b * t];
+            let mut scratch = vec![0.0; attn.first_probs_len(b, t)];
             attn.forward_first(&qkv, &allow, t, &mut probs, &mut out1);
             attn.backward_first(&qkv, &probs, &dfirst, t, &mut scratch, &mut dqkv1);
             let close = |x: f32, y: f32| (x - y).abs() <= 1e-5 * (1.0 + y.abs());

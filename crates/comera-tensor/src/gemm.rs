@@ -356,6 +356,26 @@ impl<'a> DisjointMut<'a> {
         faer::linalg::matmul::matmul(dst, accum, lhs, rhs, 1.0f32, Par::Seq);
     }
 
+    /// `f` on the elements `offset .. offset + len`, on the calling thread (bounds-checked).
+    ///
+    /// # Safety
+    /// While `f` runs, no other thread may read or write any of those elements.
+    pub unsafe fn with_range<R>(
+        &self,
+        offset: usize,
+        len: usize,
+        f: impl FnOnce(&mut [f32]) -> R,
+    ) -> R {
+        assert!(
+            offset <= self.len && len <= self.len - offset,
+            "DisjointMut: {len} elements at {offset} of {}",
+            self.len
+        );
+        // SAFETY: in bounds (checked above), and the caller guarantees that no other thread
+        // touches these elements while `f` runs (the slice does not outlive it).
+        f(unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset), len) })
+    }
+
     /// `C[offset + i] += x[i]` for every i of `x`, on the calling thread (bounds-checked).
     ///
     /// # Safety

@@ -185,7 +185,7 @@ pub(super) struct ClsRows {
     pub acts: RowActs,    // B rows
     pub hidden: Vec<f32>, // B × D: LN_final(out) (pre-LN)
     pub sc: RowScratch,   // B rows; sc.d = ∂L/∂(the last hidden rows) to start the backward
-    pub dattn: Vec<f32>,  // B × T: the attention backward's scratch
+    pub dattn: Vec<f32>,  // B × H × T: the attention backward's scratch
 }
 
 fn zeros(len: usize) -> Vec<f32> {
@@ -319,7 +319,7 @@ impl ClsRows {
             acts: RowActs::new(b, d, f, m.cfg.pre_ln, true, true),
             hidden: zeros(b * d),
             sc,
-            dattn: zeros(b * t),
+            dattn: zeros(m.attn.first_probs_len(b, t)),
         }
     }
 
