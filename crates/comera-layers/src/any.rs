@@ -51,6 +51,29 @@ impl AnyLinear {
         }
     }
 
+    /// The backward with ∂L/∂x *added* into `dx`, `tmp` (as long as `dx`) as scratch: a TT
+    /// layer's row lanes add in place (`TtLinear::backward_adding_dx`); otherwise the layer
+    /// writes `tmp` and it is added. The bits of `backward` into `tmp`, then `add_into`.
+    pub fn backward_adding_dx(
+        &mut self,
+        ws: &mut AnyLinearWorkspace,
+        x: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        tmp: &mut [f32],
+    ) {
+        match (self, ws) {
+            (AnyLinear::Dense(l), AnyLinearWorkspace::Dense(w)) => {
+                l.backward(w, x, dy, Some(&mut *tmp));
+                crate::elementwise::add_into(dx, tmp);
+            }
+            (AnyLinear::Tt(l), AnyLinearWorkspace::Tt(w)) => {
+                l.backward_adding_dx(w, x, dy, dx, tmp)
+            }
+            _ => unreachable!("workspace made for another layer kind"),
+        }
+    }
+
     pub fn params(&self) -> Vec<&Param> {
         match self {
             AnyLinear::Dense(l) => l.params(),

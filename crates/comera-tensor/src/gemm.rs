@@ -203,8 +203,9 @@ pub fn matmul_serial(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bo
     matmul_on(c, a, b, accumulate, false)
 }
 
-/// `C = A·B` on the calling thread, for a C that the caller writes once and does not read again
-/// soon (a layer's activations, far larger than the caches): where the CPU has AVX-512 and the
+/// `C = A·B` (or `C += A·B` when `accumulate`) on the calling thread, for a C that the caller
+/// writes once and does not read again soon (a layer's activations, far larger than the
+/// caches): where the CPU has AVX-512 and the
 /// product is short and wide (inner length at most 64, C at least 64 columns, C's and B's rows
 /// contiguous) it runs on the `wide` kernel, which writes C with non-temporal stores when C's
 /// rows are 64-byte aligned (saving the read of every line written, and the eviction of what
@@ -215,7 +216,13 @@ pub fn matmul_serial(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bo
 /// next row block of a layer's input): the `wide` kernel prefetches its cache lines into L2,
 /// a few per tile, so that they arrive while it computes instead of stalling the next
 /// product. A hint only: it changes no value, and the other path ignores it.
-pub fn matmul_serial_streamed(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, ahead: &[&[f32]]) {
+pub fn matmul_serial_streamed(
+    c: MatMut<'_>,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    accumulate: bool,
+    ahead: &[&[f32]],
+) {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     if c.cs == 1 && b.cs == 1 && (c.rows, c.cols, b.rows) == (m, n, k) && wide::suits(m, n, k) {
         let product = wide::Product {
@@ -229,6 +236,7 @@ pub fn matmul_serial_streamed(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, ahead
             b_rs: b.rs as isize,
             c: c.data.as_mut_ptr(),
             c_rs: c.rs as isize,
+            accumulate,
             ahead: wide::Ahead::new(ahead),
         };
         // SAFETY: the views were bounds-checked at construction for their full extents (every
@@ -238,7 +246,7 @@ pub fn matmul_serial_streamed(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, ahead
         unsafe { wide::compute(&product) };
         return;
     }
-    matmul_serial(c, a, b, false);
+    matmul_serial(c, a, b, accumulate);
 }
 
 fn matmul_on(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, parallel: bool) {

@@ -1,8 +1,10 @@
 //! Short, wide products on AVX-512 whose output is streamed to memory: C (m × n, rows
-//! contiguous) = A·B for a short inner length k (≤ `MAX_K`) and B's rows contiguous,
+//! contiguous) = A·B, or C += A·B, for a short inner length k (≤ `MAX_K`) and B's rows
+//! contiguous,
 //!
 //! ```text
 //! C[i, j] = Σ_l A[i, l] · B[l, j]        (l ascending, one FMA per l, from 0)
+//! C[i, j] = C[i, j] + Σ_l A[i, l] · B[l, j]   (accumulating: the sum above, then one add)
 //! ```
 //!
 //! These are the TT merged path's products that write a layer's activations: the forward's
@@ -54,6 +56,8 @@ pub(crate) struct Product {
     /// C (m × n): element (i, j) at `c[i·c_rs + j]`.
     pub c: *mut f32,
     pub c_rs: isize,
+    /// C += A·B (C read before it is written) instead of C = A·B.
+    pub accumulate: bool,
     /// Memory to prefetch while the product runs.
     pub ahead: Ahead,
 }
@@ -121,7 +125,7 @@ pub(crate) fn suits(m: usize, n: usize, k: usize) -> bool {
     crate::narrow::available() && m >= 1 && n >= MIN_N && (1..=MAX_K).contains(&k)
 }
 
-/// Computes `C = A·B` (see the module doc).
+/// Computes `C = A·B`, or `C += A·B` with `p.accumulate` (see the module doc).
 ///
 /// # Safety
 /// `suits(m, n, k)` holds; every element of A, B and C that the strides address for the
@@ -233,8 +237,8 @@ unsafe fn panel(p: &Product, j0: usize, w: usize, stream: bool, pf: &mut Prefetc
 }
 
 /// Rows i0..i0+R, columns j0..j0+16·V of C (the last register's lanes masked by `last`):
-/// acc = Σ_l A[i, l] · B[l, j0..], then stored (streamed when `stream`, which needs `last`
-/// full and C's rows 64-byte aligned). Lines [s, e) of `p.ahead` are prefetched on the way,
+/// acc = Σ_l A[i, l] · B[l, j0..], then (C + acc when accumulating) stored (streamed when
+/// `stream`, which needs `last` full and C's rows 64-byte aligned). Lines [s, e) of `p.ahead` are prefetched on the way,
 /// spread over the steps l (one per step, more when e - s > k).
 ///
 /// # Safety
@@ -284,6 +288,11 @@ unsafe fn tile<const R: usize, const V: usize>(
         unsafe {
             let c_row = p.c.offset((i0 + r) as isize * p.c_rs).add(j0);
             for (v, &x) in acc.iter().enumerate() {
+                let x = if p.accumulate {
+                    _mm512_add_ps(_mm512_maskz_loadu_ps(mask(v), c_row.add(16 * v)), x)
+                } else {
+                    x
+                };
                 if stream {
                     _mm512_stream_ps(c_row.add(16 * v), x);
                 } else {
@@ -298,31 +307,35 @@ unsafe fn tile<const R: usize, const V: usize>(
 mod tests {
     use crate::{matmul_serial_streamed, MatMut, MatRef};
 
-    /// C = A·B through `matmul_serial_streamed` into a buffer whose first row starts `offset`
-    /// floats past a cache line, rows `c_rs` apart, prefetching `ahead`; returns C's m × n
-    /// values.
+    /// C = A·B (or, with `init`, C = init + A·B) through `matmul_serial_streamed` into a
+    /// buffer whose first row starts `offset` floats past a cache line, rows `c_rs` apart,
+    /// prefetching `ahead`; returns C's m × n values.
     #[allow(clippy::too_many_arguments)]
     fn streamed(
         a: &[f32],
         a_t: bool,
         b: &[f32],
-        m: usize,
-        n: usize,
-        k: usize,
+        (m, n, k): (usize, usize, usize),
         offset: usize,
         c_rs: usize,
         ahead: &[&[f32]],
+        init: Option<&[f32]>,
     ) -> Vec<f32> {
         // A Vec of 16-float (one line) blocks is line-aligned.
         let mut lines = vec![[f32::NAN; 16]; (offset + m * c_rs).div_ceil(16) + 1];
         let flat = lines.as_flattened_mut();
+        if let Some(init) = init {
+            for i in 0..m {
+                flat[offset + i * c_rs..][..n].copy_from_slice(&init[i * n..(i + 1) * n]);
+            }
+        }
         let a = if a_t {
             MatRef::new(a, k, m).t()
         } else {
             MatRef::new(a, m, k)
         };
         let c = MatMut::strided(&mut flat[offset..], m, n, c_rs, 1);
-        matmul_serial_streamed(c, a, MatRef::new(b, k, n), ahead);
+        matmul_serial_streamed(c, a, MatRef::new(b, k, n), init.is_some(), ahead);
         (0..m)
             .flat_map(|i| flat[offset + i * c_rs..][..n].to_vec())
             .collect()
@@ -354,7 +367,7 @@ mod tests {
                             .sum()
                     })
                     .collect();
-                let first = streamed(&a, a_t, &b, m, n, k, 0, n.next_multiple_of(16), &[]);
+                let first = streamed(&a, a_t, &b, (m, n, k), 0, n.next_multiple_of(16), &[], None);
                 for (c, r) in first.iter().zip(&reference) {
                     assert!(
                         (*c as f64 - r).abs() < 1e-5 * k as f64,
@@ -368,10 +381,19 @@ mod tests {
                     .into_iter()
                     .enumerate()
                 {
-                    let other = streamed(&a, a_t, &b, m, n, k, offset, c_rs, aheads[i]);
+                    let other = streamed(&a, a_t, &b, (m, n, k), offset, c_rs, aheads[i], None);
                     assert!(
                         other == first,
                         "{m}×{n}×{k}: bits differ at offset {offset}, row stride {c_rs}"
+                    );
+                    // Accumulating into C: C + A·B, the same bits as the product then one
+                    // add (what `add_into` of a product written apart gives).
+                    let init: Vec<f32> = (0..m * n).map(|i| (i as f32 * 0.07).sin()).collect();
+                    let added = streamed(&a, a_t, &b, (m, n, k), offset, c_rs, &[], Some(&init));
+                    let want: Vec<f32> = init.iter().zip(&first).map(|(c, p)| c + p).collect();
+                    assert!(
+                        added == want,
+                        "{m}×{n}×{k}: accumulated bits differ at offset {offset}, row stride {c_rs}"
                     );
                 }
             }

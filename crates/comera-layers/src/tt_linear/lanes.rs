@@ -109,7 +109,7 @@ pub(crate) fn forward(x: &[f32], l: MatRef<'_>, t1: &mut [f32], r1: MatRef<'_>, 
             // While Y is written, the next block's X comes into L2 for its T1.
             let next_x = &x[b * n..(b + BLOCK_ROWS).min(lane_rows) * n];
             let y = MatMut::new(&mut y[a * m..b * m], b - a, m);
-            matmul_serial_streamed(y, t1b, r1, &[next_x]);
+            matmul_serial_streamed(y, t1b, r1, false, &[next_x]);
         }
     });
 }
@@ -131,8 +131,10 @@ struct Lane<'a> {
 
 /// The backward in lanes, from the forward's T1⁺ (`t1`, B × t), the layer input `x` (B × N),
 /// `dy` (B × M), L (`l`, N × r_p row-major) and R (r_p × M): writes [dR ; dbᵀ] into `dr1`
-/// (t × M), dL into `dl` (N × r_p) and dX into `dx` (B × N) when given. `scratch` (partials,
-/// U1 blocks, Lᵀ) is leased with [`scratch_lens`].
+/// (t × M), dL into `dl` (N × r_p) and dX into `dx` (B × N) when given, or adds dX into it
+/// with `add_dx` (dX = dX + U1·Lᵀ in the streamed product: an input that feeds several
+/// layers gets their gradients' sum without an N × D buffer written and read back per
+/// layer). `scratch` (partials, U1 blocks, Lᵀ) is leased with [`scratch_lens`].
 #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
 pub(crate) fn backward(
     t1: &[f32],
@@ -143,6 +145,7 @@ pub(crate) fn backward(
     dr1: &mut [f32],
     dl: &mut [f32],
     dx: Option<&mut [f32]>,
+    add_dx: bool,
     scratch: (&mut [f32], &mut [f32], &mut [f32]),
 ) {
     let (rp, m) = (r.rows(), r.cols());
@@ -199,7 +202,7 @@ pub(crate) fn backward(
                 // (for its U1) come into L2.
                 let next_dy = &dy[rb * m..(rb + BLOCK_ROWS).min(lane.row + lane.rows) * m];
                 let dxb = MatMut::new(&mut dx[a * n..b * n], b - a, n);
-                matmul_serial_streamed(dxb, u1, lt, &[&x[ra * n..rb * n], next_dy]);
+                matmul_serial_streamed(dxb, u1, lt, add_dx, &[&x[ra * n..rb * n], next_dy]);
             }
             matmul_serial(MatMut::new(lane.dl, n, rp), xb.t(), u1, !first);
         }

@@ -158,7 +158,13 @@ impl Merged {
         );
     }
 
-    /// The backward of `forward` for `layer`: dX (when wanted), and the gradients of its cores,
+    /// Whether [`Merged::backward`] can add dX into its `dx` (`add_dx`): the row lanes can.
+    pub fn adds_dx(&self) -> bool {
+        self.lanes
+    }
+
+    /// The backward of `forward` for `layer`: dX (when wanted; added into `dx` with `add_dx`,
+    /// which only the row lanes take: [`Merged::adds_dx`]), and the gradients of its cores,
     /// gates (through their gated cores `h` and their gradients `dh`, scratch) and bias.
     #[allow(clippy::too_many_arguments)] // the path's full data flow, spelled out
     pub fn backward(
@@ -170,7 +176,12 @@ impl Merged {
         x: &[f32],
         dy: &[f32],
         dx: Option<&mut [f32]>,
+        add_dx: bool,
     ) {
+        assert!(
+            !add_dx || self.lanes,
+            "the merged path adds dX in its row lanes only"
+        );
         if !self.lanes && paired(&layer.shape, batch) {
             self.backward_paired(layer, h, dh, batch, x, dy, dx);
             return;
@@ -185,7 +196,8 @@ impl Merged {
         let (l, r) = (MatRef::new(l_rows, n, rp), MatRef::new(r, rp, m));
         let dr1 = match &mut scratch[..] {
             [dr1, partials, u1s, lt] if self.lanes => {
-                lanes::backward(&self.t1, x, dy, l_rows, r, dr1, dl, dx, (partials, u1s, lt));
+                let scratch = (&mut **partials, &mut **u1s, &mut **lt);
+                lanes::backward(&self.t1, x, dy, l_rows, r, dr1, dl, dx, add_dx, scratch);
                 dr1
             }
             [dr1, u1] => {

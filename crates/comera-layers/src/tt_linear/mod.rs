@@ -218,6 +218,78 @@ impl TtLinear {
             .params_size_l1_grad_by(|c| shape.mode(c), &mut self.gates, scale);
     }
 
+    /// The backward with ∂L/∂x *added* into `dx` (dx += ∂L/∂x): for an input that feeds
+    /// several layers (attention's q, k and v). The merged path's row lanes add in their
+    /// streamed dX product, so no N × D buffer is written and read back per layer; the other
+    /// paths write ∂L/∂x into `tmp` (as long as `dx`) and add it. Either way the bits of
+    /// [`Layer::backward`] into `tmp` followed by `add_into(dx, tmp)`.
+    pub fn backward_adding_dx(
+        &mut self,
+        ws: &mut TtLinearWorkspace,
+        x: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        tmp: &mut [f32],
+    ) {
+        if matches!(&ws.bufs, PathBuffers::Merged(p) if p.adds_dx()) {
+            self.backward_into(ws, x, dy, Some(dx), true);
+        } else {
+            self.backward_into(ws, x, dy, Some(&mut *tmp), false);
+            crate::elementwise::add_into(dx, tmp);
+        }
+    }
+
+    /// [`Layer::backward`], writing ∂L/∂x into `dx` or, with `add_dx` (a path that
+    /// [`Merged::adds_dx`]), adding it.
+    fn backward_into(
+        &mut self,
+        ws: &mut TtLinearWorkspace,
+        x: &[f32],
+        dy: &[f32],
+        dx: Option<&mut [f32]>,
+        add_dx: bool,
+    ) {
+        assert!(
+            ws.plan.is_valid_for(&self.shape, ws.batch),
+            "TtLinear backward: ranks changed since forward"
+        );
+        let b = ws.batch;
+        check_len("TtLinear x", x.len(), b * self.in_features());
+        check_len("TtLinear dy", dy.len(), b * self.out_features());
+        if let Some(dx) = dx.as_deref() {
+            check_len("TtLinear dx", dx.len(), b * self.in_features());
+        }
+        if self.dead {
+            // No gradient reaches the input: dx is 0, or unchanged when adding.
+            if let (Some(dx), false) = (dx, add_dx) {
+                dx.fill(0.0);
+            }
+            accumulate_bias_grad(dy, &mut self.bias.grad);
+            return;
+        }
+        // The gated cores again (cheaper to redo than to keep per layer), then the path, then
+        // the cores' and gates' gradients from dH.
+        let (mut h, mut dh) = (ws.h.acquire(), ws.dh.acquire());
+        let s = &self.shape;
+        match &mut ws.bufs {
+            // The merged path does all three itself (each chain's beside its products at small
+            // batches), and sums the bias's gradient in its dR product (see `merged`).
+            PathBuffers::Merged(p) => p.backward(self, &mut h, &mut dh, b, x, dy, dx, add_dx),
+            PathBuffers::Sequential(p) => {
+                self.gate_cores(&mut h);
+                p.backward(s, &h, &mut dh, b, dy, dx);
+                accumulate_bias_grad(dy, &mut self.bias.grad);
+                self.accumulate_core_grads(&dh);
+            }
+            PathBuffers::Dense(p) => {
+                self.gate_cores(&mut h);
+                p.backward(s, &h, &mut dh, b, x, dy, dx);
+                accumulate_bias_grad(dy, &mut self.bias.grad);
+                self.accumulate_core_grads(&dh);
+            }
+        }
+    }
+
     /// The dense weight W = L·R (N × M) the cores represent, for tests and export.
     pub fn dense_weight(&self) -> Vec<f32> {
         let s = &self.shape;
@@ -541,44 +613,7 @@ impl Layer for TtLinear {
         dy: &[f32],
         dx: Option<&mut [f32]>,
     ) {
-        assert!(
-            ws.plan.is_valid_for(&self.shape, ws.batch),
-            "TtLinear backward: ranks changed since forward"
-        );
-        let b = ws.batch;
-        check_len("TtLinear x", x.len(), b * self.in_features());
-        check_len("TtLinear dy", dy.len(), b * self.out_features());
-        if let Some(dx) = dx.as_deref() {
-            check_len("TtLinear dx", dx.len(), b * self.in_features());
-        }
-        if self.dead {
-            if let Some(dx) = dx {
-                dx.fill(0.0);
-            }
-            accumulate_bias_grad(dy, &mut self.bias.grad);
-            return;
-        }
-        // The gated cores again (cheaper to redo than to keep per layer), then the path, then
-        // the cores' and gates' gradients from dH.
-        let (mut h, mut dh) = (ws.h.acquire(), ws.dh.acquire());
-        let s = &self.shape;
-        match &mut ws.bufs {
-            // The merged path does all three itself (each chain's beside its products at small
-            // batches), and sums the bias's gradient in its dR product (see `merged`).
-            PathBuffers::Merged(p) => p.backward(self, &mut h, &mut dh, b, x, dy, dx),
-            PathBuffers::Sequential(p) => {
-                self.gate_cores(&mut h);
-                p.backward(s, &h, &mut dh, b, dy, dx);
-                accumulate_bias_grad(dy, &mut self.bias.grad);
-                self.accumulate_core_grads(&dh);
-            }
-            PathBuffers::Dense(p) => {
-                self.gate_cores(&mut h);
-                p.backward(s, &h, &mut dh, b, x, dy, dx);
-                accumulate_bias_grad(dy, &mut self.bias.grad);
-                self.accumulate_core_grads(&dh);
-            }
-        }
+        self.backward_into(ws, x, dy, dx, false);
     }
 
     fn params(&self) -> Vec<&Param> {

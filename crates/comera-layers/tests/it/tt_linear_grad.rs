@@ -385,3 +385,48 @@ fn merged_on_any_thread_count(layer: &TtLinear, batch: usize, x: &[f32], dy: &[f
         },
     )
 }
+
+/// `backward_adding_dx` (an input feeding several layers: attention's q, k and v) gives the
+/// bits of `backward` into a buffer of its own followed by `add_into`, on every path: the
+/// merged path in row lanes (the paper's attention shape at 1,100 rows), where it adds in the
+/// streamed dX product, at two-task sizes (128 rows) and on the other paths, where it writes
+/// the scratch and adds it; and a dead layer adds nothing. The parameters' gradients are
+/// those of `backward`.
+#[test]
+fn adding_dx_is_the_backward_then_an_add() {
+    let mut rng = init::rng(43);
+    let ranks = [1, 30, 30, 30, 30, 30, 1];
+    let mut layer = random_tt(&mut rng, &[12, 8, 8], &[8, 8, 12], &ranks, true);
+    for c in &mut layer.cores {
+        init::fill_normal(&mut rng, &mut c.value, 0.2);
+    }
+    let mut dead = layer.clone();
+    dead.gates[2].value.fill(0.0);
+    comera_layers::Compressible::truncate(&mut dead);
+    assert!(comera_layers::Compressible::is_dead(&dead));
+    for (batch, path, layer) in [
+        (1100, TtPath::Merged, &layer),
+        (128, TtPath::Merged, &layer),
+        (40, TtPath::Sequential, &layer),
+        (40, TtPath::Dense, &layer),
+        (300, TtPath::Merged, &dead),
+    ] {
+        let x = random_vec(&mut rng, batch * 768);
+        let dy = random_vec(&mut rng, batch * 768);
+        let before = random_vec(&mut rng, batch * 768);
+        let want = run(layer, path, batch, &x, &dy);
+        let mut l = layer.clone();
+        l.zero_grad();
+        let mut ws = l.workspace(batch);
+        ws.force_path(Some(path));
+        let mut y = vec![0.0; batch * 768];
+        l.forward(&mut ws, &x, &mut y);
+        let (mut dx, mut tmp) = (before.clone(), vec![f32::NAN; batch * 768]);
+        l.backward_adding_dx(&mut ws, &x, &dy, &mut dx, &mut tmp);
+        let mut sum = before.clone();
+        comera_layers::elementwise::add_into(&mut sum, &want.dx);
+        assert!(dx == sum, "{path:?} at {batch} rows: dx + ∂L/∂x");
+        let params: Vec<Vec<f32>> = l.params().iter().map(|p| p.grad.clone()).collect();
+        assert!(params == want.params, "{path:?} at {batch} rows: gradients");
+    }
+}

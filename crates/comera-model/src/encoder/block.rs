@@ -405,10 +405,8 @@ fn qkv_backward(
     let (dq, dk, dv) = (&dqkv[..nd], &dqkv[nd..2 * nd], &dqkv[2 * nd..]);
     let [wq, wk, wv] = &mut s.ws_qkv;
     blk.q.backward(wq, attn_in, dq, Some(dx));
-    blk.k.backward(wk, attn_in, dk, Some(tmp));
-    add_into(dx, tmp);
-    blk.v.backward(wv, attn_in, dv, Some(tmp));
-    add_into(dx, tmp);
+    blk.k.backward_adding_dx(wk, attn_in, dk, dx, tmp);
+    blk.v.backward_adding_dx(wv, attn_in, dv, dx, tmp);
 }
 
 /// Gives `v` length `len` (zeros), allocating only the first time (buffers of the unfused
