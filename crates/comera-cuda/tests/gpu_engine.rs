@@ -1058,19 +1058,25 @@ mod encoder_step {
         }
     }
 
+    /// The test model's plan after one uncaptured step, set back to that step's start
+    /// (parameters from the model, zero moments and gradients), and that step's bits.
+    fn a_step_and_back_to_its_start(dev: &Device) -> (EncoderPlan, StepBits) {
+        let enc = model();
+        let mut plan = device_plan(dev, &enc);
+        plan.record_step(dev).unwrap();
+        let bits = step_bits(dev, &plan);
+        plan.arena.upload(dev, &enc.params()).unwrap();
+        plan.set_step(dev, STEP, 1, 1.0).unwrap();
+        (plan, bits)
+    }
+
     /// The whole step captured as one CUDA graph and replayed gives the uncaptured step's
     /// loss, gradient norm, parameters and moments bit for bit.
     #[test]
     fn a_captured_step_replays_bit_for_bit() {
         let Some((dev, _)) = device() else { return };
         let _l = lock();
-        let enc = model();
-        let mut plan = device_plan(dev, &enc);
-        plan.record_step(dev).unwrap();
-        let want = step_bits(dev, &plan);
-        // Back to the same start (parameters from the model, zero moments and gradients).
-        plan.arena.upload(dev, &enc.params()).unwrap();
-        plan.set_step(dev, STEP, 1, 1.0).unwrap();
+        let (plan, want) = a_step_and_back_to_its_start(dev);
         let graph = dev.capture(|d| plan.record_step(d)).unwrap();
         graph.launch().unwrap();
         dev.stream().synchronize().unwrap();
@@ -1086,12 +1092,7 @@ mod encoder_step {
         let Some((dev, _)) = device() else { return };
         let _l = lock();
         use comera_cuda::engine::Profile;
-        let enc = model();
-        let mut plan = device_plan(dev, &enc);
-        plan.record_step(dev).unwrap();
-        let want = step_bits(dev, &plan);
-        plan.arena.upload(dev, &enc.params()).unwrap();
-        plan.set_step(dev, STEP, 1, 1.0).unwrap();
+        let (plan, want) = a_step_and_back_to_its_start(dev);
         let profile = Profile::run(dev, |d| plan.record_step(d)).unwrap();
         assert_same_step(&step_bits(dev, &plan), &want);
         assert!(profile.ops.len() > 50, "{} operations", profile.ops.len());
