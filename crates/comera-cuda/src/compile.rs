@@ -406,10 +406,14 @@ mod tests {
         assert_eq!(names.len(), SOURCES.len());
         for s in SOURCES {
             for k in s.kernels {
-                let def = format!("__global__ void {k}(");
+                // `__global__ void k(`, or `__global__ void __launch_bounds__(n) k(`.
+                let named = format!(" {k}(");
                 assert!(
-                    s.source.contains(&def),
-                    "{}: kernel `{k}` is listed but not defined as `extern \"C\" {def}`",
+                    s.source
+                        .lines()
+                        .any(|l| l.contains("__global__ void ") && l.contains(&named)),
+                    "{}: kernel `{k}` is listed but not defined as `extern \"C\" __global__ \
+                     void {k}(`",
                     s.name
                 );
             }
