@@ -142,6 +142,9 @@ elif [ -n "$bench" ]; then
             --json "$out/step_ops.json" >"$out/step_ops.log" 2>&1
         rc=$?
         echo "step_ops: exit $rc, $(( $(date +%s) - start ))s; the tables in step_ops.log" | tee -a "$summary"
+        # Each model and batch's step by part (the operation tables stay in the log).
+        grep -E '^ *(tt|dense) |operations timed one by one|^ +(fwd|bwd|loss|update|rank|zero)' \
+            "$out/step_ops.log" | tee -a "$summary"
     fi
 fi
 # The authors' step on the same GPU, side by side with comera's (bundle.sh copies their code
