@@ -205,12 +205,12 @@ pub fn matmul_serial(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bo
 
 /// `C = A·B` (or `C += A·B` when `accumulate`) on the calling thread, for a C that the caller
 /// writes once and does not read again soon (a layer's activations, far larger than the
-/// caches): where the CPU has AVX-512 and the
-/// product is short and wide (inner length at most 64, C at least 64 columns, C's and B's rows
-/// contiguous) it runs on the `wide` kernel, which writes C with non-temporal stores when C's
-/// rows are 64-byte aligned (saving the read of every line written, and the eviction of what
-/// the caller reads next); anything else is [`matmul_serial`]. The bits depend on the shapes
-/// and the CPU, never on C's alignment.
+/// caches): where the CPU has AVX-512 and the product is short and wide (inner length at most
+/// 64, C at least 64 columns, C's and B's rows contiguous) it runs on the `wide` kernel, which
+/// writes C with non-temporal stores when C's rows are 64-byte aligned (saving the read of
+/// every line written, and the eviction of what the caller reads next); anything else is
+/// [`matmul_serial`]. The bits depend on the shapes and the CPU, never on C's alignment;
+/// accumulating gives the bits of the product written apart and then added.
 ///
 /// `ahead` is memory the caller reads right after this product (at most two slices, e.g. the
 /// next row block of a layer's input): the `wide` kernel prefetches its cache lines into L2,

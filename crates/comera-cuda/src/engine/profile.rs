@@ -14,9 +14,9 @@
 //! between neighbours: the captured graph's step time minus that sum is what the graph's
 //! dependencies and launches cost.
 //!
-//! Only for an eager step: events cannot be waited on inside a stream capture, so profiling
-//! while [`crate::Device::capture`] records is refused ([`Profile::run`] is the only way in,
-//! and capture happens outside it).
+//! Only for an eager step: events cannot be waited on inside a stream capture, so a capture
+//! queued from inside [`Profile::run`] fails with the driver's error at its first operation.
+//! Outside a `Profile::run` nothing is timed, and capturing works as always.
 
 use crate::device::Device;
 use crate::error::{driver, CudaError};
