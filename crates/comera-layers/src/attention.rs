@@ -17,8 +17,9 @@
 //! all written straight into the matching strided views of dqkv (3, B, T, D). Excluded entries
 //! have P = 0, so they pass no gradient: K and V rows at padding positions get exactly zero.
 //!
-//! Each (b, h) is independent and writes disjoint columns: groups of them run in parallel, each
-//! product on one thread, so results do not depend on the thread count.
+//! Each (b, h) is independent and writes disjoint columns: the units are claimed one at a time
+//! by one task per thread, each unit's products on one thread with that task's scratch, so
+//! results do not depend on the thread count.
 //!
 //! [`Attention::forward_first`] / [`Attention::backward_first`] compute the same for the first
 //! query row of each sequence only (what a classifier on the [CLS] position reads from the
@@ -46,35 +47,29 @@ pub struct Attention {
 
 /// Saved probabilities and scratch for a fixed (batch, seq_len).
 ///
-/// The B·H (sequence, head) units are independent: they run as `parts` contiguous groups in
-/// parallel, each group on one thread with serial GEMMs and its own (T, T) scratch, so every
-/// unit's bits are the same whatever the thread count or grouping.
+/// The B·H (sequence, head) units are independent: tasks (one a thread) claim them one
+/// at a time, each running a unit's serial GEMMs in its own (T, T) scratch, so every unit's
+/// bits are the same whatever the thread count or which task takes it.
 #[derive(Debug)]
 pub struct AttentionWorkspace {
     batch: usize,
     seq: usize,
     /// Kept P, (B, H, T, T); empty in recompute mode.
     probs: Vec<f32>,
-    /// Per group: (T, T) for P (recompute mode), then (T, T) for dP/dS.
+    /// Per task (one a thread when the workspace was made): (T, T) for P (recompute mode),
+    /// then (T, T) for dP/dS.
     scratch: Vec<f32>,
     allow: Vec<f32>, // (B, T): 1 for an allowed key, else 0
     /// Recompute mode: P is not kept; `stats` holds each row's (max, 1/sum).
     recompute: bool,
     stats: Vec<f32>, // (B, H, T, 2) in recompute mode, else empty
-    /// Groups of units run in parallel (the thread count when the workspace was made).
-    parts: usize,
 }
 
 impl AttentionWorkspace {
-    /// The attention probabilities of the last forward, (B, H, T, T) (for a workspace made by
-    /// [`Attention::workspace_recompute`]: the (T, T) of the last head the first group
-    /// computed).
+    /// The attention probabilities of the last forward, (B, H, T, T); empty for a workspace
+    /// that does not keep them ([`Attention::workspace_recompute`]).
     pub fn probs(&self) -> &[f32] {
-        if self.recompute {
-            &self.scratch[..self.seq * self.seq]
-        } else {
-            &self.probs
-        }
+        &self.probs
     }
 
     pub fn batch(&self) -> usize {
@@ -91,47 +86,33 @@ impl AttentionWorkspace {
     }
 }
 
-/// Mutable slices of one group of units: its kept P (per unit, or empty), its row statistics
-/// (per unit, or empty) and its two (T, T) scratch matrices.
-struct Group<'a> {
-    units: std::ops::Range<usize>,
-    probs: &'a mut [f32],
-    stats: &'a mut [f32],
-    scratch: &'a mut [f32],
-}
-
-/// Splits units `lo..hi` into `parts` contiguous groups and runs `f` on each, in parallel
-/// (nested `rayon::join`, nothing allocated). `pu`/`su` are the kept-P/statistics lengths per
-/// unit (0 when not kept), `cu` the scratch length per group.
+/// Runs `f(u, p_u, stats_u, scratch)` for every (sequence, head) unit `u` of `0..units`, in
+/// parallel: the scratch slots (`cu` floats each, one a thread) claim units one at a time
+/// ([`comera_tensor::for_each_claimed`]), so a delayed thread holds up at most one unit.
+/// `p_u` is unit u's kept P (`pu` floats; empty in recompute mode), `stats_u` its row
+/// statistics (`su` floats; empty when P is kept). A unit's bits never depend on which slot
+/// computes it: the slot is scratch, written before it is read.
 #[allow(clippy::too_many_arguments)]
-fn run_groups(
-    units: std::ops::Range<usize>,
-    parts: usize,
+fn run_units(
+    units: usize,
     probs: &mut [f32],
     pu: usize,
     stats: &mut [f32],
     su: usize,
     scratch: &mut [f32],
     cu: usize,
-    f: &(impl Fn(Group<'_>) + Sync),
+    f: &(impl Fn(usize, &mut [f32], &mut [f32], &mut [f32]) + Sync),
 ) {
-    if parts <= 1 || units.len() <= 1 {
-        return f(Group {
-            units,
-            probs,
-            stats,
-            scratch: &mut scratch[..cu],
-        });
-    }
-    let left = parts / 2;
-    let mid = units.start + units.len() * left / parts;
-    let (p1, p2) = probs.split_at_mut((mid - units.start) * pu);
-    let (s1, s2) = stats.split_at_mut((mid - units.start) * su);
-    let (c1, c2) = scratch.split_at_mut(left * cu);
-    comera_tensor::join(
-        || run_groups(units.start..mid, left, p1, pu, s1, su, c1, cu, f),
-        || run_groups(mid..units.end, parts - left, p2, pu, s2, su, c2, cu, f),
-    );
+    let (probs, stats) = (DisjointMut::new(probs), DisjointMut::new(stats));
+    comera_tensor::for_each_claimed(units, scratch, cu, |u, scratch| {
+        // SAFETY: the counter hands unit u to one call only, and only unit u's call touches
+        // its P (`u·pu ..`) and its statistics (`u·su ..`).
+        unsafe {
+            probs.with_range(u * pu, pu, |p| {
+                stats.with_range(u * su, su, |st| f(u, p, st, scratch))
+            })
+        }
+    });
 }
 
 impl Attention {
@@ -200,7 +181,6 @@ impl Attention {
             } else {
                 Vec::new()
             },
-            parts,
         }
     }
 
@@ -297,45 +277,37 @@ impl Attention {
         let allow_all = &ws.allow;
         let out = DisjointMut::new(out);
         let (pu, su) = if recompute { (0, 2 * t) } else { (tt, 0) };
-        run_groups(
-            0..bsz * nh,
-            ws.parts,
+        run_units(
+            bsz * nh,
             &mut ws.probs,
             pu,
             &mut ws.stats,
             su,
             &mut ws.scratch,
             2 * tt,
-            &|g: Group<'_>| {
-                let first = g.units.start;
-                for u in g.units {
-                    let (b, h) = (u / nh, u % nh);
-                    let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
-                    let allow = &allow_all[b * t..(b + 1) * t];
-                    let v = MatRef::strided(&v_b[h * hd..], t, hd, d, 1); // (T, d)
-                    let i = u - first;
-                    let (p, stats) = if recompute {
-                        (
-                            &mut g.scratch[..tt],
-                            Some(&mut g.stats[i * su..(i + 1) * su]),
-                        )
-                    } else {
-                        (&mut g.probs[i * tt..(i + 1) * tt], None)
-                    };
-                    // Q·Kᵀ, then scale, mask and softmax each row in place.
-                    self.probs_of_head(q_b, k_b, h, t, allow, p, stats, false);
-                    // O = P·V into this head's columns of out.
-                    // SAFETY: unit (b, h) alone writes out[b, :, h·d .. (h+1)·d].
-                    unsafe {
-                        out.matmul_serial_into(
-                            b * t * d + h * hd,
-                            (t, hd, d, 1),
-                            MatRef::new(p, t, t),
-                            v,
-                            false,
-                        )
-                    };
-                }
+            &|u, p_kept, stats, scratch| {
+                let (b, h) = (u / nh, u % nh);
+                let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
+                let allow = &allow_all[b * t..(b + 1) * t];
+                let v = MatRef::strided(&v_b[h * hd..], t, hd, d, 1); // (T, d)
+                let (p, stats) = if recompute {
+                    (&mut scratch[..tt], Some(stats))
+                } else {
+                    (p_kept, None)
+                };
+                // Q·Kᵀ, then scale, mask and softmax each row in place.
+                self.probs_of_head(q_b, k_b, h, t, allow, p, stats, false);
+                // O = P·V into this head's columns of out.
+                // SAFETY: unit (b, h) alone writes out[b, :, h·d .. (h+1)·d].
+                unsafe {
+                    out.matmul_serial_into(
+                        b * t * d + h * hd,
+                        (t, hd, d, 1),
+                        MatRef::new(p, t, t),
+                        v,
+                        false,
+                    )
+                };
             },
         );
     }
@@ -506,56 +478,50 @@ impl Attention {
         let allow_all = &ws.allow;
         let (dqkv, nd) = (DisjointMut::new(dqkv), bsz * t * d);
         let (pu, su) = if recompute { (0, 2 * t) } else { (tt, 0) };
-        run_groups(
-            0..bsz * nh,
-            ws.parts,
+        run_units(
+            bsz * nh,
             &mut ws.probs,
             pu,
             &mut ws.stats,
             su,
             &mut ws.scratch,
             2 * tt,
-            &|g: Group<'_>| {
-                let first = g.units.start;
-                let (pbuf, ds) = g.scratch.split_at_mut(tt);
-                for u in g.units {
-                    let (b, h) = (u / nh, u % nh);
-                    let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
-                    let dout_b = &dout[b * t * d..(b + 1) * t * d]; // (T, D)
-                    let q = MatRef::strided(&q_b[h * hd..], t, hd, d, 1); // (T, d)
-                    let k = MatRef::strided(&k_b[h * hd..], t, hd, d, 1); // (T, d)
-                    let v = MatRef::strided(&v_b[h * hd..], t, hd, d, 1); // (T, d)
-                    let d_o = MatRef::strided(&dout_b[h * hd..], t, hd, d, 1); // (T, d)
-                    let i = u - first;
-                    let p: &[f32] = if recompute {
-                        // P again from Q and K with the forward's row statistics.
-                        let allow = &allow_all[b * t..(b + 1) * t];
-                        let stats = &mut g.stats[i * su..(i + 1) * su];
-                        self.probs_of_head(q_b, k_b, h, t, allow, pbuf, Some(stats), true);
-                        pbuf
-                    } else {
-                        &g.probs[i * tt..(i + 1) * tt] // (T, T)
-                    };
-                    let pm = MatRef::new(p, t, t);
-                    // This head's columns of sequence b's rows of dQ, dK and dV.
-                    let base = b * t * d + h * hd;
-                    let (dq_at, dk_at, dv_at) = (base, nd + base, 2 * nd + base);
-                    // dV = Pᵀ·dO
-                    // SAFETY (this and the two writes below): unit (b, h) alone writes this
-                    // head's columns of sequence b's rows of dQ, dK and dV.
-                    unsafe { dqkv.matmul_serial_into(dv_at, (t, hd, d, 1), pm.t(), d_o, false) };
-                    // dP = dO·Vᵀ, then dS' = s·P ⊙ (dP − rowsum(P ⊙ dP)) in place.
-                    matmul_serial(MatMut::new(ds, t, t), d_o, v.t(), false);
-                    for (pr, dr) in p.chunks_exact(t).zip(ds.chunks_exact_mut(t)) {
-                        softmax::grad(pr, dr, scale);
-                    }
-                    let dsm = MatRef::new(ds, t, t);
-                    // dQ = dS'·K,  dK = dS'ᵀ·Q
-                    // SAFETY: as for dV (this head's columns of dQ[b]).
-                    unsafe { dqkv.matmul_serial_into(dq_at, (t, hd, d, 1), dsm, k, false) };
-                    // SAFETY: as for dV (this head's columns of dK[b]).
-                    unsafe { dqkv.matmul_serial_into(dk_at, (t, hd, d, 1), dsm.t(), q, false) };
+            &|u, p_kept, stats, scratch| {
+                let (pbuf, ds) = scratch.split_at_mut(tt);
+                let (b, h) = (u / nh, u % nh);
+                let [q_b, k_b, v_b] = sequence(qkv, bsz, t, d, b);
+                let dout_b = &dout[b * t * d..(b + 1) * t * d]; // (T, D)
+                let q = MatRef::strided(&q_b[h * hd..], t, hd, d, 1); // (T, d)
+                let k = MatRef::strided(&k_b[h * hd..], t, hd, d, 1); // (T, d)
+                let v = MatRef::strided(&v_b[h * hd..], t, hd, d, 1); // (T, d)
+                let d_o = MatRef::strided(&dout_b[h * hd..], t, hd, d, 1); // (T, d)
+                let p: &[f32] = if recompute {
+                    // P again from Q and K with the forward's row statistics.
+                    let allow = &allow_all[b * t..(b + 1) * t];
+                    self.probs_of_head(q_b, k_b, h, t, allow, pbuf, Some(stats), true);
+                    pbuf
+                } else {
+                    p_kept // (T, T)
+                };
+                let pm = MatRef::new(p, t, t);
+                // This head's columns of sequence b's rows of dQ, dK and dV.
+                let base = b * t * d + h * hd;
+                let (dq_at, dk_at, dv_at) = (base, nd + base, 2 * nd + base);
+                // dV = Pᵀ·dO
+                // SAFETY (this and the two writes below): unit (b, h) alone writes this
+                // head's columns of sequence b's rows of dQ, dK and dV.
+                unsafe { dqkv.matmul_serial_into(dv_at, (t, hd, d, 1), pm.t(), d_o, false) };
+                // dP = dO·Vᵀ, then dS' = s·P ⊙ (dP − rowsum(P ⊙ dP)) in place.
+                matmul_serial(MatMut::new(ds, t, t), d_o, v.t(), false);
+                for (pr, dr) in p.chunks_exact(t).zip(ds.chunks_exact_mut(t)) {
+                    softmax::grad(pr, dr, scale);
                 }
+                let dsm = MatRef::new(ds, t, t);
+                // dQ = dS'·K,  dK = dS'ᵀ·Q
+                // SAFETY: as for dV (this head's columns of dQ[b]).
+                unsafe { dqkv.matmul_serial_into(dq_at, (t, hd, d, 1), dsm, k, false) };
+                // SAFETY: as for dV (this head's columns of dK[b]).
+                unsafe { dqkv.matmul_serial_into(dk_at, (t, hd, d, 1), dsm.t(), q, false) };
             },
         );
     }
@@ -745,7 +711,8 @@ mod tests {
         assert!(Attention::workspace_bytes(&ws) < 4 * b * nh * t * t);
     }
 
-    /// Heads run in parallel groups: 1, 2 or 3 threads (different groupings) give the same bits.
+    /// Heads are claimed by 1, 2 or 3 tasks (a different task for a unit from run to run): the
+    /// same bits.
     #[test]
     fn same_bits_on_any_thread_count() {
         let (b, t, d, nh) = (3, 17, 24, 4);
@@ -767,7 +734,7 @@ mod tests {
                 } else {
                     attn.workspace(b, t)
                 };
-                assert_eq!(ws.parts, threads);
+                assert_eq!(ws.scratch.len(), threads * 2 * t * t);
                 let mut out = vec![0.0; b * t * d];
                 let mut dqkv = vec![0.0; b * t * 3 * d];
                 attn.forward(&mut ws, &qkv, Some(&mask), &mut out);

@@ -1,5 +1,6 @@
 //! [`join`]: `rayon::join` whose caller never sleeps while it waits; [`for_each`]: a parallel
-//! iterator's `for_each` on it.
+//! iterator's `for_each` on it; [`for_each_claimed`]: units of equal work claimed one at a
+//! time by a few tasks, each with its own scratch.
 //!
 //! The thread that calls `rayon::join(a, b)` runs `a`; `b` waits in its queue for another
 //! worker to take it. If `b` is not done when `a` is, rayon has the caller look for other work
@@ -14,7 +15,8 @@
 
 use rayon::iter::plumbing::{Producer, ProducerCallback};
 use rayon::iter::IndexedParallelIterator;
-use std::sync::atomic::{AtomicBool, Ordering};
+use rayon::slice::ParallelSliceMut;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// `(a(), b())`, `b` possibly on another worker (as `rayon::join`), the caller spinning for it
 /// instead of sleeping (module doc).
@@ -85,9 +87,42 @@ where
     iter.with_producer(Halves { f, len });
 }
 
+/// `f(u, scratch)` for every unit `u` in `0..units`, each exactly once: `scratch` is cut into
+/// slots of `slot_len` floats, one task a slot (forked as [`for_each`] forks), and each task
+/// claims the next unclaimed unit from a shared counter until none is left (OpenMP's dynamic
+/// schedule), passing its own slot.
+///
+/// Why not fixed groups of units, one a thread: a thread that the machine delays (a busy
+/// virtual machine's neighbours, an interrupt) then holds up the end of the whole loop by its
+/// delay, and a thread that is not free when the loop starts leaves its group to the end; here
+/// the others take its units and the loop ends at most one unit after its last claim. Which
+/// slot computes a unit varies from run to run, so `f`'s results must not depend on what the
+/// slot holds on entry (scratch only); then they do not depend on the thread count either.
+pub fn for_each_claimed<F>(units: usize, scratch: &mut [f32], slot_len: usize, f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync + Send,
+{
+    assert!(
+        slot_len > 0 && !scratch.is_empty() && scratch.len() % slot_len == 0,
+        "for_each_claimed: {} scratch floats in slots of {slot_len}",
+        scratch.len()
+    );
+    let next = AtomicUsize::new(0);
+    for_each(scratch.par_chunks_mut(slot_len), |slot| loop {
+        // Relaxed: the counter only hands out indices; each unit's data is reached through
+        // `f`, and the forks' joins order everything before and after the loop.
+        let u = next.fetch_add(1, Ordering::Relaxed);
+        if u >= units {
+            break;
+        }
+        f(u, slot);
+    });
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{for_each, join};
+    use super::{for_each, for_each_claimed, join};
+    use std::sync::atomic::{AtomicU32, Ordering};
     use rayon::prelude::*;
 
     #[test]
@@ -136,6 +171,31 @@ mod tests {
                 });
                 assert!(seen.iter().all(|&s| s == 1), "{threads} threads, {len}");
                 assert!(y.iter().enumerate().all(|(i, &v)| v == 3.0 * i as f32));
+            }
+        }
+    }
+
+    #[test]
+    fn for_each_claimed_runs_every_unit_once_with_a_whole_slot() {
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for (units, slots) in [(0usize, 1usize), (1, 3), (5, 2), (100, 3)] {
+                let runs: Vec<AtomicU32> = (0..units).map(|_| AtomicU32::new(0)).collect();
+                let mut scratch = vec![0.0f32; slots * 4];
+                pool.install(|| {
+                    for_each_claimed(units, &mut scratch, 4, |u, slot| {
+                        assert_eq!(slot.len(), 4);
+                        slot.fill(u as f32);
+                        runs[u].fetch_add(1, Ordering::Relaxed);
+                    })
+                });
+                assert!(
+                    runs.iter().all(|r| r.load(Ordering::Relaxed) == 1),
+                    "{threads} threads, {units} units, {slots} slots"
+                );
             }
         }
     }

@@ -63,5 +63,5 @@ mod wide;
 pub use gemm::{
     matmul, matmul_row_pieces, matmul_serial, matmul_serial_streamed, DisjointMut, MatMut, MatRef,
 };
-pub use join::{for_each, join};
+pub use join::{for_each, for_each_claimed, join};
 pub use layout::{ShapeError, TtShape, TtmShape};
