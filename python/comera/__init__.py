@@ -389,7 +389,8 @@ def train(
 
     ``epochs``, ``batch_size``, ``seed``, ``stop_after_steps``, ``dense`` and ``overwrite``
     are the command line's flags of the same names. ``threads``: worker threads
-    (default: all cores); the same seed and thread count give the same result, bit for bit.
+    (default: all cores); the same seed gives the same result, bit for bit, on any thread
+    count.
 
     ``device``: where the steps run, ``"cpu"`` (the default, or the config's
     ``train.device``), ``"cuda"`` or ``"cuda:N"`` for an NVIDIA GPU (docs/gpu.md); the run's
@@ -467,8 +468,8 @@ def resume(
     device: Optional[str] = None,
 ) -> "Run":
     """Continues the stopped run in ``path`` from its newest checkpoint, to its configured
-    end. With the same thread count its losses are bit for bit those of a run never
-    stopped. ``callback`` and ``progress`` as in :func:`train`. ``device``: go on on this
+    end. Its losses are bit for bit those of a run never stopped, on any thread count.
+    ``callback`` and ``progress`` as in :func:`train`. ``device``: go on on this
     device (``"cpu"``, ``"cuda"``, ``"cuda:N"``; default: the one the run was started on),
     as ``comera train --resume DIR --device D`` does.
 

@@ -16,9 +16,10 @@
 # (`cpu-acc`, `gpu-acc`), judged on its first ACC_STEPS steps' training losses (ACC_TOL below).
 # Then a rank-adaptive run of 288 steps (early stage to step 50, then the late stage towards
 # half the size, truncations every 10 steps: 23 on the CPU, S 3,312 → 840, so the GPU's step
-# is planned again after each cut) on the CPU at 2 threads (`cpu-rank`), at 1 thread
-# (`cpu-rank-1t`) and on the GPU (`gpu-rank`), judged by judge_rank_runs.py: the GPU's losses,
-# S, Ŝ, truncations and end ranks against the CPU's, within 4 times what the CPU's own two
+# is planned again after each cut) on the CPU (`cpu-rank`), on the CPU with the fused FFN's
+# backward in one lane instead of 8 (`cpu-rank-1lane`: COMERA_FFN_LANES=1, another order of a few
+# sums) and on the GPU (`gpu-rank`), judged by judge_rank_runs.py: the GPU's losses, S, Ŝ,
+# truncations and end ranks against the CPU's, within 4 times what the CPU's own two
 # summation orders differ by (the derivation is in that script's doc).
 # Then evaluation and prediction on the GPU (issue 48): `predict --device cuda` and
 # `eval --device cuda` of the `cpu` run against the same commands on the CPU, judged: every
@@ -116,7 +117,7 @@ rank_set=(--set rank.enabled=true --set rank.gamma=0.1 --set rank.late_after_ste
     --set rank.truncate_every=10 --set optim.lr_gates=0.02 --set rank.target_ratio=0.5
     --set train.epochs=16)
 run "$bin" --threads 2 train --config "$cfg" --quiet --out "$out/cpu-rank" --device cpu "${rank_set[@]}"
-run "$bin" --threads 1 train --config "$cfg" --quiet --out "$out/cpu-rank-1t" --device cpu "${rank_set[@]}"
+run env COMERA_FFN_LANES=1 "$bin" --threads 2 train --config "$cfg" --quiet --out "$out/cpu-rank-1lane" --device cpu "${rank_set[@]}"
 run "$bin" --threads 2 train --config "$cfg" --quiet --out "$out/gpu-rank" --device cuda "${rank_set[@]}"
 # Masked-LM pre-training in two phases on a corpus of 40 small files of repeated patterns.
 python3 - "$out" <<'EOF'
@@ -342,8 +343,8 @@ for b in bad:
 sys.exit(1 if bad else 0)
 EOF
 [ $? -eq 0 ] || failed=1
-if [ -d "$out/gpu-rank" ] && [ -d "$out/cpu-rank" ] && [ -d "$out/cpu-rank-1t" ]; then
-    python3 "$(dirname "$0")/judge_rank_runs.py" "$out/cpu-rank" "$out/cpu-rank-1t" "$out/gpu-rank" \
+if [ -d "$out/gpu-rank" ] && [ -d "$out/cpu-rank" ] && [ -d "$out/cpu-rank-1lane" ]; then
+    python3 "$(dirname "$0")/judge_rank_runs.py" "$out/cpu-rank" "$out/cpu-rank-1lane" "$out/gpu-rank" \
         --json "$out/rank-judge.json" || failed=1
 else
     echo "FAILED: the rank-adaptive runs are missing (see commands.log)"

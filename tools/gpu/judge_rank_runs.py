@@ -4,10 +4,12 @@ taken from a third run that differs from the reference only in its summation ord
 
     judge_rank_runs.py REF PAIR CANDIDATE [--json OUT]
 
-REF, PAIR and CANDIDATE are run directories of one config and seed: REF and PAIR on the CPU
-at two thread counts (their only difference: the order in which some f32 sums are added, the
-fused FFN's lanes among them, docs/scaling.md), CANDIDATE the run to judge (the GPU's, issue
-48: "the ranks and losses of a few hundred steps of a small rank-adaptive run").
+REF, PAIR and CANDIDATE are run directories of one config and seed: REF and PAIR on the CPU,
+PAIR with the fused FFN's backward in another number of lanes (`COMERA_FFN_LANES=1`; their
+only difference: the order in which a few f32 sums are added, docs/scaling.md), CANDIDATE the
+run to judge (the GPU's, issue 48: "the ranks and losses of a few hundred steps of a small
+rank-adaptive run"). Until 2026-11-29 the pair was the CPU at 2 and at 1 thread, which then
+summed those lanes in different orders; the CPU's step no longer depends on the thread count.
 
 Why the tolerance comes from PAIR. A training run is not a contraction: two runs whose steps
 differ by one rounding in a sum drift apart over a few hundred steps. Measured on the CPU
@@ -15,8 +17,8 @@ differ by one rounding in a sum drift apart over a few hundred steps. Measured o
 loss for 25 steps, then differ by up to 0.1 in a single step's loss, by up to 1% in S, and
 truncate at partly different steps (23 truncations each, two of them at other steps), yet
 end at the same ranks. A GPU reorders every sum of the step (cuBLAS's blocking, tree
-reductions), not only the CPU's thread-dependent ones: each reordering perturbs a value by
-about one rounding (≈ 6e-8 relative), as the thread-dependent sums do; what grows into the
+reductions), not only the few the pair reorders: each reordering perturbs a value by
+about one rounding (≈ 6e-8 relative), as the pair's do; what grows into the
 drift above is the trajectory's sensitivity, the same for both. More perturbed values add up,
 if independent, like the square root of their number, so the GPU's drift is allowed K = 4
 times the pair's, plus a floor for quantities the pair happens to leave unchanged:
@@ -34,7 +36,7 @@ times the pair's, plus a floor for quantities the pair happens to leave unchange
                    missed gate or a stage applied at the wrong step shows here first.)
 
 Exit status 0 when every quantity is within its tolerance, 1 otherwise (each miss printed), 2
-on bad input. Checked on the CPU against runs it must pass (a third thread count) and runs it
+on bad input. Checked on the CPU against runs it must pass (a third lane count) and runs it
 must fail (another seed; the gates' learning rate or γ changed), docs/gpu.md.
 """
 import json

@@ -81,3 +81,22 @@ fn a_step_gives_the_same_bits_run_after_run_at_a_given_thread_count() {
         }
     }
 }
+
+/// Nothing in the step depends on the thread count (docs/scaling.md, "What depends on the
+/// thread count"): every split of the work is fixed by the shapes, and each value is computed
+/// by one call in one order. At batch 8 (256 rows) the TT model runs its feed-forward blocks
+/// fused, in lanes.
+#[test]
+fn a_step_gives_the_same_bits_on_any_thread_count() {
+    for tt in [false, true] {
+        for b in [1, 8] {
+            let one = run(tt, b, 1);
+            for threads in [2, 3] {
+                assert!(
+                    one == run(tt, b, threads),
+                    "tt={tt} batch {b}: {threads} threads differ from 1"
+                );
+            }
+        }
+    }
+}

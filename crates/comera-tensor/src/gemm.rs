@@ -210,7 +210,8 @@ pub fn matmul_serial(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bo
 /// writes C with non-temporal stores when C's rows are 64-byte aligned (saving the read of
 /// every line written, and the eviction of what the caller reads next); anything else is
 /// [`matmul_serial`]. The bits depend on the shapes and the CPU, never on C's alignment;
-/// accumulating gives the bits of the product written apart and then added.
+/// accumulating gives, on the `wide` kernel, the bits of the product written apart and then
+/// added (elsewhere [`matmul_serial`]'s own accumulation, equal within rounding).
 ///
 /// `ahead` is memory the caller reads right after this product (at most two slices, e.g. the
 /// next row block of a layer's input): the `wide` kernel prefetches its cache lines into L2,

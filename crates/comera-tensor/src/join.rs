@@ -103,7 +103,7 @@ where
     F: Fn(usize, &mut [f32]) + Sync + Send,
 {
     assert!(
-        slot_len > 0 && !scratch.is_empty() && scratch.len() % slot_len == 0,
+        slot_len > 0 && !scratch.is_empty() && scratch.len().is_multiple_of(slot_len),
         "for_each_claimed: {} scratch floats in slots of {slot_len}",
         scratch.len()
     );
@@ -122,8 +122,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::{for_each, for_each_claimed, join};
-    use std::sync::atomic::{AtomicU32, Ordering};
     use rayon::prelude::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
 
     #[test]
     fn runs_both_on_one_thread_and_on_several() {

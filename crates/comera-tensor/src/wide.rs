@@ -386,15 +386,23 @@ mod tests {
                         other == first,
                         "{m}×{n}×{k}: bits differ at offset {offset}, row stride {c_rs}"
                     );
-                    // Accumulating into C: C + A·B, the same bits as the product then one
-                    // add (what `add_into` of a product written apart gives).
+                    // Accumulating into C: C + A·B, on AVX-512 the same bits as the product
+                    // then one add (what `add_into` of a product written apart gives); where
+                    // `matmul_serial` computes it instead, its own order, within rounding.
                     let init: Vec<f32> = (0..m * n).map(|i| (i as f32 * 0.07).sin()).collect();
                     let added = streamed(&a, a_t, &b, (m, n, k), offset, c_rs, &[], Some(&init));
                     let want: Vec<f32> = init.iter().zip(&first).map(|(c, p)| c + p).collect();
-                    assert!(
-                        added == want,
-                        "{m}×{n}×{k}: accumulated bits differ at offset {offset}, row stride {c_rs}"
-                    );
+                    if crate::narrow::available() {
+                        assert!(
+                            added == want,
+                            "{m}×{n}×{k}: accumulated bits differ at offset {offset}, row \
+                             stride {c_rs}"
+                        );
+                    } else {
+                        for (x, w) in added.iter().zip(&want) {
+                            assert!((x - w).abs() <= 1e-5 * (1.0 + w.abs()), "{m}×{n}×{k}");
+                        }
+                    }
                 }
             }
         }

@@ -17,16 +17,18 @@
 //! (2 × B × F floats, computed from one Φ/φ per value as above) and the backward reads them
 //! rather than forming h and its GELU again; the same values either way, so the same bits.
 //!
-//! The blocks run in *lanes*, one per worker thread (fixed when the workspace is made): lane t
-//! takes a contiguous run of blocks and runs their products single-threaded with its own h and
-//! g blocks, so a block's work stays on one core and the step does not fork and join around
-//! every small product. Each lane sums its blocks' dL_d, dR_u and db_u into its own partial
-//! sums, which are then added in lane order; the forward has nothing to sum. So the result
-//! depends on the lane count (the thread count), not on scheduling, and equals the unfused
-//! Up → GELU → Down up to float rounding. Measured against blocks of 128 rows run in order
-//! with threaded products (`comera --threads 2 bench step --batch 32 --ops`, paper model): the
-//! backward 6% faster at rank 30 and 16% at rank 15, the forward unchanged; blocks of 16, 32
-//! and 64 rows within a few percent of each other.
+//! Each block's products run single-threaded, in h and g blocks of the thread's own, so a
+//! block's work stays on one core and the step does not fork and join around every small
+//! product. The forward's blocks are independent: one task a thread claims them one at a time
+//! (`comera_tensor::for_each_claimed`). The backward's blocks meet in the sums dL_d, dR_u and
+//! db_u, so they are cut into *lanes*, contiguous runs of blocks fixed by the batch alone (at
+//! most [`LANES`]); the tasks claim whole lanes, each lane sums its blocks into its own partial
+//! sums, and the partials are then added in lane order. So the result depends neither on the
+//! thread count nor on scheduling, and equals the unfused Up → GELU → Down up to float
+//! rounding. Measured against blocks of 128 rows run in order with threaded products
+//! (`comera --threads 2 bench step --batch 32 --ops`, paper model): the backward 6% faster at
+//! rank 30 and 16% at rank 15, the forward unchanged; blocks of 16, 32 and 64 rows within a
+//! few percent of each other.
 
 use super::chain::{Chains, LentChains};
 use super::merged::{input_side, output_side, paired};
@@ -37,10 +39,42 @@ use crate::elementwise::kernels::{add, mul};
 use crate::elementwise::{add_into, sum_into};
 use crate::{accumulate_bias_grad, add_bias, bias_grad_columns, check_len, Layer};
 use comera_plan::TtPath;
-use comera_tensor::{matmul, matmul_serial, MatMut, MatRef, TtShape};
-use rayon::prelude::*;
+use comera_tensor::{matmul, matmul_serial, DisjointMut, MatMut, MatRef, TtShape};
 
-/// Rows per block: a lane's two ROWS × F blocks (h and g) take 384 KB each at F = 3072.
+/// Most lanes a batch's blocks are cut into (module doc; [`max_lanes`]): so at most this many threads share a
+/// backward, and at most this many partial sums (F·(r_d + r_u + 1) floats each: 0.7 MiB at
+/// F = 3,072 and rank 30) are held. Fixed lanes, where there used to be one per thread, make
+/// the bits independent of the thread count, and a thread that the machine delays holds up at
+/// most its last lane: at batch 32 on 2 Zen 3 vCPUs (`comera --threads 2 bench step
+/// --scaling --threads-list 2`, 12 interleaved runs, medians) the pool's idle share was 3.6%
+/// with a lane a thread, 3.0% with 8 lanes and 2.7% with 16, the step's time the same within
+/// the noise.
+const LANES: usize = 16;
+
+/// The most lanes: [`LANES`], or `COMERA_FFN_LANES` from the environment (read once). Another
+/// lane count changes the order of a few f32 sums (the lanes' partials) and nothing else: a
+/// perturbation of one rounding, which `tools/gpu/e2e.sh` uses to measure how far a run drifts
+/// from one (the CPU run it judges the GPU's against, and the same run with 1 lane).
+fn max_lanes() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| match std::env::var("COMERA_FFN_LANES") {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&n| n >= 1)
+            .unwrap_or_else(|| {
+                eprintln!(
+                    "warning: COMERA_FFN_LANES={v:?} is not a whole number of at least 1; \
+                 using {LANES}"
+                );
+                LANES
+            }),
+        Err(_) => LANES,
+    })
+}
+
+/// Rows per block: a thread's two ROWS × F blocks (h and g) take 384 KB each at F = 3072.
 const ROWS: usize = 32;
 
 /// Batches of at most this many rows run unfused unless Up is thin (see `THIN_UP_RANK`): at
@@ -87,37 +121,33 @@ pub struct FusedFfn {
     dh: [Lease; 2],       // their gradients (scratch)
     /// Rows per lane: a whole number of blocks; the last lane may have fewer.
     lane_rows: usize,
-    /// [lanes × lane scratch (`Lane`), U_u (B × r_u), U_d (B × r_d)], scratch.
+    /// [tasks × h and g blocks (ROWS × F each), lanes × partial sums (`Partials`),
+    /// U_u (B × r_u), U_d (B × r_d)], scratch; tasks: the thread count when the workspace was
+    /// made, at most the lanes.
     buf: Lease,
     /// [GELU'(h) | g] (B × F each), kept from the forward for the backward at most
     /// [`KEEP_MAX_ROWS`] rows; empty otherwise (the backward recomputes them).
     kept: Vec<f32>,
 }
 
-/// One lane's scratch, split from its part of the flat buffer: the h and g blocks
-/// (ROWS × F each) and its partial sums of dL_d (F × r_d), dR_u (r_u × F) and db_u (F).
-struct Lane<'a> {
-    h: &'a mut [f32],
-    g: &'a mut [f32],
+/// One lane's partial sums, split from its part of the flat buffer: dL_d (F × r_d), dR_u
+/// (r_u × F) and db_u (F).
+struct Partials<'a> {
     dld: &'a mut [f32],
     dru: &'a mut [f32],
     dbu: &'a mut [f32],
 }
 
-impl<'a> Lane<'a> {
-    /// Floats of one lane's scratch.
+impl<'a> Partials<'a> {
+    /// Floats of one lane's partial sums.
     fn len(f: usize, ru: usize, rd: usize) -> usize {
-        2 * ROWS * f + f * rd + ru * f + f
+        f * rd + ru * f + f
     }
 
-    fn split(buf: &'a mut [f32], f: usize, ru: usize, rd: usize) -> Lane<'a> {
-        let (h, rest) = buf.split_at_mut(ROWS * f);
-        let (g, rest) = rest.split_at_mut(ROWS * f);
-        let (dld, rest) = rest.split_at_mut(f * rd);
+    fn split(buf: &'a mut [f32], f: usize, ru: usize, rd: usize) -> Partials<'a> {
+        let (dld, rest) = buf.split_at_mut(f * rd);
         let (dru, rest) = rest.split_at_mut(ru * f);
-        Lane {
-            h,
-            g,
+        Partials {
             dld,
             dru,
             dbu: &mut rest[..f],
@@ -155,9 +185,9 @@ impl FusedFfn {
         );
         let lens = |l: &TtLinear| super::core_lens(&l.shape);
         let chains = [Chains::new(&up.shape), Chains::new(&down.shape)];
-        let lanes = rayon::current_num_threads().max(1);
-        let lane_rows = batch.max(1).div_ceil(ROWS).div_ceil(lanes) * ROWS;
-        let used_lanes = batch.div_ceil(lane_rows);
+        let lane_rows = batch.max(1).div_ceil(ROWS).div_ceil(max_lanes()) * ROWS;
+        let lanes = batch.max(1).div_ceil(lane_rows);
+        let tasks = rayon::current_num_threads().clamp(1, lanes);
         Some(FusedFfn {
             batch,
             shapes: [up.shape.clone(), down.shape.clone()],
@@ -174,7 +204,8 @@ impl FusedFfn {
             dh: [Lease::new(lens(up)), Lease::new(lens(down))],
             lane_rows,
             buf: Lease::new(vec![
-                used_lanes * Lane::len(f, ru, rd),
+                tasks * 2 * ROWS * f,
+                lanes * Partials::len(f, ru, rd),
                 batch * ru,
                 batch * rd,
             ]),
@@ -252,7 +283,7 @@ impl FusedFfn {
             MatRef::new(lu, n, ru),
             false,
         );
-        let (lr, lane_len, bias) = (self.lane_rows, Lane::len(f, ru, rd), &up.bias.value);
+        let bias = &up.bias.value;
         let (rum, ldm) = (MatRef::new(ru_m, ru, f), MatRef::new(ld, f, rd));
         // One block: g = GELU(T1u·R_u + b_u) (and GELU'(h) into `h` when kept), T1d = g·L_d.
         let block = |t1u: &[f32], t1d: &mut [f32], h: &mut [f32], g: &mut [f32], keep: bool| {
@@ -273,33 +304,37 @@ impl FusedFfn {
                 false,
             );
         };
-        let lanes = self
-            .t1d
-            .par_chunks_mut(lr * rd)
-            .zip(self.t1u.par_chunks(lr * ru));
+        let t1u = &self.t1u;
+        let t1d = DisjointMut::new(&mut self.t1d);
+        let rows_of = |i: usize| i * ROWS..b.min((i + 1) * ROWS);
+        let blocks = b.div_ceil(ROWS);
         if self.kept.is_empty() {
-            comera_tensor::for_each(
-                lanes.zip(buf[0].par_chunks_mut(lane_len)),
-                |((t1d, t1u), scratch)| {
-                    let lane = Lane::split(scratch, f, ru, rd);
-                    for (t1d, t1u) in t1d.chunks_mut(ROWS * rd).zip(t1u.chunks(ROWS * ru)) {
-                        block(t1u, t1d, lane.h, lane.g, false);
-                    }
-                },
-            );
+            comera_tensor::for_each_claimed(blocks, &mut buf[0], 2 * ROWS * f, |i, hg| {
+                let rows = rows_of(i);
+                let (h, g) = hg.split_at_mut(ROWS * f);
+                let t1u = &t1u[rows.start * ru..rows.end * ru];
+                // SAFETY: block i alone writes its rows of T1d.
+                unsafe {
+                    t1d.with_range(rows.start * rd, rows.len() * rd, |t1d| {
+                        block(t1u, t1d, h, g, false)
+                    })
+                };
+            });
         } else {
             let (gp, g) = self.kept.split_at_mut(b * f);
-            let lanes = lanes
-                .zip(gp.par_chunks_mut(lr * f))
-                .zip(g.par_chunks_mut(lr * f));
-            comera_tensor::for_each(lanes, |(((t1d, t1u), gp), g)| {
-                let blocks = t1d
-                    .chunks_mut(ROWS * rd)
-                    .zip(t1u.chunks(ROWS * ru))
-                    .zip(gp.chunks_mut(ROWS * f).zip(g.chunks_mut(ROWS * f)));
-                for ((t1d, t1u), (gp, g)) in blocks {
-                    block(t1u, t1d, gp, g, true);
-                }
+            let (gp, g) = (DisjointMut::new(gp), DisjointMut::new(g));
+            comera_tensor::for_each_claimed(blocks, &mut buf[0], 2 * ROWS * f, |i, _| {
+                let rows = rows_of(i);
+                let (at, len) = (rows.start * f, rows.len() * f);
+                let t1u = &t1u[rows.start * ru..rows.end * ru];
+                // SAFETY: block i alone writes its rows of T1d, GELU'(h) and g.
+                unsafe {
+                    t1d.with_range(rows.start * rd, rows.len() * rd, |t1d| {
+                        gp.with_range(at, len, |gp| {
+                            g.with_range(at, len, |g| block(t1u, t1d, gp, g, true))
+                        })
+                    })
+                };
             });
         }
         matmul(
@@ -340,8 +375,8 @@ impl FusedFfn {
         let mut chains = [self.chains[0].lent(pu, gu), self.chains[1].lent(pd, gd)];
         build_both([&*up, &*down], &mut h, &mut chains);
         let [cu, cd] = &mut chains;
-        let [lanes, uu, ud] = &mut buf[..] else {
-            unreachable!("three buffers")
+        let [hg, partials, uu, ud] = &mut buf[..] else {
+            unreachable!("four buffers")
         };
         let dym = MatRef::new(dy, b, m);
         {
@@ -350,18 +385,20 @@ impl FusedFfn {
             let (r, t1d) = (MatRef::new(r, rd, m), MatRef::new(&self.t1d, b, rd));
             output_side(paired(&self.shapes[1], b), t1d, dym, r, dr, ud);
         }
-        let (lr, lane_len) = (self.lane_rows, Lane::len(f, ru, rd));
+        let (lr, plen) = (self.lane_rows, Partials::len(f, ru, rd));
         {
             let ld = MatRef::new(cd.seed_grads().0, f, rd);
             let rum = MatRef::new(cu.seed_grads().1, ru, f);
             let bias = &up.bias.value;
-            // A lane's blocks; `kept`: the lane's rows of the forward's [GELU'(h) | g].
+            // A lane's blocks, in the h and g blocks `hg` of the task that claimed it; `kept`:
+            // the lane's rows of the forward's [GELU'(h) | g].
             let lane_blocks = |uu: &mut [f32],
                                ud: &[f32],
                                t1u: &[f32],
-                               scratch: &mut [f32],
+                               hg: &mut [f32],
+                               lane: Partials<'_>,
                                kept: Option<(&[f32], &[f32])>| {
-                let lane = Lane::split(scratch, f, ru, rd);
+                let (hb, gb) = hg.split_at_mut(ROWS * f);
                 lane.dbu.fill(0.0);
                 let blocks = uu
                     .chunks_mut(ROWS * ru)
@@ -369,7 +406,7 @@ impl FusedFfn {
                     .zip(t1u.chunks(ROWS * ru));
                 for (i, ((uu, ud), t1u)) in blocks.enumerate() {
                     let rows = t1u.len() / ru;
-                    let (h, g) = (&mut lane.h[..rows * f], &mut lane.g[..rows * f]);
+                    let (h, g) = (&mut hb[..rows * f], &mut gb[..rows * f]);
                     let (t1u, ud) = (MatRef::new(t1u, rows, ru), MatRef::new(ud, rows, rd));
                     let (gp, gm): (&[f32], MatRef<'_>) = match kept {
                         Some((gp, g)) => {
@@ -383,9 +420,9 @@ impl FusedFfn {
                             (h, MatRef::new(g, rows, f))
                         }
                     };
-                    // dL_d += gᵀ·U_d;  dg = U_d·L_dᵀ (into the lane's g);  dh = dg ⊙ GELU'(h).
+                    // dL_d += gᵀ·U_d;  dg = U_d·L_dᵀ (into the task's g);  dh = dg ⊙ GELU'(h).
                     matmul_serial(MatMut::new(lane.dld, f, rd), gm.t(), ud, i > 0);
-                    let dg = &mut lane.g[..rows * f];
+                    let dg = &mut gb[..rows * f];
                     matmul_serial(MatMut::new(dg, rows, f), ud, ld.t(), false);
                     mul(dg, gp);
                     let dh = MatRef::new(dg, rows, f);
@@ -395,31 +432,38 @@ impl FusedFfn {
                     matmul_serial(MatMut::new(uu, rows, ru), dh, rum.t(), false);
                 }
             };
-            let lanes_in = uu
-                .par_chunks_mut(lr * ru)
-                .zip(ud.par_chunks(lr * rd))
-                .zip(self.t1u.par_chunks(lr * ru))
-                .zip(lanes.par_chunks_mut(lane_len));
-            if self.kept.is_empty() {
-                comera_tensor::for_each(lanes_in, |(((uu, ud), t1u), scratch)| {
-                    lane_blocks(uu, ud, t1u, scratch, None)
+            let (t1u, kept) = (&self.t1u, &self.kept);
+            let (ud, lanes) = (&*ud, partials.len() / plen);
+            let (uu, partials) = (DisjointMut::new(uu), DisjointMut::new(partials));
+            comera_tensor::for_each_claimed(lanes, hg, 2 * ROWS * f, |lane, hg| {
+                let rows = lane * lr..b.min((lane + 1) * lr);
+                let kept = (!kept.is_empty()).then(|| {
+                    let (gp, g) = kept.split_at(b * f);
+                    let at = rows.start * f..rows.end * f;
+                    (&gp[at.clone()], &g[at])
                 });
-            } else {
-                let (gp, g) = self.kept.split_at(b * f);
-                let lanes_in = lanes_in.zip(gp.par_chunks(lr * f).zip(g.par_chunks(lr * f)));
-                comera_tensor::for_each(lanes_in, |((((uu, ud), t1u), scratch), (gp, g))| {
-                    lane_blocks(uu, ud, t1u, scratch, Some((gp, g)))
-                });
-            }
+                let (ud, t1u) = (
+                    &ud[rows.start * rd..rows.end * rd],
+                    &t1u[rows.start * ru..rows.end * ru],
+                );
+                // SAFETY: lane `lane` alone writes its rows of U_u and its partial sums.
+                unsafe {
+                    uu.with_range(rows.start * ru, rows.len() * ru, |uu| {
+                        partials.with_range(lane * plen, plen, |p| {
+                            lane_blocks(uu, ud, t1u, hg, Partials::split(p, f, ru, rd), kept)
+                        })
+                    })
+                };
+            });
         }
         // The lanes' partial sums, in lane order, element by element (in parallel chunks: at
         // batch 1 and rank 15 serially 0.16-0.18 ms per step).
         {
             let (_, _, dld, _) = cd.seed_grads();
             let (_, _, _, dru) = cu.seed_grads();
-            let mut parts = lanes
-                .chunks_mut(lane_len)
-                .map(|s| Lane::split(s, f, ru, rd));
+            let mut parts = partials
+                .chunks_mut(plen)
+                .map(|s| Partials::split(s, f, ru, rd));
             let first = parts.next().expect("at least one lane");
             add(&mut up.bias.grad, first.dbu);
             match parts.next() {

@@ -132,7 +132,7 @@ fn gelu_value_and_derivative_in_one_pass_give_the_same_bits() {
 fn fused_equals_the_layers_one_by_one() {
     let mut rng = init::rng(51);
     let (up, down) = pair(&mut rng);
-    // 300 rows: blocks of 128, 128 and 44.
+    // 300 rows: ten blocks of 32 rows (the last of 12), a lane each.
     for batch in [1usize, 7, 300] {
         let x = random_vec(&mut rng, batch * up.in_features(), 1.0);
         let dy = random_vec(&mut rng, batch * down.out_features(), 1.0);
@@ -169,7 +169,7 @@ fn fused_equals_the_layers_one_by_one() {
 fn kept_gelu_gives_the_recomputing_backwards_bits() {
     let mut rng = init::rng(53);
     let (up, down) = pair(&mut rng);
-    // 100 rows: blocks of 32, 32, 32 and 4 (split between the lanes).
+    // 100 rows: blocks of 32, 32, 32 and 4, a lane each.
     for batch in [1usize, 7, 100] {
         let x = random_vec(&mut rng, batch * up.in_features(), 1.0);
         let dy = random_vec(&mut rng, batch * down.out_features(), 1.0);
@@ -191,6 +191,42 @@ fn kept_gelu_gives_the_recomputing_backwards_bits() {
             assert!(same(a, b), "batch {batch}: gradient of parameter {i}");
         }
         assert!(grads.iter().all(|g| g.iter().any(|&v| v != 0.0)));
+    }
+}
+
+/// The lanes are fixed by the batch, not the thread count: 1, 2 and 3 threads give the same
+/// bits, keeping GELU's values or recomputing them, with one block a lane (100 and 300 rows)
+/// and with several, the last lane shorter (1,100 rows: 35 blocks in 12 lanes of 3).
+#[test]
+fn fused_gives_the_same_bits_on_any_thread_count() {
+    let mut rng = init::rng(54);
+    let (up, down) = pair(&mut rng);
+    for (batch, recompute) in [(100usize, false), (100, true), (300, false), (1100, false)] {
+        let x = random_vec(&mut rng, batch * up.in_features(), 1.0);
+        let dy = random_vec(&mut rng, batch * down.out_features(), 1.0);
+        let runs = [1usize, 2, 3].map(|n| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let w = FusedFfn::new_unplanned(&up, &down, batch).unwrap();
+                let w = if recompute { w.recomputing() } else { w };
+                let (y, dx, grads) = fused_run_with(w, &up, &down, &x, &dy);
+                let bits = |v: &[f32]| v.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
+                (
+                    bits(&y),
+                    bits(&dx),
+                    grads.iter().map(|g| bits(g)).collect::<Vec<_>>(),
+                )
+            })
+        });
+        for (threads, r) in [2, 3].iter().zip(&runs[1..]) {
+            assert!(
+                r == &runs[0],
+                "batch {batch}, recompute {recompute}: {threads} threads differ from 1"
+            );
+        }
     }
 }
 
