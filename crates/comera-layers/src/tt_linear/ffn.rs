@@ -41,14 +41,14 @@ use crate::{accumulate_bias_grad, add_bias, bias_grad_columns, check_len, Layer}
 use comera_plan::TtPath;
 use comera_tensor::{matmul, matmul_serial, DisjointMut, MatMut, MatRef, TtShape};
 
-/// Most lanes a batch's blocks are cut into (module doc; [`max_lanes`]): so at most this many threads share a
-/// backward, and at most this many partial sums (F·(r_d + r_u + 1) floats each: 0.7 MiB at
-/// F = 3,072 and rank 30) are held. Fixed lanes, where there used to be one per thread, make
-/// the bits independent of the thread count, and a thread that the machine delays holds up at
-/// most its last lane: at batch 32 on 2 Zen 3 vCPUs (`comera --threads 2 bench step
-/// --scaling --threads-list 2`, 12 interleaved runs, medians) the pool's idle share was 3.6%
-/// with a lane a thread, 3.0% with 8 lanes and 2.7% with 16, the step's time the same within
-/// the noise.
+/// Most lanes a batch's blocks are cut into (module doc; [`max_lanes`]): so at most this many
+/// threads share a backward, and at most this many partial sums (F·(r_d + r_u + 1) floats
+/// each: 0.7 MiB at F = 3,072 and rank 30) are held. Fixed lanes, where there used to be one
+/// per thread, make the bits independent of the thread count, and a thread that the machine
+/// delays holds up at most its last lane: at batch 32 on 2 Zen 3 vCPUs (`comera --threads 2
+/// bench step --scaling --threads-list 2`, 12 interleaved runs, medians) the pool's idle share
+/// was 3.6% with a lane a thread, 3.0% with 8 lanes and 2.7% with 16, the step's time the same
+/// within the noise.
 const LANES: usize = 16;
 
 /// The most lanes: [`LANES`], or `COMERA_FFN_LANES` from the environment (read once). Another
@@ -66,7 +66,7 @@ fn max_lanes() -> usize {
             .unwrap_or_else(|| {
                 eprintln!(
                     "warning: COMERA_FFN_LANES={v:?} is not a whole number of at least 1; \
-                 using {LANES}"
+                     using {LANES}"
                 );
                 LANES
             }),
