@@ -125,13 +125,17 @@ mod tests {
     use rayon::prelude::*;
     use std::sync::atomic::{AtomicU32, Ordering};
 
+    fn pool(threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+    }
+
     #[test]
     fn runs_both_on_one_thread_and_on_several() {
         for threads in [1, 2, 3] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = pool(threads);
             let (a, b) = pool.install(|| {
                 join(
                     || (0..1000u64).sum::<u64>(),
@@ -147,10 +151,7 @@ mod tests {
     #[test]
     fn for_each_visits_every_item_once_in_zipped_chunks_on_any_pool() {
         for threads in [1, 2, 3] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = pool(threads);
             for len in [0usize, 1, 5, 16, 1000] {
                 let x: Vec<f32> = (0..len).map(|i| i as f32).collect();
                 let mut y = vec![0.0f32; len];
@@ -178,10 +179,7 @@ mod tests {
     #[test]
     fn for_each_claimed_runs_every_unit_once_with_a_whole_slot() {
         for threads in [1, 2, 3] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = pool(threads);
             for (units, slots) in [(0usize, 1usize), (1, 3), (5, 2), (100, 3)] {
                 let runs: Vec<AtomicU32> = (0..units).map(|_| AtomicU32::new(0)).collect();
                 let mut scratch = vec![0.0f32; slots * 4];
